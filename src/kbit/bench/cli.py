@@ -1,0 +1,96 @@
+"""``kbit bench``: run the benchmark and write results, or render a results file as a table.
+
+    kbit bench --shapes 28672x4096,4096x14336 --m 1,2,4,8 --k 2,3,4,5 --peers humming,tinygemm \\
+               --out benchmarks/results
+    kbit bench --table benchmarks/results/h100/bench-2026-11-21.json
+
+Shapes are ``NxK`` (the weight is [N, K], ``y = x @ W.T``) or ``llama`` (the five default shapes);
+``--moe qwen3-30b-a3b`` (default) or ``none``.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from kbit.bench import report
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from e
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"llama"``, ``"none"``, or a comma list of ``NxK`` -> [(N, K), ...]."""
+    from kbit.bench.run import DENSE_SHAPES
+    text = text.strip().lower()
+    if text in ("llama", "default", "all"):
+        return list(DENSE_SHAPES)
+    if text in ("none", ""):
+        return []
+    out = []
+    for item in text.split(","):
+        try:
+            n, k = item.split("x")
+            out.append((int(n), int(k)))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"shape {item!r}: expected NxK, e.g. 28672x4096") from e
+    return out
+
+
+def parse_moe(text: str):
+    from kbit.bench.moe import MOE_PRESETS
+    out = []
+    for name in (n.strip().lower() for n in text.split(",") if n.strip()):
+        if name == "none":
+            continue
+        if name not in MOE_PRESETS:
+            raise argparse.ArgumentTypeError(f"unknown MoE preset {name!r}; known: {sorted(MOE_PRESETS)}")
+        out.extend(MOE_PRESETS[name])
+    return out
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", type=parse_shapes, default="llama",
+                   help="NxK list, 'llama' (default) or 'none'")
+    p.add_argument("--m", type=_ints, default="1,2,4,8", help="activation rows (default 1,2,4,8)")
+    p.add_argument("--k", type=_ints, default="2,3,4,5", help="bits per weight (default 2,3,4,5)")
+    p.add_argument("--blocksize", type=int, default=32)
+    p.add_argument("--moe", type=parse_moe, default="qwen3-30b-a3b", help="MoE preset(s) or 'none'")
+    p.add_argument("--tokens", type=_ints, default="1,4", help="tokens per MoE step (default 1,4)")
+    p.add_argument("--candidates", default=None,
+                   help="kbit kernels to time: comma list of registry names, 'all' (default: the defaults)")
+    p.add_argument("--peers", default=None,
+                   help="humming,tinygemm,bitsandbytes,gemlite or 'all' (default: none)")
+    p.add_argument("--reps", type=int, default=15, help="graph replays timed (median; >= 15)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the read-ceiling measurement")
+    p.add_argument("--budget-s", type=float, default=None, help="soft wall-clock budget; later units skipped")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="commit to record (default: git, or $KBIT_COMMIT)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="results folder (a <gpu>/ folder is made in it)")
+    p.add_argument("--name", default="bench", help="results file stem: <out>/<gpu>/<name>-<date>.json")
+    p.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
+                   help="only render these results files as markdown tables (no GPU needed)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.table:
+        return report.main(args.table)
+    if args.reps < 15:
+        print(f"note: --reps {args.reps} is below the 15 replays the method asks for", file=sys.stderr)
+    from kbit.bench.run import BenchConfig, run_bench
+    cfg = BenchConfig(shapes=args.shapes, ms=args.m, ks=args.k, blocksize=args.blocksize,
+                      candidates=args.candidates, peers=args.peers, moe=args.moe, tokens=args.tokens,
+                      reps=args.reps, ceiling=not args.no_ceiling, budget_s=args.budget_s, seed=args.seed,
+                      commit=args.commit, command="kbit bench " + shlex.join(sys.argv[2:]))
+    header, rows = run_bench(cfg)
+    path = report.write_results(report.results_path(args.out, header["gpu"], args.name), header, rows)
+    table = report.markdown_table(rows, header)
+    path.with_suffix(".md").write_text(table)
+    print(table)
+    print(f"wrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+    return 0

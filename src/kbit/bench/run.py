@@ -1,0 +1,445 @@
+"""The benchmark driver: kbit candidates, bf16 cuBLAS, peers and the read ceiling, timed in one run.
+
+For each dense shape [N, K], each M and each k: quantize a random weight (``kbit.quantize``), time every
+selected candidate (``kbit.bench.registry``) on cold-L2 weight copies, time bf16 ``F.linear`` on the
+dequantized weight, and the peers that have that k. For each MoE shape and token count: the same with a
+routing (``kbit.bench.moe``), against ``torch._grouped_mm``. Every row carries the read ceiling measured
+at the start of the run, so ``tbps / ceiling_tbps`` is the fraction of the roofline reached.
+
+Bytes per call (the roofline's numerator): kbit = codes + scales + tensor_scale + codebook (of the
+touched experts for MoE) + activations read; bf16 = 2 N K (per touched expert) + activations; peers =
+their packed weight, scales and zeros + activations. Outputs written are not counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kbit.bench import moe as moe_mod
+from kbit.bench.ceiling import measure_read_ceiling
+from kbit.bench.peers import select_peers
+from kbit.bench.registry import Unsupported, select
+from kbit.bench.report import git_commit, gpu_slug
+from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
+
+BF16 = torch.bfloat16
+
+# (N, K) of Llama-3-8B MLP (gate/up fused 28672 x 4096 and down 4096 x 14336), Llama-3-70B MLP
+# (57344 x 8192, 8192 x 28672) and a square attention projection (4096 x 4096).
+DENSE_SHAPES = ((28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672), (4096, 4096))
+MS = (1, 2, 4, 8)
+KS = (2, 3, 4, 5)
+
+
+@dataclass
+class BenchConfig:
+    """What one ``kbit bench`` run measures. ``candidates``: comma list of registry names (None: the
+    defaults, "all": every one); ``peers``: comma list of peer names (None: none); ``budget_s``: soft
+    wall-clock budget, units past it are skipped and listed in the header."""
+
+    shapes: Sequence[tuple[int, int]] = DENSE_SHAPES
+    ms: Sequence[int] = MS
+    ks: Sequence[int] = KS
+    blocksize: int = 32
+    candidates: str | None = None
+    peers: str | None = None
+    moe: Sequence[moe_mod.MoeShape] = moe_mod.QWEN3_30B_A3B
+    tokens: Sequence[int] = (1, 4)
+    reps: int = 15
+    ceiling: bool = True
+    budget_s: float | None = None
+    seed: int = 0
+    commit: str | None = None
+    command: str = ""
+    extra_header: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ kbit access
+def kbit_api() -> tuple[Callable, Callable] | None:
+    """(kbit.quantize, kbit.dequantize), or None while the library does not provide them yet."""
+    for modname in ("kbit", "kbit.format"):
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:  # noqa: BLE001 - a half-landed package is "not available"
+            continue
+        q, dq = getattr(mod, "quantize", None), getattr(mod, "dequantize", None)
+        if q is not None and dq is not None:
+            return q, dq
+    return None
+
+
+@dataclass
+class StandInWeight:
+    """Random tensors with the sizes of the kbit format, for running the harness (``dummy-linear``)
+    before ``kbit.quantize`` exists. Real candidates skip it."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+    codebook: torch.Tensor
+    shape: tuple[int, ...]
+    k: int
+    blocksize: int
+    scale_format: str = "log8"
+    stand_in: bool = True
+
+
+def stand_in_weight(shape: Sequence[int], k: int, blocksize: int, device) -> StandInWeight:
+    *lead, N, K = shape
+    kp = -(-K // blocksize) * blocksize
+    codes = torch.randint(-2**31, 2**31 - 1, (*lead, N, kp * k // 32), dtype=torch.int32, device=device)
+    scales = torch.randint(0, 255, (*lead, N, kp // blocksize), dtype=torch.uint8, device=device)
+    codebook = torch.linspace(-1, 1, 2**k, device=device)
+    return StandInWeight(codes, scales, torch.ones(lead, device=device), codebook, tuple(shape), k, blocksize)
+
+
+def _nb(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def kbit_bytes(qw, experts: Sequence[int] | None = None) -> int:
+    """Bytes of the canonical format that a call reads: codes + scales + tensor_scale + codebook; for an
+    expert stack with ``experts`` given, only those experts' codes, scales and tensor scales."""
+    parts = (qw.codes, qw.scales, qw.tensor_scale)
+    if experts is None:
+        return sum(_nb(t) for t in parts) + _nb(qw.codebook)
+    per_expert = sum(_nb(t[0]) for t in parts)
+    return len(experts) * per_expert + _nb(qw.codebook)
+
+
+def clone_weight(qw):
+    """An independent copy of a KbitWeight (every tensor attribute cloned, the rest shared)."""
+    if dataclasses.is_dataclass(qw) and not isinstance(qw, type):
+        changes = {f.name: getattr(qw, f.name).clone() for f in dataclasses.fields(qw)
+                   if f.init and isinstance(getattr(qw, f.name), torch.Tensor)}
+        return dataclasses.replace(qw, **changes)
+    import copy
+    out = copy.copy(qw)
+    for name, value in vars(qw).items():
+        if isinstance(value, torch.Tensor):
+            setattr(out, name, value.clone())
+    return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """||y - ref|| / ||ref|| in float32 (Frobenius)."""
+    y = y.float().reshape(ref.shape)
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _randn(shape, seed: int, device, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(BF16)
+
+
+def _log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ the run
+class Runner:
+    def __init__(self, cfg: BenchConfig, device: str = "cuda"):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.rows: list[dict] = []
+        self.skipped: list[str] = []
+        self.gpu_name = torch.cuda.get_device_name(self.device)
+        self.gpu = gpu_slug(self.gpu_name)
+        self.l2 = l2_bytes(self.device)
+        self.commit = cfg.commit or os.environ.get("KBIT_COMMIT") or git_commit()
+        self.ceiling_tbps: float | None = None
+        self.ceiling_bytes = 0
+        self.bf16_us: dict[tuple, float] = {}
+        self.t0 = time.time()
+        self.api = kbit_api()
+        self.dense_cands = select("dense", cfg.candidates)
+        self.moe_cands = select("moe", cfg.candidates)
+        self.peers = select_peers(cfg.peers)
+        self._peer_down: dict[str, str] = {}
+
+    # -- bookkeeping
+    def over_budget(self) -> bool:
+        return self.cfg.budget_s is not None and time.time() - self.t0 > self.cfg.budget_s
+
+    def skip(self, what: str, reason: str) -> None:
+        self.skipped.append(f"{what}: {reason}")
+        _log(f"  skip {what}: {reason}")
+
+    def time(self, what: str, calls: Sequence[Callable[[], object]]) -> Timing | None:
+        try:
+            return time_calls(calls, reps=self.cfg.reps)
+        except Exception as e:  # noqa: BLE001 - one failing kernel must not end the run
+            self.skip(what, f"timing failed: {type(e).__name__}: {str(e)[:300]}")
+            return None
+
+    def add_row(self, *, kernel: str, k: int, blocksize: int, N: int, K: int, M: int, E: int, timing: Timing,
+                nbytes: int, err: float | None, **extra) -> None:
+        key = (E, N, K, M)
+        if kernel.startswith("bf16"):
+            self.bf16_us[key] = timing.us
+        bf16_us = self.bf16_us.get(key)
+        row = dict(gpu=self.gpu, commit=self.commit, kernel=kernel, k=int(k), blocksize=int(blocksize),
+                   dtype="bfloat16", N=int(N), K=int(K), M=int(M), E=int(E), us=float(timing.us),
+                   bf16_us=None if bf16_us is None else float(bf16_us), tbps=float(tbps(nbytes, timing.us)),
+                   ceiling_tbps=self.ceiling_tbps, bytes=int(nbytes), err=err, us_min=timing.us_min,
+                   us_max=timing.us_max, calls=timing.calls, mode=timing.mode, **extra)
+        self.rows.append(row)
+        xb = f"{bf16_us / timing.us:5.2f}x" if bf16_us else "   -  "
+        frac = f"{row['tbps'] / self.ceiling_tbps * 100:4.0f}%" if self.ceiling_tbps else "  - "
+        es = "-" if err is None else f"{err:.1e}"
+        _log(f"  {kernel:<18} k={k:<2} B={blocksize:<3} {E}x{N}x{K} M={M:<4} {timing.us:9.2f} us {xb} "
+             f"{row['tbps']:5.2f} TB/s {frac} err {es} ({timing.mode}, {timing.calls} calls)")
+
+    # -- measurements
+    def run(self) -> tuple[dict, list[dict]]:
+        cfg = self.cfg
+        _log(f"kbit bench on {self.gpu_name} (L2 {self.l2 / 1e6:.0f} MB), commit {self.commit}; "
+             f"kbit.quantize {'found' if self.api else 'NOT available (stand-in weights)'}")
+        if cfg.ceiling:
+            c = measure_read_ceiling(reps=cfg.reps, device=str(self.device))
+            self.ceiling_tbps, self.ceiling_bytes = c.read_tbps, c.nbytes
+            _log(f"read ceiling: {c.read_tbps:.3f} TB/s (sum over {c.nbytes / 1e9:.2f} GB, {c.timing.mode})")
+        for N, K in cfg.shapes:
+            if self.over_budget():
+                self.skip(f"dense {N}x{K}", "budget")
+                continue
+            self.dense_shape(N, K)
+            torch.cuda.empty_cache()
+        for shape in cfg.moe:
+            if self.over_budget():
+                self.skip(f"moe {shape.name}", "budget")
+                continue
+            self.moe_shape(shape)
+            torch.cuda.empty_cache()
+        return self.header(), self.rows
+
+    def header(self) -> dict:
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        cfg = self.cfg
+        props = torch.cuda.get_device_properties(self.device)
+        return dict(gpu=self.gpu, gpu_name=self.gpu_name, date=_dt.date.today().isoformat(),
+                    commit=self.commit, command=cfg.command, torch=torch.__version__, triton=triton_version,
+                    l2_bytes=self.l2,
+                    sms=props.multi_processor_count, ceiling_tbps=self.ceiling_tbps,
+                    ceiling_bytes=self.ceiling_bytes, reps=cfg.reps, l2_factor=8,
+                    kbit_quantize=self.api is not None, elapsed_s=round(time.time() - self.t0, 1),
+                    skipped=self.skipped, **cfg.extra_header)
+
+    def quantize(self, W: torch.Tensor, k: int):
+        """(KbitWeight, True), or (StandInWeight, False) while kbit.quantize is missing."""
+        if self.api is None:
+            return stand_in_weight(W.shape, k, self.cfg.blocksize, W.device), False
+        return self.api[0](W, k=k, blocksize=self.cfg.blocksize), True
+
+    def dequantize(self, qw, dtype) -> torch.Tensor:
+        return self.api[1](qw, dtype=dtype)
+
+    def dense_shape(self, N: int, K: int) -> None:
+        cfg = self.cfg
+        _log(f"dense {N}x{K}")
+        W = _randn((N, K), cfg.seed + N * 7 + K, self.device, 0.02)
+        xs = {M: _randn((M, K), cfg.seed + 1000 + M, self.device) for M in cfg.ms}
+        for i, k in enumerate(cfg.ks):
+            try:
+                qw, real = self.quantize(W, k)
+            except Exception as e:  # noqa: BLE001
+                self.skip(f"kbit k={k} {N}x{K}", f"quantize failed: {type(e).__name__}: {str(e)[:200]}")
+                qw, real = stand_in_weight(W.shape, k, cfg.blocksize, W.device), False
+            wdq = self.dequantize(qw, torch.float32) if real else None
+            if i == 0:  # bf16 baseline: on the dequantized weight of the first k (cuBLAS does not care which)
+                self.dense_bf16(wdq.to(BF16) if real else W, xs)
+            self.dense_kbit(qw, real, wdq, xs)
+            del qw, wdq
+            for peer in self.peers:
+                self.dense_peer(peer, W, k, xs)
+        del W
+
+    def dense_bf16(self, Wb: torch.Tensor, xs: dict) -> None:
+        N, K = Wb.shape
+        n = copies_for_cold_l2(_nb(Wb), self.l2)
+        copies = [Wb] + [Wb.clone() for _ in range(n - 1)]
+        for M, x in xs.items():
+            t = self.time(f"bf16 {N}x{K} M={M}", [lambda w=w, x=x: F.linear(x, w) for w in copies])
+            if t:
+                self.add_row(kernel="bf16", k=16, blocksize=0, N=N, K=K, M=M, E=1, timing=t,
+                             nbytes=_nb(Wb) + _nb(x), err=None)
+        del copies
+
+    def dense_kbit(self, qw, real: bool, wdq, xs: dict) -> None:
+        N, K = qw.shape[-2], qw.shape[-1]
+        wbytes = kbit_bytes(qw)
+        copies = None
+        for cand in self.dense_cands:
+            what = f"{cand.name} k={qw.k} {N}x{K}"
+            if cand.needs_kbit and not real:
+                self.skip(what, "kbit.quantize not available")
+                continue
+            if self.over_budget():
+                self.skip(what, "budget")
+                continue
+            if copies is None:
+                n = copies_for_cold_l2(wbytes, self.l2)
+                copies = [qw] + [clone_weight(qw) for _ in range(n - 1)]
+            for M, x in xs.items():
+                try:
+                    fns = [cand.factory(c, M) for c in copies]
+                    y = fns[0](x)
+                    torch.cuda.synchronize()
+                except Unsupported as e:
+                    self.skip(f"{what} M={M}", str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    self.skip(f"{what} M={M}", f"failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                err = rel_err(y, x.float() @ wdq.t()) if (real and cand.needs_kbit) else None
+                t = self.time(f"{what} M={M}", [lambda f=f, x=x: f(x) for f in fns])
+                if t:
+                    self.add_row(kernel=cand.name, k=qw.k, blocksize=qw.blocksize, N=N, K=K, M=M, E=1,
+                                 timing=t, nbytes=wbytes + _nb(x), err=err, stand_in=not real)
+                del fns
+        del copies
+
+    def _peer_ok(self, peer, k: int) -> bool:
+        if k not in peer.bits:
+            return False
+        if peer.name not in self._peer_down:
+            reason = peer.unavailable()
+            self._peer_down[peer.name] = reason or ""
+            if reason:
+                self.skip(peer.name, reason)
+        return not self._peer_down[peer.name]
+
+    def dense_peer(self, peer, W: torch.Tensor, k: int, xs: dict) -> None:
+        N, K = W.shape
+        what = f"{peer.name} k={k} {N}x{K}"
+        if not self._peer_ok(peer, k):
+            return
+        if self.over_budget():
+            self.skip(what, "budget")
+            return
+        try:
+            pw = peer.build(W, k)
+            n = copies_for_cold_l2(pw.nbytes, self.l2)
+            states = [pw.state] + [peer.copy(pw.state) for _ in range(n - 1)]
+        except Exception as e:  # noqa: BLE001
+            self.skip(what, f"build failed: {type(e).__name__}: {str(e)[:300]}")
+            return
+        for M, x in xs.items():
+            try:
+                thunks = [peer.bind(s, x) for s in states]
+                y = thunks[0]()
+                torch.cuda.synchronize()
+                err = rel_err(y, x.float() @ pw.reference.t())
+            except Exception as e:  # noqa: BLE001
+                self.skip(f"{what} M={M}", f"failed: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            t = self.time(f"{what} M={M}", thunks)
+            if t:
+                self.add_row(kernel=peer.name, k=k, blocksize=pw.group, N=N, K=K, M=M, E=1, timing=t,
+                             nbytes=pw.nbytes + _nb(x), err=err, note=pw.note)
+        del states, pw
+
+    # -- MoE
+    def moe_shape(self, shape: moe_mod.MoeShape) -> None:
+        cfg = self.cfg
+        E, N, K = shape.E, shape.N, shape.K
+        _log(f"moe {shape.name}: E={E} {N}x{K} top-{shape.topk}")
+        W = _randn((E, N, K), cfg.seed + 17 * N + K, self.device, 0.02)
+        routings = {T: moe_mod.make_routing(T, shape.topk, E, seed=cfg.seed + T, device=self.device)
+                    for T in cfg.tokens}
+        acts = {T: _randn((T * shape.topk, K), cfg.seed + 2000 + T, self.device) for T in cfg.tokens}
+        for i, k in enumerate(cfg.ks):
+            try:
+                qw, real = self.quantize(W, k)
+            except Exception as e:  # noqa: BLE001
+                reason = f"quantize failed: {type(e).__name__}: {str(e)[:200]}"
+                self.skip(f"kbit moe k={k} {shape.name}", reason)
+                qw, real = stand_in_weight(W.shape, k, cfg.blocksize, W.device), False
+            wdq = self.dequantize(qw, torch.float32) if real else None
+            if i == 0:
+                self.moe_bf16(shape, wdq.to(BF16) if real else W, routings, acts)
+            self.moe_kbit(shape, qw, real, wdq, routings, acts)
+            del qw, wdq
+        del W
+
+    def moe_bf16(self, shape, Wb: torch.Tensor, routings: dict, acts: dict) -> None:
+        E, N, K = Wb.shape
+        for T, r in routings.items():
+            a = acts[T]
+            fn, name = moe_mod.bf16_grouped(Wb, r)
+            try:
+                err = rel_err(fn(a), moe_mod.reference(a, Wb, r))
+                if not err < 1e-2:
+                    raise RuntimeError(f"error {err:.1e} against the reference")
+            except Exception as e:  # noqa: BLE001
+                reason = f"{type(e).__name__}: {str(e)[:200]}; using a loop of mm"
+                self.skip(f"{name} {shape.name} T={T}", reason)
+                name = "bf16-loop_mm"
+            wbytes = len(r.touched) * N * K * 2
+            n = copies_for_cold_l2(wbytes, self.l2)
+            copies = [Wb] + [Wb.clone() for _ in range(n - 1)]
+            if name == "bf16-loop_mm":
+                fns = [moe_mod.bf16_loop(w, r) for w in copies]
+            else:
+                fns = [moe_mod.bf16_grouped(w, r)[0] for w in copies]
+            t = self.time(f"{name} {shape.name} T={T}", [lambda f=f, a=a: f(a) for f in fns])
+            if t:
+                # the row's kernel is "bf16" so that kbit rows find their baseline; "impl" says which
+                self.add_row(kernel="bf16", k=16, blocksize=0, N=N, K=K, M=T, E=E, timing=t,
+                             nbytes=wbytes + _nb(a), err=None, impl=name, topk=shape.topk,
+                             touched=len(r.touched), layer=shape.name)
+            del copies, fns
+
+    def moe_kbit(self, shape, qw, real: bool, wdq, routings: dict, acts: dict) -> None:
+        E, N, K = shape.E, shape.N, shape.K
+        for cand in self.moe_cands:
+            what = f"{cand.name} k={qw.k} {shape.name}"
+            if cand.needs_kbit and not real:
+                self.skip(what, "kbit.quantize not available")
+                continue
+            for T, r in routings.items():
+                if self.over_budget():
+                    self.skip(f"{what} T={T}", "budget")
+                    continue
+                a = acts[T]
+                wbytes = kbit_bytes(qw, r.touched)
+                n = copies_for_cold_l2(wbytes, self.l2)
+                try:
+                    copies = [qw] + [clone_weight(qw) for _ in range(n - 1)]
+                    fns = [cand.factory(c, r) for c in copies]
+                    y = fns[0](a)
+                    torch.cuda.synchronize()
+                except Unsupported as e:
+                    self.skip(f"{what} T={T}", str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    self.skip(f"{what} T={T}", f"failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                err = rel_err(y, moe_mod.reference(a, wdq, r)) if real else None
+                t = self.time(f"{what} T={T}", [lambda f=f, a=a: f(a) for f in fns])
+                if t:
+                    self.add_row(kernel=cand.name, k=qw.k, blocksize=qw.blocksize, N=N, K=K, M=T, E=E,
+                                 timing=t, nbytes=wbytes + _nb(a), err=err, topk=shape.topk,
+                                 touched=len(r.touched), layer=shape.name)
+                del copies, fns
+
+
+def run_bench(cfg: BenchConfig, device: str = "cuda") -> tuple[dict, list[dict]]:
+    """Runs the benchmark described by ``cfg`` on ``device``; returns (header, rows) for
+    :func:`kbit.bench.report.write_results`."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("kbit bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+    return Runner(cfg, device).run()
