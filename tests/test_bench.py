@@ -183,7 +183,8 @@ def test_registry():
 
 def test_cli_parses_bench():
     args = build_parser().parse_args(["bench", "--shapes", "28672x4096,4096x14336", "--m", "1,2,4,8",
-                                      "--k", "2,4", "--peers", "humming,tinygemm", "--moe", "none", "--out", "x"])
+                                      "--k", "2,4", "--peers", "humming,tinygemm", "--moe", "none",
+                                      "--out", "x"])
     assert args.shapes == [(28672, 4096), (4096, 14336)]
     assert args.m == [1, 2, 4, 8] and args.k == [2, 4] and args.moe == []
     assert args.peers == "humming,tinygemm" and args.out == "x"
