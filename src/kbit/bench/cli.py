@@ -87,8 +87,15 @@ def main(args: argparse.Namespace) -> int:
                       candidates=args.candidates, peers=args.peers, moe=args.moe, tokens=args.tokens,
                       reps=args.reps, ceiling=not args.no_ceiling, budget_s=args.budget_s, seed=args.seed,
                       commit=args.commit, command="kbit bench " + shlex.join(sys.argv[2:]))
-    header, rows = run_bench(cfg)
-    path = report.write_results(report.results_path(args.out, header["gpu"], args.name), header, rows)
+    path = None
+
+    def save(header: dict, rows: list[dict]):
+        nonlocal path
+        if path is None:
+            path = report.results_path(args.out, header["gpu"], args.name)
+        return report.write_results(path, header, rows)
+    header, rows = run_bench(cfg, checkpoint=save)
+    save(header, rows)
     table = report.markdown_table(rows, header)
     path.with_suffix(".md").write_text(table)
     print(table)

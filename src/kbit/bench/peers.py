@@ -191,7 +191,8 @@ class Humming:
                                        tuning_config=tuning)
 
 
-PEERS: dict[str, Any] = {p.name: p for p in (Humming(), Tinygemm(), Bitsandbytes(), Gemlite())}
+# in the order they run: quick builds first, humming (JIT-compiled kernels) last
+PEERS: dict[str, Any] = {p.name: p for p in (Tinygemm(), Bitsandbytes(), Gemlite(), Humming())}
 ALIASES = {"bnb": "bitsandbytes"}
 
 

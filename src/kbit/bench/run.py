@@ -147,8 +147,10 @@ def _log(*a) -> None:
 
 # ------------------------------------------------------------------------------------------ the run
 class Runner:
-    def __init__(self, cfg: BenchConfig, device: str = "cuda"):
+    def __init__(self, cfg: BenchConfig, device: str = "cuda",
+                 checkpoint: Callable[[dict, list[dict]], object] | None = None):
         self.cfg = cfg
+        self.checkpoint = checkpoint
         self.device = torch.device(device)
         self.rows: list[dict] = []
         self.skipped: list[str] = []
@@ -208,18 +210,21 @@ class Runner:
             c = measure_read_ceiling(reps=cfg.reps, device=str(self.device))
             self.ceiling_tbps, self.ceiling_bytes = c.read_tbps, c.nbytes
             _log(f"read ceiling: {c.read_tbps:.3f} TB/s (sum over {c.nbytes / 1e9:.2f} GB, {c.timing.mode})")
-        for N, K in cfg.shapes:
+        # kbit and bf16 on every shape first; peers (slow to build, JIT compiles) last, within the budget
+        units = [(f"dense {N}x{K}", lambda N=N, K=K: self.dense_shape(N, K)) for N, K in cfg.shapes]
+        units += [(f"moe {s.name}", lambda s=s: self.moe_shape(s)) for s in cfg.moe]
+        if self.peers:
+            units += [(f"peers {N}x{K}", lambda N=N, K=K: self.dense_peers(N, K)) for N, K in cfg.shapes]
+        for name, unit in units:
             if self.over_budget():
-                self.skip(f"dense {N}x{K}", "budget")
+                self.skip(name, "budget")
                 continue
-            self.dense_shape(N, K)
+            t = time.time()
+            unit()
             torch.cuda.empty_cache()
-        for shape in cfg.moe:
-            if self.over_budget():
-                self.skip(f"moe {shape.name}", "budget")
-                continue
-            self.moe_shape(shape)
-            torch.cuda.empty_cache()
+            _log(f"{name}: {time.time() - t:.1f} s")
+            if self.checkpoint is not None:
+                self.checkpoint(self.header(), self.rows)
         return self.header(), self.rows
 
     def header(self) -> dict:
@@ -247,11 +252,16 @@ class Runner:
     def dequantize(self, qw, dtype) -> torch.Tensor:
         return self.api[1](qw, dtype=dtype)
 
+    def dense_inputs(self, N: int, K: int) -> tuple[torch.Tensor, dict]:
+        """The seeded weight [N, K] and activations {M: [M, K]} of a dense shape (the same in every pass)."""
+        cfg = self.cfg
+        W = _randn((N, K), cfg.seed + N * 7 + K, self.device, 0.02)
+        return W, {M: _randn((M, K), cfg.seed + 1000 + M, self.device) for M in cfg.ms}
+
     def dense_shape(self, N: int, K: int) -> None:
         cfg = self.cfg
         _log(f"dense {N}x{K}")
-        W = _randn((N, K), cfg.seed + N * 7 + K, self.device, 0.02)
-        xs = {M: _randn((M, K), cfg.seed + 1000 + M, self.device) for M in cfg.ms}
+        W, xs = self.dense_inputs(N, K)
         for i, k in enumerate(cfg.ks):
             try:
                 qw, real = self.quantize(W, k)
@@ -263,9 +273,15 @@ class Runner:
                 self.dense_bf16(wdq.to(BF16) if real else W, xs)
             self.dense_kbit(qw, real, wdq, xs)
             del qw, wdq
+        del W
+
+    def dense_peers(self, N: int, K: int) -> None:
+        _log(f"peers {N}x{K}")
+        W, xs = self.dense_inputs(N, K)
+        for k in self.cfg.ks:
             for peer in self.peers:
                 self.dense_peer(peer, W, k, xs)
-        del W
+                torch.cuda.empty_cache()
 
     def dense_bf16(self, Wb: torch.Tensor, xs: dict) -> None:
         N, K = Wb.shape
@@ -437,9 +453,11 @@ class Runner:
                 del copies, fns
 
 
-def run_bench(cfg: BenchConfig, device: str = "cuda") -> tuple[dict, list[dict]]:
+def run_bench(cfg: BenchConfig, device: str = "cuda",
+              checkpoint: Callable[[dict, list[dict]], object] | None = None) -> tuple[dict, list[dict]]:
     """Runs the benchmark described by ``cfg`` on ``device``; returns (header, rows) for
-    :func:`kbit.bench.report.write_results`."""
+    :func:`kbit.bench.report.write_results`. ``checkpoint(header, rows)`` is called after each shape (the
+    CLI writes the results file there, so a run cut short keeps what it measured)."""
     if not torch.cuda.is_available():
         raise RuntimeError("kbit bench needs a CUDA GPU (torch.cuda.is_available() is False)")
-    return Runner(cfg, device).run()
+    return Runner(cfg, device, checkpoint).run()
