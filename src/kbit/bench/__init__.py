@@ -1,0 +1,14 @@
+"""The benchmark harness (issue 3): one method for every kernel, reported against the read roofline.
+
+Layers, bottom up:
+
+``timing``    cold-L2 CUDA-graph timing: weight copies exceeding 8 x L2, one graph call per copy, median of
+              >= 15 replays / calls (events around a loop if capture fails).
+``ceiling``   the read ceiling: ``x.sum()`` over 2 GiB, timed the same way.
+``registry``  kbit kernels by name (``@register("name")`` on a factory ``(qw, M) -> call``).
+``peers``     humming, tinygemm, bitsandbytes, gemlite adapters (skipped, with the reason, when missing).
+``moe``       routing for the grouped benchmarks and the bf16 ``torch._grouped_mm`` baseline.
+``run``       the driver (``BenchConfig`` -> header and rows).
+``report``    the JSON row schema, ``benchmarks/results/<gpu>/<name>-<date>.json``, the markdown table.
+``cli``       ``kbit bench`` (and ``kbit bench --table FILE`` to render a results file).
+"""

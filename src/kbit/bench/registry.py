@@ -121,4 +121,6 @@ def _grouped_gemv(qw, routing):
         raise Unsupported(f"kbit.ops.gemv.grouped_gemv not importable ({e})") from e
     kw = _gemv_kwargs(qw)
     eids = routing.expert_ids
-    return lambda a: grouped_gemv(a, eids, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
+    # the harness hands over rows already gathered per (token, slot), so row p is "token" p
+    rows = torch.arange(eids.numel(), dtype=torch.int32, device=eids.device)
+    return lambda a: grouped_gemv(a, rows, eids, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
