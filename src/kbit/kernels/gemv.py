@@ -1,0 +1,489 @@
+"""GEMV on packed k-bit codes (M = 1..8 rows of activations), dense and MoE-grouped.
+
+Only @triton.jit code and the inline-PTX text it uses live here; launchers are in ``kbit.ops.gemv``.
+
+Reads the canonical layout of ``docs/format.md`` directly. A program owns ``BN`` weight rows and walks K in
+chunks of ``G`` groups of 32 columns. One group of one row is ``WPG`` plane-0 words (k = 2, 3: 2 words of
+16 two-bit codes; k = 4, 5: 4 words of 8 nibbles) plus, for k = 3 and 5, one plane-1 word (the top bit of
+its 32 codes). Code tiles are ``[BN, G, WPG]`` int32 (16-byte loads at k = 4, 5), so every per-word
+quantity below is one 2-D-like tile in the load's own layout: no reshapes, no layout conversions.
+
+Fast path (``USE_ASM``): the codebook lives in registers as byte tables (low bytes and high bytes of its
+fp16/bf16 values, 8 entries per register pair) and ``prmt`` looks up four codes at once; entries beyond 8
+(k = 4, 5) are blended in with byte masks made from the code's high bits. The lookup yields packed
+fp16x2/bf16x2 weights, multiplied with packed activation pairs by ``fma.rn.{f16,bf16}x2`` in short chains
+(8 products a lane for fp16, 4 for bf16) that are then added in fp32. Block scales are applied to fp32
+partial sums, the matrix scale once per output.
+
+Portable path (``USE_ASM=False``, used under ``TRITON_INTERPRET=1``): the same tiles, codes unpacked with
+shifts and masks, codebook gathered from memory, everything in fp32.
+"""
+
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------------------
+# Inline PTX. Each lookup program turns one plane-0 word (+ the plane-1 bits of its codes, in ``h`` at bit 0)
+# into packed half pairs. Operands: outputs first, then the word, [h,] then the byte tables.
+# Table registers (see ``kbit.ops.gemv.lookup_table``): the low bytes of the 2**k half values, 4 a register,
+# then the high bytes. prmt(a, b, sel) picks bytes of the 8-byte (a, b) by the nibbles of sel[15:0]; a
+# nibble with bit 3 set replicates the sign of the picked byte (used to make byte masks).
+# The same programs are emulated bit-exactly in tests/test_gemv.py.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _ptx(lines, n_out, n_in, temps):
+    body = "\n".join(lines)
+    decl = ".reg .b32 " + ", ".join(temps) + ";" if temps else ""
+    cons = ",".join(["=r"] * n_out + ["r"] * n_in)
+    return "{\n" + decl + "\n" + body + "\n}", cons
+
+
+def lookup_program(k):
+    """The lookup as a list of (op, dst, *srcs) over named registers; inputs w, h, T0..; outputs o0..
+
+    Pairs come out in natural column order for k = 4, 5 (o_p = columns 2p, 2p+1). For k = 2, 3 they come
+    out as (c0, c2), (c1, c3), (c4, c6), (c5, c7), ... (the activation pairs are permuted to match).
+    """
+    p = []
+    if k in (2, 3):
+        # nibble i of se = code 2i (bits 0-1), of so = code 2i+1
+        p += [("and", "se", "w", 0x33333333), ("shr", "so", "w", 2), ("and", "so", "so", 0x33333333)]
+        if k == 3:
+            # spread the 16 plane-1 bits: bit q -> bit 2q (odd code 2i+1 -> 4i+2, even code 2i -> 4i)
+            p += [("and", "x", "h", 0xFFFF)]
+            for sh, mask in ((8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333), (1, 0x55555555)):
+                p += [("shl", "y", "x", sh), ("lop3", "x", "x", "y", mask, 0xA8)]  # (x | y) & mask
+            p += [("shl", "y", "x", 2), ("lop3", "se", "se", "y", 0x44444444, 0xF8),  # se | (y & m)
+                  ("lop3", "so", "so", "x", 0x44444444, 0xF8)]
+        lo_a, lo_b, hi_a, hi_b = ("T0", "T1", "T1", "T0") if k == 2 else ("T0", "T1", "T2", "T3")
+        for half in (0, 1):
+            for src in ("se", "so"):
+                s = src
+                if half:
+                    p += [("shr", "s2", src, 16)]
+                    s = "s2"
+                p += [("prmt", "lo", lo_a, lo_b, s), ("prmt", "hi", hi_a, hi_b, s)]
+                o_even = 4 * half + (0 if src == "se" else 1)
+                p += [("prmt", f"o{o_even}", "lo", "hi", 0x5140), ("prmt", f"o{o_even + 2}", "lo", "hi", 0x7362)]
+        return p
+    # k = 4, 5: nibble i of w = low 4 bits of code i
+    p += [("and", "sa", "w", 0x77777777), ("shl", "t", "w", 4)]
+    nlo = 4 if k == 4 else 8  # table registers per byte plane
+    for half in (0, 1):
+        s = "sa"
+        if half:
+            p += [("shr", "sb", "sa", 16)]
+            s = "sb"
+        # m3: byte i = 0xFF where code (4 half + i) has bit 3 (msb of a byte of w or of w << 4)
+        p += [("prmt", "m3", "t", "w", 0xFBEA if half else 0xD9C8)]
+        if k == 5:
+            # m4: bit 4 of code (4 half + i) sits at h bit (4 half + i); move it to bit 8i+7, replicate
+            if half:
+                p += [("shr", "q", "h", 4), ("and", "q", "q", 0xF)]
+            else:
+                p += [("and", "q", "h", 0xF)]
+            p += [("mul", "q", "q", 0x10204080), ("prmt", "m4", "q", "q", 0xBA98)]
+        for plane, base in (("lo", 0), ("hi", nlo)):
+            regs = [f"T{base + i}" for i in range(nlo)]
+            p += [("prmt", "u0", regs[0], regs[1], s), ("prmt", "u1", regs[2], regs[3], s),
+                  ("lop3", "v0", "u0", "u1", "m3", 0xD8)]  # m3 ? u1 : u0
+            if k == 5:
+                p += [("prmt", "u0", regs[4], regs[5], s), ("prmt", "u1", regs[6], regs[7], s),
+                      ("lop3", "v1", "u0", "u1", "m3", 0xD8), ("lop3", "v0", "v0", "v1", "m4", 0xD8)]
+            p += [("mov", plane, "v0")]
+        p += [("prmt", f"o{2 * half}", "lo", "hi", 0x5140), ("prmt", f"o{2 * half + 1}", "lo", "hi", 0x7362)]
+    return p
+
+
+def n_pairs(k):
+    return 8 if k in (2, 3) else 4
+
+
+def n_table_regs(k):
+    return 2 ** (k - 1)
+
+
+def lookup_asm(k):
+    np_ = n_pairs(k)
+    inputs = ["w"] + (["h"] if k in (3, 5) else []) + [f"T{i}" for i in range(n_table_regs(k))]
+    # outputs go through temporaries, written last: an output register may alias an input
+    names = {n: f"${np_ + i}" for i, n in enumerate(inputs)}
+    temps = set()
+    lines = []
+
+    def r(x):
+        if isinstance(x, int):
+            return hex(x)
+        if x not in names:
+            temps.add(x)
+        return names.get(x, x)
+
+    for op, dst, *src in lookup_program(k):
+        d = r(dst)
+        if op == "and":
+            lines.append(f"and.b32 {d}, {r(src[0])}, {r(src[1])};")
+        elif op == "shr":
+            lines.append(f"shr.u32 {d}, {r(src[0])}, {src[1]};")
+        elif op == "shl":
+            lines.append(f"shl.b32 {d}, {r(src[0])}, {src[1]};")
+        elif op == "mul":
+            lines.append(f"mul.lo.u32 {d}, {r(src[0])}, {r(src[1])};")
+        elif op == "mov":
+            lines.append(f"mov.b32 {d}, {r(src[0])};")
+        elif op == "prmt":
+            lines.append(f"prmt.b32 {d}, {r(src[0])}, {r(src[1])}, {r(src[2])};")
+        elif op == "lop3":
+            lines.append(f"lop3.b32 {d}, {r(src[0])}, {r(src[1])}, {r(src[2])}, {hex(src[3])};")
+        else:  # pragma: no cover
+            raise ValueError(op)
+    lines += [f"mov.b32 ${i}, o{i};" for i in range(np_)]
+    return _ptx(lines, np_, len(inputs), sorted(temps))
+
+
+def dot_asm(np_, bf16):
+    """sum_p v_p . x_p (packed pairs) in fp32: half2 FMA chains, 8 products a lane (fp16) or 4 (bf16)."""
+    ty = "bf16x2" if bf16 else "f16x2"
+    chain = 4 if bf16 else 8
+    lines = ["mov.b32 z, 0x80008000;"]
+    n_chains = (np_ + chain - 1) // chain
+    for c in range(n_chains):
+        acc = f"a{c}"
+        for i, p in enumerate(range(c * chain, min(np_, (c + 1) * chain))):
+            src = "z" if i == 0 else acc
+            lines.append(f"fma.rn.{ty} {acc}, ${1 + p}, ${1 + np_ + p}, {src};")
+    temps = ["z"] + [f"a{c}" for c in range(n_chains)] + ["l", "u", "s"]
+    for c in range(n_chains):
+        if bf16:
+            lines += [f"shl.b32 l, a{c}, 16;", f"and.b32 u, a{c}, 0xffff0000;"]
+        else:
+            lines += ["{", ".reg .b16 l16, u16;", f"mov.b32 {{l16, u16}}, a{c};", "cvt.f32.f16 l, l16;",
+                      "cvt.f32.f16 u, u16;", "}"]
+        if c == 0:
+            lines.append("add.f32 s, l, u;")
+        else:
+            lines += ["add.f32 s, s, l;", "add.f32 s, s, u;"]
+    lines.append("mov.b32 $0, s;")
+    body = "\n".join(lines)
+    return "{\n.reg .b32 " + ", ".join(temps) + ";\n" + body + "\n}", ",".join(["=r"] + ["r"] * (2 * np_))
+
+
+# Precomputed asm text per (k, dtype): constexpr strings for the jit code.
+_LOOKUP = {k: lookup_asm(k) for k in (2, 3, 4, 5)}
+_DOT = {(np_, bf): dot_asm(np_, bf) for np_ in (4, 8) for bf in (False, True)}
+LOOKUP_ASM = {k: v[0] for k, v in _LOOKUP.items()}
+LOOKUP_CONS = {k: v[1] for k, v in _LOOKUP.items()}
+DOT_ASM = {k: v[0] for k, v in _DOT.items()}
+DOT_CONS = {k: v[1] for k, v in _DOT.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# jit helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _treg(tab_ptr, lane, i: tl.constexpr, NTR: tl.constexpr):
+    """Table word i in an ordinary register. The table is stored once per lane and each lane reads its own
+    copy: with a uniform address ptxas would keep the word in a uniform register and copy it back before
+    every prmt (about one extra instruction per weight)."""
+    return tl.load(tab_ptr + lane * NTR + i)
+
+
+@triton.jit
+def _table(tab_ptr, K_BITS: tl.constexpr):
+    """The 2**(k-1) byte-table registers (a tuple of scalars); tab_ptr: the table repeated for 32 lanes."""
+    NTR: tl.constexpr = 2 ** (K_BITS - 1)
+    lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [tl.load(tab_ptr)], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+    t0 = _treg(tab_ptr, lane, 0, NTR)
+    t1 = _treg(tab_ptr, lane, 1, NTR)
+    if K_BITS == 2:
+        return (t0, t1)
+    t2 = _treg(tab_ptr, lane, 2, NTR)
+    t3 = _treg(tab_ptr, lane, 3, NTR)
+    if K_BITS == 3:
+        return (t0, t1, t2, t3)
+    t4 = _treg(tab_ptr, lane, 4, NTR)
+    t5 = _treg(tab_ptr, lane, 5, NTR)
+    t6 = _treg(tab_ptr, lane, 6, NTR)
+    t7 = _treg(tab_ptr, lane, 7, NTR)
+    if K_BITS == 4:
+        return (t0, t1, t2, t3, t4, t5, t6, t7)
+    t8 = _treg(tab_ptr, lane, 8, NTR)
+    t9 = _treg(tab_ptr, lane, 9, NTR)
+    t10 = _treg(tab_ptr, lane, 10, NTR)
+    t11 = _treg(tab_ptr, lane, 11, NTR)
+    t12 = _treg(tab_ptr, lane, 12, NTR)
+    t13 = _treg(tab_ptr, lane, 13, NTR)
+    t14 = _treg(tab_ptr, lane, 14, NTR)
+    t15 = _treg(tab_ptr, lane, 15, NTR)
+    return (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15)
+
+
+@triton.jit
+def _lookup_asm(w, h, tab, K_BITS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    if K_BITS == 2:
+        return tl.inline_asm_elementwise(ASM, CONS, [w, tab[0], tab[1]], dtype=(tl.int32,) * 8,
+                                         is_pure=True, pack=1)
+    elif K_BITS == 3:
+        return tl.inline_asm_elementwise(ASM, CONS, [w, h, tab[0], tab[1], tab[2], tab[3]],
+                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+    elif K_BITS == 4:
+        return tl.inline_asm_elementwise(
+            ASM, CONS, [w, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7]],
+            dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            ASM, CONS, [w, h, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7], tab[8], tab[9],
+                        tab[10], tab[11], tab[12], tab[13], tab[14], tab[15]],
+            dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dot_asm(v, x, NP: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
+    if NP == 4:
+        return tl.inline_asm_elementwise(ASM, CONS, [v[0], v[1], v[2], v[3], x[0], x[1], x[2], x[3]],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            ASM, CONS, [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], x[0], x[1], x[2], x[3], x[4], x[5],
+                        x[6], x[7]], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_lo(p, BF16: tl.constexpr):
+    """fp32 value of the low half of a packed pair (int32)."""
+    if BF16:
+        return (p << 16).to(tl.float32, bitcast=True)
+    else:
+        return (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _half_hi(p, BF16: tl.constexpr):
+    if BF16:
+        return (p & -65536).to(tl.float32, bitcast=True)
+    else:
+        return ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _code(w, h, i, K_BITS: tl.constexpr):
+    """Code of column i (constexpr) of a plane-0 word w, h holding the word's plane-1 bits at bit 0."""
+    if K_BITS == 2:
+        return (w >> (2 * i)) & 3
+    elif K_BITS == 3:
+        return ((w >> (2 * i)) & 3) | (((h >> i) & 1) << 2)
+    elif K_BITS == 4:
+        return (w >> (4 * i)) & 15
+    else:
+        return ((w >> (4 * i)) & 15) | (((h >> i) & 1) << 4)
+
+
+@triton.jit
+def _dot_portable(w, h, cb_ptr, x, K_BITS: tl.constexpr, NP: tl.constexpr, BF16: tl.constexpr):
+    """fp32 sum over the word's columns of codebook[code] * x (x: natural activation pairs)."""
+    acc = tl.zeros(w.shape, tl.float32)
+    for p in tl.static_range(NP):
+        c0 = _code(w, h, 2 * p, K_BITS)
+        c1 = _code(w, h, 2 * p + 1, K_BITS)
+        v0 = tl.load(cb_ptr + c0)
+        v1 = tl.load(cb_ptr + c1)
+        acc += v0 * _half_lo(x[p], BF16) + v1 * _half_hi(x[p], BF16)
+    return acc
+
+
+@triton.jit
+def _ldx(x32_ptr, xoff, p: tl.constexpr, mask, lim, XTAIL: tl.constexpr):
+    if XTAIL:  # K / 2 not a multiple of the pairs a word holds: mask each pair
+        return tl.load(x32_ptr + xoff + p, mask=mask & (xoff + p < lim), other=0)
+    elif mask is None:
+        return tl.load(x32_ptr + xoff + p)
+    else:
+        return tl.load(x32_ptr + xoff + p, mask=mask, other=0)
+
+
+@triton.jit
+def _load_x(x32_ptr, xoff, mask, lim, NP: tl.constexpr, PERMUTE: tl.constexpr, XTAIL: tl.constexpr):
+    """NP activation pairs for each word (xoff: int32 offset of the word's first pair; lim: end of the row).
+
+    PERMUTE (k = 2, 3 fast path): regroup pairs of pairs as (x0, x2), (x1, x3), ... to match the lookup.
+    """
+    p0 = _ldx(x32_ptr, xoff, 0, mask, lim, XTAIL)
+    p1 = _ldx(x32_ptr, xoff, 1, mask, lim, XTAIL)
+    p2 = _ldx(x32_ptr, xoff, 2, mask, lim, XTAIL)
+    p3 = _ldx(x32_ptr, xoff, 3, mask, lim, XTAIL)
+    if NP == 4:
+        return (p0, p1, p2, p3)
+    p4 = _ldx(x32_ptr, xoff, 4, mask, lim, XTAIL)
+    p5 = _ldx(x32_ptr, xoff, 5, mask, lim, XTAIL)
+    p6 = _ldx(x32_ptr, xoff, 6, mask, lim, XTAIL)
+    p7 = _ldx(x32_ptr, xoff, 7, mask, lim, XTAIL)
+    if PERMUTE:
+        return (
+            (p0 & 0xFFFF) | (p1 << 16), ((p0 >> 16) & 0xFFFF) | (p1 & -65536),
+            (p2 & 0xFFFF) | (p3 << 16), ((p2 >> 16) & 0xFFFF) | (p3 & -65536),
+            (p4 & 0xFFFF) | (p5 << 16), ((p4 >> 16) & 0xFFFF) | (p5 & -65536),
+            (p6 & 0xFFFF) | (p7 << 16), ((p6 >> 16) & 0xFFFF) | (p7 & -65536),
+        )
+    return (p0, p1, p2, p3, p4, p5, p6, p7)
+
+
+@triton.jit
+def _scale(s_raw, LOG8: tl.constexpr):
+    if LOG8:
+        q = s_raw.to(tl.float32)
+        return tl.where(q < 255.0, tl.exp2(q * -0.0625), 0.0)
+    else:
+        return s_raw.to(tl.float32)
+
+
+@triton.jit
+def _row_dot(x32_ptr, xrow, vals, w, h, cb_ptr, gg, j, g_ok, K2, acc,
+             K_BITS: tl.constexpr, NP: tl.constexpr, CPW: tl.constexpr, BF16: tl.constexpr,
+             USE_ASM: tl.constexpr, DASM: tl.constexpr, DCONS: tl.constexpr, XTAIL: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """acc[BN, G] += per-group sums of one activation row (unscaled)."""
+    xoff = xrow + gg * 16 + j * (CPW // 2)  # [1, G, WPG]
+    lim = xrow + K2
+    if EVEN_K:
+        xmask = None
+    else:
+        xmask = g_ok & (xoff < lim)
+    if USE_ASM:
+        xs = _load_x(x32_ptr, xoff, xmask, lim, NP, K_BITS < 4, XTAIL)
+        part = _dot_asm(vals, xs, NP, DASM, DCONS)
+    else:
+        xs = _load_x(x32_ptr, xoff, xmask, lim, NP, False, XTAIL)
+        part = _dot_portable(w, h, cb_ptr, xs, K_BITS, NP, BF16)
+    return acc + tl.sum(part, axis=2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the kernel
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gemv_kernel(
+    x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
+    codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
+    tok_ptr, exp_ptr,  # grouped: int32 [P] each
+    N, K2, NG, NB, gpb_shift,  # rows, K / 2, groups of 32 columns per row (Kp / 32), blocks per row, log2(B / 32)
+    stride_xm, stride_ym, stride_ce, stride_se, stride_be,
+    K_BITS: tl.constexpr, LOG8: tl.constexpr, M: tl.constexpr,
+    BN: tl.constexpr, G: tl.constexpr, BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, XTAIL: tl.constexpr, EVEN_K: tl.constexpr,
+    LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr, DCONS: tl.constexpr,
+):
+    """y[m, n] = sum_i x[m, i] * codebook[code[n, i]] * scale[n, i // B] (per matrix: * tensor_scale).
+
+    Dense: grid (cdiv(N, BN), 1), rows m = 0..M-1 of x, y [M, N].
+    Grouped: grid (cdiv(N, BN), P), program (., p) computes y[p, :] = x[tok[p]] @ W[exp[p]]^T (M = 1).
+    """
+    pid_n = tl.program_id(0)
+    WPG: tl.constexpr = 2 if K_BITS < 4 else 4  # plane-0 words per 32-column group
+    CPW: tl.constexpr = 32 // WPG  # codes per plane-0 word
+    NP: tl.constexpr = CPW // 2  # activation pairs per word
+    HAS_H: tl.constexpr = K_BITS == 3 or K_BITS == 5
+    WROW = NG * (WPG + HAS_H)  # words per row
+    if GROUPED:
+        pid_p = tl.program_id(1)
+        tok = tl.load(tok_ptr + pid_p)
+        e = tl.load(exp_ptr + pid_p).to(tl.int64)
+        codes_ptr += e * stride_ce
+        scales_ptr += e * stride_se
+        ts_ptr += e
+        x32_ptr += tok.to(tl.int64) * stride_xm
+        y_ptr += pid_p.to(tl.int64) * stride_ym
+        if HAS_BIAS:
+            bias_ptr += e * stride_be
+    rows = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    rows = tl.where(row_ok, rows, 0)  # clamp: loads stay in bounds without a mask on the row
+    r3 = rows[:, None, None].to(tl.int64)
+    g3 = tl.arange(0, G)[None, :, None]
+    j = tl.arange(0, WPG)[None, None, :]
+    if USE_ASM:
+        tab = _table(tab_ptr, K_BITS)
+    acc0 = tl.zeros([BN, G], tl.float32)
+    acc1 = tl.zeros([BN, G], tl.float32)
+    acc2 = tl.zeros([BN, G], tl.float32)
+    acc3 = tl.zeros([BN, G], tl.float32)
+    acc4 = tl.zeros([BN, G], tl.float32)
+    acc5 = tl.zeros([BN, G], tl.float32)
+    acc6 = tl.zeros([BN, G], tl.float32)
+    acc7 = tl.zeros([BN, G], tl.float32)
+    crow = codes_ptr + r3 * WROW
+    srow = scales_ptr + r3 * NB
+    for g0 in range(0, NG, G):
+        gg = g0 + g3  # [1, G, 1]
+        if EVEN_K:  # no K tail anywhere: no masks
+            g_ok = gg >= 0
+            w = tl.load(crow + gg * WPG + j)  # [BN, G, WPG]
+            s3 = tl.load(srow + (gg >> gpb_shift))  # [BN, G, 1]
+        else:
+            g_ok = gg < NG
+            w = tl.load(crow + gg * WPG + j, mask=g_ok, other=0)
+            s3 = tl.load(srow + (gg >> gpb_shift), mask=g_ok, other=0)
+        # a [BN, G, 1] load reduced over its unit axis lands in the accumulator's layout (no conversion);
+        # the run-time shift keeps the compiler from vectorizing it along G into another layout
+        s = tl.sum(_scale(s3, LOG8), axis=2)  # [BN, G]
+        h = w  # unused unless HAS_H
+        if HAS_H:
+            gh = (gg << gpb_shift) >> gpb_shift  # = gg; opaque, so the load keeps the codes' layout
+            if EVEN_K:
+                hw = tl.load(crow + NG * WPG + gh)  # [BN, G, 1]
+            else:
+                hw = tl.load(crow + NG * WPG + gh, mask=g_ok, other=0)
+            h = hw >> (j * CPW)
+        vals = w
+        if USE_ASM:
+            vals = _lookup_asm(w, h, tab, K_BITS, LASM, LCONS)
+        zero = tl.zeros([BN, G], tl.float32)
+        acc0 += s * _row_dot(x32_ptr, 0, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                             K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 1:
+            acc1 += s * _row_dot(x32_ptr, stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 2:
+            acc2 += s * _row_dot(x32_ptr, 2 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 3:
+            acc3 += s * _row_dot(x32_ptr, 3 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 4:
+            acc4 += s * _row_dot(x32_ptr, 4 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 5:
+            acc5 += s * _row_dot(x32_ptr, 5 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 6:
+            acc6 += s * _row_dot(x32_ptr, 6 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+        if M > 7:
+            acc7 += s * _row_dot(x32_ptr, 7 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K)
+    ts = 1.0
+    if LOG8:  # fp16 scales are absolute (docs/format.md): tensor_scale is not applied
+        ts = tl.load(ts_ptr)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + rows, (tl.sum(acc0, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 1:
+        tl.store(y_ptr + stride_ym + rows, (tl.sum(acc1, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 2:
+        tl.store(y_ptr + 2 * stride_ym + rows, (tl.sum(acc2, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 3:
+        tl.store(y_ptr + 3 * stride_ym + rows, (tl.sum(acc3, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 4:
+        tl.store(y_ptr + 4 * stride_ym + rows, (tl.sum(acc4, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 5:
+        tl.store(y_ptr + 5 * stride_ym + rows, (tl.sum(acc5, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 6:
+        tl.store(y_ptr + 6 * stride_ym + rows, (tl.sum(acc6, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+    if M > 7:
+        tl.store(y_ptr + 7 * stride_ym + rows, (tl.sum(acc7, axis=1) * ts + bias).to(out_ty), mask=row_ok)

@@ -1,0 +1,78 @@
+"""Launch configs for the GEMV kernels: a frozen dataclass, per-GPU JSON tables keyed by M bucket, a heuristic.
+
+Table files: ``configs/gemv_<gpu>.json`` (``<gpu>`` = :func:`gpu_key`), ``{"<k>": {"<M bucket>": {"BN": ..,
+"G": .., "num_warps": .., "num_stages": ..}}}``. Missing entries fall back to :func:`heuristic`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_CONFIGS = Path(__file__).with_name("configs")
+M_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    BN: int  # weight rows per program
+    G: int  # 32-column groups per K step (K step = 32 * G columns)
+    num_warps: int
+    num_stages: int = 1
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def m_bucket(M: int) -> int:
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def gpu_key(device) -> str:
+    """'h100', 'h200', ... from the device name; 'generic' off CUDA."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return "generic"
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("h100", "h200", "h20", "a100", "l40s", "l4", "4090", "3090"):
+        if key in name:
+            return key
+    return "generic"
+
+
+@functools.lru_cache(maxsize=None)
+def _table(key: str) -> dict:
+    path = _CONFIGS / f"gemv_{key}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def heuristic(k: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
+    """Rows x 32-column groups sized so that a thread holds about 4 words a row and the grid fills the GPU."""
+    G = 8 if K >= 256 * 4 else max(1, min(8, (K + 31) // 32))
+    G = 1 << (G.bit_length() - 1)
+    BN = 32
+    # fewer rows a program when the grid would be too small to fill every SM a few times
+    while BN > 4 and (N + BN - 1) // BN < 4 * sms:
+        BN //= 2
+    return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=1)
+
+
+def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False) -> GemvConfig:
+    key = gpu_key(device) if device is not None else "generic"
+    entry = _table(key).get("grouped" if grouped else "dense", {}).get(str(k), {}).get(str(m_bucket(M)))
+    if entry:
+        return GemvConfig(**entry)
+    sms = 132
+    if key != "generic":
+        import torch
+
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return heuristic(k, M, N, K, sms)
