@@ -1,0 +1,459 @@
+"""Fused token sampling: penalties, temperature, top-k, top-p and min-p in two passes, no sort.
+
+``sample`` is the op (validate -> allocate -> pick config -> launch, registered as ``kbit::sample``);
+``filtered_probs_reference`` and ``sample_reference`` are its sort-based plain-torch specification.
+Kernels: ``kbit.kernels.sampling``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kbit.kernels import sampling as _k
+
+__all__ = [
+    "SamplingConfig",
+    "pick_config",
+    "sample",
+    "filtered_probs_reference",
+    "sample_reference",
+    "apply_penalties_reference",
+]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+_SEARCH_ITERS = 24  # pass-1 bisection steps before a chunk settles for fewer entries than it wanted
+_ROW_BLOCK = 1024  # tile of the whole-row fallback passes
+_PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# --------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Launch choices of ``sample``; ``pick_config`` gives the default, tests may pin one.
+
+    Attributes
+    ----------
+    chunk : int
+        Vocabulary entries read by one program of pass 1 (power of two).
+    candidates : int
+        Candidate slots kept per chunk (power of two, at most ``chunk``). Rows whose ``top_k``
+        exceeds it, or whose support is wider than the kept candidates, take the whole-row fallback.
+    warps_chunk : int
+        ``num_warps`` of pass 1.
+    warps_select : int
+        ``num_warps`` of pass 2 (one program per row).
+    """
+
+    chunk: int
+    candidates: int
+    warps_chunk: int = 8
+    warps_select: int = 8
+
+    def __post_init__(self):
+        for name in ("chunk", "candidates"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"SamplingConfig.{name} must be a power of two, got {value}")
+        if self.candidates > self.chunk:
+            raise ValueError(
+                f"SamplingConfig.candidates must be <= chunk ({self.chunk}), got {self.candidates}"
+            )
+
+
+def pick_config(batch: int, vocab: int) -> SamplingConfig:
+    """Heuristic launch config: about two pass-1 programs per SM of an H100, chunks of 4-8K entries.
+
+    Measured on an H100 (benchmarks/results/h100/sampling.json): 8192-entry chunks with 128 slots
+    at B = 128; 4096-entry chunks with 64 slots at B = 1.
+    """
+    chunk = _next_pow2(max(1, -(-vocab * batch // 264)))
+    chunk = min(max(chunk, 4096), 8192, max(16, _next_pow2(vocab)))
+    candidates = min(128 if chunk >= 8192 else 64, chunk)
+    slots = -(-vocab // chunk) * candidates
+    return SamplingConfig(chunk, candidates, warps_chunk=8, warps_select=16 if slots > 4096 else 8)
+
+
+# ----------------------------------------------------------------------------------- validation
+def _check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have shape (B, V), got shape {tuple(logits.shape)}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits must have V >= 1 columns, got shape {tuple(logits.shape)}")
+    if not (logits.is_cuda or (_interpreting() and logits.device.type == "cpu")):
+        raise ValueError(
+            f"logits must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {logits.device}"
+        )
+
+
+def _row_param(name, value, batch, device, integer, ok, expected):
+    """Validate a per-request parameter; returns (tensor or None, python scalar)."""
+    if isinstance(value, torch.Tensor):
+        if tuple(value.shape) != (batch,):
+            raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+        if integer and value.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+        if not integer and not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+        if value.device.type == "cpu":  # reading CUDA values would synchronise
+            bad = ~ok(value)
+            if bool(bad.any()):
+                got = value[bad][0].item()
+                raise ValueError(f"{name} must be {expected}, got {got} at index {int(bad.nonzero()[0])}")
+        if not integer and value.dtype != torch.float32:
+            value = value.float()
+        return value.contiguous(), 0 if integer else 0.0
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int or an integer tensor of shape (B,), got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a float tensor of shape (B,), got {value!r}")
+    if not ok(torch.tensor(value)):
+        raise ValueError(f"{name} must be {expected}, got {value}")
+    return None, int(value) if integer else float(value)
+
+
+def _rng_param(name, value, batch, device):
+    if value is None:
+        return None, 0
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+        if value.numel() not in (1, batch) or value.dim() > 1:
+            raise ValueError(
+                f"{name} must have shape (), (1,) or (B,) = ({batch},), got {tuple(value.shape)}"
+            )
+        if value.device != device:
+            raise ValueError(f"{name} must be on {device}, got {value.device}")
+        return value.reshape(-1).contiguous(), 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or an integer tensor, got {value!r}")
+    if not 0 <= value < 2**63:
+        raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+    return None, value
+
+
+def _finite(t):
+    return torch.isfinite(t)
+
+
+# ------------------------------------------------------------------------------------------ op
+def _penalised_copy(logits, history, rep_t, rep, pres_t, pres, freq_t, freq):
+    x = logits.to(torch.float32, copy=True)
+    history = torch.sort(history, dim=1).values
+    B, L = history.shape
+    if L == 0:
+        return x
+    block = min(256, _next_pow2(L))
+    grid = (B, -(-L // block))
+    _k.apply_penalties_kernel[grid](
+        x, x.stride(0), x.shape[1], history, history.stride(0), L, max(1, L).bit_length(),
+        rep_t if rep_t is not None else x, rep, pres_t if pres_t is not None else x, pres,
+        freq_t if freq_t is not None else x, freq,
+        REP_PER_ROW=rep_t is not None, PRES_PER_ROW=pres_t is not None, FREQ_PER_ROW=freq_t is not None,
+        BLOCK_L=block, num_warps=4,
+    )
+    return x
+
+
+@torch.library.custom_op("kbit::sample", mutates_args=())
+def _sample_op(
+    logits: torch.Tensor,
+    temperature_t: torch.Tensor | None, temperature: float,
+    top_k_t: torch.Tensor | None, top_k: int,
+    top_p_t: torch.Tensor | None, top_p: float,
+    min_p_t: torch.Tensor | None, min_p: float,
+    rep_t: torch.Tensor | None, rep: float,
+    pres_t: torch.Tensor | None, pres: float,
+    freq_t: torch.Tensor | None, freq: float,
+    token_history: torch.Tensor | None,
+    seed_t: torch.Tensor | None, seed: int,
+    offset_t: torch.Tensor | None, offset: int,
+    chunk: int, candidates: int, warps_chunk: int, warps_select: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, V = logits.shape
+    device = logits.device
+    tokens = torch.empty(B, dtype=torch.int64, device=device)
+    logprobs = torch.empty(B, dtype=torch.float32, device=device)
+    if B == 0:
+        return tokens, logprobs
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    if _interpreting() and x.dtype == torch.bfloat16:
+        x = x.float()  # the interpreter's bfloat16 arithmetic is wrong
+    penalised = token_history is not None and (
+        rep_t is not None or pres_t is not None or freq_t is not None
+        or rep != 1.0 or pres != 0.0 or freq != 0.0
+    )
+    if penalised:
+        x = _penalised_copy(x, token_history, rep_t, rep, pres_t, pres, freq_t, freq)
+
+    S = -(-V // chunk)
+    KC = candidates
+    cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=device)
+    cand_idx = torch.empty(B, S * KC, dtype=torch.int32, device=device)
+    stats = torch.empty(5, B, S, dtype=torch.float32, device=device)
+    dummy = logprobs
+
+    def ptr(t):
+        return dummy if t is None else t
+
+    _k.chunk_summary_kernel[(B, S)](
+        x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
+        cand_val, cand_idx, stats, B, S,
+        TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
+        CHUNK=chunk, KC=KC, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
+    )
+    _k.select_sample_kernel[(B,)](
+        x, x.stride(0), V, cand_val, cand_idx, stats, B, S,
+        ptr(temperature_t), temperature, ptr(top_k_t), top_k, ptr(top_p_t), top_p,
+        ptr(min_p_t), min_p, ptr(seed_t), seed, ptr(offset_t), offset,
+        tokens, logprobs,
+        TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
+        TOPP_PER_ROW=top_p_t is not None, MINP_PER_ROW=min_p_t is not None,
+        SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
+        OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
+        CHUNK=chunk, KC=KC, SP=_next_pow2(S), NCP=_next_pow2(S * KC),
+        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, num_warps=warps_select,
+    )
+    return tokens, logprobs
+
+
+@_sample_op.register_fake
+def _(logits, *args):
+    B = logits.shape[0]
+    return logits.new_empty(B, dtype=torch.int64), logits.new_empty(B, dtype=torch.float32)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor = 0,
+    top_p: float | torch.Tensor = 1.0,
+    min_p: float | torch.Tensor = 0.0,
+    repetition_penalty: float | torch.Tensor = 1.0,
+    presence_penalty: float | torch.Tensor = 0.0,
+    frequency_penalty: float | torch.Tensor = 0.0,
+    token_history: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | torch.Tensor | None = None,
+    offset: int | torch.Tensor | None = None,
+    return_logprobs: bool = False,
+    config: SamplingConfig | None = None,
+):
+    r"""Sample one token per row from filtered, tempered logits, without sorting the vocabulary.
+
+    For row ``b`` with raw logits ``x`` (upcast to float32) the filtered distribution is, in order:
+
+    1. **Penalties** on the raw logits, for each token ``v`` that occurs ``c_v > 0`` times among the
+       valid ids (``0 <= id < V``) of ``token_history[b]``: ``x_v <- x_v / r`` if ``x_v > 0`` else
+       ``x_v * r`` (``r = repetition_penalty``), then ``x_v <- x_v - presence - frequency * c_v``.
+    2. **Temperature**: ``z = x * (1 / T)`` (the float32 reciprocal); ``T == 0`` makes the row greedy:
+       the lowest index holding ``max(x)`` is returned and no filter or random number is used.
+    3. **top-k** (``k > 0``): keep ``z_i >= t_k``, ``t_k`` the k-th largest of ``z`` counting
+       duplicates. *Ties at the boundary are all kept*, so more than k tokens survive when the k-th
+       value repeats (as in Hugging Face's ``TopKLogitsWarper``).
+    4. **top-p** on ``p = softmax(z)`` restricted to the top-k set: keep token ``i`` iff the mass of
+       the kept tokens with ``z_j > z_i`` is ``< top_p``; equivalently keep ``z_i >= t_p``, the
+       largest value whose upper set holds at least ``top_p`` of the mass. Tied tokens are all kept.
+    5. **min-p**: keep ``p_i >= min_p * max(p)``, i.e. ``z_i >= max(z) + log(min_p)``.
+
+    The support is ``{i : z_i >= max(t_k, t_p, t_min)}`` and the token is drawn with probability
+    ``exp(z_i) / sum over the support``. NaN logits count as ``-inf``; every row needs one finite
+    logit.
+
+    Parameters
+    ----------
+    logits : torch.Tensor, shape (B, V), float16 / bfloat16 / float32, CUDA
+        (CPU under ``TRITON_INTERPRET=1``).
+    temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty :
+        float or float tensor of shape (B,). Scalars must satisfy ``temperature >= 0``,
+        ``0 < top_p <= 1``, ``0 <= min_p <= 1``, ``repetition_penalty > 0``; values of CUDA tensors
+        are not checked (that would synchronise): ``T <= 0`` is greedy, ``top_p >= 1`` and
+        ``min_p <= 0`` switch the filter off.
+    top_k : int or int32/int64 tensor of shape (B,)
+        ``0`` (or ``>= V``) switches top-k off; negative tensor values count as ``0``.
+    token_history : int32/int64 tensor of shape (B, L), optional
+        Previous tokens of each row, padded with ``-1``; needed only by the penalties.
+    generator : torch.Generator, optional
+        Used only when ``seed`` is None: one int64 seed is drawn from it on the device.
+    seed, offset : int or int64 tensor of shape (), (1,) or (B,), optional
+        Philox key and counter. Row ``b`` draws its uniform from counter ``(b, offset)`` under key
+        ``seed``: the same seed and offset give the same tokens. Device tensors keep a CUDA graph
+        replayable with fresh randomness (advance ``offset`` between replays).
+    return_logprobs : bool
+        Also return the log-probability of each chosen token under its filtered distribution
+        (``0`` for greedy rows).
+    config : SamplingConfig, optional
+        Launch choices; default ``pick_config(B, V)``.
+
+    Returns
+    -------
+    tokens : torch.Tensor, shape (B,), int64
+    logprobs : torch.Tensor, shape (B,), float32
+        Only when ``return_logprobs``.
+
+    Notes
+    -----
+    Two kernels, one read of the logits: pass 1 summarises vocabulary chunks into candidate lists,
+    pass 2 finds the thresholds on the candidates and draws one Philox uniform per row (inverse
+    CDF). Rows whose support is wider than the candidates (e.g. top-p alone over a flat
+    distribution, or thousands of tied logits) take a slower whole-row search in pass 2. Penalties
+    add a float32 copy of the logits. No host synchronisation; capturable in a CUDA graph.
+
+    Examples
+    --------
+    >>> logits = torch.randn(4, 151936, device="cuda")
+    >>> seed = torch.tensor([1234], device="cuda")
+    >>> offset = torch.zeros(1, dtype=torch.int64, device="cuda")
+    >>> tokens = sample(logits, temperature=0.7, top_k=50, top_p=0.9, seed=seed, offset=offset)
+    >>> tokens.shape, tokens.dtype
+    (torch.Size([4]), torch.int64)
+    """
+    _check_logits(logits)
+    B, V = logits.shape
+    dev = logits.device
+    temp = _row_param("temperature", temperature, B, dev, False, lambda t: (t >= 0) & _finite(t),
+                      "a finite value >= 0")
+    tk = _row_param("top_k", top_k, B, dev, True, lambda t: t >= 0, ">= 0")
+    tp = _row_param("top_p", top_p, B, dev, False, lambda t: (t > 0) & (t <= 1), "in (0, 1]")
+    mp = _row_param("min_p", min_p, B, dev, False, lambda t: (t >= 0) & (t <= 1), "in [0, 1]")
+    rp = _row_param("repetition_penalty", repetition_penalty, B, dev, False,
+                    lambda t: (t > 0) & _finite(t), "a finite value > 0")
+    pp = _row_param("presence_penalty", presence_penalty, B, dev, False, _finite, "finite")
+    fp = _row_param("frequency_penalty", frequency_penalty, B, dev, False, _finite, "finite")
+    if token_history is not None:
+        if not isinstance(token_history, torch.Tensor) or token_history.dtype not in _INT_DTYPES:
+            got = token_history.dtype if isinstance(token_history, torch.Tensor) else type(token_history)
+            raise TypeError(f"token_history must be an int32 or int64 tensor, got {got}")
+        if token_history.dim() != 2 or token_history.shape[0] != B:
+            raise ValueError(
+                f"token_history must have shape (B, L) with B = {B}, got {tuple(token_history.shape)}"
+            )
+        if token_history.device != dev:
+            raise ValueError(f"token_history must be on {dev}, got {token_history.device}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    seed_t, seed_v = _rng_param("seed", seed, B, dev)
+    offset_t, offset_v = _rng_param("offset", offset, B, dev)
+    if seed is None:
+        seed_t = torch.randint(0, 2**62, (1,), device=dev, dtype=torch.int64, generator=generator)
+    if config is None:
+        config = pick_config(B, V)
+    elif not isinstance(config, SamplingConfig):
+        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}")
+    tokens, logprobs = torch.ops.kbit.sample(
+        logits, *temp, *tk, *tp, *mp, *rp, *pp, *fp, token_history,
+        seed_t, seed_v, offset_t, offset_v,
+        config.chunk, config.candidates, config.warps_chunk, config.warps_select,
+    )
+    return (tokens, logprobs) if return_logprobs else tokens
+
+
+# ------------------------------------------------------------------------------------ reference
+def _as_rows(value, batch, device, dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype)
+    return torch.full((batch,), value, device=device, dtype=dtype)
+
+
+def apply_penalties_reference(x, token_history, repetition_penalty=1.0, presence_penalty=0.0,
+                              frequency_penalty=0.0):
+    """Penalised float32 logits (step 1 of ``sample``), by counting with ``scatter_add``."""
+    x = x.float()
+    if token_history is None:
+        return x
+    B, V = x.shape
+    hist = token_history.long()
+    valid = (hist >= 0) & (hist < V)
+    counts = torch.zeros(B, V + 1, device=x.device, dtype=torch.float32)
+    counts.scatter_add_(1, torch.where(valid, hist, V), valid.float())
+    counts = counts[:, :V]
+    seen = counts > 0
+    rep = _as_rows(repetition_penalty, B, x.device, torch.float32)[:, None]
+    pres = _as_rows(presence_penalty, B, x.device, torch.float32)[:, None]
+    freq = _as_rows(frequency_penalty, B, x.device, torch.float32)[:, None]
+    penalised = torch.where(x > 0, x / rep, x * rep) - pres - freq * counts
+    return torch.where(seen, penalised, x)
+
+
+def filtered_probs_reference(
+    logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, token_history=None, dtype=torch.float64,
+):
+    """The exact distribution ``sample`` draws from, by sorting the whole vocabulary.
+
+    Same arguments and semantics as ``sample``. Returns a tensor of shape (B, V) and ``dtype``
+    whose rows sum to one (one-hot at the first arg-max for greedy rows).
+    """
+    B, V = logits.shape
+    dev = logits.device
+    x = apply_penalties_reference(logits, token_history, repetition_penalty, presence_penalty,
+                                  frequency_penalty)
+    temp = _as_rows(temperature, B, dev, torch.float32)
+    greedy = temp <= 0
+    scale = torch.where(greedy, 1.0, torch.reciprocal(torch.where(greedy, 1.0, temp)))
+    z = x * scale[:, None] + 0.0
+    z = torch.where(z > -math.inf, z, -math.inf)  # NaN -> -inf
+    fin = z > -math.inf
+    n_fin = fin.sum(1)
+    M = z.max(1, keepdim=True).values
+    zs = torch.sort(z, dim=1, descending=True).values
+    ws = torch.exp((zs - M).to(dtype))
+
+    k = _as_rows(top_k, B, dev, torch.int64)
+    topk_on = (k > 0) & (k < n_fin)
+    t_k = torch.where(topk_on, zs.gather(1, (k - 1).clamp(0, V - 1)[:, None])[:, 0], -math.inf)
+    in_k = (zs >= t_k[:, None]) & (zs > -math.inf)
+    wk = torch.where(in_k, ws, 0)
+    W_k = wk.sum(1)
+    # mass at or above each sorted value: the cumulative sum at the last member of its tie group
+    neg = (-zs).contiguous()
+    last = torch.searchsorted(neg, neg, right=True) - 1
+    mass_ge = torch.cumsum(wk, 1).gather(1, last)
+    p = _as_rows(top_p, B, dev, torch.float32)
+    good = in_k & (mass_ge >= p.to(dtype)[:, None] * W_k[:, None])
+    first = torch.argmax(good.to(torch.int8), dim=1)
+    t_p = torch.where((p < 1) & good.any(1), zs.gather(1, first[:, None])[:, 0], -math.inf)
+    mp = _as_rows(min_p, B, dev, torch.float32)
+    t_min = torch.where(mp > 0, M[:, 0] + torch.log(mp), -math.inf)
+    t = torch.maximum(torch.maximum(t_k, t_p), t_min)
+
+    keep = fin & (z >= t[:, None])
+    w = torch.where(keep, torch.exp((z - M).to(dtype)), 0)
+    probs = w / w.sum(1, keepdim=True)
+    onehot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def sample_reference(
+    logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, token_history=None, generator=None,
+    return_logprobs=False,
+):
+    """Sort-based torch sampler with ``sample``'s semantics (float32 probabilities, exponential race)."""
+    probs = filtered_probs_reference(logits, temperature, top_k, top_p, min_p, repetition_penalty,
+                                     presence_penalty, frequency_penalty, token_history,
+                                     dtype=torch.float32)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    tokens = (probs / q).argmax(1)
+    if not return_logprobs:
+        return tokens
+    return tokens, torch.log(probs.gather(1, tokens[:, None])[:, 0])
