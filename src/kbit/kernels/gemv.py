@@ -65,7 +65,8 @@ def lookup_program(k):
                     s = "s2"
                 p += [("prmt", "lo", lo_a, lo_b, s), ("prmt", "hi", hi_a, hi_b, s)]
                 o_even = 4 * half + (0 if src == "se" else 1)
-                p += [("prmt", f"o{o_even}", "lo", "hi", 0x5140), ("prmt", f"o{o_even + 2}", "lo", "hi", 0x7362)]
+                p += [("prmt", f"o{o_even}", "lo", "hi", 0x5140),
+                      ("prmt", f"o{o_even + 2}", "lo", "hi", 0x7362)]
         return p
     # k = 4, 5: nibble i of w = low 4 bits of code i
     p += [("and", "sa", "w", 0x77777777), ("shl", "t", "w", 4)]
@@ -370,12 +371,13 @@ def gemv_kernel(
     x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
     codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
     tok_ptr, exp_ptr,  # grouped: int32 [P] each
-    N, K2, NG, NB, gpb_shift,  # rows, K / 2, groups of 32 columns per row (Kp / 32), blocks per row, log2(B / 32)
+    N, K2, NG, NB, gpb_shift,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
     stride_xm, stride_ym, stride_ce, stride_se, stride_be,
     K_BITS: tl.constexpr, LOG8: tl.constexpr, M: tl.constexpr,
     BN: tl.constexpr, G: tl.constexpr, BF16: tl.constexpr, USE_ASM: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, XTAIL: tl.constexpr, EVEN_K: tl.constexpr,
-    LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr, DCONS: tl.constexpr,
+    PREFETCH: tl.constexpr, LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr,
+    DCONS: tl.constexpr,
 ):
     """y[m, n] = sum_i x[m, i] * codebook[code[n, i]] * scale[n, i // B] (per matrix: * tensor_scale).
 
@@ -417,9 +419,21 @@ def gemv_kernel(
     acc7 = tl.zeros([BN, G], tl.float32)
     crow = codes_ptr + r3 * WROW
     srow = scales_ptr + r3 * NB
+    if PREFETCH:  # registers double-buffer the next step's codes and scales (needs EVEN_K)
+        wn = tl.load(crow + g3 * WPG + j)
+        sn = tl.load(srow + (g3 >> gpb_shift))
+        if HAS_H:
+            hn = tl.load(crow + NG * WPG + ((g3 << gpb_shift) >> gpb_shift))
     for g0 in range(0, NG, G):
         gg = g0 + g3  # [1, G, 1]
-        if EVEN_K:  # no K tail anywhere: no masks
+        if PREFETCH:
+            g_ok = gg >= 0
+            w = wn
+            s3 = sn
+            gq = (g0 + G) % NG + g3  # wraps on the last step: a harmless re-read
+            wn = tl.load(crow + gq * WPG + j)
+            sn = tl.load(srow + (gq >> gpb_shift))
+        elif EVEN_K:  # no K tail anywhere: no masks
             g_ok = gg >= 0
             w = tl.load(crow + gg * WPG + j)  # [BN, G, WPG]
             s3 = tl.load(srow + (gg >> gpb_shift))  # [BN, G, 1]
@@ -433,7 +447,10 @@ def gemv_kernel(
         h = w  # unused unless HAS_H
         if HAS_H:
             gh = (gg << gpb_shift) >> gpb_shift  # = gg; opaque, so the load keeps the codes' layout
-            if EVEN_K:
+            if PREFETCH:
+                hw = hn
+                hn = tl.load(crow + NG * WPG + ((gq << gpb_shift) >> gpb_shift))
+            elif EVEN_K:
                 hw = tl.load(crow + NG * WPG + gh)  # [BN, G, 1]
             else:
                 hw = tl.load(crow + NG * WPG + gh, mask=g_ok, other=0)

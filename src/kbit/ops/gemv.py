@@ -117,8 +117,8 @@ def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
     return xc.view(torch.int32)
 
 
-def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k, blocksize, scale_format, N, K,
-            M, grouped, P, config: GemvConfig | None):
+def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k, blocksize, scale_format, N,
+            K, M, grouped, P, config: GemvConfig | None):
     bf16 = y.dtype == torch.bfloat16
     use_asm = codes.is_cuda and not _interpret()
     cfg = config or gemv_config(k, M, N, K, codes.device if codes.is_cuda else None, grouped)
@@ -127,6 +127,7 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     ng = Kp // 32
     np_ = _k.n_pairs(k)
     grid = (triton_cdiv(N, cfg.BN), P if grouped else 1)
+    even_k = K == Kp and ng % cfg.G == 0
     lead_c = codes.stride(0) if grouped else 0
     lead_s = scales.stride(0) if grouped else 0
     lead_b = bias.stride(0) if (grouped and bias is not None) else 0
@@ -137,7 +138,7 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
         x32.stride(0), y.stride(0), lead_c, lead_s, lead_b,
         K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16,
         USE_ASM=use_asm, GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=x32.shape[-1] % np_ != 0,
-        EVEN_K=K == Kp and ng % cfg.G == 0,
+        EVEN_K=even_k, PREFETCH=cfg.prefetch and even_k,
         LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
         DCONS=_k.DOT_CONS[(np_, bf16)],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

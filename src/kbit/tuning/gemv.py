@@ -1,4 +1,5 @@
-"""Launch configs for the GEMV kernels: a frozen dataclass, per-GPU JSON tables keyed by M bucket, a heuristic.
+"""Launch configs for the GEMV kernels: a frozen dataclass, per-GPU JSON tables keyed by M bucket,
+a heuristic fallback.
 
 Table files: ``configs/gemv_<gpu>.json`` (``<gpu>`` = :func:`gpu_key`), ``{"<k>": {"<M bucket>": {"BN": ..,
 "G": .., "num_warps": .., "num_stages": ..}}}``. Missing entries fall back to :func:`heuristic`.
@@ -21,6 +22,7 @@ class GemvConfig:
     G: int  # 32-column groups per K step (K step = 32 * G columns)
     num_warps: int
     num_stages: int = 1
+    prefetch: bool = False  # register double-buffering of the next K step (used when K needs no masks)
 
     def as_dict(self):
         return asdict(self)
@@ -46,7 +48,7 @@ def gpu_key(device) -> str:
     return "generic"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table(key: str) -> dict:
     path = _CONFIGS / f"gemv_{key}.json"
     if not path.exists():
