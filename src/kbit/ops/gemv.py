@@ -85,7 +85,7 @@ _TABLES: dict = {}
 
 
 def lookup_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Byte tables of the codebook for the fast kernel: int32 [2**(k-1)].
+    """Byte tables of the codebook for the fast kernel: int32 [32 * 2**(k-1)] (32 equal copies).
 
     The codebook rounded to ``dtype`` (fp16/bf16); words 0 .. 2**k/4 - 1 hold the low bytes of entries
     4i .. 4i+3 (entry 4i in byte 0), the next 2**k/4 words their high bytes. Cached per codebook tensor
@@ -98,6 +98,7 @@ def lookup_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         lo = (v & 0xFF).to(torch.uint8)
         hi = (v >> 8).to(torch.uint8)
         tab = torch.cat([lo, hi]).view(torch.int32).contiguous()
+        tab = tab.repeat(32)  # one copy per lane (see kbit.kernels.gemv._treg); tab[:2**(k-1)] is the table
         if len(_TABLES) > 256:
             _TABLES.clear()
         _TABLES[key] = tab
