@@ -82,9 +82,13 @@ def correctness(quick):
         x = torch.randn(M, K, dtype=dt, device="cuda")
         torch.full((M, N), float("nan"), dtype=dt, device="cuda")  # poison the allocator's next block
         kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K)
-        y = G.gemv(x, *w, **kw)
-        ref = G.gemv_reference(x, *w, **kw)
-        e = rel_err(y, ref)
+        try:
+            y = G.gemv(x, *w, **kw)
+            e = rel_err(y, G.gemv_reference(x, *w, **kw))
+        except Exception as ex:  # noqa: BLE001
+            log(f"check dense N={N} K={K} k={k} M={M}: FAILED {repr(ex)[:400]}")
+            fails.append((N, K, k, M, "exception"))
+            continue
         ok = e < (2e-3 if dt == torch.float16 else 1.2e-2)
         log(f"check dense N={N} K={K} k={k} M={M} {str(dt)[6:]} B={B} {sf}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
         if not ok:
@@ -200,7 +204,11 @@ def main():
             for cfg in sweep:
                 if left() < 120:
                     break
-                us, nb = time_dense(N, K, k, 1, torch.float16, cfg, cache)
+                try:
+                    us, nb = time_dense(N, K, k, 1, torch.float16, cfg, cache)
+                except Exception as e:  # noqa: BLE001
+                    log(f"sweep {N}x{K} k={k} {cfg}: FAILED {repr(e)[:300]}")
+                    continue
                 tb = nb / us / 1e6
                 rows.append(dict(kind="sweep", N=N, K=K, k=k, M=1, dtype="fp16", cfg=cfg.as_dict(), us=us, tbps=tb))
                 log(f"sweep {N}x{K} k={k} {cfg}: {us:.2f} us {tb:.3f} TB/s {100 * tb / ceiling:.0f}%")
@@ -217,7 +225,11 @@ def main():
                           (8, torch.float16)):
                 if left() < 40:
                     break
-                us, nb = time_dense(N, K, k, M, dt, cfg, cache)
+                try:
+                    us, nb = time_dense(N, K, k, M, dt, cfg, cache)
+                except Exception as e:  # noqa: BLE001
+                    log(f"dense {N}x{K} k={k} M={M}: FAILED {repr(e)[:300]}")
+                    continue
                 tb = nb / us / 1e6
                 rows.append(dict(kind="dense", N=N, K=K, k=k, M=M, dtype=str(dt)[6:], cfg=cfg.as_dict(), us=us,
                                  tbps=tb))
@@ -232,7 +244,11 @@ def main():
             for cfg in (GemvConfig(16, 8, 4), GemvConfig(32, 8, 4), GemvConfig(64, 8, 4), GemvConfig(32, 4, 4)):
                 if left() < 20:
                     break
-                us, nb = time_grouped(128, N, K, 4, T, cfg)
+                try:
+                    us, nb = time_grouped(128, N, K, 4, T, cfg)
+                except Exception as e:  # noqa: BLE001
+                    log(f"grouped {name} T={T} {cfg}: FAILED {repr(e)[:300]}")
+                    continue
                 tb = nb / us / 1e6
                 rows.append(dict(kind="grouped", name=name, N=N, K=K, k=4, T=T, cfg=cfg.as_dict(), us=us, tbps=tb,
                                  bf16_us=ref))

@@ -200,86 +200,94 @@ def _table(tab_ptr, K_BITS: tl.constexpr):
     t0 = _treg(tab_ptr, lane, 0, NTR)
     t1 = _treg(tab_ptr, lane, 1, NTR)
     if K_BITS == 2:
-        return (t0, t1)
-    t2 = _treg(tab_ptr, lane, 2, NTR)
-    t3 = _treg(tab_ptr, lane, 3, NTR)
-    if K_BITS == 3:
-        return (t0, t1, t2, t3)
-    t4 = _treg(tab_ptr, lane, 4, NTR)
-    t5 = _treg(tab_ptr, lane, 5, NTR)
-    t6 = _treg(tab_ptr, lane, 6, NTR)
-    t7 = _treg(tab_ptr, lane, 7, NTR)
-    if K_BITS == 4:
-        return (t0, t1, t2, t3, t4, t5, t6, t7)
-    t8 = _treg(tab_ptr, lane, 8, NTR)
-    t9 = _treg(tab_ptr, lane, 9, NTR)
-    t10 = _treg(tab_ptr, lane, 10, NTR)
-    t11 = _treg(tab_ptr, lane, 11, NTR)
-    t12 = _treg(tab_ptr, lane, 12, NTR)
-    t13 = _treg(tab_ptr, lane, 13, NTR)
-    t14 = _treg(tab_ptr, lane, 14, NTR)
-    t15 = _treg(tab_ptr, lane, 15, NTR)
-    return (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15)
+        t = (t0, t1)
+    else:
+        t2 = _treg(tab_ptr, lane, 2, NTR)
+        t3 = _treg(tab_ptr, lane, 3, NTR)
+        if K_BITS == 3:
+            t = (t0, t1, t2, t3)
+        else:
+            t4 = _treg(tab_ptr, lane, 4, NTR)
+            t5 = _treg(tab_ptr, lane, 5, NTR)
+            t6 = _treg(tab_ptr, lane, 6, NTR)
+            t7 = _treg(tab_ptr, lane, 7, NTR)
+            if K_BITS == 4:
+                t = (t0, t1, t2, t3, t4, t5, t6, t7)
+            else:
+                t8 = _treg(tab_ptr, lane, 8, NTR)
+                t9 = _treg(tab_ptr, lane, 9, NTR)
+                t10 = _treg(tab_ptr, lane, 10, NTR)
+                t11 = _treg(tab_ptr, lane, 11, NTR)
+                t12 = _treg(tab_ptr, lane, 12, NTR)
+                t13 = _treg(tab_ptr, lane, 13, NTR)
+                t14 = _treg(tab_ptr, lane, 14, NTR)
+                t15 = _treg(tab_ptr, lane, 15, NTR)
+                t = (t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15)
+    return t
 
 
 @triton.jit
 def _lookup_asm(w, h, tab, K_BITS: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
     if K_BITS == 2:
-        return tl.inline_asm_elementwise(ASM, CONS, [w, tab[0], tab[1]], dtype=(tl.int32,) * 8,
-                                         is_pure=True, pack=1)
+        v = tl.inline_asm_elementwise(ASM, CONS, [w, tab[0], tab[1]], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
     elif K_BITS == 3:
-        return tl.inline_asm_elementwise(ASM, CONS, [w, h, tab[0], tab[1], tab[2], tab[3]],
-                                         dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        v = tl.inline_asm_elementwise(ASM, CONS, [w, h, tab[0], tab[1], tab[2], tab[3]], dtype=(tl.int32,) * 8,
+                                      is_pure=True, pack=1)
     elif K_BITS == 4:
-        return tl.inline_asm_elementwise(
+        v = tl.inline_asm_elementwise(
             ASM, CONS, [w, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7]],
             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(
+        v = tl.inline_asm_elementwise(
             ASM, CONS, [w, h, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7], tab[8], tab[9],
                         tab[10], tab[11], tab[12], tab[13], tab[14], tab[15]],
             dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    return v
 
 
 @triton.jit
 def _dot_asm(v, x, NP: tl.constexpr, ASM: tl.constexpr, CONS: tl.constexpr):
     if NP == 4:
-        return tl.inline_asm_elementwise(ASM, CONS, [v[0], v[1], v[2], v[3], x[0], x[1], x[2], x[3]],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        r = tl.inline_asm_elementwise(ASM, CONS, [v[0], v[1], v[2], v[3], x[0], x[1], x[2], x[3]],
+                                      dtype=tl.float32, is_pure=True, pack=1)
     else:
-        return tl.inline_asm_elementwise(
+        r = tl.inline_asm_elementwise(
             ASM, CONS, [v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], x[0], x[1], x[2], x[3], x[4], x[5],
                         x[6], x[7]], dtype=tl.float32, is_pure=True, pack=1)
+    return r
 
 
 @triton.jit
 def _half_lo(p, BF16: tl.constexpr):
     """fp32 value of the low half of a packed pair (int32)."""
     if BF16:
-        return (p << 16).to(tl.float32, bitcast=True)
+        r = (p << 16).to(tl.float32, bitcast=True)
     else:
-        return (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        r = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return r
 
 
 @triton.jit
 def _half_hi(p, BF16: tl.constexpr):
     if BF16:
-        return (p & -65536).to(tl.float32, bitcast=True)
+        r = (p & -65536).to(tl.float32, bitcast=True)
     else:
-        return ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        r = ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return r
 
 
 @triton.jit
 def _code(w, h, i, K_BITS: tl.constexpr):
     """Code of column i (constexpr) of a plane-0 word w, h holding the word's plane-1 bits at bit 0."""
     if K_BITS == 2:
-        return (w >> (2 * i)) & 3
+        c = (w >> (2 * i)) & 3
     elif K_BITS == 3:
-        return ((w >> (2 * i)) & 3) | (((h >> i) & 1) << 2)
+        c = ((w >> (2 * i)) & 3) | (((h >> i) & 1) << 2)
     elif K_BITS == 4:
-        return (w >> (4 * i)) & 15
+        c = (w >> (4 * i)) & 15
     else:
-        return ((w >> (4 * i)) & 15) | (((h >> i) & 1) << 4)
+        c = ((w >> (4 * i)) & 15) | (((h >> i) & 1) << 4)
+    return c
 
 
 @triton.jit
@@ -298,11 +306,12 @@ def _dot_portable(w, h, cb_ptr, x, K_BITS: tl.constexpr, NP: tl.constexpr, BF16:
 @triton.jit
 def _ldx(x32_ptr, xoff, p: tl.constexpr, mask, lim, XTAIL: tl.constexpr):
     if XTAIL:  # K / 2 not a multiple of the pairs a word holds: mask each pair
-        return tl.load(x32_ptr + xoff + p, mask=mask & (xoff + p < lim), other=0)
+        r = tl.load(x32_ptr + xoff + p, mask=mask & (xoff + p < lim), other=0)
     elif mask is None:
-        return tl.load(x32_ptr + xoff + p)
+        r = tl.load(x32_ptr + xoff + p)
     else:
-        return tl.load(x32_ptr + xoff + p, mask=mask, other=0)
+        r = tl.load(x32_ptr + xoff + p, mask=mask, other=0)
+    return r
 
 
 @triton.jit
@@ -316,28 +325,32 @@ def _load_x(x32_ptr, xoff, mask, lim, NP: tl.constexpr, PERMUTE: tl.constexpr, X
     p2 = _ldx(x32_ptr, xoff, 2, mask, lim, XTAIL)
     p3 = _ldx(x32_ptr, xoff, 3, mask, lim, XTAIL)
     if NP == 4:
-        return (p0, p1, p2, p3)
-    p4 = _ldx(x32_ptr, xoff, 4, mask, lim, XTAIL)
-    p5 = _ldx(x32_ptr, xoff, 5, mask, lim, XTAIL)
-    p6 = _ldx(x32_ptr, xoff, 6, mask, lim, XTAIL)
-    p7 = _ldx(x32_ptr, xoff, 7, mask, lim, XTAIL)
-    if PERMUTE:
-        return (
-            (p0 & 0xFFFF) | (p1 << 16), ((p0 >> 16) & 0xFFFF) | (p1 & -65536),
-            (p2 & 0xFFFF) | (p3 << 16), ((p2 >> 16) & 0xFFFF) | (p3 & -65536),
-            (p4 & 0xFFFF) | (p5 << 16), ((p4 >> 16) & 0xFFFF) | (p5 & -65536),
-            (p6 & 0xFFFF) | (p7 << 16), ((p6 >> 16) & 0xFFFF) | (p7 & -65536),
-        )
-    return (p0, p1, p2, p3, p4, p5, p6, p7)
+        xs = (p0, p1, p2, p3)
+    else:
+        p4 = _ldx(x32_ptr, xoff, 4, mask, lim, XTAIL)
+        p5 = _ldx(x32_ptr, xoff, 5, mask, lim, XTAIL)
+        p6 = _ldx(x32_ptr, xoff, 6, mask, lim, XTAIL)
+        p7 = _ldx(x32_ptr, xoff, 7, mask, lim, XTAIL)
+        if PERMUTE:
+            xs = (
+                (p0 & 0xFFFF) | (p1 << 16), ((p0 >> 16) & 0xFFFF) | (p1 & -65536),
+                (p2 & 0xFFFF) | (p3 << 16), ((p2 >> 16) & 0xFFFF) | (p3 & -65536),
+                (p4 & 0xFFFF) | (p5 << 16), ((p4 >> 16) & 0xFFFF) | (p5 & -65536),
+                (p6 & 0xFFFF) | (p7 << 16), ((p6 >> 16) & 0xFFFF) | (p7 & -65536),
+            )
+        else:
+            xs = (p0, p1, p2, p3, p4, p5, p6, p7)
+    return xs
 
 
 @triton.jit
 def _scale(s_raw, LOG8: tl.constexpr):
     if LOG8:
         q = s_raw.to(tl.float32)
-        return tl.where(q < 255.0, tl.exp2(q * -0.0625), 0.0)
+        r = tl.where(q < 255.0, tl.exp2(q * -0.0625), 0.0)
     else:
-        return s_raw.to(tl.float32)
+        r = s_raw.to(tl.float32)
+    return r
 
 
 @triton.jit
