@@ -88,7 +88,7 @@ CASES = [  # (id, V, logit scale, sampling args)
 def test_distribution_matches_reference(case):
     _, V, scale, kw = case
     row = _logits(V, seed=V, scale=scale)
-    tokens, logprobs = _draw(row, 256, **kw)
+    tokens, logprobs = _draw(row, 192, **kw)
     check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
 
 
@@ -104,7 +104,7 @@ FALLBACK_CASES = [  # with TINY every row outgrows its candidates
 def test_fallback_paths_match_reference(case):
     _, scale, kw = case
     row = _logits(101, seed=3, scale=scale)
-    tokens, logprobs = _draw(row, 160, config=TINY, **kw)
+    tokens, logprobs = _draw(row, 96, config=TINY, **kw)
     check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
 
 

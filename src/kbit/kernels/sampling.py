@@ -47,14 +47,14 @@ def _param(ptr, val, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
     if PER_ROW:
         return tl.load(ptr + row).to(DTYPE)
     else:
-        return tl.to_tensor(val).to(DTYPE)
+        return tl.full([], val, DTYPE)
 
 
 @triton.jit
 def _rng_word(ptr, val, row, MODE: tl.constexpr):
     """MODE 0: a scalar argument; 1: element 0 of a tensor; 2: element ``row`` of a tensor."""
     if MODE == 0:
-        return tl.to_tensor(val).to(tl.int64)
+        return tl.full([], val, tl.int64)
     elif MODE == 1:
         return tl.load(ptr).to(tl.int64)
     else:
@@ -209,15 +209,19 @@ def _row_mass_ge(x_ptr, V, scale, M, t, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_search(x_ptr, V, scale, M, lo, hi, mass_lo, target, BY_MASS: tl.constexpr,
+def _row_search(x_ptr, V, scale, M, lo, hi, c_lo, mass_lo, target, stop_count, BY_MASS: tl.constexpr,
                 BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """Largest key lo with f(lo) >= target, given f(lo) >= target > f(hi), where f is the count
-    (BY_MASS=0) or the mass (BY_MASS=1) of the row at or above a key; returns (lo, mass at lo).
+    (BY_MASS=0) or the mass (BY_MASS=1) of the row at or above a key; c_lo and mass_lo are the
+    count and mass at lo. Returns (lo, count at lo, mass at lo).
 
-    Each pass over the row tests NPIV pivots, shrinking [lo, hi) by a factor NPIV + 1.
+    Each pass over the row tests NPIV pivots, shrinking [lo, hi) by a factor NPIV + 1; it stops
+    early once [lo, hi) holds a single entry or the count at lo equals ``stop_count`` (the set
+    {key >= lo} is then final).
     """
     j = tl.arange(0, NPIV).to(tl.int64)
-    while hi - lo > 1:
+    c_hi = 0.0
+    while (hi - lo > 1) & (c_lo - c_hi > 1.0) & (c_lo != stop_count):
         piv = lo + ((hi - lo) * (j + 1)) // (NPIV + 1)
         cnt, mass = _row_ge_stats(x_ptr, V, scale, M, piv.to(tl.int32), BLOCK, NPIV)
         if BY_MASS:
@@ -225,10 +229,14 @@ def _row_search(x_ptr, V, scale, M, lo, hi, mass_lo, target, BY_MASS: tl.constex
         else:
             good = cnt >= target
         new_lo = tl.max(tl.where(good, piv, lo), 0)
-        mass_lo = tl.where(new_lo > lo, tl.max(tl.where(good & (piv == new_lo), mass, 0.0), 0), mass_lo)
+        moved = new_lo > lo
+        at_lo = good & (piv == new_lo)
+        mass_lo = tl.where(moved, tl.max(tl.where(at_lo, mass, 0.0), 0), mass_lo)
+        c_lo = tl.where(moved, tl.max(tl.where(at_lo, cnt, 0.0), 0), c_lo)
+        c_hi = tl.max(tl.where(good, c_hi, cnt), 0)
         hi = tl.min(tl.where(good, hi, piv), 0)
         lo = new_lo
-    return lo, mass_lo
+    return lo, c_lo, mass_lo
 
 
 @triton.jit
@@ -339,15 +347,17 @@ def select_sample_kernel(
         else:
             # whole-row passes for whatever the candidates could not certify
             hi0 = _ordered_key(M).to(tl.int64) + 1
+            c_k = tl.where(topk_on, tl.sum(in_k.to(tl.float32), 0), n_fin.to(tl.float32))
             if topk_on & (~ok_k):
-                lo_k, W_k = _row_search(x_row, V, scale, M, _ordered_key(zmin).to(tl.int64), hi0, Z,
-                                        top_k.to(tl.float32), 0, BLOCK, NPIV)
+                lo_k, c_k, W_k = _row_search(x_row, V, scale, M, _ordered_key(zmin).to(tl.int64), hi0,
+                                             n_fin.to(tl.float32), Z, top_k.to(tl.float32),
+                                             top_k.to(tl.float32), 0, BLOCK, NPIV)
                 t_k = _key_to_float(lo_k.to(tl.int32))
             W_p = W_k
             if topp_on:
                 lo_p0 = _ordered_key(tl.maximum(t_k, zmin)).to(tl.int64)
-                lo_p, W_p = _row_search(x_row, V, scale, M, lo_p0, hi0, W_k, top_p * W_k, 1,
-                                        BLOCK, NPIV)
+                lo_p, _c_p, W_p = _row_search(x_row, V, scale, M, lo_p0, hi0, c_k, W_k, top_p * W_k,
+                                              -1.0, 1, BLOCK, NPIV)
                 t_p = _key_to_float(lo_p.to(tl.int32))
             t = tl.maximum(tl.maximum(t_k, t_p), t_min)
             if t == NEG_INF:
