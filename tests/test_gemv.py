@@ -254,3 +254,17 @@ def test_grouped_gemv_gpu(k):
     y = G.grouped_gemv(x, tok, exp, codes, scales, ts, cb, **kw)
     ref = G.grouped_gemv_reference(x, tok, exp, codes, scales, ts, cb, **kw)
     assert rel_err(y, ref) < tol(torch.bfloat16)
+
+
+def test_lookup_table_cache_follows_the_tensor():
+    for _ in range(3):  # a freed codebook's memory is reused by the next one: the table must not be stale
+        cb = torch.sort(torch.rand(16) * 2 - 1).values
+        tab = G.lookup_table(cb, torch.float16)[:8].numpy().view(np.uint8)
+        half = cb.half().view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(tab[:16], half & 0xFF)
+        del cb
+    cb = torch.sort(torch.rand(16) * 2 - 1).values
+    G.lookup_table(cb, torch.float16)
+    cb.mul_(0.5)  # in-place change bumps the version
+    np.testing.assert_array_equal(G.lookup_table(cb, torch.float16)[:4].numpy().view(np.uint8),
+                                  cb.half().view(torch.int16).numpy().view(np.uint16) & 0xFF)

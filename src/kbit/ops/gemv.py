@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 
@@ -91,17 +92,20 @@ def lookup_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     4i .. 4i+3 (entry 4i in byte 0), the next 2**k/4 words their high bytes. Cached per codebook tensor
     version.
     """
-    key = (codebook.data_ptr(), codebook._version, codebook.device, dtype, codebook.numel())
-    tab = _TABLES.get(key)
-    if tab is None:
-        v = codebook.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
-        lo = (v & 0xFF).to(torch.uint8)
-        hi = (v >> 8).to(torch.uint8)
-        tab = torch.cat([lo, hi]).view(torch.int32).contiguous()
-        tab = tab.repeat(32)  # one copy per lane (see kbit.kernels.gemv._treg); tab[:2**(k-1)] is the table
-        if len(_TABLES) > 256:
-            _TABLES.clear()
-        _TABLES[key] = tab
+    # keyed by the tensor object (checked through a weak reference), not by its address: the memory of a
+    # freed codebook is soon reused by another one
+    key = (id(codebook), dtype)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0]() is codebook and hit[1] == codebook._version:
+        return hit[2]
+    v = codebook.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+    lo = (v & 0xFF).to(torch.uint8)
+    hi = (v >> 8).to(torch.uint8)
+    tab = torch.cat([lo, hi]).view(torch.int32).contiguous()
+    tab = tab.repeat(32)  # one copy per lane (see kbit.kernels.gemv._treg); tab[:2**(k-1)] is the table
+    if len(_TABLES) > 256:
+        _TABLES.clear()
+    _TABLES[key] = (weakref.ref(codebook), codebook._version, tab)
     return tab
 
 

@@ -57,12 +57,11 @@ def _table(key: str) -> dict:
 
 
 def heuristic(k: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
-    """Rows x 32-column groups sized so that a thread holds about 4 words a row and the grid fills the GPU."""
-    G = 8 if K >= 256 * 4 else max(1, min(8, (K + 31) // 32))
-    G = 1 << (G.bit_length() - 1)
-    BN = 32
-    # fewer rows a program when the grid would be too small to fill every SM a few times
-    while BN > 4 and (N + BN - 1) // BN < 4 * sms:
+    """16 rows x 8 groups (256 columns) a step, 4 warps: the fastest of 8 configs at M = 1 on the H100 for
+    every k (docs/notes/gemv.md, run 2: more programs in flight beat more rows a program)."""
+    G = 8 if K >= 256 else max(1, 1 << (((K + 31) // 32).bit_length() - 1))
+    BN = 16
+    while BN > 4 and (N + BN - 1) // BN < 2 * sms:
         BN //= 2
     return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=1)
 
