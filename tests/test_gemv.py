@@ -152,6 +152,14 @@ def test_gemv_odd_shapes(N, K_):
         check_gemv(N, K_, k, 2, torch.bfloat16, device=DEV, config=GemvConfig(BN=4, G=2, num_warps=4))
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_gemv_split_k(split):
+    cfg = GemvConfig(BN=8, G=2, num_warps=4, split=split)
+    check_gemv(9, 400, 4, 2, torch.float16, device=DEV, bias=True, config=cfg)
+    check_gemv(9, 512, 3, 1, torch.bfloat16, device=DEV, config=GemvConfig(BN=8, G=2, num_warps=4, split=split,
+                                                                            prefetch=True))
+
+
 @pytest.mark.parametrize("M", [1, 2, 5, 8, 11])
 def test_gemv_m(M):
     check_gemv(6, 96, 3, M, torch.float16, device=DEV, bias=True, config=GemvConfig(BN=8, G=2, num_warps=4))

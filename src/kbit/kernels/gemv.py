@@ -374,6 +374,15 @@ def _row_dot(x32_ptr, xrow, vals, w, h, cb_ptr, gg, j, g_ok, K2, acc,
     return acc + tl.sum(part, axis=2)
 
 
+@triton.jit
+def _out(y_ptr, off, acc, ts, bias, rows, row_ok, SPLIT: tl.constexpr):
+    v = tl.sum(acc, axis=1) * ts + bias
+    if SPLIT:  # fp32 workspace, one partial sum per K split
+        tl.atomic_add(y_ptr + off + rows, v, mask=row_ok, sem="relaxed")
+    else:
+        tl.store(y_ptr + off + rows, v.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
 # --------------------------------------------------------------------------------------------------------
 # the kernel
 # --------------------------------------------------------------------------------------------------------
@@ -384,20 +393,27 @@ def gemv_kernel(
     x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
     codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
     tok_ptr, exp_ptr,  # grouped: int32 [P] each
-    N, K2, NG, NB, gpb_shift,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
+    N, K2, NG, NB, gpb_shift, GS,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
     stride_xm, stride_ym, stride_ce, stride_se, stride_be,
     K_BITS: tl.constexpr, LOG8: tl.constexpr, M: tl.constexpr,
     BN: tl.constexpr, G: tl.constexpr, BF16: tl.constexpr, USE_ASM: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, XTAIL: tl.constexpr, EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr, LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr,
     DCONS: tl.constexpr,
 ):
     """y[m, n] = sum_i x[m, i] * codebook[code[n, i]] * scale[n, i // B] (per matrix: * tensor_scale).
 
     Dense: grid (cdiv(N, BN), 1), rows m = 0..M-1 of x, y [M, N].
+    SPLIT: grid (cdiv(N, BN), 1, splits); y is a zeroed fp32 workspace that the splits add into.
     Grouped: grid (cdiv(N, BN), P), program (., p) computes y[p, :] = x[tok[p]] @ W[exp[p]]^T (M = 1).
     """
     pid_n = tl.program_id(0)
+    g_lo = 0
+    g_hi = NG
+    if SPLIT:  # program (., ., s) covers groups [s * GS, s * GS + GS)
+        pid_k = tl.program_id(2)
+        g_lo = pid_k * GS
+        g_hi = tl.minimum(NG, g_lo + GS)
     WPG: tl.constexpr = 2 if K_BITS < 4 else 4  # plane-0 words per 32-column group
     CPW: tl.constexpr = 32 // WPG  # codes per plane-0 word
     NP: tl.constexpr = CPW // 2  # activation pairs per word
@@ -433,11 +449,11 @@ def gemv_kernel(
     crow = codes_ptr + r3 * WROW
     srow = scales_ptr + r3 * NB
     if PREFETCH:  # registers double-buffer the next step's codes and scales (needs EVEN_K)
-        wn = tl.load(crow + g3 * WPG + j)
-        sn = tl.load(srow + (g3 >> gpb_shift))
+        wn = tl.load(crow + (g_lo + g3) * WPG + j)
+        sn = tl.load(srow + ((g_lo + g3) >> gpb_shift))
         if HAS_H:
-            hn = tl.load(crow + NG * WPG + ((g3 << gpb_shift) >> gpb_shift))
-    for g0 in range(0, NG, G):
+            hn = tl.load(crow + NG * WPG + (((g_lo + g3) << gpb_shift) >> gpb_shift))
+    for g0 in range(g_lo, g_hi, G):
         gg = g0 + g3  # [1, G, 1]
         if PREFETCH:
             g_ok = gg >= 0
@@ -501,19 +517,20 @@ def gemv_kernel(
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0).to(tl.float32)
-    out_ty = y_ptr.dtype.element_ty
-    tl.store(y_ptr + rows, (tl.sum(acc0, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        if SPLIT:
+            bias = bias * (pid_k == 0).to(tl.float32)
+    _out(y_ptr, 0, acc0, ts, bias, rows, row_ok, SPLIT)
     if M > 1:
-        tl.store(y_ptr + stride_ym + rows, (tl.sum(acc1, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, stride_ym, acc1, ts, bias, rows, row_ok, SPLIT)
     if M > 2:
-        tl.store(y_ptr + 2 * stride_ym + rows, (tl.sum(acc2, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 2 * stride_ym, acc2, ts, bias, rows, row_ok, SPLIT)
     if M > 3:
-        tl.store(y_ptr + 3 * stride_ym + rows, (tl.sum(acc3, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 3 * stride_ym, acc3, ts, bias, rows, row_ok, SPLIT)
     if M > 4:
-        tl.store(y_ptr + 4 * stride_ym + rows, (tl.sum(acc4, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 4 * stride_ym, acc4, ts, bias, rows, row_ok, SPLIT)
     if M > 5:
-        tl.store(y_ptr + 5 * stride_ym + rows, (tl.sum(acc5, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 5 * stride_ym, acc5, ts, bias, rows, row_ok, SPLIT)
     if M > 6:
-        tl.store(y_ptr + 6 * stride_ym + rows, (tl.sum(acc6, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 6 * stride_ym, acc6, ts, bias, rows, row_ok, SPLIT)
     if M > 7:
-        tl.store(y_ptr + 7 * stride_ym + rows, (tl.sum(acc7, axis=1) * ts + bias).to(out_ty), mask=row_ok)
+        _out(y_ptr, 7 * stride_ym, acc7, ts, bias, rows, row_ok, SPLIT)

@@ -131,23 +131,43 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     Kp = math.ceil(K / blocksize) * blocksize
     ng = Kp // 32
     np_ = _k.n_pairs(k)
-    grid = (triton_cdiv(N, cfg.BN), P if grouped else 1)
+    programs = triton_cdiv(N, cfg.BN) * (P if grouped else 1)
+    splits, gs = _splits(cfg, programs, ng, grouped, use_asm, codes.device)
+    grid = (triton_cdiv(N, cfg.BN), P if grouped else 1, splits)
     even_k = K == Kp and ng % cfg.G == 0
+    out = y
+    if splits > 1:
+        out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
     lead_c = codes.stride(0) if grouped else 0
     lead_s = scales.stride(0) if grouped else 0
     lead_b = bias.stride(0) if (grouped and bias is not None) else 0
     _k.gemv_kernel[grid](
-        x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, y,
+        x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, out,
         tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale,
-        N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1,
-        x32.stride(0), y.stride(0), lead_c, lead_s, lead_b,
+        N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs,
+        x32.stride(0), out.stride(0), lead_c, lead_s, lead_b,
         K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16,
         USE_ASM=use_asm, GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=x32.shape[-1] % np_ != 0,
-        EVEN_K=even_k, PREFETCH=cfg.prefetch and even_k,
+        EVEN_K=even_k, PREFETCH=cfg.prefetch and even_k, SPLIT=splits > 1,
         LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
         DCONS=_k.DOT_CONS[(np_, bf16)],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if splits > 1:
+        y.copy_(out)
+
+
+def _splits(cfg, programs, ng, grouped, use_asm, device):
+    """K splits and groups per split: enough programs for ~6 per SM when the row blocks alone are too few."""
+    if grouped or cfg.split == 1:
+        return 1, ng
+    s = cfg.split
+    if s == 0:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if use_asm else 132
+        s = max(1, min(-(-6 * sms // programs), ng // (4 * cfg.G)))
+    gs = -(-ng // s)
+    gs = -(-gs // cfg.G) * cfg.G
+    return -(-ng // gs), gs
 
 
 def triton_cdiv(a, b):

@@ -23,6 +23,7 @@ class GemvConfig:
     num_warps: int
     num_stages: int = 1
     prefetch: bool = False  # register double-buffering of the next K step (used when K needs no masks)
+    split: int = 0  # K splits (dense only): 0 = choose from the grid size, 1 = none
 
     def as_dict(self):
         return asdict(self)
