@@ -1,0 +1,18 @@
+"""The kbit weight format (version 1): spec, codebooks, packing, plain-torch reference."""
+
+from kbit.format.codebooks import DEFAULT_CODEBOOK
+from kbit.format.spec import (
+    BLOCKSIZES,
+    DEFAULT_BLOCKSIZE,
+    DEFAULT_K,
+    DEFAULT_SCALE_FORMAT,
+    FORMAT_VERSION,
+    K_VALUES,
+    SCALE_FORMATS,
+    KbitWeight,
+)
+
+__all__ = [
+    "BLOCKSIZES", "DEFAULT_BLOCKSIZE", "DEFAULT_CODEBOOK", "DEFAULT_K", "DEFAULT_SCALE_FORMAT",
+    "FORMAT_VERSION", "K_VALUES", "SCALE_FORMATS", "KbitWeight",
+]

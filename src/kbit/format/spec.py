@@ -1,0 +1,201 @@
+"""The kbit weight format, version 1 (docs/format.md), and :class:`KbitWeight`, the one quantized-weight class."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kbit.format.pack import words_per_row
+
+FORMAT_VERSION = 1
+K_VALUES = (2, 3, 4, 5)
+BLOCKSIZES = (32, 64, 128)
+SCALE_FORMATS = ("log8", "fp16")
+DEFAULT_K = 4
+DEFAULT_BLOCKSIZE = 32
+DEFAULT_SCALE_FORMAT = "log8"
+
+#: log8 scales: 1/16-octave steps below the matrix maximum; q == ZERO_BLOCK marks an all-zero block.
+LOG8_STEPS_PER_OCTAVE = 16
+ZERO_BLOCK = 255
+
+
+@functools.cache
+def _log8_tables_cpu() -> tuple[torch.Tensor, torch.Tensor]:
+    j = torch.arange(ZERO_BLOCK - 1, dtype=torch.float64)
+    thresholds = torch.exp2(-(j + 0.5) / LOG8_STEPS_PER_OCTAVE).to(torch.float32)  # descending, 254 values
+    q = torch.arange(256, dtype=torch.float64)
+    values = torch.exp2(-q / LOG8_STEPS_PER_OCTAVE).to(torch.float32)
+    values[ZERO_BLOCK] = 0.0
+    return thresholds, values
+
+
+def log8_thresholds(device=None) -> torch.Tensor:
+    """``T[j] = float32(2**(-(j + 0.5)/16))``, j = 0..253: q = #{j : absmax/tensor_scale < T[j]}."""
+    return _log8_tables_cpu()[0].to(device)
+
+
+def log8_values(device=None) -> torch.Tensor:
+    """``E[q] = float32(2**(-q/16))``, ``E[255] = 0``: the scale of a block relative to tensor_scale."""
+    return _log8_tables_cpu()[1].to(device)
+
+
+def check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k: expected an int in {K_VALUES}, got {type(k).__name__}")
+    if k not in K_VALUES:
+        raise ValueError(f"k: expected one of {K_VALUES}, got {k}")
+    return k
+
+
+def check_blocksize(blocksize) -> int:
+    if isinstance(blocksize, bool) or not isinstance(blocksize, int):
+        raise TypeError(f"blocksize: expected an int in {BLOCKSIZES}, got {type(blocksize).__name__}")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"blocksize: expected one of {BLOCKSIZES}, got {blocksize}")
+    return blocksize
+
+
+def check_scale_format(scale_format) -> str:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+    return scale_format
+
+
+def padded_k(K: int, blocksize: int) -> int:
+    return -(-K // blocksize) * blocksize
+
+
+@dataclass(eq=False)
+class KbitWeight:
+    """A quantized weight ``W[..., N, K]`` in the canonical layout of format version 1.
+
+    Attributes
+    ----------
+    codes : int32 ``[..., N, Kp * k / 32]``, bit-plane packed codes (Kp = K padded to whole blocks).
+    scales : uint8 (``log8``) or float16 (``fp16``) ``[..., N, Kp / blocksize]``.
+    tensor_scale : float32 ``[...]``, one per matrix (the matrix absmax for ``log8``; 1 for ``fp16``).
+    codebook : float32 ``[2**k]``, sorted levels in [-1, 1].
+    shape : the logical shape ``(..., N, K)``.
+    k, blocksize, scale_format : format parameters.
+    codebook_name : the name the codebook was made from, or ``"custom"``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+    codebook: torch.Tensor
+    shape: tuple[int, ...]
+    k: int
+    blocksize: int
+    scale_format: str = DEFAULT_SCALE_FORMAT
+    codebook_name: str = "custom"
+
+    def __post_init__(self):
+        self.shape = tuple(int(s) for s in self.shape)
+        self.validate()
+
+    # -- derived ---------------------------------------------------------------------------------------
+    @property
+    def N(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def K(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def padded_k(self) -> int:
+        return padded_k(self.K, self.blocksize)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors: codes, scales, tensor scales and the codebook."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage per logical weight: codes (with K padding), block scales and tensor scales.
+
+        The codebook (``2**k`` float32, at most 128 bytes per tensor) is left out; ``nbytes`` counts it.
+        """
+        return 8 * (self.nbytes - self.codebook.numel() * 4) / self.numel
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "codes": self.codes,
+            "scales": self.scales,
+            "tensor_scale": self.tensor_scale,
+            "codebook": self.codebook,
+        }
+
+    def to(self, device=None, non_blocking: bool = False) -> KbitWeight:
+        """A copy on ``device`` (dtypes never change)."""
+        moved = {n: t.to(device=device, non_blocking=non_blocking) for n, t in self.tensors().items()}
+        return KbitWeight(**moved, shape=self.shape, k=self.k, blocksize=self.blocksize,
+                          scale_format=self.scale_format, codebook_name=self.codebook_name)
+
+    def cuda(self) -> KbitWeight:
+        return self.to("cuda")
+
+    def cpu(self) -> KbitWeight:
+        return self.to("cpu")
+
+    def __getitem__(self, index) -> KbitWeight:
+        """Select matrices of a stack (``qw[e]`` is expert e's weight); only leading dims can be indexed."""
+        if len(self.shape) < 3:
+            raise IndexError("only a stacked KbitWeight [..., N, K] with leading dimensions can be indexed")
+        ts = self.tensor_scale[index]
+        codes, scales = self.codes[index], self.scales[index]
+        shape = tuple(ts.shape) + self.shape[-2:]
+        return KbitWeight(codes, scales, ts, self.codebook, shape, self.k, self.blocksize,
+                          self.scale_format, self.codebook_name)
+
+    def metadata(self) -> dict:
+        return {"k": self.k, "blocksize": self.blocksize, "shape": list(self.shape),
+                "scale_format": self.scale_format, "codebook": self.codebook_name}
+
+    def __repr__(self) -> str:
+        return (f"KbitWeight(shape={self.shape}, k={self.k}, blocksize={self.blocksize}, "
+                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, "
+                f"bits_per_weight={self.bits_per_weight:.4f}, device={self.device})")
+
+    # -- invariants ------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check dtypes, shapes and devices of the tensors against the parameters; ValueError if off."""
+        check_k(self.k)
+        check_blocksize(self.blocksize)
+        check_scale_format(self.scale_format)
+        if len(self.shape) < 2 or min(self.shape) < 1:
+            raise ValueError(f"shape: expected (..., N, K) with every dimension >= 1, got {self.shape}")
+        lead = self.shape[:-2]
+        kp = self.padded_k
+        expect = {
+            "codes": (torch.int32, lead + (self.N, words_per_row(self.k, kp))),
+            "scales": (torch.uint8 if self.scale_format == "log8" else torch.float16,
+                       lead + (self.N, kp // self.blocksize)),
+            "tensor_scale": (torch.float32, lead),
+            "codebook": (torch.float32, (2**self.k,)),
+        }
+        for name, t in self.tensors().items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            dtype, shape = expect[name]
+            if t.dtype != dtype:
+                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape} for weight shape {self.shape}, k={self.k}, "
+                                 f"blocksize={self.blocksize}, got {tuple(t.shape)}")
+            if t.device != self.codes.device:
+                raise ValueError(f"{name}: expected device {self.codes.device} (that of codes), got {t.device}")
