@@ -57,14 +57,14 @@ def _table(key: str) -> dict:
     return json.loads(path.read_text())
 
 
-def heuristic(k: int, M: int, N: int, K: int, sms: int = 132) -> GemvConfig:
-    """16 rows x 8 groups (256 columns) a step, 4 warps: the fastest of 8 configs at M = 1 on the H100 for
-    every k (docs/notes/gemv.md, run 2: more programs in flight beat more rows a program)."""
-    G = 8 if K >= 256 else max(1, 1 << (((K + 31) // 32).bit_length() - 1))
-    BN = 16
-    while BN > 4 and (N + BN - 1) // BN < 2 * sms:
-        BN //= 2
-    return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=1)
+def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False) -> GemvConfig:
+    """From the H100 sweeps (docs/notes/gemv.md): few rows a program, many programs in flight. Dense: 8 rows
+    x 16 groups (512 columns) a step, the K splits fill the GPU when rows alone are too few. Grouped: 16 rows
+    x 8 groups (the grid already has a row block per (token, expert) pair)."""
+    if grouped:
+        return GemvConfig(BN=16, G=8, num_warps=4)
+    G = 16 if K >= 512 else max(1, 1 << (((K + 31) // 32).bit_length() - 1))
+    return GemvConfig(BN=8, G=G, num_warps=4)
 
 
 def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False) -> GemvConfig:
@@ -77,4 +77,4 @@ def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = Fal
         import torch
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return heuristic(k, M, N, K, sms)
+    return heuristic(k, M, N, K, sms, grouped)
