@@ -276,3 +276,19 @@ def test_lookup_table_cache_follows_the_tensor():
     cb.mul_(0.5)  # in-place change bumps the version
     np.testing.assert_array_equal(G.lookup_table(cb, torch.float16)[:4].numpy().view(np.uint8),
                                   cb.half().view(torch.int16).numpy().view(np.uint16) & 0xFF)
+
+
+def test_matches_kbit_format():
+    """The reference agrees with kbit.dequantize; the KbitWeight wrapper goes through torch.ops.kbit.gemv."""
+    kbit = pytest.importorskip("kbit")
+    if not hasattr(kbit, "quantize"):
+        pytest.skip("kbit.quantize not available")
+    w = torch.randn(24, 96, device=DEV)
+    for k in (2, 3, 4, 5):
+        q = kbit.quantize(w, k=k)
+        ref_w = G.dequantize_reference(q.codes, q.scales, q.tensor_scale, q.codebook, k=k, blocksize=q.blocksize,
+                                       scale_format=q.scale_format, K=96)
+        torch.testing.assert_close(kbit.dequantize(q, dtype=torch.float64), ref_w, rtol=1e-6, atol=1e-6)
+        x = torch.randn(2, 96, dtype=torch.float16, device=DEV)
+        ref = x.double() @ ref_w.T
+        assert rel_err(G.kbit_gemv(x, q), ref) < tol(torch.float16)
