@@ -268,7 +268,7 @@ def test_bad_input(kwargs, exc, msg):
 def test_config_validation():
     with pytest.raises(ValueError, match="chunk must be a power of two, got 100"):
         SamplingConfig(chunk=100, candidates=4)
-    with pytest.raises(ValueError, match=r"candidates must be <= chunk \(16\), got 32"):
+    with pytest.raises(ValueError, match=r"candidates must be in \[2, chunk = 16\], got 32"):
         SamplingConfig(chunk=16, candidates=32)
 
 

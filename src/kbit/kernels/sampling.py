@@ -3,12 +3,12 @@
 The filtered support of a row is always an upper set ``{i : z_i >= t}`` of the tempered logits
 ``z``, for one threshold ``t``; the kernels find ``t`` without sorting the vocabulary.
 
-Pass 1, ``chunk_summary_kernel``, grid ``(B, S)``: one program reads one chunk of a row once and
-writes the chunk's max, sum of ``exp(z - max)``, smallest finite value and count of finite values,
-plus a compact list of candidates ``{z >= tau}`` (at most ``KC`` of them, in vocabulary order), where
-``tau`` is found by bisection so that the chunk keeps between ``need`` and ``KC`` entries. ``floor``,
-the largest value the chunk did not keep, certifies the list: every entry above ``max(floor)`` of the
-row is a candidate.
+Pass 1, ``chunk_summary_kernel``, grid ``(B, S)``: one small program reads one chunk of a row once
+and writes the chunk's max, sum of ``exp(z - max)`` and count of finite values, plus a compact list
+of candidates ``{z >= tau}`` (at most ``KC`` of them, in vocabulary order). ``tau`` is the ``need``-th
+largest of the chunk's group maxima (so at least ``need`` entries pass), refined by bisection in the
+rare chunk where more than ``KC`` pass. ``floor``, the largest value the chunk did not keep,
+certifies the list: every entry above ``max(floor)`` of the row is a candidate.
 
 Pass 2, ``select_sample_kernel``, grid ``(B,)``: one program merges a row's candidates, finds the
 top-k and top-p thresholds on them by bisection over order-preserving integer keys and, when the final
@@ -85,37 +85,40 @@ def chunk_summary_kernel(
     temp_ptr, temp_val, topk_ptr, topk_val,
     cand_val_ptr, cand_idx_ptr, stats_ptr, B, S,
     TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr,
-    CHUNK: tl.constexpr, KC: tl.constexpr, MAX_ITERS: tl.constexpr,
+    CHUNK: tl.constexpr, KC: tl.constexpr, GROUPS: tl.constexpr, MAX_ITERS: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temp = _param(temp_ptr, temp_val, row, TEMP_PER_ROW, tl.float32)
     top_k = _param(topk_ptr, topk_val, row, TOPK_PER_ROW, tl.int32)
     scale, greedy = _row_scale(temp)
-    # entries the chunk should keep: enough for the row's top-k when it fits, half the slots else
-    need = tl.where((top_k > 0) & (top_k <= KC), top_k, KC // 2)
+    # entries the chunk should keep: the row's top-k when it fits in half the slots, else half
+    need = tl.where((top_k > 0) & (top_k <= KC // 2), top_k, KC // 2)
     need = tl.where(greedy, 1, need)
 
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     z, fin = _load_tempered(x_ptr + row.to(tl.int64) * stride_x, offs, offs < V, scale)
-    m = tl.max(z, 0)
+    gmax = tl.max(tl.reshape(z, [GROUPS, CHUNK // GROUPS]), 1)
+    m = tl.max(gmax, 0)
     s = tl.sum(tl.where(fin, tl.exp(z - m), 0.0), 0)
     n_fin = tl.sum(fin.to(tl.int32), 0)
-    zmin = tl.min(tl.where(fin, z, POS_INF), 0)
 
-    # bisection on the value for tau with need <= count(z >= tau) <= KC
-    n_top = tl.sum((z >= m).to(tl.int32), 0)
-    tau = tl.where(n_fin <= KC, zmin, m)
-    lo = zmin
+    # first guess for tau: the need-th largest group max, so that count(z >= tau) >= need
+    ranked = tl.sort(gmax, 0)
+    tau = tl.sum(tl.where(tl.arange(0, GROUPS) == GROUPS - need, ranked, 0.0), 0)
+    tau = tl.where(n_fin <= KC, NEG_INF, tau)
+    cnt = tl.sum((z >= tau).to(tl.int32), 0)
+    # rare: too many entries above the guess; bisect on the value for need <= count <= KC
+    lo = tl.where(tau > NEG_INF, tau, -3.4028234663852886e38)
     hi = m
-    searching = (n_fin > KC) & (n_top < need)
     it = 0
+    searching = (n_fin > KC) & (cnt > KC)
     while searching:
-        mid = lo + 0.5 * (hi - lo)
-        cnt = tl.sum((z >= mid).to(tl.int32), 0)
-        in_band = (cnt >= need) & (cnt <= KC)
-        lo = tl.where(cnt > KC, mid, lo)
-        hi = tl.where(cnt < need, mid, hi)
+        mid = 0.5 * lo + 0.5 * hi
+        c_mid = tl.sum((z >= mid).to(tl.int32), 0)
+        in_band = (c_mid >= need) & (c_mid <= KC)
+        lo = tl.where(c_mid > KC, mid, lo)
+        hi = tl.where(c_mid < need, mid, hi)
         tau = tl.where(in_band, mid, hi)
         it += 1
         searching = (~in_band) & (it < MAX_ITERS)
@@ -137,13 +140,12 @@ def chunk_summary_kernel(
     tl.store(stats_ptr + plane + at, s)
     tl.store(stats_ptr + 2 * plane + at, floor)
     tl.store(stats_ptr + 3 * plane + at, n_fin.to(tl.float32))
-    tl.store(stats_ptr + 4 * plane + at, zmin)
 
 
 # ------------------------------------------------------------------- pass 2: candidate searches
 @triton.jit
 def _cand_kth_largest(v, keys, fin, k):
-    """Value of the k-th largest finite candidate (ties counted), +inf when fewer than k."""
+    """Value of the k-th largest finite candidate (ties counted); -inf (uncertifiable) when fewer than k."""
     n = tl.sum(fin.to(tl.int32), 0)
     lo = _ordered_key(tl.min(tl.where(fin, v, POS_INF), 0)).to(tl.int64)
     hi = _ordered_key(tl.max(v, 0)).to(tl.int64) + 1
@@ -158,7 +160,7 @@ def _cand_kth_largest(v, keys, fin, k):
         hi = tl.where(good, hi, mid)
         c_hi = tl.where(good, c_hi, cnt)
     kth = tl.min(tl.where(fin & (keys >= lo.to(tl.int32)), v, POS_INF), 0)
-    return tl.where(n >= k, kth, POS_INF)
+    return tl.where(n >= k, kth, NEG_INF)
 
 
 @triton.jit
@@ -296,13 +298,12 @@ def select_sample_kernel(
     s_c = tl.load(stats_ptr + plane + sat, mask=smask, other=0.0)
     f_c = tl.load(stats_ptr + 2 * plane + sat, mask=smask, other=NEG_INF)
     n_c = tl.load(stats_ptr + 3 * plane + sat, mask=smask, other=0.0)
-    zmin_c = tl.load(stats_ptr + 4 * plane + sat, mask=smask, other=POS_INF)
     M = tl.max(m_c, 0)
     mass_c = tl.where(m_c > NEG_INF, s_c * tl.exp(m_c - M), 0.0)
     Z = tl.sum(mass_c, 0)
     F = tl.max(f_c, 0)
     n_fin = tl.sum(n_c, 0).to(tl.int32)
-    zmin = tl.min(zmin_c, 0)
+    zmin = tl.full([], -3.4028234663852886e38, tl.float32)  # lowest finite value: fallback searches start here
 
     cl = tl.arange(0, NCP)
     cbase = row.to(tl.int64) * S * KC
@@ -339,7 +340,8 @@ def select_sample_kernel(
             ws = tl.where(fin & (v >= t), w, 0.0)
             W_t = tl.sum(ws, 0)
             cs = tl.cumsum(ws, 0)
-            pick = tl.min(tl.where(cs > u * W_t, cl, NCP), 0)
+            # a parallel scan may round up across a zero weight: only land on kept entries
+            pick = tl.min(tl.where((cs > u * W_t) & (ws > 0.0), cl, NCP), 0)
             pick = tl.where(pick < NCP, pick, tl.max(tl.where(ws > 0.0, cl, 0), 0))
             tok = tl.sum(tl.where(cl == pick, idx, 0), 0)
             z_tok = tl.sum(tl.where(cl == pick, v, 0.0), 0)
@@ -363,7 +365,7 @@ def select_sample_kernel(
             if t == NEG_INF:
                 # no filter: choose the chunk by its mass, then scan that chunk alone
                 cum = tl.cumsum(mass_c, 0)
-                c_pick = tl.min(tl.where(cum > u * Z, sl, SP), 0)
+                c_pick = tl.min(tl.where((cum > u * Z) & (mass_c > 0.0), sl, SP), 0)
                 c_pick = tl.where(c_pick < SP, c_pick, tl.max(tl.where(mass_c > 0.0, sl, 0), 0))
                 before = tl.sum(tl.where(sl < c_pick, mass_c, 0.0), 0)
                 start = c_pick * CHUNK

@@ -59,7 +59,7 @@ class SamplingConfig:
 
     chunk: int
     candidates: int
-    warps_chunk: int = 8
+    warps_chunk: int = 1
     warps_select: int = 8
 
     def __post_init__(self):
@@ -67,23 +67,22 @@ class SamplingConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SamplingConfig.{name} must be a power of two, got {value}")
-        if self.candidates > self.chunk:
+        if not 2 <= self.candidates <= self.chunk:
             raise ValueError(
-                f"SamplingConfig.candidates must be <= chunk ({self.chunk}), got {self.candidates}"
+                f"SamplingConfig.candidates must be in [2, chunk = {self.chunk}], got {self.candidates}"
             )
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Heuristic launch config: about two pass-1 programs per SM of an H100, chunks of 4-8K entries.
+    """Heuristic launch config: one-warp pass-1 programs over 1024-entry chunks keeping 16 each.
 
-    Measured on an H100 (benchmarks/results/h100/sampling.json): 8192-entry chunks with 128 slots
-    at B = 128; 4096-entry chunks with 64 slots at B = 1.
+    Small programs keep many chunks in flight per SM and need no block-wide barriers; see the sweep
+    in benchmarks/results/h100/sampling.json.
     """
-    chunk = _next_pow2(max(1, -(-vocab * batch // 264)))
-    chunk = min(max(chunk, 4096), 8192, max(16, _next_pow2(vocab)))
-    candidates = min(128 if chunk >= 8192 else 64, chunk)
+    chunk = min(1024, max(16, _next_pow2(vocab)))
+    candidates = chunk // 2 if vocab <= chunk else 16  # one chunk: keep up to half of it
     slots = -(-vocab // chunk) * candidates
-    return SamplingConfig(chunk, candidates, warps_chunk=8, warps_select=16 if slots > 4096 else 8)
+    return SamplingConfig(chunk, candidates, warps_chunk=1, warps_select=16 if slots > 4096 else 8)
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -126,7 +125,7 @@ def _row_param(name, value, batch, device, integer, ok, expected):
             raise TypeError(f"{name} must be an int or an integer tensor of shape (B,), got {value!r}")
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a float tensor of shape (B,), got {value!r}")
-    if not ok(torch.tensor(value)):
+    if not ok(value):
         raise ValueError(f"{name} must be {expected}, got {value}")
     return None, int(value) if integer else float(value)
 
@@ -152,7 +151,8 @@ def _rng_param(name, value, batch, device):
 
 
 def _finite(t):
-    return torch.isfinite(t)
+    """Works on python numbers (no tensor, so torch.compile sees no data-dependent branch) and tensors."""
+    return abs(t) < math.inf
 
 
 # ------------------------------------------------------------------------------------------ op
@@ -209,7 +209,7 @@ def _sample_op(
     KC = candidates
     cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=device)
     cand_idx = torch.empty(B, S * KC, dtype=torch.int32, device=device)
-    stats = torch.empty(5, B, S, dtype=torch.float32, device=device)
+    stats = torch.empty(4, B, S, dtype=torch.float32, device=device)
     dummy = logprobs
 
     def ptr(t):
@@ -219,7 +219,7 @@ def _sample_op(
         x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_val, cand_idx, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
-        CHUNK=chunk, KC=KC, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
+        CHUNK=chunk, KC=KC, GROUPS=min(2 * KC, chunk), MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
     )
     _k.select_sample_kernel[(B,)](
         x, x.stride(0), V, cand_val, cand_idx, stats, B, S,
