@@ -124,3 +124,7 @@ def _grouped_gemv(qw, routing):
     # the harness hands over rows already gathered per (token, slot), so row p is "token" p
     rows = torch.arange(eids.numel(), dtype=torch.int32, device=eids.device)
     return lambda a: grouped_gemv(a, rows, eids, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
+
+
+# GEMM candidates (issue 4) register themselves on import; kept in their own module.
+from kbit.bench import candidates_gemm as _candidates_gemm  # noqa: E402,F401

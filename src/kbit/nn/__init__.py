@@ -1,0 +1,5 @@
+"""Modules: KbitLinear."""
+
+from kbit.nn.linear import KbitLinear
+
+__all__ = ["KbitLinear"]

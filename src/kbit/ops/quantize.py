@@ -171,5 +171,8 @@ def dequantize(qw: KbitWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
         raise TypeError(f"qw: expected a KbitWeight, got {type(qw).__name__}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+    if qw.codes.is_cuda:  # the Triton kernel (kbit.ops.dequant), bit-exact with the reference
+        from kbit.ops.dequant import dequantize_triton
+        return dequantize_triton(qw, dtype)
     return dequantize_reference(qw, dtype)
 

@@ -1,0 +1,115 @@
+"""Dequantize a k-bit weight on the GPU: canonical layout -> float ``[..., N, K]`` (or ``[..., K, N]``).
+
+Launcher (validate -> allocate -> pick config -> launch ``kbit.kernels.dequant.dequant_kernel``) beside its
+plain-torch reference (:func:`kbit.format.reference.dequantize_reference`, bit-exact: both compute
+``codebook[c] * scale`` in float32, then cast), and the torch op ``torch.ops.kbit.dequantize``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kbit.format.reference import dequantize_reference
+from kbit.format.spec import KbitWeight, log8_values, padded_k
+
+__all__ = ["dequantize_tensors", "dequantize_triton", "dequantize_reference", "OUT_DTYPES"]
+
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_E_CACHE: dict = {}
+
+
+def _e_table(device) -> torch.Tensor:
+    key = str(device)
+    t = _E_CACHE.get(key)
+    if t is None:
+        t = _E_CACHE[key] = log8_values(device).contiguous()
+    return t
+
+
+def _config(k: int, R: int, kp: int) -> tuple[int, int, int]:
+    """(BR, BK, num_warps): 128-column tiles (every blocksize divides them), 32 rows; 4 warps.
+
+    Each thread ends up with 8-32 contiguous output columns (16-byte stores or more)."""
+    return 32, 128, 4
+
+
+def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksize: int, scale_format: str,
+                       shape, dtype=torch.bfloat16, transpose: bool = False, out=None) -> torch.Tensor:
+    """float weight of the canonical tensors: ``[..., N, K]``, or ``[..., K, N]`` if ``transpose``.
+
+    Parameters
+    ----------
+    codes : int32 ``[..., N, Kp*k/32]``; scales : uint8/fp16 ``[..., N, Kp/blocksize]``; tensor_scale :
+    float32 ``[...]``; codebook : float32 ``[2**k]`` (all on one CUDA device, contiguous).
+    dtype : float16, bfloat16 or float32 (float64: float32 values, cast).
+    out : optional preallocated output of the right shape and dtype (contiguous).
+    """
+    shape = tuple(int(s) for s in shape)
+    *lead, N, K = shape
+    if dtype not in OUT_DTYPES + (torch.float64,):
+        raise TypeError(f"dtype: expected one of {OUT_DTYPES + (torch.float64,)}, got {dtype}")
+    kdtype = torch.float32 if dtype == torch.float64 else dtype
+    kp = padded_k(K, blocksize)
+    R = N
+    for d in lead:
+        R *= d
+    dev = codes.device
+    oshape = (*lead, K, N) if transpose else (*lead, N, K)
+    if out is None or kdtype != dtype:
+        o = torch.empty(oshape, dtype=kdtype, device=dev)
+    else:
+        if tuple(out.shape) != oshape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous {dtype} tensor of shape {oshape}, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        o = out
+    if R == 0 or K == 0:
+        return o.to(dtype)
+    from kbit.kernels.dequant import dequant_kernel
+
+    BR, BK, nw = _config(k, R, kp)
+    grid = (-(-R // BR), -(-kp // BK))
+    ts = tensor_scale.reshape(-1).contiguous()
+    if transpose:
+        s_or, s_ok = 1, N
+    else:
+        s_or, s_ok = K, 1
+    dequant_kernel[grid](
+        codes.contiguous(), scales.contiguous(), ts, codebook.contiguous(), _e_table(dev), o,
+        R, N, K, kp, codes.shape[-1], scales.shape[-1], s_or, s_ok, N * K,
+        K_BITS=k, BLOCKSIZE=blocksize, LOG8=scale_format == "log8", BR=BR, BK=BK, num_warps=nw,
+    )
+    return o if o.dtype == dtype else o.to(dtype)
+
+
+def dequantize_triton(qw: KbitWeight, dtype=torch.bfloat16, transpose: bool = False, out=None) -> torch.Tensor:
+    """:func:`dequantize_tensors` of a :class:`~kbit.format.KbitWeight` (on a CUDA device)."""
+    return dequantize_tensors(qw.codes, qw.scales, qw.tensor_scale, qw.codebook, k=qw.k,
+                              blocksize=qw.blocksize, scale_format=qw.scale_format, shape=qw.shape,
+                              dtype=dtype, transpose=transpose, out=out)
+
+
+def _dtype_code(dtype) -> int:
+    return {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
+
+
+_CODE_DTYPE = {0: torch.float16, 1: torch.bfloat16, 2: torch.float32}
+
+
+@torch.library.custom_op("kbit::dequantize", mutates_args=())
+def _dequantize_op(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                   codebook: torch.Tensor, k: int, blocksize: int, scale_format: str, shape: list[int],
+                   dtype_code: int, transpose: bool) -> torch.Tensor:
+    dtype = _CODE_DTYPE[dtype_code]
+    if not codes.is_cuda:
+        qw = KbitWeight(codes, scales, tensor_scale, codebook, tuple(shape), k, blocksize, scale_format)
+        w = dequantize_reference(qw, dtype)
+        return w.transpose(-1, -2).contiguous() if transpose else w
+    return dequantize_tensors(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                              scale_format=scale_format, shape=shape, dtype=dtype, transpose=transpose)
+
+
+@_dequantize_op.register_fake
+def _(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, shape, dtype_code, transpose):
+    *lead, N, K = shape
+    oshape = (*lead, K, N) if transpose else (*lead, N, K)
+    return codes.new_empty(oshape, dtype=_CODE_DTYPE[dtype_code])
