@@ -50,7 +50,7 @@ def test_bad_input(call, err, match):
         call(qw, qs)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
+@pytest.mark.gpu
 def test_device_mix_raises():
     qw = kbit.quantize(_rand(8, 64), k=4)
     with pytest.raises(ValueError, match="x: expected device"):
