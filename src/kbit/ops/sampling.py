@@ -74,15 +74,17 @@ class SamplingConfig:
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Heuristic launch config: one-warp pass-1 programs over 1024-entry chunks keeping 16 each.
+    """Heuristic launch config: small pass-1 programs (512-1024-entry chunks keeping 16 each).
 
-    Small programs keep many chunks in flight per SM and need no block-wide barriers; see the sweep
-    in benchmarks/results/h100/sampling.json.
+    From the H100 sweep in benchmarks/results/h100/sampling.json: at B = 128, 512-entry one-warp
+    chunks (118 us) beat 1024 (155 us); at B = 1, 1024-entry two-warp chunks (18.6 us) were best.
     """
-    chunk = min(1024, max(16, _next_pow2(vocab)))
+    big = batch >= 16  # many rows: throughput, smaller chunks; few rows: latency, fewer candidates
+    chunk = min(512 if big else 1024, max(16, _next_pow2(vocab)))
     candidates = chunk // 2 if vocab <= chunk else 16  # one chunk: keep up to half of it
     slots = -(-vocab // chunk) * candidates
-    return SamplingConfig(chunk, candidates, warps_chunk=1, warps_select=16 if slots > 4096 else 8)
+    return SamplingConfig(chunk, candidates, warps_chunk=1 if big else 2,
+                          warps_select=16 if slots > 4096 else 8)
 
 
 # ----------------------------------------------------------------------------------- validation
