@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ import torch  # noqa: E402
 
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.ops import gemv as G  # noqa: E402
-from kbit.tuning.gemv import GemvConfig  # noqa: E402
+from kbit.tuning.gemv import GemvConfig, heuristic  # noqa: E402
 
 DENSE = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 T0 = time.time()
@@ -75,6 +76,7 @@ def correctness(quick):
         for dt in (torch.float16, torch.bfloat16):
             for M in ((1, 8) if quick else (1, 3, 8)):
                 cases.append((2880, 5120, k, M, dt, 32, "log8"))
+    cases += [(28672, 1024, k, M, torch.bfloat16, 32, "log8") for k in (2, 3, 4, 5) for M in (1, 8)]  # many tiles
     cases += [(18944, 1, 4, 1, torch.float16, 32, "log8"), (1, 18944, 3, 2, torch.bfloat16, 32, "log8"),
               (5120, 2880, 5, 4, torch.bfloat16, 64, "fp16"), (4096, 4096, 2, 1, torch.float16, 128, "log8")]
     for N, K, k, M, dt, B, sf in cases:
@@ -167,7 +169,6 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=380)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--no-sweep", action="store_true", help="skip the config sweep; use the tuning heuristic")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,41 +195,51 @@ def main():
 
     cache = {}
     rows = []
-    # A. config sweep, M = 1, fp16, first two shapes, every k
-    sweep = [GemvConfig(32, 8, 4), GemvConfig(64, 8, 4), GemvConfig(64, 8, 8), GemvConfig(128, 8, 8),
-             GemvConfig(32, 8, 4, prefetch=True), GemvConfig(64, 8, 4, prefetch=True), GemvConfig(16, 8, 4),
-             GemvConfig(64, 4, 4)]
+    # A. policy sweep, M = 1, fp16, first two shapes (long-N, long-K), k = 4 and 2. A policy maps the shape to
+    # a config: the heuristic's tile with other pipeline depths / programs per SM, or a fixed tile.
+    def pol(**kw):
+        return lambda N, K, k, M: replace(heuristic(k, M, N, K), **kw)
+
+    def fixed(BN, G, W, S, pps):
+        return lambda N, K, k, M: GemvConfig(BN, G, W, num_stages=S, pps=pps)
+
+    policies = {"heur": pol(), "S3": pol(num_stages=3), "S6": pol(num_stages=6), "pps4": pol(pps=4),
+                "pps12": pol(pps=12), "grid": pol(pps=0), "8x16": fixed(8, 16, 4, 4, 8),
+                "4x32": fixed(4, 32, 4, 4, 8), "16x16w8": fixed(16, 16, 8, 4, 4)}
+    if args.quick:
+        policies = {k_: policies[k_] for k_ in ("heur", "S3", "pps4", "grid")}
     best = {}
-    if args.no_sweep:
-        sweep = [GemvConfig(16, 8, 4), GemvConfig(16, 16, 4), GemvConfig(8, 16, 4), GemvConfig(8, 8, 2)]
-    for k in ((4, 2) if args.no_sweep else (4, 2, 3, 5)):
+    for k in (4, 2):
         for N, K in DENSE[:2]:
-            for cfg in sweep:
-                if left() < 120:
+            for name, fn in policies.items():
+                if left() < 150:
                     break
+                cfg = fn(N, K, k, 1)
                 try:
                     us, nb = time_dense(N, K, k, 1, torch.float16, cfg, cache)
                 except Exception as e:  # noqa: BLE001
-                    log(f"sweep {N}x{K} k={k} {cfg}: FAILED {repr(e)[:300]}")
+                    log(f"sweep {N}x{K} k={k} {name} {cfg}: FAILED {repr(e)[:300]}")
                     continue
                 tb = nb / us / 1e6
-                rows.append(dict(kind="sweep", N=N, K=K, k=k, M=1, dtype="fp16", cfg=cfg.as_dict(), us=us, tbps=tb))
-                log(f"sweep {N}x{K} k={k} {cfg}: {us:.2f} us {tb:.3f} TB/s {100 * tb / ceiling:.0f}%")
-                best.setdefault(k, {}).setdefault(cfg, 0.0)
-                best[k][cfg] += us
-    best_cfg = {k: min(v, key=v.get) for k, v in best.items()}
-    if args.no_sweep:
-        best_cfg = {}
-    log("best configs:", {k: str(c) for k, c in best_cfg.items()})
-    res["best_cfg"] = {k: c.as_dict() for k, c in best_cfg.items()}
-    # B. all shapes, M = 1, 2, 4, 8 (fp16) and M = 1 bf16 with the best config
+                rows.append(dict(kind="sweep", N=N, K=K, k=k, M=1, dtype="fp16", policy=name, cfg=cfg.as_dict(),
+                                 us=us, tbps=tb))
+                log(f"sweep {N}x{K} k={k} {name} {cfg}: {us:.2f} us {tb:.3f} TB/s {100 * tb / ceiling:.0f}%")
+                best.setdefault(k, {}).setdefault(name, 0.0)
+                best[k][name] += us
+    best_pol = {k: min(v, key=v.get) for k, v in best.items()}
+    best_pol[3] = best_pol.get(2, "heur")
+    best_pol[5] = best_pol.get(4, "heur")
+    log("best policies:", best_pol)
+    res["best_policy"] = best_pol
+    # B. all shapes, M = 1 (fp16, bf16), 2, 4, 8 (fp16) with the best policy of each k
     for k in (4, 2, 3, 5):
-        cfg = best_cfg.get(k)  # None: the tuning heuristic
+        fn = policies.get(best_pol.get(k, "heur"), policies["heur"])
         for N, K in DENSE + [(4096, 4096)]:
             for M, dt in ((1, torch.float16), (1, torch.bfloat16), (2, torch.float16), (4, torch.float16),
                           (8, torch.float16)):
-                if left() < 40:
-                    break
+                if left() < 60 or (dt == torch.bfloat16 and k != 4):
+                    continue
+                cfg = fn(N, K, k, M)
                 try:
                     us, nb = time_dense(N, K, k, M, dt, cfg, cache)
                 except Exception as e:  # noqa: BLE001
@@ -237,7 +248,7 @@ def main():
                 tb = nb / us / 1e6
                 rows.append(dict(kind="dense", N=N, K=K, k=k, M=M, dtype=str(dt)[6:], cfg=str(cfg), us=us,
                                  tbps=tb))
-                log(f"dense {N}x{K} k={k} M={M} {str(dt)[6:]}: {us:.2f} us {tb:.3f} TB/s "
+                log(f"dense {N}x{K} k={k} M={M} {str(dt)[6:]} {cfg}: {us:.2f} us {tb:.3f} TB/s "
                     f"{100 * tb / ceiling:.0f}%")
     cache.clear()
     torch.cuda.empty_cache()
@@ -245,7 +256,8 @@ def main():
     for name, (N, K) in (("gate_up", (1536, 2048)), ("down", (2048, 768))):
         for T in (1, 4):
             ref = bf16_grouped(128, N, K, T) if left() > 30 else None
-            for cfg in (None, GemvConfig(16, 8, 4), GemvConfig(32, 8, 4), GemvConfig(8, 8, 4)):
+            hc = heuristic(4, 1, N, K, grouped=True)
+            for cfg in (None, replace(hc, pps=4), replace(hc, pps=0), replace(hc, BN=hc.BN // 2, G=hc.G * 2)):
                 if left() < 20:
                     break
                 try:

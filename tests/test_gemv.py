@@ -157,7 +157,16 @@ def test_gemv_split_k(split):
     cfg = GemvConfig(BN=8, G=2, num_warps=4, split=split)
     check_gemv(9, 400, 4, 2, torch.float16, device=DEV, bias=True, config=cfg)
     check_gemv(9, 512, 3, 1, torch.bfloat16, device=DEV, config=GemvConfig(BN=8, G=2, num_warps=4, split=split,
-                                                                            prefetch=True))
+                                                                            num_stages=3, pps=2))
+
+
+@pytest.mark.parametrize("k,cfg", [(4, GemvConfig(BN=4, G=1, num_warps=4, pps=1)),
+                                   (3, GemvConfig(BN=4, G=2, num_warps=4, pps=1, split=2)),
+                                   (5, GemvConfig(BN=4, G=1, num_warps=4, num_stages=3, pps=1))])
+def test_gemv_persistent(k, cfg):
+    """More tiles than program slots (132 SMs x pps): each program walks several tiles in one flat loop and
+    must write every tile's rows once, with its own bias and scales."""
+    check_gemv(540, 96, k, 3, torch.float16, device=DEV, bias=True, config=cfg)
 
 
 @pytest.mark.parametrize("M", [1, 2, 5, 8, 11])
@@ -229,7 +238,7 @@ def test_config_lookup():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("N,K_", [(2880, 5120), (5120, 2880), (1, 18944), (18944, 1), (4096, 4096)])
+@pytest.mark.parametrize("N,K_", [(2880, 5120), (5120, 2880), (1, 18944), (18944, 1), (4096, 4096), (20000, 1024)])
 def test_gemv_gpu(k, dtype, N, K_):
     for M in (1, 2, 3, 4, 5, 6, 7, 8):
         # poison: fill the allocator's next blocks with NaN so unwritten outputs show

@@ -122,52 +122,78 @@ def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
     return xc.view(torch.int32)
 
 
+def _sms(device) -> int:
+    if device is None or device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k, blocksize, scale_format, N,
             K, M, grouped, P, config: GemvConfig | None):
     bf16 = y.dtype == torch.bfloat16
     use_asm = codes.is_cuda and not _interpret()
-    cfg = config or gemv_config(k, M, N, K, codes.device if codes.is_cuda else None, grouped)
+    dev = codes.device if codes.is_cuda else None
+    cfg = config or gemv_config(k, M, N, K, dev, grouped, P)
     tab = lookup_table(codebook, y.dtype) if use_asm else codebook
     Kp = math.ceil(K / blocksize) * blocksize
     ng = Kp // 32
     np_ = _k.n_pairs(k)
-    programs = triton_cdiv(N, cfg.BN) * (P if grouped else 1)
-    splits, gs = _splits(cfg, programs, ng, grouped, use_asm, codes.device)
-    grid = (triton_cdiv(N, cfg.BN), P if grouped else 1, splits)
-    even_k = K == Kp and ng % cfg.G == 0
+    sms = _sms(dev)
+    n_rb = triton_cdiv(N, cfg.BN)
+    splits, gs = _splits(cfg, n_rb * P, ng, grouped, sms)
+    even_k = K == Kp and ng % cfg.G == 0 and ng % gs == 0
+    spt = gs // cfg.G  # K steps per tile
+    nt = n_rb * splits  # tiles per matrix
+    programs = _programs(cfg, nt, P, sms)
     out = y
     if splits > 1:
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    if scales.data_ptr() % 4:  # the kernel reads scales as aligned int32 words
+        scales = scales.clone()
+    xtail = x32.shape[-1] % np_ != 0
+    xvec = use_asm and even_k and not xtail and x32.data_ptr() % 16 == 0 and x32.stride(0) % 4 == 0
     lead_c = codes.stride(0) if grouped else 0
     lead_s = scales.stride(0) if grouped else 0
     lead_b = bias.stride(0) if (grouped and bias is not None) else 0
-    _k.gemv_kernel[grid](
+    _k.gemv_kernel[(programs, P if grouped else 1)](
         x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, out,
         tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale,
-        N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs,
+        N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs, nt, spt, splits,
         x32.stride(0), out.stride(0), lead_c, lead_s, lead_b,
         K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16,
-        USE_ASM=use_asm, GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=x32.shape[-1] % np_ != 0,
-        EVEN_K=even_k, PREFETCH=cfg.prefetch and even_k, SPLIT=splits > 1,
+        USE_ASM=use_asm, GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=xtail,
+        EVEN_K=even_k, SPLIT=splits > 1,
         LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
-        DCONS=_k.DOT_CONS[(np_, bf16)],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DCONS=_k.DOT_CONS[(np_, bf16)], STAGES=cfg.num_stages if use_asm else 1, XVEC=xvec,
+        num_warps=cfg.num_warps, num_stages=1,
     )
     if splits > 1:
         y.copy_(out)
 
 
-def _splits(cfg, programs, ng, grouped, use_asm, device):
-    """K splits and groups per split: enough programs for ~6 per SM when the row blocks alone are too few."""
+def _splits(cfg, tiles, ng, grouped, sms):
+    """K splits and groups per split (a multiple of G): split K only when the row blocks alone cannot give
+    every SM ``cfg.pps`` (or 4) programs; dense only."""
+    gs_all = -(-ng // cfg.G) * cfg.G
     if grouped or cfg.split == 1:
-        return 1, ng
+        return 1, gs_all
     s = cfg.split
     if s == 0:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if use_asm else 132
-        s = max(1, min(-(-6 * sms // programs), ng // (4 * cfg.G)))
+        want = sms * (cfg.pps or 4)
+        s = max(1, min(-(-want // tiles), ng // (4 * cfg.G)))
     gs = -(-ng // s)
     gs = -(-gs // cfg.G) * cfg.G
     return -(-ng // gs), gs
+
+
+def _programs(cfg, nt, P, sms):
+    """Programs along the tile axis. pps = 0: one tile each. Else persistent: at most pps programs per SM
+    (over all P matrices), each taking the same number of tiles (rounds), so no SM waits on a last wave."""
+    if cfg.pps == 0:
+        return nt
+    slots = max(1, sms * cfg.pps // P)
+    rounds = -(-nt // slots)
+    return -(-nt // rounds)
 
 
 def triton_cdiv(a, b):

@@ -21,9 +21,9 @@ class GemvConfig:
     BN: int  # weight rows per program
     G: int  # 32-column groups per K step (K step = 32 * G columns)
     num_warps: int
-    num_stages: int = 1
-    prefetch: bool = False  # register double-buffering of the next K step (used when K needs no masks)
+    num_stages: int = 4  # software-pipelining depth of the K loop (cp.async stages; 1 = none)
     split: int = 0  # K splits (dense only): 0 = choose from the grid size, 1 = none
+    pps: int = 0  # persistent grid: programs per SM (0 = one program per tile)
 
     def as_dict(self):
         return asdict(self)
@@ -57,17 +57,23 @@ def _table(key: str) -> dict:
     return json.loads(path.read_text())
 
 
-def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False) -> GemvConfig:
-    """From the H100 sweeps (docs/notes/gemv.md): few rows a program, many programs in flight. Dense: 8 rows
-    x 16 groups (512 columns) a step, the K splits fill the GPU when rows alone are too few. Grouped: 16 rows
-    x 8 groups (the grid already has a row block per (token, expert) pair)."""
-    if grouped:
-        return GemvConfig(BN=16, G=8, num_warps=4)
+def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False, P: int = 1) -> GemvConfig:
+    """v3 (docs/notes/gemv.md): tiles of ~2 KB of codes (BN rows x G groups of 32 columns, 128 threads),
+    a 4-deep cp.async pipeline, a persistent grid of 8 programs per SM. Fewer row blocks than program slots:
+    thinner tiles (BN = 4, G = 32) before any K split."""
     G = 16 if K >= 512 else max(1, 1 << (((K + 31) // 32).bit_length() - 1))
-    return GemvConfig(BN=8, G=G, num_warps=4)
+    BN = 8
+    pps = 8 if M <= 2 else (6 if M <= 4 else 4)  # registers grow with M (k = 4: 48 / 72 / 128 at M = 1 / 4 / 8)
+    if grouped:
+        if K < 1024:
+            G, BN = min(G, 8), 16
+        return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=4, pps=pps)
+    if K >= 1024 and -(-N // BN) < sms * pps:
+        BN, G = 4, 32
+    return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=4, pps=pps)
 
 
-def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False) -> GemvConfig:
+def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False, P: int = 1) -> GemvConfig:
     key = gpu_key(device) if device is not None else "generic"
     entry = _table(key).get("grouped" if grouped else "dense", {}).get(str(k), {}).get(str(m_bucket(M)))
     if entry:
@@ -77,4 +83,4 @@ def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = Fal
         import torch
 
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return heuristic(k, M, N, K, sms, grouped)
+    return heuristic(k, M, N, K, sms, grouped, P)
