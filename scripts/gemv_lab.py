@@ -205,9 +205,11 @@ def main():
 
     policies = {"heur": pol(), "S3": pol(num_stages=3), "S6": pol(num_stages=6), "pps4": pol(pps=4),
                 "pps12": pol(pps=12), "grid": pol(pps=0), "8x16": fixed(8, 16, 4, 4, 8),
-                "4x32": fixed(4, 32, 4, 4, 8), "16x16w8": fixed(16, 16, 8, 4, 4)}
+                "4x32": fixed(4, 32, 4, 4, 8), "16x16w8": fixed(16, 16, 8, 4, 4),
+                "G2x": lambda N, K, k, M: (lambda c: replace(c, G=2 * c.G, pps=max(4, c.pps // 2)))(
+                    heuristic(k, M, N, K))}
     if args.quick:
-        policies = {k_: policies[k_] for k_ in ("heur", "S3", "pps4", "grid")}
+        policies = {k_: policies[k_] for k_ in ("heur", "S3", "pps4", "grid", "G2x")}
     best = {}
     for k in (4, 2):
         for N, K in DENSE[:2]:
