@@ -56,6 +56,9 @@ SWEEP = [  # (chunk, candidates, warps_chunk, warps_select); run 1 (4096-8192 ch
 
 
 def git_commit() -> str:
+    """KBIT_COMMIT if set (the device copy of the tree may hold no usable .git), else git."""
+    if os.environ.get("KBIT_COMMIT"):
+        return os.environ["KBIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "src/kbit/kernels/sampling.py",
