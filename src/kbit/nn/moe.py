@@ -1,0 +1,308 @@
+"""``KbitMoE``: a sparse MoE block (SwiGLU experts) whose expert weights are k-bit stacks (format version 1).
+
+``forward(hidden[T, H], router_logits[T, E])`` -> ``[T, H]``: top-k expert choice (``kbit.ops.moe_router``),
+pairs sorted by expert on the device (``kbit.ops.moe_align``), grouped gate_up, fused SiLU(gate) * up,
+grouped down, router weights and the combine back to token order (``kbit.ops.moe``). No host sync: a
+step of fixed T is capturable in a CUDA graph (run one eager forward first: Triton compiles, lookup tables
+are built and cached).
+
+Built from float stacks (:meth:`KbitMoE.from_float`), from quantized stacks (:meth:`KbitMoE.from_weights`),
+or from a Hugging Face block (:meth:`KbitMoE.from_hf`: Mixtral, Qwen2/3-MoE, Qwen3-Next; both the fused 3-D
+expert parameters of transformers >= 5 and the older per-expert ``nn.Linear`` lists).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kbit.format.spec import (
+    DEFAULT_BLOCKSIZE,
+    DEFAULT_K,
+    DEFAULT_SCALE_FORMAT,
+    KbitWeight,
+    check_blocksize,
+    check_k,
+    check_scale_format,
+    padded_k,
+)
+from kbit.ops.moe import MoePlan, moe_experts
+from kbit.ops.moe_align import MoeRouting, align
+from kbit.ops.moe_router import ROUTERS, select_experts
+
+__all__ = ["KbitMoE"]
+
+_STACKS = ("gate_up", "down")
+_PARTS = ("codes", "scales", "tensor_scale", "codebook")
+
+
+class KbitMoE(nn.Module):
+    """Sparse MoE block with k-bit experts: ``out = sum_s w_s * down_e(silu(gate_e(x)) * up_e(x)) [+ shared]``.
+
+    Buffers (state dict): ``gate_up_{codes,scales,tensor_scale,codebook}`` (a ``[E, 2I, H]`` stack, gate rows
+    first), ``down_{...}`` (``[E, H, I]``), optional ``router_weight`` ``[E, H]`` (used when ``forward`` gets
+    no logits) and ``correction_bias`` ``[E]`` (sigmoid router). Format parameters in the extra state.
+
+    Parameters
+    ----------
+    num_experts, hidden_size, intermediate_size : E, H, I (I per expert).
+    top_k : experts per token.
+    router : ``"softmax"`` (Mixtral, Qwen3-MoE, Qwen3-Next) or ``"sigmoid"`` (DeepSeek-V3 style).
+    norm_topk_prob : renormalise the top-k weights to sum to 1 (Mixtral: always; Qwen3: its config flag).
+    routed_scaling_factor, n_group, topk_group : sigmoid router options (``kbit.ops.moe_router``).
+    has_router_weight, has_correction_bias : allocate those buffers.
+    shared_expert : optional module ``[T, H] -> [T, H]`` added to the routed output (any module, e.g. an MLP
+        of ``KbitLinear``); shared_expert_gate : optional module ``[T, H] -> [T, 1]``, its sigmoid scales the
+        shared expert (Qwen2-MoE / Qwen3-Next).
+    k, blocksize, scale_format : format parameters of both stacks.
+    dtype : activations and output dtype (fp16/bf16 on CUDA; fp32 works through ``torch._grouped_mm``).
+
+    Example
+    -------
+    >>> moe = KbitMoE.from_float(w_gate_up, w_down, top_k=8, k=4).cuda()  # doctest: +SKIP
+    >>> out = moe(hidden, router_logits)  # [T, H]  # doctest: +SKIP
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, *,
+                 router: str = "softmax", norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1, has_router_weight: bool = False,
+                 has_correction_bias: bool = False, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None, k: int = DEFAULT_K,
+                 blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
+                 dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
+        super().__init__()
+        from kbit.format.pack import words_per_row
+
+        E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
+        if min(E, H, I) < 1:
+            raise ValueError(f"num_experts, hidden_size, intermediate_size: expected positive ints, got {E}, {H}, {I}")
+        if not (isinstance(top_k, int) and 1 <= top_k <= E):
+            raise ValueError(f"top_k: expected an int in [1, {E}], got {top_k}")
+        if router not in ROUTERS:
+            raise ValueError(f"router: expected one of {ROUTERS}, got {router!r}")
+        self.num_experts, self.hidden_size, self.intermediate_size, self.top_k = E, H, I, top_k
+        self.router, self.norm_topk_prob = router, bool(norm_topk_prob)
+        self.routed_scaling_factor, self.n_group, self.topk_group = float(routed_scaling_factor), n_group, topk_group
+        self.k, self.blocksize = check_k(k), check_blocksize(blocksize)
+        self.scale_format = check_scale_format(scale_format)
+        self.dtype, self.codebook_name = dtype, codebook_name
+        #: pin the kernels (a :class:`~kbit.ops.moe.MoePlan`); None = chosen per call by token count
+        self.plan: MoePlan | None = None
+        sdt = torch.uint8 if scale_format == "log8" else torch.float16
+        for name, (N, K) in zip(_STACKS, ((2 * I, H), (H, I)), strict=True):
+            kp = padded_k(K, blocksize)
+            self.register_buffer(f"{name}_codes", torch.zeros(E, N, words_per_row(k, kp), dtype=torch.int32,
+                                                              device=device))
+            self.register_buffer(f"{name}_scales", torch.zeros(E, N, kp // blocksize, dtype=sdt, device=device))
+            self.register_buffer(f"{name}_tensor_scale", torch.ones(E, dtype=torch.float32, device=device))
+            self.register_buffer(f"{name}_codebook", torch.linspace(-1, 1, 2**k, dtype=torch.float32,
+                                                                    device=device))
+        self.register_buffer("router_weight", torch.zeros(E, H, dtype=dtype, device=device)
+                             if has_router_weight else None)
+        self.register_buffer("correction_bias", torch.zeros(E, dtype=torch.float32, device=device)
+                             if has_correction_bias else None)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def _stack(self, name: str) -> KbitWeight:
+        N, K = (2 * self.intermediate_size, self.hidden_size) if name == "gate_up" else \
+            (self.hidden_size, self.intermediate_size)
+        t = [getattr(self, f"{name}_{p}") for p in _PARTS]
+        return KbitWeight(*t, (self.num_experts, N, K), self.k, self.blocksize, self.scale_format,
+                          self.codebook_name)
+
+    def gate_up_weight(self) -> KbitWeight:
+        """The ``[E, 2I, H]`` stack (gate rows ``[0, I)``, up rows ``[I, 2I)``), sharing the buffers."""
+        return self._stack("gate_up")
+
+    def down_weight(self) -> KbitWeight:
+        """The ``[E, H, I]`` stack, sharing the buffers."""
+        return self._stack("down")
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_weights(cls, gate_up: KbitWeight, down: KbitWeight, top_k: int, *,
+                     router_weight: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+                     dtype: torch.dtype = torch.bfloat16, **kwargs) -> KbitMoE:
+        """A block holding quantized stacks ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` (shared, not
+        copied); ``kwargs``: the router and shared-expert options of the constructor."""
+        for name, qw in (("gate_up", gate_up), ("down", down)):
+            if not isinstance(qw, KbitWeight) or len(qw.shape) != 3:
+                raise ValueError(f"{name}: expected a stacked KbitWeight [E, N, K], got "
+                                 f"{getattr(qw, 'shape', type(qw).__name__)}")
+        E, I2, H = gate_up.shape
+        if I2 % 2 or tuple(down.shape) != (E, H, I2 // 2):
+            raise ValueError(f"down: expected shape {(E, H, I2 // 2)} for gate_up {gate_up.shape}, got {down.shape}")
+        for p in ("k", "blocksize", "scale_format"):
+            if getattr(gate_up, p) != getattr(down, p):
+                raise ValueError(f"down.{p}: expected {getattr(gate_up, p)!r} (that of gate_up), got "
+                                 f"{getattr(down, p)!r}")
+        m = cls(E, H, I2 // 2, top_k, k=gate_up.k, blocksize=gate_up.blocksize, scale_format=gate_up.scale_format,
+                dtype=dtype, device=gate_up.device, codebook_name=gate_up.codebook_name,
+                has_router_weight=router_weight is not None, has_correction_bias=correction_bias is not None,
+                **kwargs)
+        for name, qw in (("gate_up", gate_up), ("down", down)):
+            for p in _PARTS:
+                setattr(m, f"{name}_{p}", getattr(qw, p))
+        if router_weight is not None:
+            m.router_weight = router_weight.detach().to(device=gate_up.device, dtype=dtype).clone()
+        if correction_bias is not None:
+            m.correction_bias = correction_bias.detach().to(device=gate_up.device, dtype=torch.float32).clone()
+        return m
+
+    @classmethod
+    def from_float(cls, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, *, k: int = DEFAULT_K,
+                   blocksize: int = DEFAULT_BLOCKSIZE, codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT,
+                   dtype: torch.dtype | None = None, **kwargs) -> KbitMoE:
+        """Quantize float stacks ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` (``kbit.quantize``, one tensor
+        scale per expert, on their device). ``dtype`` default: the weights' (bf16 for float32 on CUDA)."""
+        from kbit.ops.quantize import quantize
+
+        if dtype is None:
+            w = w_gate_up
+            dtype = w.dtype if (w.dtype in (torch.float16, torch.bfloat16) or not w.is_cuda) else torch.bfloat16
+        q = {n: quantize(w.detach(), k=k, blocksize=blocksize, codebook=codebook, scale_format=scale_format)
+             for n, w in (("gate_up", w_gate_up), ("down", w_down))}
+        return cls.from_weights(q["gate_up"], q["down"], top_k, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_hf(cls, block: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
+                scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None) -> KbitMoE:
+        """Quantize a Hugging Face sparse MoE block: ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
+        ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock`` (any block with a softmax top-k ``gate`` and
+        SwiGLU ``experts``). The router weight is kept (``forward`` without logits computes them as the
+        block does); a shared expert and its gate are kept as they are (not quantized; not copied).
+        """
+        parts = hf_parts(block)
+        w_gate_up, w_down, block_dtype = parts.pop("w_gate_up"), parts.pop("w_down"), parts.pop("dtype")
+        return cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
+                              scale_format=scale_format, dtype=dtype or block_dtype, **parts)
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def route(self, router_logits: torch.Tensor) -> MoeRouting:
+        """The step's expert choice, sorted by expert (:class:`~kbit.ops.moe_align.MoeRouting`)."""
+        w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
+                                correction_bias=self.correction_bias, n_group=self.n_group,
+                                topk_group=self.topk_group, scaling=self.routed_scaling_factor)
+        return align(ids, self.num_experts, w)
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
+                plan: MoePlan | None = None) -> torch.Tensor:
+        """``hidden [..., H]`` and ``router_logits [T, E]`` (T = tokens of hidden; None: computed from the
+        stored ``router_weight``) -> ``[..., H]`` in hidden's dtype. ``plan`` pins the kernels."""
+        H = self.hidden_size
+        if hidden.shape[-1] != H:
+            raise ValueError(f"hidden: expected last dimension H = {H}, got shape {tuple(hidden.shape)}")
+        x = hidden.reshape(-1, H)
+        if router_logits is None:
+            if self.router_weight is None:
+                raise ValueError("router_logits: expected a [T, E] tensor (this block stores no router weight)")
+            router_logits = F.linear(x, self.router_weight.to(x.dtype))
+        if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
+            raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
+                             f"got {tuple(router_logits.shape)}")
+        routing = self.route(router_logits)
+        out = moe_experts(x, routing, self.gate_up_weight(), self.down_weight(), plan or self.plan)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            out = out + s
+        return out.reshape(hidden.shape)
+
+    # -- state dict ---------------------------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
+                "shape": [self.num_experts, self.hidden_size, self.intermediate_size], "top_k": self.top_k,
+                "router": self.router, "codebook": self.codebook_name}
+
+    def set_extra_state(self, state: dict) -> None:
+        mine = self.get_extra_state()
+        for key in ("format_version", "k", "blocksize", "scale_format", "shape", "top_k", "router"):
+            if state.get(key) != mine[key]:
+                raise ValueError(f"KbitMoE state: expected {key}={mine[key]!r}, got {state.get(key)!r} "
+                                 "(build the module with the saved parameters)")
+        self.codebook_name = state.get("codebook", self.codebook_name)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, router={self.router!r}, "
+                f"norm_topk_prob={self.norm_topk_prob}, k={self.k}, blocksize={self.blocksize}, "
+                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, dtype={self.dtype}")
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+def _is_silu(act) -> bool:
+    return act is None or isinstance(act, nn.SiLU) or getattr(act, "__name__", "") == "silu" or \
+        act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def _expert_stacks(experts: nn.Module, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up ``[E, 2I, H]``, down ``[E, H, I]``) of fused 3-D parameters or a list of expert MLPs."""
+    if hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj") and \
+            isinstance(experts.gate_up_proj, torch.Tensor):
+        if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
+            raise ValueError("experts: biased experts are not supported")
+        gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+        if getattr(experts, "is_transposed", False) or (gu.shape[-1] != H and gu.shape[1] == H):
+            gu = gu.transpose(1, 2)  # stored [E, H, 2I]
+        if dn.shape[1] != H and dn.shape[-1] == H:
+            dn = dn.transpose(1, 2)  # stored [E, I, H]
+        if getattr(experts, "is_concatenated", True) is False:  # interleaved [g0, u0, g1, u1, ...]
+            gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1)
+        _check_act(getattr(experts, "act_fn", None))
+        return gu.contiguous(), dn.contiguous()
+    if isinstance(experts, (nn.ModuleList, list, tuple)):
+        names = None
+        for cand in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):  # Qwen, Mixtral
+            if all(hasattr(experts[0], n) for n in cand):
+                names = cand
+        if names is None:
+            raise ValueError(f"experts: expected modules with gate_proj/up_proj/down_proj or w1/w3/w2, got "
+                             f"{type(experts[0]).__name__}")
+        for e in experts:
+            _check_act(getattr(e, "act_fn", None))
+            if any(getattr(e, n).bias is not None for n in names):
+                raise ValueError("experts: biased experts are not supported")
+        gu = torch.stack([torch.cat([getattr(e, names[0]).weight, getattr(e, names[1]).weight]) for e in experts])
+        dn = torch.stack([getattr(e, names[2]).weight for e in experts])
+        return gu.detach(), dn.detach()
+    raise ValueError(f"experts: expected fused gate_up_proj/down_proj parameters or a ModuleList, got "
+                     f"{type(experts).__name__}")
+
+
+def _check_act(act):
+    if not _is_silu(act):
+        raise ValueError(f"experts: expected SiLU (SwiGLU) experts, got activation {act!r}")
+
+
+def hf_parts(block: nn.Module) -> dict:
+    """What :meth:`KbitMoE.from_hf` needs from a Hugging Face block: float stacks, top_k, router options,
+    router weight, shared expert, dtype."""
+    gate = getattr(block, "gate", None)
+    experts = getattr(block, "experts", None)
+    if gate is None or experts is None or not isinstance(getattr(gate, "weight", None), torch.Tensor):
+        raise ValueError(f"block: expected a sparse MoE block with .gate (router weight [E, H]) and .experts, got "
+                         f"{type(block).__name__}")
+    router_weight = gate.weight.detach()
+    E, H = router_weight.shape
+    top_k = getattr(block, "top_k", None) or getattr(gate, "top_k", None)
+    if top_k is None:
+        raise ValueError(f"block: cannot find top_k on {type(block).__name__} or its gate")
+    if "mixtral" in type(block).__name__.lower():
+        norm = True  # Mixtral always renormalises
+    else:
+        norm = next((o.norm_topk_prob for o in (block, gate) if hasattr(o, "norm_topk_prob")), None)
+        if norm is None:
+            raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate")
+    gu, dn = _expert_stacks(experts, H)
+    if gu.shape[0] != E or gu.shape[2] != H or dn.shape[:2] != (E, H):
+        raise ValueError(f"experts: expected stacks [E={E}, 2I, H={H}] and [E, H, I], got {tuple(gu.shape)} and "
+                         f"{tuple(dn.shape)}")
+    return {"w_gate_up": gu, "w_down": dn, "top_k": int(top_k), "norm_topk_prob": bool(norm),
+            "router_weight": router_weight, "shared_expert": getattr(block, "shared_expert", None),
+            "shared_expert_gate": getattr(block, "shared_expert_gate", None), "dtype": router_weight.dtype}

@@ -1,0 +1,293 @@
+"""The experts of an MoE layer on k-bit weight stacks: grouped gate_up, fused SwiGLU, grouped down, weighted
+combine back to token order. Sync-free and graph-capturable for a fixed number of tokens.
+
+Steps (``P = T * top_k`` pairs, sorted by expert in a :class:`~kbit.ops.moe_align.MoeRouting`):
+
+1. ``gu[P, 2I] = x[token of row] @ W_gate_up[expert of row].T`` (:func:`expert_matmul`);
+2. ``a[P, I] = silu(gu[:, :I]) * gu[:, I:]`` (:func:`silu_mul`, one Triton kernel);
+3. ``y[P, H] = a @ W_down[expert of row].T`` (:func:`expert_matmul`);
+4. ``out[t] = sum_s w[t, s] * y[row of (t, s)]`` (:func:`combine`, one Triton kernel, float32 sums).
+
+Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
+
+- ``"gemv"``: ``kbit.ops.gemv.grouped_gemv``, one launch over all pairs, each pair reading its expert's
+  packed codes (rows of one expert are adjacent, so repeated reads mostly hit L2). For few rows per expert.
+- ``"grouped_mm"``: the touched experts dequantized to the activation dtype (``kbit.ops.dequant``; with
+  ``S = min(E, P)`` slots, a fixed size, so no sync), then ``torch._grouped_mm`` on the sorted rows. For
+  many rows per expert, where the dequantization is paid once per expert instead of once per row.
+- ``"gemm"``: reserved for a grouped fused tensor-core kernel in ``kbit.ops.gemm`` (not there yet).
+
+:func:`moe_reference` is the float64 oracle of the whole computation (any routing, float weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kbit.format.spec import KbitWeight
+from kbit.ops.moe_align import MoeRouting
+
+__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "MoePlan", "choose_plan", "combine", "combine_reference",
+           "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
+           "silu_mul_reference"]
+
+MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
+#: The GEMV reads an expert's weight once per row, the dequantize + grouped_mm path once per expert plus a
+#: bf16 write and read (~4x the packed bytes at k = 4). First guess, not yet measured on the H100: GEMV up
+#: to 4 rows per touched expert (benchmarks/bench_moe.py --plans sweeps both).
+GEMV_MAX_ROWS_PER_EXPERT = 4
+_BLOCK = 1024
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Kernel of each grouped step: one of :data:`MOE_KERNELS` for ``gate_up`` and ``down``."""
+
+    gate_up: str
+    down: str
+
+    def __post_init__(self):
+        for name in ("gate_up", "down"):
+            if getattr(self, name) not in MOE_KERNELS:
+                raise ValueError(f"MoePlan.{name}: expected one of {MOE_KERNELS}, got {getattr(self, name)!r}")
+
+
+@functools.cache
+def _grouped_mm_probe(device: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dev = torch.device(device)
+        a = torch.zeros(16, 16, dtype=dtype, device=dev)
+        b = torch.zeros(2, 16, 16, dtype=dtype, device=dev)
+        offs = torch.full((2,), 16, dtype=torch.int32, device=dev)
+        torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def grouped_mm_supported(device, dtype: torch.dtype, N: int, K: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``device`` in ``dtype`` for ``[N, K]`` weights (probed once per
+    device and dtype: run one eager forward before capturing a graph). CUDA needs 16-byte aligned rows."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        esize = torch.empty((), dtype=dtype).element_size()
+        if (N * esize) % 16 or (K * esize) % 16:
+            return False
+    return _grouped_mm_probe(str(device), dtype)
+
+
+def _gemm_available() -> bool:
+    from kbit.ops import gemm
+
+    return hasattr(gemm, "kbit_grouped_gemm")
+
+
+def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device) -> MoePlan:
+    """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
+
+    GEMV (fp16/bf16 only) while there are at most :data:`GEMV_MAX_ROWS_PER_EXPERT` rows per touched expert
+    (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above, or whichever exists.
+    """
+    P = T * top_k
+    rows_per_expert = P / max(1, min(E, P))
+    gemv_ok = dtype in (torch.float16, torch.bfloat16)
+    plan = []
+    for N, K in ((2 * I, H), (H, I)):
+        mm_ok = grouped_mm_supported(device, dtype, N, K)
+        if gemv_ok and (rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
+            plan.append("gemv")
+        elif mm_ok:
+            plan.append("grouped_mm")
+        else:
+            raise ValueError(f"dtype: expected float16/bfloat16 (the k-bit GEMV), or a dtype torch._grouped_mm "
+                             f"supports on {device} for [{N}, {K}] weights, got {dtype}")
+    return MoePlan(*plan)
+
+
+# ------------------------------------------------------------------------------------------------ expert matmul
+
+
+def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtype):
+    """(float weights ``[S or E, N, K]``, the matching ``offs``): every expert when ``S == E`` (no gather),
+    else the touched experts gathered into ``S`` slots (unused slots hold expert 0, with empty groups)."""
+    from kbit.ops.dequant import dequantize_tensors
+
+    E = weight.shape[0]
+    codes, scales, ts = weight.codes, weight.scales, weight.tensor_scale
+    offs = routing.offsets
+    if routing.S < E:
+        idx = routing.slot_experts.clamp(min=0)
+        codes, scales, ts = codes.index_select(0, idx), scales.index_select(0, idx), ts.index_select(0, idx)
+        offs = routing.slot_offsets
+    w = dequantize_tensors(codes, scales, ts, weight.codebook, k=weight.k, blocksize=weight.blocksize,
+                           scale_format=weight.scale_format, shape=(codes.shape[0], weight.N, weight.K),
+                           dtype=dtype)
+    return w, offs
+
+
+def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kernel: str,
+                  gather: bool) -> torch.Tensor:
+    """``y[r] = x[token_ids[r] if gather else r] @ W[expert_ids[r]].T`` for every sorted row ``r``.
+
+    Parameters
+    ----------
+    x : ``[T, K]`` (``gather``: token activations) or ``[P, K]`` (one row per sorted pair).
+    routing : the step's :class:`~kbit.ops.moe_align.MoeRouting`.
+    weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``.
+    kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
+
+    Returns
+    -------
+    ``[P, N]`` in x's dtype, rows in sorted order.
+    """
+    P = routing.P
+    if kernel == "gemv":
+        from kbit.ops.gemv import grouped_gemv
+
+        rows = routing.token_ids if gather else torch.arange(P, device=x.device, dtype=torch.int32)
+        return grouped_gemv(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
+                            weight.codebook, k=weight.k, blocksize=weight.blocksize,
+                            scale_format=weight.scale_format, N=weight.N, K=weight.K)
+    if kernel == "grouped_mm":
+        xs = x.index_select(0, routing.token_ids) if gather else x
+        w, offs = _dequantize_slots(weight, routing, x.dtype)
+        return torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs)
+    if kernel == "gemm":
+        if not _gemm_available():
+            raise ValueError("kernel 'gemm': kbit.ops.gemm has no kbit_grouped_gemm yet")
+        from kbit.ops.gemm import kbit_grouped_gemm
+
+        rows = routing.token_ids if gather else torch.arange(P, device=x.device, dtype=torch.int32)
+        return kbit_grouped_gemm(x, rows, routing.expert_ids, weight)
+    raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
+
+
+# ------------------------------------------------------------------------------------------------ element-wise
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a gate_up product: ``gu[P, 2I]`` -> ``silu(gu[:, :I]) * gu[:, I:]``, ``[P, I]`` in gu's dtype
+    (float32 math, one rounding)."""
+    if gu.dim() != 2 or gu.shape[1] % 2:
+        raise ValueError(f"gu: expected shape [P, 2I], got {tuple(gu.shape)}")
+    if gu.stride(1) != 1:
+        gu = gu.contiguous()
+    P, I = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(P, I, dtype=gu.dtype, device=gu.device)
+    if P == 0 or I == 0:
+        return out
+    from kbit.kernels.moe import silu_mul_kernel
+
+    block = min(_BLOCK, 1 << max(4, (I - 1).bit_length()))
+    silu_mul_kernel[(P, triton_cdiv(I, block))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=block,
+                                                num_warps=4 if block >= 512 else 1)
+    return out
+
+
+def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    I = gu.shape[-1] // 2
+    g, u = gu[..., :I].double(), gu[..., I:].double()
+    return g * torch.sigmoid(g) * u
+
+
+def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out[t] = sum_s topk_weights[t, s] * y[pair_rows[t * top_k + s]]``: sorted expert outputs
+    ``y[P, H]`` back to token order, ``[T, H]`` in ``out_dtype`` (default y's dtype), float32 sums."""
+    T, top_k = routing.T, routing.top_k
+    if y.dim() != 2 or y.shape[0] != T * top_k:
+        raise ValueError(f"y: expected shape [P={T * top_k}, H], got {tuple(y.shape)}")
+    if y.stride(1) != 1:
+        y = y.contiguous()
+    H = y.shape[1]
+    out = torch.empty(T, H, dtype=out_dtype or y.dtype, device=y.device)
+    if T == 0 or H == 0:
+        return out
+    from kbit.kernels.moe import combine_kernel
+
+    block = min(_BLOCK, 1 << max(4, (H - 1).bit_length()))
+    combine_kernel[(T, triton_cdiv(H, block))](y, routing.pair_rows, routing.topk_weights, out, H, y.stride(0),
+                                               out.stride(0), TOP_K=top_k, BLOCK=block,
+                                               num_warps=4 if block >= 512 else 1)
+    return out
+
+
+def combine_reference(y: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
+    rows = y.double()[routing.pair_rows.long()].view(routing.T, routing.top_k, -1)
+    return (routing.topk_weights.double()[..., None] * rows).sum(1)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------ layer
+
+
+def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, down: KbitWeight,
+                plan: MoePlan | None = None) -> torch.Tensor:
+    """The routed experts of an MoE layer: ``[T, H]`` -> ``[T, H]`` in hidden's dtype (module docstring).
+
+    Parameters
+    ----------
+    hidden : fp16/bf16 (any kernel) or a dtype ``torch._grouped_mm`` supports ``[T, H]``.
+    routing : :func:`kbit.ops.moe_align.align` of the step's top-k choice.
+    gate_up : :class:`~kbit.format.KbitWeight` ``[E, 2I, H]`` (gate rows first, then up rows).
+    down : :class:`~kbit.format.KbitWeight` ``[E, H, I]``.
+    plan : the kernels; default :func:`choose_plan`.
+    """
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected shape [T, H], got {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if len(gate_up.shape) != 3 or len(down.shape) != 3:
+        raise ValueError(f"gate_up, down: expected stacks [E, 2I, H] and [E, H, I], got {gate_up.shape}, "
+                         f"{down.shape}")
+    E, I2, Hg = gate_up.shape
+    I = I2 // 2
+    if Hg != H or I2 % 2 or tuple(down.shape) != (E, H, I):
+        raise ValueError(f"down: expected shape {(E, H, I)} for gate_up {gate_up.shape} and hidden [T, {H}], "
+                         f"got {down.shape}")
+    if routing.T != T or routing.E != E:
+        raise ValueError(f"routing: expected T={T}, E={E}, got T={routing.T}, E={routing.E}")
+    if T == 0:
+        return hidden.new_zeros(0, H)
+    plan = plan or choose_plan(T, routing.top_k, E, H, I, hidden.dtype, hidden.device)
+    gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True)
+    act = silu_mul(gu)
+    y = expert_matmul(act, routing, down, plan.down, gather=False)
+    return combine(y, routing, hidden.dtype)
+
+
+def moe_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """float64 ``out[t] = sum_s w[t, s] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, s]``.
+
+    w_gate_up: float ``[E, 2I, H]`` (gate rows, then up rows); w_down: ``[E, H, I]``.
+    """
+    x = hidden.double()
+    I = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float64, device=x.device)
+    ids = topk_ids.long()
+    for e in range(w_gate_up.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = x[tok] @ w_gate_up[e].double().T
+        a = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        y = a @ w_down[e].double().T
+        out.index_add_(0, tok, y * topk_weights[tok, slot].double()[:, None])
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius, float64)."""
+    d = (out.double() - ref.double()).norm()
+    return float(d / ref.double().norm().clamp_min(math.ulp(0.0)))

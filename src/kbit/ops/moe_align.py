@@ -1,0 +1,152 @@
+"""Sorting the (token, expert) pairs of an MoE step by expert, on the device, without a host sync.
+
+A step with ``T`` tokens and ``top_k`` experts per token has ``P = T * top_k`` pairs; pair ``p = t * top_k + s``
+is token ``t``'s ``s``-th choice. The grouped expert kernels read the pairs sorted by expert ("rows"), so
+that each expert's rows are contiguous; the combine step maps them back. Every tensor here has a size fixed
+by ``T``, ``top_k`` and ``E`` (never by the routing's values), so a step can be captured in a CUDA graph.
+
+:func:`align` builds :class:`MoeRouting` from torch ops that never synchronise (a stable sort,
+``searchsorted``, ``cumsum`` and ``scatter``; no ``nonzero``/``unique``/``bincount``/``.item()``);
+:func:`align_reference` is the same from Python loops, the test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MoeRouting", "align", "align_reference", "num_slots"]
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """The pairs of one MoE step, sorted by expert. ``P = T * top_k``, ``S = min(E, P)``.
+
+    All tensors are on the device of the router logits; sizes depend only on (T, top_k, E).
+    """
+
+    #: float32 ``[T, top_k]``: router weight of each pair (applied when the experts' outputs are combined).
+    topk_weights: torch.Tensor
+    #: int32 ``[T, top_k]``: expert of each pair, in the router's slot order.
+    topk_ids: torch.Tensor
+    #: int32 ``[P]``: expert of each sorted row, ascending; rows of one expert keep pair order (stable).
+    expert_ids: torch.Tensor
+    #: int32 ``[P]``: token of each sorted row (``pair // top_k``).
+    token_ids: torch.Tensor
+    #: int32 ``[P]``: the sorted row of each pair (inverse of the sort): pair ``p``'s output is row
+    #: ``pair_rows[p]``. Used by the combine step.
+    pair_rows: torch.Tensor
+    #: int32 ``[E]``: end row of each expert's group (cumulative counts; an empty group repeats the
+    #: previous end). ``offsets[-1] == P``.
+    offsets: torch.Tensor
+    #: int32 ``[S]``: the touched experts, ascending, then ``-1`` for unused slots. A "slot" is a compact
+    #: expert index: kernels that work per touched expert (dequantize + grouped matmul) use slots.
+    slot_experts: torch.Tensor
+    #: int32 ``[S]``: end row of each slot's group (``offsets[slot_experts[j]]``; ``P`` for unused slots,
+    #: i.e. empty groups at the end): ``torch._grouped_mm``'s ``offs`` over the slot-compacted weights.
+    slot_offsets: torch.Tensor
+    #: int32 ``[]``: how many slots are used (distinct experts touched), on the device.
+    touched: torch.Tensor
+    #: tokens, experts per token, experts (host ints, from shapes only).
+    T: int
+    top_k: int
+    E: int
+
+    @property
+    def P(self) -> int:
+        """Number of (token, expert) pairs = sorted rows."""
+        return self.T * self.top_k
+
+    @property
+    def S(self) -> int:
+        """Number of expert slots, ``min(E, P)``: an upper bound of the touched experts."""
+        return num_slots(self.T, self.top_k, self.E)
+
+
+def num_slots(T: int, top_k: int, E: int) -> int:
+    """``min(E, T * top_k)``: the most experts a step of T tokens can touch."""
+    return min(E, T * top_k)
+
+
+def _check(topk_ids, topk_weights, E):
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64):
+        got = topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__
+        raise TypeError(f"topk_ids: expected an int32/int64 tensor, got {got}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids: expected shape [T, top_k], got {tuple(topk_ids.shape)}")
+    if topk_weights is not None and topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)} (that of topk_ids), "
+                         f"got {tuple(topk_weights.shape)}")
+    if not (isinstance(E, int) and E >= 1):
+        raise ValueError(f"E: expected a positive int, got {E}")
+
+
+def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = None) -> MoeRouting:
+    """Sort the pairs of ``topk_ids`` by expert (stable) and build the group tables; no host sync.
+
+    Parameters
+    ----------
+    topk_ids : int32/int64 ``[T, top_k]``, values in ``[0, E)`` (not checked: checking would sync).
+    E : number of experts.
+    topk_weights : float ``[T, top_k]`` or None (then all ones); stored as float32.
+
+    Example
+    -------
+    >>> r = align(torch.tensor([[2, 0], [2, 1]]), E=4)
+    >>> r.expert_ids.tolist(), r.token_ids.tolist(), r.offsets.tolist(), r.slot_experts.tolist()
+    ([0, 1, 2, 2], [0, 1, 0, 1], [1, 2, 4, 4], [0, 1, 2, -1])
+    """
+    _check(topk_ids, topk_weights, E)
+    T, top_k = topk_ids.shape
+    dev = topk_ids.device
+    P = T * top_k
+    S = num_slots(T, top_k, E)
+    flat = topk_ids.reshape(-1).to(torch.int32)
+    expert_ids, order = torch.sort(flat, stable=True)  # order: the pair of each sorted row
+    rows = torch.arange(P, device=dev, dtype=torch.int32)
+    pair_rows = torch.empty(P, device=dev, dtype=torch.int32).scatter_(0, order, rows)
+    token_ids = (order // top_k).to(torch.int32)
+    experts = torch.arange(E, device=dev, dtype=torch.int32)
+    offsets = torch.searchsorted(expert_ids, experts, right=True).to(torch.int32)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    present = counts > 0
+    slot = torch.cumsum(present, 0, dtype=torch.int32) - 1  # slot of each touched expert
+    # scatter the touched experts to their slots; untouched ones all land in a spare slot S, cut off after
+    where = torch.where(present, slot, torch.full_like(slot, S)).long()
+    slot_experts = torch.full((S + 1,), -1, device=dev, dtype=torch.int32)
+    slot_experts = slot_experts.scatter(0, where, experts)[:S].clone()
+    used = slot_experts >= 0
+    slot_offsets = torch.where(used, offsets[slot_experts.clamp(min=0).long()], torch.full_like(slot_experts, P))
+    touched = present.sum(dtype=torch.int32)
+    if topk_weights is None:
+        topk_weights = torch.ones(T, top_k, device=dev, dtype=torch.float32)
+    return MoeRouting(topk_weights=topk_weights.float().contiguous(), topk_ids=topk_ids.to(torch.int32).contiguous(),
+                      expert_ids=expert_ids.contiguous(), token_ids=token_ids, pair_rows=pair_rows,
+                      offsets=offsets, slot_experts=slot_experts, slot_offsets=slot_offsets.to(torch.int32),
+                      touched=touched, T=T, top_k=top_k, E=E)
+
+
+def align_reference(topk_ids: torch.Tensor, E: int) -> dict[str, torch.Tensor]:
+    """The fields of :func:`align` from Python loops (CPU int32 tensors), keyed by field name."""
+    ids = topk_ids.cpu().tolist()
+    T = len(ids)
+    top_k = len(ids[0]) if T else topk_ids.shape[1]
+    pairs = [(ids[t][s], t * top_k + s) for t in range(T) for s in range(top_k)]
+    pairs.sort()  # by expert, then by pair index: a stable sort of the flat ids
+    P = len(pairs)
+    expert_ids = [e for e, _ in pairs]
+    token_ids = [p // top_k for _, p in pairs]
+    pair_rows = [0] * P
+    for r, (_, p) in enumerate(pairs):
+        pair_rows[p] = r
+    offsets = [sum(1 for e2 in expert_ids if e2 <= e) for e in range(E)]
+    touched = sorted(set(expert_ids))
+    S = num_slots(T, top_k, E)
+    slot_experts = touched + [-1] * (S - len(touched))
+    slot_offsets = [offsets[e] if e >= 0 else P for e in slot_experts]
+    i32 = torch.int32
+    return {"expert_ids": torch.tensor(expert_ids, dtype=i32), "token_ids": torch.tensor(token_ids, dtype=i32),
+            "pair_rows": torch.tensor(pair_rows, dtype=i32), "offsets": torch.tensor(offsets, dtype=i32),
+            "slot_experts": torch.tensor(slot_experts, dtype=i32),
+            "slot_offsets": torch.tensor(slot_offsets, dtype=i32), "touched": torch.tensor(len(touched), dtype=i32)}

@@ -1,0 +1,131 @@
+"""Expert selection of an MoE layer: router logits ``[T, E]`` -> top-k experts and their weights per token.
+
+Two routers, both plain torch ops that never read device values on the host (graph-capturable):
+
+- ``"softmax"`` (Mixtral, Qwen2/3-MoE, Qwen3-Next): ``p = softmax(logits in float32)``, the top-k of ``p``
+  by ``torch.topk`` (so ties are broken exactly as Hugging Face's blocks break them), weights ``p`` of the
+  chosen experts, divided by their sum when ``renormalize`` (Mixtral always; Qwen3-MoE ``norm_topk_prob``).
+- ``"sigmoid"`` (DeepSeek-V3 style): ``s = sigmoid(logits)``; experts chosen on ``s + correction_bias``,
+  optionally only inside the ``topk_group`` best of ``n_group`` expert groups (a group scores the sum of
+  its two best); weights ``s`` of the chosen experts (without the bias), renormalised when asked, times
+  ``scaling``.
+
+:func:`select_experts` is the op; :func:`select_experts_reference` is a per-token loop, the test oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ROUTERS", "select_experts", "select_experts_reference"]
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def _check(router_logits, top_k, router, n_group, topk_group):
+    if not isinstance(router_logits, torch.Tensor) or not router_logits.is_floating_point():
+        got = router_logits.dtype if isinstance(router_logits, torch.Tensor) else type(router_logits).__name__
+        raise TypeError(f"router_logits: expected a floating-point tensor, got {got}")
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits: expected shape [T, E], got {tuple(router_logits.shape)}")
+    E = router_logits.shape[1]
+    if not (isinstance(top_k, int) and 1 <= top_k <= E):
+        raise ValueError(f"top_k: expected an int in [1, E={E}], got {top_k}")
+    if router not in ROUTERS:
+        raise ValueError(f"router: expected one of {ROUTERS}, got {router!r}")
+    if n_group < 1 or E % n_group:
+        raise ValueError(f"n_group: expected a divisor of E={E}, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: expected an int in [1, n_group={n_group}], got {topk_group}")
+    if n_group > 1 and topk_group * (E // n_group) < top_k:
+        raise ValueError(f"topk_group: {topk_group} groups of {E // n_group} experts cannot hold top_k={top_k}")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", renormalize: bool = True,
+                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` experts of each token and their weights.
+
+    Parameters
+    ----------
+    router_logits : float ``[T, E]`` (any float dtype; math in float32).
+    top_k : experts per token.
+    router : ``"softmax"`` or ``"sigmoid"`` (module docstring).
+    renormalize : divide the chosen weights by their sum.
+    correction_bias : float ``[E]`` added to the sigmoid scores for the choice only (``"sigmoid"``).
+    n_group, topk_group : group-limited choice (``"sigmoid"``; 1 and 1 = no groups).
+    scaling : factor on the final weights (DeepSeek's ``routed_scaling_factor``).
+
+    Returns
+    -------
+    (weights float32 ``[T, top_k]``, expert ids int32 ``[T, top_k]``), slots in ``torch.topk``'s order
+    (descending score).
+
+    Example
+    -------
+    >>> w, ids = select_experts(torch.randn(5, 8), 2)
+    >>> w.shape, ids.dtype
+    (torch.Size([5, 2]), torch.int32)
+    """
+    _check(router_logits, top_k, router, n_group, topk_group)
+    logits = router_logits.float()
+    if router == "softmax":
+        if correction_bias is not None or n_group != 1:
+            raise ValueError("correction_bias and n_group apply to router='sigmoid' only")
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if n_group > 1:
+            T, E = choice.shape
+            grouped = choice.view(T, n_group, E // n_group)
+            group_score = grouped.topk(min(2, E // n_group), dim=-1).values.sum(-1)  # [T, n_group]
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_group, dim=-1).indices, 1.0)
+            choice = grouped.masked_fill(keep[..., None] == 0, float("-inf")).view(T, E)
+        ids = torch.topk(choice, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if renormalize:
+        # the sigmoid weights can all be tiny; the softmax ones cannot (the top one is >= 1/E)
+        denom = weights.sum(-1, keepdim=True)
+        weights = weights / (denom + 1e-20 if router == "sigmoid" else denom)
+    if scaling != 1.0:
+        weights = weights * scaling
+    return weights, ids.to(torch.int32)
+
+
+def select_experts_reference(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax",
+                             renormalize: bool = True, correction_bias: torch.Tensor | None = None,
+                             n_group: int = 1, topk_group: int = 1,
+                             scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_experts` one token at a time in float64 for the weights (the choice in float32, as the
+    op makes it, so that near-ties resolve identically); ties go to the lower expert index (which is what
+    ``torch.topk`` does on the CPU; on the GPU compare only where scores are distinct)."""
+    _check(router_logits, top_k, router, n_group, topk_group)
+    T, E = router_logits.shape
+    W = torch.zeros(T, top_k, dtype=torch.float64)
+    I = torch.zeros(T, top_k, dtype=torch.int32)
+    for t in range(T):
+        row = router_logits[t].float().cpu()
+        if router == "softmax":
+            score = torch.softmax(row, -1)
+            choice = score.clone()
+        else:
+            score = torch.sigmoid(row)
+            choice = score + (0 if correction_bias is None else correction_bias.float().cpu())
+            if n_group > 1:
+                g = choice.view(n_group, E // n_group)
+                gs = [sorted(g[i].tolist(), reverse=True)[:2] for i in range(n_group)]
+                gscore = [sum(v) for v in gs]
+                best = sorted(range(n_group), key=lambda i: (-gscore[i], i))[:topk_group]
+                mask = torch.full((E,), float("-inf"))
+                for i in best:
+                    mask[i * (E // n_group):(i + 1) * (E // n_group)] = 0
+                choice = choice + mask
+        order = sorted(range(E), key=lambda e: (-float(choice[e]), e))[:top_k]
+        w = torch.tensor([float(score[e]) for e in order], dtype=torch.float64)
+        if renormalize:
+            w = w / w.sum()
+        W[t] = w * scaling
+        I[t] = torch.tensor(order, dtype=torch.int32)
+    return W, I
