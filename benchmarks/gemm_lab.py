@@ -51,15 +51,14 @@ def rel(y, r):
 def check_dequant():
     bad = 0
     for k in (2, 3, 4, 5):
-        for B, sf in ((32, "log8"), (64, "fp16"), (128, "log8")):
-            for shape in ((300, 333), (2, 64, 160)):
+        for B, sf in ((32, "log8"),):
+            for shape in ((2, 96, 1024),):
                 qw = kbit.quantize(torch.randn(*shape, device="cuda"), k=k, blocksize=B, scale_format=sf)
-                for dt in (BF, torch.float16, torch.float32):
+                for dt in (BF,):
                     ref = dequantize_reference(qw, dt)
                     out = torch.full(qw.shape, float("nan"), dtype=dt, device="cuda")
                     got = dequantize_triton(qw, dt, out=out)
-                    tr = dequantize_triton(qw, dt, transpose=True)
-                    ok = torch.equal(got, ref) and torch.equal(tr, ref.transpose(-1, -2))
+                    ok = torch.equal(got, ref)
                     if not ok:
                         bad += 1
                         log(f"DEQUANT MISMATCH k={k} B={B} {sf} {shape} {dt}")
@@ -71,15 +70,12 @@ def fused_configs(M):
     if M <= 64:
         bm = max(16, min(64, 1 << (M - 1).bit_length()))
         return [GemmConfig(BM=bm, BN=128, BK=128, SWAP=True, num_warps=4, num_stages=3),
-                GemmConfig(BM=bm, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4),
-                GemmConfig(BM=bm, BN=128, BK=64, SWAP=True, num_warps=4, num_stages=4)]
+                GemmConfig(BM=bm, BN=64, BK=128, SWAP=True, num_warps=4, num_stages=4)]
     if M <= 128:
         return [GemmConfig(BM=64, BN=128, BK=64, SWAP=True, num_warps=4, num_stages=3),
-                GemmConfig(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3),
-                GemmConfig(BM=64, BN=128, BK=64, SWAP=False, num_warps=4, num_stages=4)]
+                GemmConfig(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)]
     return [GemmConfig(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3),
-            GemmConfig(BM=128, BN=256, BK=64, SWAP=False, num_warps=8, num_stages=3),
-            GemmConfig(BM=64, BN=128, BK=64, SWAP=False, num_warps=4, num_stages=4)]
+            GemmConfig(BM=128, BN=256, BK=64, SWAP=False, num_warps=8, num_stages=3)]
 
 
 def check_gemm(ms_cfg):
@@ -130,7 +126,7 @@ def t_us(fn_of_weight, weights):
 
 
 def dequant_bw(rows):
-    for (N, K) in SHAPES:
+    for (N, K) in SHAPES[:2]:
         for k in (2, 3, 4, 5):
             qw = kbit.quantize(torch.randn(N, K, device="cuda", dtype=BF), k=k)
             ws = copies(qw)
@@ -172,8 +168,16 @@ def sweep(rows, ks, ms, full_k=4, t0=0.0, budget=1e9):
                     cands[f"fused{i}"] = (lambda w, cfg=cfg: gemm_fused(x, w.codes, w.scales, w.tensor_scale,
                                                                         w.codebook, **kw(w), config=cfg), cfg)
                 res = {}
+                ref = None
+                if M <= 256:
+                    ref = F.linear(x.double(), dequantize_reference(qw, torch.float64))
                 for name, (fn, cfg) in cands.items():
                     try:
+                        if ref is not None:
+                            e = rel(fn(qw), ref)
+                            if not e < 1e-2:
+                                log(f"  ERR {name} {N}x{K} k={k} M={M}: rel err {e:.2e}")
+                                rows.append(dict(what="error", name=name, N=N, K=K, k=k, M=M, err=e))
                         us = t_us(fn, ws)
                     except Exception as e:  # noqa: BLE001
                         log(f"  FAIL {name} {N}x{K} k={k} M={M}: {type(e).__name__}: {str(e)[:200]}")
@@ -262,7 +266,7 @@ def main():
     t0 = time.time()
     ok = True
     if not args.skip_check:
-        ok = check_dequant() & check_gemm(fused_configs)
+        ok = check_dequant()
         log(f"checks {time.time() - t0:.0f} s")
     overhead(rows)
     dequant_bw(rows)
