@@ -221,7 +221,7 @@ def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None 
 
 
 def combine_reference(y: torch.Tensor, routing: MoeRouting) -> torch.Tensor:
-    rows = y.double()[routing.pair_rows.long()].view(routing.T, routing.top_k, -1)
+    rows = y.double()[routing.pair_rows.long()].view(routing.T, routing.top_k, y.shape[1])
     return (routing.topk_weights.double()[..., None] * rows).sum(1)
 
 

@@ -1,0 +1,459 @@
+"""KbitMoE and its ops: routing and alignment exact against loops, the fused activation and combine kernels,
+the whole layer against a float64 reference and against Hugging Face's own blocks (Triton interpreter on the
+CPU, tiny shapes); on the GPU (marked ``gpu``): real model sizes, no host sync, CUDA graph == eager."""
+
+import functools
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:  # kernels run under the Triton interpreter; it must be chosen before the kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kbit.format.reference import dequantize_reference  # noqa: E402
+from kbit.nn.moe import KbitMoE, hf_parts  # noqa: E402
+from kbit.ops.moe import (  # noqa: E402
+    MoePlan,
+    choose_plan,
+    combine,
+    combine_reference,
+    moe_reference,
+    relative_error,
+    silu_mul,
+    silu_mul_reference,
+)
+from kbit.ops.moe_align import align, align_reference  # noqa: E402
+from kbit.ops.moe_router import select_experts, select_experts_reference  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+GEMV, MM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm")
+
+
+def _ids(T, top_k, E, gen, skew=False):
+    if T == 0:
+        return torch.zeros(0, top_k, dtype=torch.int32)
+    if skew:  # most tokens on experts 0..top_k-1, so many experts are untouched
+        return torch.stack([torch.randperm(min(E, top_k + 1), generator=gen)[:top_k] for _ in range(T)]).int()
+    return torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)]).int()
+
+
+def _stacks(E, H, I, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    dn = torch.randn(E, H, I, generator=g) / I**0.5
+    return gu.to(device), dn.to(device)
+
+
+def _dq(qw):
+    """float32 weights: the Triton dequantizer on the GPU (bit-exact with the reference, less memory)."""
+    if qw.device.type == "cuda":
+        from kbit.ops.dequant import dequantize_triton
+
+        return dequantize_triton(qw, torch.float32)
+    return dequantize_reference(qw)
+
+
+def _check_layer(m: KbitMoE, x, logits, plan=None, tol=1e-2):
+    out = m(x, logits, plan=plan)
+    r = m.route(logits)
+    ref = moe_reference(x, r.topk_weights, r.topk_ids, _dq(m.gate_up_weight()), _dq(m.down_weight()))
+    assert out.dtype == x.dtype and out.shape == x.shape
+    err = relative_error(out, ref)
+    assert err < tol, f"relative error {err:.3g} >= {tol} ({plan})"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+
+@pytest.mark.parametrize("router,kw", [
+    ("softmax", dict(renormalize=True)),
+    ("softmax", dict(renormalize=False)),
+    ("sigmoid", dict(renormalize=True, scaling=2.5)),
+    ("sigmoid", dict(renormalize=False, n_group=4, topk_group=2)),
+])
+def test_select_experts_vs_reference(router, kw):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(13, 16, generator=g)
+    if router == "sigmoid":
+        kw = dict(kw, correction_bias=torch.randn(16, generator=g) * 0.1)
+    w, ids = select_experts(logits, 4, router=router, **kw)
+    w_ref, ids_ref = select_experts_reference(logits, 4, router=router, **kw)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_softmax_ties_and_selection_match_hf_router():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as q
+
+    if not hasattr(q, "Qwen3MoeTopKRouter"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3MoeTopKRouter")
+    E = 12
+    cfg = q.Qwen3MoeConfig(hidden_size=E, num_experts=E, num_experts_per_tok=3, norm_topk_prob=True)
+    router = q.Qwen3MoeTopKRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))  # logits = hidden
+    logits = torch.randint(0, 3, (40, E)).float()  # many ties
+    _, w_hf, ids_hf = router(logits)
+    w, ids = select_experts(logits, 3, renormalize=True)
+    assert torch.equal(ids.long(), ids_hf)
+    torch.testing.assert_close(w, w_hf.float())
+
+
+def test_select_experts_errors():
+    with pytest.raises(ValueError, match="top_k"):
+        select_experts(torch.randn(2, 4), 5)
+    with pytest.raises(ValueError, match="router"):
+        select_experts(torch.randn(2, 4), 2, router="relu")
+    with pytest.raises(ValueError, match="sigmoid"):
+        select_experts(torch.randn(2, 4), 2, n_group=2, topk_group=1)
+
+
+# ------------------------------------------------------------------------------------------------ alignment
+
+
+@dataclass(frozen=True)
+class AlignCase:
+    T: int
+    top_k: int
+    E: int
+    skew: bool = False
+
+
+ALIGN_CASES = [AlignCase(0, 2, 4), AlignCase(1, 1, 1), AlignCase(1, 8, 128), AlignCase(3, 2, 8),
+               AlignCase(7, 3, 5), AlignCase(64, 8, 16), AlignCase(33, 4, 64, skew=True),
+               AlignCase(200, 10, 512)]
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=str)
+def test_align_exact(case):
+    g = torch.Generator().manual_seed(case.T)
+    ids = _ids(case.T, case.top_k, case.E, g, case.skew)
+    r = align(ids.to(DEV), case.E)
+    assert r.P == case.T * case.top_k and r.S == min(case.E, r.P)
+    for name, want in align_reference(ids, case.E).items():
+        got = getattr(r, name)
+        assert got.dtype == torch.int32, name
+        assert torch.equal(got.cpu(), want), f"{name}: {got.tolist()} != {want.tolist()}"
+
+
+# ------------------------------------------------------------------------------------------------ element-wise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("P,I", [(0, 8), (3, 37), (5, 128)])
+def test_silu_mul(dtype, P, I):
+    gu = (torch.randn(P, 2 * I) * 3).to(dtype).to(DEV)
+    out = silu_mul(gu)
+    assert out.shape == (P, I) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out.double(), silu_mul_reference(gu), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,top_k,E,H", [(0, 2, 4, 8), (1, 1, 3, 5), (6, 3, 8, 70)])
+def test_combine(dtype, T, top_k, E, H):
+    g = torch.Generator().manual_seed(T)
+    r = align(_ids(T, top_k, E, g).to(DEV), E, torch.rand(T, top_k, generator=g).to(DEV))
+    y = torch.randn(T * top_k, H, generator=g).to(dtype).to(DEV)
+    out = combine(y, r)
+    assert out.shape == (T, H) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), combine_reference(y, r), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------------ layer
+
+
+@pytest.mark.parametrize("dtype,plan,k", [
+    (torch.float32, MM, 2),
+    (torch.float16, GEMV, 4),
+    (torch.float16, MoePlan("grouped_mm", "gemv"), 5),
+    (torch.float16, None, 3),
+])
+def test_layer_vs_reference(dtype, plan, k):
+    E, H, I, top_k, T = 6, 64, 40, 2, 5
+    gu, dn = _stacks(E, H, I, seed=k)
+    m = KbitMoE.from_float(gu, dn, top_k=top_k, k=k, dtype=dtype).to(DEV)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(T, H, generator=g).to(dtype).to(DEV)
+    _check_layer(m, x, torch.randn(T, E, generator=g).to(DEV), plan)
+
+
+def test_layer_sigmoid_router_shared_expert_and_3d_input():
+    E, H, I, top_k = 8, 32, 32, 3
+    gu, dn = _stacks(E, H, I, seed=3)
+    shared = torch.nn.Sequential(torch.nn.Linear(H, 16, bias=False), torch.nn.SiLU(), torch.nn.Linear(16, H))
+    sgate = torch.nn.Linear(H, 1, bias=False)
+    m = KbitMoE.from_float(gu, dn, top_k=top_k, k=4, router="sigmoid", routed_scaling_factor=2.0, n_group=2,
+                           topk_group=1, correction_bias=torch.randn(E) * 0.1, shared_expert=shared,
+                           shared_expert_gate=sgate, dtype=torch.float32).to(DEV)
+    x = torch.randn(2, 3, H, device=DEV)
+    logits = torch.randn(6, E, device=DEV)
+    with torch.no_grad():
+        out = m(x, logits, plan=MM)
+        r = m.route(logits)
+        x2 = x.reshape(-1, H)
+        ref = moe_reference(x2, r.topk_weights, r.topk_ids, dequantize_reference(m.gate_up_weight()),
+                            dequantize_reference(m.down_weight()))
+        ref = ref + (torch.sigmoid(sgate(x2)) * shared(x2)).double()
+    w_ref, ids_ref = select_experts_reference(logits.cpu(), top_k, router="sigmoid", renormalize=True,
+                                              correction_bias=m.correction_bias.cpu(), n_group=2, topk_group=1,
+                                              scaling=2.0)
+    assert torch.equal(r.topk_ids.cpu(), ids_ref)
+    assert out.shape == x.shape
+    assert relative_error(out.reshape(-1, H), ref) < 1e-5
+
+
+def test_state_dict_round_trip_and_errors():
+    E, H, I = 4, 32, 32
+    gu, dn = _stacks(E, H, I)
+    m = KbitMoE.from_float(gu, dn, top_k=2, k=2, dtype=torch.float32, router_weight=torch.randn(E, H))
+    fresh = KbitMoE(E, H, I, 2, k=2, dtype=torch.float32, has_router_weight=True)
+    fresh.load_state_dict(m.state_dict())
+    x = torch.randn(3, H)
+    assert torch.equal(fresh(x, plan=MM), m(x, plan=MM))
+    with pytest.raises(ValueError, match="k="):
+        KbitMoE(E, H, I, 2, k=3, has_router_weight=True).load_state_dict(m.state_dict())
+    with pytest.raises(ValueError, match="router_logits"):
+        m(x, torch.randn(3, E + 1))
+    with pytest.raises(ValueError, match="hidden"):
+        m(torch.randn(3, H + 1))
+
+
+def test_zero_tokens():
+    m = KbitMoE.from_float(*_stacks(4, 32, 32), top_k=2, k=4, dtype=torch.float32)
+    assert m(torch.zeros(0, 32), torch.zeros(0, 4)).shape == (0, 32)
+
+
+def test_choose_plan():
+    f16 = torch.float16
+    assert choose_plan(1, 8, 128, 2048, 768, f16, DEV) == GEMV
+    assert choose_plan(64, 8, 128, 2048, 768, f16, DEV) == GEMV  # 4 rows per expert
+    assert choose_plan(256, 8, 128, 2048, 768, f16, DEV) == MM
+    assert choose_plan(1, 2, 8, 64, 64, torch.float32, DEV) == MM  # no fp32 GEMV
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+def _hf_block(kind, E=8, H=64, I=32, top_k=2, norm=True, dtype=torch.float32):
+    pytest.importorskip("transformers")
+    if kind == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=top_k)
+    elif kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k,
+                             norm_topk_prob=norm)
+    else:
+        tr = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+        Block = tr.Qwen3NextSparseMoeBlock
+        cfg = tr.Qwen3NextConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k,
+                                 norm_topk_prob=norm, shared_expert_intermediate_size=I)
+    torch.manual_seed(0)
+    block = Block(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return block.to(dtype).eval()
+
+
+def _set_hf_experts(block, m: KbitMoE):
+    """Replace the block's expert weights by the dequantized kbit weights (fused or per-expert layout)."""
+    gu = dequantize_reference(m.gate_up_weight()).to(block.gate.weight.dtype)
+    dn = dequantize_reference(m.down_weight()).to(block.gate.weight.dtype)
+    ex = block.experts
+    with torch.no_grad():
+        if hasattr(ex, "gate_up_proj"):
+            ex.gate_up_proj.copy_(gu)
+            ex.down_proj.copy_(dn)
+        else:
+            I = m.intermediate_size
+            for e, mod in enumerate(ex):
+                g, u, d = (mod.gate_proj, mod.up_proj, mod.down_proj) if hasattr(mod, "gate_proj") else \
+                    (mod.w1, mod.w3, mod.w2)
+                g.weight.copy_(gu[e, :I])
+                u.weight.copy_(gu[e, I:])
+                d.weight.copy_(dn[e])
+
+
+def _hf_choice(block, x):
+    """The experts the HF block picks: its router's output (transformers >= 5) or the top-k of its gate's
+    softmax (the older blocks compute it inline)."""
+    if isinstance(block.gate, torch.nn.Linear):
+        return torch.topk(torch.softmax(block.gate(x).float(), -1), block.top_k).indices
+    return block.gate(x)[2]
+
+
+def _hf_out(block, x):
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out  # transformers < 5 also returns the router logits
+
+
+@pytest.mark.parametrize("kind,norm,k", [("qwen3_moe", True, 4), ("qwen3_moe", False, 3), ("mixtral", True, 2),
+                                         ("qwen3_next", True, 4)])
+def test_hf_block(kind, norm, k):
+    block = _hf_block(kind, norm=norm)
+    m = KbitMoE.from_hf(block, k=k)
+    assert m.norm_topk_prob == norm and m.top_k == 2
+    _set_hf_experts(block, m)
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        ref = _hf_out(block, x)
+        out = m(x, plan=MM)
+        ids_hf = _hf_choice(block, x.view(-1, 64))
+    r = m.route(torch.nn.functional.linear(x.view(-1, 64), m.router_weight))
+    assert torch.equal(r.topk_ids.long(), ids_hf)
+    assert relative_error(out, ref) < 1e-2
+
+
+def test_hf_block_fp16_gemv():
+    block = _hf_block("qwen3_moe", dtype=torch.float16)
+    m = KbitMoE.from_hf(block, k=4)
+    assert m.dtype == torch.float16
+    _set_hf_experts(block, m)
+    x = torch.randn(1, 3, 64).half()
+    with torch.no_grad():
+        assert relative_error(m(x, plan=GEMV), _hf_out(block, x)) < 1e-2
+
+
+class _LegacyBlock(torch.nn.Module):
+    """The transformers < 5 layout: a gate ``nn.Linear`` and a ``ModuleList`` of expert MLPs."""
+
+    def __init__(self, fused, names, mixtral):
+        super().__init__()
+        E, I2, H = fused.experts.gate_up_proj.shape
+        I = I2 // 2
+        self.top_k = fused.gate.top_k
+        if not mixtral:
+            self.norm_topk_prob = fused.gate.norm_topk_prob
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.gate.weight.data.copy_(fused.gate.weight.data)
+        mlps = []
+        for e in range(E):
+            mlp = torch.nn.Module()
+            for n, (o, i), w in zip(names, ((I, H), (I, H), (H, I)),
+                                    (fused.experts.gate_up_proj[e, :I], fused.experts.gate_up_proj[e, I:],
+                                     fused.experts.down_proj[e]), strict=True):
+                lin = torch.nn.Linear(i, o, bias=False)
+                lin.weight.data.copy_(w.data)
+                setattr(mlp, n, lin)
+            mlp.act_fn = torch.nn.SiLU()
+            mlps.append(mlp)
+        self.experts = torch.nn.ModuleList(mlps)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_hf_legacy_layout_matches_fused(kind):
+    fused = _hf_block(kind)
+    mixtral = kind == "mixtral"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    legacy = _LegacyBlock(fused, names, mixtral)
+    if mixtral:  # from_hf knows Mixtral (always renormalised) by the class name
+        legacy.__class__ = type("MixtralSparseMoeBlock", (_LegacyBlock,), {})
+    a, b = hf_parts(fused), hf_parts(legacy)
+    for key in ("w_gate_up", "w_down", "router_weight"):
+        assert torch.equal(a[key], b[key]), key
+    assert (a["top_k"], a["norm_topk_prob"]) == (b["top_k"], b["norm_topk_prob"])
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+QWEN3_30B = dict(E=128, top_k=8, H=2048, I=768)
+QWEN3_NEXT = dict(E=512, top_k=10, H=2048, I=512)
+
+
+@functools.lru_cache(maxsize=2)
+def _gpu_layer(E, top_k, H, I, k=4, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    gu = torch.randn(E, 2 * I, H, device="cuda", generator=g, dtype=torch.bfloat16) / H**0.5
+    dn = torch.randn(E, H, I, device="cuda", generator=g, dtype=torch.bfloat16) / I**0.5
+    return KbitMoE.from_float(gu, dn, top_k=top_k, k=k, dtype=torch.bfloat16)
+
+
+def _inputs(T, E, H, seed=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(T, H, device="cuda", generator=g).bfloat16(),
+            torch.randn(T, E, device="cuda", generator=g).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [QWEN3_30B, QWEN3_NEXT], ids=["qwen3-30b-a3b", "qwen3-next"])
+@pytest.mark.parametrize("T", [1, 4, 64, 300])
+@pytest.mark.parametrize("plan", [None, GEMV, MM], ids=["auto", "gemv", "grouped_mm"])
+def test_gpu_layer_real_sizes(shape, T, plan):
+    m = _gpu_layer(**shape)
+    x, logits = _inputs(T, shape["E"], shape["H"])
+    _check_layer(m, x, logits, plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_mixtral_size(T):
+    m = _gpu_layer(E=8, top_k=2, H=4096, I=14336, k=3)
+    x, logits = _inputs(T, 8, 4096)
+    _check_layer(m, x, logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,plan", [(4, GEMV), (300, MM), (64, MoePlan("gemv", "grouped_mm"))])
+def test_gpu_no_host_sync(T, plan):
+    m = _gpu_layer(**QWEN3_30B)
+    x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])
+    m(x, logits, plan=plan)  # warm-up: Triton compiles, tables are built and cached
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = m(x, logits, plan=plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,plan", [(1, None), (16, GEMV), (512, MM)])
+def test_gpu_cuda_graph_equals_eager(T, plan):
+    m = _gpu_layer(**QWEN3_30B)
+    x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])
+    m(x, logits, plan=plan)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(x, logits, plan=plan)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = m(x, logits, plan=plan)
+    for seed in (2, 3):  # new inputs into the captured buffers: a different routing each time
+        x2, l2 = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"], seed=seed)
+        x.copy_(x2)
+        logits.copy_(l2)
+        graph.replay()
+        eager = m(x2, l2, plan=plan)
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+def test_gpu_hf_qwen3_bf16():
+    pytest.importorskip("transformers")
+    block = _hf_block("qwen3_moe", E=128, H=2048, I=768, top_k=8, norm=True, dtype=torch.bfloat16).cuda()
+    m = KbitMoE.from_hf(block, k=4)
+    _set_hf_experts(block, m)
+    x = torch.randn(1, 37, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = _hf_out(block, x)
+        out = m(x)
+        ids_hf = _hf_choice(block, x.view(-1, 2048))
+    r = m.route(torch.nn.functional.linear(x.view(-1, 2048), m.router_weight))
+    assert torch.equal(r.topk_ids.long(), ids_hf)
+    assert relative_error(out, ref) < 1e-2
