@@ -157,12 +157,12 @@ def test_gemv_split_k(split):
     cfg = GemvConfig(BN=8, G=2, num_warps=4, split=split)
     check_gemv(9, 400, 4, 2, torch.float16, device=DEV, bias=True, config=cfg)
     check_gemv(9, 512, 3, 1, torch.bfloat16, device=DEV, config=GemvConfig(BN=8, G=2, num_warps=4, split=split,
-                                                                            num_stages=3, pps=2))
+                                                                            num_stages=3, pps=2, pipelined=True))
 
 
-@pytest.mark.parametrize("k,cfg", [(4, GemvConfig(BN=4, G=1, num_warps=4, pps=1)),
-                                   (3, GemvConfig(BN=4, G=2, num_warps=4, pps=1, split=2)),
-                                   (5, GemvConfig(BN=4, G=1, num_warps=4, num_stages=3, pps=1))])
+@pytest.mark.parametrize("k,cfg", [(4, GemvConfig(BN=4, G=1, num_warps=4, pps=1, pipelined=True)),
+                                   (3, GemvConfig(BN=4, G=2, num_warps=4, pps=1, split=2, pipelined=True)),
+                                   (5, GemvConfig(BN=4, G=1, num_warps=4, num_stages=3, pps=1, pipelined=True))])
 def test_gemv_persistent(k, cfg):
     """More tiles than program slots (132 SMs x pps): each program walks several tiles in one flat loop and
     must write every tile's rows once, with its own bias and scales."""
@@ -240,7 +240,7 @@ def test_config_lookup():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("N,K_", [(2880, 5120), (5120, 2880), (1, 18944), (18944, 1), (4096, 4096), (20000, 1024)])
 def test_gemv_gpu(k, dtype, N, K_):
-    for M in (1, 2, 3, 4, 5, 6, 7, 8):
+    for M in (1, 2, 3, 4, 5, 6, 7, 8):  # the default configs: v3 (pipelined) at N <= 8192, M <= 4, else v2
         # poison: fill the allocator's next blocks with NaN so unwritten outputs show
         torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
         check_gemv(N, K_, k, M, dtype, device="cuda", seed=M)
@@ -268,9 +268,10 @@ def test_grouped_gemv_gpu(k):
     tok = torch.arange(T, device="cuda", dtype=torch.int32).repeat_interleave(8)
     exp = torch.randint(0, E, (T * 8,), device="cuda", dtype=torch.int32)
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
-    y = G.grouped_gemv(x, tok, exp, codes, scales, ts, cb, **kw)
     ref = G.grouped_gemv_reference(x, tok, exp, codes, scales, ts, cb, **kw)
-    assert rel_err(y, ref) < tol(torch.bfloat16)
+    for cfg in (None, GemvConfig(BN=4, G=32, num_warps=4, num_stages=4, pps=8, pipelined=True)):
+        y = G.grouped_gemv(x, tok, exp, codes, scales, ts, cb, config=cfg, **kw)
+        assert rel_err(y, ref) < tol(torch.bfloat16), cfg
 
 
 def test_lookup_table_cache_follows_the_tensor():

@@ -374,7 +374,7 @@ def _load_x_vec(x32_ptr, xoff, NP: tl.constexpr, PERMUTE: tl.constexpr):
 
 
 @triton.jit
-def _scale(sw_ptr, soff, mask, LOG8: tl.constexpr):
+def _scale_words(sw_ptr, soff, mask, LOG8: tl.constexpr):
     """Block scales (fp32) at element offsets ``soff`` of the scales tensor, read as the aligned int32 word that
     holds each one: a 4-byte load can go through cp.async (a 1-byte one cannot, and then stalls every step).
     The last word may extend up to 3 bytes past the tensor (allocations are padded to >= 256 bytes)."""
@@ -424,8 +424,171 @@ def _out(y_ptr, off, acc, ts, bias, rows, row_ok, SPLIT: tl.constexpr):
         tl.store(y_ptr + off + rows, v.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
+@triton.jit
+def _scale(s_raw, LOG8: tl.constexpr):
+    if LOG8:
+        q = s_raw.to(tl.float32)
+        r = tl.where(q < 255.0, tl.exp2(q * -0.0625), 0.0)
+    else:
+        r = s_raw.to(tl.float32)
+    return r
+
+
 # --------------------------------------------------------------------------------------------------------
-# the kernel
+# the kernel, v2: one program per (row block, K split), plain loop
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gemv_kernel(
+    x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
+    codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
+    tok_ptr, exp_ptr,  # grouped: int32 [P] each
+    N, K2, NG, NB, gpb_shift, GS,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
+    stride_xm, stride_ym, stride_ce, stride_se, stride_be,
+    K_BITS: tl.constexpr, LOG8: tl.constexpr, M: tl.constexpr,
+    BN: tl.constexpr, G: tl.constexpr, BF16: tl.constexpr, USE_ASM: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, XTAIL: tl.constexpr, EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, LASM: tl.constexpr, LCONS: tl.constexpr, DASM: tl.constexpr,
+    DCONS: tl.constexpr,
+):
+    """y[m, n] = sum_i x[m, i] * codebook[code[n, i]] * scale[n, i // B] (per matrix: * tensor_scale).
+
+    Dense: grid (cdiv(N, BN), 1), rows m = 0..M-1 of x, y [M, N].
+    SPLIT: grid (cdiv(N, BN), 1, splits); y is a zeroed fp32 workspace that the splits add into.
+    Grouped: grid (cdiv(N, BN), P), program (., p) computes y[p, :] = x[tok[p]] @ W[exp[p]]^T (M = 1).
+    """
+    pid_n = tl.program_id(0)
+    g_lo = 0
+    g_hi = NG
+    if SPLIT:  # program (., ., s) covers groups [s * GS, s * GS + GS)
+        pid_k = tl.program_id(2)
+        g_lo = pid_k * GS
+        g_hi = tl.minimum(NG, g_lo + GS)
+    WPG: tl.constexpr = 2 if K_BITS < 4 else 4  # plane-0 words per 32-column group
+    CPW: tl.constexpr = 32 // WPG  # codes per plane-0 word
+    NP: tl.constexpr = CPW // 2  # activation pairs per word
+    HAS_H: tl.constexpr = K_BITS == 3 or K_BITS == 5
+    WROW = NG * (WPG + HAS_H)  # words per row
+    if GROUPED:
+        pid_p = tl.program_id(1)
+        tok = tl.load(tok_ptr + pid_p)
+        e = tl.load(exp_ptr + pid_p).to(tl.int64)
+        codes_ptr += e * stride_ce
+        scales_ptr += e * stride_se
+        ts_ptr += e
+        x32_ptr += tok.to(tl.int64) * stride_xm
+        y_ptr += pid_p.to(tl.int64) * stride_ym
+        if HAS_BIAS:
+            bias_ptr += e * stride_be
+    rows = pid_n * BN + tl.arange(0, BN)
+    row_ok = rows < N
+    rows = tl.where(row_ok, rows, 0)  # clamp: loads stay in bounds without a mask on the row
+    r3 = rows[:, None, None].to(tl.int64)
+    g3 = tl.arange(0, G)[None, :, None]
+    j = tl.arange(0, WPG)[None, None, :]
+    if USE_ASM:
+        tab = _table(tab_ptr, K_BITS)
+    acc0 = tl.zeros([BN, G], tl.float32)
+    acc1 = tl.zeros([BN, G], tl.float32)
+    acc2 = tl.zeros([BN, G], tl.float32)
+    acc3 = tl.zeros([BN, G], tl.float32)
+    acc4 = tl.zeros([BN, G], tl.float32)
+    acc5 = tl.zeros([BN, G], tl.float32)
+    acc6 = tl.zeros([BN, G], tl.float32)
+    acc7 = tl.zeros([BN, G], tl.float32)
+    crow = codes_ptr + r3 * WROW
+    srow = scales_ptr + r3 * NB
+    if PREFETCH:  # registers double-buffer the next step's codes and scales (needs EVEN_K)
+        wn = tl.load(crow + (g_lo + g3) * WPG + j)
+        sn = tl.load(srow + ((g_lo + g3) >> gpb_shift))
+        if HAS_H:
+            hn = tl.load(crow + NG * WPG + (((g_lo + g3) << gpb_shift) >> gpb_shift))
+    for g0 in range(g_lo, g_hi, G):
+        gg = g0 + g3  # [1, G, 1]
+        if PREFETCH:
+            g_ok = gg >= 0
+            w = wn
+            s3 = sn
+            gq = (g0 + G) % NG + g3  # wraps on the last step: a harmless re-read
+            wn = tl.load(crow + gq * WPG + j)
+            sn = tl.load(srow + (gq >> gpb_shift))
+        elif EVEN_K:  # no K tail anywhere: no masks
+            g_ok = gg >= 0
+            w = tl.load(crow + gg * WPG + j)  # [BN, G, WPG]
+            s3 = tl.load(srow + (gg >> gpb_shift))  # [BN, G, 1]
+        else:
+            g_ok = gg < NG
+            w = tl.load(crow + gg * WPG + j, mask=g_ok, other=0)
+            s3 = tl.load(srow + (gg >> gpb_shift), mask=g_ok, other=0)
+        # a [BN, G, 1] load reduced over its unit axis lands in the accumulator's layout (no conversion);
+        # the run-time shift keeps the compiler from vectorizing it along G into another layout
+        s = tl.sum(_scale(s3, LOG8), axis=2)  # [BN, G]
+        h = w  # unused unless HAS_H
+        if HAS_H:
+            gh = (gg << gpb_shift) >> gpb_shift  # = gg; opaque, so the load keeps the codes' layout
+            if PREFETCH:
+                hw = hn
+                hn = tl.load(crow + NG * WPG + ((gq << gpb_shift) >> gpb_shift))
+            elif EVEN_K:
+                hw = tl.load(crow + NG * WPG + gh)  # [BN, G, 1]
+            else:
+                hw = tl.load(crow + NG * WPG + gh, mask=g_ok, other=0)
+            h = hw >> (j * CPW)
+        vals = w
+        if USE_ASM:
+            vals = _lookup_asm(w, h, tab, K_BITS, LASM, LCONS)
+        zero = tl.zeros([BN, G], tl.float32)
+        acc0 += s * _row_dot(x32_ptr, 0, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                             K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 1:
+            acc1 += s * _row_dot(x32_ptr, stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 2:
+            acc2 += s * _row_dot(x32_ptr, 2 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 3:
+            acc3 += s * _row_dot(x32_ptr, 3 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 4:
+            acc4 += s * _row_dot(x32_ptr, 4 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 5:
+            acc5 += s * _row_dot(x32_ptr, 5 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 6:
+            acc6 += s * _row_dot(x32_ptr, 6 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+        if M > 7:
+            acc7 += s * _row_dot(x32_ptr, 7 * stride_xm, vals, w, h, cb_ptr, gg, j, g_ok, K2, zero,
+                                 K_BITS, NP, CPW, BF16, USE_ASM, DASM, DCONS, XTAIL, EVEN_K, False)
+    ts = 1.0
+    if LOG8:  # fp16 scales are absolute (docs/format.md): tensor_scale is not applied
+        ts = tl.load(ts_ptr)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0).to(tl.float32)
+        if SPLIT:
+            bias = bias * (pid_k == 0).to(tl.float32)
+    _out(y_ptr, 0, acc0, ts, bias, rows, row_ok, SPLIT)
+    if M > 1:
+        _out(y_ptr, stride_ym, acc1, ts, bias, rows, row_ok, SPLIT)
+    if M > 2:
+        _out(y_ptr, 2 * stride_ym, acc2, ts, bias, rows, row_ok, SPLIT)
+    if M > 3:
+        _out(y_ptr, 3 * stride_ym, acc3, ts, bias, rows, row_ok, SPLIT)
+    if M > 4:
+        _out(y_ptr, 4 * stride_ym, acc4, ts, bias, rows, row_ok, SPLIT)
+    if M > 5:
+        _out(y_ptr, 5 * stride_ym, acc5, ts, bias, rows, row_ok, SPLIT)
+    if M > 6:
+        _out(y_ptr, 6 * stride_ym, acc6, ts, bias, rows, row_ok, SPLIT)
+    if M > 7:
+        _out(y_ptr, 7 * stride_ym, acc7, ts, bias, rows, row_ok, SPLIT)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the kernel, v3: pipelined K loop, persistent flat tile loop
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -448,7 +611,7 @@ def _flush(y_ptr, m: tl.constexpr, stride_ym, acc, ts, bias, rows, row_ok, SPLIT
 
 
 @triton.jit
-def gemv_kernel(
+def gemv_kernel_v3(
     x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
     codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
     tok_ptr, exp_ptr,  # grouped: int32 [P] each
@@ -530,11 +693,11 @@ def gemv_kernel(
         if EVEN_K:  # no K tail anywhere: no masks
             g_ok = gg >= 0
             w = tl.load(crow + gg * WPG + j)  # [BN, G, WPG]
-            s3 = _scale(sw_ptr, soff, None, LOG8)  # [BN, G, 1]
+            s3 = _scale_words(sw_ptr, soff, None, LOG8)  # [BN, G, 1]
         else:
             g_ok = gg < g_end
             w = tl.load(crow + gg * WPG + j, mask=g_ok, other=0)
-            s3 = _scale(sw_ptr, soff, g_ok, LOG8)
+            s3 = _scale_words(sw_ptr, soff, g_ok, LOG8)
         # a [BN, G, 1] load reduced over its unit axis lands in the accumulator's layout (no conversion);
         # the run-time shift keeps the compiler from vectorizing it along G into another layout
         s = tl.sum(s3, axis=2)  # [BN, G]

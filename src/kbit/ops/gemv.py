@@ -141,32 +141,37 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     sms = _sms(dev)
     n_rb = triton_cdiv(N, cfg.BN)
     splits, gs = _splits(cfg, n_rb * P, ng, grouped, sms)
-    even_k = K == Kp and ng % cfg.G == 0 and ng % gs == 0
-    spt = gs // cfg.G  # K steps per tile
-    nt = n_rb * splits  # tiles per matrix
-    programs = _programs(cfg, nt, P, sms)
+    xtail = x32.shape[-1] % np_ != 0
     out = y
     if splits > 1:
         out = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-    if scales.data_ptr() % 4:  # the kernel reads scales as aligned int32 words
-        scales = scales.clone()
-    xtail = x32.shape[-1] % np_ != 0
-    xvec = use_asm and even_k and not xtail and x32.data_ptr() % 16 == 0 and x32.stride(0) % 4 == 0
     lead_c = codes.stride(0) if grouped else 0
-    lead_s = scales.stride(0) if grouped else 0
     lead_b = bias.stride(0) if (grouped and bias is not None) else 0
-    _k.gemv_kernel[(programs, P if grouped else 1)](
-        x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, out,
-        tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale,
-        N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs, nt, spt, splits,
-        x32.stride(0), out.stride(0), lead_c, lead_s, lead_b,
-        K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16,
-        USE_ASM=use_asm, GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=xtail,
-        EVEN_K=even_k, SPLIT=splits > 1,
-        LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
-        DCONS=_k.DOT_CONS[(np_, bf16)], STAGES=cfg.num_stages if use_asm else 1, XVEC=xvec,
-        num_warps=cfg.num_warps, num_stages=1,
-    )
+    common = dict(K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16, USE_ASM=use_asm,
+                  GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=xtail, SPLIT=splits > 1,
+                  LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
+                  DCONS=_k.DOT_CONS[(np_, bf16)], num_warps=cfg.num_warps)
+    ids = (tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale)
+    if not cfg.pipelined:  # v2: a program per (row block, K split), plain loop
+        even_k = K == Kp and ng % cfg.G == 0
+        lead_s = scales.stride(0) if grouped else 0
+        _k.gemv_kernel[(n_rb, P if grouped else 1, splits)](
+            x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, out, *ids,
+            N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs,
+            x32.stride(0), out.stride(0), lead_c, lead_s, lead_b,
+            EVEN_K=even_k, PREFETCH=False, num_stages=1, **common)
+    else:  # v3: pipelined, persistent
+        even_k = K == Kp and ng % cfg.G == 0 and ng % gs == 0
+        if scales.data_ptr() % 4:  # the kernel reads scales as aligned int32 words
+            scales = scales.clone()
+        lead_s = scales.stride(0) if grouped else 0
+        nt = n_rb * splits  # tiles per matrix
+        xvec = use_asm and even_k and not xtail and x32.data_ptr() % 16 == 0 and x32.stride(0) % 4 == 0
+        _k.gemv_kernel_v3[(_programs(cfg, nt, P, sms), P if grouped else 1)](
+            x32, codes, scales, tensor_scale, tab, codebook, bias if bias is not None else y, out, *ids,
+            N, x32.shape[-1], ng, Kp // blocksize, (blocksize // 32).bit_length() - 1, gs, nt, gs // cfg.G,
+            splits, x32.stride(0), out.stride(0), lead_c, lead_s, lead_b,
+            EVEN_K=even_k, STAGES=cfg.num_stages if use_asm else 1, XVEC=xvec, num_stages=1, **common)
     if splits > 1:
         y.copy_(out)
 

@@ -21,9 +21,10 @@ class GemvConfig:
     BN: int  # weight rows per program
     G: int  # 32-column groups per K step (K step = 32 * G columns)
     num_warps: int
-    num_stages: int = 4  # software-pipelining depth of the K loop (cp.async stages; 1 = none)
+    num_stages: int = 4  # pipelined kernel: software-pipelining depth of the K loop (cp.async stages)
     split: int = 0  # K splits (dense only): 0 = choose from the grid size, 1 = none
-    pps: int = 0  # persistent grid: programs per SM (0 = one program per tile)
+    pps: int = 0  # pipelined kernel: programs per SM of the persistent grid (0 = one program per tile)
+    pipelined: bool = False  # the v3 kernel (cp.async pipeline, persistent); False: v2 (plain loop)
 
     def as_dict(self):
         return asdict(self)
@@ -58,19 +59,18 @@ def _table(key: str) -> dict:
 
 
 def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False, P: int = 1) -> GemvConfig:
-    """v3 (docs/notes/gemv.md): tiles of ~2 KB of codes (BN rows x G groups of 32 columns, 128 threads),
-    a 4-deep cp.async pipeline, a persistent grid of 8 programs per SM. Fewer row blocks than program slots:
-    thinner tiles (BN = 4, G = 32) before any K split."""
+    """From the H100 runs 2-4 (docs/notes/gemv.md). Few row blocks (N <= 8192) and M <= 4: the pipelined,
+    persistent v3 kernel with thin tiles (4 rows x 64 groups): 4096x14336 k = 4 23 us (v2 29.5), 4096x4096
+    10 us (v2 12.7, its split kernels gone). Many row blocks, M = 8 and grouped: v2 (plain loop, 8 rows x 16
+    groups for k = 2, 4, 16 x 8 for k = 3, 5, 16 x 8 grouped): v3 was 10-45% slower there."""
     G = 16 if K >= 512 else max(1, 1 << (((K + 31) // 32).bit_length() - 1))
-    BN = 8
-    pps = 8 if M <= 2 else (6 if M <= 4 else 4)  # registers grow with M (k = 4: 48 / 72 / 128 at M = 1 / 4 / 8)
     if grouped:
-        if K < 1024:
-            G, BN = min(G, 8), 16
-        return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=4, pps=pps)
-    if K >= 1024 and -(-N // BN) < sms * pps:
-        BN, G = 4, 32
-    return GemvConfig(BN=BN, G=G, num_warps=4, num_stages=4, pps=pps)
+        return GemvConfig(BN=16, G=min(G, 8), num_warps=4)
+    if N <= 8192 and M <= 4 and K >= 2048:
+        return GemvConfig(BN=4, G=64, num_warps=4, num_stages=4, pps=4, pipelined=True)
+    if k in (3, 5):
+        return GemvConfig(BN=16, G=min(G, 8), num_warps=4)
+    return GemvConfig(BN=8, G=G, num_warps=4)
 
 
 def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False, P: int = 1) -> GemvConfig:
