@@ -74,13 +74,21 @@ def _grouped_mm_probe(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _capability(device: str) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
 def grouped_mm_supported(device, dtype: torch.dtype, N: int, K: int) -> bool:
-    """Whether ``torch._grouped_mm`` runs on ``device`` in ``dtype`` for ``[N, K]`` weights (probed once per
-    device and dtype: run one eager forward before capturing a graph). CUDA needs 16-byte aligned rows."""
+    """Whether ``torch._grouped_mm`` runs sync-free on ``device`` in ``dtype`` for ``[N, K]`` weights.
+
+    On CUDA only its CUTLASS path qualifies: bfloat16 on sm90/sm100 with 16-byte aligned rows (its fallback
+    for other dtypes and GPUs copies ``offs`` to the host, a sync that also breaks graph capture). Elsewhere
+    (the CPU, for tests) probed once per device and dtype: run one eager forward before capturing a graph.
+    """
     device = torch.device(device)
     if device.type == "cuda":
-        esize = torch.empty((), dtype=dtype).element_size()
-        if (N * esize) % 16 or (K * esize) % 16:
+        if dtype != torch.bfloat16 or _capability(str(device))[0] not in (9, 10) or N % 8 or K % 8:
             return False
     return _grouped_mm_probe(str(device), dtype)
 
