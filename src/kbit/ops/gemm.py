@@ -57,6 +57,24 @@ def _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format,
     return kp
 
 
+_CB_CACHE: dict = {}
+
+
+def _codebook_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The codebook in the activations' dtype (the fused kernel's lookup table), cached per codebook tensor
+    and version (keyed by the tensor object through a weak reference, not by its address)."""
+    import weakref
+    key = (id(codebook), dtype)
+    hit = _CB_CACHE.get(key)
+    if hit is not None and hit[0]() is codebook and hit[1] == codebook._version:
+        return hit[2]
+    tab = codebook.to(dtype).contiguous()
+    if len(_CB_CACHE) > 256:
+        _CB_CACHE.clear()
+    _CB_CACHE[key] = (weakref.ref(codebook), codebook._version, tab)
+    return tab
+
+
 @functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -98,7 +116,8 @@ def gemm_fused(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, sca
 
     grid = (-(-M // cfg.BM) * -(-N // cfg.BN), splits)
     gemm_kernel[grid](
-        x2, codes, scales, tensor_scale, codebook, _e_table(x.device), bias if bias is not None else y, y,
+        x2, codes, scales, tensor_scale, _codebook_table(codebook, x.dtype), _e_table(x.device),
+        bias if bias is not None else y, y,
         M, N, K, kp, codes.shape[-1], scales.shape[-1], per_split, x2.stride(0), y.stride(0),
         K_BITS=k, BLOCKSIZE=blocksize, LOG8=scale_format == "log8", BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         GROUP_M=cfg.GROUP_M, SWAP=cfg.SWAP, SPLIT=splits > 1, HAS_BIAS=bias is not None,
