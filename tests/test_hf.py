@@ -1,0 +1,215 @@
+"""kbit.hf: quantize_model on tiny random transformers models, save/load round trips, the model table,
+overrides; kbit.eval's RTN reference and verdict."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from kbit.eval.judges import fake_quantized  # noqa: E402
+from kbit.eval.methods import rtn_asym  # noqa: E402
+from kbit.hf import MODELS, KbitExperts, load_quantized, plan, quantize_model, save_quantized  # noqa: E402
+from kbit.hf.models import select  # noqa: E402
+from kbit.nn import KbitLinear  # noqa: E402
+from kbit.ops.quantize import dequantize, quantize  # noqa: E402
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+TINY = {
+    "llama": dict(SMALL, tie_word_embeddings=True),  # like SmolLM2
+    "mistral": SMALL,
+    "qwen2": SMALL,
+    "qwen3": dict(SMALL, head_dim=16),
+    "qwen3_moe": dict(SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[1]),
+    "qwen2_moe": dict(SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=64),
+    "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "bert": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 vocab_size=96, max_position_embeddings=64),
+}
+ROUTERS = re.compile(r"(mlp\.gate|shared_expert_gate|pooler\.dense)$")
+
+
+def tiny(model_type: str, seed: int = 0) -> nn.Module:
+    config = transformers.AutoConfig.for_model(model_type, **TINY[model_type])
+    torch.manual_seed(seed)
+    cls = transformers.AutoModel if model_type == "bert" else transformers.AutoModelForCausalLM
+    return cls.from_config(config).eval()
+
+
+def ids(vocab: int = 96, T: int = 11) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+def out(model, x):
+    with torch.no_grad():
+        o = model(x)
+    return o.logits if hasattr(o, "logits") else o.last_hidden_state
+
+
+def test_table_has_a_tiny_config_for_each_model_type():
+    assert set(TINY) == set(MODELS)
+
+
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_table_selects_every_layer_linear_but_not_embeddings_head_or_router(model_type):
+    model = tiny(model_type)
+    linear, experts = select(model)
+    all_linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    left = [n for n in all_linear if n not in linear]
+    assert linear, "no Linear selected"
+    assert all(n == "lm_head" or ROUTERS.search(n) for n in left), left
+    fused = [n for n, m in model.named_modules() if hasattr(m, "gate_up_proj")]
+    assert experts == fused
+    assert not any("embed" in n for n in linear + experts)
+
+
+def test_unknown_model_type_names_the_supported_ones():
+    model = tiny("llama")
+    model.config.model_type = "nonesuch"
+    with pytest.raises(ValueError, match="llama"):
+        quantize_model(model, progress=False)
+    quantize_model(model, include=[r"o_proj"], progress=False)  # an explicit selection still works
+    assert isinstance(model.model.layers[0].self_attn.o_proj, KbitLinear)
+
+
+def test_quantize_model_llama_matches_fake_quantized_weights():
+    model = tiny("llama")
+    x = ids()
+    names, _ = select(model)
+    with fake_quantized(model, lambda w: dequantize(quantize(w, k=3), torch.float32), names):
+        want = out(model, x)
+    quantize_model(model, k=3, progress=False)
+    for n in names:
+        m = model.get_submodule(n)
+        assert isinstance(m, KbitLinear) and m.k == 3 and m.blocksize == 32
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
+    torch.testing.assert_close(out(model, x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_quantize_model_bert_encoder():
+    model = tiny("bert")
+    x = ids()
+    ref = out(model, x)
+    quantize_model(model, k=5, codebook="nf", progress=False)
+    assert sum(isinstance(m, KbitLinear) for m in model.modules()) == 2 * 6
+    got = out(model, x)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(1), ref.flatten(1))
+    assert (cos > 0.99).all()
+
+
+def test_overrides():
+    model = tiny("llama")
+    p = plan(model, k=4, overrides={r"down_proj": {"k": 5, "codebook": "nf"}, r"layers\.0\.self_attn\.q_proj": None,
+                                    r"lm_head": {"k": 5, "blocksize": 64}})
+    assert p["model.layers.1.mlp.down_proj"]["k"] == 5 and p["model.layers.1.mlp.down_proj"]["codebook"] == "nf"
+    assert p["model.layers.1.mlp.up_proj"]["k"] == 4
+    assert "model.layers.0.self_attn.q_proj" not in p and "model.layers.1.self_attn.q_proj" in p
+    assert p["lm_head"] == {"k": 5, "blocksize": 64, "codebook": None, "scale_format": "log8", "kind": "linear"}
+    quantize_model(model, k=4, overrides={r"down_proj": {"k": 5}, r"layers\.0\.self_attn\.q_proj": None},
+                   progress=False)
+    assert model.model.layers[0].mlp.down_proj.k == 5
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    assert model.model.layers[1].self_attn.q_proj.k == 4
+    with pytest.raises(ValueError, match="matches no"):
+        plan(tiny("llama"), overrides={r"nonesuch": {"k": 2}})
+    with pytest.raises(ValueError, match="expected keys"):
+        plan(tiny("llama"), overrides={r"o_proj": {"bits": 2}})
+
+
+def test_save_load_round_trip_llama_identical_logits(tmp_path):
+    model = tiny("llama")
+    quantize_model(model, k=2, overrides={r"down_proj": {"k": 5, "codebook": "fit"}}, progress=False)
+    x = ids()
+    want = out(model, x)
+    save_quantized(model, tmp_path)
+    assert {"config.json", "kbit_config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    loaded = load_quantized(tmp_path)
+    assert loaded.model.layers[1].mlp.down_proj.k == 5
+    assert loaded.model.layers[1].mlp.down_proj.codebook_name == "fit"
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # tying survives
+    assert torch.equal(out(loaded, x), want)
+
+
+def test_load_does_not_build_float_linear_weights(tmp_path, monkeypatch):
+    model = tiny("qwen3")
+    quantize_model(model, k=4, progress=False)
+    save_quantized(model, tmp_path)
+    made = []
+    real = nn.Linear.reset_parameters
+
+    def spy(self):
+        made.append(self.weight.device.type)
+        return real(self)
+
+    monkeypatch.setattr(nn.Linear, "reset_parameters", spy)
+    loaded = load_quantized(tmp_path)
+    assert made and set(made) == {"meta"}
+    assert not any(t.is_meta for t in list(loaded.parameters()) + list(loaded.buffers()))
+    assert torch.equal(out(loaded, ids()), out(model, ids()))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_experts_quantized_and_round_trip(model_type, tmp_path):
+    model = tiny(model_type)
+    x = ids()
+    linear, experts = select(model)
+    assert experts
+    fq = lambda w: dequantize(quantize(w.detach(), k=4), torch.float32)  # noqa: E731
+    saved = {(n, w): getattr(model.get_submodule(n), w).data for n in experts for w in ("gate_up_proj", "down_proj")}
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = fq(v)
+    with fake_quantized(model, fq, linear):
+        want = out(model, x)
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = v
+    quantize_model(model, k=4, progress=False)
+    assert all(isinstance(model.get_submodule(n), KbitExperts) for n in experts)
+    got = out(model, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    save_quantized(model, tmp_path)
+    assert torch.equal(out(load_quantized(tmp_path), x), got)
+
+
+# ------------------------------------------------------------------------------------------------ kbit.eval
+
+
+def test_fake_quant_bit_exact_with_quantize_dequantize():
+    from kbit.eval.methods import fake_quant
+
+    torch.manual_seed(0)
+    W = torch.randn(48, 200) * torch.rand(48, 1)
+    cases = ((2, "lloyd", 32, "log8"), (3, "fit", 64, "log8"), (4, "nf0", 64, "fp16"), (5, "nf", 128, "log8"))
+    for k, cb, bs, sf in cases:
+        want = dequantize(quantize(W, k=k, blocksize=bs, codebook=cb, scale_format=sf), torch.float32)
+        assert torch.equal(fake_quant(W, k, bs, cb, sf), want)
+
+
+def test_rtn_asym_error_within_half_a_step_and_ragged_groups():
+    torch.manual_seed(0)
+    W = torch.randn(8, 200)  # 200 = 128 + 72: a short last group
+    for k in (2, 3, 4, 5):
+        Wq = rtn_asym(W, k, 128)
+        for sl in (slice(0, 128), slice(128, 200)):
+            g = W[:, sl]
+            step = (g.amax(1) - g.amin(1)) / (2**k - 1)
+            assert ((Wq[:, sl] - g).abs().amax(1) <= 0.5 * step * 1.01 + 1e-3).all()
+            assert Wq[:, sl].unique(dim=None).numel() <= 8 * 2**k
+    grid = torch.arange(16.0).repeat(4, 8) / 4  # on a 4-bit grid: exact
+    assert torch.equal(rtn_asym(grid, 4, 128), grid)
+
+
+def test_eval_verdict():
+    from kbit.eval.cli import render
+
+    rows = [{"k": k, "method": m, "bits": k + 0.25, "loss": v, "cos_p1": 0.9}
+            for k in (2, 4) for m, v in (("kbit/nf", 0.1), ("kbit/lloyd", 0.07), ("rtn-g128", 0.2),
+                                         ("nf-b64", 0.1))]
+    text = render({"judge": "minilm", "default_codebook": {"2": "lloyd", "4": "nf"}, "rows": rows})
+    assert "kbit/lloyd (default)" in text
+    assert re.search(r"k=2: best kbit/lloyd .* meets the bar", text)
+    assert re.search(r"k=4: best kbit/lloyd .* meets the bar", text)  # default nf ties NF: meets at k=4
