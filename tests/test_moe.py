@@ -130,11 +130,12 @@ ALIGN_CASES = [AlignCase(0, 2, 4), AlignCase(1, 1, 1), AlignCase(1, 8, 128), Ali
                AlignCase(200, 10, 512)]
 
 
+@pytest.mark.parametrize("method", ["sort", "count"])
 @pytest.mark.parametrize("case", ALIGN_CASES, ids=str)
-def test_align_exact(case):
+def test_align_exact(case, method):
     g = torch.Generator().manual_seed(case.T)
     ids = _ids(case.T, case.top_k, case.E, g, case.skew)
-    r = align(ids.to(DEV), case.E)
+    r = align(ids.to(DEV), case.E, method=method)
     assert r.P == case.T * case.top_k and r.S == min(case.E, r.P)
     for name, want in align_reference(ids, case.E).items():
         got = getattr(r, name)
@@ -417,6 +418,24 @@ def test_gpu_no_host_sync(T, plan):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["sort", "count"])
+def test_gpu_route_and_align_no_host_sync(method):
+    """The routing alone, per alignment method: tells which one to blame if the layer test syncs."""
+    E, top_k = QWEN3_NEXT["E"], QWEN3_NEXT["top_k"]
+    logits = torch.randn(4096, E, device="cuda")
+    align(select_experts(logits, top_k)[1], E, method=method)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w, ids = select_experts(logits, top_k)
+        r = align(ids, E, w, method=method)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = align_reference(ids.cpu(), E)
+    assert torch.equal(r.offsets.cpu(), ref["offsets"]) and torch.equal(r.pair_rows.cpu(), ref["pair_rows"])
 
 
 @pytest.mark.gpu

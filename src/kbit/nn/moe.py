@@ -89,6 +89,8 @@ class KbitMoE(nn.Module):
         self.dtype, self.codebook_name = dtype, codebook_name
         #: pin the kernels (a :class:`~kbit.ops.moe.MoePlan`); None = chosen per call by token count
         self.plan: MoePlan | None = None
+        #: how the pairs are sorted by expert (``kbit.ops.moe_align.ALIGN_METHODS``)
+        self.align_method = "sort"
         sdt = torch.uint8 if scale_format == "log8" else torch.float16
         for name, (N, K) in zip(_STACKS, ((2 * I, H), (H, I)), strict=True):
             kp = padded_k(K, blocksize)
@@ -186,7 +188,7 @@ class KbitMoE(nn.Module):
         w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
                                 correction_bias=self.correction_bias, n_group=self.n_group,
                                 topk_group=self.topk_group, scaling=self.routed_scaling_factor)
-        return align(ids, self.num_experts, w)
+        return align(ids, self.num_experts, w, method=self.align_method)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
                 plan: MoePlan | None = None) -> torch.Tensor:

@@ -12,11 +12,12 @@ by ``T``, ``top_k`` and ``E`` (never by the routing's values), so a step can be 
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MoeRouting", "align", "align_reference", "num_slots"]
+__all__ = ["ALIGN_METHODS", "MoeRouting", "align", "align_reference", "num_slots"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,29 @@ def _check(topk_ids, topk_weights, E):
         raise ValueError(f"E: expected a positive int, got {E}")
 
 
-def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = None) -> MoeRouting:
+ALIGN_METHODS = ("sort", "count")
+
+
+def _sorted_pairs(flat: torch.Tensor, E: int, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert of each sorted row int32, pair of each sorted row int64): a stable sort of ``flat`` [P].
+
+    ``"sort"``: ``torch.sort(stable=True)`` (cub radix sort on CUDA). ``"count"``: a counting sort from a
+    one-hot ``[P, E]`` cumsum (O(P * E) memory and work, plainly sync-free; the fallback should a torch
+    version's sort ever read the device on the host)."""
+    if method == "sort":
+        return torch.sort(flat, stable=True)
+    P = flat.shape[0]
+    onehot = (flat[:, None] == torch.arange(E, device=flat.device, dtype=flat.dtype)).to(torch.int32)
+    rank = torch.cumsum(onehot, 0).gather(1, flat.long()[:, None]).squeeze(1) - 1  # earlier pairs, same expert
+    start = torch.cumsum(onehot.sum(0), 0) - onehot.sum(0)  # first row of each expert
+    row = start.gather(0, flat.long()) + rank
+    order = torch.empty(P, device=flat.device, dtype=torch.int64).scatter_(
+        0, row.long(), torch.arange(P, device=flat.device, dtype=torch.int64))
+    return flat.gather(0, order), order
+
+
+def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = None,
+          method: str = "sort") -> MoeRouting:
     """Sort the pairs of ``topk_ids`` by expert (stable) and build the group tables; no host sync.
 
     Parameters
@@ -90,6 +113,7 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
     topk_ids : int32/int64 ``[T, top_k]``, values in ``[0, E)`` (not checked: checking would sync).
     E : number of experts.
     topk_weights : float ``[T, top_k]`` or None (then all ones); stored as float32.
+    method : ``"sort"`` or ``"count"`` (:func:`_sorted_pairs`); both give identical results.
 
     Example
     -------
@@ -98,12 +122,14 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
     ([0, 1, 2, 2], [0, 1, 0, 1], [1, 2, 4, 4], [0, 1, 2, -1])
     """
     _check(topk_ids, topk_weights, E)
+    if method not in ALIGN_METHODS:
+        raise ValueError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
     T, top_k = topk_ids.shape
     dev = topk_ids.device
     P = T * top_k
     S = num_slots(T, top_k, E)
     flat = topk_ids.reshape(-1).to(torch.int32)
-    expert_ids, order = torch.sort(flat, stable=True)  # order: the pair of each sorted row
+    expert_ids, order = _sorted_pairs(flat, E, method)  # order: the pair of each sorted row
     rows = torch.arange(P, device=dev, dtype=torch.int32)
     pair_rows = torch.empty(P, device=dev, dtype=torch.int32).scatter_(0, order, rows)
     token_ids = (order // top_k).to(torch.int32)
@@ -140,7 +166,7 @@ def align_reference(topk_ids: torch.Tensor, E: int) -> dict[str, torch.Tensor]:
     pair_rows = [0] * P
     for r, (_, p) in enumerate(pairs):
         pair_rows[p] = r
-    offsets = [sum(1 for e2 in expert_ids if e2 <= e) for e in range(E)]
+    offsets = [bisect.bisect_right(expert_ids, e) for e in range(E)]
     touched = sorted(set(expert_ids))
     S = num_slots(T, top_k, E)
     slot_experts = touched + [-1] * (S - len(touched))
