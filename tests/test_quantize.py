@@ -70,13 +70,14 @@ SHAPES = [(1, 32), (7, 33), (5, 2880), (3, 5, 100), (2, 1, 129), (16, 11008)]
 def test_triton_quantizer_bit_exact_with_reference(shape, k):
     W = normal(*shape, seed=k) * 0.02
     W.view(-1)[:40] = 0.0  # an all-zero block
-    for blocksize in (32, 64, 128):
-        for scale_format in ("log8", "fp16"):
-            for codebook in ("nf0", "lloyd"):
-                a = kbit.quantize(W, k, blocksize, codebook, scale_format, backend="triton")
-                b = kbit.quantize(W, k, blocksize, codebook, scale_format, backend="torch")
-                for name, t in a.tensors().items():
-                    assert torch.equal(t, b.tensors()[name]), (name, blocksize, scale_format, codebook)
+    configs = [(b, f, c) for b in (32, 64, 128) for f in ("log8", "fp16") for c in ("nf0", "lloyd")]
+    if W.shape[-1] > 1000:  # long rows are slow under the interpreter: two configurations cover them
+        configs = [(32, "log8", "lloyd"), (128, "fp16", "nf0")]
+    for blocksize, scale_format, codebook in configs:
+        a = kbit.quantize(W, k, blocksize, codebook, scale_format, backend="triton")
+        b = kbit.quantize(W, k, blocksize, codebook, scale_format, backend="torch")
+        for name, t in a.tensors().items():
+            assert torch.equal(t, b.tensors()[name]), (name, blocksize, scale_format, codebook)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
