@@ -6,12 +6,18 @@ Public API (re-exported here; nothing else lives in this file).
 from kbit.format import FORMAT_VERSION, KbitWeight
 from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.serialize import load_file, save_file
+from kbit.nn import KbitLinear, KbitMoE
+from kbit.ops.gemm import kbit_linear as linear
+from kbit.ops.gemv import kbit_gemv as gemv
+from kbit.ops.gemv import kbit_grouped_gemv as grouped_gemv
 from kbit.ops.quantize import dequantize, quantize
 from kbit.ops.reference import grouped_linear_reference, linear_reference
+from kbit.ops.sampling import sample, sample_reference
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitWeight", "dequantize", "grouped_linear_reference",
-    "linear_reference", "load_file", "quantize", "save_file",
+    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitLinear", "KbitMoE", "KbitWeight", "dequantize", "gemv",
+    "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference", "load_file", "quantize", "sample",
+    "sample_reference", "save_file",
 ]

@@ -1,6 +1,6 @@
-"""Modules: KbitLinear."""
+"""Modules: KbitLinear, KbitMoE."""
 
 from kbit.nn.linear import KbitLinear
+from kbit.nn.moe import KbitMoE
 
-__all__ = ["KbitLinear"]
-from kbit.nn.moe import KbitMoE  # noqa: E402, F401
+__all__ = ["KbitLinear", "KbitMoE"]
