@@ -35,10 +35,11 @@ import torch
 
 NAMED = ("nf", "nf0", "uniform", "lloyd", "lloyd0", "fit")
 
-#: The codebook used when ``codebook=None``, per k. Chosen from model evidence (docs/quality.md):
-#: on all-MiniLM-L6-v2 Lloyd-Max block codebooks lose 46% / 25% / ~8% less than NF at k = 2 / 3 / 5,
-#: while at k = 4 NF ties a per-tensor fit and beats Lloyd-Max by 2-9%.
-DEFAULT_CODEBOOK = {2: "lloyd", 3: "lloyd", 4: "nf", 5: "lloyd"}
+#: The codebook used when ``codebook=None``, per k, chosen on real models with `kbit eval` (docs/quality.md):
+#: on all-MiniLM-L6-v2 (fp32 weights) at blocksize 32 / log8, Lloyd-Max loses 46% less than NF at k = 2 and
+#: ties it at k = 5; at k = 3 and 4 the NF codebook with an exact 0 (bitsandbytes' NF4 construction) loses 26%
+#: and 8% less than NF, and on SmolLM2-135M a 0 level is what keeps k = 3 usable (perplexity 78 vs 667-989).
+DEFAULT_CODEBOOK = {2: "lloyd", 3: "nf0", 4: "nf0", 5: "lloyd"}
 
 _LLOYD_FILE = Path(__file__).with_name("lloyd_codebooks.json")
 
