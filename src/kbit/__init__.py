@@ -6,6 +6,7 @@ Public API (re-exported here; nothing else lives in this file).
 from kbit.format import FORMAT_VERSION, KbitWeight
 from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.serialize import load_file, save_file
+from kbit.hf import load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear, KbitMoE
 from kbit.ops.gemm import kbit_linear as linear
 from kbit.ops.gemv import kbit_gemv as gemv
@@ -18,6 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitLinear", "KbitMoE", "KbitWeight", "dequantize", "gemv",
-    "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference", "load_file", "quantize", "sample",
-    "sample_reference", "save_file",
+    "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference", "load_file", "load_quantized",
+    "quantize", "quantize_model", "sample", "sample_reference", "save_file", "save_quantized",
 ]
