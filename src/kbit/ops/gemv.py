@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from kbit.format.pack import unpack
 from kbit.kernels import gemv as _k
 from kbit.tuning.gemv import GemvConfig, gemv_config
 
@@ -298,27 +299,10 @@ def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook
 # ------------------------------------------------------------------------------------------------ references
 
 
-def _unpack_codes(codes: torch.Tensor, k: int, Kp: int) -> torch.Tensor:
-    """Canonical words [..., Kp*k/32] -> codes int64 [..., Kp]."""
-    w = codes.to(torch.int64) & 0xFFFFFFFF
-    widths = {2: (2,), 3: (2, 1), 4: (4,), 5: (4, 1)}[k]
-    out = torch.zeros(*codes.shape[:-1], Kp, dtype=torch.int64, device=codes.device)
-    start, low = 0, 0
-    for b in widths:
-        nw = Kp * b // 32
-        plane = w[..., start:start + nw]
-        per = 32 // b
-        shifts = torch.arange(per, device=codes.device) * b
-        vals = (plane[..., :, None] >> shifts) & ((1 << b) - 1)
-        out |= vals.reshape(*codes.shape[:-1], Kp) << low
-        start, low = start + nw, low + b
-    return out
-
-
 def dequantize_reference(codes, scales, tensor_scale, codebook, *, k, blocksize, scale_format, K):
     """float64 W[..., N, K] from the canonical layout (the format's definition, nothing else)."""
     Kp = codes.shape[-1] * 32 // k
-    c = _unpack_codes(codes, k, Kp)
+    c = unpack(codes, k, Kp).long()
     v = codebook.to(torch.float64)[c]
     if scale_format == "log8":
         q = scales.to(torch.float64)
