@@ -1,0 +1,70 @@
+"""Regenerate the README's result tables from the committed results files (between the markers
+``<!-- tables:begin -->`` and ``<!-- tables:end -->``). Only numbers from those files appear.
+
+    python scripts/readme_tables.py
+"""
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = ROOT / "benchmarks" / "results" / "h100"
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+
+
+def gemv_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    h = d["header"]
+    rows = [r for r in d["rows"] if r["M"] == 1 and r.get("E", 1) == 1 and r.get("us")]
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    out = [f"M = 1, {h['gpu_name']}, commit {h['commit']}, `{path.relative_to(ROOT)}` (read ceiling "
+           f"{h['ceiling_tbps']:.2f} TB/s). Cells: us (x faster than bf16).", "",
+           "| N x K | bf16 | " + " | ".join(f"kbit k={k}" for k in (2, 3, 4, 5)) + " | humming w4 | tinygemm w4 |",
+           "|---|--:|" + "--:|" * 6]
+    for N, K in shapes:
+        def cell(kernel, k=None, N=N, K=K):
+            for r in rows:
+                if (r["N"], r["K"], r["kernel"]) == (N, K, kernel) and (k is None or r["k"] == k):
+                    return f"{r['us']:.1f} ({r['bf16_us'] / r['us']:.2f}x)"
+            return "-"
+        bf = next(r["us"] for r in rows if (r["N"], r["K"], r["kernel"]) == (N, K, "bf16"))
+        out.append(f"| {N}x{K} | {bf:.1f} | " + " | ".join(cell("gemv", k) for k in (2, 3, 4, 5))
+                   + f" | {cell('humming', 4)} | {cell('tinygemm', 4)} |")
+    return "\n".join(out)
+
+
+def moe_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    m = d["meta"]
+    out = [f"Whole MoE layer (router logits in, hidden out), k = 4, {m.get('device', 'H100')}, commit "
+           f"{m.get('commit')}, `{path.relative_to(ROOT)}`.", "",
+           "| model | T | kbit us | bf16 grouped_mm us | speedup |", "|---|--:|--:|--:|--:|"]
+    for r in d["rows"]:
+        if r.get("kbit_us") and r.get("bf16_us"):
+            out.append(f"| {r['model']} | {r['T']} | {r['kbit_us']:.1f} | {r['bf16_us']:.1f} | "
+                       f"{r['bf16_us'] / r['kbit_us']:.2f}x |")
+    return "\n".join(out)
+
+
+def quantize_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    h = d["header"]
+    out = [f"Quantizing one 8192 x 28672 bf16 matrix, {h['gpu']}, commit {h['commit']}, "
+           f"`{path.relative_to(ROOT)}`.", "", "| k | codebook | scales | ms |", "|--:|---|---|--:|"]
+    for r in d["rows"]:
+        out.append(f"| {r['k']} | {r['codebook']} | {r['scale_format']} | {r['us'] / 1e3:.2f} |")
+    return "\n".join(out)
+
+
+def main():
+    parts = ["### Small-batch GEMV", gemv_table(RES / "gemv-2026-11-21.json"),
+             "### MoE layer", moe_table(RES / "moe-quick-2026-11-21.json"),
+             "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:a] + "\n" + "\n\n".join(parts) + "\n" + text[b:])
+
+
+if __name__ == "__main__":
+    main()
