@@ -25,8 +25,8 @@ from kbit.ops.moe import (  # noqa: E402
     silu_mul,
     silu_mul_reference,
 )
-from kbit.ops.moe_align import align, align_reference  # noqa: E402
-from kbit.ops.moe_router import select_experts, select_experts_reference  # noqa: E402
+from kbit.ops.moe_align import align, align_reference, pair_order, sort_pairs  # noqa: E402
+from kbit.ops.moe_router import route_pairs, select_experts, select_experts_reference  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 GEMV, MM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm")
@@ -58,7 +58,7 @@ def _dq(qw):
 
 def _check_layer(m: KbitMoE, x, logits, plan=None, tol=1e-2):
     out = m(x, logits, plan=plan)
-    r = m.route(logits)
+    r = m.route(logits, m.plan_for(x.shape[0], plan, x.dtype, x.device))  # the choice forward made
     ref = moe_reference(x, r.topk_weights, r.topk_ids, _dq(m.gate_up_weight()), _dq(m.down_weight()))
     assert out.dtype == x.dtype and out.shape == x.shape
     err = relative_error(out, ref)
@@ -105,6 +105,41 @@ def test_softmax_ties_and_selection_match_hf_router():
     torch.testing.assert_close(w, w_hf.float())
 
 
+@pytest.mark.parametrize("router,T,E,top_k,kw", [
+    ("softmax", 9, 16, 4, dict(renormalize=True)),
+    ("softmax", 5, 12, 3, dict(renormalize=False)),
+    ("softmax", 3, 60, 8, dict(renormalize=True, scaling=0.5)),
+    ("sigmoid", 7, 16, 4, dict(renormalize=True, scaling=2.5, bias=True)),
+    ("sigmoid", 4, 10, 1, dict(renormalize=False)),
+    ("softmax", 0, 8, 2, dict(renormalize=True)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_route_pairs_vs_reference(router, T, E, top_k, kw, dtype):
+    g = torch.Generator().manual_seed(T + E)
+    logits = torch.randint(-3, 3, (T, E), generator=g).to(dtype) / 2  # many exact ties
+    logits[:, ::3] += torch.randn(T, len(range(0, E, 3)), generator=g).to(dtype)
+    kw = dict(kw)
+    if kw.pop("bias", False):
+        kw["correction_bias"] = (torch.randn(E, generator=g) * 0.1).to(DEV)
+    w, ids, tok, rows = route_pairs(logits.to(DEV), top_k, router=router, **kw)
+    w_ref, ids_ref = select_experts_reference(logits, top_k, router=router, **kw)
+    assert ids.dtype == tok.dtype == rows.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids.cpu(), ids_ref)
+    torch.testing.assert_close(w.double().cpu(), w_ref, rtol=1e-6, atol=1e-7)
+    assert torch.equal(tok.cpu(), torch.arange(T * top_k, dtype=torch.int32) // top_k)
+    assert torch.equal(rows.cpu(), torch.arange(T * top_k, dtype=torch.int32))
+
+
+def test_route_pairs_all_but_few_masked():
+    """Fewer finite logits than top_k: the rest is filled with distinct experts (never one twice)."""
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, 5] = 1.0
+    logits[1, [2, 6]] = 0.0
+    _, ids, _, _ = route_pairs(logits.to(DEV), 3, renormalize=False)
+    assert ids[0, 0] == 5 and ids[1, :2].tolist() == [2, 6]
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+
+
 def test_select_experts_errors():
     with pytest.raises(ValueError, match="top_k"):
         select_experts(torch.randn(2, 4), 5)
@@ -141,6 +176,28 @@ def test_align_exact(case, method):
         got = getattr(r, name)
         assert got.dtype == torch.int32, name
         assert torch.equal(got.cpu(), want), f"{name}: {got.tolist()} != {want.tolist()}"
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=str)
+def test_sort_pairs_exact(case):
+    g = torch.Generator().manual_seed(case.T)
+    ids = _ids(case.T, case.top_k, case.E, g, case.skew).to(DEV)
+    P = case.T * case.top_k
+    rows = torch.arange(P, dtype=torch.int32, device=DEV)
+    r = sort_pairs(torch.ones(case.T, case.top_k, device=DEV), ids.contiguous(), rows, case.E)
+    assert r.sorted and not r.has_groups
+    ref = align_reference(ids.cpu(), case.E)
+    for name in ("expert_ids", "token_ids", "pair_rows"):
+        got = getattr(r, name)
+        assert got.dtype == torch.int32, name
+        assert torch.equal(got.cpu(), ref[name]), f"{name}: {got.tolist()} != {ref[name].tolist()}"
+
+
+def test_pair_order_routing():
+    w, ids, tok, rows = route_pairs(torch.randn(3, 6, device=DEV), 2)
+    r = pair_order(w, ids, tok, rows, 6)
+    assert not r.sorted and not r.has_groups and r.P == 6
+    assert torch.equal(r.expert_ids, ids.view(-1)) and torch.equal(r.pair_rows, rows)
 
 
 # ------------------------------------------------------------------------------------------------ element-wise
@@ -184,6 +241,28 @@ def test_layer_vs_reference(dtype, plan, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(T, H, generator=g).to(dtype).to(DEV)
     _check_layer(m, x, torch.randn(T, E, generator=g).to(DEV), plan)
+
+
+@pytest.mark.parametrize("T,router", [(3, "softmax"), (20, "softmax"), (6, "sigmoid")])
+def test_layer_fused_routing_vs_align(T, router):
+    """GEMV-only steps route in one launch: pair order (T <= PAIR_ORDER_MAX_T) or sort_pairs (above); the
+    output equals that of the torch routing + align path up to the router's float32 rounding."""
+    E, H, I, top_k = 6, 64, 32, 2
+    kw = dict(router="sigmoid", correction_bias=torch.randn(E) * 0.1, routed_scaling_factor=1.5) \
+        if router == "sigmoid" else {}
+    m = KbitMoE.from_float(*_stacks(E, H, I, seed=T), top_k=top_k, k=4, dtype=torch.float16, **kw).to(DEV)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).half().to(DEV)
+    logits = torch.randn(T, E, generator=g).to(DEV)
+    fused = m.route(logits, GEMV)
+    assert fused.sorted == (T > 16) and not fused.has_groups
+    out = _check_layer(m, x, logits, GEMV)
+    from kbit.ops.moe import moe_experts
+
+    slow = moe_experts(x, m.route(logits), m.gate_up_weight(), m.down_weight(), GEMV)
+    torch.testing.assert_close(out, slow, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="group tables"):
+        moe_experts(x, fused, m.gate_up_weight(), m.down_weight(), MoePlan("grouped_mm", "gemv"))
 
 
 def test_layer_sigmoid_router_shared_expert_and_3d_input():
@@ -234,6 +313,7 @@ def test_zero_tokens():
 
 def test_choose_plan():
     f16 = torch.float16
+    assert not GEMV.needs_groups and MM.needs_groups and MoePlan("gemv", "grouped_mm").needs_groups
     assert choose_plan(1, 8, 128, 2048, 768, f16, DEV) == GEMV
     assert choose_plan(64, 8, 128, 2048, 768, f16, DEV) == GEMV  # 4 rows per expert
     assert choose_plan(256, 8, 128, 2048, 768, f16, DEV) == MM
@@ -406,7 +486,7 @@ def test_gpu_mixtral_size(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,plan", [(4, GEMV), (300, MM), (64, MoePlan("gemv", "grouped_mm"))])
+@pytest.mark.parametrize("T,plan", [(4, GEMV), (64, GEMV), (300, MM), (64, MoePlan("gemv", "grouped_mm"))])
 def test_gpu_no_host_sync(T, plan):
     m = _gpu_layer(**QWEN3_30B)
     x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])
@@ -439,7 +519,7 @@ def test_gpu_route_and_align_no_host_sync(method):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,plan", [(1, None), (16, GEMV), (512, MM)])
+@pytest.mark.parametrize("T,plan", [(1, None), (16, GEMV), (64, GEMV), (512, MM)])
 def test_gpu_cuda_graph_equals_eager(T, plan):
     m = _gpu_layer(**QWEN3_30B)
     x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])

@@ -1,7 +1,8 @@
-"""MoE element-wise kernels: the fused SwiGLU activation and the weighted combine back to token order.
+"""MoE kernels: the fused router (softmax/sigmoid top-k into pair lists), a small-P stable sort of the pairs by
+expert, the fused SwiGLU activation and the weighted combine back to token order.
 
-Only @triton.jit code lives here; launchers are in ``kbit.ops.moe``. Both kernels read and write the
-activation dtype and compute in float32.
+Only @triton.jit code lives here; launchers are in ``kbit.ops.moe_router``, ``kbit.ops.moe_align`` and
+``kbit.ops.moe``. The element-wise kernels read and write the activation dtype and compute in float32.
 """
 
 import triton
@@ -41,3 +42,73 @@ def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, H, stride_y, stride_out
         v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc += w * v
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E, stride_l, scaling,
+                      TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per token: router scores, the ``TOP_K`` best experts, their weights, and the pair lists.
+
+    Softmax (float32) or sigmoid scores; the choice is on the score (+ ``bias`` for the sigmoid router), the
+    highest first, ties to the lower expert index (``torch.topk`` on the CPU, and the set ``torch.topk`` picks
+    on the GPU); weights are the chosen scores (without the bias), divided by their sum when ``RENORM``
+    (sigmoid: sum + 1e-20), times ``scaling``. Writes, for pair ``p = t * TOP_K + s``: ``w[p]`` (float32),
+    ``ids[p]`` (int32), ``tok[p] = t`` and ``rows[p] = p`` (the grouped GEMV's row lists, in pair order)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        score = tl.sigmoid(x)
+        choice = score
+        if HAS_BIAS:
+            choice = score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    else:
+        z = tl.exp(x - tl.max(x, axis=0))
+        score = z / tl.sum(z, axis=0)
+        choice = score
+    free = ok  # not chosen yet (a chosen expert is masked by this, not by its score: scores may be -inf)
+    slot = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for s in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, choice, float("-inf")), axis=0)
+        idx = tl.min(tl.where(free & (choice == best), e, BLOCK_E), axis=0)
+        hit = e == idx
+        w = tl.where(slot == s, tl.sum(tl.where(hit, score, 0.0), axis=0), w)
+        ids = tl.where(slot == s, idx, ids)
+        free = free & (e != idx)
+    if RENORM:
+        denom = tl.sum(w, axis=0)
+        if SIGMOID:
+            denom = denom + 1e-20
+        w = w / denom
+    w = w * scaling
+    keep = slot < TOP_K
+    p = t * TOP_K + slot
+    tl.store(w_ptr + p, w, mask=keep)
+    tl.store(ids_ptr + p, ids, mask=keep)
+    tl.store(tok_ptr + p, t.to(tl.int32) + tl.zeros([BLOCK_K], dtype=tl.int32), mask=keep)
+    tl.store(rows_ptr + p, p.to(tl.int32), mask=keep)
+
+
+@triton.jit
+def sort_pairs_kernel(ids_ptr, expert_ptr, tok_ptr, pair_rows_ptr, P, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """A stable sort of the pairs by expert without a global pass: one program per block of pairs counts,
+    for each of its pairs, the pairs that come first (lower expert, or the same expert and a lower pair
+    index) among all ``P``; that count is the pair's sorted row. O(P^2) compares, for the small P of decode.
+
+    Writes ``pair_rows[p]`` (row of pair p), ``expert[row]`` and ``tok[row] = p // TOP_K``."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok_i = i < P
+    ei = tl.load(ids_ptr + i, mask=ok_i, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, P, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ej = tl.load(ids_ptr + j, mask=j < P, other=2147483647)  # past the end: after every pair
+        first = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum(first.to(tl.int32), axis=1)
+    tl.store(pair_rows_ptr + i, rank, mask=ok_i)
+    tl.store(expert_ptr + rank, ei, mask=ok_i)
+    tl.store(tok_ptr + rank, i // TOP_K, mask=ok_i)

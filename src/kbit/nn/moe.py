@@ -1,8 +1,10 @@
 """``KbitMoE``: a sparse MoE block (SwiGLU experts) whose expert weights are k-bit stacks (format version 1).
 
 ``forward(hidden[T, H], router_logits[T, E])`` -> ``[T, H]``: top-k expert choice (``kbit.ops.moe_router``),
-pairs sorted by expert on the device (``kbit.ops.moe_align``), grouped gate_up, fused SiLU(gate) * up,
-grouped down, router weights and the combine back to token order (``kbit.ops.moe``). No host sync: a
+pairs as rows (``kbit.ops.moe_align``: sorted with group tables for ``torch._grouped_mm``; for a GEMV-only
+step one fused routing launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens, else sorted in one
+more launch), grouped gate_up, fused SiLU(gate) * up, grouped down, router weights and the combine back to
+token order (``kbit.ops.moe``). Decode (T = 1) is 5 launches. No host sync: a
 step of fixed T is capturable in a CUDA graph (run one eager forward first: Triton compiles, lookup tables
 are built and cached).
 
@@ -27,9 +29,9 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.ops.moe import MoePlan, moe_experts
-from kbit.ops.moe_align import MoeRouting, align
-from kbit.ops.moe_router import ROUTERS, select_experts
+from kbit.ops.moe import PAIR_ORDER_MAX_T, MoePlan, choose_plan, moe_experts
+from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
+from kbit.ops.moe_router import ROUTERS, fusable, route_pairs, select_experts
 
 __all__ = ["KbitMoE"]
 
@@ -183,12 +185,30 @@ class KbitMoE(nn.Module):
                               scale_format=scale_format, dtype=dtype or block_dtype, **parts)
 
     # -- forward ------------------------------------------------------------------------------------------
-    def route(self, router_logits: torch.Tensor) -> MoeRouting:
-        """The step's expert choice, sorted by expert (:class:`~kbit.ops.moe_align.MoeRouting`)."""
-        w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
-                                correction_bias=self.correction_bias, n_group=self.n_group,
-                                topk_group=self.topk_group, scaling=self.routed_scaling_factor)
-        return align(ids, self.num_experts, w, method=self.align_method)
+    def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
+        """The step's expert choice as rows (:class:`~kbit.ops.moe_align.MoeRouting`), as ``forward`` makes it
+        for ``plan``. None (or a plan with ``grouped_mm``): torch ops, sorted by expert with the group tables
+        (any kernel). A GEMV-only plan (and a router :func:`~kbit.ops.moe_router.route_pairs` covers): one
+        fused launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens, else sorted in one more."""
+        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group):
+            w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
+                                    correction_bias=self.correction_bias, n_group=self.n_group,
+                                    topk_group=self.topk_group, scaling=self.routed_scaling_factor)
+            return align(ids, self.num_experts, w, method=self.align_method)
+        w, ids, tok, rows = route_pairs(router_logits, self.top_k, router=self.router,
+                                        renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
+                                        scaling=self.routed_scaling_factor)
+        if router_logits.shape[0] <= PAIR_ORDER_MAX_T:
+            return pair_order(w, ids, tok, rows, self.num_experts)
+        return sort_pairs(w, ids, rows, self.num_experts)
+
+    def plan_for(self, T: int, plan: MoePlan | None = None, dtype: torch.dtype | None = None,
+                 device=None) -> MoePlan:
+        """The kernels of a step of ``T`` tokens in ``dtype`` (default ``self.dtype``) on ``device`` (default
+        the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.ops.moe.choose_plan`."""
+        return plan or self.plan or choose_plan(T, self.top_k, self.num_experts, self.hidden_size,
+                                                self.intermediate_size, dtype or self.dtype,
+                                                device or self.gate_up_codes.device)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
                 plan: MoePlan | None = None) -> torch.Tensor:
@@ -205,8 +225,9 @@ class KbitMoE(nn.Module):
         if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
                              f"got {tuple(router_logits.shape)}")
-        routing = self.route(router_logits)
-        out = moe_experts(x, routing, self.gate_up_weight(), self.down_weight(), plan or self.plan)
+        plan = self.plan_for(x.shape[0], plan, x.dtype, x.device) if x.shape[0] else None
+        routing = self.route(router_logits, plan)
+        out = moe_experts(x, routing, self.gate_up_weight(), self.down_weight(), plan)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:

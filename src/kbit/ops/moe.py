@@ -1,7 +1,8 @@
 """The experts of an MoE layer on k-bit weight stacks: grouped gate_up, fused SwiGLU, grouped down, weighted
 combine back to token order. Sync-free and graph-capturable for a fixed number of tokens.
 
-Steps (``P = T * top_k`` pairs, sorted by expert in a :class:`~kbit.ops.moe_align.MoeRouting`):
+Steps (``P = T * top_k`` pairs as rows of a :class:`~kbit.ops.moe_align.MoeRouting`: sorted by expert, or in
+router order for a GEMV-only decode step):
 
 1. ``gu[P, 2I] = x[token of row] @ W_gate_up[expert of row].T`` (:func:`expert_matmul`);
 2. ``a[P, I] = silu(gu[:, :I]) * gu[:, I:]`` (:func:`silu_mul`, one Triton kernel);
@@ -11,7 +12,8 @@ Steps (``P = T * top_k`` pairs, sorted by expert in a :class:`~kbit.ops.moe_alig
 Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
 
 - ``"gemv"``: ``kbit.ops.gemv.grouped_gemv``, one launch over all pairs, each pair reading its expert's
-  packed codes (rows of one expert are adjacent, so repeated reads mostly hit L2). For few rows per expert.
+  packed codes (any row order; when sorted, rows of one expert are adjacent, so repeated reads mostly hit
+  L2). For few rows per expert.
 - ``"grouped_mm"``: the touched experts dequantized to the activation dtype (``kbit.ops.dequant``; with
   ``S = min(E, P)`` slots, a fixed size, so no sync), then ``torch._grouped_mm`` on the sorted rows. For
   many rows per expert, where the dequantization is paid once per expert instead of once per row.
@@ -31,8 +33,8 @@ import torch
 from kbit.format.spec import KbitWeight
 from kbit.ops.moe_align import MoeRouting
 
-__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "MoePlan", "choose_plan", "combine", "combine_reference",
-           "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
+__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "PAIR_ORDER_MAX_T", "MoePlan", "choose_plan", "combine",
+           "combine_reference", "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
            "silu_mul_reference"]
 
 MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
@@ -40,6 +42,11 @@ MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
 #: bf16 write and read (~4x the packed bytes at k = 4). First guess, not yet measured on the H100: GEMV up
 #: to 4 rows per touched expert (benchmarks/bench_moe.py --plans sweeps both).
 GEMV_MAX_ROWS_PER_EXPERT = 4
+#: GEMV-only steps of up to this many tokens keep the pairs in router order (no sort: one fused routing
+#: launch); longer ones sort them by expert in one more launch (``kbit.ops.moe_align.sort_pairs``), so that
+#: the rows of an expert are adjacent in the GEMV's grid and its weight is re-read from L2. At T = 16,
+#: P = 128 pairs: all the GEMV's programs are resident at once anyway (a guess; T = 64 measures the sort).
+PAIR_ORDER_MAX_T = 16
 _BLOCK = 1024
 
 
@@ -57,6 +64,12 @@ class MoePlan:
         for name in ("gate_up", "down"):
             if getattr(self, name) not in MOE_KERNELS:
                 raise ValueError(f"MoePlan.{name}: expected one of {MOE_KERNELS}, got {getattr(self, name)!r}")
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether a step needs the group tables of :func:`kbit.ops.moe_align.align` (``torch._grouped_mm``
+        does); the GEMV and the fused GEMM take any row lists."""
+        return "grouped_mm" in (self.gate_up, self.down)
 
 
 @functools.cache
@@ -157,15 +170,17 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     -------
     ``[P, N]`` in x's dtype, rows in sorted order.
     """
-    P = routing.P
     if kernel == "gemv":
         from kbit.ops.gemv import grouped_gemv
 
-        rows = routing.token_ids if gather else torch.arange(P, device=x.device, dtype=torch.int32)
+        rows = routing.token_ids if gather else routing.row_ids
         return grouped_gemv(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
                             weight.codebook, k=weight.k, blocksize=weight.blocksize,
                             scale_format=weight.scale_format, N=weight.N, K=weight.K)
     if kernel == "grouped_mm":
+        if not routing.has_groups:
+            raise ValueError("kernel 'grouped_mm': expected a routing with group tables (kbit.ops.moe_align.align), "
+                             "got one without (pair_order / sort_pairs)")
         xs = x.index_select(0, routing.token_ids) if gather else x
         w, offs = _dequantize_slots(weight, routing, x.dtype)
         return torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs)
@@ -174,7 +189,7 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
             raise ValueError("kernel 'gemm': kbit.ops.gemm has no kbit_grouped_gemm yet")
         from kbit.ops.gemm import kbit_grouped_gemm
 
-        rows = routing.token_ids if gather else torch.arange(P, device=x.device, dtype=torch.int32)
+        rows = routing.token_ids if gather else routing.row_ids
         return kbit_grouped_gemm(x, rows, routing.expert_ids, weight)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
 

@@ -1,13 +1,16 @@
 """Sorting the (token, expert) pairs of an MoE step by expert, on the device, without a host sync.
 
 A step with ``T`` tokens and ``top_k`` experts per token has ``P = T * top_k`` pairs; pair ``p = t * top_k + s``
-is token ``t``'s ``s``-th choice. The grouped expert kernels read the pairs sorted by expert ("rows"), so
-that each expert's rows are contiguous; the combine step maps them back. Every tensor here has a size fixed
-by ``T``, ``top_k`` and ``E`` (never by the routing's values), so a step can be captured in a CUDA graph.
+is token ``t``'s ``s``-th choice. The grouped expert kernels read the pairs as "rows"; the combine step maps
+rows back to pairs. Every tensor here has a size fixed by ``T``, ``top_k`` and ``E`` (never by the routing's
+values), so a step can be captured in a CUDA graph. Three ways to build a :class:`MoeRouting`:
 
-:func:`align` builds :class:`MoeRouting` from torch ops that never synchronise (a stable sort,
-``searchsorted``, ``cumsum`` and ``scatter``; no ``nonzero``/``unique``/``bincount``/``.item()``);
-:func:`align_reference` is the same from Python loops, the test oracle.
+- :func:`align`: sorted by expert, with the group tables (``offsets``, slots) that ``torch._grouped_mm``
+  needs; torch ops that never synchronise (a stable sort, ``searchsorted``, ``cumsum``, ``scatter``; no
+  ``nonzero``/``unique``/``bincount``/``.item()``); ~30 launches. :func:`align_reference` is its oracle.
+- :func:`sort_pairs`: sorted by expert, no group tables (enough for the grouped GEMV), one Triton launch
+  (O(P^2) compares: for the P of decode).
+- :func:`pair_order`: the router's order, no sort, no launch (the grouped GEMV takes any row order).
 """
 
 from __future__ import annotations
@@ -17,42 +20,53 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN_METHODS", "MoeRouting", "align", "align_reference", "num_slots"]
+__all__ = ["ALIGN_METHODS", "MoeRouting", "align", "align_reference", "num_slots", "pair_order", "sort_pairs"]
 
 
 @dataclass(frozen=True)
 class MoeRouting:
-    """The pairs of one MoE step, sorted by expert. ``P = T * top_k``, ``S = min(E, P)``.
+    """The pairs of one MoE step as rows for the grouped kernels. ``P = T * top_k``, ``S = min(E, P)``.
 
-    All tensors are on the device of the router logits; sizes depend only on (T, top_k, E).
+    All tensors are on the device of the router logits; sizes depend only on (T, top_k, E). Rows are sorted
+    by expert (``sorted``: from :func:`align` or :func:`sort_pairs`) or in pair order (:func:`pair_order`:
+    row ``r`` is pair ``r``). The group tables (``offsets`` to ``touched``) exist only from :func:`align`.
     """
 
     #: float32 ``[T, top_k]``: router weight of each pair (applied when the experts' outputs are combined).
     topk_weights: torch.Tensor
     #: int32 ``[T, top_k]``: expert of each pair, in the router's slot order.
     topk_ids: torch.Tensor
-    #: int32 ``[P]``: expert of each sorted row, ascending; rows of one expert keep pair order (stable).
+    #: int32 ``[P]``: expert of each row; when ``sorted`` ascending, rows of one expert in pair order (stable).
     expert_ids: torch.Tensor
-    #: int32 ``[P]``: token of each sorted row (``pair // top_k``).
+    #: int32 ``[P]``: token of each row (``pair // top_k``).
     token_ids: torch.Tensor
-    #: int32 ``[P]``: the sorted row of each pair (inverse of the sort): pair ``p``'s output is row
+    #: int32 ``[P]``: the row of each pair (inverse of the sort): pair ``p``'s output is row
     #: ``pair_rows[p]``. Used by the combine step.
     pair_rows: torch.Tensor
+    #: int32 ``[P]``: ``arange(P)``, the row lists of the down GEMV (its input is already one row per row).
+    row_ids: torch.Tensor
     #: int32 ``[E]``: end row of each expert's group (cumulative counts; an empty group repeats the
-    #: previous end). ``offsets[-1] == P``.
-    offsets: torch.Tensor
+    #: previous end). ``offsets[-1] == P``. None unless from :func:`align` (as are the next three).
+    offsets: torch.Tensor | None
     #: int32 ``[S]``: the touched experts, ascending, then ``-1`` for unused slots. A "slot" is a compact
     #: expert index: kernels that work per touched expert (dequantize + grouped matmul) use slots.
-    slot_experts: torch.Tensor
+    slot_experts: torch.Tensor | None
     #: int32 ``[S]``: end row of each slot's group (``offsets[slot_experts[j]]``; ``P`` for unused slots,
     #: i.e. empty groups at the end): ``torch._grouped_mm``'s ``offs`` over the slot-compacted weights.
-    slot_offsets: torch.Tensor
+    slot_offsets: torch.Tensor | None
     #: int32 ``[]``: how many slots are used (distinct experts touched), on the device.
-    touched: torch.Tensor
+    touched: torch.Tensor | None
     #: tokens, experts per token, experts (host ints, from shapes only).
     T: int
     top_k: int
     E: int
+    #: rows sorted by expert (else in pair order).
+    sorted: bool = True
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether the group tables (``offsets``, slots) are there: what ``torch._grouped_mm`` needs."""
+        return self.offsets is not None
 
     @property
     def P(self) -> int:
@@ -149,8 +163,57 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
         topk_weights = torch.ones(T, top_k, device=dev, dtype=torch.float32)
     return MoeRouting(topk_weights=topk_weights.float().contiguous(), topk_ids=topk_ids.to(torch.int32).contiguous(),
                       expert_ids=expert_ids.contiguous(), token_ids=token_ids, pair_rows=pair_rows,
-                      offsets=offsets, slot_experts=slot_experts, slot_offsets=slot_offsets.to(torch.int32),
-                      touched=touched, T=T, top_k=top_k, E=E)
+                      row_ids=rows, offsets=offsets, slot_experts=slot_experts,
+                      slot_offsets=slot_offsets.to(torch.int32), touched=touched, T=T, top_k=top_k, E=E)
+
+
+def _check_pairs(topk_weights, topk_ids, token_ids, row_ids):
+    T, top_k = topk_ids.shape
+    if topk_ids.dtype != torch.int32 or topk_weights.dtype != torch.float32 or topk_weights.shape != (T, top_k):
+        raise ValueError(f"topk_weights, topk_ids: expected float32 and int32 [T, top_k], got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}, {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    for name, t in (("token_ids", token_ids), ("row_ids", row_ids)):
+        if t.dtype != torch.int32 or t.shape != (T * top_k,):
+            raise ValueError(f"{name}: expected int32 [{T * top_k}], got {t.dtype} {tuple(t.shape)}")
+
+
+def pair_order(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_ids: torch.Tensor, row_ids: torch.Tensor,
+               E: int) -> MoeRouting:
+    """A :class:`MoeRouting` whose rows are the pairs in router order (no sort, no launch, no group tables).
+
+    ``token_ids`` (``p // top_k``) and ``row_ids`` (``arange(P)``) come with the weights and ids from
+    :func:`kbit.ops.moe_router.route_pairs`, which writes them in the same launch; ``row_ids`` also serves
+    as ``pair_rows`` (the identity)."""
+    _check_pairs(topk_weights, topk_ids, token_ids, row_ids)
+    T, top_k = topk_ids.shape
+    return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=topk_ids.view(-1),
+                      token_ids=token_ids, pair_rows=row_ids, row_ids=row_ids, offsets=None, slot_experts=None,
+                      slot_offsets=None, touched=None, T=T, top_k=top_k, E=E, sorted=False)
+
+
+_SORT_BLOCK = 64
+
+
+def sort_pairs(topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_ids: torch.Tensor, E: int) -> MoeRouting:
+    """The pairs sorted by expert (stable, the order of :func:`align`) in one Triton launch, without group
+    tables: ``expert_ids``, ``token_ids`` and ``pair_rows`` equal :func:`align`'s.
+
+    ``row_ids``: int32 ``arange(P)`` (from :func:`kbit.ops.moe_router.route_pairs`). Cost O(P^2 / 64)
+    compares per program of 64 pairs: meant for the P of decode (up to a few thousand)."""
+    T, top_k = topk_ids.shape
+    P = T * top_k
+    _check_pairs(topk_weights, topk_ids, row_ids, row_ids)
+    expert_ids = torch.empty(P, dtype=torch.int32, device=topk_ids.device)
+    token_ids = torch.empty_like(expert_ids)
+    pair_rows = torch.empty_like(expert_ids)
+    if P:
+        from kbit.kernels.moe import sort_pairs_kernel
+
+        sort_pairs_kernel[(-(-P // _SORT_BLOCK),)](topk_ids, expert_ids, token_ids, pair_rows, P, TOP_K=top_k,
+                                                   BLOCK=_SORT_BLOCK, num_warps=4)
+    return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=expert_ids, token_ids=token_ids,
+                      pair_rows=pair_rows, row_ids=row_ids, offsets=None, slot_experts=None, slot_offsets=None,
+                      touched=None, T=T, top_k=top_k, E=E, sorted=True)
 
 
 def align_reference(topk_ids: torch.Tensor, E: int) -> dict[str, torch.Tensor]:
