@@ -4,8 +4,11 @@ layer with the same routing on ``torch._grouped_mm``.
 Models (experts E, top-k, hidden H, expert intermediate I): Qwen3-30B-A3B (128, 8, 2048, 768), Qwen3-Next
 (512, 10, 2048, 512), Mixtral-8x7B (8, 2, 4096, 14336); tokens T in {1, 4, 16, 64, 256, 1024, 4096}.
 
-Both sides run the same steps except the two expert matmuls: expert choice (softmax top-k), the device-side
-sort (``kbit.ops.moe_align``), the fused SwiGLU and combine kernels. The bf16 side multiplies with
+The bf16 side: expert choice (softmax top-k), the device-side sort (``kbit.ops.moe_align.align``), the
+fused SwiGLU and combine kernels, ``torch._grouped_mm`` for the two expert matmuls. The kbit side is the
+layer's own forward: the same steps for a ``grouped_mm`` plan; for a GEMV-only plan the routing is one
+fused launch (``kbit.ops.moe_router.route_pairs``, + ``sort_pairs`` above ``PAIR_ORDER_MAX_T`` tokens;
+column ``routing``). The bf16 side multiplies with
 ``torch._grouped_mm`` on bf16 weights that are the dequantized kbit weights (so the two outputs must agree:
 the relative difference is recorded per case as a correctness check). Times: ``kbit.bench.timing.time_calls``
 (CUDA graph of one call per weight copy, median of replays; enough copies that the experts a call touches,
@@ -45,7 +48,7 @@ from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
 from kbit.format.spec import KbitWeight  # noqa: E402
 from kbit.nn.moe import KbitMoE  # noqa: E402
 from kbit.ops.dequant import dequantize_triton  # noqa: E402
-from kbit.ops.moe import MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
+from kbit.ops.moe import PAIR_ORDER_MAX_T, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
 from kbit.ops.moe_align import MoeRouting  # noqa: E402
 
 
@@ -160,7 +163,8 @@ def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_d
     per_expert_kbit = (layer.gate_up_weight().nbytes + layer.down_weight().nbytes) / m.E
     per_expert_bf16 = (stack_bytes(w_gu) + stack_bytes(w_dn)) / m.E
     row = {"model": m.name, "k": k, "T": T, "pairs": T * m.top_k, "touched_experts": touched_experts,
-           "plan": plan_name, "kernels": f"{plan.gate_up}/{plan.down}"}
+           "plan": plan_name, "kernels": f"{plan.gate_up}/{plan.down}",
+           "routing": "align" if plan.needs_groups else ("pairs" if T <= PAIR_ORDER_MAX_T else "sort_pairs")}
     bf16 = Bf16MoE(w_gu, w_dn, layer)
     with torch.no_grad():
         out = layer(x, logits, plan=plan)
@@ -219,14 +223,16 @@ def markdown(meta: dict, rows: list) -> str:
     lines = [f"# KbitMoE vs bf16 grouped_mm ({meta['device']}, {meta['date']})", "",
              f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}. Whole layer (router logits "
              "in, hidden out), CUDA graphs, weight copies rotated for a cold L2 (`cold` = 8 x L2 reached).", "",
-             "| model | k | T | plan | kernels | experts | kbit us | bf16 us | speedup | kbit TB/s | cold | diff |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | k | T | plan | kernels | routing | experts | kbit us | bf16 us | speedup | kbit TB/s | cold "
+             "| diff |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r.get('k', '')} | {r.get('T', '')} | {r.get('plan', '')} | "
-                         f"error: {r['error'][:80]} | | | | | | | |")
+                         f"error: {r['error'][:80]} | | | | | | | | |")
             continue
-        lines.append(f"| {r['model']} | {r['k']} | {r['T']} | {r['plan']} | {r['kernels']} | {r['touched_experts']} | "
+        lines.append(f"| {r['model']} | {r['k']} | {r['T']} | {r['plan']} | {r['kernels']} | {r.get('routing', '')} | "
+                     f"{r['touched_experts']} | "
                      f"{r['kbit_us']:.1f} | {r['bf16_us']:.1f} | {r['speedup']:.2f} | {r['kbit_TBps']:.2f} | "
                      f"{'y' if r['kbit_cold'] and r['bf16_cold'] else 'n'} | {r['rel_diff_vs_bf16']:.1e} |")
     return "\n".join(lines) + "\n"
@@ -272,7 +278,8 @@ def main() -> None:
 
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
-            "l2_bytes": l2_bytes(), "models": {n: asdict(m) for n, m in MODELS.items()}}
+            "l2_bytes": l2_bytes(), "models": {n: asdict(m) for n, m in MODELS.items()},
+            "command": "python3 benchmarks/bench_moe.py " + " ".join(sys.argv[1:])}
     rows: list = []
     for name in a.models.split(","):
         if name not in MODELS:
@@ -281,7 +288,7 @@ def main() -> None:
         for k in (int(v) for v in a.k.split(",")):
             run_model(MODELS[name], k, tokens, plans, a.budget_s, rows)
             (out_dir / "moe.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out_dir / "moe.md").write_text(markdown(meta, rows))
+            (out_dir / "moe.md").write_text(markdown(meta, rows))  # after each model: a cut-off run keeps these
     print("\n" + short_table(rows), flush=True)
 
 
