@@ -14,6 +14,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("kbit.bench.cli", "time kbit kernels against bf16 cuBLAS, peers and the read ceiling"),
     "quantize": ("kbit.hf.cli", "quantize a local Hugging Face model directory to a kbit checkpoint"),
+    "generate": ("kbit.hf.generate", "generate text with a k-bit model (default: SmolLM2-135M-Instruct)"),
     "eval": ("kbit.eval.cli", "quality of codebooks vs RTN/NF4 on all-MiniLM-L6-v2 and SmolLM2-135M (CPU)"),
 }
 
