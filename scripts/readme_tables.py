@@ -58,7 +58,7 @@ def quantize_table(path: Path) -> str:
 
 def main():
     parts = ["### Small-batch GEMV", gemv_table(RES / "gemv-2026-11-21.json"),
-             "### MoE layer", moe_table(RES / "moe-quick-2026-11-21.json"),
+             "### MoE layer", moe_table(RES / "moe-quick-2026-11-21-fused-routing.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
     text = readme.read_text()
