@@ -66,3 +66,14 @@ def test_gpu_graph_replay_and_compile():
         assert torch.equal(out, eager), M
         f = torch.compile(q, fullgraph=True)
         assert torch.equal(f(x), eager), M
+
+
+def test_cpu_weight_cache_follows_loaded_state():
+    a, b = _layer(k=3)[1], _layer(k=3)[1]
+    with torch.no_grad():
+        b.codes.copy_(torch.randint(-2**31, 2**31 - 1, b.codes.shape, dtype=torch.int32))
+    x = torch.randn(4, a.in_features)
+    ya = a(x)  # fills a's cache
+    a.load_state_dict(b.state_dict())  # in-place copies: the cache must not serve a's old weight
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    assert not torch.equal(a(x), ya)

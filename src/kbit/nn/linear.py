@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.format.reference import dequantize_reference
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
 from kbit.ops.gemm import linear as _linear_impl
 
@@ -108,9 +109,26 @@ class KbitLinear(nn.Module):
                 self.scale_format, self.out_features, self.in_features, self.bias)
         if torch.compiler.is_compiling():
             return torch.ops.kbit.linear(*args)
+        if x.device.type == "cpu":
+            return self._cpu_forward(x)
         return _linear_impl(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
                             blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
                             K=self.in_features, bias=self.bias)
+
+    def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The CPU path (reference numbers: float32 weight, float32 product, result in x's dtype), with the
+        dequantized weight kept between calls: re-dequantizing every layer at every decode step cost ~12 ms
+        a call on SmolLM2. The cache is rebuilt when any quantized buffer is replaced or changed in place."""
+        parts = (self.codes, self.scales, self.tensor_scale, self.codebook)
+        key = tuple((t.data_ptr(), t._version) for t in parts)
+        cached = self.__dict__.get("_cpu_weight")
+        if cached is None or cached[0] != key:
+            qw = KbitWeight(*parts, (self.out_features, self.in_features), self.k, self.blocksize,
+                            self.scale_format)
+            cached = (key, dequantize_reference(qw, torch.float32))
+            self.__dict__["_cpu_weight"] = cached
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        return torch.nn.functional.linear(x.to(torch.float32), cached[1], bias).to(x.dtype)
 
     # -- state dict ----------------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
