@@ -214,7 +214,7 @@ def test_fake_impl_shapes():
     with FakeTensorMode():
         x = torch.empty(5, 1000)
         tokens = torch.ops.kbit.sample(x, None, 1.0, None, 0, None, 1.0, None, 0.0, None, 1.0, None, 0.0,
-                                       None, 0.0, None, None, 0, None, 0, 1024, 64, 4, 4)
+                                       None, 0.0, None, None, 0, None, 0, 1024, 64, 4, 4, 2048)
     assert tokens[0].shape == (5,) and tokens[0].dtype == torch.int64
     assert tokens[1].shape == (5,) and tokens[1].dtype == torch.float32
 
