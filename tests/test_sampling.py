@@ -108,6 +108,33 @@ def test_fallback_paths_match_reference(case):
     check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
 
 
+WIDE = SamplingConfig(chunk=1024, candidates=32, warps_chunk=1, warps_select=2)  # pass-1 tile 8 x 32 x 4
+
+
+@pytest.mark.parametrize("slots", [2048, 64], ids=["direct", "packed"])
+def test_multichunk_common_path(slots):
+    """Full-size pass-1 tiles (8 row maxima, vector scatter) over 3 chunks and a ragged tail; 64 pass-2
+    slots force the packing of survivors (and the fallback when they do not fit)."""
+    row = _logits(2500, seed=21, scale=2.0)
+    kw = dict(temperature=0.8, top_k=12, top_p=0.9)
+    cfg = SamplingConfig(WIDE.chunk, WIDE.candidates, 1, 2, select_slots=slots)
+    tokens, logprobs = _draw(row, 48, config=cfg, **kw)
+    check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
+
+
+def test_nan_and_topk_beyond_finite_count():
+    row = _logits(120, seed=8)
+    row[0, 5::3] = float("nan")
+    row[0, 6::3] = float("-inf")
+    kw = dict(temperature=1.1, top_k=60, min_p=0.01)  # top-k >= finite count: off
+    probs = filtered_probs_reference(row, **kw)[0]
+    tokens, logprobs = _draw(row, 32, config=TINY, **kw)
+    assert bool(((tokens < 5) | (tokens % 3 == 1)).all())
+    check_draws(tokens, logprobs, probs, chi2=False)
+    tokens, logprobs = _draw(row, 16, config=WIDE, **kw)
+    check_draws(tokens, logprobs, probs, chi2=False)
+
+
 def test_all_equal_logits_keep_every_tie():
     row = torch.full((1, 45), 0.25, device=DEV)
     tokens, logprobs = _draw(row, 96, config=TINY, top_k=5, top_p=0.5)
@@ -270,6 +297,8 @@ def test_config_validation():
         SamplingConfig(chunk=100, candidates=4)
     with pytest.raises(ValueError, match=r"candidates must be in \[2, chunk = 16\], got 32"):
         SamplingConfig(chunk=16, candidates=32)
+    with pytest.raises(ValueError, match="chunk must be >= 16, got 8"):
+        SamplingConfig(chunk=8, candidates=4)
 
 
 # ------------------------------------------------------------------------------- GPU, large

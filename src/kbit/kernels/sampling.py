@@ -3,19 +3,21 @@
 The filtered support of a row is always an upper set ``{i : z_i >= t}`` of the tempered logits
 ``z``, for one threshold ``t``; the kernels find ``t`` without sorting the vocabulary.
 
-Pass 1, ``chunk_summary_kernel``, grid ``(B, S)``: one small program reads one chunk of a row once
-and writes the chunk's max, sum of ``exp(z - max)`` and count of finite values, plus a compact list
-of candidates ``{z >= tau}`` (at most ``KC`` of them, in vocabulary order). ``tau`` is the ``need``-th
-largest of the chunk's group maxima (so at least ``need`` entries pass), refined by bisection in the
-rare chunk where more than ``KC`` pass. ``floor``, the largest value the chunk did not keep,
-certifies the list: every entry above ``max(floor)`` of the row is a candidate.
+Pass 1, ``chunk_summary_kernel``, grid ``(B, S)``: one small program reads one chunk of a row once,
+as a [G, T/4, 4] tile of raw logits (z = fl(x / T) is monotone in x, so order statistics are taken
+on x), and writes the chunk's max, its certificate and its candidates: the base indices of the
+16-byte vectors that hold an entry ``x >= tau``, ``tau`` = the least of the G tile-row maxima (so at
+least G entries pass; at most ``KC`` vectors, else a uniform general branch refines ``tau`` by
+bisection). Every entry of the chunk not in a stored vector is ``< tau``: the certificate. The sum
+of ``exp(z - max)`` is only computed for rows whose top-k is off (pass 2 needs the mass only there).
 
-Pass 2, ``select_sample_kernel``, grid ``(B,)``: one program merges a row's candidates, finds the
-top-k and top-p thresholds on them by bisection over order-preserving integer keys and, when the final
-threshold lies above the certificate, samples by inverse CDF among the candidates with one Philox
-uniform per row. Otherwise (wide supports, massive ties) it falls back to a k-ary threshold search
-over the whole row (``NPIV`` pivots per pass) and an inverse-CDF scan; with no filter at all it picks
-the chunk from the chunk masses and scans only that chunk.
+Pass 2, ``select_sample_kernel``, grid ``(B,)``: one program expands a row's candidate vectors,
+keeps the entries above ``F`` (the largest chunk certificate: every entry above ``F`` is a candidate)
+packed into ``P`` scratch slots, finds the top-k and top-p thresholds on them by bisection over
+order-preserving integer keys and, when the final threshold lies above ``F``, samples by inverse
+CDF among them with one Philox uniform per row. Otherwise (wide supports, massive ties) it falls
+back to a k-ary threshold search over the whole row (``NPIV`` pivots per pass) and an inverse-CDF
+scan; with no filter at all it picks the chunk from the chunk masses and scans only that chunk.
 
 ``apply_penalties_kernel`` rewrites, in a float32 copy of the logits, the entries named by a sorted
 token history (repetition, presence and frequency penalties).
@@ -307,6 +309,19 @@ def _row_scan(x_ptr, start, end, scale, M, t, target, BLOCK: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------- pass 2
 @triton.jit
+def _expand(x_row, cand_row, nvec_row, vs, S, KC: tl.constexpr, V, scale, NV: tl.constexpr):
+    """Entries of candidate vectors [vs, vs + NV): (index, tempered value, finite), flattened."""
+    vl = vs + tl.arange(0, NV)
+    slot_ok = vl < S * KC
+    n_vec = tl.load(nvec_row + vl // KC, mask=slot_ok, other=0.0)
+    v_ok = slot_ok & ((vl % KC).to(tl.float32) < n_vec)
+    vb = tl.load(cand_row + vl, mask=v_ok, other=0)
+    e_idx = vb[:, None] + tl.arange(0, 4)[None, :]
+    e_z, e_fin = _load_tempered(x_row, e_idx, v_ok[:, None] & (e_idx < V), scale)
+    return tl.reshape(e_idx, [NV * 4]), tl.reshape(e_z, [NV * 4]), tl.reshape(e_fin, [NV * 4])
+
+
+@triton.jit
 def select_sample_kernel(
     x_ptr, stride_x, V,
     cand_idx_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr,
@@ -316,7 +331,7 @@ def select_sample_kernel(
     TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr, TOPP_PER_ROW: tl.constexpr,
     MINP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_MODE: tl.constexpr,
     CHUNK: tl.constexpr, KC: tl.constexpr, SP: tl.constexpr, NVP: tl.constexpr, P: tl.constexpr,
-    BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
@@ -349,21 +364,41 @@ def select_sample_kernel(
     n_fin = tl.sum(n_c, 0).to(tl.int32)
     zmin = tl.full([], -3.4028234663852886e38, tl.float32)  # lowest finite value: fallback searches start here
 
-    # candidate entries: the 4 entries of each stored vector
-    vl = tl.arange(0, NVP)
-    slot_ok = vl < S * KC
-    n_vec = tl.load(stats_ptr + 4 * plane + row * S + vl // KC, mask=slot_ok, other=0.0)
-    v_ok = slot_ok & ((vl % KC).to(tl.float32) < n_vec)
-    vb = tl.load(cand_idx_ptr + row.to(tl.int64) * S * KC + vl, mask=v_ok, other=0)
-    e_idx = vb[:, None] + tl.arange(0, 4)[None, :]
-    e_z, e_fin = _load_tempered(x_row, e_idx, v_ok[:, None] & (e_idx < V), scale)
-    e_idx = tl.reshape(e_idx, [NVP * 4])
-    e_z = tl.reshape(e_z, [NVP * 4])
-    e_fin = tl.reshape(e_fin, [NVP * 4])
+    # candidate entries: the 4 entries of each stored vector. Survivors (above the certificate F)
+    # are packed into P scratch slots, streaming VB vectors at a time, when there are more entries
+    cand_row = cand_idx_ptr + row.to(tl.int64) * S * KC
+    nvec_row = stats_ptr + 4 * plane + row * S
+    if NVP * 4 > P:
+        scr = row.to(tl.int64) * P
+        tok_g = tl.full([], INT32_MAX, tl.int32)
+        n_surv = tl.full([], 0, tl.int32)
+        F_pack = tl.where(greedy, POS_INF, F)  # greedy rows need no survivors
+        for vs in range(0, S * KC, VB):
+            e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, vs, S, KC, V, scale, VB)
+            tok_g = tl.minimum(tok_g, tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0))
+            surv = e_fin & (e_z > F_pack)
+            pos = n_surv + tl.cumsum(surv.to(tl.int32), 0) - 1
+            put = surv & (pos < P)
+            tl.store(scr_val_ptr + scr + pos, e_z, mask=put)
+            tl.store(scr_idx_ptr + scr + pos, e_idx, mask=put)
+            n_surv += tl.sum(surv.to(tl.int32), 0)
+        F = tl.where(n_surv > P, POS_INF, F)  # survivors lost: certify nothing
+        tl.debug_barrier()
+        cl = tl.arange(0, P)
+        fin = cl < n_surv
+        v = tl.load(scr_val_ptr + scr + cl, mask=fin, other=NEG_INF)
+        idx = tl.load(scr_idx_ptr + scr + cl, mask=fin, other=0)
+    else:
+        e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, 0, S, KC, V, scale, NVP)
+        tok_g = tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0)
+        cl = tl.arange(0, NVP * 4)
+        fin = e_fin & (e_z > F)
+        v = tl.where(fin, e_z, NEG_INF)
+        idx = e_idx
 
     if greedy:
         # the lowest index holding the row max is always a candidate
-        tok = tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0)
+        tok = tok_g
         logprob = 0.0
     else:
         # pass 1 summed exp(z - max) only for rows with top-k off
@@ -372,26 +407,7 @@ def select_sample_kernel(
         topp_on = top_p < 1.0
         if (~mass_known) & (~topk_on):
             Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
-        # a candidate at or below F can never be part of a certified support: drop it up front
-        # and work on the survivors, packed into P slots when there are more entries than that
-        surv = e_fin & (e_z > F)
-        if NVP * 4 > P:
-            pos = tl.cumsum(surv.to(tl.int32), 0) - 1
-            put = surv & (pos < P)
-            tl.store(scr_val_ptr + row.to(tl.int64) * P + pos, e_z, mask=put)
-            tl.store(scr_idx_ptr + row.to(tl.int64) * P + pos, e_idx, mask=put)
-            n_surv = tl.sum(surv.to(tl.int32), 0)
-            F = tl.where(n_surv > P, POS_INF, F)  # survivors lost: certify nothing
-            tl.debug_barrier()
-            cl = tl.arange(0, P)
-            fin = cl < n_surv
-            v = tl.load(scr_val_ptr + row.to(tl.int64) * P + cl, mask=fin, other=NEG_INF)
-            idx = tl.load(scr_idx_ptr + row.to(tl.int64) * P + cl, mask=fin, other=0)
-        else:
-            cl = tl.arange(0, NVP * 4)
-            fin = surv
-            v = tl.where(fin, e_z, NEG_INF)
-            idx = e_idx
+        # (a candidate at or below F can never be part of a certified support: dropped above)
         keys = _ordered_key(v)
         w = tl.where(fin, tl.exp(v - M), 0.0)
         t_min = tl.where(min_p > 0.0, M + tl.log(min_p), NEG_INF)

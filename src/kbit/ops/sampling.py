@@ -28,6 +28,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 _SEARCH_ITERS = 24  # pass-1 bisection steps before a chunk settles for fewer entries than it wanted
 _ROW_BLOCK = 1024  # tile of the whole-row fallback passes
+_STREAM_VECTORS = 1024  # candidate vectors pass 2 expands at a time (4096 entries) when packing
 _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
 
 
@@ -49,8 +50,9 @@ class SamplingConfig:
     chunk : int
         Vocabulary entries read by one program of pass 1 (power of two).
     candidates : int
-        Candidate slots kept per chunk (power of two, at most ``chunk``). Rows whose ``top_k``
-        exceeds it, or whose support is wider than the kept candidates, take the whole-row fallback.
+        Candidate slots kept per chunk (power of two, at most ``chunk``), each a 16-byte vector of
+        4 entries holding one >= the chunk's bound. A chunk with more takes pass 1's slower general
+        branch; rows whose support is wider than the candidates take the whole-row fallback.
     warps_chunk : int
         ``num_warps`` of pass 1.
     warps_select : int
@@ -89,9 +91,9 @@ def pick_config(batch: int, vocab: int) -> SamplingConfig:
     big = batch >= 16
     chunk = min(2048 if big else 1024, max(16, _next_pow2(vocab)))
     candidates = max(2, chunk // 2) if vocab <= chunk else 32  # one chunk: keep up to half of it
-    slots = -(-vocab // chunk) * candidates
+    entries = 4 * -(-vocab // chunk) * candidates  # candidate entries pass 2 expands
     return SamplingConfig(chunk, candidates, warps_chunk=2 if big else 1,
-                          warps_select=16 if slots > 4096 else 8)
+                          warps_select=16 if entries > 8192 else 8)
 
 
 def _tile(chunk: int, warps: int) -> tuple[int, int]:
@@ -253,7 +255,7 @@ def _sample_op(
         TOPP_PER_ROW=top_p_t is not None, MINP_PER_ROW=min_p_t is not None,
         SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
-        CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P,
+        CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
         BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, num_warps=warps_select,
     )
     return tokens, logprobs
