@@ -213,19 +213,24 @@ def main():
     meta["tests"] = {} if args.skip_tests else run_tests(out_dir)
 
     rows, sweep = [], []
+    name = "sampling" + (f"_{args.tag}" if args.tag else "")
+
+    def save():  # after every case, so that a run cut short still leaves its results
+        (out_dir / f"{name}.json").write_text(json.dumps(dict(meta=meta, cases=rows, sweep=sweep), indent=1))
+        (out_dir / f"{name}.md").write_text(markdown(meta, rows, sweep))
+
     for case in CASES[:2] if args.quick else CASES:
         rows.append(time_case(*case))
+        save()
         print(f"{rows[-1]['case']}: {rows[-1]['kbit_us']:.1f} us vs {rows[-1].get('ref_us', 0):.1f}", flush=True)
     for B in (128, 1):
         for cfg in QUICK_SWEEP[B] if args.quick else SWEEP:
             r = time_case(f"sweep B{B}", B, torch.float32, 1.0, HEADLINE, {}, SamplingConfig(*cfg),
                           with_ref=False)
             sweep.append(r)
+            save()
             print(f"sweep B{B} {cfg}: {r['kbit_us']:.1f} us support_ok={r['support_ok']}", flush=True)
 
-    name = "sampling" + (f"_{args.tag}" if args.tag else "")
-    (out_dir / f"{name}.json").write_text(json.dumps(dict(meta=meta, cases=rows, sweep=sweep), indent=1))
-    (out_dir / f"{name}.md").write_text(markdown(meta, rows, sweep))
     print()
     print(f"{meta['gpu']} | {meta['commit'][:12]} | tests: {meta['tests'].get('summary', 'skipped')}")
     print(f"{'case':42s} {'kbit us':>9s} {'ref us':>9s} {'speedup':>8s} support")
