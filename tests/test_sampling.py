@@ -122,6 +122,17 @@ def test_multichunk_common_path(slots):
     check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
 
 
+def test_second_bound_and_few_slots():
+    """2-row tiles with 4 vector slots: chunks over the slots retry with the second-least row max."""
+    row = _logits(1000, seed=31)
+    row[0, 384:512] = -1.0  # chunk 1: tile row 1 is 56 ties at 2.0 (14 vectors), tile row 0 holds a 5.0
+    row[0, 384:440] = 2.0
+    row[0, 260] = 5.0
+    kw = dict(temperature=0.9, top_k=5, top_p=0.9)
+    tokens, logprobs = _draw(row, 48, config=SamplingConfig(256, 4, 1, 2), **kw)
+    check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
+
+
 def test_nan_and_topk_beyond_finite_count():
     row = _logits(120, seed=8)
     row[0, 5::3] = float("nan")

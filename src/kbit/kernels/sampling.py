@@ -151,6 +151,14 @@ def chunk_summary_kernel(
     kv = tl.max((x >= tau).to(tl.int32), 2)
     col = tl.sum(kv, 0)
     n_vec = tl.sum(col, 0)
+    if all_fin & (n_vec > KC):
+        # ~9% of N(0, 1) chunks: the second-least row max (at least G - 1 entries pass) leaves ~0.2%
+        tau2 = tl.min(tl.where(gmax > tau, gmax, POS_INF), 0)
+        if tau2 < POS_INF:
+            tau = tau2
+            kv = tl.max((x >= tau).to(tl.int32), 2)
+            col = tl.sum(kv, 0)
+            n_vec = tl.sum(col, 0)
     base = (row.to(tl.int64) * S + chunk) * KC
     if all_fin & (n_vec <= KC):
         # slots: exclusive prefix over the columns, then a running count down each column
