@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("kbit.hf.cli", "quantize a local Hugging Face model directory to a kbit checkpoint"),
     "generate": ("kbit.hf.generate", "generate text with a k-bit model (default: SmolLM2-135M-Instruct)"),
     "eval": ("kbit.eval.cli", "quality of codebooks vs RTN/NF4 on all-MiniLM-L6-v2 and SmolLM2-135M (CPU)"),
+    "analyze": ("kbit.analyze.cli", "per-block and workload-weighted kbit/bf16 tables (and plots) from results"),
 }
 
 

@@ -1,0 +1,1 @@
+"""``kbit analyze``: the workload report (tables + plots) from committed benchmark results."""

@@ -1,0 +1,101 @@
+"""PNG plots for docs/analysis.md (needs the ``plot`` extra: matplotlib)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kbit.analyze.report import GEMV_KBIT_KERNELS, LAB_KBIT_KERNELS
+
+COLORS = {"gemv": "C0", "gemm-fused": "C1", "dequant+cublas": "C2", "kbit-linear": "C3",
+          "gemm-fused(cfg0)": "C1", "gemm-fused(cfg1)": "C4"}
+STYLES = {2: "-", 3: ":", 4: "--", 5: "-."}
+MARKERS = {2: "o", 3: "^", 4: "s", 5: "D"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def speedup_series(gemv: dict | None, lab: dict | None) -> dict:
+    """-> {(N, K): {(kernel, k): {M: bf16_us / us}}} from both files (dense rows only)."""
+    out: dict = {}
+    for data, is_lab in ((gemv, False), (lab, True)):
+        if not data:
+            continue
+        for r in data["rows"]:
+            if r.get("E", 1) != 1 or not r.get("us") or not r.get("bf16_us"):
+                continue
+            name = LAB_KBIT_KERNELS.get(r.get("what")) if is_lab else r.get("kernel")
+            if not name or (not is_lab and name not in (*GEMV_KBIT_KERNELS, "kbit-linear")):
+                continue
+            out.setdefault((int(r["N"]), int(r["K"])), {}).setdefault((name, int(r["k"])), {})[int(r["M"])] = \
+                float(r["bf16_us"]) / float(r["us"])
+    return out
+
+
+def plot_speedup(gemv: dict | None, lab: dict | None, path: str | Path) -> Path:
+    plt = _plt()
+    series = speedup_series(gemv, lab)
+    shapes = sorted(series, key=lambda s: -s[0] * s[1])
+    ncols = min(3, len(shapes)) or 1
+    nrows = (len(shapes) + ncols - 1) // ncols or 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
+    for ax, shape in zip(axes.flat, shapes):
+        for (name, k), pts in sorted(series[shape].items()):
+            ms = sorted(pts)
+            ax.plot(ms, [pts[m] for m in ms], color=COLORS.get(name, "k"), ls=STYLES.get(k, "-"),
+                    marker=MARKERS.get(k, "."), ms=3, lw=1, label=f"{name} k={k}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_title(f"{shape[0]}x{shape[1]} (N x K)", fontsize=9)
+        ax.set_xlabel("M (tokens)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, which="major", alpha=0.3)
+    for ax in axes.flat[len(shapes):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("speedup vs bf16 cuBLAS", fontsize=8)
+    handles, labels = {}, {}
+    for ax in axes.flat:
+        for h, lab_ in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab_, h)
+    labels = sorted(handles)
+    fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
+    fig.suptitle("kbit kernels vs bf16 on H100 (M <= 8: kbit bench; M >= 16: gemm-lab)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_quality(quality: dict, path: str | Path) -> Path:
+    plt = _plt()
+    by: dict = {}
+    for r in quality["rows"]:
+        if r.get("loss") is not None:
+            by.setdefault(r["method"], {})[float(r["bits"])] = float(r["loss"])
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for i, (method, pts) in enumerate(sorted(by.items())):
+        xs = sorted(pts)
+        ax.plot(xs, [pts[x] for x in xs], marker="o", ms=3, lw=1, color=f"C{i % 10}",
+                ls="-" if method.startswith("kbit/") else "--", label=method)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (k + 0.25)", fontsize=8)
+    ax.set_ylabel(f"mean 1 - cos ({quality.get('model', '')})", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title(f"Quality vs bits/weight ({quality.get('sentences', '?')} sentences, CPU)", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
