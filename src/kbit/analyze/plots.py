@@ -45,7 +45,7 @@ def plot_speedup(gemv: dict | None, lab: dict | None, path: str | Path) -> Path:
     ncols = min(3, len(shapes)) or 1
     nrows = (len(shapes) + ncols - 1) // ncols or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False, sharey=True)
-    for ax, shape in zip(axes.flat, shapes):
+    for ax, shape in zip(axes.flat, shapes, strict=False):
         for (name, k), pts in sorted(series[shape].items()):
             ms = sorted(pts)
             ax.plot(ms, [pts[m] for m in ms], color=COLORS.get(name, "k"), ls=STYLES.get(k, "-"),
@@ -60,9 +60,9 @@ def plot_speedup(gemv: dict | None, lab: dict | None, path: str | Path) -> Path:
     for ax in axes.flat[len(shapes):]:
         ax.axis("off")
     axes[0][0].set_ylabel("speedup vs bf16 cuBLAS", fontsize=8)
-    handles, labels = {}, {}
+    handles: dict = {}
     for ax in axes.flat:
-        for h, lab_ in zip(*ax.get_legend_handles_labels()):
+        for h, lab_ in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab_, h)
     labels = sorted(handles)
     fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
