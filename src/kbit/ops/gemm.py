@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kbit.ops.dequant import _e_table, dequantize_tensors
+from kbit.ops.gemv import gemv_reference
 from kbit.tuning.dispatch import Choice, GemmConfig, choose, split_k
 
 __all__ = ["dequant_mm", "gemm_fused", "gemm_reference", "linear", "linear_reference", "kbit_gemm",
@@ -170,13 +171,8 @@ def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_f
 # ------------------------------------------------------------------------------------------------ references
 
 
-def gemm_reference(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
-                   bias=None) -> torch.Tensor:
-    """float64 ``x @ W.T (+ bias)`` from the format's definition, shape ``[..., N]``."""
-    from kbit.ops.gemv import dequantize_reference as dq64
-    w = dq64(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format, K=K)
-    y = x.to(torch.float64) @ w.T
-    return y + bias.to(torch.float64) if bias is not None else y
+#: float64 ``x @ W.T (+ bias)`` from the format's definition: the same oracle as the GEMV's.
+gemm_reference = gemv_reference
 
 
 def linear_reference(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N,
