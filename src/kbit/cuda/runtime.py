@@ -1,0 +1,177 @@
+"""NVRTC compile + driver-API launch (ctypes), cached per (source, options, device).
+
+The launcher packs all arguments into one buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``), so a launch costs one
+``struct.pack`` and one ``cuLaunchKernel`` call; it runs on ``torch.cuda.current_stream()`` and is therefore
+captured by CUDA graphs like any torch kernel.
+
+``KBIT_NVRTC_LIB`` may name the NVRTC shared library (a CPU machine can then compile CUBINs to read SASS);
+otherwise the one torch loads (``torch.cuda._utils._get_gpu_rtc_library``) is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import struct
+import threading
+
+import torch
+
+_LOCK = threading.Lock()
+_MODULES: dict = {}
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+@functools.cache
+def _nvrtc():
+    path = os.environ.get("KBIT_NVRTC_LIB")
+    if path:
+        return ctypes.CDLL(path)
+    from torch.cuda import _utils
+
+    try:
+        return _utils._get_gpu_rtc_library()
+    except OSError:  # not on the loader path: look in the nvidia wheels next to torch
+        import glob
+        import site
+
+        for d in site.getsitepackages():
+            for f in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
+                if "builtins" not in f and "alt" not in f:
+                    return ctypes.CDLL(f)
+        raise
+
+
+@functools.cache
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
+def available() -> bool:
+    """True when a CUDA device, the driver and NVRTC are all usable (and KBIT_NO_CUDA_KERNELS is not set)."""
+    if os.environ.get("KBIT_NO_CUDA_KERNELS", "0") == "1" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if not torch.cuda.is_available() or torch.version.hip:
+        return False
+    try:
+        _nvrtc()
+        _libcuda()
+    except Exception:  # noqa: BLE001 - any failure to load means "not available"
+        return False
+    return True
+
+
+def _check_nvrtc(lib, res, what):
+    if res != 0:
+        s = ctypes.c_char_p()
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        msg = lib.nvrtcGetErrorString(res)
+        raise NvrtcError(f"NVRTC {what} failed: {msg!r} ({s})")
+
+
+def _check_cu(res, what):
+    if res != 0:
+        name = ctypes.c_char_p()
+        _libcuda().cuGetErrorName(res, ctypes.byref(name))
+        raise RuntimeError(f"CUDA driver {what} failed: {name.value!r} ({res})")
+
+
+def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> tuple[bytes, str]:
+    """Compile ``source`` for ``arch`` (e.g. ``"sm_90"``) to a CUBIN; returns (cubin, log)."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+                 "create")
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    log_s = log.value.decode(errors="replace")
+    if res != 0:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        raise NvrtcError(f"NVRTC compile failed ({arch}, {opts}):\n{log_s}")
+    _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "get cubin size")
+    buf = ctypes.create_string_buffer(size.value)
+    _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, buf), "get cubin")
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return buf.raw, log_s
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+class Kernel:
+    """A loaded kernel: ``k(grid, block, fmt, *args)`` launches on the current stream of its device.
+
+    ``fmt`` is the ``struct`` format of the argument buffer (native alignment, ``@`` rules), e.g. ``"QQii"``;
+    pass tensor pointers as ints (``t.data_ptr()``).
+    """
+
+    def __init__(self, module, func, device, cubin, name):
+        self.module, self.func, self.device, self.cubin, self.name = module, func, device, cubin, name
+        self._occ = {}
+        attr = ctypes.c_int()
+        _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+        self.num_regs = attr.value
+        _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 1, func)  # SHARED_SIZE_BYTES
+        self.shared_bytes = attr.value
+
+    def occupancy(self, block: int) -> int:
+        """CTAs of ``block`` threads that fit on one SM (driver occupancy calculator)."""
+        n = self._occ.get(block)
+        if n is None:
+            c = ctypes.c_int()
+            _check_cu(_libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.func, block,
+                                                                               ctypes.c_size_t(0)), "occupancy")
+            n = self._occ[block] = max(1, c.value)
+        return n
+
+    def __call__(self, grid, block, fmt: str, *args, shared: int = 0):
+        buf = struct.pack("@" + fmt, *args)
+        size = ctypes.c_size_t(len(buf))
+        cbuf = ctypes.create_string_buffer(buf, len(buf))
+        # CU_LAUNCH_PARAM_BUFFER_POINTER = 1, CU_LAUNCH_PARAM_BUFFER_SIZE = 2, CU_LAUNCH_PARAM_END = 0
+        extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(cbuf), 2, ctypes.addressof(size), 0)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        _check_cu(_libcuda().cuLaunchKernel(self.func, gx, gy, gz, block, 1, 1, shared, ctypes.c_void_p(stream),
+                                            None, extra), f"launch {self.name}")
+
+
+def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
+    """Compile (once) and load ``extern "C"`` kernel ``name`` of ``source`` with ``#define``s for ``device``."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    head = "".join(f"#define {k} {int(v) if isinstance(v, bool) else v}\n" for k, v in sorted(defines.items()))
+    full = head + source
+    key = (hashlib.sha1(full.encode()).hexdigest(), name, device.index)
+    hit = _MODULES.get(key)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        hit = _MODULES.get(key)
+        if hit is not None:
+            return hit
+        cubin, _ = nvrtc_compile(full, _arch(device))
+        with torch.cuda.device(device):
+            torch.cuda.current_stream()  # make sure the primary context exists and is current
+            lib = _libcuda()
+            mod = ctypes.c_void_p()
+            _check_cu(lib.cuModuleLoadData(ctypes.byref(mod), cubin), "module load")
+            func = ctypes.c_void_p()
+            _check_cu(lib.cuModuleGetFunction(ctypes.byref(func), mod, name.encode()), f"get function {name}")
+        k = Kernel(mod, func, device, cubin, name)
+        _MODULES[key] = k
+        return k

@@ -1,0 +1,293 @@
+"""Small-M linear on k-bit weights with tensor cores (CUDA C++ through NVRTC): ``y = x @ W.T (+ bias)``, M <= 64.
+
+Swap-AB: the weight is the A operand of ``mma.sync.m16n8k16`` (16 rows x 16 columns), the activations the B
+operand (up to 8 tokens per mma), fp32 accumulation. Codes are looked up in a shared-memory table of
+fp16/bf16 pairs (k = 3, 4), quads (k = 2) or single values (k = 5), stored once per lane (conflict-free).
+The block scale multiplies each 32-column block's mma result (fp32) before it is added to the accumulator.
+
+The kernel reads a **repacked layout** (:func:`repack`, format "mma-v1"), made once from the canonical layout
+of ``docs/format.md`` and cached per weight (:func:`repacked`); :func:`unrepack` is its inverse. Where the
+CUDA path is not available (no GPU, no NVRTC, Triton interpreter), :func:`linear_small_m` falls back to
+``kbit.ops.gemv.gemv`` (Triton).
+
+Layout "mma-v1" of one matrix ``[N, K]`` (Nt = ceil(N / 16) row tiles, S = ceil(Kp / 256) segments):
+
+- codes: int32 ``[Nt, S, k, 32, 4]``. Lane ``l = 4g + t`` of (tile, segment) holds the 128 codes of rows
+  ``16 tile + g + 8r`` (r = 0, 1) and columns ``256 seg + 32u + 8t + c`` (u = 0..7, c = 0..7), in the order
+  (u, r, c), as a k-bit little-endian bit stream over its 4k words; word j of the lane sits at
+  ``[tile, seg, j // 4, l, j % 4]``. Rows >= N and columns >= Kp hold code 0.
+- scales: uint8 (log8) or float16 ``[Nt, S, 8, 16]``: ``[tile, seg, g, 2u + r]`` is the scale of row
+  ``16 tile + g + 8r``, 32-column block ``8 seg + u`` (a scale of blocksize 64 / 128 repeated); padding holds
+  255 (log8, the zero block) or 0.0 (fp16), so padded weights are exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import torch
+
+from kbit.format.pack import pack, unpack
+
+__all__ = ["repack", "unrepack", "repacked", "linear_small_m", "kbit_linear_small_m", "available", "MAX_M",
+           "LAYOUT"]
+
+LAYOUT = "mma-v1"
+MAX_M = 64
+SEG = 256
+
+
+def available(device=None) -> bool:
+    """True when the CUDA kernel can run on ``device`` (CUDA, NVRTC found, sm_80 or newer)."""
+    from kbit.cuda import available as cuda_available
+
+    if not cuda_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 8
+
+
+# ------------------------------------------------------------------------------------------------ repack
+
+
+def _geometry(N, K, blocksize):
+    Kp = -(-K // blocksize) * blocksize
+    return Kp, -(-N // 16), -(-Kp // SEG)
+
+
+def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
+           K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical ``(codes [N, Kp*k/32], scales [N, Kp/B])`` -> layout "mma-v1" ``(codes, scales)``.
+
+    Plain torch, deterministic, on the tensors' device. See the module docstring for the layout.
+    """
+    if codes.dim() != 2 or scales.dim() != 2:
+        raise ValueError(f"codes, scales: expected 2-D tensors, got {tuple(codes.shape)}, {tuple(scales.shape)}")
+    Kp, Nt, S = _geometry(N, K, blocksize)
+    dev = codes.device
+    words = torch.empty(Nt, S, k, 32, 4, dtype=torch.int32, device=dev)
+    step = max(1, (1 << 22) // (S * SEG * 16))  # row tiles per chunk (~4M codes)
+    shifts = torch.arange(k, device=dev, dtype=torch.int32)
+    pos = torch.arange(32, device=dev, dtype=torch.int64)
+    for t0 in range(0, Nt, step):
+        t1 = min(Nt, t0 + step)
+        r0, r1 = t0 * 16, min(N, t1 * 16)
+        c = torch.zeros((t1 - t0) * 16, S * SEG, dtype=torch.int32, device=dev)
+        c[: r1 - r0, :Kp] = unpack(codes[r0:r1], k, Kp)
+        # [T, r, g, S, u, t, c] -> [T, S, g, t, u, r, c]: the lane's code order
+        c = c.view(t1 - t0, 2, 8, S, 8, 4, 8).permute(0, 3, 2, 5, 4, 1, 6).reshape(t1 - t0, S, 32, 128)
+        bits = ((c[..., None] >> shifts) & 1).to(torch.int64).reshape(t1 - t0, S, 32, 4 * k, 32)
+        w = (bits << pos).sum(-1)  # [T, S, 32, 4k] in [0, 2**32)
+        w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+        words[t0:t1] = w.view(t1 - t0, S, 32, k, 4).permute(0, 1, 3, 2, 4)
+    # scales: expand to 32-column blocks, pad, [Nt, r, g, S, u] -> [Nt, S, g, u, r]
+    s32 = scales.repeat_interleave(blocksize // 32, dim=1)  # [N, Kp/32]
+    pad = 255 if scale_format == "log8" else 0.0
+    sfull = torch.full((Nt * 16, S * 8), pad, dtype=scales.dtype, device=dev)
+    sfull[:N, : Kp // 32] = s32
+    sfull = sfull.view(Nt, 2, 8, S, 8).permute(0, 3, 2, 4, 1).reshape(Nt, S, 8, 16).contiguous()
+    return words, sfull
+
+
+def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
+             K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack`: layout "mma-v1" -> canonical ``(codes, scales)`` (bit-exact)."""
+    Kp, Nt, S = _geometry(N, K, blocksize)
+    dev = rcodes.device
+    w = rcodes.permute(0, 1, 3, 2, 4).reshape(Nt, S, 32, 4 * k).to(torch.int64) & 0xFFFFFFFF
+    bits = (w[..., None] >> torch.arange(32, device=dev)) & 1  # [Nt, S, 32, 4k, 32]
+    bits = bits.reshape(Nt, S, 32, 128, k)
+    c = (bits << torch.arange(k, device=dev)).sum(-1)  # [Nt, S, 32, 128]
+    c = c.view(Nt, S, 8, 4, 8, 2, 8).permute(0, 5, 2, 1, 4, 3, 6).reshape(Nt * 16, S * SEG)
+    codes = pack(c[:N, :Kp], k)
+    s = rscales.view(Nt, S, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(Nt * 16, S * 8)[:N, : Kp // 32]
+    return codes, s[:, :: blocksize // 32].contiguous()
+
+
+_CACHE: dict = {}
+
+
+def repacked(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
+             K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`repack`, cached per ``codes`` tensor (object and version, held weakly) and ``scales`` version."""
+    key = id(codes)
+    hit = _CACHE.get(key)
+    if (hit is not None and hit[0]() is codes and hit[1] == codes._version and hit[2]() is scales
+            and hit[3] == scales._version):
+        return hit[4]
+    val = repack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    _CACHE[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
+    weakref.finalize(codes, _CACHE.pop, key, None)
+    return val
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+_WS: dict = {}
+_ETAB: dict = {}
+
+
+def _workspace(device, M, npad, n_tiles):
+    """fp32 partial sums [M, npad] and per-tile counters, zero at rest (the kernel re-zeroes what it used)."""
+    key = device  # one per device: calls on concurrent streams must not use split K at the same time
+    ws = _WS.get(key)
+    if ws is None or ws[0].numel() < M * npad or ws[1].numel() < n_tiles:
+        ws = (torch.zeros(max(M * npad, 1 << 16), dtype=torch.float32, device=device),
+              torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device))
+        _WS[key] = ws
+    return ws
+
+
+def _etab(device):
+    t = _ETAB.get(device)
+    if t is None:
+        from kbit.format.spec import log8_values
+
+        t = _ETAB[device] = log8_values(device).contiguous()
+    return t
+
+
+def _ng(M):
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+
+
+def default_config(k, M, N, K):
+    """(U segments a step, warps a CTA, min CTAs an SM for the register cap)."""
+    ng = _ng(M)
+    U = 1
+    W = 8
+    minb = 2 if ng == 1 else 1
+    if os.environ.get("KBIT_MMA_CFG"):  # "U,W,MINB" for the lab
+        U, W, minb = (int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
+    return U, W, minb
+
+
+def _splits(n_tiles, nsteps, W, slots):
+    """K splits across CTAs: the fewest that fill the CTA slots of the GPU best (each warp keeps >= 1 step)."""
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, nsteps // W) + 1):
+        items = n_tiles * s
+        eff = items / (-(-items // slots) * slots)
+        if eff > best_eff * 1.05:
+            best, best_eff = s, eff
+        if items >= 4 * slots:
+            break
+    return best
+
+
+def _sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None):
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import SOURCE
+
+    dev = x2.device
+    _, Nt, S = _geometry(N, K, 32)
+    S = rcodes.shape[1]
+    U, W, minb = config or default_config(k, M, N, K)
+    while S % U:
+        U //= 2
+    ng = _ng(M)
+    kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=ng, U=U, BF16=int(x2.dtype == torch.bfloat16),
+                                                        FP16_SCALES=int(scale_format == "fp16"), MINB=minb), dev)
+    nsteps = S // U
+    W = max(1, min(W, nsteps))
+    occ = kern.occupancy(W * 32)
+    slots = _sms(dev) * occ
+    splits = _splits(Nt, nsteps, W, slots)
+    sps = -(-nsteps // splits)
+    splits = -(-nsteps // sps)
+    items = Nt * splits
+    rounds = -(-items // slots)
+    grid = -(-items // rounds)
+    ws, cnt = _workspace(dev, M, Nt * 16, Nt) if splits > 1 else (y, y)
+    bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
+    kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiii",
+         rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
+         _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
+         ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, sps, bias_kind, Nt * 16)
+
+
+def _prep_x(x2, S):
+    """x rows readable as 16-byte vectors up to column S*256 (a zero-padded copy when needed)."""
+    M, K = x2.shape
+    Kw = S * SEG
+    ok = (K == Kw and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0)
+    if ok:
+        return x2
+    xp = torch.zeros(M, Kw, dtype=x2.dtype, device=x2.device)
+    xp[:, :K] = x2
+    return xp
+
+
+def _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias):
+    from kbit.ops.gemv import _check_params, _check_tensor, _check_weight, _fail
+
+    _check_params(k, blocksize, scale_format, N, K)
+    _check_tensor("x", x, (torch.float16, torch.bfloat16))
+    if x.dim() < 1 or x.shape[-1] != K:
+        _fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
+    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
+    if bias is not None:
+        _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
+
+
+def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                   bias=None, config=None):
+    """``y = x @ W.T (+ bias)`` for a k-bit weight ``W[N, K]`` (canonical layout, repacked once and cached).
+
+    x: fp16/bf16 ``[..., K]`` (any strides; leading dims flattened to M rows, M <= 64 a launch, more in
+    chunks of 64); codes/scales/tensor_scale/codebook as in ``kbit.ops.gemv.gemv``; bias optional ``[N]``.
+    Returns ``[..., N]`` in x's dtype. Accumulation in fp32 (tensor cores); the codebook is rounded to x's
+    dtype. Falls back to the Triton GEMV where the CUDA kernel is unavailable.
+    """
+    _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if not available(x.device):
+        from kbit.ops.gemv import gemv
+
+        return gemv(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                    N=N, K=K, bias=bias)
+    if bias is not None:
+        bias = bias.contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y.reshape(*lead, N)
+    rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    S = rc.shape[1]
+    Kp = -(-K // blocksize) * blocksize
+    for m0 in range(0, M, MAX_M):
+        xm = _prep_x(x2[m0:m0 + MAX_M], S)
+        _launch(xm, rc, rs, tensor_scale, codebook, bias, y[m0:m0 + MAX_M], k=k, scale_format=scale_format, N=N,
+                K=K, M=xm.shape[0], Kp=Kp, config=config)
+    return y.reshape(*lead, N)
+
+
+@torch.library.custom_op("kbit::linear_small_m", mutates_args=())
+def _linear_small_m_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+                       codebook: torch.Tensor, k: int, blocksize: int, scale_format: str, N: int, K: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_small_m(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                          scale_format=scale_format, N=N, K=K, bias=bias)
+
+
+@_linear_small_m_op.register_fake
+def _(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias=None):
+    return x.new_empty(*x.shape[:-1], N)
+
+
+def kbit_linear_small_m(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a 2-D ``KbitWeight`` through ``torch.ops.kbit.linear_small_m``."""
+    return torch.ops.kbit.linear_small_m(x, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
+                                         weight.k, weight.blocksize, weight.scale_format, weight.N, weight.K, bias)
+
+
+_ = math  # keep the import for callers that patch configs

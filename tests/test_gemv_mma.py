@@ -1,0 +1,202 @@
+"""kbit.ops.gemv_mma: repack round trip and validation (CPU); the CUDA kernel against the float64 reference
+(GPU, marked ``gpu``)."""
+
+import pytest
+import torch
+
+from kbit.format.pack import pack
+from kbit.ops import gemv as G
+from kbit.ops import gemv_mma as MM
+
+CUDA = torch.cuda.is_available()
+
+
+def make_weight(N, K_, k, B=32, sf="log8", device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Kp = -(-K_ // B) * B
+    codes = torch.randint(-(2**31), 2**31 - 1, (N, Kp * k // 32), generator=g, dtype=torch.int32)
+    if sf == "log8":
+        scales = torch.randint(0, 64, (N, Kp // B), generator=g, dtype=torch.uint8)
+        if N > 3:
+            scales[:, 0] = 255  # an all-zero block
+        ts = torch.rand((), generator=g) + 0.5
+    else:
+        scales = (torch.rand(N, Kp // B, generator=g) + 0.05).half()
+        ts = torch.ones(())
+    cb = torch.sort(torch.rand(2**k, generator=g) * 2 - 1).values
+    return [t.to(device) for t in (codes, scales, ts, cb)]
+
+
+def rel_err(y, ref):
+    assert not torch.isnan(y).any(), "NaN in output (unwritten element?)"
+    return ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tol(dtype):
+    return 2e-3 if dtype == torch.float16 else 1.2e-2
+
+
+# ------------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("N,K_,B,sf", [(37, 100, 32, "log8"), (16, 256, 32, "log8"), (50, 300, 64, "fp16"),
+                                       (1, 2880, 128, "log8"), (33, 64, 32, "fp16"), (5, 1, 32, "log8")])
+def test_repack_round_trip(k, N, K_, B, sf):
+    codes, scales, _, _ = make_weight(N, K_, k, B, sf, seed=k + N)
+    rc, rs = MM.repack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+    nt, s = -(-N // 16), -(-(-(-K_ // B) * B) // 256)
+    assert rc.shape == (nt, s, k, 32, 4) and rc.dtype == torch.int32
+    assert rs.shape == (nt, s, 8, 16) and rs.dtype == scales.dtype
+    c2, s2 = MM.unrepack(rc, rs, k=k, blocksize=B, N=N, K=K_)
+    assert torch.equal(c2, codes) and torch.equal(s2, scales)
+
+
+def test_repack_k4_lane_words_are_canonical_words():
+    """k = 4: lane 4g + t, unit u holds canonical word (32u + 8t) / 8 of rows g and g + 8 (the design's point)."""
+    N, K_ = 32, 512
+    codes = pack(torch.randint(0, 16, (N, K_)), 4)
+    rc, _ = MM.repack(codes, torch.zeros(N, K_ // 32, dtype=torch.uint8), k=4, blocksize=32, scale_format="log8",
+                      N=N, K=K_)
+    lanes = rc.permute(0, 1, 3, 2, 4).reshape(2, 2, 32, 16)  # [tile, seg, lane, word]
+    for tile, seg, g, t, u in [(0, 0, 0, 0, 0), (1, 1, 7, 3, 7), (0, 1, 3, 2, 5)]:
+        w = lanes[tile, seg, 4 * g + t]
+        col = seg * 256 + 32 * u + 8 * t
+        assert w[2 * u] == codes[16 * tile + g, col // 8]
+        assert w[2 * u + 1] == codes[16 * tile + g + 8, col // 8]
+
+
+def test_repack_padding_is_zero_weight():
+    N, K_ = 20, 40
+    codes, scales, _, _ = make_weight(N, K_, 3)
+    _, rs = MM.repack(codes, scales, k=3, blocksize=32, scale_format="log8", N=N, K=K_)
+    full = rs.view(2, 1, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(32, 8)
+    assert (full[N:] == 255).all() and (full[:, 2:] == 255).all()
+
+
+def test_repacked_cache_follows_tensor():
+    codes, scales, _, _ = make_weight(16, 64, 4)
+    a = MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
+    assert MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64) is a
+    codes.add_(1)  # in-place change -> version bump -> repacked again
+    b = MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
+    assert b is not a and not torch.equal(a[0], b[0])
+
+
+def test_validation_errors():
+    codes, scales, ts, cb = make_weight(4, 64, 4)
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=4, K=64)
+    with pytest.raises(TypeError, match="x"):
+        MM.linear_small_m(torch.randn(2, 64), codes, scales, ts, cb, **kw)
+    with pytest.raises(ValueError, match="x"):
+        MM.linear_small_m(torch.randn(2, 63).half(), codes, scales, ts, cb, **kw)
+    with pytest.raises(ValueError, match="codes"):
+        MM.linear_small_m(torch.randn(2, 64).half(), codes[:, :-1], scales, ts, cb, **kw)
+    with pytest.raises(ValueError, match="k"):
+        MM.linear_small_m(torch.randn(2, 64).half(), codes, scales, ts, cb, **{**kw, "k": 6})
+
+
+def test_fallback_matches_reference_on_cpu():
+    """Without the CUDA kernel (CPU), linear_small_m is the Triton GEMV: same answer as the reference."""
+    if CUDA:
+        pytest.skip("CPU fallback only")
+    codes, scales, ts, cb = make_weight(9, 96, 4)
+    x = torch.randn(3, 96, dtype=torch.float16)
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=9, K=96)
+    y = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
+
+
+def test_fake_impl():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    codes, scales, ts, cb = make_weight(8, 64, 4)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (torch.randn(2, 3, 64).half(), codes, scales, ts, cb)]
+        y = torch.ops.kbit.linear_small_m(*args, 4, 32, "log8", 8, 64, None)
+    assert y.shape == (2, 3, 8) and y.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------------------- GPU
+def check(N, K_, k, M, dtype, B=32, sf="log8", bias=False, x=None, seed=0, config=None):
+    codes, scales, ts, cb = make_weight(N, K_, k, B, sf, device="cuda", seed=seed)
+    if x is None:
+        x = torch.randn(M, K_, dtype=dtype, device="cuda")
+    b = torch.randn(N, dtype=dtype, device="cuda") if bias else None
+    kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K_, bias=b)
+    lead = x.shape[:-1]
+    torch.full((*lead, N), float("nan"), dtype=x.dtype, device="cuda")  # poison the allocator's next block
+    y = MM.linear_small_m(x, codes, scales, ts, cb, config=config, **kw)
+    ref = G.gemv_reference(x, codes, scales, ts, cb, **kw)
+    assert y.shape == (*lead, N) and y.dtype == x.dtype
+    err = rel_err(y, ref)
+    assert err < tol(x.dtype), f"k={k} N={N} K={K_} M={M} {x.dtype} B={B} {sf}: rel err {err:.2e}"
+
+
+gpu = pytest.mark.skipif(not (CUDA and MM.available()), reason="needs the CUDA kernel (GPU + NVRTC)")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64])
+def test_mma_gpu_m(k, dtype, M):
+    check(2880, 5120, k, M, dtype, seed=M)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("N,K_", [(5120, 2880), (18944, 1), (1, 18944), (2880, 1), (17, 300), (4096, 4096)])
+def test_mma_gpu_odd_shapes(k, N, K_):
+    check(N, K_, k, 3, torch.bfloat16, bias=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,sf", [(64, "log8"), (128, "log8"), (32, "fp16"), (64, "fp16")])
+def test_mma_gpu_formats(B, sf):
+    for k in (2, 3, 4, 5):
+        check(1000, 4000, k, 5, torch.float16, B=B, sf=sf, bias=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_mma_gpu_3d_noncontiguous_bias_dtypes():
+    x = torch.randn(2, 3, 2 * 512, dtype=torch.float16, device="cuda")[..., ::2]
+    check(300, 512, 4, 0, torch.float16, x=x, bias=True)
+    x = torch.randn(1024, 5, dtype=torch.bfloat16, device="cuda").t()  # column-major
+    check(700, 1024, 3, 0, torch.bfloat16, x=x)
+    codes, scales, ts, cb = make_weight(64, 512, 4, device="cuda")
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device="cuda")
+    for bdt in (torch.float16, torch.bfloat16, torch.float32):
+        b = torch.randn(64, dtype=bdt, device="cuda")
+        kw = dict(k=4, blocksize=32, scale_format="log8", N=64, K=512, bias=b)
+        y = torch.ops.kbit.linear_small_m(x, codes, scales, ts, cb, 4, 32, "log8", 64, 512, b)
+        assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", [(1, 8, 2), (2, 4, 1), (1, 2, 2), (1, 1, 3)])
+def test_mma_gpu_configs_split_k(config):
+    """Different steps / warps: small N forces split K across CTAs (workspace + last-arriver fix-up), twice in a
+    row (the workspace and counters must be left clean)."""
+    for _ in range(2):
+        check(64, 8192, 4, 2, torch.float16, bias=True, config=config)
+        check(2048, 768, 2, 1, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+@gpu
+def test_mma_gpu_cuda_graph():
+    codes, scales, ts, cb = make_weight(512, 1024, 4, device="cuda")
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=512, K=1024)
+    x = torch.randn(2, 1024, dtype=torch.float16, device="cuda")
+    MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
