@@ -7,8 +7,8 @@ and writes the 32 outputs as 16-byte stores. Bit-exact with ``kbit.format.refere
 
 Compiled by NVRTC with ``#define``s: K_BITS (2..5), BLOCKSIZE (32, 64, 128), FP16_SCALES (0/1), OUT (0 fp16,
 1 bf16, 2 fp32), VEC (1: every row of the output starts 16-byte aligned and K is a multiple of 32, so all
-stores are full vectors; 0: element stores guarded by K), A16 (1: plane-0 words of a unit are 16-byte
-aligned, k = 4 and 5 load them as one vector).
+stores are full vectors; 0: element stores guarded by K), A16 (1: the plane-0 words of every unit are
+aligned for one vector load: 16 bytes at k = 4, 5, 8 bytes at k = 2, 3).
 """
 
 SOURCE = r"""
@@ -52,15 +52,19 @@ extern "C" __global__ void __launch_bounds__(256) kbit_dequant(
   const int b = (int)(u - row * UPR);          /* 32-column unit within the row */
   const u32* w = codes + (long long)row * WROW;
   u32 c[32];
-#if K_BITS == 2
+#if K_BITS <= 3
+#if A16
   const V2 p = *(const V2*)(w + 2 * b);
   const u32 pw[2] = {p.x, p.y};
+#else
+  const u32 pw[2] = {w[2 * b], w[2 * b + 1]};
+#endif
+#endif
+#if K_BITS == 2
 #pragma unroll
   for (int i = 0; i < 32; ++i) c[i] = (pw[i >> 4] >> (2 * (i & 15))) & 3u;
 #elif K_BITS == 3
-  const V2 p = *(const V2*)(w + 2 * b);
   const u32 hi = w[KP / 16 + b];
-  const u32 pw[2] = {p.x, p.y};
 #pragma unroll
   for (int i = 0; i < 32; ++i) c[i] = ((pw[i >> 4] >> (2 * (i & 15))) & 3u) | (((hi >> i) & 1u) << 2);
 #else

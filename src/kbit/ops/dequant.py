@@ -7,6 +7,8 @@ plain-torch reference (:func:`kbit.format.reference.dequantize_reference`, bit-e
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kbit.format.reference import dequantize_reference
@@ -64,6 +66,10 @@ def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksi
         o = out
     if R == 0 or K == 0:
         return o.to(dtype)
+    if not transpose and _use_cuda(dev):
+        _launch_cuda(codes, scales, tensor_scale, codebook, o, k=k, blocksize=blocksize,
+                     scale_format=scale_format, R=R, N=N, K=K, kp=kp)
+        return o if o.dtype == dtype else o.to(dtype)
     from kbit.kernels.dequant import dequant_kernel
 
     BR, BK, nw = _config(k, R, kp)
@@ -79,6 +85,42 @@ def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksi
         K_BITS=k, BLOCKSIZE=blocksize, LOG8=scale_format == "log8", BR=BR, BK=BK, num_warps=nw,
     )
     return o if o.dtype == dtype else o.to(dtype)
+
+
+def _use_cuda(device) -> bool:
+    """The CUDA kernel (kbit.cuda.dequant_src) serves CUDA tensors unless KBIT_DEQUANT_BACKEND=triton."""
+    if device.type != "cuda" or os.environ.get("KBIT_DEQUANT_BACKEND", "auto") == "triton":
+        return False
+    from kbit.cuda import available
+
+    return available()
+
+
+_OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scale_format, R, N, K, kp):
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.dequant_src import SOURCE
+
+    upr = -(-K // 32)
+    units = R * upr
+    if units >= 2**31:
+        raise ValueError(f"codes: at most 2**31 - 1 units of 32 weights per call, got {units}")
+    codes = codes.contiguous()
+    wrow = codes.shape[-1]
+    vw = 4 if k >= 4 else 2  # plane-0 words of a unit: one vector load when every row's words are aligned
+    a16 = wrow % vw == 0 and codes.data_ptr() % (4 * vw) == 0
+    vec = K % 32 == 0 and o.data_ptr() % 16 == 0
+    kern = compile_kernel(SOURCE, "kbit_dequant",
+                          dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
+                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), A16=int(a16)), o.device)
+    sc = scales.contiguous()
+    ts = tensor_scale.reshape(-1).contiguous()
+    cb = codebook.contiguous()
+    e = _e_table(o.device)
+    kern((-(-units // 256),), 256, "QQQQQQIIiiiiI", codes.data_ptr(), sc.data_ptr(), ts.data_ptr(), cb.data_ptr(),
+         e.data_ptr(), o.data_ptr(), units, N, K, kp, wrow, sc.shape[-1], upr)
 
 
 def dequantize_triton(qw: KbitWeight, dtype=torch.bfloat16, transpose: bool = False, out=None) -> torch.Tensor:
