@@ -50,18 +50,24 @@ def test_repack_round_trip(k, N, K_, B, sf):
     assert torch.equal(c2, codes) and torch.equal(s2, scales)
 
 
-def test_repack_k4_lane_words_are_canonical_words():
-    """k = 4: lane 4g + t, unit u holds canonical word (32u + 8t) / 8 of rows g and g + 8 (the design's point)."""
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_repack_layout_definition(k):
+    """Lane 4g + t of (tile, seg): code i = 16u + 8h + 4j + 2r + e of its k-bit stream is W's code at row
+    16 tile + g + 8r, column 256 seg + 32u + 8t + 4h + 2j + e (what the kernel's lookups assume)."""
     N, K_ = 32, 512
-    codes = pack(torch.randint(0, 16, (N, K_)), 4)
-    rc, _ = MM.repack(codes, torch.zeros(N, K_ // 32, dtype=torch.uint8), k=4, blocksize=32, scale_format="log8",
-                      N=N, K=K_)
-    lanes = rc.permute(0, 1, 3, 2, 4).reshape(2, 2, 32, 16)  # [tile, seg, lane, word]
-    for tile, seg, g, t, u in [(0, 0, 0, 0, 0), (1, 1, 7, 3, 7), (0, 1, 3, 2, 5)]:
-        w = lanes[tile, seg, 4 * g + t]
-        col = seg * 256 + 32 * u + 8 * t
-        assert w[2 * u] == codes[16 * tile + g, col // 8]
-        assert w[2 * u + 1] == codes[16 * tile + g + 8, col // 8]
+    c = torch.randint(0, 2**k, (N, K_))
+    rc, _ = MM.repack(pack(c, k), torch.zeros(N, K_ // 32, dtype=torch.uint8), k=k, blocksize=32,
+                      scale_format="log8", N=N, K=K_)
+    lanes = rc.permute(0, 1, 3, 2, 4).reshape(2, 2, 32, 4 * k).to(torch.int64) & 0xFFFFFFFF  # [tile, seg, lane, word]
+    gen = torch.Generator().manual_seed(k)
+    for _ in range(200):
+        tile, seg, g, t, u, h, j, r, e = (int(torch.randint(0, n, (), generator=gen))
+                                          for n in (2, 2, 8, 4, 8, 2, 2, 2, 2))
+        i = 16 * u + 8 * h + 4 * j + 2 * r + e
+        words = lanes[tile, seg, 4 * g + t]
+        stream = sum(int(w) << (32 * n) for n, w in enumerate(words.tolist()))
+        code = (stream >> (i * k)) & (2**k - 1)
+        assert code == c[16 * tile + g + 8 * r, 256 * seg + 32 * u + 8 * t + 4 * h + 2 * j + e]
 
 
 def test_repack_padding_is_zero_weight():

@@ -20,7 +20,6 @@ struct __align__(16) V4 { u32 x, y, z, w; };
 struct __align__(8) V2 { u32 x, y; };
 
 #define SEG 256
-#define MAXW 8
 #define NW (4 * K_BITS)        /* code words per lane per segment */
 #define SV (FP16_SCALES ? 2 : 1) /* scale vectors per lane per segment */
 
@@ -36,8 +35,6 @@ struct __align__(8) V2 { u32 x, y; };
 
 __shared__ __align__(16) u32 s_tab[TAB_WORDS];
 __shared__ float s_sc[256];
-__shared__ float s_red[NG * 128];
-__shared__ int s_flag;
 
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
   V4 r;
@@ -107,72 +104,140 @@ __device__ __forceinline__ u32 fld(const u32* w, int P, int F, int SH) {
   else v = (u32)((((u64)w[j + 1] << 32) | (u64)w[j]) >> (o - SH));
   return v & (((1u << F) - 1u) << SH);
 }
-__device__ __forceinline__ u32 tab_base() { return (u32)__cvta_generic_to_shared(s_tab); }
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ u32 lds32(u32 a) {
-  u32 v; asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a + tab_base())); return v;
+  u32 v; asm("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(a)); return v;
 }
 __device__ __forceinline__ V2 lds64(u32 a) {
-  V2 v; asm("ld.shared.v2.b32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a + tab_base())); return v;
+  V2 v; asm("ld.shared.v2.b32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a)); return v;
 }
 __device__ __forceinline__ u32 lds16(u32 a) {
-  u16 v; asm("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(a + tab_base())); return v;
+  u16 v; asm("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(a)); return v;
+}
+__device__ __forceinline__ float ldsf(u32 a) {
+  float v; asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a)); return v;
+}
+/* byte b of w, alone in the low byte (one PRMT) */
+__device__ __forceinline__ u32 byte_of(u32 w, int b) {
+  u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
 }
 
-/* A fragments of unit u (mma h = 0, 1) from the lane's code words w */
-__device__ __forceinline__ void lookup(const u32* w, int u, u32 lane, u32 (&A)[2][4]) {
+/* A fragments of unit u (mma h = 0, 1) from the lane's code words w. Lane code order within a unit:
+   i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
+   lbb: shared address of the table plus the lane's copy offset. */
+__device__ __forceinline__ void lookup(const u32* w, int u, u32 lbb, u32 (&A)[2][4]) {
 #if K_BITS == 4
-  const u32 lb = lane << 2;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int p = 0; p < 4; ++p)
-      A[p >> 1][r + 2 * (p & 1)] = lds32(fld(w, (u * 16 + r * 8 + 2 * p) * 4, 8, 7) | lb);
-#elif K_BITS == 3
-  const u32 lb = lane << 2;
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int p = 0; p < 4; ++p)
-      A[p >> 1][r + 2 * (p & 1)] = lds32(fld(w, (u * 16 + r * 8 + 2 * p) * 3, 6, 7) | lb);
+  for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
+    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+    A[h][r + 2 * j] = lds32(lbb + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
+  }
 #elif K_BITS == 2
-  const u32 lb = (lane & 15) << 3;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int f = 0; f < 4; ++f) {             /* f = 2h + j: byte f of word u = codes (r, e) = (0,0) (0,1) (1,0) (1,1) */
+    const int h = f >> 1, j = f & 1;
+    V2 v = lds64(lbb + (byte_of(w[u], f) << 7));
+    A[h][2 * j] = v.x;
+    A[h][2 * j + 1] = v.y;
+  }
+#elif K_BITS == 3
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      V2 v = lds64(fld(w, (u * 16 + r * 8 + 4 * h) * 2, 8, 7) | lb);
-      A[h][r] = v.x;
-      A[h][r + 2] = v.y;
-    }
+  for (int f = 0; f < 8; ++f) {
+    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+    A[h][r + 2 * j] = lds32(lbb + fld(w, (u * 16 + 2 * f) * 3, 6, 7));
+  }
 #else
-  const u32 lb = lane << 1;
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int c = u * 16 + r * 8 + 2 * p;
-      u32 lo = lds16(fld(w, c * 5, 5, 6) | lb);
-      u32 hi = lds16(fld(w, (c + 1) * 5, 5, 6) | lb);
-      A[p >> 1][r + 2 * (p & 1)] = lo | (hi << 16);
-    }
+  for (int f = 0; f < 8; ++f) {
+    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+    const int c = u * 16 + 2 * f;
+    u32 lo = lds16(lbb + fld(w, c * 5, 5, 6));
+    u32 hi = lds16(lbb + fld(w, (c + 1) * 5, 5, 6));
+    A[h][r + 2 * j] = lo | (hi << 16);
+  }
 #endif
 }
 
-__device__ __forceinline__ float scale_of(const V4* sv, int u, int r) {
+__device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_base) {
+  const u32* s = (const u32*)sv;
 #if FP16_SCALES
-  const u32* s = (const u32*)sv;       /* 16 halves: index 2u + r */
-  return h2f_f16((s[u] >> (16 * r)) & 0xFFFFu);
+  return h2f_f16((s[u] >> (16 * r)) & 0xFFFFu);       /* 16 halves: index 2u + r */
 #else
-  const u32* s = (const u32*)sv;       /* 16 bytes: index 2u + r */
-  return s_sc[(s[u >> 1] >> (8 * (2 * (u & 1) + r))) & 0xFFu];
+  return ldsf(sc_base + (byte_of(s[u >> 1], 2 * (u & 1) + r) << 2));  /* 16 bytes: index 2u + r */
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
+__device__ __forceinline__ V4 lds128(u32 a) {
+  V4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
+}
+
+#define STAGE_BYTES ((K_BITS + SV) * 512)
+
+/* finish one (tile, K range) task: write y, or add to the fp32 workspace (the last of the tile's splits writes) */
+__device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, int M, int N, u16* __restrict__ y,
+                                       int y_stride, const void* __restrict__ bias, int bias_kind, float post,
+                                       float* __restrict__ ws, int* __restrict__ cnt, int splits, int ws_stride) {
+  const int g = lane >> 2, t = lane & 3;
+  if (splits == 1) {
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+        if (row < N && tok < M) {
+          float v = acc[ng][c] * post;
+          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
+          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
+          else if (bias_kind == 3) v += ((const float*)bias)[row];
+          y[(long long)tok * y_stride + row] = f2h(v);
+        }
+      }
+    return;
+  }
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
+    }
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&cnt[tile], 1) == splits - 1;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) {
+    __threadfence();
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+        if (row < N && tok < M) {
+          float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
+          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
+          else if (bias_kind == 3) v += ((const float*)bias)[row];
+          y[(long long)tok * y_stride + row] = f2h(v);
+        }
+      }
+    if (lane == 0) atomicExch(&cnt[tile], 0);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
-    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int steps_per_split,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
     int bias_kind, int ws_stride) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -199,12 +264,25 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
   __syncthreads();
 
-  const int nsteps = n_seg / U;
-  const int items = n_tiles * splits;
-  /* x rows of this lane's B column per group (clamped: columns >= M are computed and dropped) */
+  /* ---- this warp's tasks: gw, gw + TW, ... (task = tile * splits + split; sps steps of one segment each) ---- */
+  const int gw = (int)warp * (int)gridDim.x + (int)blockIdx.x, TW = (int)(W * gridDim.x);
+  const int n_tasks = n_tiles * splits;
+  const int my_tasks = n_tasks > gw ? (n_tasks - gw + TW - 1) / TW : 0;
+  const int J = my_tasks * sps;
+  if (J == 0) return;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 stage0 = smem_addr(dsm) + warp * (D * STAGE_BYTES) + lane * 16;
+#if K_BITS == 2
+  const u32 lbb = smem_addr(s_tab) + ((lane & 15) << 3);
+#elif K_BITS == 5
+  const u32 lbb = smem_addr(s_tab) + (lane << 1);
+#else
+  const u32 lbb = smem_addr(s_tab) + (lane << 2);
+#endif
+  const u32 sc_base = smem_addr(s_sc);
+
   const u16* xr[NG];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) {
@@ -212,119 +290,90 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     tok = tok < M ? tok : M - 1;
     xr[ng] = x + (long long)tok * x_stride + 8 * t;
   }
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int tile = item / splits, sp = item - tile * splits;
-    const int s0 = sp * steps_per_split;
-    const int s1 = min(s0 + steps_per_split, nsteps);
-    float acc[NG][4];
+  /* loader state */
+  int l_task = gw, l_step = 0, l_tile = gw / splits;
+  int l_seg0 = (gw - l_tile * splits) * sps;
+  int jl = 0;
+  auto issue = [&](int slot) {
+    const long long ts_ = (long long)l_tile * n_seg + l_seg0 + l_step;
+    const V4* cp = codes + ts_ * (K_BITS * 32) + lane;
+    const u32 sa = stage0 + slot * STAGE_BYTES;
 #pragma unroll
-    for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-    int st = s0 + (int)warp;
-    if (st < s1) {
-      const V4* cbase = codes + (long long)tile * n_seg * (K_BITS * 32) + lane;
-      const V4* sbase = scales + ((long long)tile * n_seg * 8 + g) * SV;
-      V4 cw[U][K_BITS], sw[U][SV];
+    for (int v = 0; v < K_BITS; ++v) cp_async16(sa + v * 512, cp + v * 32);
+    const V4* sp = scales + (ts_ * 8 + g) * SV;
 #pragma unroll
-      for (int uu = 0; uu < U; ++uu) {
-#pragma unroll
-        for (int v = 0; v < K_BITS; ++v) cw[uu][v] = ld_stream(cbase + ((long long)(st * U + uu) * K_BITS + v) * 32);
-#pragma unroll
-        for (int v = 0; v < SV; ++v) sw[uu][v] = ld_stream(sbase + (long long)(st * U + uu) * 8 * SV + v);
-      }
-      for (; st < s1; st += W) {
-        int nx = st + (int)W;
-        nx = nx < s1 ? nx : s1 - 1;
-        V4 nw[U][K_BITS], ns[U][SV];
-#pragma unroll
-        for (int uu = 0; uu < U; ++uu) {
-#pragma unroll
-          for (int v = 0; v < K_BITS; ++v) nw[uu][v] = ld_stream(cbase + ((long long)(nx * U + uu) * K_BITS + v) * 32);
-#pragma unroll
-          for (int v = 0; v < SV; ++v) ns[uu][v] = ld_stream(sbase + (long long)(nx * U + uu) * 8 * SV + v);
-        }
-#pragma unroll
-        for (int uu = 0; uu < U; ++uu) {
-          const u32* w = (const u32*)cw[uu];
-          const int col0 = (st * U + uu) * SEG;
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            V4 xb[NG];
-#pragma unroll
-            for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xr[ng] + col0 + 32 * u);
-            u32 A[2][4];
-            lookup(w, u, lane, A);
-            const float s0v = scale_of(sw[uu], u, 0), s1v = scale_of(sw[uu], u, 1);
-#pragma unroll
-            for (int ng = 0; ng < NG; ++ng) {
-              float d[4];
-              mma0(d, A[0], xb[ng].x, xb[ng].y);
-              mma(d, A[1], xb[ng].z, xb[ng].w, d);
-              acc[ng][0] += d[0] * s0v;
-              acc[ng][1] += d[1] * s0v;
-              acc[ng][2] += d[2] * s1v;
-              acc[ng][3] += d[3] * s1v;
-            }
-          }
-        }
-#pragma unroll
-        for (int uu = 0; uu < U; ++uu) {
-#pragma unroll
-          for (int v = 0; v < K_BITS; ++v) cw[uu][v] = nw[uu][v];
-#pragma unroll
-          for (int v = 0; v < SV; ++v) sw[uu][v] = ns[uu][v];
-        }
-      }
-      /* ---- reduce the warps of the CTA ---- */
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) atomicAdd(&s_red[(ng * 4 + c) * 32 + lane], acc[ng][c]);
+    for (int v = 0; v < SV; ++v) cp_async16(sa + (K_BITS + v) * 512, sp + v);
+    if (++l_step == sps) {
+      l_step = 0;
+      l_task += TW;
+      l_tile = l_task / splits;
+      l_seg0 = (l_task - l_tile * splits) * sps;
     }
-    __syncthreads();
-    bool last = splits == 1;
-    for (u32 e = tid; e < NG * 128; e += blockDim.x) {
-      const u32 c = (e >> 5) & 3, l = e & 31;
-      const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
-      const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-      float v = s_red[e] * post;
-      s_red[e] = 0.0f;
-      if (row < N && tok < M) {
-        if (last) {
-          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-          else if (bias_kind == 3) v += ((const float*)bias)[row];
-          y[(long long)tok * y_stride + row] = f2h(v);
-        } else {
-          atomicAdd(&ws[(long long)tok * ws_stride + row], v);
-        }
+    ++jl;
+  };
+#pragma unroll
+  for (int i = 0; i < D - 1; ++i) {
+    if (jl < J) issue(i);
+    cp_commit();
+  }
+  /* consumer state */
+  int c_task = gw, c_step = 0, c_tile = gw / splits;
+  int c_seg = (gw - c_tile * splits) * sps;
+  float acc[NG][4];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+  int slot = 0;
+  for (int j = 0; j < J; ++j) {
+    {
+      int ls = slot + D - 1;
+      ls = ls >= D ? ls - D : ls;
+      if (jl < J) issue(ls);
+      cp_commit();
+    }
+    cp_wait();
+    const u32 sa = stage0 + slot * STAGE_BYTES;
+    u32 w[NW];
+#pragma unroll
+    for (int v = 0; v < K_BITS; ++v) {
+      V4 q = lds128(sa + v * 512);
+      w[4 * v] = q.x; w[4 * v + 1] = q.y; w[4 * v + 2] = q.z; w[4 * v + 3] = q.w;
+    }
+    V4 sw[SV];
+#pragma unroll
+    for (int v = 0; v < SV; ++v) sw[v] = lds128(sa + (K_BITS + v) * 512);
+    const u16* xs[NG];
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + c_seg * SEG;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      V4 xb[NG];
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xs[ng] + 32 * u);
+      u32 A[2][4];
+      lookup(w, u, lbb, A);
+      const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        float d[4];
+        mma0(d, A[0], xb[ng].x, xb[ng].y);
+        mma(d, A[1], xb[ng].z, xb[ng].w, d);
+        acc[ng][0] += d[0] * s0v;
+        acc[ng][1] += d[1] * s0v;
+        acc[ng][2] += d[2] * s1v;
+        acc[ng][3] += d[3] * s1v;
       }
     }
-    if (!last) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) s_flag = atomicAdd(&cnt[tile], 1) == splits - 1;
-      __syncthreads();
-      if (s_flag) {
-        __threadfence();
-        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
-          const u32 c = (e >> 5) & 3, l = e & 31;
-          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
-          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-          if (row < N && tok < M) {
-            float* p = &ws[(long long)tok * ws_stride + row];
-            float v;
-            asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-            *p = 0.0f;
-            if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-            else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-            else if (bias_kind == 3) v += ((const float*)bias)[row];
-            y[(long long)tok * y_stride + row] = f2h(v);
-          }
-        }
-        if (tid == 0) cnt[tile] = 0;
-      }
+    slot = slot + 1 == D ? 0 : slot + 1;
+    ++c_seg;
+    if (++c_step == sps) {
+      finish(acc, c_tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, splits, ws_stride);
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+      c_step = 0;
+      c_task += TW;
+      c_tile = c_task / splits;
+      c_seg = (c_task - c_tile * splits) * sps;
     }
-    __syncthreads();
   }
 }
 """

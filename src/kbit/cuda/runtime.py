@@ -121,23 +121,34 @@ class Kernel:
     def __init__(self, module, func, device, cubin, name):
         self.module, self.func, self.device, self.cubin, self.name = module, func, device, cubin, name
         self._occ = {}
+        self._max_shared = 48 * 1024
         attr = ctypes.c_int()
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
         self.num_regs = attr.value
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 1, func)  # SHARED_SIZE_BYTES
         self.shared_bytes = attr.value
 
-    def occupancy(self, block: int) -> int:
-        """CTAs of ``block`` threads that fit on one SM (driver occupancy calculator)."""
-        n = self._occ.get(block)
+    def occupancy(self, block: int, shared: int = 0) -> int:
+        """CTAs of ``block`` threads (``shared`` dynamic bytes) that fit on one SM (driver calculator)."""
+        n = self._occ.get((block, shared))
         if n is None:
+            self.set_shared(shared)
             c = ctypes.c_int()
             _check_cu(_libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(c), self.func, block,
-                                                                               ctypes.c_size_t(0)), "occupancy")
-            n = self._occ[block] = max(1, c.value)
+                                                                               ctypes.c_size_t(shared)), "occupancy")
+            n = self._occ[(block, shared)] = max(1, c.value)
         return n
 
+    def set_shared(self, shared: int) -> None:
+        """Allow ``shared`` bytes of dynamic shared memory (needed above 48 KB)."""
+        if shared > self._max_shared:
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            _check_cu(_libcuda().cuFuncSetAttribute(self.func, 8, shared), "set shared memory")
+            self._max_shared = shared
+
     def __call__(self, grid, block, fmt: str, *args, shared: int = 0):
+        if shared > self._max_shared:
+            self.set_shared(shared)
         buf = struct.pack("@" + fmt, *args)
         size = ctypes.c_size_t(len(buf))
         cbuf = ctypes.create_string_buffer(buf, len(buf))

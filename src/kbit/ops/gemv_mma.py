@@ -13,8 +13,10 @@ CUDA path is not available (no GPU, no NVRTC, Triton interpreter), :func:`linear
 Layout "mma-v1" of one matrix ``[N, K]`` (Nt = ceil(N / 16) row tiles, S = ceil(Kp / 256) segments):
 
 - codes: int32 ``[Nt, S, k, 32, 4]``. Lane ``l = 4g + t`` of (tile, segment) holds the 128 codes of rows
-  ``16 tile + g + 8r`` (r = 0, 1) and columns ``256 seg + 32u + 8t + c`` (u = 0..7, c = 0..7), in the order
-  (u, r, c), as a k-bit little-endian bit stream over its 4k words; word j of the lane sits at
+  ``16 tile + g + 8r`` (r = 0, 1) and columns ``256 seg + 32u + 8t + 4h + 2j + e`` (u = 0..7; h, j, e = 0, 1),
+  in the order (u, h, j, r, e), as a k-bit little-endian bit stream over its 4k words (so a byte holds the
+  pair (e = 0, 1) of an mma A register at k = 4, and the two A registers (r = 0, 1) of one LDS.64 at k = 2);
+  word j of the lane sits at
   ``[tile, seg, j // 4, l, j % 4]``. Rows >= N and columns >= Kp hold code 0.
 - scales: uint8 (log8) or float16 ``[Nt, S, 8, 16]``: ``[tile, seg, g, 2u + r]`` is the scale of row
   ``16 tile + g + 8r``, 32-column block ``8 seg + u`` (a scale of blocksize 64 / 128 repeated); padding holds
@@ -78,8 +80,8 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int,
         r0, r1 = t0 * 16, min(N, t1 * 16)
         c = torch.zeros((t1 - t0) * 16, S * SEG, dtype=torch.int32, device=dev)
         c[: r1 - r0, :Kp] = unpack(codes[r0:r1], k, Kp)
-        # [T, r, g, S, u, t, c] -> [T, S, g, t, u, r, c]: the lane's code order
-        c = c.view(t1 - t0, 2, 8, S, 8, 4, 8).permute(0, 3, 2, 5, 4, 1, 6).reshape(t1 - t0, S, 32, 128)
+        # [T, r, g, S, u, t, h, j, e] -> [T, S, g, t, u, h, j, r, e]: the lane's code order
+        c = c.view(t1 - t0, 2, 8, S, 8, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 7, 1, 8).reshape(t1 - t0, S, 32, 128)
         bits = ((c[..., None] >> shifts) & 1).to(torch.int64).reshape(t1 - t0, S, 32, 4 * k, 32)
         w = (bits << pos).sum(-1)  # [T, S, 32, 4k] in [0, 2**32)
         w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
@@ -102,7 +104,8 @@ def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: 
     bits = (w[..., None] >> torch.arange(32, device=dev)) & 1  # [Nt, S, 32, 4k, 32]
     bits = bits.reshape(Nt, S, 32, 128, k)
     c = (bits << torch.arange(k, device=dev)).sum(-1)  # [Nt, S, 32, 128]
-    c = c.view(Nt, S, 8, 4, 8, 2, 8).permute(0, 5, 2, 1, 4, 3, 6).reshape(Nt * 16, S * SEG)
+    # [Nt, S, g, t, u, h, j, r, e] -> [Nt, r, g, S, u, t, h, j, e]
+    c = c.view(Nt, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(Nt * 16, S * SEG)
     codes = pack(c[:N, :Kp], k)
     s = rscales.view(Nt, S, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(Nt * 16, S * 8)[:N, : Kp // 32]
     return codes, s[:, :: blocksize // 32].contiguous()
@@ -155,26 +158,40 @@ def _ng(M):
     return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
+#: cp.async pipeline depth (stages in flight + 1) per k, and shared memory per CTA available on sm_90 / sm_80
+DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
+SMEM_MAX = 227 * 1024
+
+
 def default_config(k, M, N, K):
-    """(U segments a step, warps a CTA, min CTAs an SM for the register cap)."""
-    ng = _ng(M)
-    U = 1
-    W = 8
-    minb = 2 if ng == 1 else 1
-    if os.environ.get("KBIT_MMA_CFG"):  # "U,W,MINB" for the lab
-        U, W, minb = (int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
-    return U, W, minb
+    """(warps a CTA, pipeline stages) for one launch; ``KBIT_MMA_CFG="W,D"`` overrides (lab)."""
+    W = 16 if _ng(M) <= 2 else 8
+    D = DEPTH[k]
+    if os.environ.get("KBIT_MMA_CFG"):
+        W, D = (int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
+    return W, D
 
 
-def _splits(n_tiles, nsteps, W, slots):
-    """K splits across CTAs: the fewest that fill the CTA slots of the GPU best (each warp keeps >= 1 step)."""
+def _static_smem(k):
+    tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
+    return tab + 1024
+
+
+def _stage_bytes(k, scale_format):
+    return (k + (2 if scale_format == "fp16" else 1)) * 512
+
+
+def _splits(n_tiles, nsteps, slots):
+    """K splits: the fewest (within 5% of the best) that spread tasks evenly over ``slots`` warps, >= 2 steps each."""
     best, best_eff = 1, 0.0
-    for s in range(1, max(1, nsteps // W) + 1):
-        items = n_tiles * s
-        eff = items / (-(-items // slots) * slots)
+    for s in range(1, max(1, nsteps // 2) + 1):
+        if nsteps % s:
+            continue
+        tasks = n_tiles * s
+        eff = tasks / (-(-tasks // slots) * slots)
         if eff > best_eff * 1.05:
             best, best_eff = s, eff
-        if items >= 4 * slots:
+        if tasks >= 8 * slots:
             break
     return best
 
@@ -188,30 +205,27 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     from kbit.cuda.gemv_mma_src import SOURCE
 
     dev = x2.device
-    _, Nt, S = _geometry(N, K, 32)
-    S = rcodes.shape[1]
-    U, W, minb = config or default_config(k, M, N, K)
-    while S % U:
-        U //= 2
+    Nt, S = rcodes.shape[0], rcodes.shape[1]
+    W, D = config or default_config(k, M, N, K)
+    stage = _stage_bytes(k, scale_format)
+    D = max(2, min(D, (SMEM_MAX - _static_smem(k)) // (W * stage)))
     ng = _ng(M)
-    kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=ng, U=U, BF16=int(x2.dtype == torch.bfloat16),
-                                                        FP16_SCALES=int(scale_format == "fp16"), MINB=minb), dev)
-    nsteps = S // U
-    W = max(1, min(W, nsteps))
-    occ = kern.occupancy(W * 32)
-    slots = _sms(dev) * occ
-    splits = _splits(Nt, nsteps, W, slots)
-    sps = -(-nsteps // splits)
-    splits = -(-nsteps // sps)
-    items = Nt * splits
-    rounds = -(-items // slots)
-    grid = -(-items // rounds)
+    kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=ng, D=D, MAXW=W,
+                                                        BF16=int(x2.dtype == torch.bfloat16),
+                                                        FP16_SCALES=int(scale_format == "fp16")), dev)
+    shared = W * D * stage
+    occ = kern.occupancy(W * 32, shared)
+    grid = _sms(dev) * occ
+    splits = _splits(Nt, S, grid * W)
+    sps = S // splits
+    grid = min(grid, -(-(Nt * splits) // W))
     ws, cnt = _workspace(dev, M, Nt * 16, Nt) if splits > 1 else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiii",
          rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
          _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
-         ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, sps, bias_kind, Nt * 16)
+         ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, sps, bias_kind, Nt * 16,
+         shared=shared)
 
 
 def _prep_x(x2, S):
