@@ -177,7 +177,7 @@ def kernel_info(k, M, dtype, config):
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=MM._ng(M), D=D, MAXW=W,
                                                         BF16=int(dtype == torch.bfloat16), FP16_SCALES=0), "cuda")
     return dict(regs=kern.num_regs, smem=kern.shared_bytes, D=D,
-                ctas_per_sm=kern.occupancy(W * 32, W * D * stage))
+                ctas_per_sm=kern.occupancy(W * 32, W * D * stage + MM._static_smem(k) - 1024))
 
 
 def main():

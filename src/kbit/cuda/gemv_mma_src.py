@@ -33,7 +33,15 @@ struct __align__(8) V2 { u32 x, y; };
 #define TAB_WORDS (32 * 32 / 2)
 #endif
 
-__shared__ __align__(16) u32 s_tab[TAB_WORDS];
+/* the table lives in dynamic shared memory after the pipeline stages, aligned to TAB_ALIGN so that the
+   lookup address is (field | lane bits | table address) in one LOP3 (k = 3, 5) */
+#if K_BITS == 3
+#define TAB_ALIGN 8192
+#elif K_BITS == 5
+#define TAB_ALIGN 2048
+#else
+#define TAB_ALIGN 16
+#endif
 __shared__ float s_sc[256];
 
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
@@ -144,15 +152,15 @@ __device__ __forceinline__ void lookup(const u32* w, int u, u32 lbb, u32 (&A)[2]
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb + fld(w, (u * 16 + 2 * f) * 3, 6, 7));
+    A[h][r + 2 * j] = lds32(lbb | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
   }
 #else
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     const int c = u * 16 + 2 * f;
-    u32 lo = lds16(lbb + fld(w, c * 5, 5, 6));
-    u32 hi = lds16(lbb + fld(w, (c + 1) * 5, 5, 6));
+    u32 lo = lds16(lbb | fld(w, c * 5, 5, 6));
+    u32 hi = lds16(lbb | fld(w, (c + 1) * 5, 5, 6));
     A[h][r + 2 * j] = lo | (hi << 16);
   }
 #endif
@@ -243,6 +251,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const int g = lane >> 2, t = lane & 3;
   const float ts = *ts_ptr;
   /* ---- tables ---- */
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + W * (D * STAGE_BYTES) + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  u32* s_tab = (u32*)(dsm + (tab - dsm_base));
 #if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += blockDim.x) {
     const u32 e = i >> 5;
@@ -272,14 +284,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const int my_tasks = n_tasks > gw ? (n_tasks - gw + TW - 1) / TW : 0;
   const int J = my_tasks * sps;
   if (J == 0) return;
-  extern __shared__ __align__(16) unsigned char dsm[];
-  const u32 stage0 = smem_addr(dsm) + warp * (D * STAGE_BYTES) + lane * 16;
+  const u32 stage0 = dsm_base + warp * (D * STAGE_BYTES) + lane * 16;
 #if K_BITS == 2
-  const u32 lbb = smem_addr(s_tab) + ((lane & 15) << 3);
+  const u32 lbb = tab + ((lane & 15) << 3);
 #elif K_BITS == 5
-  const u32 lbb = smem_addr(s_tab) + (lane << 1);
+  const u32 lbb = tab | (lane << 1);
 #else
-  const u32 lbb = smem_addr(s_tab) + (lane << 2);
+  const u32 lbb = tab | (lane << 2);
 #endif
   const u32 sc_base = smem_addr(s_sc);
 

@@ -173,8 +173,10 @@ def default_config(k, M, N, K):
 
 
 def _static_smem(k):
+    """Shared bytes besides the pipeline stages: the lookup table (+ its alignment pad) and the scale table."""
     tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
-    return tab + 1024
+    align = {3: 8192, 5: 2048}.get(k, 16)
+    return tab + align + 1024
 
 
 def _stage_bytes(k, scale_format):
@@ -213,7 +215,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=ng, D=D, MAXW=W,
                                                         BF16=int(x2.dtype == torch.bfloat16),
                                                         FP16_SCALES=int(scale_format == "fp16")), dev)
-    shared = W * D * stage
+    shared = W * D * stage + _static_smem(k) - 1024  # stages, then the aligned table (s_sc is static)
     occ = kern.occupancy(W * 32, shared)
     grid = _sms(dev) * occ
     splits = _splits(Nt, S, grid * W)
