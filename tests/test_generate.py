@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+import kbit
+
 transformers = pytest.importorskip("transformers")
 
 from kbit.hf import quantize_model  # noqa: E402
@@ -44,3 +46,45 @@ def test_sampling_is_reproducible_and_stops_at_eos(model):
 def test_bad_input(model):
     with pytest.raises(ValueError, match=r"input_ids: expected shape \[1, T\]"):
         list(generate_tokens(model, torch.ones(2, 3, dtype=torch.long)))
+
+
+def test_static_path_gives_the_same_tokens(model):
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
+        dynamic = list(generate_tokens(model, PROMPT, max_new_tokens=6, **kw))
+        static = list(generate_tokens(model, PROMPT, max_new_tokens=6, static=True, **kw))
+        assert static == dynamic
+
+
+def test_checkpoint_with_the_embedding_stored_as_lm_head(tmp_path):
+    from kbit.hf.generate import EMBED_FROM_LM_HEAD, load_checkpoint, save_checkpoint
+    from kbit.nn import KbitLinear
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = quantize_model(transformers.LlamaForCausalLM(config).eval(), k=4, overrides={r"lm_head": {"k": 5}},
+                       progress=False)
+    assert isinstance(m.lm_head, KbitLinear)
+    save_checkpoint(m, tmp_path)
+    assert (tmp_path / EMBED_FROM_LM_HEAD).exists()
+    loaded, tok = load_checkpoint(tmp_path, "cpu", tokenizer=False)
+    assert tok is None
+    emb = loaded.get_input_embeddings().weight
+    assert emb.shape == (96, 64)
+    torch.testing.assert_close(emb, kbit.dequantize(m.lm_head.weight(), emb.dtype))
+    ref = list(generate_tokens(m, PROMPT, max_new_tokens=4, temperature=0.0))
+    # the loaded model embeds with the dequantized k-bit lm_head (the original with its float weight)
+    got = list(generate_tokens(loaded, PROMPT, max_new_tokens=4, temperature=0.0))
+    assert len(got) == len(ref) == 4 and all(0 <= t < 96 for t in got)
+
+
+@pytest.mark.gpu
+def test_gpu_generate_graph_equals_eager(model):
+    m = quantize_model(transformers.LlamaForCausalLM(model.config).eval().to("cuda", torch.bfloat16), k=4,
+                       progress=False)
+    ids = PROMPT.cuda()
+    for kw in ({"temperature": 0.0}, {"temperature": 0.8, "top_k": 20, "seed": 1}):
+        eager = list(generate_tokens(m, ids, max_new_tokens=8, graph=False, **kw))
+        graph = list(generate_tokens(m, ids, max_new_tokens=8, **kw))
+        assert graph == eager and len(graph) == 8

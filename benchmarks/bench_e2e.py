@@ -1,0 +1,455 @@
+"""End-to-end decode tokens/s: random-initialised Llama-3-8B- and Qwen3-30B-A3B-shaped transformers models,
+bf16 against kbit (k = 2..5), at batch 1, 4, 16, 64, the same decode loop on both sides.
+
+Models are real transformers code built from configs (no download), directly on the GPU in bf16 (built on
+the meta device, then each part materialised with ``to_empty`` and filled with N(0, 0.02), norms with 1).
+The kbit side is built layer by layer (materialise a layer in bf16, quantize it, free the bf16 weights), so
+Qwen3-30B-A3B (~61 GB in bf16) never needs its bf16 and kbit copies at once: Linear layers through
+``kbit.quantize_model`` (``KbitLinear``), MoE blocks through ``kbit.nn.KbitMoE.from_hf`` (device-side routing,
+no host sync). Embeddings, norms, routers and ``lm_head`` stay bf16 unless ``--lm-head-k`` is given.
+
+The loop (``kbit.hf.decode.StaticDecoder``): a transformers ``StaticCache``, an eager prefill of ``--ctx``
+random prompt tokens per row, then the decode step (embedding, every layer with attention over the static
+cache, final norm, lm_head, argmax, the token written back, position advanced) captured in one CUDA graph
+and replayed. Timed: ``--steps`` consecutive steps (CUDA events), rewound to the prompt between repetitions,
+median of ``--reps``. tokens/s = batch * steps / time. The bf16 MoE baseline is timed twice, with
+transformers' ``experts_implementation="grouped_mm"`` (``bf16``) and with kbit's device-side routing +
+``torch._grouped_mm`` on the bf16 stacks (``bf16-kr``, as in bench_moe.py); speedups are against the faster.
+
+One script for the device machine; writes ``e2e.json`` / ``e2e.md`` (and ``profile.txt`` with ``--profile``)
+to ``$OUT`` (default benchmarks/results/h100/), updated after every row, and prints a short table last.
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-30b-a3b] [--k 2,3,4,5]
+        [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from kbit.hf.decode import StaticDecoder  # noqa: E402
+
+ATTN = r"self_attn\.(q|k|v|o)_proj"
+DENSE_MLP = r"mlp\.(gate|up|down)_proj"
+
+
+def configs(tiny: bool = False) -> dict:
+    import transformers
+
+    if tiny:  # CPU smoke test of the script itself
+        return {
+            "llama-tiny": transformers.LlamaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96, max_position_embeddings=256),
+            "qwen3moe-tiny": transformers.Qwen3MoeConfig(
+                hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_experts_per_tok=2, vocab_size=96, max_position_embeddings=256),
+        }
+    return {
+        "llama3-8b": transformers.LlamaConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+        "qwen3-30b-a3b": transformers.Qwen3MoeConfig(
+            hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+            num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192,
+            rope_theta=1000000.0),
+    }
+
+
+def git_commit() -> str:
+    if os.environ.get("KBIT_COMMIT"):
+        return os.environ["KBIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def _fill(module: nn.Module, gen: torch.Generator) -> None:
+    """Materialised parameters: vectors (norm weights) = 1, matrices ~ N(0, 0.02)."""
+    with torch.no_grad():
+        for p in module.parameters(recurse=True):
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _materialise(module: nn.Module, device, gen) -> None:
+    module.to_empty(device=device, recurse=True)
+    _fill(module, gen)
+
+
+def _fix_rotary(model: nn.Module, device) -> None:
+    """Rotary embeddings keep computed, non-persistent buffers: rebuild them on ``device``."""
+    for name, m in list(model.named_modules()):
+        if type(m).__name__.endswith("RotaryEmbedding"):
+            with torch.device(device):
+                model.set_submodule(name, type(m)(config=getattr(m, "config", model.config)))
+
+
+def _skeleton(config, experts_impl: str | None):
+    from transformers import AutoModelForCausalLM
+
+    kw = {"dtype": torch.bfloat16}
+    if experts_impl is not None and getattr(config, "num_experts", 0):
+        kw["experts_implementation"] = experts_impl
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, **kw)
+    return model.eval()
+
+
+class Bf16GroupedMoE(nn.Module):
+    """A bf16 sparse block on kbit's device-side routing (softmax top-k, ``align``) and ``torch._grouped_mm``
+    (the baseline of bench_moe.py), around the weights of a transformers block (shared, not copied)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.top_k = int(getattr(block, "top_k", None) or block.gate.top_k)
+        self.norm = bool(next((o.norm_topk_prob for o in (block, block.gate) if hasattr(o, "norm_topk_prob")),
+                              True))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from kbit.ops.moe import combine, silu_mul
+        from kbit.ops.moe_align import align
+        from kbit.ops.moe_router import select_experts
+
+        experts = self.block.experts
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = F.linear(x, self.block.gate.weight)
+        w, ids = select_experts(logits, self.top_k, renormalize=self.norm)
+        r = align(ids, experts.gate_up_proj.shape[0], w)
+        xs = x.index_select(0, r.token_ids)
+        gu = torch._grouped_mm(xs, experts.gate_up_proj.transpose(-2, -1), offs=r.offsets)
+        y = torch._grouped_mm(silu_mul(gu), experts.down_proj.transpose(-2, -1), offs=r.offsets)
+        return combine(y, r, x.dtype).reshape(hidden.shape)
+
+
+def build_bf16(config, device, seed: int = 0):
+    model = _skeleton(config, "grouped_mm")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    _materialise(model, device, gen)
+    _fix_rotary(model, device)
+    return model
+
+
+def moe_blocks(model) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("SparseMoeBlock")]
+
+
+def set_bf16_moe(model, blocks: list, variant: str) -> None:
+    """``bf16``: transformers' blocks (grouped_mm experts); ``bf16-kr``: :class:`Bf16GroupedMoE` around them."""
+    for name, block in blocks:
+        model.set_submodule(name, block if variant == "bf16" else Bf16GroupedMoE(block))
+
+
+def build_kbit(config, device, k: int, seed: int = 0, lm_head_k: int | None = None):
+    """The kbit model, quantized one decoder layer at a time (peak: the k-bit model + one bf16 layer)."""
+    from kbit.hf import quantize_model
+    from kbit.nn import KbitLinear, KbitMoE
+
+    model = _skeleton(config, None)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = model.model.layers
+    for name, m in model.named_children():  # everything but the decoder layers
+        if name != "model":
+            _materialise(m, device, gen)
+    for name, m in model.model.named_children():
+        if name != "layers":
+            _materialise(m, device, gen)
+    _fix_rotary(model, device)
+    for layer in layers:
+        _materialise(layer, device, gen)
+        for name, block in moe_blocks(layer):
+            layer.set_submodule(name, KbitMoE.from_hf(block, k=k))
+        quantize_model(layer, k=k, include=[ATTN, DENSE_MLP], progress=False)
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    if lm_head_k is not None:
+        model.lm_head = KbitLinear.from_linear(model.lm_head, k=lm_head_k)
+    return model
+
+
+def weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool, seed: int = 0,
+                eager_steps: int = 0, profile: bool = False) -> dict:
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    prompt = torch.randint(0, vocab, (batch, ctx), device=dev, generator=gen)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    dec.prefill(prompt)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if graph:
+        dec.capture()
+    dec.step()  # one step (in graph mode: the first replay)
+    sync()
+    capture_s = time.perf_counter() - t0
+    finite = bool(torch.isfinite(dec.logits).all())
+    times = []
+    for _ in range(reps):
+        dec.rewind(ctx)
+        sync()
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                dec.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dec.step()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    row = {"batch": batch, "ctx": ctx, "steps": steps, "reps": reps, "graph": graph,
+           "ms_per_step": 1e3 * med / steps, "ms_per_step_min": 1e3 * min(times) / steps,
+           "ms_per_step_max": 1e3 * max(times) / steps, "tokens_per_s": batch * steps / med,
+           "prefill_s": prefill_s, "capture_s": capture_s, "logits_finite": finite}
+    if eager_steps:  # the same step without the graph, for the notes (launch overhead)
+        dec.rewind(ctx)
+        dec._step_body()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(eager_steps):
+            dec._step_body()
+        sync()
+        row["eager_ms_per_step"] = 1e3 * (time.perf_counter() - t0) / eager_steps
+    if profile and dev.type == "cuda":
+        row["profile"] = profile_step(dec, ctx)
+    if dev.type == "cuda":
+        row["max_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    dec.release()
+    del dec
+    return row
+
+
+def profile_step(dec: StaticDecoder, ctx: int, top: int = 14) -> str:
+    """Top kernels of one eager decode step (torch profiler, CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dec.rewind(ctx)
+    dec._step_body()
+    torch.cuda.synchronize()
+    dec.rewind(ctx)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._step_body()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def markdown(meta: dict, rows: list) -> str:
+    lines = [f"# End-to-end decode, bf16 vs kbit ({meta['device']}, {meta['date']})", "",
+             f"commit {meta['commit']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
+             f"{meta['transformers']}; `{meta['command']}`", "",
+             f"Context {meta['ctx']} prompt tokens per row, {meta['steps']} decode steps per repetition, median "
+             f"of {meta['reps']}; CUDA graph of one whole decode step (attention, lm_head, argmax included) on "
+             "both sides. Speedup: against the faster bf16 variant of the same model and batch.", "",
+             "| model | variant | k | batch | ms/step | tokens/s | speedup | eager ms/step | max mem GB |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+    best = best_bf16(rows)
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | {r.get('k', '')} | {r.get('batch', '')} | "
+                         f"error: {r['error'][:80]} | | | | |")
+            continue
+        b = best.get((r["model"], r["batch"]))
+        sp = f"{r['tokens_per_s'] / b:.2f}x" if b else ""
+        eager = f"{r['eager_ms_per_step']:.2f}" if "eager_ms_per_step" in r else ""
+        lines.append(f"| {r['model']} | {r['variant']} | {r.get('k') or ''} | {r['batch']} | "
+                     f"{r['ms_per_step']:.3f} | {r['tokens_per_s']:.1f} | {sp} | {eager} | "
+                     f"{r.get('max_mem_gb', 0):.1f} |")
+    lines += ["", "```", short_table(rows), "```", ""]
+    profiles = [r for r in rows if r.get("profile")]
+    for r in profiles:
+        lines += [f"## Profile: {r['model']} {r['variant']} k={r.get('k')} batch {r['batch']} (one eager step)",
+                  "", "```", r["profile"], "```", ""]
+    return "\n".join(lines)
+
+
+def best_bf16(rows: list) -> dict:
+    best: dict = {}
+    for r in rows:
+        if r.get("variant", "").startswith("bf16") and "tokens_per_s" in r:
+            key = (r["model"], r["batch"])
+            best[key] = max(best.get(key, 0.0), r["tokens_per_s"])
+    return best
+
+
+def short_table(rows: list) -> str:
+    best = best_bf16(rows)
+    ks = sorted({r["k"] for r in rows if r.get("variant") == "kbit" and "tokens_per_s" in r})
+    out = [f"{'model':16s} {'B':>3s} {'bf16 tok/s':>11s} " + " ".join(f"{'k=' + str(k):>16s}" for k in ks)]
+    for model, batch in sorted(best, key=lambda x: (x[0], x[1])):
+        cells = []
+        for k in ks:
+            r = next((r for r in rows if r.get("variant") == "kbit" and r.get("k") == k and r["model"] == model
+                      and r.get("batch") == batch and "tokens_per_s" in r), None)
+            cells.append(f"{r['tokens_per_s']:9.1f} ({r['tokens_per_s'] / best[(model, batch)]:.2f}x)"
+                         if r else f"{'-':>16s}")
+        out.append(f"{model:16s} {batch:3d} {best[(model, batch)]:11.1f} " + " ".join(f"{c:>16s}" for c in cells))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run(args) -> list:
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "h100")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = args.device
+    graph = device == "cuda" and not args.no_graph
+    cfgs = configs(args.tiny)
+    models = args.models.split(",") if args.models else list(cfgs)
+    import transformers
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "date": datetime.date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "command": "python benchmarks/bench_e2e.py " + " ".join(args.argv), "ctx": args.ctx,
+            "steps": args.steps, "reps": args.reps, "graph": graph}
+    rows: list = []
+
+    def save():
+        (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        (out_dir / f"{args.name}.md").write_text(markdown(meta, rows))
+
+    def measure(model, name, variant, k, extra=None):
+        for b in args.batch:
+            t0 = time.perf_counter()
+            try:
+                prof = args.profile and b == args.batch[0] and variant in ("bf16", "kbit") and k in (None, 4)
+                row = time_decode(model, b, args.ctx, args.steps, args.reps, graph,
+                                  eager_steps=args.eager_steps if b == 1 else 0, profile=prof)
+            except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+                traceback.print_exc()
+                row = {"batch": b, "error": f"{type(e).__name__}: {e}"}
+            row = {"model": name, "variant": variant, "k": k, **(extra or {}), **row}
+            rows.append(row)
+            save()
+            msg = row.get("error") or (f"{row['ms_per_step']:.3f} ms/step {row['tokens_per_s']:.1f} tok/s "
+                                       f"(eager {row.get('eager_ms_per_step', float('nan')):.2f} ms)")
+            print(f"[{name} {variant} k={k} B={b}] {msg} [{time.perf_counter() - t0:.1f} s]", flush=True)
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+    for name in models:
+        config = cfgs[name]
+        if not args.skip_bf16:
+            t0 = time.perf_counter()
+            try:
+                model = build_bf16(config, device)
+                wb = weight_bytes(model)
+                print(f"[{name}] bf16 built: {wb / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+                blocks = moe_blocks(model)
+                variants = ["bf16", "bf16-kr"] if blocks else ["bf16"]
+                for v in variants:
+                    set_bf16_moe(model, blocks, v)
+                    measure(model, name, v, None, {"weights_gib": wb / 2**30})
+                del model, blocks
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append({"model": name, "variant": "bf16", "error": f"{type(e).__name__}: {e}"})
+                save()
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        for k in args.k:
+            t0 = time.perf_counter()
+            try:
+                model = build_kbit(config, device, k, lm_head_k=args.lm_head_k)
+                wb = weight_bytes(model)
+                print(f"[{name}] k={k} built: {wb / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+                measure(model, name, "kbit", k, {"weights_gib": wb / 2**30, "lm_head_k": args.lm_head_k})
+                del model
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append({"model": name, "variant": "kbit", "k": k, "error": f"{type(e).__name__}: {e}"})
+                save()
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    save()
+    if args.profile:
+        (out_dir / "profile.txt").write_text("\n\n".join(
+            f"{r['model']} {r['variant']} k={r.get('k')} B={r['batch']}\n{r['profile']}"
+            for r in rows if r.get("profile")))
+    print(short_table(rows))
+    return rows
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=None, help="comma-separated (default: all)")
+    p.add_argument("--k", default="2,3,4,5")
+    p.add_argument("--batch", default="1,4,16,64")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--eager-steps", type=int, default=4, help="also time N eager steps at batch 1")
+    p.add_argument("--lm-head-k", type=int, default=None, help="quantize lm_head too, at this k")
+    p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--profile", action="store_true", help="torch profiler on one eager step (first batch)")
+    p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
+    p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="e2e")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        args.k, args.batch, args.steps, args.reps = "4", "1,16", 16, 3
+    args.k = [int(x) for x in str(args.k).split(",") if x]
+    args.batch = [int(x) for x in str(args.batch).split(",") if x]
+    return args
+
+
+def main(argv=None) -> int:
+    run(parse(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
