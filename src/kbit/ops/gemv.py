@@ -209,6 +209,16 @@ def triton_cdiv(a, b):
 # ------------------------------------------------------------------------------------------------ dense
 
 
+def _use_mma(x) -> bool:
+    """The CUDA tensor-core kernel (kbit.ops.gemv_mma) serves dense calls on CUDA unless a Triton config is
+    pinned or ``KBIT_GEMV_BACKEND=triton``."""
+    if not x.is_cuda or _interpret() or os.environ.get("KBIT_GEMV_BACKEND", "") == "triton":
+        return False
+    from kbit.ops import gemv_mma
+
+    return gemv_mma.available(x.device)
+
+
 def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
          config: GemvConfig | None = None):
     """``y = x @ W.T (+ bias)`` for a k-bit weight ``W[N, K]`` in the canonical layout.
@@ -219,7 +229,9 @@ def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_for
     codes : int32 ``[N, Kp * k / 32]``; scales : uint8 (log8) or fp16 ``[N, Kp / blocksize]``;
     tensor_scale : float32 ``[]``; codebook : float32 ``[2**k]`` (see ``docs/format.md``).
     bias : optional ``[N]`` (any float dtype).
-    config : pin a :class:`~kbit.tuning.gemv.GemvConfig` (tests, tuning); default from the tuning table.
+    config : pin a :class:`~kbit.tuning.gemv.GemvConfig` (tests, tuning) to run the Triton kernel. Without one,
+        on CUDA with NVRTC, the call goes to the tensor-core kernel ``kbit.ops.gemv_mma.linear_small_m``
+        (``KBIT_GEMV_BACKEND=triton`` keeps the Triton kernel with the tuning table's config).
 
     Returns
     -------
@@ -238,6 +250,11 @@ def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_for
     if bias is not None:
         _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
         bias = bias.contiguous()
+    if config is None and _use_mma(x):
+        from kbit.ops import gemv_mma
+
+        return gemv_mma.linear_small_m(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                       scale_format=scale_format, N=N, K=K, bias=bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
