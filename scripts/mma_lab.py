@@ -161,23 +161,19 @@ def time_triton(N, K, k, M):
     ws = [one] + [rand_canonical(N, K, k, seed=i + 1) for i in range(n - 1)]
     x = torch.randn(M, K, dtype=torch.float16, device="cuda")
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
-    t = time_calls([(lambda w=w: G.gemv(x, *w, **kw)) for w in ws])
+    os.environ["KBIT_GEMV_BACKEND"] = "triton"
+    try:
+        t = time_calls([(lambda w=w: G.gemv(x, *w, **kw)) for w in ws])
+    finally:
+        os.environ.pop("KBIT_GEMV_BACKEND")
     del ws
     torch.cuda.empty_cache()
     return t.us
 
 
 def kernel_info(k, M, dtype, config):
-    from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import SOURCE
-
-    W, D = config
-    stage = MM._stage_bytes(k, "log8")
-    D = max(2, min(D, (MM.SMEM_MAX - MM._static_smem(k)) // (W * stage)))
-    kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=MM._ng(M), D=D, MAXW=W,
-                                                        BF16=int(dtype == torch.bfloat16), FP16_SCALES=0), "cuda")
-    return dict(regs=kern.num_regs, smem=kern.shared_bytes, D=D,
-                ctas_per_sm=kern.occupancy(W * 32, W * D * stage + MM._static_smem(k) - 1024))
+    p = MM.plan(k, M, 28672, 4096, "log8", config)
+    return dict(regs=p["regs"], ctas_per_sm=p["ctas_per_sm"], D=p["defines"]["D"])
 
 
 def main():
@@ -218,9 +214,9 @@ def main():
     if args.sweep:
         for k in ks:
             d = MM.DEPTH[k]
-            cands = [(16, d), (16, max(2, d // 2)), (16, 2 * d), (8, d), (8, 2 * d), (12, d)]
+            cands = [(1, 8, 2), (1, 8, 3), (1, 4, 4), (2, 16, d), (2, 16, 2), (2, 8, 2 * d)]
             tot = {}
-            for N, K in SHAPES[:2]:
+            for N, K in SHAPES:
                 for cfg in cands:
                     if left() < 150:
                         break
@@ -247,7 +243,7 @@ def main():
                     break
                 cfg = best.get(k)
                 if cfg is not None and M > 16:
-                    cfg = (8, cfg[1])
+                    cfg = (1, 8, 1) if cfg[0] == 1 else (2, 8, cfg[2])
                 try:
                     us, nb = time_mma(N, K, k, M, torch.float16, cfg)
                 except Exception as e:  # noqa: BLE001

@@ -183,13 +183,15 @@ def test_mma_gpu_3d_noncontiguous_bias_dtypes():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config", [(1, 8, 2), (2, 4, 1), (1, 2, 2), (1, 1, 3)])
+@pytest.mark.parametrize("config", [(1, 8, 2), (1, 2, 3), (1, 8, 1), (2, 16, 4), (2, 8, 2), (2, 4, 8)])
 def test_mma_gpu_configs_split_k(config):
-    """Different steps / warps: small N forces split K across CTAs (workspace + last-arriver fix-up), twice in a
-    row (the workspace and counters must be left clean)."""
+    """Both kernels, several warps / depths: small N forces split K (workspace + last-arriver fix-up), twice in
+    a row (the workspace and counters must be left clean); many tiles make CTAs / warps loop over items."""
     for _ in range(2):
         check(64, 8192, 4, 2, torch.float16, bias=True, config=config)
         check(2048, 768, 2, 1, torch.bfloat16, config=config)
+    check(28672, 1024, 3, 9, torch.float16, bias=True, config=config)
+    check(5000, 4096, 5, 17, torch.bfloat16, config=config)
 
 
 @pytest.mark.gpu

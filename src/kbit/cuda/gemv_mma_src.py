@@ -187,6 +187,63 @@ __device__ __forceinline__ V4 lds128(u32 a) {
   return v;
 }
 
+__device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict__ cb, u32 tid, u32 nt) {
+#if K_BITS == 4
+  for (u32 i = tid; i < 256 * 32; i += nt) {
+    const u32 e = i >> 5;
+    s_tab[i] = (u32)f2h(cb[e & 15]) | ((u32)f2h(cb[e >> 4]) << 16);
+  }
+#elif K_BITS == 3
+  for (u32 i = tid; i < 64 * 32; i += nt) {
+    const u32 e = i >> 5;
+    s_tab[i] = (u32)f2h(cb[e & 7]) | ((u32)f2h(cb[e >> 3]) << 16);
+  }
+#elif K_BITS == 2
+  for (u32 i = tid; i < 256 * 16; i += nt) {
+    const u32 e = i >> 4;
+    s_tab[2 * i] = (u32)f2h(cb[e & 3]) | ((u32)f2h(cb[(e >> 2) & 3]) << 16);
+    s_tab[2 * i + 1] = (u32)f2h(cb[(e >> 4) & 3]) | ((u32)f2h(cb[e >> 6]) << 16);
+  }
+#else
+  for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = f2h(cb[i >> 5]);
+#endif
+}
+
+__device__ __forceinline__ u32 lane_bits(u32 tab, u32 lane) {
+#if K_BITS == 2
+  return tab + ((lane & 15) << 3);
+#elif K_BITS == 5
+  return tab | (lane << 1);
+#else
+  return tab | (lane << 2);
+#endif
+}
+
+/* one 256-column segment of one 16-row tile: codes w (4k words), scales sw, x pointers xs (column 0 of the
+   segment) -> acc */
+__device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, u32 lbb, u32 sc_base,
+                                        float (&acc)[NG][4]) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    V4 xb[NG];
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xs[ng] + 32 * u);
+    u32 A[2][4];
+    lookup(w, u, lbb, A);
+    const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) {
+      float d[4];
+      mma0(d, A[0], xb[ng].x, xb[ng].y);
+      mma(d, A[1], xb[ng].z, xb[ng].w, d);
+      acc[ng][0] += d[0] * s0v;
+      acc[ng][1] += d[1] * s0v;
+      acc[ng][2] += d[2] * s1v;
+      acc[ng][3] += d[3] * s1v;
+    }
+  }
+}
+
 #define STAGE_BYTES ((K_BITS + SV) * 512)
 
 /* finish one (tile, K range) task: write y, or add to the fp32 workspace (the last of the tile's splits writes) */
@@ -241,7 +298,144 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
+#if KERNEL == 1
+/* CTA per (tile, K split): its W warps take the split's segments round-robin (register double buffer, the
+   first segment of the warp's next item prefetched before this item's reduction), partial sums reduced in
+   shared memory; split K across CTAs is fixed up in an fp32 workspace by the last CTA of the tile. */
+__shared__ float s_red[NG * 128];
+__shared__ int s_flag;
+extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
+    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
+    int bias_kind, int ws_stride) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const float ts = *ts_ptr;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
+  const float post = FP16_SCALES ? ts : 1.0f;
+  for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
+  __syncthreads();
+  const u32 lbb = lane_bits(tab, lane);
+  const u32 sc_base = smem_addr(s_sc);
+  const u16* xr[NG];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) {
+    int tok = ng * 8 + g;
+    tok = tok < M ? tok : M - 1;
+    xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
+  }
+  const int items = n_tiles * splits;
+  /* (item, segment) of this warp's next load; seg < 0: none */
+  auto first = [&](int item, int& seg) {
+    if (item >= items) { seg = -1; return; }
+    const int sp = item - (item / splits) * splits;
+    const int s0 = sp * sps + (int)warp;
+    seg = s0 < min(sp * sps + sps, n_seg) ? s0 : -1;
+  };
+  V4 cw[K_BITS], sw[SV];
+  auto load = [&](int item, int seg) {
+    const int tile = item / splits;
+    const long long ts_ = (long long)tile * n_seg + seg;
+#pragma unroll
+    for (int v = 0; v < K_BITS; ++v) cw[v] = ld_stream(codes + (ts_ * K_BITS + v) * 32 + lane);
+#pragma unroll
+    for (int v = 0; v < SV; ++v) sw[v] = ld_stream(scales + (ts_ * 8 + g) * SV + v);
+  };
+  int item = blockIdx.x, seg;
+  first(item, seg);
+  if (seg >= 0) load(item, seg);
+  for (; item < items; item += gridDim.x) {
+    const int tile = item / splits, sp = item - tile * splits;
+    const int s1 = min(sp * sps + sps, n_seg);
+    float acc[NG][4];
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+    if (seg >= 0) {
+      while (true) {
+        /* next load: the next segment of this item, else the first one of the warp's next item */
+        int n_item = item, n_seg_ = seg + (int)W;
+        if (n_seg_ >= s1) { n_item = item + gridDim.x; first(n_item, n_seg_); }
+        V4 nw[K_BITS], ns[SV];
+        if (n_seg_ >= 0) {
+          const long long ts_ = (long long)(n_item / splits) * n_seg + n_seg_;
+#pragma unroll
+          for (int v = 0; v < K_BITS; ++v) nw[v] = ld_stream(codes + (ts_ * K_BITS + v) * 32 + lane);
+#pragma unroll
+          for (int v = 0; v < SV; ++v) ns[v] = ld_stream(scales + (ts_ * 8 + g) * SV + v);
+        }
+        const u16* xs[NG];
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
+        segment((const u32*)cw, sw, xs, lbb, sc_base, acc);
+#pragma unroll
+        for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
+#pragma unroll
+        for (int v = 0; v < SV; ++v) sw[v] = ns[v];
+        const bool done = n_item != item;
+        seg = n_seg_;
+        if (done) break;
+      }
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) atomicAdd(&s_red[(ng * 4 + c) * 32 + lane], acc[ng][c]);
+    } else {
+      int n_item = item + gridDim.x;  /* this warp had no segment in this item: look at the next one */
+      first(n_item, seg);
+      if (seg >= 0) load(n_item, seg);
+    }
+    __syncthreads();
+    const bool last = splits == 1;
+    for (u32 e = tid; e < NG * 128; e += blockDim.x) {
+      const u32 c = (e >> 5) & 3, l = e & 31;
+      const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
+      const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+      float v = s_red[e] * post;
+      s_red[e] = 0.0f;
+      if (row < N && tok < M) {
+        if (last) {
+          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
+          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
+          else if (bias_kind == 3) v += ((const float*)bias)[row];
+          y[(long long)tok * y_stride + row] = f2h(v);
+        } else {
+          atomicAdd(&ws[(long long)tok * ws_stride + row], v);
+        }
+      }
+    }
+    if (!last) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) s_flag = atomicAdd(&cnt[tile], 1) == splits - 1;
+      __syncthreads();
+      if (s_flag) {
+        __threadfence();
+        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
+          const u32 c = (e >> 5) & 3, l = e & 31;
+          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
+          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+          if (row < N && tok < M) {
+            float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+            if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
+            else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
+            else if (bias_kind == 3) v += ((const float*)bias)[row];
+            y[(long long)tok * y_stride + row] = f2h(v);
+          }
+        }
+        if (tid == 0) atomicExch(&cnt[tile], 0);
+      }
+    }
+    __syncthreads();
+  }
+}
+#else
+extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
@@ -254,26 +448,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + W * (D * STAGE_BYTES) + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
-  u32* s_tab = (u32*)(dsm + (tab - dsm_base));
-#if K_BITS == 4
-  for (u32 i = tid; i < 256 * 32; i += blockDim.x) {
-    const u32 e = i >> 5;
-    s_tab[i] = (u32)f2h(cb[e & 15]) | ((u32)f2h(cb[e >> 4]) << 16);
-  }
-#elif K_BITS == 3
-  for (u32 i = tid; i < 64 * 32; i += blockDim.x) {
-    const u32 e = i >> 5;
-    s_tab[i] = (u32)f2h(cb[e & 7]) | ((u32)f2h(cb[e >> 3]) << 16);
-  }
-#elif K_BITS == 2
-  for (u32 i = tid; i < 256 * 16; i += blockDim.x) {
-    const u32 e = i >> 4;
-    s_tab[2 * i] = (u32)f2h(cb[e & 3]) | ((u32)f2h(cb[(e >> 2) & 3]) << 16);
-    s_tab[2 * i + 1] = (u32)f2h(cb[(e >> 4) & 3]) | ((u32)f2h(cb[e >> 6]) << 16);
-  }
-#else
-  for (u32 i = tid; i < 32 * 32; i += blockDim.x) ((u16*)s_tab)[i] = f2h(cb[i >> 5]);
-#endif
+  build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
   __syncthreads();
@@ -285,13 +460,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const int J = my_tasks * sps;
   if (J == 0) return;
   const u32 stage0 = dsm_base + warp * (D * STAGE_BYTES) + lane * 16;
-#if K_BITS == 2
-  const u32 lbb = tab + ((lane & 15) << 3);
-#elif K_BITS == 5
-  const u32 lbb = tab | (lane << 1);
-#else
-  const u32 lbb = tab | (lane << 2);
-#endif
+  const u32 lbb = lane_bits(tab, lane);
   const u32 sc_base = smem_addr(s_sc);
 
   const u16* xr[NG];
@@ -355,25 +524,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     const u16* xs[NG];
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + c_seg * SEG;
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      V4 xb[NG];
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xs[ng] + 32 * u);
-      u32 A[2][4];
-      lookup(w, u, lbb, A);
-      const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        float d[4];
-        mma0(d, A[0], xb[ng].x, xb[ng].y);
-        mma(d, A[1], xb[ng].z, xb[ng].w, d);
-        acc[ng][0] += d[0] * s0v;
-        acc[ng][1] += d[1] * s0v;
-        acc[ng][2] += d[2] * s1v;
-        acc[ng][3] += d[3] * s1v;
-      }
-    }
+    segment(w, sw, xs, lbb, sc_base, acc);
     slot = slot + 1 == D ? 0 : slot + 1;
     ++c_seg;
     if (++c_step == sps) {
@@ -387,4 +538,5 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     }
   }
 }
+#endif
 """

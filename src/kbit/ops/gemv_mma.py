@@ -158,42 +158,45 @@ def _ng(M):
     return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
-#: cp.async pipeline depth (stages in flight + 1) per k, and shared memory per CTA available on sm_90 / sm_80
+#: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
 DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
 SMEM_MAX = 227 * 1024
 
 
 def default_config(k, M, N, K):
-    """(warps a CTA, pipeline stages) for one launch; ``KBIT_MMA_CFG="W,D"`` overrides (lab)."""
-    W = 16 if _ng(M) <= 2 else 8
-    D = DEPTH[k]
+    """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
+
+    Kernel 1: a CTA per (row tile, K split), its warps take the split's segments round-robin (register
+    double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
+    its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
+    """
+    cfg = (1, 8, 2) if _ng(M) <= 2 else (1, 8, 1)
     if os.environ.get("KBIT_MMA_CFG"):
-        W, D = (int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
-    return W, D
+        cfg = tuple(int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
+    return cfg
 
 
-def _static_smem(k):
-    """Shared bytes besides the pipeline stages: the lookup table (+ its alignment pad) and the scale table."""
+def _table_smem(k):
+    """Dynamic shared bytes of the lookup table plus its alignment pad."""
     tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
-    align = {3: 8192, 5: 2048}.get(k, 16)
-    return tab + align + 1024
+    return tab + {3: 8192, 5: 2048}.get(k, 16)
 
 
 def _stage_bytes(k, scale_format):
     return (k + (2 if scale_format == "fp16" else 1)) * 512
 
 
-def _splits(n_tiles, nsteps, slots):
-    """K splits: the fewest (within 5% of the best) that spread tasks evenly over ``slots`` warps, >= 2 steps each."""
+def _splits(n_tiles, nsteps, slots, max_split, divide):
+    """K splits: the fewest (within 5% of the best) that fill ``slots`` evenly; at most ``max_split``."""
     best, best_eff = 1, 0.0
-    for s in range(1, max(1, nsteps // 2) + 1):
-        if nsteps % s:
+    for s in range(1, max(1, max_split) + 1):
+        if divide and nsteps % s:
             continue
-        tasks = n_tiles * s
-        eff = tasks / (-(-tasks // slots) * slots)
+        items = n_tiles * s
+        eff = items / (-(-items // slots) * slots)
         if eff > best_eff * 1.05:
             best, best_eff = s, eff
-        if tasks >= 8 * slots:
+        if items >= 8 * slots:
             break
     return best
 
@@ -202,32 +205,67 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def plan(k, M, N, K, scale_format="log8", config=None, device=None):
+    """The launch plan: dict of defines, block, grid, dynamic shared bytes, splits, segments a split."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import SOURCE
+
+    dev = torch.device(device or "cuda")
+    Nt, S = -(-N // 16), -(-K // SEG)
+    kernel, W, X = config or default_config(k, M, N, K)
+    ng = _ng(M)
+    if kernel == 1:
+        W = max(1, min(W, S))
+        defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
+        shared = _table_smem(k)
+    else:
+        stage = _stage_bytes(k, scale_format)
+        D = max(2, min(X, (SMEM_MAX - 1024 - _table_smem(k)) // (W * stage)))
+        defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
+        shared = W * D * stage + _table_smem(k)
+    defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
+    kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
+    occ = kern.occupancy(W * 32, shared)
+    slots = _sms(dev) * occ
+    if kernel == 1:
+        splits = _splits(Nt, S, slots, S // W, divide=False)
+        sps = -(-S // splits)
+        splits = -(-S // sps)
+        items = Nt * splits
+        grid = -(-items // -(-items // slots))
+    else:
+        splits = _splits(Nt, S, slots * W, S // 2, divide=True)
+        sps = S // splits
+        grid = min(slots, -(-(Nt * splits) // W))
+    return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
+                regs=kern.num_regs, ctas_per_sm=occ)
+
+
+_PLANS: dict = {}
+
+
 def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None):
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
     dev = x2.device
-    Nt, S = rcodes.shape[0], rcodes.shape[1]
-    W, D = config or default_config(k, M, N, K)
-    stage = _stage_bytes(k, scale_format)
-    D = max(2, min(D, (SMEM_MAX - _static_smem(k)) // (W * stage)))
-    ng = _ng(M)
-    kern = compile_kernel(SOURCE, "kbit_gemv_mma", dict(K_BITS=k, NG=ng, D=D, MAXW=W,
-                                                        BF16=int(x2.dtype == torch.bfloat16),
-                                                        FP16_SCALES=int(scale_format == "fp16")), dev)
-    shared = W * D * stage + _static_smem(k) - 1024  # stages, then the aligned table (s_sc is static)
-    occ = kern.occupancy(W * 32, shared)
-    grid = _sms(dev) * occ
-    splits = _splits(Nt, S, grid * W)
-    sps = S // splits
-    grid = min(grid, -(-(Nt * splits) // W))
+    bf16 = x2.dtype == torch.bfloat16
+    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev)
+    p = _PLANS.get(key)
+    if p is None:
+        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev)
+        p["kern"] = compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": int(bf16)}, dev)
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        _PLANS[key] = p
+    Nt, S, splits = p["Nt"], p["S"], p["splits"]
     ws, cnt = _workspace(dev, M, Nt * 16, Nt) if splits > 1 else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
-    kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiii",
-         rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
-         _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
-         ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, sps, bias_kind, Nt * 16,
-         shared=shared)
+    p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
+              rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
+              _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
+              ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, p["sps"], bias_kind,
+              Nt * 16, shared=p["shared"])
 
 
 def _prep_x(x2, S):
