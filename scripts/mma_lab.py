@@ -214,11 +214,11 @@ def main():
     if args.sweep:
         for k in ks:
             d = MM.DEPTH[k]
-            cands = [(1, 8, 2), (1, 8, 3), (1, 4, 4), (2, 16, d), (2, 16, 2), (2, 8, 2 * d)]
+            cands = [(1, 8, 2), (1, 8, 3), (1, 4, 4), (1, 16, 1), (2, 16, d), (2, 16, 2), (2, 8, 2 * d)]
             tot = {}
             for N, K in SHAPES:
                 for cfg in cands:
-                    if left() < 150:
+                    if left() < 0.55 * args.budget:
                         break
                     try:
                         us, nb = time_mma(N, K, k, 1, torch.float16, cfg)
