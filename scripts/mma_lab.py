@@ -229,11 +229,13 @@ def main():
                     info = kernel_info(k, 1, torch.float16, cfg)
                     rows.append(dict(kind="sweep", N=N, K=K, k=k, M=1, cfg=cfg, us=us, tbps=tb, **info))
                     log(f"sweep {N}x{K} k={k} cfg={cfg} {info}: {us:.2f} us {tb:.3f} TB/s {100 * tb / ceiling:.0f}%")
-                    tot[cfg] = tot.get(cfg, 0) + us
-            if tot:
-                best[k] = min(tot, key=tot.get)
+                    cls = N * K >= MM.BIG
+                    tot.setdefault(cls, {})
+                    tot[cls][cfg] = tot[cls].get(cfg, 0) + us
+            for cls, t in tot.items():
+                best[(k, cls)] = min(t, key=t.get)
         log("best configs:", best)
-        res["best"] = {str(k): v for k, v in best.items()}
+        res["best"] = {f"k={k} big={cls}": v for (k, cls), v in best.items()}
         dump()
     bf = {}
     for k in ks:
@@ -241,7 +243,7 @@ def main():
             for M in MS:
                 if left() < 25:
                     break
-                cfg = best.get(k)
+                cfg = best.get((k, N * K >= MM.BIG))
                 if cfg is not None and M > 16:
                     cfg = (1, 8, 1) if cfg[0] == 1 else (2, 8, cfg[2])
                 try:
@@ -263,7 +265,7 @@ def main():
     for N, K in SHAPES:
         if left() < 15 or 4 not in ks:
             break
-        us, nb = time_mma(N, K, 4, 1, torch.bfloat16, best.get(4))
+        us, nb = time_mma(N, K, 4, 1, torch.bfloat16, best.get((4, N * K >= MM.BIG)))
         tb = nb / us / 1e6
         rows.append(dict(kind="mma", N=N, K=K, k=4, M=1, dtype="bfloat16", us=us, tbps=tb, pct=100 * tb / ceiling,
                          bf16_us=bf.get((N, K, 1))))

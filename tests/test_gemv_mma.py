@@ -134,7 +134,13 @@ def check(N, K_, k, M, dtype, B=32, sf="log8", bias=False, x=None, seed=0, confi
     ref = G.gemv_reference(x, codes, scales, ts, cb, **kw)
     assert y.shape == (*lead, N) and y.dtype == x.dtype
     err = rel_err(y, ref)
-    assert err < tol(x.dtype), f"k={k} N={N} K={K_} M={M} {x.dtype} B={B} {sf}: rel err {err:.2e}"
+    # the kernel multiplies by the codebook rounded to x's dtype: against that reference only the output
+    # rounding is left (tight); against the exact one the codebook rounding adds up to ~2**-9 (bf16) a weight,
+    # which with few outputs (N = 1) can exceed the usual tolerance by chance
+    ref_r = G.gemv_reference(x, codes, scales, ts, cb.to(x.dtype).float(), **kw)
+    err_r = rel_err(y, ref_r)
+    msg = f"k={k} N={N} K={K_} M={M} {x.dtype} B={B} {sf}: rel err {err:.2e} / {err_r:.2e} (rounded codebook)"
+    assert err_r < tol(x.dtype) / 2 and err < 2 * tol(x.dtype), msg
 
 
 gpu = pytest.mark.skipif(not (CUDA and MM.available()), reason="needs the CUDA kernel (GPU + NVRTC)")

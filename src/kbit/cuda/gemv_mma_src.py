@@ -39,6 +39,8 @@ struct __align__(8) V2 { u32 x, y; };
 #define TAB_ALIGN 8192
 #elif K_BITS == 5
 #define TAB_ALIGN 2048
+#elif K_BITS == 4
+#define TAB_ALIGN 128 /* lane bits 2..6 are ORed in */
 #else
 #define TAB_ALIGN 16
 #endif

@@ -161,6 +161,8 @@ def _ng(M):
 #: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
 DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
 SMEM_MAX = 227 * 1024
+#: N * K from which (many tiles or long K) 4-warp CTAs, 4 an SM, won in the H100 sweep (run 3)
+BIG = 2 * 10**8
 
 
 def default_config(k, M, N, K):
@@ -170,7 +172,12 @@ def default_config(k, M, N, K):
     double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
-    cfg = (1, 8, 2) if _ng(M) <= 2 else (1, 8, 1)
+    if _ng(M) > 2:
+        cfg = (1, 8, 1)
+    elif N * K >= BIG:
+        cfg = (1, 4, 4)
+    else:
+        cfg = (1, 8, 2)
     if os.environ.get("KBIT_MMA_CFG"):
         cfg = tuple(int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
     return cfg
@@ -179,7 +186,7 @@ def default_config(k, M, N, K):
 def _table_smem(k):
     """Dynamic shared bytes of the lookup table plus its alignment pad."""
     tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
-    return tab + {3: 8192, 5: 2048}.get(k, 16)
+    return tab + {3: 8192, 4: 128, 5: 2048}.get(k, 16)
 
 
 def _stage_bytes(k, scale_format):
@@ -219,6 +226,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
         shared = _table_smem(k)
     else:
+        if ng > 2:
+            W = min(W, 8)
         stage = _stage_bytes(k, scale_format)
         D = max(2, min(X, (SMEM_MAX - 1024 - _table_smem(k)) // (W * stage)))
         defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
