@@ -12,7 +12,9 @@ The loop (``kbit.hf.decode.StaticDecoder``): a transformers ``StaticCache``, an 
 random prompt tokens per row, then the decode step (embedding, every layer with attention over the static
 cache, final norm, lm_head, argmax, the token written back, position advanced) captured in one CUDA graph
 and replayed. Timed: ``--steps`` consecutive steps (CUDA events), rewound to the prompt between repetitions,
-median of ``--reps``. tokens/s = batch * steps / time. The bf16 MoE baseline is timed twice, with
+median of ``--reps``. tokens/s = batch * steps / time. ``--fuse``: ``kbit.hf.decode.compile_glue`` on both
+sides (RMSNorm, rotary, SiLU * up fused by torch.compile; matmuls and attention untouched).
+The bf16 MoE baseline is timed twice, with
 transformers' ``experts_implementation="grouped_mm"`` (``bf16``) and with kbit's device-side routing +
 ``torch._grouped_mm`` on the bf16 stacks (``bf16-kr``, as in bench_moe.py); speedups are against the faster.
 
@@ -44,7 +46,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kbit.hf.decode import StaticDecoder  # noqa: E402
+from kbit.hf.decode import StaticDecoder, compile_glue  # noqa: E402
 
 ATTN = r"self_attn\.(q|k|v|o)_proj"
 DENSE_MLP = r"mlp\.(gate|up|down)_proj"
@@ -283,7 +285,9 @@ def markdown(meta: dict, rows: list) -> str:
              f"{meta['transformers']}; `{meta['command']}`", "",
              f"Context {meta['ctx']} prompt tokens per row, {meta['steps']} decode steps per repetition, median "
              f"of {meta['reps']}; CUDA graph of one whole decode step (attention, lm_head, argmax included) on "
-             "both sides. Speedup: against the faster bf16 variant of the same model and batch.", "",
+             "both sides; glue fused by torch.compile (compile_glue) on both sides: "
+             f"{'yes' if meta.get('fuse') else 'no'}. Speedup: against the faster bf16 variant of the same model "
+             "and batch.", "",
              "| model | variant | k | batch | ms/step | tokens/s | speedup | eager ms/step | max mem GB |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     best = best_bf16(rows)
@@ -347,7 +351,8 @@ def run(args) -> list:
             "date": datetime.date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
             "command": "python benchmarks/bench_e2e.py " + " ".join(args.argv), "ctx": args.ctx,
-            "steps": args.steps, "reps": args.reps, "graph": graph}
+            "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse,
+            "lm_head_k": args.lm_head_k}
     rows: list = []
 
     def save():
@@ -364,7 +369,7 @@ def run(args) -> list:
             except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
                 traceback.print_exc()
                 row = {"batch": b, "error": f"{type(e).__name__}: {e}"}
-            row = {"model": name, "variant": variant, "k": k, **(extra or {}), **row}
+            row = {"model": name, "variant": variant, "k": k, "fuse": args.fuse, **(extra or {}), **row}
             rows.append(row)
             save()
             msg = row.get("error") or (f"{row['ms_per_step']:.3f} ms/step {row['tokens_per_s']:.1f} tok/s "
@@ -380,6 +385,8 @@ def run(args) -> list:
             t0 = time.perf_counter()
             try:
                 model = build_bf16(config, device)
+                if args.fuse:
+                    compile_glue(model)
                 wb = weight_bytes(model)
                 print(f"[{name}] bf16 built: {wb / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
                 blocks = moe_blocks(model)
@@ -399,6 +406,8 @@ def run(args) -> list:
             t0 = time.perf_counter()
             try:
                 model = build_kbit(config, device, k, lm_head_k=args.lm_head_k)
+                if args.fuse:
+                    compile_glue(model)
                 wb = weight_bytes(model)
                 print(f"[{name}] k={k} built: {wb / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
                 measure(model, name, "kbit", k, {"weights_gib": wb / 2**30, "lm_head_k": args.lm_head_k})
@@ -415,6 +424,8 @@ def run(args) -> list:
         (out_dir / "profile.txt").write_text("\n\n".join(
             f"{r['model']} {r['variant']} k={r.get('k')} B={r['batch']}\n{r['profile']}"
             for r in rows if r.get("profile")))
+    print(f"decode tokens/s ({meta['device']}, ctx {args.ctx}, CUDA graph: {graph}, fused glue: {args.fuse}; "
+          "x = vs the faster bf16)")
     print(short_table(rows))
     return rows
 
@@ -430,6 +441,7 @@ def parse(argv=None):
     p.add_argument("--eager-steps", type=int, default=4, help="also time N eager steps at batch 1")
     p.add_argument("--lm-head-k", type=int, default=None, help="quantize lm_head too, at this k")
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--fuse", action="store_true", help="compile_glue (torch.compile of norms, rotary, SiLU*up)")
     p.add_argument("--profile", action="store_true", help="torch profiler on one eager step (first batch)")
     p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")

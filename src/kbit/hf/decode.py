@@ -8,8 +8,12 @@ On CUDA that step is captured once in a CUDA graph and replayed, so a step costs
 one launch per op (several hundred for an 8B model). On the CPU the same step runs eagerly.
 
 The model's own forward is used (any kbit modules inside: ``KbitLinear``, ``KbitMoE``); only the attention mask
-and the position ids are made here (a 4-D boolean mask over the whole static cache, built on the device from
-the position tensor), so the step depends on no transformers mask or position logic that reads the host.
+and the position ids are made here (a 4-D additive mask over the whole static cache, built on the device from
+the position tensor, once per step), so the step depends on no transformers mask or position logic that reads
+the host. The attention of a one-token step is transformers' SDPA with the query heads of each KV group as
+the query rows (``[B, Hkv, G, D]`` against the cache's ``[B, Hkv, L, D]``): transformers' own SDPA path
+repeats the whole static cache G times whenever a mask is given (``repeat_kv``: at batch 64 and 600
+positions, ~20 GB of copies a step on Llama-3-8B). The prefill uses transformers' SDPA as is.
 
 Graph capture needs a sync-free forward: quantized MoE models should use :class:`kbit.nn.KbitMoE`
 (:func:`use_kbit_moe` swaps the looping ``KbitExperts`` of a loaded checkpoint for it, sharing the weights).
@@ -25,13 +29,63 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["StaticDecoder", "use_kbit_moe"]
+__all__ = ["STATIC_ATTENTION", "StaticDecoder", "static_attention", "use_kbit_moe"]
+
+#: the name under which :func:`static_attention` is registered in transformers' ``AttentionInterface``
+STATIC_ATTENTION = "kbit_static"
+_PAD = 16  # the cache length is rounded up to this (aligned mask rows for the SDPA kernels)
 
 
 def _static_cache(model, max_len: int):
     from transformers import StaticCache
 
     return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention for the static cache: ``query [B, Hq, q, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (the whole
+    cache), ``attention_mask`` additive ``[B, 1, q, L]``. A one-token step runs one SDPA on ``[B, Hkv, G, D]``
+    queries (the G = Hq / Hkv heads sharing a KV head as rows: no copy of the cache); longer ones (prefill)
+    go to transformers' ``sdpa`` forward. Returns ``([B, q, Hq, D], None)`` as transformers' functions do."""
+    B, Hq, q, D = query.shape
+    Hkv = key.shape[1]
+    if q != 1 or Hq % Hkv or dropout:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    qg = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * G + g, the order of transformers' repeat_kv
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+    out = torch.nn.functional.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, 1, Hq, D), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(STATIC_ATTENTION, static_attention)
+
+
+class _AttnImpl:
+    """Set ``_attn_implementation`` of every config in the model for the duration of a forward."""
+
+    def __init__(self, model: nn.Module, name: str):
+        seen, self.configs = set(), []
+        for m in model.modules():
+            c = getattr(m, "config", None)
+            if c is not None and id(c) not in seen and hasattr(c, "_attn_implementation_internal"):
+                seen.add(id(c))
+                self.configs.append(c)
+        self.name = name
+
+    def __enter__(self):
+        self.saved = [c._attn_implementation_internal for c in self.configs]
+        for c in self.configs:
+            c._attn_implementation_internal = self.name
+
+    def __exit__(self, *exc):
+        for c, v in zip(self.configs, self.saved, strict=True):
+            c._attn_implementation_internal = v
 
 
 class StaticDecoder:
@@ -41,7 +95,7 @@ class StaticDecoder:
     ----------
     model : a transformers causal LM (Llama, Qwen2/3, Mistral, Qwen3-MoE, ...), float or kbit-quantized.
     batch_size : rows decoded together (every row has the same prompt length).
-    max_len : prompt + new tokens; the static cache holds this many positions.
+    max_len : prompt + new tokens; the static cache holds this many positions (rounded up to a multiple of 16).
     graph : capture the decode step in a CUDA graph (default: when the model is on CUDA). False runs it eagerly.
     temperature, top_k, top_p : the sampler (:func:`kbit.sample` on CUDA, :func:`kbit.sample_reference` on the
         CPU); ``temperature == 0`` is greedy (argmax).
@@ -65,12 +119,14 @@ class StaticDecoder:
         if graph and self.device.type != "cuda":
             raise ValueError(f"graph: CUDA graphs need the model on a CUDA device, got {self.device}")
         attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if attn not in ("sdpa", "eager"):
-            raise ValueError(f"model.config._attn_implementation: expected 'sdpa' or 'eager' (the decoder makes "
-                             f"its own 4-D mask), got {attn!r}")
+        if attn not in ("sdpa", "eager", STATIC_ATTENTION):
+            raise ValueError(f"model.config._attn_implementation: expected 'sdpa' or 'eager' (the decoder brings "
+                             f"its own attention and mask), got {attn!r}")
+        _register()
+        self._attn = _AttnImpl(model, STATIC_ATTENTION)
+        max_len = -(-max_len // _PAD) * _PAD
         self.model, self.B, self.L, self.graph = model, batch_size, max_len, bool(graph)
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
-        self._bool_mask = attn == "sdpa"
         self._dtype = getattr(model, "dtype", torch.float32)
         dev = self.device
         self.cache = _static_cache(model, max_len)
@@ -87,18 +143,18 @@ class StaticDecoder:
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def _mask(self, q_pos: torch.Tensor) -> torch.Tensor:
-        """``[B, 1, q, L]``: key j visible from query position p iff j <= p (boolean for sdpa, additive for eager)."""
+        """Additive ``[B, 1, q, L]`` in the model's dtype: 0 where key j is visible from query position p
+        (j <= p), the dtype's minimum elsewhere (positions past the prompt + steps so far: stale or empty)."""
         allowed = self._arange.view(1, -1) <= q_pos.view(-1, 1)  # [q, L]
-        allowed = allowed.view(1, 1, *allowed.shape).expand(self.B, 1, -1, -1)
-        if self._bool_mask:
-            return allowed
         zero = torch.zeros((), dtype=self._dtype, device=self.device)
-        return torch.where(allowed, zero, torch.finfo(self._dtype).min)
+        mask = torch.where(allowed, zero, torch.finfo(self._dtype).min)
+        return mask.view(1, 1, *allowed.shape).expand(self.B, 1, -1, -1)
 
     def _forward(self, ids: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=self._mask(q_pos),
-                         position_ids=q_pos.view(1, -1).expand(self.B, -1), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        with self._attn:
+            out = self.model(input_ids=ids, attention_mask=self._mask(q_pos),
+                             position_ids=q_pos.view(1, -1).expand(self.B, -1), past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -259,3 +315,88 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
         model.set_submodule(name, new)
         done += 1
     return done
+
+
+# ------------------------------------------------------------------------------------------------ glue fusion
+
+#: RMSNorm classes whose forward is ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
+             "MixtralRMSNorm")
+_COMPILED: dict = {}
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def _compiled(fn):
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn]
+
+
+def _norm_forward(self, hidden_states):
+    return _compiled(_rms_norm)(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x):
+    return self.down_proj(_compiled(_silu_mul)(self.gate_proj(x), self.up_proj(x)))
+
+
+def compile_glue(model: nn.Module) -> list[str]:
+    """Fuse the element-wise glue of a Llama/Qwen/Mistral-style decoder with ``torch.compile``, in place: every
+    RMSNorm (about 7 kernels -> 1), the rotary embedding of q and k (``apply_rotary_pos_emb`` of the modeling
+    module, about 10 kernels -> 1-2) and SiLU(gate) * up of dense MLPs (2 -> 1). The matmuls (bf16, KbitLinear,
+    KbitMoE) and the attention are not touched, so bf16 and kbit models get the same fusion. The same math as
+    transformers' code (Inductor may keep the float32 value where that code rounds to bf16 in between).
+    Returns the names of what was patched. Compilation happens at the first call of each shape: run a step
+    before capturing a CUDA graph (:meth:`StaticDecoder.capture` does).
+    """
+    import sys
+    import types
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    done, rotary_modules = [], set()
+    for name, m in model.named_modules():
+        cls = type(m).__name__
+        if cls in RMS_NORMS and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_norm_forward, m)
+            done.append(name)
+        elif cls.endswith("MLP") and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")) \
+                and type(m.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+            m.forward = types.MethodType(_mlp_forward, m)
+            done.append(name)
+        elif cls.endswith("Attention"):
+            rotary_modules.add(type(m).__module__)
+    for modname in sorted(rotary_modules):
+        mod = sys.modules.get(modname)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or getattr(fn, "_kbit_compiled", False):
+            continue
+        compiled = torch.compile(fn, fullgraph=True)
+        compiled._kbit_compiled = True
+        compiled._kbit_original = fn
+        mod.apply_rotary_pos_emb = compiled
+        done.append(f"{modname}.apply_rotary_pos_emb")
+    return done
+
+
+def uncompile_glue(model: nn.Module) -> None:
+    """Undo :func:`compile_glue` (instance forwards removed, the modeling modules' rotary function restored)."""
+    import sys
+
+    for m in model.modules():
+        if "forward" in m.__dict__ and getattr(m.forward, "__func__", None) in (_norm_forward, _mlp_forward):
+            del m.forward
+        if type(m).__name__.endswith("Attention"):
+            mod = sys.modules.get(type(m).__module__)
+            fn = getattr(mod, "apply_rotary_pos_emb", None)
+            if getattr(fn, "_kbit_compiled", False):
+                mod.apply_rotary_pos_emb = fn._kbit_original
