@@ -207,6 +207,8 @@ def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool,
                 eager_steps: int = 0, profile: bool = False) -> dict:
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)  # max_mem_gb: the model + this batch's cache, graph, prefill
     dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph)
     gen = torch.Generator(device=dev).manual_seed(seed)
     prompt = torch.randint(0, vocab, (batch, ctx), device=dev, generator=gen)
