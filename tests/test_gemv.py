@@ -128,6 +128,14 @@ def check_gemv(N, K_, k, M, dtype, B=32, sf="log8", device="cpu", bias=False, x=
     ref = G.gemv_reference(x, codes, scales, ts, cb, **kw)
     assert y.shape == (*x.shape[:-1], N) and y.dtype == x.dtype
     err = rel_err(y, ref)
+    if config is None and device == "cuda":
+        # the tensor-core path (kbit.ops.gemv_mma) multiplies by the codebook rounded to x's dtype: tight
+        # against that reference; against the exact one the rounding (2**-9 a weight in bf16) can pass the
+        # usual tolerance by chance when there are few outputs (N = 1)
+        err_r = rel_err(y, G.gemv_reference(x, codes, scales, ts, cb.to(x.dtype).float(), **kw))
+        assert err_r < tol(dtype) / 2 and err < 2 * tol(dtype), (
+            f"k={k} N={N} K={K_} M={M} {dtype} B={B} {sf}: rel err {err:.2e} / {err_r:.2e} (rounded codebook)")
+        return
     assert err < tol(dtype), f"k={k} N={N} K={K_} M={M} {dtype} B={B} {sf}: rel err {err:.2e}"
 
 

@@ -121,7 +121,7 @@ class Kernel:
     def __init__(self, module, func, device, cubin, name):
         self.module, self.func, self.device, self.cubin, self.name = module, func, device, cubin, name
         self._occ = {}
-        self._max_shared = 48 * 1024
+        self._max_shared = -1  # set the attribute on first use: static + dynamic may pass 48 KB below it
         attr = ctypes.c_int()
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
         self.num_regs = attr.value
@@ -140,9 +140,9 @@ class Kernel:
         return n
 
     def set_shared(self, shared: int) -> None:
-        """Allow ``shared`` bytes of dynamic shared memory (needed above 48 KB)."""
+        """Allow ``shared`` bytes of dynamic shared memory (static + dynamic above 48 KB needs it)."""
         if shared > self._max_shared:
-            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8 (needed when static + dynamic > 48 KB)
             _check_cu(_libcuda().cuFuncSetAttribute(self.func, 8, shared), "set shared memory")
             self._max_shared = shared
 
