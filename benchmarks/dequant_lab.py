@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import kbit  # noqa: E402
+import kbit.ops.dequant as dqmod  # noqa: E402
 from kbit.bench.ceiling import measure_read_ceiling  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.format.reference import dequantize_reference  # noqa: E402
@@ -81,8 +82,10 @@ def main() -> int:
                                          qw.codebook.clone(), qw.shape, qw.k, qw.blocksize, qw.scale_format)
                          for _ in range(n - 1)]
             nb = nb_in + 2 * N * K
-            for be in ("cuda", "triton"):
-                os.environ["KBIT_DEQUANT_BACKEND"] = be
+            for be in ("cuda-u1", "cuda-u2", "cuda-u4", "cuda-u8", "triton"):
+                os.environ["KBIT_DEQUANT_BACKEND"] = be.split("-")[0]
+                if be.startswith("cuda"):
+                    dqmod._UNITS = int(be.split("-u")[1])
                 us = time_calls([lambda w=w, d=dst[i % 2]: dequantize_tensors(
                     w.codes, w.scales, w.tensor_scale, w.codebook, k=w.k, blocksize=w.blocksize,
                     scale_format=w.scale_format, shape=w.shape, dtype=BF, out=d)
@@ -97,9 +100,9 @@ def main() -> int:
     with open(os.path.join(args.out, "dequant-lab.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{meta['gpu']} commit {meta['commit']} ceiling {ceil:.3f} TB/s (bytes = codes + scales read + bf16 written)")
-    print(f"{'shape':>12} {'k':>2} {'backend':>7} {'us':>8} {'TB/s':>6} {'%ceil':>6} {'copy TB/s':>9}")
+    print(f"{'shape':>12} {'k':>2} {'backend':>8} {'us':>8} {'TB/s':>6} {'%ceil':>6} {'copy TB/s':>9}")
     for r in rows:
-        print(f"{r['N']}x{r['K']:<6} {r['k']:>2} {r['backend']:>7} {r['us']:8.1f} {r['tbps']:6.2f} "
+        print(f"{r['N']}x{r['K']:<6} {r['k']:>2} {r['backend']:>8} {r['us']:8.1f} {r['tbps']:6.2f} "
               f"{r['pct_ceiling']:6.1f} {r['copy_tbps']:9.2f}")
     return 1 if bad else 0
 

@@ -96,6 +96,7 @@ def _use_cuda(device) -> bool:
     return available()
 
 
+_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "4"))  # 32-weight units a thread (loads in flight)
 _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -114,13 +115,13 @@ def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scal
     vec = K % 32 == 0 and o.data_ptr() % 16 == 0
     kern = compile_kernel(SOURCE, "kbit_dequant",
                           dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
-                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), A16=int(a16)), o.device)
+                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), A16=int(a16), U=_UNITS), o.device)
     sc = scales.contiguous()
     ts = tensor_scale.reshape(-1).contiguous()
     cb = codebook.contiguous()
     e = _e_table(o.device)
-    kern((-(-units // 256),), 256, "QQQQQQIIiiiiI", codes.data_ptr(), sc.data_ptr(), ts.data_ptr(), cb.data_ptr(),
-         e.data_ptr(), o.data_ptr(), units, N, K, kp, wrow, sc.shape[-1], upr)
+    kern((-(-units // (256 * _UNITS)),), 256, "QQQQQQIIiiiiI", codes.data_ptr(), sc.data_ptr(), ts.data_ptr(),
+         cb.data_ptr(), e.data_ptr(), o.data_ptr(), units, N, K, kp, wrow, sc.shape[-1], upr)
 
 
 def dequantize_triton(qw: KbitWeight, dtype=torch.bfloat16, transpose: bool = False, out=None) -> torch.Tensor:
