@@ -333,6 +333,10 @@ def short_table(rows: list) -> str:
             cells.append(f"{r['tokens_per_s']:9.1f} ({r['tokens_per_s'] / best[(model, batch)]:.2f}x)"
                          if r else f"{'-':>16s}")
         out.append(f"{model:16s} {batch:3d} {best[(model, batch)]:11.1f} " + " ".join(f"{c:>16s}" for c in cells))
+    for r in rows:
+        if r.get("variant", "").startswith("kbit+") and "tokens_per_s" in r and (r["model"], r["batch"]) in best:
+            out.append(f"{r['model']:16s} {r['batch']:3d} {r['variant']} k={r['k']}: {r['tokens_per_s']:.1f} tok/s "
+                       f"({r['tokens_per_s'] / best[(r['model'], r['batch'])]:.2f}x)")
     return "\n".join(out)
 
 
@@ -356,6 +360,11 @@ def run(args) -> list:
             "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse,
             "lm_head_k": args.lm_head_k}
     rows: list = []
+    json_path = out_dir / f"{args.name}.json"
+    if args.append and json_path.exists():  # one results file for several invocations
+        old = json.loads(json_path.read_text())
+        rows = old["rows"]
+        meta["command"] = old["meta"]["command"] + " ; " + meta["command"]
 
     def save():
         (out_dir / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -365,7 +374,7 @@ def run(args) -> list:
         for b in args.batch:
             t0 = time.perf_counter()
             try:
-                prof = args.profile and b == args.batch[0] and variant in ("bf16", "kbit") and k in (None, 4)
+                prof = args.profile and b == args.batch[0] and variant in ("bf16", "kbit") and k in (None, 4, 2)
                 row = time_decode(model, b, args.ctx, args.steps, args.reps, graph,
                                   eager_steps=args.eager_steps if b == 1 else 0, profile=prof)
             except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
@@ -392,7 +401,7 @@ def run(args) -> list:
                 wb = weight_bytes(model)
                 print(f"[{name}] bf16 built: {wb / 2**30:.1f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
                 blocks = moe_blocks(model)
-                variants = ["bf16", "bf16-kr"] if blocks else ["bf16"]
+                variants = ["bf16", "bf16-kr"] if blocks and not args.no_kr else ["bf16"]
                 for v in variants:
                     set_bf16_moe(model, blocks, v)
                     measure(model, name, v, None, {"weights_gib": wb / 2**30})
@@ -412,7 +421,8 @@ def run(args) -> list:
                     compile_glue(model)
                 wb = weight_bytes(model)
                 print(f"[{name}] k={k} built: {wb / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
-                measure(model, name, "kbit", k, {"weights_gib": wb / 2**30, "lm_head_k": args.lm_head_k})
+                variant = "kbit" if args.lm_head_k is None else f"kbit+head{args.lm_head_k}"
+                measure(model, name, variant, k, {"weights_gib": wb / 2**30, "lm_head_k": args.lm_head_k})
                 del model
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
@@ -443,6 +453,7 @@ def parse(argv=None):
     p.add_argument("--eager-steps", type=int, default=4, help="also time N eager steps at batch 1")
     p.add_argument("--lm-head-k", type=int, default=None, help="quantize lm_head too, at this k")
     p.add_argument("--skip-bf16", action="store_true")
+    p.add_argument("--no-kr", action="store_true", help="MoE: time only transformers' grouped_mm bf16 baseline")
     p.add_argument("--fuse", action="store_true", help="compile_glue (torch.compile of norms, rotary, SiLU*up)")
     p.add_argument("--profile", action="store_true", help="torch profiler on one eager step (first batch)")
     p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
@@ -451,6 +462,7 @@ def parse(argv=None):
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="e2e")
+    p.add_argument("--append", action="store_true", help="add the rows to an existing NAME.json")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:

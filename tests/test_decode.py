@@ -201,3 +201,15 @@ def test_gpu_compile_glue_graph_equals_eager():
     assert torch.equal(graph_t, eager_t)
     torch.testing.assert_close(graph_l, eager_l, atol=1e-2, rtol=1e-2)
     assert (graph_t == plain_t).float().mean() >= 0.8  # fused norms may round differently from the eager ops
+
+
+def test_decode_steps_write_at_pos(kbit_llama):
+    dec = StaticDecoder(kbit_llama, 2, 12)
+    dec.prefill(torch.tensor(PROMPT))
+    for _ in range(3):
+        dec.step()
+    assert int(dec.pos) == 8 and dec.length == 8 and dec.L == 16
+    # the steps wrote positions 5..7 of every layer (the fast path does not move transformers' counter)
+    for layer in dec.cache.layers:
+        assert int(layer.cumulative_length) == 5
+        assert layer.keys[:, :, 5:8].abs().sum() > 0 and layer.keys[:, :, 8:].abs().sum() == 0

@@ -130,6 +130,8 @@ class StaticDecoder:
         self._dtype = getattr(model, "dtype", torch.float32)
         dev = self.device
         self.cache = _static_cache(model, max_len)
+        self._fast_write = False  # decode steps: write K/V at `pos` in 2 launches (see _patch_cache)
+        self._patch_cache()
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)  # the token fed to the next step
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)  # its position
         self.seed = torch.full((1,), int(seed), dtype=torch.long, device=dev)
@@ -142,6 +144,26 @@ class StaticDecoder:
         self._out: torch.Tensor | None = None
 
     # -- pieces ---------------------------------------------------------------------------------------------
+    def _patch_cache(self) -> None:
+        """A decode step writes its K/V at ``pos`` with two ``index_copy_`` (transformers' static layer spends
+        five launches: ``arange``, add, the length counter, two copies). Only for plain ``StaticLayer``s
+        (no sliding windows); the prefill keeps transformers' update (it allocates the tensors)."""
+        import types
+
+        if not all(type(layer).__name__ == "StaticLayer" for layer in self.cache.layers):
+            return
+        dec = self
+
+        def update(layer, key_states, value_states, *args, **kwargs):
+            if dec._fast_write and getattr(layer, "is_initialized", False) and key_states.shape[-2] == 1:
+                layer.keys.index_copy_(2, dec.pos, key_states)
+                layer.values.index_copy_(2, dec.pos, value_states)
+                return layer.keys, layer.values
+            return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+
+        for layer in self.cache.layers:
+            layer.update = types.MethodType(update, layer)
+
     def _mask(self, q_pos: torch.Tensor) -> torch.Tensor:
         """Additive ``[B, 1, q, L]`` in the model's dtype: 0 where key j is visible from query position p
         (j <= p), the dtype's minimum elsewhere (positions past the prompt + steps so far: stale or empty)."""
@@ -170,7 +192,11 @@ class StaticDecoder:
 
     def _step_body(self) -> torch.Tensor:
         """One decode step on the device tensors only (what the graph captures)."""
-        logits = self._forward(self.ids, self.pos)
+        self._fast_write = True
+        try:
+            logits = self._forward(self.ids, self.pos)
+        finally:
+            self._fast_write = False
         token = self._pick(logits)
         self.ids.copy_(token.view(-1, 1))
         self.pos.add_(1)
