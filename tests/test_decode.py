@@ -126,15 +126,36 @@ def test_use_kbit_moe_quantizes_float_blocks():
     assert sum(isinstance(m, KbitMoE) for m in model.modules()) == 2
 
 
-def test_bench_e2e_tiny(tmp_path):
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("extra", [[], ["--fuse-proj"]])
+def test_bench_e2e_tiny(tmp_path, extra):
+    bench = _bench()
     rows = bench.run(bench.parse(["--tiny", "--device", "cpu", "--models", "llama-tiny", "--k", "4", "--batch",
-                                  "1,2", "--ctx", "6", "--steps", "2", "--reps", "1", "--out", str(tmp_path)]))
+                                  "1,2", "--ctx", "6", "--steps", "2", "--reps", "1", "--out", str(tmp_path), *extra]))
     assert [(r["variant"], r["batch"]) for r in rows] == [("bf16", 1), ("bf16", 2), ("kbit", 1), ("kbit", 2)]
     assert all(r["logits_finite"] and r["tokens_per_s"] > 0 for r in rows)
     assert "llama-tiny" in (tmp_path / "e2e.md").read_text() and (tmp_path / "e2e.json").exists()
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3moe-tiny"])
+def test_bench_fused_projections_same_model(name):
+    bench = _bench()
+    config = bench.configs(tiny=True)[name]
+    ids = torch.tensor(PROMPT)
+    ref = static_greedy(bench.build_bf16(config, "cpu").float(), ids, 4)
+    fused = bench.build_bf16(config, "cpu", fuse_proj=True).float()
+    assert hasattr(fused.model.layers[0].self_attn, "qkv_proj")
+    got = static_greedy(fused, ids, 4)
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    kb = bench.build_kbit(config, "cpu", 4, fuse_proj=True)
+    assert type(kb.model.layers[0].self_attn.qkv_proj).__name__ == "KbitLinear"
 
 
 # ------------------------------------------------------------------------------------------------ GPU
