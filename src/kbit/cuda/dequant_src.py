@@ -1,15 +1,15 @@
 """CUDA source of the dequantize kernel (``kbit.ops.dequant``): canonical layout -> float ``[..., N, K]``.
 
-A thread takes U (row, 32-column) units: it first issues all their loads (code words: one 16-byte load at
-k = 4, two at k = 3 and 5; the block scale), then per unit looks the 32 codes up in a shared-memory copy of
-the codebook, multiplies in float32 in the reference's order (``codebook[c] * (tensor_scale * E[q])``, or
-``* scale`` for fp16 scales) and writes the 32 outputs as 16-byte stores. Bit-exact with
-``kbit.format.reference.dequantize_reference``.
+A thread takes U groups of 8 columns of a row (consecutive lanes on consecutive groups: a warp's store is
+512 contiguous bytes; a first version with 32 columns a thread, 64-byte strided stores, reached only
+1.5-1.9 TB/s): it first issues all their loads (the word holding the 8 codes, the plane-1 byte at k = 3, 5,
+the block scale), then looks the codes up in a shared-memory copy of the codebook, multiplies in float32 in
+the reference's order (``codebook[c] * (tensor_scale * E[q])``, or ``* scale`` for fp16 scales) and writes
+one 16-byte vector (bf16/fp16). Bit-exact with ``kbit.format.reference.dequantize_reference``.
 
 Compiled by NVRTC with ``#define``s: K_BITS (2..5), BLOCKSIZE (32, 64, 128), FP16_SCALES (0/1), OUT (0 fp16,
-1 bf16, 2 fp32), VEC (1: every row of the output starts 16-byte aligned and K is a multiple of 32, so all
-stores are full vectors; 0: element stores guarded by K), U (units a thread), A16 (1: the plane-0 words of
-every unit are aligned for one vector load: 16 bytes at k = 4, 5, 8 bytes at k = 2, 3).
+1 bf16, 2 fp32), VEC (1: every row of the output starts 16-byte aligned and K is a multiple of 8, so all
+stores are full vectors; 0: element stores guarded by K), U (groups a thread).
 """
 
 SOURCE = r"""
@@ -36,72 +36,62 @@ __device__ __forceinline__ float half2float(u16 h) {
   return f;
 }
 
-struct Unit { u32 pw[4]; u32 hi; u32 sraw; u32 row; int b; };
-
-/* issue the loads of unit u (codes, plane-1 word, raw scale): nothing here waits on them */
-__device__ __forceinline__ void load_unit(Unit& x, u32 u, const u32* __restrict__ codes,
-                                          const u8* __restrict__ scales, int KP, int WROW, int NB, u32 UPR) {
-  x.row = u / UPR;
-  x.b = (int)(u - x.row * UPR);
-  const int b = x.b;
-  const u32* w = codes + (long long)x.row * WROW;
-#if K_BITS <= 3
-#if A16
-  const V2 p = *(const V2*)(w + 2 * b);
-  x.pw[0] = p.x; x.pw[1] = p.y;
-#else
-  x.pw[0] = w[2 * b]; x.pw[1] = w[2 * b + 1];
-#endif
-#if K_BITS == 3
-  x.hi = w[KP / 16 + b];
-#endif
-#else
-#if A16
-  const V4 p = *(const V4*)(w + 4 * b);
-  x.pw[0] = p.x; x.pw[1] = p.y; x.pw[2] = p.z; x.pw[3] = p.w;
-#else
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x.pw[i] = w[4 * b + i];
-#endif
-#if K_BITS == 5
-  x.hi = w[KP / 8 + b];
-#endif
-#endif
-  const int blk = (b * 32) / BLOCKSIZE;
-#if FP16_SCALES
-  x.sraw = ((const u16*)scales)[(long long)x.row * NB + blk];
-#else
-  x.sraw = scales[(long long)x.row * NB + blk];
-#endif
-}
-
-__device__ __forceinline__ u32 code_of(const Unit& x, int i) {
+/* codes of 8-column group g (columns 8g .. 8g+7) of a row: 4 bits each in one word (low nibble first) */
+__device__ __forceinline__ u32 group_codes(const u32* __restrict__ w, u32 g, int KP, u32& hi8) {
 #if K_BITS == 2
-  return (x.pw[i >> 4] >> (2 * (i & 15))) & 3u;
+  hi8 = 0;
+  return w[g >> 1] >> (16 * (g & 1));            /* 8 x 2 bits in the low 16 */
 #elif K_BITS == 3
-  return ((x.pw[i >> 4] >> (2 * (i & 15))) & 3u) | (((x.hi >> i) & 1u) << 2);
+  hi8 = (w[KP / 16 + (g >> 2)] >> (8 * (g & 3))) & 0xFFu;
+  return w[g >> 1] >> (16 * (g & 1));
 #elif K_BITS == 4
-  return (x.pw[i >> 3] >> (4 * (i & 7))) & 15u;
+  hi8 = 0;
+  return w[g];
 #else
-  return ((x.pw[i >> 3] >> (4 * (i & 7))) & 15u) | (((x.hi >> i) & 1u) << 4);
+  hi8 = (w[KP / 8 + (g >> 2)] >> (8 * (g & 3))) & 0xFFu;
+  return w[g];
+#endif
+}
+__device__ __forceinline__ u32 code_at(u32 lo, u32 hi8, int i) {
+#if K_BITS == 2
+  return (lo >> (2 * i)) & 3u;
+#elif K_BITS == 3
+  return ((lo >> (2 * i)) & 3u) | (((hi8 >> i) & 1u) << 2);
+#elif K_BITS == 4
+  return (lo >> (4 * i)) & 15u;
+#else
+  return ((lo >> (4 * i)) & 15u) | (((hi8 >> i) & 1u) << 4);
 #endif
 }
 
+/* Thread-per-8-column-group mapping: consecutive lanes take consecutive groups, so one warp store writes 512
+   contiguous bytes (bf16) and one warp load reads contiguous words. U groups a thread, loads issued first. */
 extern "C" __global__ void __launch_bounds__(256) kbit_dequant(
     const u32* __restrict__ codes, const u8* __restrict__ scales, const float* __restrict__ ts,
     const float* __restrict__ cb, const float* __restrict__ e_tab, void* __restrict__ out,
-    u32 units, u32 N, int K, int KP, int WROW, int NB, u32 UPR) {
+    u32 N, int K, int KP, int WROW, int NB, u32 GPR) {
   __shared__ float s_cb[1 << K_BITS];
 #if !FP16_SCALES
   __shared__ float s_e[256];
 #endif
-  /* U units a thread, consecutive threads on consecutive units (coalesced); loads first, then the tables */
-  const u32 u0 = blockIdx.x * (blockDim.x * U) + threadIdx.x;
-  Unit x[U];
+  /* grid (rows, group chunks): no division per group */
+  const u32 row = blockIdx.x;
+  const u32 g0 = blockIdx.y * (blockDim.x * U) + threadIdx.x;
+  const u32* w = codes + (long long)row * WROW;
+  u32 lo[U], hi[U], sraw[U];
 #pragma unroll
   for (int j = 0; j < U; ++j) {
-    const u32 u = u0 + j * blockDim.x;
-    if (u < units) load_unit(x[j], u, codes, scales, KP, WROW, NB, UPR);
+    const u32 g = g0 + j * blockDim.x;
+    lo[j] = 0; hi[j] = 0; sraw[j] = 0;
+    if (g < GPR) {
+      lo[j] = group_codes(w, g, KP, hi[j]);
+      const int blk = (int)(g * 8) / BLOCKSIZE;
+#if FP16_SCALES
+      sraw[j] = ((const u16*)scales)[(long long)row * NB + blk];
+#else
+      sraw[j] = scales[(long long)row * NB + blk];
+#endif
+    }
   }
 #if !FP16_SCALES
   for (int i = threadIdx.x; i < 256; i += blockDim.x) s_e[i] = e_tab[i];
@@ -110,40 +100,38 @@ extern "C" __global__ void __launch_bounds__(256) kbit_dequant(
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < U; ++j) {
-    const u32 u = u0 + j * blockDim.x;
-    if (u >= units) break;
-    const Unit& y = x[j];
+    const u32 g = g0 + j * blockDim.x;
+    if (g >= GPR) break;
 #if FP16_SCALES
-    const float s = half2float((u16)y.sraw);
+    const float s = half2float((u16)sraw[j]);
 #else
-    const float s = ts[y.row / N] * s_e[y.sraw];
+    const float s = ts[row / N] * s_e[sraw[j]];
 #endif
-    const long long col0 = (long long)y.b * 32;
+    const long long col0 = (long long)g * 8;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = s_cb[code_at(lo[j], hi[j], i)] * s;
 #if OUT == 2
-    float* o = (float*)out + (long long)y.row * K + col0;
+    float* o = (float*)out + (long long)row * K + col0;
 #if VEC
-#pragma unroll
-    for (int i = 0; i < 32; i += 4) {
-      F4 v = {s_cb[code_of(y, i)] * s, s_cb[code_of(y, i + 1)] * s, s_cb[code_of(y, i + 2)] * s,
-              s_cb[code_of(y, i + 3)] * s};
-      *(F4*)(o + i) = v;
-    }
+    F4 a = {v[0], v[1], v[2], v[3]}, b = {v[4], v[5], v[6], v[7]};
+    *(F4*)o = a;
+    *(F4*)(o + 4) = b;
 #else
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
-      if (col0 + i < K) o[i] = s_cb[code_of(y, i)] * s;
+    for (int i = 0; i < 8; ++i)
+      if (col0 + i < K) o[i] = v[i];
 #endif
 #else
-    u16* o = (u16*)out + (long long)y.row * K + col0;
-    u32 h[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) h[i] = pack2(s_cb[code_of(y, 2 * i)] * s, s_cb[code_of(y, 2 * i + 1)] * s);
+    u16* o = (u16*)out + (long long)row * K + col0;
+    const u32 h0 = pack2(v[0], v[1]), h1 = pack2(v[2], v[3]), h2 = pack2(v[4], v[5]), h3 = pack2(v[6], v[7]);
 #if VEC
-#pragma unroll
-    for (int i = 0; i < 16; i += 4) { V4 v = {h[i], h[i + 1], h[i + 2], h[i + 3]}; *(V4*)(o + 2 * i) = v; }
+    V4 a = {h0, h1, h2, h3};
+    *(V4*)o = a;
 #else
+    const u32 h[4] = {h0, h1, h2, h3};
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < 8; ++i)
       if (col0 + i < K) o[i] = (u16)(h[i >> 1] >> (16 * (i & 1)));
 #endif
 #endif

@@ -96,7 +96,7 @@ def _use_cuda(device) -> bool:
     return available()
 
 
-_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "4"))  # 32-weight units a thread (loads in flight)
+_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "2"))  # 8-weight groups a thread (loads in flight)
 _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -104,24 +104,23 @@ def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scal
     from kbit.cuda import compile_kernel
     from kbit.cuda.dequant_src import SOURCE
 
-    upr = -(-K // 32)
-    units = R * upr
-    if units >= 2**31:
-        raise ValueError(f"codes: at most 2**31 - 1 units of 32 weights per call, got {units}")
+    gpr = -(-K // 8)  # 8-column groups per row
+    if R >= 2**31:
+        raise ValueError(f"codes: at most 2**31 - 1 rows per call, got {R}")
+    threads = 64
+    while threads < 256 and threads * _UNITS < gpr:
+        threads *= 2
     codes = codes.contiguous()
-    wrow = codes.shape[-1]
-    vw = 4 if k >= 4 else 2  # plane-0 words of a unit: one vector load when every row's words are aligned
-    a16 = wrow % vw == 0 and codes.data_ptr() % (4 * vw) == 0
-    vec = K % 32 == 0 and o.data_ptr() % 16 == 0
+    vec = K % 8 == 0 and o.data_ptr() % 16 == 0
     kern = compile_kernel(SOURCE, "kbit_dequant",
                           dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
-                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), A16=int(a16), U=_UNITS), o.device)
+                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), U=_UNITS), o.device)
     sc = scales.contiguous()
     ts = tensor_scale.reshape(-1).contiguous()
     cb = codebook.contiguous()
     e = _e_table(o.device)
-    kern((-(-units // (256 * _UNITS)),), 256, "QQQQQQIIiiiiI", codes.data_ptr(), sc.data_ptr(), ts.data_ptr(),
-         cb.data_ptr(), e.data_ptr(), o.data_ptr(), units, N, K, kp, wrow, sc.shape[-1], upr)
+    kern((R, -(-gpr // (threads * _UNITS))), threads, "QQQQQQIiiiiI", codes.data_ptr(), sc.data_ptr(),
+         ts.data_ptr(), cb.data_ptr(), e.data_ptr(), o.data_ptr(), N, K, kp, codes.shape[-1], sc.shape[-1], gpr)
 
 
 def dequantize_triton(qw: KbitWeight, dtype=torch.bfloat16, transpose: bool = False, out=None) -> torch.Tensor:
