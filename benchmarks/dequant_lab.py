@@ -82,7 +82,7 @@ def main() -> int:
                                          qw.codebook.clone(), qw.shape, qw.k, qw.blocksize, qw.scale_format)
                          for _ in range(n - 1)]
             nb = nb_in + 2 * N * K
-            for be in ("cuda-u1", "cuda-u2", "cuda-u4", "triton"):
+            for be in ("cuda-u2", "cuda-u4", "cuda-u8", "triton"):
                 os.environ["KBIT_DEQUANT_BACKEND"] = be.split("-")[0]
                 if be.startswith("cuda"):
                     dqmod._UNITS = int(be.split("-u")[1])

@@ -96,7 +96,7 @@ def _use_cuda(device) -> bool:
     return available()
 
 
-_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "2"))  # 8-weight groups a thread (loads in flight)
+_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "4"))  # 8-weight groups a thread (loads in flight)
 _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
