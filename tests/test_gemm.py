@@ -77,6 +77,11 @@ def test_dispatch_table_and_heuristic():
     cfg = GemmConfig(BM=16, BN=128, BK=128)
     assert split_k(cfg, 16, 4096, 14336, 132) > 1
     assert split_k(cfg, 16, 57344, 8192, 132) == 1
+    # the CUDA small-M kernel (reached through "gemv") takes every dense M <= MMA_MAX_M where it can run
+    assert choose(32, 4096, 4096, 4, mma=True).kernel == "gemv"
+    assert choose(16, 4096, 4096, 4, mma=False).kernel == "fused"
+    assert choose(64, 4096, 4096, 4, mma=True).kernel != "gemv"
+    assert choose(16, 4096, 4096, 4, grouped=True, mma=True).kernel != "gemv"
 
 
 def test_fake_impls():

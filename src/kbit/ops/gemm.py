@@ -147,13 +147,16 @@ def dequant_mm(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, sca
 
 @functools.lru_cache(maxsize=4096)
 def _choice(M, N, K, k, device) -> Choice:
-    return choose(M, N, K, k, device)
+    from kbit.ops import gemv_mma
+
+    return choose(M, N, K, k, device, mma=gemv_mma.available(device))
 
 
 def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
            bias=None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` through the kernel the dispatcher picks for ``M = x.numel() / K`` on x's GPU
-    (GEMV for M <= 8, fused tensor-core GEMM, or dequantize + cuBLAS); the float32 reference on the CPU."""
+    (the small-M kernel for M <= 32 where NVRTC works, else the GEMV for M <= 8; the fused tensor-core GEMM; or
+    dequantize + cuBLAS); the float32 reference on the CPU."""
     if not x.is_cuda:
         return linear_reference(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                 scale_format=scale_format, N=N, K=K, bias=bias)

@@ -3,7 +3,8 @@ M bucket (and optionally by weight shape), a heuristic fallback; never autotunin
 
 Kernels (``Choice.kernel``):
 
-- ``"gemv"``: ``kbit.ops.gemv.gemv`` (CUDA cores, M <= 8; its own config from ``kbit.tuning.gemv``);
+- ``"gemv"``: ``kbit.ops.gemv.gemv``: on CUDA with NVRTC the tensor-core small-M kernel
+  (``kbit.ops.gemv_mma``, M <= :data:`MMA_MAX_M`), else the Triton GEMV (M <= 8, config from ``kbit.tuning.gemv``);
 - ``"fused"``: ``kbit.ops.gemm.gemm_fused`` (tensor cores on tiles decoded in registers) with a
   :class:`GemmConfig`;
 - ``"dequant_mm"``: ``kbit.ops.dequant`` to a bf16/fp16 weight, then cuBLAS (``F.linear``); for large M,
@@ -101,8 +102,18 @@ def heuristic(M: int, N: int, K: int, k: int, has_gemv: bool = True) -> Choice:
     return Choice("fused", fused_heuristic(M, N, K, k))
 
 
-def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False) -> Choice:
-    """The kernel and config for ``M`` activation rows on a k-bit ``[N, K]`` weight on ``device``."""
+#: Up to this M the CUDA tensor-core small-M kernel (``kbit.ops.gemv_mma``, reached through ``"gemv"``) wins:
+#: H100, benchmarks/results/h100/mma-2026-11-21-final.md against the fused entries of configs/gemm_h100.json,
+#: k = 2 and 4 on the four benchmark shapes: 1.8-3.0x faster at M = 16, 1.1-1.8x at M = 32, mixed at M = 64.
+MMA_MAX_M = 32
+
+
+def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False, mma: bool = False) -> Choice:
+    """The kernel and config for ``M`` activation rows on a k-bit ``[N, K]`` weight on ``device``.
+
+    ``mma``: the CUDA small-M kernel can run there (then it serves every dense M <= :data:`MMA_MAX_M`)."""
+    if mma and not grouped and M <= MMA_MAX_M:
+        return Choice("gemv")
     key = gpu_key(device) if device is not None else "generic"
     kt = _table(key).get("grouped" if grouped else "dense", {}).get(str(k), {})
     b = str(m_bucket(M))
@@ -124,5 +135,5 @@ def split_k(cfg: GemmConfig, M: int, N: int, kp: int, sms: int) -> int:
     return max(1, min(want, kp // (4 * cfg.BK)))
 
 
-__all__ = ["Choice", "GemmConfig", "KERNELS", "M_BUCKETS", "choose", "heuristic", "m_bucket", "replace",
+__all__ = ["Choice", "GemmConfig", "KERNELS", "MMA_MAX_M", "M_BUCKETS", "choose", "heuristic", "m_bucket", "replace",
            "split_k"]
