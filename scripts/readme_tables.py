@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RES = ROOT / "benchmarks" / "results" / "h100"
+MMA_RESULTS = "mma-2026-11-21-final.json"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 
 
@@ -30,6 +31,45 @@ def gemv_table(path: Path) -> str:
         bf = next(r["us"] for r in rows if (r["N"], r["K"], r["kernel"]) == (N, K, "bf16"))
         out.append(f"| {N}x{K} | {bf:.1f} | " + " | ".join(cell("gemv", k) for k in (2, 3, 4, 5))
                    + f" | {cell('humming', 4)} | {cell('tinygemm', 4)} |")
+    return "\n".join(out)
+
+
+def mma_table(path: Path) -> str:
+    """The CUDA small-M kernel (kbit.ops.gemv_mma) from a scripts/mma_lab.py results file."""
+    d = json.loads(path.read_text())
+    rows = [r for r in d["rows"] if r["kind"] == "mma" and r.get("dtype", "float16") == "float16"]
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    get = {(r["N"], r["K"], r["k"], r["M"]): r for r in rows}
+    out = [f"Tensor-core small-M kernel (CUDA C++ through NVRTC), fp16 activations, {d['device']}, commit "
+           f"{d['commit']}, `{path.relative_to(ROOT)}` (read ceiling {d['ceiling_tbps']:.2f} TB/s). "
+           "Cells at M = 1: us / % of the read ceiling (all bytes read) / x faster than bf16 `F.linear`; "
+           "last column: time at M = 8 over M = 1, worst k.", "",
+           "| N x K | " + " | ".join(f"k={k}" for k in (2, 3, 4, 5)) + " | M=8 / M=1 |", "|---|" + "--:|" * 5]
+    for N, K in shapes:
+        cells = []
+        for k in (2, 3, 4, 5):
+            r = get.get((N, K, k, 1))
+            cells.append(f"{r['us']:.1f} / {r['pct']:.0f}% / {r['bf16_us'] / r['us']:.2f}x" if r else "-")
+        ratios = [get[(N, K, k, 8)]["us"] / get[(N, K, k, 1)]["us"] for k in (2, 3, 4, 5)
+                  if (N, K, k, 8) in get and (N, K, k, 1) in get]
+        out.append(f"| {N}x{K} | " + " | ".join(cells) + f" | {max(ratios):.2f} |" if ratios else " | - |")
+    return "\n".join(out)
+
+
+def dequant_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    m = d["meta"]
+    rows = [r for r in d["rows"] if r["backend"] == "cuda-u4"]
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    get = {(r["N"], r["K"], r["k"]): r for r in rows}
+    out = [f"Dequantize to bf16 (CUDA kernel, 4 groups of 8 columns a thread), {m['gpu']}, commit {m['commit']}, "
+           f"`{path.relative_to(ROOT)}` (read ceiling {m['ceiling_tbps']:.2f} TB/s). Cells: us / TB/s of bytes read "
+           "and written / % of the read ceiling.", "", "| N x K | " + " | ".join(f"k={k}" for k in (2, 3, 4, 5)) + " |",
+           "|---|" + "--:|" * 4]
+    for N, K in shapes:
+        out.append(f"| {N}x{K} | " + " | ".join(
+            f"{get[(N, K, k)]['us']:.1f} / {get[(N, K, k)]['tbps']:.2f} / {get[(N, K, k)]['pct_ceiling']:.0f}%"
+            for k in (2, 3, 4, 5)) + " |")
     return "\n".join(out)
 
 
@@ -57,7 +97,9 @@ def quantize_table(path: Path) -> str:
 
 
 def main():
-    parts = ["### Small-batch GEMV", gemv_table(RES / "gemv-2026-11-21.json"),
+    parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
+             "### Small-batch GEMV (Triton, with peers)", gemv_table(RES / "gemv-2026-11-21.json"),
+             "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
              "### MoE layer", moe_table(RES / "moe-quick-2026-11-21-fused-routing.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
