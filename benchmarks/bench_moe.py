@@ -21,8 +21,9 @@ benchmarks/results/h100/) and prints a short table last. Each model has a time b
     PYTHONUNBUFFERED=1 python benchmarks/bench_moe.py [--models qwen3-30b-a3b,qwen3-next,mixtral-8x7b]
         [--tokens 1,4,16,64,256,1024,4096] [--k 4] [--plans auto] [--budget-s 150] [--quick] [--tests]
 
-``--plans auto,gemv,grouped_mm`` also times the layer with each kernel pinned (to place
-``kbit.ops.moe.GEMV_MAX_ROWS_PER_EXPERT``). ``--tests`` first runs ``pytest -m gpu tests/test_moe.py``.
+``--plans auto,gemv,grouped_mm,gemm`` also times the layer with each kernel pinned (to place the thresholds
+of ``kbit.ops.moe.choose_plan``); ``gemv<=16`` limits a pinned plan to T <= 16 (``>=`` likewise).
+``--tests`` first runs ``pytest -m gpu tests/test_moe.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
 from kbit.format.spec import KbitWeight  # noqa: E402
 from kbit.nn.moe import KbitMoE  # noqa: E402
 from kbit.ops.dequant import dequantize_triton  # noqa: E402
-from kbit.ops.moe import PAIR_ORDER_MAX_T, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
+from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
 from kbit.ops.moe_align import MoeRouting  # noqa: E402
 
 
@@ -68,7 +69,8 @@ MODELS = {m.name: m for m in (
     Model("mixtral-8x7b", 8, 2, 4096, 14336, True),
 )}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
-PLANS = {"gemv": MoePlan("gemv", "gemv"), "grouped_mm": MoePlan("grouped_mm", "grouped_mm")}
+PLANS = {"gemv": MoePlan("gemv", "gemv"), "grouped_mm": MoePlan("grouped_mm", "grouped_mm"),
+         "gemm": MoePlan("gemm", "gemm")}
 MEMORY_BUDGET = 24 << 30  # bytes of weight copies per side (the H100 has ~80 GB)
 MAX_COPIES = 64
 DEVICE = "cuda"  # tests of the script itself set "cpu" (and replace time_calls)
@@ -104,10 +106,15 @@ class Bf16MoE:
 
 
 def kbit_copy(layer: KbitMoE) -> KbitMoE:
-    """An independent copy of the layer's weights (cloned tensors) sharing its settings."""
+    """An independent copy of the layer's weights (cloned tensors) sharing its settings (and clones of the
+    grouped GEMM's repacked stacks, when the layer has them: repacking every copy would cost ~0.1 s each)."""
+    from kbit.ops.grouped_mma import copy_repacked
+
     gu, dn = layer.gate_up_weight(), layer.down_weight()
     clone = [KbitWeight(*(t.clone() for t in (w.codes, w.scales, w.tensor_scale, w.codebook)), w.shape, w.k,
                         w.blocksize, w.scale_format, w.codebook_name) for w in (gu, dn)]
+    for w, c in zip((gu, dn), clone, strict=True):
+        copy_repacked(w.codes, w.scales, c.codes, c.scales)
     return KbitMoE.from_weights(*clone, layer.top_k, norm_topk_prob=layer.norm_topk_prob, dtype=layer.dtype)
 
 
@@ -155,6 +162,15 @@ def time_side(make_layers, call, touched: int, full: int) -> dict:
     return {"us": t.us, "us_min": t.us_min, "us_max": t.us_max, "copies": t.calls, "mode": t.mode, "cold": cold}
 
 
+def routing_kind(plan: MoePlan, T: int) -> str:
+    """How ``KbitMoE.route`` sorts the pairs for ``plan`` (mirrors it; a label for the table)."""
+    if plan.needs_groups or T > SORT_PAIRS_MAX_T:
+        return "align"
+    if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
+        return "pairs"
+    return "sort_pairs"
+
+
 def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_dn) -> dict:
     x, logits = inputs(m, T)
     plan = PLANS.get(plan_name) or choose_plan(T, m.top_k, m.E, m.H, m.I, torch.bfloat16, x.device)
@@ -164,7 +180,7 @@ def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_d
     per_expert_bf16 = (stack_bytes(w_gu) + stack_bytes(w_dn)) / m.E
     row = {"model": m.name, "k": k, "T": T, "pairs": T * m.top_k, "touched_experts": touched_experts,
            "plan": plan_name, "kernels": f"{plan.gate_up}/{plan.down}",
-           "routing": "align" if plan.needs_groups else ("pairs" if T <= PAIR_ORDER_MAX_T else "sort_pairs")}
+           "routing": routing_kind(plan, T)}
     bf16 = Bf16MoE(w_gu, w_dn, layer)
     with torch.no_grad():
         out = layer(x, logits, plan=plan)
@@ -186,6 +202,15 @@ def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_d
     return row
 
 
+def plan_for_tokens(spec: str, T: int) -> tuple[str, bool]:
+    """``"gemv"`` -> (gemv, True); ``"gemv<=16"`` / ``"grouped_mm>=256"``: whether T is in range."""
+    for op in ("<=", ">="):
+        if op in spec:
+            name, bound = spec.split(op)
+            return name, (T <= int(bound)) if op == "<=" else (T >= int(bound))
+    return spec, True
+
+
 def run_model(m: Model, k: int, tokens, plans, budget_s: float, rows: list) -> None:
     start = time.time()
     try:
@@ -195,7 +220,10 @@ def run_model(m: Model, k: int, tokens, plans, budget_s: float, rows: list) -> N
         print(f"[{m.name}] setup failed: {e}", flush=True)
         return
     for T in tokens:
-        for plan_name in plans:
+        for spec in plans:
+            plan_name, ok = plan_for_tokens(spec, T)
+            if not ok:
+                continue
             if time.time() - start > budget_s:
                 rows.append({"model": m.name, "k": k, "T": T, "plan": plan_name, "error": "skipped: model budget"})
                 continue
@@ -255,7 +283,8 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--k", default="4", help="comma-separated bits per weight")
-    p.add_argument("--plans", default="auto", help="comma-separated: auto, gemv, grouped_mm")
+    p.add_argument("--plans", default="auto", help="comma-separated: auto, gemv, grouped_mm, gemm; a plan may "
+                   "carry a token range: gemv<=16, grouped_mm>=256")
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds per (model, k)")
     p.add_argument("--quick", action="store_true", help="T in {1, 64, 1024} only")
     p.add_argument("--tests", action="store_true", help="run pytest -m gpu tests/test_moe.py first")
@@ -272,8 +301,9 @@ def main() -> None:
     tokens = (1, 64, 1024) if a.quick else tuple(int(t) for t in a.tokens.split(","))
     plans = [s.strip() for s in a.plans.split(",") if s.strip()]
     for s in plans:
-        if s != "auto" and s not in PLANS:
-            sys.exit(f"--plans: expected auto, gemv or grouped_mm, got {s!r}")
+        name = plan_for_tokens(s, 1)[0]
+        if name != "auto" and name not in PLANS:
+            sys.exit(f"--plans: expected auto, gemv, grouped_mm or gemm (optionally <=T / >=T), got {s!r}")
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),

@@ -30,6 +30,7 @@ from kbit.ops.moe_router import route_pairs, select_experts, select_experts_refe
 
 DEV = "cuda" if CUDA else "cpu"
 GEMV, MM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm")
+GEMM = MoePlan("gemm", "gemm")  # the grouped tensor-core kernel (CUDA); the grouped GEMV elsewhere
 
 
 def _ids(T, top_k, E, gen, skew=False):
@@ -470,7 +471,7 @@ def _inputs(T, E, H, seed=1):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [QWEN3_30B, QWEN3_NEXT], ids=["qwen3-30b-a3b", "qwen3-next"])
 @pytest.mark.parametrize("T", [1, 4, 64, 300])
-@pytest.mark.parametrize("plan", [None, GEMV, MM], ids=["auto", "gemv", "grouped_mm"])
+@pytest.mark.parametrize("plan", [None, GEMV, MM, GEMM], ids=["auto", "gemv", "grouped_mm", "gemm"])
 def test_gpu_layer_real_sizes(shape, T, plan):
     m = _gpu_layer(**shape)
     x, logits = _inputs(T, shape["E"], shape["H"])
@@ -479,14 +480,16 @@ def test_gpu_layer_real_sizes(shape, T, plan):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64])
-def test_gpu_mixtral_size(T):
+@pytest.mark.parametrize("plan", [None, GEMM], ids=["auto", "gemm"])
+def test_gpu_mixtral_size(T, plan):
     m = _gpu_layer(E=8, top_k=2, H=4096, I=14336, k=3)
     x, logits = _inputs(T, 8, 4096)
-    _check_layer(m, x, logits)
+    _check_layer(m, x, logits, plan)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,plan", [(4, GEMV), (64, GEMV), (300, MM), (64, MoePlan("gemv", "grouped_mm"))])
+@pytest.mark.parametrize("T,plan", [(4, GEMV), (64, GEMV), (300, MM), (64, MoePlan("gemv", "grouped_mm")),
+                                    (1, GEMM), (4, GEMM), (64, GEMM), (300, GEMM), (2048, GEMM)])
 def test_gpu_no_host_sync(T, plan):
     m = _gpu_layer(**QWEN3_30B)
     x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])
@@ -519,7 +522,8 @@ def test_gpu_route_and_align_no_host_sync(method):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,plan", [(1, None), (16, GEMV), (64, GEMV), (512, MM)])
+@pytest.mark.parametrize("T,plan", [(1, None), (16, GEMV), (64, GEMV), (512, MM), (1, GEMM), (16, GEMM),
+                                    (64, GEMM), (300, GEMM), (2048, GEMM)])
 def test_gpu_cuda_graph_equals_eager(T, plan):
     m = _gpu_layer(**QWEN3_30B)
     x, logits = _inputs(T, QWEN3_30B["E"], QWEN3_30B["H"])

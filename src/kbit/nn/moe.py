@@ -29,7 +29,7 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.ops.moe import PAIR_ORDER_MAX_T, MoePlan, choose_plan, moe_experts
+from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, moe_experts
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_router import ROUTERS, fusable, route_pairs, select_experts
 
@@ -189,8 +189,10 @@ class KbitMoE(nn.Module):
         """The step's expert choice as rows (:class:`~kbit.ops.moe_align.MoeRouting`), as ``forward`` makes it
         for ``plan``. None (or a plan with ``grouped_mm``): torch ops, sorted by expert with the group tables
         (any kernel). A GEMV-only plan (and a router :func:`~kbit.ops.moe_router.route_pairs` covers): one
-        fused launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens, else sorted in one more."""
-        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group):
+        fused launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens (a plan with the grouped GEMM:
+        only at T = 1), else sorted in one more."""
+        T = router_logits.shape[0]
+        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group) or T > SORT_PAIRS_MAX_T:
             w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
                                     correction_bias=self.correction_bias, n_group=self.n_group,
                                     topk_group=self.topk_group, scaling=self.routed_scaling_factor)
@@ -198,7 +200,8 @@ class KbitMoE(nn.Module):
         w, ids, tok, rows = route_pairs(router_logits, self.top_k, router=self.router,
                                         renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
                                         scaling=self.routed_scaling_factor)
-        if router_logits.shape[0] <= PAIR_ORDER_MAX_T:
+        gemm = "gemm" in (plan.gate_up, plan.down)  # blocks of one expert's rows: needs them adjacent (T > 1)
+        if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
             return pair_order(w, ids, tok, rows, self.num_experts)
         return sort_pairs(w, ids, rows, self.num_experts)
 

@@ -19,7 +19,8 @@ from kbit.ops.dequant import _e_table, dequantize_tensors
 from kbit.ops.gemv import gemv_reference
 from kbit.tuning.dispatch import Choice, GemmConfig, choose, split_k
 
-__all__ = ["dequant_mm", "gemm_fused", "gemm_reference", "linear", "linear_reference", "kbit_gemm",
+__all__ = ["dequant_mm", "gemm_fused", "gemm_reference", "grouped_gemm_reference", "kbit_grouped_gemm",
+           "linear", "linear_reference", "kbit_gemm",
            "kbit_linear"]
 
 _X_DTYPES = (torch.float16, torch.bfloat16)
@@ -233,3 +234,25 @@ def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> to
     """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``)."""
     return torch.ops.kbit.linear(x, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
                                  *_wargs(weight), bias)
+
+
+def kbit_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight,
+                      blocks=None) -> torch.Tensor:
+    """MoE expert matmul on a stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``: ``y[r] = x[rows[r]] @
+    W[expert_ids[r]].T``, ``[P, N]`` in x's dtype (the grouped GEMV's semantics). Rows grouped by expert
+    (sorted) share weight reads: the CUDA tensor-core kernel ``kbit.ops.grouped_mma.grouped_linear``; the
+    Triton grouped GEMV where that is not available. ``blocks``: a ``grouped_mma.block_table`` to reuse."""
+    from kbit.ops.grouped_mma import grouped_linear
+
+    k, blocksize, scale_format, N, K = _wargs(weight)
+    return grouped_linear(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
+                          k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, blocks=blocks)
+
+
+def grouped_gemm_reference(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight) -> torch.Tensor:
+    """float64 oracle of :func:`kbit_grouped_gemm` (``kbit.ops.gemv.grouped_gemv_reference``)."""
+    from kbit.ops.gemv import grouped_gemv_reference
+
+    k, blocksize, scale_format, N, K = _wargs(weight)
+    return grouped_gemv_reference(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale,
+                                  weight.codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)

@@ -17,7 +17,10 @@ Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
 - ``"grouped_mm"``: the touched experts dequantized to the activation dtype (``kbit.ops.dequant``; with
   ``S = min(E, P)`` slots, a fixed size, so no sync), then ``torch._grouped_mm`` on the sorted rows. For
   many rows per expert, where the dequantization is paid once per expert instead of once per row.
-- ``"gemm"``: reserved for a grouped fused tensor-core kernel in ``kbit.ops.gemm`` (not there yet).
+- ``"gemm"``: ``kbit.ops.gemm.kbit_grouped_gemm``, the grouped tensor-core kernel (``kbit.ops.grouped_mma``,
+  CUDA through NVRTC): rows sorted by expert, cut into blocks of up to 8-64 rows of one expert (a block table
+  built on the device), each block's expert weight read and decoded once for all its rows. CUDA with
+  fp16/bf16 only (elsewhere it would fall back to the GEMV, so :func:`choose_plan` does not pick it).
 
 :func:`moe_reference` is the float64 oracle of the whole computation (any routing, float weights).
 """
@@ -33,7 +36,8 @@ import torch
 from kbit.format.spec import KbitWeight
 from kbit.ops.moe_align import MoeRouting
 
-__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "PAIR_ORDER_MAX_T", "MoePlan", "choose_plan", "combine",
+__all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "PAIR_ORDER_MAX_T",
+           "SORT_PAIRS_MAX_T", "MoePlan", "choose_plan", "combine",
            "combine_reference", "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
            "silu_mul_reference"]
 
@@ -47,6 +51,12 @@ GEMV_MAX_ROWS_PER_EXPERT = 4
 #: the rows of an expert are adjacent in the GEMV's grid and its weight is re-read from L2. At T = 16,
 #: P = 128 pairs: all the GEMV's programs are resident at once anyway (a guess; T = 64 measures the sort).
 PAIR_ORDER_MAX_T = 16
+#: The grouped tensor-core GEMM ("gemm") up to this many rows per touched expert (its largest block, 64 rows;
+#: above, an expert's blocks re-read its weight, and bf16 ``torch._grouped_mm`` has the higher mma rate).
+GEMM_MAX_ROWS_PER_EXPERT = 64
+#: Steps of a fused-routing plan above this many tokens sort with ``align`` (torch's radix sort, ~30 launches)
+#: instead of the one-launch ``sort_pairs`` (O(P^2) compares: ~P^2 / 64 / 2M per us, a guess).
+SORT_PAIRS_MAX_T = 1024
 _BLOCK = 1024
 
 
@@ -112,19 +122,33 @@ def _gemm_available() -> bool:
     return hasattr(gemm, "kbit_grouped_gemm")
 
 
+def gemm_supported(device, dtype: torch.dtype) -> bool:
+    """Whether the grouped tensor-core kernel (``kbit.ops.grouped_mma``) runs on ``device`` in ``dtype``."""
+    if dtype not in (torch.float16, torch.bfloat16) or torch.device(device).type != "cuda":
+        return False
+    from kbit.ops.grouped_mma import available
+
+    return _gemm_available() and available(device)
+
+
 def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device) -> MoePlan:
     """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
 
-    GEMV (fp16/bf16 only) while there are at most :data:`GEMV_MAX_ROWS_PER_EXPERT` rows per touched expert
-    (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above, or whichever exists.
+    On CUDA (fp16/bf16, NVRTC): the grouped tensor-core GEMM up to :data:`GEMM_MAX_ROWS_PER_EXPERT` rows per
+    touched expert (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above where it runs.
+    Elsewhere: GEMV (fp16/bf16 only) while there are at most :data:`GEMV_MAX_ROWS_PER_EXPERT` rows per touched
+    expert, dequantize + ``torch._grouped_mm`` above, or whichever exists.
     """
     P = T * top_k
     rows_per_expert = P / max(1, min(E, P))
     gemv_ok = dtype in (torch.float16, torch.bfloat16)
+    gemm_ok = gemm_supported(device, dtype)
     plan = []
     for N, K in ((2 * I, H), (H, I)):
         mm_ok = grouped_mm_supported(device, dtype, N, K)
-        if gemv_ok and (rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
+        if gemm_ok and (rows_per_expert <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok):
+            plan.append("gemm")
+        elif gemv_ok and (rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
             plan.append("gemv")
         elif mm_ok:
             plan.append("grouped_mm")
@@ -156,7 +180,7 @@ def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtyp
 
 
 def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kernel: str,
-                  gather: bool) -> torch.Tensor:
+                  gather: bool, blocks=None) -> torch.Tensor:
     """``y[r] = x[token_ids[r] if gather else r] @ W[expert_ids[r]].T`` for every sorted row ``r``.
 
     Parameters
@@ -165,6 +189,7 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     routing : the step's :class:`~kbit.ops.moe_align.MoeRouting`.
     weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``.
     kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
+    blocks : ``"gemm"`` only: the step's ``kbit.ops.grouped_mma.block_table`` (built here when None).
 
     Returns
     -------
@@ -190,7 +215,7 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         from kbit.ops.gemm import kbit_grouped_gemm
 
         rows = routing.token_ids if gather else routing.row_ids
-        return kbit_grouped_gemm(x, rows, routing.expert_ids, weight)
+        return kbit_grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
 
 
@@ -283,9 +308,14 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     if T == 0:
         return hidden.new_zeros(0, H)
     plan = plan or choose_plan(T, routing.top_k, E, H, I, hidden.dtype, hidden.device)
-    gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True)
+    blocks = None
+    if plan.gate_up == plan.down == "gemm" and gemm_supported(hidden.device, hidden.dtype):
+        from kbit.ops.grouped_mma import block_table, choose_ng
+
+        blocks = block_table(routing.expert_ids, 8 * choose_ng(routing.P, E))  # one table for both GEMMs
+    gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     act = silu_mul(gu)
-    y = expert_matmul(act, routing, down, plan.down, gather=False)
+    y = expert_matmul(act, routing, down, plan.down, gather=False, blocks=blocks)
     return combine(y, routing, hidden.dtype)
 
 

@@ -1,0 +1,225 @@
+"""Grouped (MoE) small-M linear on k-bit expert stacks with tensor cores: ``y[r] = x[rows[r]] @ W[expert_ids[r]].T``.
+
+The grouped form of ``kbit.ops.gemv_mma`` (swap-AB ``mma.sync.m16n8k16``, layout "mma-v1"): each expert of a
+stack ``[E, N, K]`` is repacked with ``kbit.ops.gemv_mma.repack`` (:func:`repack_stack`, cached per stack:
+:func:`repacked_stack`). Rows come grouped by expert (``kbit.ops.moe_align``: sorted rows from ``sort_pairs``
+/ ``align``; any order is correct, but only adjacent rows of one expert share a weight read).
+
+Work: a **block table** built on the device (:func:`block_table`, one CUDA launch, no host sync) cuts every run
+of equal expert ids into blocks of at most ``BM = 8 * NG`` rows from the run's start; ``blk[b]`` is the first
+row of block ``b``, ``blk[nblk] = P``. The GEMM (``kbit_grouped_mma``) runs persistent CTAs over the items
+(row tile of 16 weight rows, block) with the block fastest, reads ``nblk`` on the device (CTAs past it exit),
+and gathers its activations ``x[rows[r]]`` (gate_up: token ids; down: ``arange(P)``). fp32 accumulation, no
+split K across CTAs (a graph replay equals eager bit for bit).
+
+Where the CUDA kernel is not available (no GPU / NVRTC, Triton interpreter) :func:`grouped_linear` falls back to
+``kbit.ops.gemv.grouped_gemv``. :func:`block_table_torch` (torch ops, any device) and
+:func:`block_table_reference` (Python) define the table for the CPU tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, repack
+
+__all__ = ["available", "block_table", "block_table_reference", "block_table_torch", "choose_ng", "copy_repacked",
+           "grouped_linear", "repack_stack", "repacked_stack"]
+
+
+# ------------------------------------------------------------------------------------------------ repack
+
+
+def repack_stack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
+                 K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical stack ``(codes [E, N, words], scales [E, N, nb])`` -> ``(codes [E, Nt, S, k, 32, 4],
+    scales [E, Nt, S, 8, 16 (x2 for fp16 bytes)])``: expert ``e`` is ``kbit.ops.gemv_mma.repack`` of its matrix.
+
+    With ``N % 16 == 0`` (tiles never straddle two experts) the stack is repacked as one ``[E * N, K]`` matrix.
+    """
+    if codes.dim() != 3 or scales.dim() != 3 or codes.shape[:2] != scales.shape[:2] or codes.shape[1] != N:
+        raise ValueError(f"codes, scales: expected stacks [E, {N}, ...], got {tuple(codes.shape)}, "
+                         f"{tuple(scales.shape)}")
+    E = codes.shape[0]
+    kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, K=K)
+    if N % 16 == 0:
+        rc, rs = repack(codes.reshape(E * N, -1), scales.reshape(E * N, -1), N=E * N, **kw)
+        return rc.view(E, N // 16, *rc.shape[1:]), rs.view(E, N // 16, *rs.shape[1:])
+    parts = [repack(codes[e], scales[e], N=N, **kw) for e in range(E)]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+_CACHE: dict = {}
+
+
+def repacked_stack(codes, scales, *, k, blocksize, scale_format, N, K):
+    """:func:`repack_stack`, cached per ``codes`` tensor (object and version, held weakly) and ``scales``
+    version: a KbitMoE's stacks are repacked once, on the first call (run one eager step before capturing)."""
+    key = id(codes)
+    hit = _CACHE.get(key)
+    if (hit is not None and hit[0]() is codes and hit[1] == codes._version and hit[2]() is scales
+            and hit[3] == scales._version):
+        return hit[4]
+    val = repack_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    _CACHE[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
+    weakref.finalize(codes, _CACHE.pop, key, None)
+    return val
+
+
+def copy_repacked(src_codes, src_scales, dst_codes, dst_scales) -> bool:
+    """Seed the cache of a copy (``dst``, equal tensors) with clones of ``src``'s repacked stack, if cached
+    (benchmarks build many weight copies; repacking each costs ~0.1 s). Returns whether it did."""
+    hit = _CACHE.get(id(src_codes))
+    if hit is None or hit[0]() is not src_codes or hit[1] != src_codes._version or hit[2]() is not src_scales:
+        return False
+    val = tuple(t.clone() for t in hit[4])
+    key = id(dst_codes)
+    _CACHE[key] = (weakref.ref(dst_codes), dst_codes._version, weakref.ref(dst_scales), dst_scales._version, val)
+    weakref.finalize(dst_codes, _CACHE.pop, key, None)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ block table
+
+
+def choose_ng(P: int, E: int) -> int:
+    """8-row groups per block (``BM = 8 NG``) for ``P`` rows on ``E`` experts: the expected rows per touched
+    expert ``P / min(E, P)`` rounded up to 8, 16 or 32 (NG = 8 compiles with ~150 bytes of register spills
+    (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2)."""
+    rpe = P / max(1, min(E, P))
+    return 1 if rpe <= 8 else 2 if rpe <= 16 else 4
+
+
+def block_table_reference(expert_ids, bm: int) -> list[int]:
+    """Python: the block starts of :func:`block_table` followed by ``P`` (``len - 1`` blocks)."""
+    e = [int(v) for v in (expert_ids.tolist() if isinstance(expert_ids, torch.Tensor) else expert_ids)]
+    starts, run = [], 0
+    for r in range(len(e)):
+        if r == 0 or e[r] != e[r - 1]:
+            run = r
+        if (r - run) % bm == 0:
+            starts.append(r)
+    return starts + [len(e)]
+
+
+def _check_ids(expert_ids, bm):
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dtype != torch.int32 or expert_ids.dim() != 1:
+        got = (expert_ids.dtype, tuple(expert_ids.shape)) if isinstance(expert_ids, torch.Tensor) else type(expert_ids)
+        raise ValueError(f"expert_ids: expected an int32 1-D tensor, got {got}")
+    if not (isinstance(bm, int) and bm >= 1):
+        raise ValueError(f"bm: expected a positive int, got {bm!r}")
+
+
+def block_table_torch(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``blk`` int32 ``[P + 1]``, ``nblk`` int32 ``[1]``) with torch ops (no host sync): ``blk[:nblk]`` the
+    block starts, ``blk[nblk] = P``, entries after it ``P`` too."""
+    _check_ids(expert_ids, bm)
+    P = expert_ids.shape[0]
+    dev = expert_ids.device
+    r = torch.arange(P, device=dev, dtype=torch.int64)
+    boundary = torch.ones(P, dtype=torch.bool, device=dev)
+    if P > 1:
+        boundary[1:] = expert_ids[1:] != expert_ids[:-1]
+    run = torch.cummax(torch.where(boundary, r, torch.zeros_like(r)), 0).values if P else r
+    start = (r - run) % bm == 0
+    pos = torch.cumsum(start, 0) - 1
+    blk = torch.full((P + 1,), P, dtype=torch.int32, device=dev)
+    blk.scatter_(0, torch.where(start, pos, torch.full_like(pos, P)), r.to(torch.int32))
+    blk[P] = P  # start-less rows scattered their index onto slot P: restore it
+    return blk, start.sum(dtype=torch.int32).reshape(1)
+
+
+def block_table(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table of :func:`block_table_torch`, one CUDA launch (``kbit_moe_blocks``) where the kernel is
+    available, else :func:`block_table_torch`. Entries past ``blk[nblk]`` are unspecified."""
+    _check_ids(expert_ids, bm)
+    if not available(expert_ids.device):
+        return block_table_torch(expert_ids, bm)
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.grouped_mma_src import SOURCE
+
+    P = expert_ids.shape[0]
+    blk = torch.empty(P + 1, dtype=torch.int32, device=expert_ids.device)
+    nblk = torch.empty(1, dtype=torch.int32, device=expert_ids.device)
+    kern = compile_kernel(SOURCE, "kbit_moe_blocks", dict(K_BITS=4, BF16=0, FP16_SCALES=0), expert_ids.device)
+    ids = expert_ids.contiguous()
+    kern((1,), 1024, "QiiQQ", ids.data_ptr(), P, bm, blk.data_ptr(), nblk.data_ptr())
+    return blk, nblk
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+MAX_WARPS = 8
+_PLANS: dict = {}
+
+
+def _plan(k, ng, S, scale_format, bf16, dev):
+    """(kernel, warps, dynamic shared bytes, CTAs an SM) for one define set."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.grouped_mma_src import SOURCE
+
+    key = (k, ng, S, scale_format, bf16, dev)
+    p = _PLANS.get(key)
+    if p is None:
+        W = max(1, min(MAX_WARPS, S))
+        minb = max(1, (512 if ng <= 2 else 256) // (32 * W))
+        defines = dict(K_BITS=k, NG=ng, MAXW=W, MINB=minb, BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
+        kern = compile_kernel(SOURCE, "kbit_grouped_mma", defines, dev)
+        shared = _table_smem(k) + W * ng * 128 * 4
+        occ = kern.occupancy(W * 32, shared)
+        p = _PLANS[key] = (kern, W, shared, occ, defines)
+    return p
+
+
+def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
+                   scale_format="log8", N, K, blocks=None, ng=None):
+    """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` for a k-bit stack ``W [E, N, K]``: ``[P, N]`` in x's dtype.
+
+    x: fp16/bf16 ``[T, K]``; rows, expert_ids: int32 ``[P]`` on x's device (ids valid, not checked: that would
+    sync); codes ``[E, N, words]``, scales ``[E, N, nb]``, tensor_scale float32 ``[E]``, codebook ``[2**k]``
+    (``kbit.ops.gemv.grouped_gemv``'s arguments). ``blocks``: a :func:`block_table` of expert_ids for
+    ``8 * ng`` rows (pass one table to both GEMMs of an MoE step); ``ng``: default :func:`choose_ng`.
+    """
+    from kbit.ops.gemv import _check_params, _check_tensor, _check_weight, _fail, grouped_gemv
+
+    _check_params(k, blocksize, scale_format, N, K)
+    _check_tensor("x", x, (torch.float16, torch.bfloat16))
+    if x.dim() != 2 or x.shape[1] != K:
+        _fail(ValueError, "x", f"shape [T, {K}]", tuple(x.shape))
+    if codes.dim() != 3:
+        _fail(ValueError, "codes", "a 3-D stack [E, N, words]", tuple(codes.shape))
+    E = codes.shape[0]
+    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
+    _check_tensor("rows", rows, (torch.int32,), None, x.device)
+    _check_tensor("expert_ids", expert_ids, (torch.int32,), None, x.device)
+    if rows.dim() != 1 or expert_ids.shape != rows.shape:
+        _fail(ValueError, "expert_ids", f"shape of rows {tuple(rows.shape)} (1-D)", tuple(expert_ids.shape))
+    P = rows.shape[0]
+    if ng is not None and ng not in (1, 2, 4, 8):
+        _fail(ValueError, "ng", "one of 1, 2, 4, 8", ng)
+    if not available(x.device):
+        return grouped_gemv(x, rows, expert_ids, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                            scale_format=scale_format, N=N, K=K)
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return y
+    ng = ng or choose_ng(P, E)
+    if blocks is None:
+        blocks = block_table(expert_ids.contiguous(), 8 * ng)
+    blk, nblk = blocks
+    if blk.shape != (P + 1,) or nblk.shape != (1,) or blk.dtype != torch.int32 or nblk.dtype != torch.int32:
+        _fail(ValueError, "blocks", f"(int32 [{P + 1}], int32 [1]) from block_table", (blk.shape, nblk.shape))
+    rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    Nt, S = rc.shape[1], rc.shape[2]
+    xp = _prep_x(x, S)
+    dev = x.device
+    kern, W, shared, occ, _ = _plan(k, ng, S, scale_format, x.dtype == torch.bfloat16, dev)
+    grid = max(1, min(_sms(dev) * occ, Nt * P))
+    rows_c, ids_c = rows.contiguous(), expert_ids.contiguous()
+    ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
+    kern((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
+         _etab(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
+         nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=shared)
+    return y

@@ -1,0 +1,218 @@
+"""kbit.ops.grouped_mma: block table and stack repack (CPU); the grouped CUDA kernel against the float64
+reference, the CUDA block table, sync-freedom (GPU, marked ``gpu``)."""
+
+import pytest
+import torch
+
+from kbit.ops import gemm as GM
+from kbit.ops import gemv as G
+from kbit.ops import gemv_mma as MM
+from kbit.ops import grouped_mma as GR
+
+CUDA = torch.cuda.is_available()
+
+
+def make_stack(E, N, K_, k, B=32, sf="log8", device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Kp = -(-K_ // B) * B
+    codes = torch.randint(-(2**31), 2**31 - 1, (E, N, Kp * k // 32), generator=g, dtype=torch.int32)
+    if sf == "log8":
+        scales = torch.randint(0, 64, (E, N, Kp // B), generator=g, dtype=torch.uint8)
+        scales[:, :, 0] = 255  # an all-zero block
+        ts = torch.rand(E, generator=g) + 0.5
+    else:
+        scales = (torch.rand(E, N, Kp // B, generator=g) + 0.05).half()
+        ts = torch.ones(E)
+    cb = torch.sort(torch.rand(2**k, generator=g) * 2 - 1).values
+    return [t.to(device) for t in (codes, scales, ts, cb)]
+
+
+def routing_ids(T, top_k, E, seed=0, skew=True, sort=True, device="cpu"):
+    """(rows = token ids, expert ids) of T tokens' top-k choice; skewed: uneven groups, unused experts."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    if skew:
+        logits += torch.linspace(4, -4, E)  # low experts popular, high ones mostly empty
+    ids = torch.topk(logits, top_k, dim=1).indices.reshape(-1).to(torch.int32)
+    tok = torch.arange(T * top_k, dtype=torch.int32) // top_k
+    if sort:
+        ids, order = torch.sort(ids, stable=True)
+        tok = tok[order]
+    return tok.to(device), ids.to(device)
+
+
+def rel_err(y, ref):
+    assert not torch.isnan(y).any(), "NaN in output (unwritten element?)"
+    return ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tol(dtype):
+    return 2e-3 if dtype == torch.float16 else 1.2e-2
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("P,E,bm,sort", [(0, 4, 8, True), (1, 4, 8, True), (7, 3, 8, True), (100, 5, 8, True),
+                                         (300, 8, 16, True), (3000, 128, 64, True), (200, 4, 8, False),
+                                         (64, 1, 8, True), (65, 1, 64, True)])
+def test_block_table_torch_vs_reference(P, E, bm, sort):
+    g = torch.Generator().manual_seed(P + E)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    if sort:
+        ids = torch.sort(ids).values
+    ref = GR.block_table_reference(ids, bm)
+    blk, nblk = GR.block_table_torch(ids, bm)
+    nb = int(nblk)
+    assert nb == len(ref) - 1 and blk.tolist()[: nb + 1] == ref
+    assert (blk[nb:] == P).all()
+    # the blocks partition the rows; each is one expert, at most bm rows, starting bm-aligned within its run
+    for b in range(nb):
+        r0, r1 = ref[b], ref[b + 1]
+        assert 1 <= r1 - r0 <= bm and (ids[r0:r1] == ids[r0]).all()
+    if sort and P:
+        assert nb <= -(-P // bm) + min(E, P)
+
+
+def test_block_table_errors():
+    with pytest.raises(ValueError, match="expert_ids"):
+        GR.block_table_torch(torch.zeros(4, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match="bm"):
+        GR.block_table_torch(torch.zeros(4, dtype=torch.int32), 0)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("E,N,K_,B,sf", [(3, 32, 300, 32, "log8"), (2, 20, 256, 64, "fp16"), (4, 16, 64, 32, "log8")])
+def test_repack_stack(k, E, N, K_, B, sf):
+    codes, scales, _, _ = make_stack(E, N, K_, k, B, sf, seed=k + E)
+    rc, rs = GR.repack_stack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+    for e in range(E):
+        c1, s1 = MM.repack(codes[e], scales[e], k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+        assert torch.equal(rc[e], c1) and torch.equal(rs[e], s1)
+        c2, s2 = MM.unrepack(rc[e], rs[e], k=k, blocksize=B, N=N, K=K_)
+        assert torch.equal(c2, codes[e]) and torch.equal(s2, scales[e])
+
+
+def test_repacked_stack_cached():
+    codes, scales, _, _ = make_stack(2, 16, 256, 4)
+    a = GR.repacked_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=256)
+    assert GR.repacked_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=256) is a
+    codes.add_(1)  # new version: repacked again
+    assert GR.repacked_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=256) is not a
+
+
+def test_choose_ng():
+    assert GR.choose_ng(8, 128) == 1 and GR.choose_ng(512, 128) == 1 and GR.choose_ng(2048, 128) == 2
+    assert GR.choose_ng(8192, 128) == 4 and GR.choose_ng(4096, 128) == 4
+    assert GR.choose_ng(128, 8) == 2 and GR.choose_ng(2, 8) == 1
+
+
+def test_grouped_gemm_fallback_matches_reference():
+    """Without the CUDA kernel (CPU / interpreter) kbit_grouped_gemm is the grouped GEMV: same semantics."""
+    from kbit.format.spec import KbitWeight
+
+    E, N, K_, k = 4, 24, 64, 4
+    codes, scales, ts, cb = make_stack(E, N, K_, k)
+    w = KbitWeight(codes, scales, ts, cb, (E, N, K_), k, 32, "log8", "custom")
+    tok, ids = routing_ids(5, 2, E)
+    x = torch.randn(5, K_).to(torch.float16)
+    y = GM.kbit_grouped_gemm(x, tok, ids, w)
+    ref = GM.grouped_gemm_reference(x, tok, ids, w)
+    assert y.shape == (10, N) and rel_err(y, ref) < 2e-3
+
+
+def test_grouped_linear_errors():
+    codes, scales, ts, cb = make_stack(2, 16, 64, 4)
+    x = torch.randn(3, 64).half()
+    tok, ids = routing_ids(3, 1, 2)
+    kw = dict(k=4, N=16, K=64)
+    with pytest.raises(ValueError, match="x"):
+        GR.grouped_linear(x[:, :32], tok, ids, codes, scales, ts, cb, **kw)
+    with pytest.raises((TypeError, ValueError), match="rows"):
+        GR.grouped_linear(x, tok.long(), ids, codes, scales, ts, cb, **kw)
+    with pytest.raises(ValueError, match="expert_ids"):
+        GR.grouped_linear(x, tok, ids[:2], codes, scales, ts, cb, **kw)
+    with pytest.raises(ValueError, match="ng"):
+        GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, ng=3, **kw)
+
+
+def test_choose_plan_picks_gemm_when_available(monkeypatch):
+    from kbit.ops import moe
+
+    monkeypatch.setattr(moe, "gemm_supported", lambda device, dtype: True)
+    monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype, N, K: True)
+    bf = torch.bfloat16
+    gemm = moe.MoePlan("gemm", "gemm")
+    assert moe.choose_plan(1, 8, 128, 2048, 768, bf, "cpu") == gemm
+    assert moe.choose_plan(1024, 8, 128, 2048, 768, bf, "cpu") == gemm  # 64 rows an expert
+    assert moe.choose_plan(256, 2, 8, 4096, 14336, bf, "cpu") == gemm
+    assert moe.choose_plan(1024, 2, 8, 4096, 14336, bf, "cpu") == moe.MoePlan("grouped_mm", "grouped_mm")
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,E,bm,sort", [(1, 8, 8, True), (37, 8, 8, True), (2048, 8, 64, True),
+                                         (10240, 512, 16, True), (40960, 512, 8, True), (5000, 64, 8, False)])
+def test_gpu_block_table_cuda(P, E, bm, sort):
+    g = torch.Generator().manual_seed(P)
+    ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
+    if sort:
+        ids = torch.sort(ids).values
+    blk, nblk = GR.block_table(ids.cuda(), bm)
+    ref = GR.block_table_reference(ids, bm)
+    nb = int(nblk)
+    assert nb == len(ref) - 1 and blk[: nb + 1].tolist() == ref
+
+
+KERNEL_CASES = [(4, dt, E, T) for dt in ("bf16", "fp16") for E in (8, 128) for T in (1, 4, 16, 64, 300)]
+KERNEL_CASES += [(k, "bf16", E, T) for k in (2, 3, 5) for E, T in ((8, 4), (128, 300), (8, 64))]
+KERNEL_CASES += [(k, "fp16", 128, 16) for k in (2, 3, 5)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,dt,E,T", KERNEL_CASES)
+def test_gpu_grouped_kernel_vs_reference(k, dt, E, T):
+    if not GR.available("cuda"):
+        pytest.skip("CUDA kernel not available")
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    top_k = 2 if E == 8 else 8
+    for N, K_, B, sf in ((272, 512, 32, "log8"), (200, 320, 64, "fp16" if k == 4 else "log8")):
+        codes, scales, ts, cb = make_stack(E, N, K_, k, B, sf, device="cuda", seed=k + T)
+        tok, ids = routing_ids(T, top_k, E, seed=T, device="cuda")
+        x = torch.randn(T, K_, device="cuda").to(dtype)
+        kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+        y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+        ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
+        assert y.shape == (T * top_k, N) and y.dtype == dtype
+        assert rel_err(y, ref) < tol(dtype), (N, K_, B, sf)
+        # down-like (no gather: rows = arange) on the same table, and every block size
+        xs = torch.randn(T * top_k, K_, device="cuda").to(dtype)
+        rows = torch.arange(T * top_k, device="cuda", dtype=torch.int32)
+        ref2 = G.grouped_gemv_reference(xs, rows, ids, codes, scales, ts, cb, **kw)
+        for ng in (1, 8) if T >= 64 else (None,):
+            y2 = GR.grouped_linear(xs, rows, ids, codes, scales, ts, cb, ng=ng, **kw)
+            assert rel_err(y2, ref2) < tol(dtype), ng
+        assert torch.equal(y2, GR.grouped_linear(xs, rows, ids, codes, scales, ts, cb, ng=ng, **kw))
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
+    if not GR.available("cuda"):
+        pytest.skip("CUDA kernel not available")
+    E, N, K_ = 16, 256, 512
+    codes, scales, ts, cb = make_stack(E, N, K_, 4, device="cuda")
+    tok, ids = routing_ids(40, 4, E, sort=False, device="cuda")
+    x = torch.randn(40, K_, device="cuda").bfloat16()
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_)
+    y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+    ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
+    assert rel_err(y, ref) < tol(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y2 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, y2)
