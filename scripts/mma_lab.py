@@ -81,7 +81,7 @@ def rel_err(y, ref):
 
 
 # ------------------------------------------------------------------------------------------ correctness
-def correctness(full):
+def correctness(full, prewarm_first=False):
     fails, n = [], 0
     cases = []
     for k in (2, 3, 4, 5):
@@ -94,6 +94,9 @@ def correctness(full):
               (1000, 4000, 4, 16, torch.bfloat16, 64, "fp16", False), (64, 8192, 4, 2, torch.float16, 32, "log8", True),
               (2048, 768, 3, 1, torch.bfloat16, 32, "log8", False),
               (4096, 4096, 4, 1, torch.float16, 32, "log8", False)]
+    if prewarm_first:
+        cfg = tuple(int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
+        prewarm(sorted({(k, M, N, -(-K // 256) * 256, sf, cfg) for N, K, k, M, dt, B, sf, bias in cases}))
     for N, K, k, M, dt, B, sf, bias in cases:
         w = rand_canonical(N, K, k, B, sf, seed=N + K + k + M)
         x = torch.randn(M, K, dtype=dt, device="cuda")
@@ -176,8 +179,86 @@ def kernel_info(k, M, dtype, config):
     return dict(regs=p["regs"], ctas_per_sm=p["ctas_per_sm"], D=p["defines"]["D"])
 
 
+# ------------------------------------------------------------------------------------------ variants (issue 3)
+def variant_cfgs(k, N, K):
+    """The default, kernel 1 at its old default, kernel 3 at PIPE[k] without / with x in shared memory."""
+    k1 = (1, 4, 4) if N * K >= MM.BIG else (1, 8, 2)
+    out = [MM.default_config(k, 1, N, K), k1, (3, 8, 2, MM.PIPE[k]), (3, 8, 2, MM.PIPE[k], 1)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def prewarm(jobs):
+    """Compile (k, M, N, K, scale_format, config) plans for both activation dtypes in parallel (NVRTC releases
+    the GIL; the runtime's compile lock is lifted for this)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+
+    from kbit.cuda import compile_kernel, runtime
+    from kbit.cuda.gemv_mma_src import SOURCE
+
+    def one(j):
+        k, M, N, K, sf, cfg = j
+        runtime._libcuda().cuCtxSetCurrent(ctx)
+        try:
+            p = MM.plan(k, M, N, K, sf, cfg)
+            compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": 1}, torch.device("cuda"))
+        except Exception as e:  # noqa: BLE001
+            log(f"prewarm {j}: {repr(e)[:200]}")
+
+    import ctypes
+
+    torch.cuda.current_stream()
+    ctx = ctypes.c_void_p()
+    runtime._libcuda().cuCtxGetCurrent(ctypes.byref(ctx))
+    lock, runtime._LOCK = runtime._LOCK, nullcontext()
+    try:
+        with ThreadPoolExecutor(16) as ex:
+            list(ex.map(one, jobs))
+    finally:
+        runtime._LOCK = lock
+    log(f"prewarm: {len(jobs)} plans ({time.time() - T0:.0f}s)")
+
+
+def variants(ks, ceiling, rows, left):
+    """M = 1 timings of the kernel 1 default and the kernel 3 candidates on SHAPES."""
+    prewarm([(k, M, N, K, "log8", c) for k in ks for N, K in SHAPES for c in variant_cfgs(k, N, K) for M in (1, 8)])
+    for k in ks:
+        for N, K in SHAPES:
+            for M in ((1, 8) if N >= MM.TALL else (1,)):
+                line = []
+                for cfg in variant_cfgs(k, N, K):
+                    if left() < 10:
+                        break
+                    try:
+                        us, nb = time_mma(N, K, k, M, torch.float16, cfg)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"variant {N}x{K} k={k} M={M} {cfg}: FAILED {repr(e)[:300]}")
+                        continue
+                    tb = nb / us / 1e6
+                    rows.append(dict(kind="variant", N=N, K=K, k=k, M=M, cfg=cfg, us=us, tbps=tb,
+                                     pct=100 * tb / ceiling))
+                    line.append(f"{cfg}: {us:.2f} us {100 * tb / ceiling:.0f}%")
+                log(f"variants k={k} {N}x{K} M={M}: " + " | ".join(line))
+
+
+def ncu_launches():
+    """One launch each of kernel 1 (default) and kernel 3 at 28672x4096, k = 2 and 4 (for ncu)."""
+    N, K = 28672, 4096
+    for k in (2, 4):
+        for cfg in (None, (3, 8, 2, 3)):
+            rc, rs, ts, cb = rand_repacked(N, K, k, 0)
+            x = torch.randn(1, K, dtype=torch.float16, device="cuda")
+            y = torch.empty(1, N, dtype=torch.float16, device="cuda")
+            MM._launch(x, rc, rs, ts, cb, None, y, k=k, scale_format="log8", N=N, K=K, M=1, Kp=K, config=cfg)
+            torch.cuda.synchronize()
+            print(f"ncu launch k={k} cfg={cfg or MM.default_config(k, 1, N, K)}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", action="store_true", help="kernel 3 candidates vs kernel 1 at M = 1 only")
+    ap.add_argument("--ncu", action="store_true", help="only the launches to profile (run under ncu)")
+    ap.add_argument("--check-cfg", default="", help="KBIT_MMA_CFG for the correctness pass")
     ap.add_argument("--budget", type=float, default=270)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="config sweep at M = 1 first")
@@ -186,6 +267,9 @@ def main():
     ap.add_argument("--ks", default="4,2,3,5")
     ap.add_argument("--triton", action="store_true", help="also time the Triton GEMV at M = 1")
     args = ap.parse_args()
+    if args.ncu:
+        ncu_launches()
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": str(datetime.date.today()),
@@ -200,10 +284,20 @@ def main():
     ceiling = measure_read_ceiling().read_tbps
     res["ceiling_tbps"] = ceiling
     log(f"read ceiling {ceiling:.3f} TB/s ({time.time() - T0:.0f}s)")
-    res["fails"] = correctness(args.full_checks)
+    if args.check_cfg:
+        os.environ["KBIT_MMA_CFG"] = args.check_cfg
+    res["fails"] = correctness(args.full_checks, prewarm_first=bool(args.check_cfg))
+    os.environ.pop("KBIT_MMA_CFG", None)
+    MM._PLANS.clear()
     rows = []
     res["rows"] = rows
     ks = [int(v) for v in args.ks.split(",")]
+    if args.variants:
+        variants(ks, ceiling, rows, left)
+        (out / "mma.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "mma.log").write_text("\n".join(LOG))
+        print(f"fails: {res['fails']}  elapsed {time.time() - T0:.0f}s")
+        return
 
     def dump():
         (out / "mma.json").write_text(json.dumps(res, indent=1, default=str))

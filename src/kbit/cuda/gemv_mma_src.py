@@ -52,9 +52,15 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
+#ifndef XS
+#define XS 0
+#endif
 __device__ __forceinline__ V4 ld_x(const void* p) {
   V4 r;
-#if NG >= 4 /* keep the loads next to their use: hoisting all 8 units' B fragments would spill */
+#if XS /* x staged in shared memory (kernel 3): p is a generic pointer into it */
+  asm("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "r"((u32)__cvta_generic_to_shared(p)));
+#elif NG >= 4 /* keep the loads next to their use: hoisting all 8 units' B fragments would spill */
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
 #else
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
@@ -251,9 +257,10 @@ __device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* c
 /* finish one (tile, K range) task: write y, or add to the fp32 workspace (the last of the tile's splits writes) */
 __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, int M, int N, u16* __restrict__ y,
                                        int y_stride, const void* __restrict__ bias, int bias_kind, float post,
-                                       float* __restrict__ ws, int* __restrict__ cnt, int splits, int ws_stride) {
+                                       float* __restrict__ ws, int* __restrict__ cnt, int contrib, int total,
+                                       int ws_stride) {
   const int g = lane >> 2, t = lane & 3;
-  if (splits == 1) {
+  if (contrib == total) {
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
@@ -279,7 +286,7 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   __threadfence();
   __syncwarp();
   int last = 0;
-  if (lane == 0) last = atomicAdd(&cnt[tile], 1) == splits - 1;
+  if (lane == 0) last = atomicAdd(&cnt[tile], contrib) == total - contrib;
   last = __shfl_sync(0xffffffffu, last, 0);
   if (last) {
     __threadfence();
@@ -436,6 +443,124 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     __syncthreads();
   }
 }
+#elif KERNEL == 3
+/* stream-K over segments: the Nt x S (tile, segment) pairs, in memory order, are cut into equal contiguous
+   ranges, one a warp (grid = CTAs that fit at once). A warp streams its range through a ring of PD register
+   buffers (PD - 1 segments in flight while one is computed; no CTA barrier, no drain between tiles); a tile
+   that lies wholly in the range is written directly, a partial one is added to the fp32 workspace and the
+   warp that completes the tile's segment count (counter) writes it. */
+__device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
+                                       const V4* __restrict__ scales, int j, u32 lane, int g) {
+#pragma unroll
+  for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + ((long long)j * K_BITS + v) * 32 + lane);
+#pragma unroll
+  for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
+}
+__device__ __forceinline__ void sts128(u32 a, u32 v0, u32 v1) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%1,%2};" :: "r"(a), "r"(v0), "r"(v1) : "memory");
+}
+/* the lookup table from the codebook held one entry a lane (shuffles, 16-byte stores) */
+__device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xffffffffu, c, e)); }
+__device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
+  const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
+#if K_BITS == 4
+  for (u32 i = tid; i < 2048; i += nt) {
+    const u32 e = i >> 3;
+    const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
+    sts128(tab + i * 16, v, v);
+  }
+#elif K_BITS == 3
+  for (u32 i = tid; i < 512; i += nt) {
+    const u32 e = i >> 3;
+    const u32 v = cbh(c, e & 7) | (cbh(c, e >> 3) << 16);
+    sts128(tab + i * 16, v, v);
+  }
+#elif K_BITS == 2
+  for (u32 i = tid; i < 2048; i += nt) {
+    const u32 e = i >> 3;
+    const u32 lo = cbh(c, e & 3) | (cbh(c, (e >> 2) & 3) << 16);
+    const u32 hi = cbh(c, (e >> 4) & 3) | (cbh(c, e >> 6) << 16);
+    sts128(tab + i * 16, lo, hi);
+  }
+#else
+  for (u32 i = tid; i < 128; i += nt) {
+    const u32 h = cbh(c, i >> 2);
+    sts128(tab + i * 16, h | (h << 16), h | (h << 16));
+  }
+#endif
+}
+extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
+    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
+    int bias_kind, int ws_stride) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
+  const int g = lane >> 2;
+  const long long T = (long long)n_tiles * n_seg, TW = (long long)gridDim.x * W;
+  const long long gw = (long long)blockIdx.x * W + warp;
+  const int j0 = (int)(T * gw / TW), j1 = (int)(T * (gw + 1) / TW);
+  V4 buf[PD][K_BITS + SV];
+#pragma unroll
+  for (int p = 0; p < PD - 1; ++p)
+    if (j0 + p < j1) ld_seg(buf[p], codes, scales, j0 + p, lane, g);  /* in flight while the tables are built */
+  const float ts = *ts_ptr;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  build_table_fast(tab, cb, tid, blockDim.x);
+  const float post = FP16_SCALES ? ts : 1.0f;
+  for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+#if XS /* x rows [M][n_seg * 256] after the table */
+  u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
+  const int xv = n_seg * (SEG / 8);
+  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
+    const int tok = i / xv, c = i - tok * xv;
+    ((V4*)sx)[i] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+  }
+#endif
+  __syncthreads();
+  if (j0 >= j1) return;
+  const u32 lbb = lane_bits(tab, lane);
+  const u32 sc_base = smem_addr(s_sc);
+  const u16* xr[NG];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) {
+    int tok = ng * 8 + g;
+    tok = tok < M ? tok : M - 1;
+#if XS
+    xr[ng] = sx + (long long)tok * (n_seg * SEG) + 8 * (lane & 3);
+#else
+    xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
+#endif
+  }
+  int tile = j0 / n_seg, seg = j0 - tile * n_seg, seg_first = seg;
+  float acc[NG][4];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+  for (int jb = j0; jb < j1; jb += PD) {
+#pragma unroll
+    for (int p = 0; p < PD; ++p) {
+      const int j = jb + p;
+      if (j < j1) {
+        if (j + PD - 1 < j1) ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
+        const u16* xs[NG];
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
+        segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
+        ++seg;
+        if (seg == n_seg || j + 1 == j1) {
+          finish(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+                 ws_stride);
+#pragma unroll
+          for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+          if (seg == n_seg) { seg = 0; ++tile; }
+          seg_first = seg;
+        }
+      }
+    }
+  }
+}
 #else
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -530,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     slot = slot + 1 == D ? 0 : slot + 1;
     ++c_seg;
     if (++c_step == sps) {
-      finish(acc, c_tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, splits, ws_stride);
+      finish(acc, c_tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, 1, splits, ws_stride);
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
       c_step = 0;

@@ -158,6 +158,12 @@ def _ng(M):
     return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
+#: kernel 3: register pipeline depth (segments) per k
+PIPE = {2: 2, 3: 3, 4: 2, 5: 2}
+#: kernel 3 is the default from this many rows (M <= 8): it won on 28672 / 57344 rows, lost on 4096 / 8192
+TALL = 16384
+#: kernel 3 with x staged in shared memory (config[4] = 1): dynamic shared bytes at most (2 CTAs an SM)
+XS_MAX = 110 * 1024
 #: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
 DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
 SMEM_MAX = 227 * 1024
@@ -168,12 +174,16 @@ BIG = 2 * 10**8
 def default_config(k, M, N, K):
     """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
 
+    Kernel 3 (M <= 8, N >= TALL; not k = 4 with N * K >= BIG): stream-K over (tile, segment) pairs, a
+    contiguous range a warp, register ring of PIPE[k] segments (faster there in the H100 run of issue 3).
     Kernel 1: a CTA per (row tile, K split), its warps take the split's segments round-robin (register
     double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
     if _ng(M) > 2:
         cfg = (1, 8, 1)
+    elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
+        cfg = (3, 8, 2, PIPE[k])
     elif N * K >= BIG:
         cfg = (1, 4, 4)
     else:
@@ -219,9 +229,15 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
 
     dev = torch.device(device or "cuda")
     Nt, S = -(-N // 16), -(-K // SEG)
-    kernel, W, X = config or default_config(k, M, N, K)
+    cfg = tuple(config or default_config(k, M, N, K))
+    kernel, W, X = cfg[:3]
     ng = _ng(M)
-    if kernel == 1:
+    if kernel == 3:
+        pd = cfg[3] if len(cfg) > 3 else PIPE[k]
+        xs = int(len(cfg) > 4 and cfg[4] and _table_smem(k) + M * S * SEG * 2 <= XS_MAX)
+        defines = dict(KERNEL=3, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X, PD=pd, XS=xs)
+        shared = _table_smem(k) + xs * M * S * SEG * 2
+    elif kernel == 1:
         W = max(1, min(W, S))
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
         shared = _table_smem(k)
@@ -236,7 +252,10 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
-    if kernel == 1:
+    if kernel == 3:
+        splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
+        grid = max(1, min(slots, -(-(Nt * S) // W)))
+    elif kernel == 1:
         splits = _splits(Nt, S, slots, S // W, divide=False)
         sps = -(-S // splits)
         splits = -(-S // sps)
@@ -247,7 +266,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ)
+                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel == 3 or splits > 1)
 
 
 _PLANS: dict = {}
@@ -268,7 +287,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
             _PLANS.clear()
         _PLANS[key] = p
     Nt, S, splits = p["Nt"], p["S"], p["splits"]
-    ws, cnt = _workspace(dev, M, Nt * 16, Nt) if splits > 1 else (y, y)
+    ws, cnt = _workspace(dev, M, Nt * 16, Nt) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
