@@ -174,14 +174,18 @@ BIG = 2 * 10**8
 def default_config(k, M, N, K):
     """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
 
-    Kernel 3 (M <= 8, N >= TALL; not k = 4 with N * K >= BIG): stream-K over (tile, segment) pairs, a
-    contiguous range a warp, register ring of PIPE[k] segments (faster there in the H100 run of issue 3).
+    Kernel 3 (N >= TALL: M = 1 with x staged in shared memory; 2 <= M <= 8 without, not k = 4 with
+    N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
+    segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
+    (3, W, CTAs an SM, ring depth, x in shared memory 0/1).
     Kernel 1: a CTA per (row tile, K split), its warps take the split's segments round-robin (register
     double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
     if _ng(M) > 2:
         cfg = (1, 8, 1)
+    elif M == 1 and N >= TALL:
+        cfg = (3, 8, 2, PIPE[k], 1)
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
         cfg = (3, 8, 2, PIPE[k])
     elif N * K >= BIG:
