@@ -143,7 +143,9 @@ def test_choose_plan_picks_gemm_when_available(monkeypatch):
     monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype, N, K: True)
     bf = torch.bfloat16
     gemm = moe.MoePlan("gemm", "gemm")
-    assert moe.choose_plan(1, 8, 128, 2048, 768, bf, "cpu") == gemm
+    assert moe.choose_plan(1, 8, 128, 2048, 768, bf, "cpu") == moe.MoePlan("gemv", "gemv")  # small experts
+    assert moe.choose_plan(1, 2, 8, 4096, 14336, bf, "cpu") == gemm
+    assert moe.choose_plan(4, 8, 128, 2048, 768, bf, "cpu") == gemm
     assert moe.choose_plan(1024, 8, 128, 2048, 768, bf, "cpu") == gemm  # 64 rows an expert
     assert moe.choose_plan(256, 2, 8, 4096, 14336, bf, "cpu") == gemm
     assert moe.choose_plan(1024, 2, 8, 4096, 14336, bf, "cpu") == moe.MoePlan("grouped_mm", "grouped_mm")

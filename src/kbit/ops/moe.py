@@ -37,7 +37,7 @@ from kbit.format.spec import KbitWeight
 from kbit.ops.moe_align import MoeRouting
 
 __all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "PAIR_ORDER_MAX_T",
-           "SORT_PAIRS_MAX_T", "MoePlan", "choose_plan", "combine",
+           "SORT_PAIRS_MAX_T", "GEMV_T1_MAX_WEIGHTS", "MoePlan", "choose_plan", "combine",
            "combine_reference", "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
            "silu_mul_reference"]
 
@@ -57,6 +57,10 @@ GEMM_MAX_ROWS_PER_EXPERT = 64
 #: Steps of a fused-routing plan above this many tokens sort with ``align`` (torch's radix sort, ~30 launches)
 #: instead of the one-launch ``sort_pairs`` (O(P^2) compares: ~P^2 / 64 / 2M per us, a guess).
 SORT_PAIRS_MAX_T = 1024
+#: At T = 1 the Triton GEMV beats the grouped GEMM on experts up to this many weights (H100, k = 4, commit
+#: b471a6b: Qwen3-30B 27.1 vs 33.0 us, Qwen3-Next 29.2 vs 37.3 us; Mixtral, 58.7M and 117M weights: 151.1 vs
+#: 92.0 us).
+GEMV_T1_MAX_WEIGHTS = 1 << 24
 _BLOCK = 1024
 
 
@@ -134,8 +138,9 @@ def gemm_supported(device, dtype: torch.dtype) -> bool:
 def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device) -> MoePlan:
     """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
 
-    On CUDA (fp16/bf16, NVRTC): the grouped tensor-core GEMM up to :data:`GEMM_MAX_ROWS_PER_EXPERT` rows per
-    touched expert (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above where it runs.
+    On CUDA (fp16/bf16, NVRTC): the GEMV at T = 1 on experts of at most :data:`GEMV_T1_MAX_WEIGHTS` weights,
+    else the grouped tensor-core GEMM up to :data:`GEMM_MAX_ROWS_PER_EXPERT` rows per touched expert
+    (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above where it runs.
     Elsewhere: GEMV (fp16/bf16 only) while there are at most :data:`GEMV_MAX_ROWS_PER_EXPERT` rows per touched
     expert, dequantize + ``torch._grouped_mm`` above, or whichever exists.
     """
@@ -146,7 +151,9 @@ def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, 
     plan = []
     for N, K in ((2 * I, H), (H, I)):
         mm_ok = grouped_mm_supported(device, dtype, N, K)
-        if gemm_ok and (rows_per_expert <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok):
+        if gemm_ok and gemv_ok and T == 1 and N * K <= GEMV_T1_MAX_WEIGHTS:
+            plan.append("gemv")
+        elif gemm_ok and (rows_per_expert <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok):
             plan.append("gemm")
         elif gemv_ok and (rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
             plan.append("gemv")
