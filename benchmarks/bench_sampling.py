@@ -49,10 +49,12 @@ CASES = [
     ("B128 penalties L=512 +top-k50+top-p0.9", 128, torch.float32, 1.0, dict(
         HEADLINE, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1), {"history": 512}),
 ]
-SWEEP = [  # (chunk, candidates, warps_chunk, warps_select); run 1 (4096-8192 chunks, 4-16 warps) was 3-5x slower
-    (1024, 16, 1, 8), (1024, 16, 1, 4), (1024, 16, 2, 8), (1024, 32, 1, 8), (512, 16, 1, 8),
-    (2048, 16, 1, 8), (2048, 32, 2, 8),
+SWEEP = [  # (chunk, candidate vectors, warps_chunk, warps_select)
+    (1024, 32, 1, 8), (1024, 32, 1, 16), (2048, 32, 2, 8), (2048, 32, 2, 16), (4096, 32, 4, 16),
+    (2048, 32, 1, 16),
 ]
+QUICK_SWEEP = {128: [(4096, 32, 4, 8), (8192, 32, 8, 16), (2048, 32, 2, 8)],
+               1: [(4096, 32, 4, 8), (4096, 32, 4, 4), (2048, 32, 2, 4), (1024, 32, 1, 8)]}
 
 
 def git_commit() -> str:
@@ -160,6 +162,61 @@ def time_case(name, B, dtype, scale, kw, extra, config=None, with_ref=True):
     return row
 
 
+def time_passes(B):
+    """Pass 1 and pass 2 of the headline case alone, each in its own CUDA graph (default config), and
+    the number of rows whose certificate F lies at or above the top-k threshold (whole-row fallback)."""
+    from kbit.kernels import sampling as kern
+    from kbit.ops.sampling import _BOUND_PIVOTS, _FAST_ENTRIES, _FAST_VECTORS, _STREAM_VECTORS, _next_pow2, _tile
+
+    xs, _ = make_inputs(B, torch.float32, 1.0, {})
+    cfg = pick_config(B, V)
+    S, KC, P = -(-V // cfg.chunk), cfg.candidates, cfg.select_slots
+    NVP = _next_pow2(S * KC)
+    G, T = _tile(cfg.chunk, cfg.warps_chunk)
+    dev = "cuda"
+    cand = torch.empty(B, S * KC, dtype=torch.int32, device=dev)
+    cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=dev)
+    stats = torch.empty(6, B, S, dtype=torch.float32, device=dev)
+    PV, PE = _FAST_VECTORS, _FAST_ENTRIES
+    fscr_v = torch.empty(B, PE, dtype=torch.float32, device=dev)
+    fscr_i = torch.empty(B, PV + PE, dtype=torch.int32, device=dev)
+    scr_v = torch.empty(B, P, dtype=torch.float32, device=dev)
+    scr_i = torch.empty(B, P, dtype=torch.int32, device=dev)
+    tok = torch.empty(B, dtype=torch.int64, device=dev)
+    lp = torch.empty(B, dtype=torch.float32, device=dev)
+    seed = torch.tensor([1234], device=dev)
+    offset = torch.zeros(1, dtype=torch.int64, device=dev)
+    temp, top_k, top_p = HEADLINE["temperature"], HEADLINE["top_k"], HEADLINE["top_p"]
+
+    def pass1(i):
+        kern.chunk_summary_kernel[(B, S)](
+            xs[i], V, V, lp, temp, lp, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False, TOPK_PER_ROW=False,
+            CHUNK=cfg.chunk, KC=KC, G=G, T=T, MAX_ITERS=24, num_warps=cfg.warps_chunk)
+
+    def pass2(i):
+        kern.select_sample_kernel[(B,)](
+            xs[0], V, V, cand, cand_val, stats, B, S, scr_v, scr_i, fscr_v, fscr_i, lp, temp, lp, top_k, lp, top_p,
+            lp, 0.0,
+            seed, 0, offset, 0, tok, lp, TEMP_PER_ROW=False, TOPK_PER_ROW=False, TOPP_PER_ROW=False,
+            MINP_PER_ROW=False, SEED_MODE=1, OFFSET_MODE=1, CHUNK=cfg.chunk, KC=KC, SP=_next_pow2(S),
+            NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS), BLOCK=min(1024, _next_pow2(V)), NPIV=16,
+            PV=PV, PE=PE, NPIV_L=_BOUND_PIVOTS, num_warps=cfg.warps_select)
+
+    t1 = graph_time_us(pass1, len(xs))[0]
+    pass1(0)
+    t2 = graph_time_us(pass2, 1)[0]
+    pass1(0)
+    z = xs[0] * (1.0 / temp)
+    t_k = torch.topk(z, top_k, dim=1).values[:, -1]
+    F = stats[2].max(1).values
+    # fast path: entries above F and at or above the k-th largest of the chunks' two top row maxima
+    L = torch.topk(torch.cat([stats[0], stats[5]], 1), top_k, dim=1).values[:, -1]
+    fast = ((z > F[:, None]) & (z >= L[:, None])).sum(1)
+    return dict(B=B, config=cfg.__dict__, pass1_us=t1, pass2_us=t2,
+                rows_uncertified=int((F >= t_k).sum()), survivors_mean=float((z > F[:, None]).sum(1).float().mean()),
+                fast_survivors_mean=float(fast.float().mean()), fast_survivors_max=int(fast.max()))
+
+
 def run_tests(out_dir: Path):
     t0 = time.time()
     cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests/test_sampling.py"), "-m", "gpu", "-q",
@@ -187,6 +244,14 @@ def markdown(meta, rows, sweep):
                      f"| {r['kbit_us']:.1f} | {r.get('ref_us', float('nan')):.1f} "
                      f"| {r.get('speedup', float('nan')):.1f}x | {r.get('kbit_eager_us', float('nan')):.1f} "
                      f"| {'ok' if r['support_ok'] else 'FAIL'} |")
+    if meta.get("passes"):
+        lines += ["", "Each pass alone (headline arguments, default config, own CUDA graph):", "",
+                  "| B | pass 1 us | pass 2 us | rows with F >= t_k (fallback) | survivors a row (> F) "
+                  "| fast-path entries a row (mean / max) |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['B']} | {r['pass1_us']:.1f} | {r['pass2_us']:.1f} | {r['rows_uncertified']} "
+                  f"| {r['survivors_mean']:.0f} | {r.get('fast_survivors_mean', float('nan')):.1f} / "
+                  f"{r.get('fast_survivors_max', -1)} |" for r in meta["passes"]]
     lines += ["", "Config sweep (headline arguments):", "", "| B | chunk | cand | warps | kbit us |",
               "|---:|---:|---:|---|---:|"]
     for r in sweep:
@@ -199,7 +264,9 @@ def markdown(meta, rows, sweep):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="headline cases only, no sweep")
+    ap.add_argument("--quick", action="store_true", help="headline cases and a short sweep")
+    ap.add_argument("--tag", default="", help="suffix of the result files (sampling_<tag>.json/.md)")
+    ap.add_argument("--passes", action="store_true", help="also time pass 1 and pass 2 alone (headline)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks/results/h100")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,19 +277,29 @@ def main():
     meta["tests"] = {} if args.skip_tests else run_tests(out_dir)
 
     rows, sweep = [], []
+    if args.passes:
+        meta["passes"] = [time_passes(B) for B in (128, 1)]
+        for r in meta["passes"]:
+            print(f"passes B{r['B']}: pass 1 {r['pass1_us']:.1f} us, pass 2 {r['pass2_us']:.1f} us, "
+                  f"uncertified rows {r['rows_uncertified']}, survivors {r['survivors_mean']:.0f}", flush=True)
+    name = "sampling" + (f"_{args.tag}" if args.tag else "")
+
+    def save():  # after every case, so that a run cut short still leaves its results
+        (out_dir / f"{name}.json").write_text(json.dumps(dict(meta=meta, cases=rows, sweep=sweep), indent=1))
+        (out_dir / f"{name}.md").write_text(markdown(meta, rows, sweep))
+
     for case in CASES[:2] if args.quick else CASES:
         rows.append(time_case(*case))
+        save()
         print(f"{rows[-1]['case']}: {rows[-1]['kbit_us']:.1f} us vs {rows[-1].get('ref_us', 0):.1f}", flush=True)
-    if not args.quick:
-        for B in (128, 1):
-            for cfg in SWEEP:
-                r = time_case(f"sweep B{B}", B, torch.float32, 1.0, HEADLINE, {}, SamplingConfig(*cfg),
-                              with_ref=False)
-                sweep.append(r)
-                print(f"sweep B{B} {cfg}: {r['kbit_us']:.1f} us support_ok={r['support_ok']}", flush=True)
+    for B in (128, 1):
+        for cfg in QUICK_SWEEP[B] if args.quick else SWEEP:
+            r = time_case(f"sweep B{B}", B, torch.float32, 1.0, HEADLINE, {}, SamplingConfig(*cfg),
+                          with_ref=False)
+            sweep.append(r)
+            save()
+            print(f"sweep B{B} {cfg}: {r['kbit_us']:.1f} us support_ok={r['support_ok']}", flush=True)
 
-    (out_dir / "sampling.json").write_text(json.dumps(dict(meta=meta, cases=rows, sweep=sweep), indent=1))
-    (out_dir / "sampling.md").write_text(markdown(meta, rows, sweep))
     print()
     print(f"{meta['gpu']} | {meta['commit'][:12]} | tests: {meta['tests'].get('summary', 'skipped')}")
     print(f"{'case':42s} {'kbit us':>9s} {'ref us':>9s} {'speedup':>8s} support")

@@ -17,6 +17,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kbit.kernels.sampling import _kth_lower_bound  # noqa: E402
 from kbit.ops.sampling import (  # noqa: E402
     SamplingConfig,
     filtered_probs_reference,
@@ -26,6 +30,7 @@ from kbit.ops.sampling import (  # noqa: E402
 )
 
 scipy_stats = pytest.importorskip("scipy.stats")
+_NEG_INF = tl.constexpr(float("-inf"))
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 P_MIN = 1e-4  # chi-square p-value floor; with fixed seeds the outcome is deterministic
@@ -106,6 +111,190 @@ def test_fallback_paths_match_reference(case):
     row = _logits(101, seed=3, scale=scale)
     tokens, logprobs = _draw(row, 96, config=TINY, **kw)
     check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
+
+
+WIDE = SamplingConfig(chunk=1024, candidates=32, warps_chunk=1, warps_select=2)  # pass-1 tile 8 x 32 x 4
+
+
+@pytest.mark.parametrize("slots", [2048, 64], ids=["direct", "packed"])
+def test_multichunk_common_path(slots):
+    """Full-size pass-1 tiles (8 row maxima, vector scatter) over 3 chunks and a ragged tail; 64 pass-2
+    slots force the packing of survivors (and the fallback when they do not fit)."""
+    row = _logits(2500, seed=21, scale=2.0)
+    kw = dict(temperature=0.8, top_k=12, top_p=0.9)
+    cfg = SamplingConfig(WIDE.chunk, WIDE.candidates, 1, 2, select_slots=slots)
+    tokens, logprobs = _draw(row, 48, config=cfg, **kw)
+    check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
+
+
+def test_second_bound_and_few_slots():
+    """2-row tiles with 4 vector slots: chunks over the slots retry with the second-least row max."""
+    row = _logits(1000, seed=31)
+    row[0, 384:512] = -1.0  # chunk 1: tile row 1 is 56 ties at 2.0 (14 vectors), tile row 0 holds a 5.0
+    row[0, 384:440] = 2.0
+    row[0, 260] = 5.0
+    kw = dict(temperature=0.9, top_k=5, top_p=0.9)
+    tokens, logprobs = _draw(row, 48, config=SamplingConfig(256, 4, 1, 2), **kw)
+    check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0])
+
+
+def _pass1(x, cfg, top_k):
+    """Pass 1 alone: (candidate vector bases (B, S * KC), stats (6, B, S), candidate vector maxima
+    (B, S * KC)) as the launcher makes them."""
+    from kbit.kernels import sampling as kern
+    from kbit.ops.sampling import _tile
+
+    B, V = x.shape
+    S = -(-V // cfg.chunk)
+    cand = torch.full((B, S * cfg.candidates), -1, dtype=torch.int32, device=x.device)
+    cand_val = torch.full((B, S * cfg.candidates), float("nan"), device=x.device)
+    stats = torch.empty(6, B, S, dtype=torch.float32, device=x.device)
+    G, T = _tile(cfg.chunk, cfg.warps_chunk)
+    kern.chunk_summary_kernel[(B, S)](
+        x, x.stride(0), V, stats, 1.0, stats, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False,
+        TOPK_PER_ROW=False, CHUNK=cfg.chunk, KC=cfg.candidates, G=G, T=T, MAX_ITERS=24,
+        num_warps=cfg.warps_chunk)
+    return cand, stats, cand_val
+
+
+@pytest.mark.parametrize("V", [5000, 4100, 3000], ids=["tail-904", "tail-4", "tail-952"])
+def test_tail_chunk_certificate(V):
+    """The row's ragged tail chunk takes the common path with its vectors dealt over all tile rows:
+    its certificate stays below the row's top-k threshold (it used to be the tail's max, which sent
+    ~15% of N(0, 1) rows of the headline case to the whole-row fallback), and every entry above a
+    chunk's certificate lies in one of its stored vectors."""
+    cfg = SamplingConfig(1024, 32, 1, 2)
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(V)).to(DEV)
+    cand, stats, _ = _pass1(x, cfg, top_k=8)
+    S, KC = stats.shape[2], cfg.candidates
+    t_k = torch.topk(x, 8, dim=1).values[:, -1].cpu()
+    cert = stats[2].cpu()
+    assert bool((cert.max(1).values < t_k).all()), (cert[:, -1], t_k)
+    for b in range(x.shape[0]):
+        for c in range(S):
+            n_vec = int(stats[4, b, c])
+            bases = cand[b, c * KC:c * KC + n_vec].long().cpu()
+            covered = torch.zeros(V, dtype=torch.bool)
+            for e in range(4):
+                covered[(bases + e).clamp(max=V - 1)] = True
+            seg = slice(c * cfg.chunk, min((c + 1) * cfg.chunk, V))
+            above = x[b, seg].cpu() > cert[b, c]
+            assert bool(covered[seg][above].all()), (b, c)
+
+
+def test_pass1_vector_maxima_and_second_row_max():
+    """Pass 1 stores, with each candidate vector, the max of its 4 entries, and per chunk the largest
+    tile-row maximum other than the chunk max (the input of pass 2's top-k lower bound)."""
+    cfg = SamplingConfig(1024, 32, 1, 2)  # tile 8 x 128
+    V = 5000
+    x = torch.randn(3, V, generator=torch.Generator().manual_seed(4)).to(DEV)
+    x[1, 2000:2100] = 1.5  # ties
+    cand, stats, cand_val = _pass1(x, cfg, top_k=8)
+    S, KC, G = stats.shape[2], cfg.candidates, 8
+    xc = x.cpu()
+    for b in range(x.shape[0]):
+        padded = torch.cat([xc[b], torch.full((S * cfg.chunk - V,), float("-inf"))])
+        for c in range(S):
+            n_vec = int(stats[4, b, c])
+            bases = cand[b, c * KC:c * KC + n_vec].long().cpu()
+            vals = cand_val[b, c * KC:c * KC + n_vec].cpu()
+            want = torch.stack([padded[bases + e] for e in range(4)]).max(0).values
+            assert torch.equal(vals, want), (b, c)
+            seg = padded[c * cfg.chunk:(c + 1) * cfg.chunk]
+            if (c + 1) * cfg.chunk <= V:
+                rows = seg.view(G, cfg.chunk // G).max(1).values
+            else:  # tail: vector v * G + g belongs to tile row g
+                rows = seg.view(cfg.chunk // 4 // G, G, 4).amax((0, 2))
+            top2 = torch.sort(rows, descending=True).values[:2]
+            assert stats[0, b, c].item() == top2[0].item()
+            assert stats[5, b, c].item() == top2[1].item(), (b, c)
+
+
+@triton.jit
+def _lower_bound_probe(m_ptr, m2_ptr, out_ptr, n, k, F, M, SP: tl.constexpr):
+    i = tl.arange(0, SP)
+    a = tl.load(m_ptr + i, mask=i < n, other=_NEG_INF)
+    b = tl.load(m2_ptr + i, mask=i < n, other=_NEG_INF)
+    tl.store(out_ptr, _kth_lower_bound(a, b, k, F, M, 32, 2))
+
+
+def _lower_bound(m, m2, k, F, M):
+    """kbit.kernels.sampling._kth_lower_bound on host tensors (one program)."""
+    out = torch.empty(1, device=DEV)
+    n = m.numel()
+    _lower_bound_probe[(1,)](m.to(DEV), m2.to(DEV), out, n, k, F, M, SP=max(16, 1 << (n - 1).bit_length()))
+    return out.item()
+
+
+@pytest.mark.parametrize("case", ["normal", "ties", "few", "F-high", "wide-range", "k1"])
+def test_topk_lower_bound(case):
+    """The top-k lower bound L: at least k of the chunks' two largest tile-row maxima are >= L (so
+    L <= the row's t_k), L >= F, and it is tight (at most a few values between L and the k-th)."""
+    g = torch.Generator().manual_seed(len(case))
+    m = torch.randn(149, generator=g) + 3.0
+    m2 = torch.minimum(m - 0.01, torch.randn(149, generator=g) + 2.5)
+    k, F = 50, 2.0
+    if case == "ties":
+        m[:80] = 3.25
+        m2[:80] = 3.25
+    elif case == "few":
+        m, m2, k = m[:20], m2[:20], 50  # fewer than k values: no bound beyond F
+    elif case == "F-high":
+        F = float(torch.sort(torch.cat([m, m2]), descending=True).values[10])  # k-th below F
+    elif case == "wide-range":
+        m[0], m2[0], F = 3.0e38, -3.0e38, float("-inf")
+    elif case == "k1":
+        k = 1
+    M = float(m.max())
+    vals = torch.cat([m, m2])
+    L = _lower_bound(m, m2, k, F, M)
+    assert L >= F
+    if vals.numel() < k:
+        assert L == F
+        return
+    kth = float(torch.sort(vals, descending=True).values[k - 1])
+    assert L <= max(kth, F) and int((vals >= L).sum()) >= min(k, int((vals >= F).sum()))
+    if kth > F and case != "wide-range":
+        lo0 = max(F, float(vals.min()))
+        assert L >= kth - (M - lo0) / 32 / 32 * 1.01, (L, kth)
+
+
+def test_topk_concentrated_in_one_chunk():
+    """All of the top-k in one tile row of one chunk: the chunks' two largest row maxima hold fewer
+    than k values above F, so the bound is weak and the fast path must still be exact."""
+    row = _logits(5000, seed=12)
+    row[0, 1024:1084] = 4.0 + torch.arange(60, dtype=torch.float32, device=DEV) / 100
+    kw = dict(temperature=0.8, top_k=50, top_p=0.95)
+    tokens, logprobs = _draw(row, 48, config=WIDE, **kw)
+    check_draws(tokens, logprobs, filtered_probs_reference(row, **kw)[0], chi2=False)
+
+
+def test_fast_path_overflow_falls_back():
+    """More survivors than the fast path's slots (ties at the top of a top-k row: > 128 entries; a
+    greedy row whose max repeats in > 128 vectors) takes the general pass-2 path, still exact."""
+    row = _logits(5000, seed=13)
+    row[0, 100:4900:24] = 3.5  # 200 tied entries, 200 vectors
+    kw = dict(temperature=0.8, top_k=5, top_p=0.9)
+    probs = filtered_probs_reference(row, **kw)[0]
+    assert int((probs > 0).sum()) == 200
+    tokens, logprobs = _draw(row, 48, config=WIDE, **kw)
+    check_draws(tokens, logprobs, probs, chi2=False)
+    x = row.expand(2, -1).contiguous()
+    tok = sample(x, temperature=0.0, seed=1, config=WIDE)
+    assert tok.tolist() == [100, 100]
+
+
+def test_nan_and_topk_beyond_finite_count():
+    row = _logits(120, seed=8)
+    row[0, 5::3] = float("nan")
+    row[0, 6::3] = float("-inf")
+    kw = dict(temperature=1.1, top_k=60, min_p=0.01)  # top-k >= finite count: off
+    probs = filtered_probs_reference(row, **kw)[0]
+    tokens, logprobs = _draw(row, 32, config=TINY, **kw)
+    assert bool(((tokens < 5) | (tokens % 3 == 1)).all())
+    check_draws(tokens, logprobs, probs, chi2=False)
+    tokens, logprobs = _draw(row, 16, config=WIDE, **kw)
+    check_draws(tokens, logprobs, probs, chi2=False)
 
 
 def test_all_equal_logits_keep_every_tie():
@@ -214,7 +403,7 @@ def test_fake_impl_shapes():
     with FakeTensorMode():
         x = torch.empty(5, 1000)
         tokens = torch.ops.kbit.sample(x, None, 1.0, None, 0, None, 1.0, None, 0.0, None, 1.0, None, 0.0,
-                                       None, 0.0, None, None, 0, None, 0, 1024, 64, 4, 4)
+                                       None, 0.0, None, None, 0, None, 0, 1024, 64, 4, 4, 2048)
     assert tokens[0].shape == (5,) and tokens[0].dtype == torch.int64
     assert tokens[1].shape == (5,) and tokens[1].dtype == torch.float32
 
@@ -270,6 +459,8 @@ def test_config_validation():
         SamplingConfig(chunk=100, candidates=4)
     with pytest.raises(ValueError, match=r"candidates must be in \[2, chunk = 16\], got 32"):
         SamplingConfig(chunk=16, candidates=32)
+    with pytest.raises(ValueError, match="chunk must be >= 16, got 8"):
+        SamplingConfig(chunk=8, candidates=4)
 
 
 # ------------------------------------------------------------------------------- GPU, large

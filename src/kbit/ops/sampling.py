@@ -28,7 +28,11 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 _SEARCH_ITERS = 24  # pass-1 bisection steps before a chunk settles for fewer entries than it wanted
 _ROW_BLOCK = 1024  # tile of the whole-row fallback passes
+_STREAM_VECTORS = 1024  # candidate vectors pass 2 expands at a time (4096 entries) when packing
 _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
+_FAST_VECTORS = 128  # fast path: candidate vectors whose max is >= the top-k lower bound (~k expected)
+_FAST_ENTRIES = 128  # fast path: their entries >= the bound, ranked all-pairs
+_BOUND_PIVOTS = 32  # pivots of each of the 2 searches for the top-k lower bound
 
 
 def _interpreting() -> bool:
@@ -49,24 +53,31 @@ class SamplingConfig:
     chunk : int
         Vocabulary entries read by one program of pass 1 (power of two).
     candidates : int
-        Candidate slots kept per chunk (power of two, at most ``chunk``). Rows whose ``top_k``
-        exceeds it, or whose support is wider than the kept candidates, take the whole-row fallback.
+        Candidate slots kept per chunk (power of two, at most ``chunk``), each a 16-byte vector of
+        4 entries holding one >= the chunk's bound. A chunk with more takes pass 1's slower general
+        branch; rows whose support is wider than the candidates take the whole-row fallback.
     warps_chunk : int
         ``num_warps`` of pass 1.
     warps_select : int
         ``num_warps`` of pass 2 (one program per row).
+    select_slots : int
+        Entries pass 2 keeps, per row, of the candidates above the certificate (power of two);
+        a row with more takes the whole-row fallback.
     """
 
     chunk: int
     candidates: int
     warps_chunk: int = 1
     warps_select: int = 8
+    select_slots: int = 2048
 
     def __post_init__(self):
-        for name in ("chunk", "candidates"):
+        for name in ("chunk", "candidates", "select_slots"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"SamplingConfig.{name} must be a power of two, got {value}")
+        if self.chunk < 16:
+            raise ValueError(f"SamplingConfig.chunk must be >= 16, got {self.chunk}")
         if not 2 <= self.candidates <= self.chunk:
             raise ValueError(
                 f"SamplingConfig.candidates must be in [2, chunk = {self.chunk}], got {self.candidates}"
@@ -74,17 +85,25 @@ class SamplingConfig:
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Heuristic launch config: small pass-1 programs (512-1024-entry chunks keeping 16 each).
+    """Launch config from the H100 sweep of v4 (benchmarks/results/h100/sampling_v4.md, V = 151936):
+    B >= 16: 4096-entry pass-1 chunks, 4 warps, 16 warps in pass 2 (61.1 us at B = 128, the best of the
+    sweep); smaller B: 2048-entry chunks, 2 warps, 8 warps in pass 2 (16.7 us at B = 1, the best).
 
-    From the H100 sweep in benchmarks/results/h100/sampling.json: at B = 128, 512-entry one-warp
-    chunks (118 us) beat 1024 (155 us); at B = 1, 1024-entry two-warp chunks (18.6 us) were best.
+    Pass 1 keeps ``{x >= min of the tile-row maxima}`` per chunk; larger chunks mean fewer candidates for
+    pass 2, smaller ones more programs per row (B = 1 has only its own row to spread).
     """
-    big = batch >= 16  # many rows: throughput, smaller chunks; few rows: latency, fewer candidates
-    chunk = min(512 if big else 1024, max(16, _next_pow2(vocab)))
-    candidates = chunk // 2 if vocab <= chunk else 16  # one chunk: keep up to half of it
-    slots = -(-vocab // chunk) * candidates
-    return SamplingConfig(chunk, candidates, warps_chunk=1 if big else 2,
-                          warps_select=16 if slots > 4096 else 8)
+    big = batch >= 16
+    chunk = min(4096 if big else 2048, max(16, _next_pow2(vocab)))
+    candidates = max(2, chunk // 2) if vocab <= chunk else 32  # one chunk: keep up to half of it
+    return SamplingConfig(chunk, candidates, warps_chunk=max(1, min(4 if big else 2, chunk // 1024)),
+                          warps_select=16 if big else 8)
+
+
+def _tile(chunk: int, warps: int) -> tuple[int, int]:
+    """Pass-1 tile [G, T] of a chunk: T = 128 * warps columns (one 16-byte load per thread and
+    row), G = chunk / T rows; the candidate bound is the min of the G row maxima."""
+    cols = min(128 * warps, chunk)
+    return chunk // cols, cols
 
 
 # ----------------------------------------------------------------------------------- validation
@@ -189,7 +208,7 @@ def _sample_op(
     token_history: torch.Tensor | None,
     seed_t: torch.Tensor | None, seed: int,
     offset_t: torch.Tensor | None, offset: int,
-    chunk: int, candidates: int, warps_chunk: int, warps_select: int,
+    chunk: int, candidates: int, warps_chunk: int, warps_select: int, select_slots: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, V = logits.shape
     device = logits.device
@@ -209,22 +228,33 @@ def _sample_op(
 
     S = -(-V // chunk)
     KC = candidates
-    cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=device)
     cand_idx = torch.empty(B, S * KC, dtype=torch.int32, device=device)
-    stats = torch.empty(4, B, S, dtype=torch.float32, device=device)
+    cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=device)
+    stats = torch.empty(6, B, S, dtype=torch.float32, device=device)
     dummy = logprobs
 
     def ptr(t):
         return dummy if t is None else t
 
+    G, T = _tile(chunk, warps_chunk)
     _k.chunk_summary_kernel[(B, S)](
         x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
-        cand_val, cand_idx, stats, B, S,
+        cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
-        CHUNK=chunk, KC=KC, GROUPS=min(2 * KC, chunk), MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
+        CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
     )
+    NVP = _next_pow2(S * KC)
+    P = select_slots
+    if 4 * NVP > P:
+        scr_val = torch.empty(B, P, dtype=torch.float32, device=device)
+        scr_idx = torch.empty(B, P, dtype=torch.int32, device=device)
+    else:
+        scr_val, scr_idx = dummy, cand_idx
+    PV, PE = _FAST_VECTORS, _FAST_ENTRIES
+    fscr_val = torch.empty(B, PE, dtype=torch.float32, device=device)
+    fscr_idx = torch.empty(B, PV + PE, dtype=torch.int32, device=device)
     _k.select_sample_kernel[(B,)](
-        x, x.stride(0), V, cand_val, cand_idx, stats, B, S,
+        x, x.stride(0), V, cand_idx, cand_val, stats, B, S, scr_val, scr_idx, fscr_val, fscr_idx,
         ptr(temperature_t), temperature, ptr(top_k_t), top_k, ptr(top_p_t), top_p,
         ptr(min_p_t), min_p, ptr(seed_t), seed, ptr(offset_t), offset,
         tokens, logprobs,
@@ -232,8 +262,9 @@ def _sample_op(
         TOPP_PER_ROW=top_p_t is not None, MINP_PER_ROW=min_p_t is not None,
         SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
-        CHUNK=chunk, KC=KC, SP=_next_pow2(S), NCP=_next_pow2(S * KC),
-        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, num_warps=warps_select,
+        CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
+        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PV=PV, PE=PE, NPIV_L=_BOUND_PIVOTS,
+        num_warps=warps_select,
     )
     return tokens, logprobs
 
@@ -364,7 +395,7 @@ def sample(
     tokens, logprobs = torch.ops.kbit.sample(
         logits, *temp, *tk, *tp, *mp, *rp, *pp, *fp, token_history,
         seed_t, seed_v, offset_t, offset_v,
-        config.chunk, config.candidates, config.warps_chunk, config.warps_select,
+        config.chunk, config.candidates, config.warps_chunk, config.warps_select, config.select_slots,
     )
     return (tokens, logprobs) if return_logprobs else tokens
 
