@@ -206,17 +206,23 @@ def build_kbit(config, device, k: int, seed: int = 0, lm_head_k: int | None = No
 class _Part(nn.Module):
     """One projection of a fused Linear: the first part computes the fused product for its input, the others
     slice it when called on the same input tensor (transformers calls q, k, v -- and gate, up -- in order on
-    one tensor); any other input recomputes."""
+    one tensor); any other input recomputes. The last part drops the stored product (holding it kept every
+    layer's prefill output alive: out of memory at batch 64 in the first H100 run)."""
 
-    def __init__(self, owner: dict, lo: int, hi: int, first: bool):
+    def __init__(self, owner: dict, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
-        self.owner, self.lo, self.hi, self.first = owner, lo, hi, first  # owner: a plain dict, no submodule
+        self.owner, self.lo, self.hi = owner, lo, hi  # owner: a plain dict, not a submodule
+        self.first, self.last = first, last
 
     def forward(self, x):
         o = self.owner
         if self.first or o.get("x") is not x:
             o["x"], o["y"] = x, o["linear"](x)
-        return o["y"][..., self.lo:self.hi]
+        y = o["y"][..., self.lo:self.hi]
+        if self.last:
+            o.pop("x", None)
+            o.pop("y", None)
+        return y
 
 
 def fuse_projections(model) -> int:
@@ -245,7 +251,7 @@ def fuse_projections_layer(layer) -> int:
         setattr(parent, fused_name, fused)
         owner, lo = {"linear": fused}, 0
         for i, (n, m) in enumerate(zip(names, mods, strict=True)):
-            setattr(parent, n, _Part(owner, lo, lo + m.out_features, first=i == 0))
+            setattr(parent, n, _Part(owner, lo, lo + m.out_features, first=i == 0, last=i == len(names) - 1))
             lo += m.out_features
         parent._kbit_fused_owner = owner  # keeps the owner reachable for quantization (see _rebind_parts)
         del w, mods

@@ -154,6 +154,8 @@ def test_bench_fused_projections_same_model(name):
     got = static_greedy(fused, ids, 4)
     assert torch.equal(got[0], ref[0])
     torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+    owners = [m.__dict__["_kbit_fused_owner"] for m in fused.modules() if "_kbit_fused_owner" in m.__dict__]
+    assert owners and all("y" not in o for o in owners)  # no product kept between calls
     kb = bench.build_kbit(config, "cpu", 4, fuse_proj=True)
     assert type(kb.model.layers[0].self_attn.qkv_proj).__name__ == "KbitLinear"
 
