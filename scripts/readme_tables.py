@@ -77,12 +77,35 @@ def moe_table(path: Path) -> str:
     d = json.loads(path.read_text())
     m = d["meta"]
     out = [f"Whole MoE layer (router logits in, hidden out), k = 4, {m.get('device', 'H100')}, commit "
-           f"{m.get('commit')}, `{path.relative_to(ROOT)}`.", "",
-           "| model | T | kbit us | bf16 grouped_mm us | speedup |", "|---|--:|--:|--:|--:|"]
+           f"{m.get('commit')}, `{path.relative_to(ROOT)}`. `plan`: `auto` is what KbitMoE picks; other plans "
+           "are forced for comparison.", "",
+           "| model | T | plan (kernels) | kbit us | bf16 grouped_mm us | speedup |", "|---|--:|---|--:|--:|--:|"]
     for r in d["rows"]:
         if r.get("kbit_us") and r.get("bf16_us"):
-            out.append(f"| {r['model']} | {r['T']} | {r['kbit_us']:.1f} | {r['bf16_us']:.1f} | "
-                       f"{r['bf16_us'] / r['kbit_us']:.2f}x |")
+            out.append(f"| {r['model']} | {r['T']} | {r.get('plan', 'auto')} ({r.get('kernels', '')}) | "
+                       f"{r['kbit_us']:.1f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['kbit_us']:.2f}x |")
+    return "\n".join(out)
+
+
+def e2e_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    m = d["meta"]
+    rows = [r for r in d["rows"] if r.get("tokens_per_s")]
+    out = [f"End-to-end decode, one CUDA graph per step on both sides, context {m['ctx']}, {m['device']}, commit "
+           f"{m['commit']}, `{path.relative_to(ROOT)}` (`{m['command']}`). Cells: tokens/s (x bf16).", "",
+           "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in (2, 3, 4, 5)) + " |",
+           "|---|--:|--:|" + "--:|" * 4]
+    keys = list(dict.fromkeys((r["model"], r["batch"]) for r in rows))
+    for model, b in keys:
+        bf = [r for r in rows if (r["model"], r["batch"], r["variant"]) == (model, b, "bf16")]
+        if not bf:
+            continue
+        base = max(r["tokens_per_s"] for r in bf)
+        cells = []
+        for k in (2, 3, 4, 5):
+            kr = [r for r in rows if (r["model"], r["batch"], r["variant"], r["k"]) == (model, b, "kbit", k)]
+            cells.append(f"{kr[0]['tokens_per_s']:.1f} ({kr[0]['tokens_per_s'] / base:.2f}x)" if kr else "-")
+        out.append(f"| {model} | {b} | {base:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -100,7 +123,10 @@ def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
              "### Small-batch GEMV (Triton, with peers)", gemv_table(RES / "gemv-2026-11-21.json"),
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
-             "### MoE layer", moe_table(RES / "moe-quick-2026-11-21-fused-routing.json"),
+             "### MoE layer", moe_table(RES / "moe-2026-11-21-gemm.json"),
+             "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
+             "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
+             e2e_table(RES / "e2e-opt-2026-11-21.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
     text = readme.read_text()
