@@ -17,7 +17,10 @@ from kbit.analyze import report
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemv", default=report.DEFAULT_GEMV, help="kbit bench result (M = 1..8)")
     p.add_argument("--gemm-lab", default=report.DEFAULT_LAB, help="gemm-lab result (M = 16..4096)")
+    p.add_argument("--mma", nargs="*", default=list(report.DEFAULT_MMA),
+                   help="small-M kernel (mma lab) results, newest first (M = 1..64)")
     p.add_argument("--moe", default=report.DEFAULT_MOE, help="whole-MoE-layer result (optional)")
+    p.add_argument("--dequant", default=report.DEFAULT_DEQUANT, help="dequantize-kernel result (optional)")
     p.add_argument("--quality", default=report.DEFAULT_QUALITY, help="kbit eval result (for the quality plot)")
     p.add_argument("--tokens", default=None, help="token distributions JSON (default: the packaged one)")
     p.add_argument("--out-md", default="docs/analysis.md")
@@ -27,7 +30,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    rep = report.build(args.gemv, args.gemm_lab, args.moe, args.tokens)
+    rep = report.build(args.gemv, args.gemm_lab, args.moe, args.tokens, mma_paths=args.mma,
+                       dequant_path=args.dequant)
     plots: list[str] = []
     if args.plots:
         try:
@@ -37,7 +41,9 @@ def main(args: argparse.Namespace) -> int:
             return 2
         gemv = report.load_json(args.gemv) if Path(args.gemv).exists() else None
         lab = report.load_json(args.gemm_lab) if Path(args.gemm_lab).exists() else None
-        plots.append(str(P.plot_speedup(gemv, lab, Path(args.plots_dir) / "speedup-vs-m.png")))
+        mma = [report.load_json(p) for p in args.mma if Path(p).exists()]
+        plots.append(str(P.plot_speedup(gemv, lab, Path(args.plots_dir) / "speedup-vs-m.png", mma=mma)))
+        plots.append(str(P.plot_best(rep, Path(args.plots_dir) / "best-kbit-vs-m.png")))
         if args.quality and Path(args.quality).exists():
             plots.append(str(P.plot_quality(report.load_json(args.quality),
                                             Path(args.plots_dir) / "quality-vs-bits.png")))
