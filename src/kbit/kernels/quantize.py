@@ -60,12 +60,18 @@ def quantize_kernel(
         scale = ts[:, None] * tl.load(log8_ptr + q)
         stored = q.to(tl.uint8)
     else:
-        stored = absmax.to(tl.float16)
-        scale = stored.to(tl.float32)
+        # fp16 scales: keep the block axis in the tile's 3-D layout (a [BLOCK_R, NB] scale reshaped back to 3-D
+        # made the compiler replicate the whole tile in every thread: 30-260k PTX lines, minutes of ptxas)
+        stored3 = tl.max(tl.abs(wb), axis=2, keep_dims=True).to(tl.float16)
+        scale3 = stored3.to(tl.float32)
+        stored = tl.reshape(stored3, (BLOCK_R, NB))
     s_rows = rows[:, None].to(tl.int64) * (KP // BLOCKSIZE) + pid_k * NB + tl.arange(0, NB)[None, :]
     tl.store(scales_ptr + s_rows, stored, mask=row_ok[:, None])
 
-    s3 = tl.reshape(scale, (BLOCK_R, NB, 1))
+    if LOG8:
+        s3 = tl.reshape(scale, (BLOCK_R, NB, 1))
+    else:
+        s3 = scale3
     x = tl.where(s3 > 0, tl.math.div_rn(wb, tl.where(s3 > 0, s3, 1.0)), 0.0)
     x = tl.reshape(x, (BLOCK_R, BLOCK_K))
     codes = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.int32)
