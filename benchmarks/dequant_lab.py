@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import kbit  # noqa: E402
 import kbit.ops.dequant as dqmod  # noqa: E402
 from kbit.bench.ceiling import measure_read_ceiling  # noqa: E402
+from kbit.bench.run import clone_weight  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.format.reference import dequantize_reference  # noqa: E402
 from kbit.ops.dequant import dequantize_tensors  # noqa: E402
@@ -78,9 +79,7 @@ def main() -> int:
             qw = kbit.quantize(torch.randn(N, K, device="cuda", dtype=BF), k=k)
             nb_in = qw.codes.numel() * 4 + qw.scales.numel()
             n = copies_for_cold_l2(nb_in, l2)
-            ws = [qw] + [kbit.KbitWeight(qw.codes.clone(), qw.scales.clone(), qw.tensor_scale.clone(),
-                                         qw.codebook.clone(), qw.shape, qw.k, qw.blocksize, qw.scale_format)
-                         for _ in range(n - 1)]
+            ws = [qw] + [clone_weight(qw) for _ in range(n - 1)]
             nb = nb_in + 2 * N * K
             for be in ("cuda-u2", "cuda-u4", "cuda-u8", "triton"):
                 os.environ["KBIT_DEQUANT_BACKEND"] = be.split("-")[0]

@@ -273,6 +273,24 @@ def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_for
 # ------------------------------------------------------------------------------------------------ grouped
 
 
+def _check_grouped(x, rows_name, rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
+                   scale_format, N, K) -> int:
+    """Validate the arguments of a grouped call (``y[r] = x[rows[r]] @ W[expert_ids[r]].T``); returns E."""
+    _check_params(k, blocksize, scale_format, N, K)
+    _check_tensor("x", x, (torch.float16, torch.bfloat16))
+    if x.dim() != 2 or x.shape[1] != K:
+        _fail(ValueError, "x", f"shape [T, {K}]", tuple(x.shape))
+    if codes.dim() != 3:
+        _fail(ValueError, "codes", "a 3-D stack [E, N, words]", tuple(codes.shape))
+    E = codes.shape[0]
+    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
+    _check_tensor(rows_name, rows, (torch.int32,), None, x.device)
+    _check_tensor("expert_ids", expert_ids, (torch.int32,), None, x.device)
+    if rows.dim() != 1 or expert_ids.shape != rows.shape:
+        _fail(ValueError, "expert_ids", f"shape of {rows_name} {tuple(rows.shape)} (1-D)", tuple(expert_ids.shape))
+    return E
+
+
 def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
                  scale_format="log8", N, K, bias=None, config: GemvConfig | None = None):
     """MoE decode: ``y[p] = x[token_ids[p]] @ W[expert_ids[p]].T (+ bias[expert_ids[p]])`` in one launch.
@@ -287,19 +305,8 @@ def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook
     -------
     ``[P, N]`` in x's dtype.
     """
-    _check_params(k, blocksize, scale_format, N, K)
-    _check_tensor("x", x, (torch.float16, torch.bfloat16))
-    if x.dim() != 2 or x.shape[1] != K:
-        _fail(ValueError, "x", f"shape [T, {K}]", tuple(x.shape))
-    if codes.dim() != 3:
-        _fail(ValueError, "codes", "a 3-D stack [E, N, words]", tuple(codes.shape))
-    E = codes.shape[0]
-    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
-    _check_tensor("token_ids", token_ids, (torch.int32,), None, x.device)
-    _check_tensor("expert_ids", expert_ids, (torch.int32,), None, x.device)
-    if token_ids.dim() != 1 or expert_ids.shape != token_ids.shape:
-        _fail(ValueError, "expert_ids", f"shape of token_ids {tuple(token_ids.shape)} (1-D)",
-              tuple(expert_ids.shape))
+    E = _check_grouped(x, "token_ids", token_ids, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
+                       scale_format, N, K)
     if bias is not None:
         _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (E, N), x.device)
         bias = bias.contiguous()

@@ -182,20 +182,10 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     (``kbit.ops.gemv.grouped_gemv``'s arguments). ``blocks``: a :func:`block_table` of expert_ids for
     ``8 * ng`` rows (pass one table to both GEMMs of an MoE step); ``ng``: default :func:`choose_ng`.
     """
-    from kbit.ops.gemv import _check_params, _check_tensor, _check_weight, _fail, grouped_gemv
+    from kbit.ops.gemv import _check_grouped, _fail, grouped_gemv
 
-    _check_params(k, blocksize, scale_format, N, K)
-    _check_tensor("x", x, (torch.float16, torch.bfloat16))
-    if x.dim() != 2 or x.shape[1] != K:
-        _fail(ValueError, "x", f"shape [T, {K}]", tuple(x.shape))
-    if codes.dim() != 3:
-        _fail(ValueError, "codes", "a 3-D stack [E, N, words]", tuple(codes.shape))
-    E = codes.shape[0]
-    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
-    _check_tensor("rows", rows, (torch.int32,), None, x.device)
-    _check_tensor("expert_ids", expert_ids, (torch.int32,), None, x.device)
-    if rows.dim() != 1 or expert_ids.shape != rows.shape:
-        _fail(ValueError, "expert_ids", f"shape of rows {tuple(rows.shape)} (1-D)", tuple(expert_ids.shape))
+    E = _check_grouped(x, "rows", rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
+                       scale_format, N, K)
     P = rows.shape[0]
     if ng is not None and ng not in (1, 2, 4, 8):
         _fail(ValueError, "ng", "one of 1, 2, 4, 8", ng)
