@@ -21,6 +21,37 @@ def _plt():
     return plt
 
 
+def _speedup_axis(ax, shape) -> None:
+    """Log-log speedup-vs-M axes of one weight shape, with the parity line."""
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_title(f"{shape[0]}x{shape[1]} (N x K)", fontsize=9)
+    ax.set_xlabel("M (tokens)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _finish(plt, fig, axes, used: int, ylabel: str, title: str, path) -> Path:
+    """Blank the unused panels, one de-duplicated legend, title, save as PNG."""
+    for ax in axes.flat[used:]:
+        ax.axis("off")
+    axes[0][0].set_ylabel(ylabel, fontsize=8)
+    handles: dict = {}
+    for ax in axes.flat:
+        for h, lab_ in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab_, h)
+    labels = sorted(handles)
+    fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def speedup_series(gemv: dict | None, lab: dict | None, mma: list[dict] | None = None) -> dict:
     """-> {(N, K): {(kernel, k): {M: bf16_us / us}}} from the files (dense rows only); each ratio within one
     row of one run. ``mma``: mma lab files; only their ``kind == "mma"`` fp16 rows carry a bf16 time."""
@@ -57,30 +88,10 @@ def plot_speedup(gemv: dict | None, lab: dict | None, path: str | Path, mma: lis
             ms = sorted(pts)
             ax.plot(ms, [pts[m] for m in ms], color=COLORS.get(name, "k"), ls=STYLES.get(k, "-"),
                     marker=MARKERS.get(k, "."), ms=3, lw=1, label=f"{name} k={k}")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_title(f"{shape[0]}x{shape[1]} (N x K)", fontsize=9)
-        ax.set_xlabel("M (tokens)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, which="major", alpha=0.3)
-    for ax in axes.flat[len(shapes):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("speedup vs bf16 cuBLAS", fontsize=8)
-    handles: dict = {}
-    for ax in axes.flat:
-        for h, lab_ in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(lab_, h)
-    labels = sorted(handles)
-    fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
-    fig.suptitle("kbit kernels vs bf16 on H100, each vs its own run's bf16 (M <= 8: kbit bench; M >= 16: "
-                 "gemm-lab; mma: mma lab sweep)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+        _speedup_axis(ax, shape)
+    return _finish(plt, fig, axes, len(shapes), "speedup vs bf16 cuBLAS",
+                   "kbit kernels vs bf16 on H100, each vs its own run's bf16 (M <= 8: kbit bench; M >= 16: "
+                   "gemm-lab; mma: mma lab sweep)", path)
 
 
 def plot_best(rep: dict, path: str | Path) -> Path:
@@ -101,30 +112,10 @@ def plot_best(rep: dict, path: str | Path) -> Path:
             for m in ms:
                 ax.plot([m], [pts[m][0]], color=COLORS.get(pts[m][1], "k"), marker=MARKERS.get(k, "."), ms=4,
                         ls="none", label=f"{pts[m][1]} (k={k})")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_title(f"{shape[0]}x{shape[1]} (N x K)", fontsize=9)
-        ax.set_xlabel("M (tokens)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(True, which="major", alpha=0.3)
-    for ax in axes.flat[len(shapes):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("best kbit speedup vs bf16", fontsize=8)
-    handles: dict = {}
-    for ax in axes.flat:
-        for h, lab_ in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(lab_, h)
-    labels = sorted(handles)
-    fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
-    fig.suptitle("Best measured kbit option per (shape, k, M) on H100 (marker colour = option; "
-                 "report's bf16 baseline)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+        _speedup_axis(ax, shape)
+    return _finish(plt, fig, axes, len(shapes), "best kbit speedup vs bf16",
+                   "Best measured kbit option per (shape, k, M) on H100 (marker colour = option; "
+                   "report's bf16 baseline)", path)
 
 
 def plot_quality(quality: dict, path: str | Path) -> Path:
