@@ -97,6 +97,7 @@ def _use_cuda(device) -> bool:
 
 
 _UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "4"))  # 8-weight groups a thread (loads in flight)
+_KERNELS: dict = {}  # (k, blocksize, scale_format, dtype, vec, units, device) -> loaded CUDA kernel
 _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -112,9 +113,12 @@ def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scal
         threads *= 2
     codes = codes.contiguous()
     vec = K % 8 == 0 and o.data_ptr() % 16 == 0
-    kern = compile_kernel(SOURCE, "kbit_dequant",
-                          dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
-                               OUT=_OUT_CODE[o.dtype], VEC=int(vec), U=_UNITS), o.device)
+    key = (k, blocksize, scale_format, o.dtype, vec, _UNITS, o.device)
+    kern = _KERNELS.get(key)
+    if kern is None:  # compile_kernel hashes the whole source: keep that off the per-call path
+        kern = _KERNELS[key] = compile_kernel(
+            SOURCE, "kbit_dequant", dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
+                                         OUT=_OUT_CODE[o.dtype], VEC=int(vec), U=_UNITS), o.device)
     sc = scales.contiguous()
     ts = tensor_scale.reshape(-1).contiguous()
     cb = codebook.contiguous()
