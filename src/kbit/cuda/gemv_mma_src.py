@@ -188,6 +188,8 @@ __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
+__device__ __forceinline__ void cp_wait_d2() { asm volatile("cp.async.wait_group %0;" :: "n"(D >= 2 ? D - 2 : 0) : "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ V4 lds128(u32 a) {
   V4 v;
   asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
@@ -307,6 +309,39 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   }
 }
 
+__device__ __forceinline__ void sts128(u32 a, u32 v0, u32 v1) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%1,%2};" :: "r"(a), "r"(v0), "r"(v1) : "memory");
+}
+/* the lookup table from the codebook held one entry a lane (shuffles, 16-byte stores) */
+__device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xffffffffu, c, e)); }
+__device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
+  const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
+#if K_BITS == 4
+  for (u32 i = tid; i < 2048; i += nt) {
+    const u32 e = i >> 3;
+    const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
+    sts128(tab + i * 16, v, v);
+  }
+#elif K_BITS == 3
+  for (u32 i = tid; i < 512; i += nt) {
+    const u32 e = i >> 3;
+    const u32 v = cbh(c, e & 7) | (cbh(c, e >> 3) << 16);
+    sts128(tab + i * 16, v, v);
+  }
+#elif K_BITS == 2
+  for (u32 i = tid; i < 2048; i += nt) {
+    const u32 e = i >> 3;
+    const u32 lo = cbh(c, e & 3) | (cbh(c, (e >> 2) & 3) << 16);
+    const u32 hi = cbh(c, (e >> 4) & 3) | (cbh(c, e >> 6) << 16);
+    sts128(tab + i * 16, lo, hi);
+  }
+#else
+  for (u32 i = tid; i < 128; i += nt) {
+    const u32 h = cbh(c, i >> 2);
+    sts128(tab + i * 16, h | (h << 16), h | (h << 16));
+  }
+#endif
+}
 #if KERNEL == 1
 /* CTA per (tile, K split): its W warps take the split's segments round-robin (register double buffer, the
    first segment of the warp's next item prefetched before this item's reduction), partial sums reduced in
@@ -456,39 +491,6 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
 }
-__device__ __forceinline__ void sts128(u32 a, u32 v0, u32 v1) {
-  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%1,%2};" :: "r"(a), "r"(v0), "r"(v1) : "memory");
-}
-/* the lookup table from the codebook held one entry a lane (shuffles, 16-byte stores) */
-__device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xffffffffu, c, e)); }
-__device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
-  const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
-#if K_BITS == 4
-  for (u32 i = tid; i < 2048; i += nt) {
-    const u32 e = i >> 3;
-    const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
-    sts128(tab + i * 16, v, v);
-  }
-#elif K_BITS == 3
-  for (u32 i = tid; i < 512; i += nt) {
-    const u32 e = i >> 3;
-    const u32 v = cbh(c, e & 7) | (cbh(c, e >> 3) << 16);
-    sts128(tab + i * 16, v, v);
-  }
-#elif K_BITS == 2
-  for (u32 i = tid; i < 2048; i += nt) {
-    const u32 e = i >> 3;
-    const u32 lo = cbh(c, e & 3) | (cbh(c, (e >> 2) & 3) << 16);
-    const u32 hi = cbh(c, (e >> 4) & 3) | (cbh(c, e >> 6) << 16);
-    sts128(tab + i * 16, lo, hi);
-  }
-#else
-  for (u32 i = tid; i < 128; i += nt) {
-    const u32 h = cbh(c, i >> 2);
-    sts128(tab + i * 16, h | (h << 16), h | (h << 16));
-  }
-#endif
-}
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
@@ -559,6 +561,164 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         }
       }
     }
+  }
+}
+#elif KERNEL == 4
+/* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column
+   segment's x[M][256], codes and scales go through a D-stage cp.async shared-memory pipeline (one CTA barrier a
+   segment). x B fragments are read once per unit and used by the warp's RT tiles; block scales are folded into
+   the A fragments (packed half2 multiply after the lookup), so every (tile, 8-token group) accumulates straight
+   through its mma chain and the per-token-group cost is one LDS.128 and 2 mma per tile. */
+#define XROW 576   /* bytes of one x row in a stage: 512 + 64 pad, conflict-free LDS.128 B fragments */
+#define XSTAGE (8 * NG * XROW)
+#define CSTAGE (MAXW * RT * K_BITS * 512)
+#define SSTAGE (MAXW * RT * SV * 128)
+#define STAGE4 (XSTAGE + CSTAGE + SSTAGE)
+#if BF16
+#define SPRE 1.0f
+#else
+#define SPRE 256.0f   /* log8 scales reach 2^-15.9: pre-scaled so that codebook x scale stays a normal half */
+#endif
+__shared__ u32 s_sc2[256];
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+#if BF16
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#else
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#endif
+  return d;
+}
+/* packed (s, s) of unit u, row half r */
+__device__ __forceinline__ u32 scale2(const u32* s, int u, int r, u32 sc2_base) {
+#if FP16_SCALES
+#if BF16
+  const float f = h2f_f16((s[u] >> (16 * r)) & 0xFFFFu);
+  u32 d; asm("cvt.rn.bf16x2.f32 %0, %1, %1;" : "=r"(d) : "f"(f)); return d;
+#else
+  u32 d; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(s[u]), "r"(r ? 0x3232 : 0x1010)); return d;
+#endif
+#else
+  return lds32(sc2_base + (byte_of(s[u >> 1], 2 * (u & 1) + r) << 2));
+#endif
+}
+extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
+    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
+    int bias_kind, int ws_stride) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int item = blockIdx.x, rb = item / splits, sp = item - rb * splits;
+  const int seg0 = sp * sps, nseg = min(sps, n_seg - seg0);
+  const int tile0 = (rb * MAXW + (int)warp) * RT;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  const u32 st0 = dsm_base;
+  auto issue = [&](int j, int slot) {
+    if (j < nseg) {
+      const int seg = seg0 + j;
+      const u32 sb = st0 + slot * STAGE4;
+      for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
+        const int row = i >> 5, c = i & 31;
+        cp_async16(sb + row * XROW + c * 16, x + (long long)row * x_stride + seg * SEG + c * 8);
+      }
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        const int tile = tile0 + rt;
+        if (tile < n_tiles) {
+          const long long ts_ = (long long)tile * n_seg + seg;
+          const u32 cs = sb + XSTAGE + ((warp * RT + rt) * K_BITS) * 512 + lane * 16;
+#pragma unroll
+          for (int v = 0; v < K_BITS; ++v) cp_async16(cs + v * 512, codes + (ts_ * K_BITS + v) * 32 + lane);
+          if (lane < 8 * SV)
+            cp_async16(sb + XSTAGE + CSTAGE + ((warp * RT + rt) * 8 * SV + lane) * 16, scales + ts_ * 8 * SV + lane);
+        }
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s) { issue(s, s); cp_commit(); }
+  const float ts = *ts_ptr;
+  build_table_fast(tab, cb, tid, MAXW * 32);
+  const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
+  for (u32 i = tid; i < 256; i += MAXW * 32) {
+    const u16 h = f2h(e_tab[i] * SPRE);
+    s_sc2[i] = (u32)h | ((u32)h << 16);
+  }
+  const u32 lbb = lane_bits(tab, lane);
+  const u32 sc2_base = smem_addr(s_sc2);
+  u32 xoff[NG];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) {
+    int tok = ng * 8 + g;
+    tok = tok < M ? tok : M - 1;
+    xoff[ng] = tok * XROW + t * 16;
+  }
+  float acc[RT][NG][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) acc[rt][ng][0] = acc[rt][ng][1] = acc[rt][ng][2] = acc[rt][ng][3] = 0.0f;
+  for (int j = 0; j < nseg; ++j) {
+    cp_wait_d2();
+    __syncthreads();
+    {
+      int ls = j + D - 1;
+      issue(ls, ls % D);
+      cp_commit();
+    }
+    const u32 sb = st0 + (j % D) * STAGE4;
+    u32 w[RT][NW];
+    u32 sw[RT][4 * SV];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      const u32 cs = sb + XSTAGE + ((warp * RT + rt) * K_BITS) * 512 + lane * 16;
+#pragma unroll
+      for (int v = 0; v < K_BITS; ++v) {
+        V4 q = lds128(cs + v * 512);
+        w[rt][4 * v] = q.x; w[rt][4 * v + 1] = q.y; w[rt][4 * v + 2] = q.z; w[rt][4 * v + 3] = q.w;
+      }
+#pragma unroll
+      for (int v = 0; v < SV; ++v) {
+        V4 q = lds128(sb + XSTAGE + CSTAGE + ((warp * RT + rt) * 8 * SV + g * SV + v) * 16);
+        sw[rt][4 * v] = q.x; sw[rt][4 * v + 1] = q.y; sw[rt][4 * v + 2] = q.z; sw[rt][4 * v + 3] = q.w;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      u32 A[RT][2][4];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        lookup(w[rt], u, lbb, A[rt]);
+        const u32 s0 = scale2(sw[rt], u, 0, sc2_base), s1 = scale2(sw[rt], u, 1, sc2_base);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          A[rt][h][0] = hmul2(A[rt][h][0], s0);
+          A[rt][h][2] = hmul2(A[rt][h][2], s0);
+          A[rt][h][1] = hmul2(A[rt][h][1], s1);
+          A[rt][h][3] = hmul2(A[rt][h][3], s1);
+        }
+      }
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        const V4 xb = lds128(sb + xoff[ng] + u * 64);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          mma(acc[rt][ng], A[rt][0], xb.x, xb.y, acc[rt][ng]);
+          mma(acc[rt][ng], A[rt][1], xb.z, xb.w, acc[rt][ng]);
+        }
+      }
+    }
+  }
+  cp_wait_all();
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int tile = tile0 + rt;
+    if (tile < n_tiles)
+      finish(acc[rt], tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, 1, splits, ws_stride);
   }
 }
 #else

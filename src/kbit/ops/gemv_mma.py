@@ -245,6 +245,14 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         W = max(1, min(W, S))
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
         shared = _table_smem(k)
+    elif kernel == 4:
+        rt = X
+        D = cfg[3] if len(cfg) > 3 else 3
+        minb = cfg[4] if len(cfg) > 4 else 1
+        sv = 2 if scale_format == "fp16" else 1
+        stage = 8 * ng * 576 + W * rt * (k * 512 + sv * 128)
+        defines = dict(KERNEL=4, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=rt)
+        shared = D * stage + _table_smem(k)
     else:
         if ng > 2:
             W = min(W, 8)
@@ -259,6 +267,12 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
     if kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
+    elif kernel == 4:
+        rb = -(-Nt // (W * X))
+        splits = _splits(rb, S, slots, S, divide=False)
+        sps = -(-S // splits)
+        splits = -(-S // sps)
+        grid = rb * splits
     elif kernel == 1:
         splits = _splits(Nt, S, slots, S // W, divide=False)
         sps = -(-S // splits)
