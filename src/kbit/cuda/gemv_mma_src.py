@@ -608,18 +608,21 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
     int bias_kind, int ws_stride) {
+  /* stream-K over (row block, segment) pairs in memory order: CTA c takes the contiguous range [j0, j1); a row
+     block wholly in the range is written directly, a partial one goes through the fp32 workspace (the warp that
+     completes a tile's segment count writes it) */
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int item = blockIdx.x, rb = item / splits, sp = item - rb * splits;
-  const int seg0 = sp * sps, nseg = min(sps, n_seg - seg0);
-  const int tile0 = (rb * MAXW + (int)warp) * RT;
+  const int n_rb = (n_tiles + MAXW * RT - 1) / (MAXW * RT);
+  const long long T = (long long)n_rb * n_seg;
+  const int j0 = (int)(T * blockIdx.x / gridDim.x), j1 = (int)(T * (blockIdx.x + 1) / gridDim.x);
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   const u32 st0 = dsm_base;
   auto issue = [&](int j, int slot) {
-    if (j < nseg) {
-      const int seg = seg0 + j;
+    if (j < j1) {
+      const int rb = j / n_seg, seg = j - rb * n_seg;
       const u32 sb = st0 + slot * STAGE4;
       for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
         const int row = i >> 5, c = i & 31;
@@ -627,7 +630,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       }
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
-        const int tile = tile0 + rt;
+        const int tile = (rb * MAXW + (int)warp) * RT + rt;
         if (tile < n_tiles) {
           const long long ts_ = (long long)tile * n_seg + seg;
           const u32 cs = sb + XSTAGE + ((warp * RT + rt) * K_BITS) * 512 + lane * 16;
@@ -640,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     }
   };
 #pragma unroll
-  for (int s = 0; s < D - 1; ++s) { issue(s, s); cp_commit(); }
+  for (int s = 0; s < D - 1; ++s) { issue(j0 + s, s); cp_commit(); }
   const float ts = *ts_ptr;
   build_table_fast(tab, cb, tid, MAXW * 32);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
@@ -662,64 +665,77 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) acc[rt][ng][0] = acc[rt][ng][1] = acc[rt][ng][2] = acc[rt][ng][3] = 0.0f;
-  for (int j = 0; j < nseg; ++j) {
+  int rb = j0 / n_seg, seg = j0 - rb * n_seg, seg_first = seg, slot = 0;
+  for (int j = j0; j < j1; ++j) {
     cp_wait_d2();
     __syncthreads();
     {
-      int ls = j + D - 1;
-      issue(ls, ls % D);
+      int ls = slot + D - 1;
+      issue(j + D - 1, ls >= D ? ls - D : ls);
       cp_commit();
     }
-    const u32 sb = st0 + (j % D) * STAGE4;
-    u32 w[RT][NW];
-    u32 sw[RT][4 * SV];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      const u32 cs = sb + XSTAGE + ((warp * RT + rt) * K_BITS) * 512 + lane * 16;
-#pragma unroll
-      for (int v = 0; v < K_BITS; ++v) {
-        V4 q = lds128(cs + v * 512);
-        w[rt][4 * v] = q.x; w[rt][4 * v + 1] = q.y; w[rt][4 * v + 2] = q.z; w[rt][4 * v + 3] = q.w;
-      }
-#pragma unroll
-      for (int v = 0; v < SV; ++v) {
-        V4 q = lds128(sb + XSTAGE + CSTAGE + ((warp * RT + rt) * 8 * SV + g * SV + v) * 16);
-        sw[rt][4 * v] = q.x; sw[rt][4 * v + 1] = q.y; sw[rt][4 * v + 2] = q.z; sw[rt][4 * v + 3] = q.w;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      u32 A[RT][2][4];
+    const u32 sb = st0 + slot * STAGE4;
+    slot = slot + 1 == D ? 0 : slot + 1;
+    const int tile0 = (rb * MAXW + (int)warp) * RT;
+    if (tile0 < n_tiles) {
+      u32 w[RT][NW];
+      u32 sw[RT][4 * SV];
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
-        lookup(w[rt], u, lbb, A[rt]);
-        const u32 s0 = scale2(sw[rt], u, 0, sc2_base), s1 = scale2(sw[rt], u, 1, sc2_base);
+        const u32 cs = sb + XSTAGE + ((warp * RT + rt) * K_BITS) * 512 + lane * 16;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          A[rt][h][0] = hmul2(A[rt][h][0], s0);
-          A[rt][h][2] = hmul2(A[rt][h][2], s0);
-          A[rt][h][1] = hmul2(A[rt][h][1], s1);
-          A[rt][h][3] = hmul2(A[rt][h][3], s1);
+        for (int v = 0; v < K_BITS; ++v) {
+          V4 q = lds128(cs + v * 512);
+          w[rt][4 * v] = q.x; w[rt][4 * v + 1] = q.y; w[rt][4 * v + 2] = q.z; w[rt][4 * v + 3] = q.w;
+        }
+#pragma unroll
+        for (int v = 0; v < SV; ++v) {
+          V4 q = lds128(sb + XSTAGE + CSTAGE + ((warp * RT + rt) * 8 * SV + g * SV + v) * 16);
+          sw[rt][4 * v] = q.x; sw[rt][4 * v + 1] = q.y; sw[rt][4 * v + 2] = q.z; sw[rt][4 * v + 3] = q.w;
         }
       }
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        const V4 xb = lds128(sb + xoff[ng] + u * 64);
+      for (int u = 0; u < 8; ++u) {
+        u32 A[RT][2][4];
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
-          mma(acc[rt][ng], A[rt][0], xb.x, xb.y, acc[rt][ng]);
-          mma(acc[rt][ng], A[rt][1], xb.z, xb.w, acc[rt][ng]);
+          lookup(w[rt], u, lbb, A[rt]);
+          const u32 s0 = scale2(sw[rt], u, 0, sc2_base), s1 = scale2(sw[rt], u, 1, sc2_base);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            A[rt][h][0] = hmul2(A[rt][h][0], s0);
+            A[rt][h][2] = hmul2(A[rt][h][2], s0);
+            A[rt][h][1] = hmul2(A[rt][h][1], s1);
+            A[rt][h][3] = hmul2(A[rt][h][3], s1);
+          }
+        }
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) {
+          const V4 xb = lds128(sb + xoff[ng] + u * 64);
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            mma(acc[rt][ng], A[rt][0], xb.x, xb.y, acc[rt][ng]);
+            mma(acc[rt][ng], A[rt][1], xb.z, xb.w, acc[rt][ng]);
+          }
         }
       }
+    }
+    ++seg;
+    if (seg == n_seg || j + 1 == j1) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        const int tile = tile0 + rt;
+        if (tile < n_tiles)
+          finish(acc[rt], tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+                 ws_stride);
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) acc[rt][ng][0] = acc[rt][ng][1] = acc[rt][ng][2] = acc[rt][ng][3] = 0.0f;
+      }
+      if (seg == n_seg) { seg = 0; ++rb; }
+      seg_first = seg;
     }
   }
   cp_wait_all();
-#pragma unroll
-  for (int rt = 0; rt < RT; ++rt) {
-    const int tile = tile0 + rt;
-    if (tile < n_tiles)
-      finish(acc[rt], tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, 1, splits, ws_stride);
-  }
 }
 #else
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(

@@ -33,8 +33,8 @@ import torch
 
 from kbit.format.pack import pack, unpack
 
-__all__ = ["repack", "unrepack", "repacked", "linear_small_m", "kbit_linear_small_m", "available", "MAX_M",
-           "LAYOUT"]
+__all__ = ["repack", "unrepack", "repacked", "linear_small_m", "linear_repacked", "linear_mma_v1", "serves",
+           "kbit_linear_small_m", "available", "MAX_M", "LAYOUT", "RepackedWeight"]
 
 LAYOUT = "mma-v1"
 MAX_M = 64
@@ -95,18 +95,90 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int,
     return words, sfull
 
 
+def _chunk_tiles(S, device):
+    """Row tiles per chunk of :func:`repack` / :func:`unrepack`: ~4M codes on the CPU, ~32M on a GPU (fewer
+    launches; the temporaries of :func:`unrepack` are 1-2 bytes a code)."""
+    codes = 1 << (25 if torch.device(device).type == "cuda" else 22)
+    return max(1, codes // (S * SEG * 16))
+
+
+def _lane_bytes(rc: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, S, k, 32, 4]`` int32 -> uint8 ``[T, S, 32, 16k]``: each lane's k-bit stream as bytes."""
+    T, S = rc.shape[:2]
+    return rc.view(torch.uint8).view(T, S, k, 32, 16).permute(0, 1, 3, 2, 4).reshape(T, S, 32, 16 * k)
+
+
+def _lane_codes(b: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 lane streams ``[..., 16k]`` -> uint8 codes ``[..., 128]`` (code i = stream bits ik .. ik + k - 1)."""
+    q = torch.arange(128, device=b.device) * k
+    lo, off = q // 8, (q % 8).to(torch.int16)
+    b = torch.nn.functional.pad(b, (0, 1))
+    v = b[..., lo].to(torch.int16) | (b[..., lo + 1].to(torch.int16) << 8)
+    return ((v >> off) & (2**k - 1)).to(torch.uint8)
+
+
+def _pack_bytes(c: torch.Tensor, k: int) -> torch.Tensor:
+    """uint8 codes ``[R, Kp]`` -> canonical int32 words ``[R, Kp*k/32]`` (``kbit.format.pack.pack`` on bytes)."""
+    from kbit.format.pack import PLANES
+
+    R, Kp = c.shape
+    planes = []
+    for width, shift in PLANES[k]:
+        bits = c if (shift, width) == (0, k) else (c >> shift) & ((1 << width) - 1)
+        per = 8 // width
+        v = bits.view(R, Kp // per, per)
+        byte = v[..., 0].clone()
+        for i in range(1, per):
+            byte |= v[..., i] << (width * i)
+        planes.append(byte)
+    return torch.cat(planes, dim=1).view(torch.int32)
+
+
+def _unrepack_tiles(rc: torch.Tensor, k: int, Kp: int, general: bool = False) -> torch.Tensor:
+    """Codes of row tiles ``[T, S, k, 32, 4]`` -> canonical int32 ``[16T, Kp*k/32]`` (padding rows included).
+
+    k = 4: a byte permutation (a stream byte is the code pair (e = 0, 1) of one row: a canonical byte); k = 2:
+    a nibble permutation (a stream byte holds rows r = 0, 1 as its low / high nibble); k = 3, 5 (``general``):
+    codes unpacked to bytes, permuted, packed again.
+    """
+    T, S = rc.shape[:2]
+    b = rc.view(torch.uint8).view(T, S, k, 32, 16)  # lane byte 16a + c at [.., a, lane, c]
+    if k == 4 and not general:
+        # byte 8u + 4h + 2j + r: a = u // 2, c = 8 (u % 2) + 4h + 2j + r -> canonical [T, r, g, S, u, t, h, j]
+        b = b.view(T, S, 4, 8, 4, 2, 2, 2, 2).permute(0, 8, 3, 1, 2, 5, 4, 6, 7)
+        return b.reshape(16 * T, S * 128).view(torch.int32)[:, : Kp // 8]
+    if k == 2 and not general:
+        # byte 4u + 2h + j holds codes (r, e): a = u // 4, c = 4 (u % 4) + 2h + j
+        b = b.view(T, S, 2, 8, 4, 4, 2, 2)
+        j0, j1 = b[..., 0], b[..., 1]
+        x = torch.stack([(j0 & 15) | (j1 << 4), (j0 >> 4) | (j1 & 0xF0)], dim=-1)  # [T, S, uh, g, t, ul, h, r]
+        return x.permute(0, 7, 3, 1, 2, 5, 4, 6).reshape(16 * T, S * 64).view(torch.int32)[:, : Kp // 16]
+    c = _lane_codes(_lane_bytes(rc, k), k)  # [T, S, 32, 128]
+    # [T, S, g, t, u, h, j, r, e] -> [T, r, g, S, u, t, h, j, e]
+    c = c.view(T, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(16 * T, S * SEG)
+    return _pack_bytes(c[:, :Kp], k)
+
+
 def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
              K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`repack`: layout "mma-v1" -> canonical ``(codes, scales)`` (bit-exact)."""
+    """Inverse of :func:`repack`: layout "mma-v1" -> canonical ``(codes, scales)`` (bit-exact, new tensors).
+
+    Byte-level torch ops in chunks of row tiles (temporaries of a few bytes a code for one chunk): k = 4 is one
+    byte permutation, k = 2 a nibble permutation, k = 3, 5 unpack the codes to bytes and pack them again.
+    """
     Kp, Nt, S = _geometry(N, K, blocksize)
-    dev = rcodes.device
-    w = rcodes.permute(0, 1, 3, 2, 4).reshape(Nt, S, 32, 4 * k).to(torch.int64) & 0xFFFFFFFF
-    bits = (w[..., None] >> torch.arange(32, device=dev)) & 1  # [Nt, S, 32, 4k, 32]
-    bits = bits.reshape(Nt, S, 32, 128, k)
-    c = (bits << torch.arange(k, device=dev)).sum(-1)  # [Nt, S, 32, 128]
-    # [Nt, S, g, t, u, h, j, r, e] -> [Nt, r, g, S, u, t, h, j, e]
-    c = c.view(Nt, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(Nt * 16, S * SEG)
-    codes = pack(c[:N, :Kp], k)
+    if rcodes.shape != (Nt, S, k, 32, 4) or rcodes.dtype != torch.int32:
+        raise ValueError(f"rcodes: expected int32 {(Nt, S, k, 32, 4)} (layout {LAYOUT}), got {rcodes.dtype} "
+                         f"{tuple(rcodes.shape)}")
+    if rscales.shape != (Nt, S, 8, 16):
+        raise ValueError(f"rscales: expected {(Nt, S, 8, 16)} (layout {LAYOUT}), got {tuple(rscales.shape)}")
+    codes = torch.empty(N, Kp * k // 32, dtype=torch.int32, device=rcodes.device)
+    rc = rcodes.contiguous()
+    step = _chunk_tiles(S, rcodes.device)
+    for t0 in range(0, Nt, step):
+        t1 = min(Nt, t0 + step)
+        r0, r1 = t0 * 16, min(N, t1 * 16)
+        codes[r0:r1] = _unrepack_tiles(rc[t0:t1], k, Kp)[: r1 - r0]
     s = rscales.view(Nt, S, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(Nt * 16, S * 8)[:N, : Kp // 32]
     return codes, s[:, :: blocksize // 32].contiguous()
 
@@ -268,11 +340,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
     elif kernel == 4:
-        rb = -(-Nt // (W * X))
-        splits = _splits(rb, S, slots, S, divide=False)
-        sps = -(-S // splits)
-        splits = -(-S // sps)
-        grid = rb * splits
+        splits, sps = 1, S  # not used by kernel 4 (stream-K over (row block, segment) pairs, workspace fix-up)
+        grid = max(1, min(slots, -(-Nt // (W * X)) * S))
     elif kernel == 1:
         splits = _splits(Nt, S, slots, S // W, divide=False)
         sps = -(-S // splits)
@@ -284,7 +353,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel == 3 or splits > 1)
+                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4) or splits > 1)
 
 
 _PLANS: dict = {}
@@ -346,6 +415,10 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
     chunks of 64); codes/scales/tensor_scale/codebook as in ``kbit.ops.gemv.gemv``; bias optional ``[N]``.
     Returns ``[..., N]`` in x's dtype. Accumulation in fp32 (tensor cores); the codebook is rounded to x's
     dtype. Falls back to the Triton GEMV where the CUDA kernel is unavailable.
+
+    The cache (:func:`repacked`) keeps a repacked copy beside the canonical tensors for as long as they live:
+    for weights held long (a model), hold them in layout "mma-v1" only and call :func:`linear_repacked`
+    (``kbit.nn.KbitLinear.repack_for_kernels``).
     """
     _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
     if not available(x.device):
@@ -353,6 +426,15 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
 
         return gemv(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
                     N=N, K=K, bias=bias)
+    if x.numel() == 0:
+        return x.new_empty(*x.shape[:-1], N)
+    rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    return _run(x, rc, rs, tensor_scale, codebook, bias, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
+                K=K, config=config)
+
+
+def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format, N, K, config):
+    """Launch the kernel on repacked ``(rc, rs)``: M rows in chunks of MAX_M."""
     if bias is not None:
         bias = bias.contiguous()
     lead = x.shape[:-1]
@@ -361,7 +443,6 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.reshape(*lead, N)
-    rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
     S = rc.shape[1]
     Kp = -(-K // blocksize) * blocksize
     for m0 in range(0, M, MAX_M):
@@ -369,6 +450,72 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
         _launch(xm, rc, rs, tensor_scale, codebook, bias, y[m0:m0 + MAX_M], k=k, scale_format=scale_format, N=N,
                 K=K, M=xm.shape[0], Kp=Kp, config=config)
     return y.reshape(*lead, N)
+
+
+def _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias, lead=()):
+    from kbit.ops.gemv import _check_params, _check_tensor, _fail
+
+    _check_params(k, blocksize, scale_format, N, K)
+    _check_tensor("x", x, (torch.float16, torch.bfloat16, torch.float32))
+    if x.dim() < 1 or x.shape[-1] != K:
+        _fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
+    _, Nt, S = _geometry(N, K, blocksize)
+    sdt = torch.uint8 if scale_format == "log8" else torch.float16
+    _check_tensor("rcodes", rcodes, (torch.int32,), (*lead, Nt, S, k, 32, 4), x.device)
+    _check_tensor("rscales", rscales, (sdt,), (*lead, Nt, S, 8, 16), x.device)
+    _check_tensor("tensor_scale", tensor_scale, (torch.float32,), lead, x.device)
+    _check_tensor("codebook", codebook, (torch.float32,), (2**k,), x.device)
+    if not (rcodes.is_contiguous() and rscales.is_contiguous()):
+        _fail(ValueError, "rcodes, rscales", "contiguous tensors", (rcodes.stride(), rscales.stride()))
+    if bias is not None:
+        _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
+
+
+def linear_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                    bias=None, config=None):
+    """:func:`linear_small_m` on a weight held in layout "mma-v1" (``rcodes, rscales`` from :func:`repack`):
+    no cache, nothing kept. Where the CUDA kernel is unavailable: an unrepacked temporary and
+    ``kbit.ops.gemv.gemv`` (fp16/bf16 x)."""
+    _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if not available(x.device):
+        from kbit.ops.gemv import gemv
+
+        codes, scales = unrepack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
+        return gemv(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                    N=N, K=K, bias=bias)
+    return _run(x, rcodes, rscales, tensor_scale, codebook, bias, k=k, blocksize=blocksize,
+                scale_format=scale_format, N=N, K=K, config=config)
+
+
+def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
+    """Whether ``kbit.ops.gemm.linear`` would run this call (``x [..., K]`` on a ``[N, K]`` k-bit weight) on the
+    small-M kernel: CUDA with NVRTC (not ``KBIT_GEMV_BACKEND=triton``, not the Triton interpreter) and an M
+    the dispatcher gives the GEMV (M <= ``kbit.tuning.dispatch.MMA_MAX_M``)."""
+    from kbit.ops.gemv import _use_mma
+
+    if not x.is_cuda or not K or not _use_mma(x):
+        return False
+    from kbit.ops.gemm import _choice
+
+    M = x.numel() // K
+    return M > 0 and _choice(M, N, K, k, x.device).kernel == "gemv"
+
+
+def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                  bias=None):
+    """``kbit.ops.gemm.linear`` (any M) on a weight held in layout "mma-v1": the small-M kernel where the
+    dispatcher picks it (:func:`serves`), else an unrepacked temporary (:func:`unrepack`, freed after the call)
+    through ``kbit.ops.gemm.linear`` (fused GEMM, dequantize + cuBLAS, Triton GEMV; the float32 reference on
+    the CPU)."""
+    if serves(x, N, K, k):
+        return linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                               scale_format=scale_format, N=N, K=K, bias=bias)
+    from kbit.ops.gemm import linear
+
+    _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    codes, scales = unrepack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
+    return linear(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                  N=N, K=K, bias=bias)
 
 
 @torch.library.custom_op("kbit::linear_small_m", mutates_args=())
@@ -384,10 +531,105 @@ def _(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K
     return x.new_empty(*x.shape[:-1], N)
 
 
+@torch.library.custom_op("kbit::linear_mma_v1", mutates_args=())
+def _linear_mma_v1_op(x: torch.Tensor, rcodes: torch.Tensor, rscales: torch.Tensor, tensor_scale: torch.Tensor,
+                      codebook: torch.Tensor, k: int, blocksize: int, scale_format: str, N: int, K: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                         scale_format=scale_format, N=N, K=K, bias=bias)
+
+
+@_linear_mma_v1_op.register_fake
+def _(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias=None):
+    return x.new_empty(*x.shape[:-1], N)
+
+
 def kbit_linear_small_m(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a 2-D ``KbitWeight`` through ``torch.ops.kbit.linear_small_m``."""
     return torch.ops.kbit.linear_small_m(x, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
                                          weight.k, weight.blocksize, weight.scale_format, weight.N, weight.K, bias)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+class RepackedWeight:
+    """A k-bit weight held in layout "mma-v1" only: ``W [N, K]`` (:func:`repack`) or a stack ``[E, N, K]``
+    (``kbit.ops.grouped_mma.repack_stack``): ``codes`` int32 ``[(E,) Nt, S, k, 32, 4]``, ``scales``
+    ``[(E,) Nt, S, 8, 16]``, ``tensor_scale`` float32 ``[(E)]``, ``codebook`` float32 ``[2**k]``, and the
+    format parameters of ``kbit.format.KbitWeight``. :meth:`canonical` unrepacks (bit-exact, new tensors)."""
+
+    layout = LAYOUT
+
+    def __init__(self, codes, scales, tensor_scale, codebook, shape, k, blocksize, scale_format="log8",
+                 codebook_name="custom"):
+        self.codes, self.scales, self.tensor_scale, self.codebook = codes, scales, tensor_scale, codebook
+        self.shape = tuple(int(v) for v in shape)
+        self.k, self.blocksize, self.scale_format, self.codebook_name = k, blocksize, scale_format, codebook_name
+        if len(self.shape) not in (2, 3):
+            raise ValueError(f"shape: expected (N, K) or (E, N, K), got {self.shape}")
+        _, Nt, S = _geometry(self.N, self.K, blocksize)
+        lead = self.shape[:-2]
+        if tuple(codes.shape) != (*lead, Nt, S, k, 32, 4) or tuple(scales.shape) != (*lead, Nt, S, 8, 16):
+            raise ValueError(f"codes, scales: expected {(*lead, Nt, S, k, 32, 4)} and {(*lead, Nt, S, 8, 16)} "
+                             f"(layout {LAYOUT} of {self.shape}), got {tuple(codes.shape)}, {tuple(scales.shape)}")
+
+    @property
+    def N(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def K(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.tensor_scale, self.codebook))
+
+    def _fmt(self) -> dict:
+        return dict(k=self.k, blocksize=self.blocksize, N=self.N, K=self.K)
+
+    @classmethod
+    def from_canonical(cls, qw) -> RepackedWeight:
+        """Repack a ``kbit.format.KbitWeight`` (2-D or a 3-D stack); its tensors are not changed."""
+        kw = dict(k=qw.k, blocksize=qw.blocksize, scale_format=qw.scale_format, N=qw.N, K=qw.K)
+        if len(qw.shape) == 2:
+            rc, rs = repack(qw.codes, qw.scales, **kw)
+        else:
+            from kbit.ops.grouped_mma import repack_stack
+
+            rc, rs = repack_stack(qw.codes, qw.scales, **kw)
+        return cls(rc, rs, qw.tensor_scale, qw.codebook, qw.shape, qw.k, qw.blocksize, qw.scale_format,
+                   qw.codebook_name)
+
+    def canonical_tensors(self, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Canonical ``(codes, scales)``, unrepacked (new tensors); of a stack: only ``experts`` (indices), if
+        given."""
+        if len(self.shape) == 2:
+            return unrepack(self.codes, self.scales, **self._fmt())
+        from kbit.ops.grouped_mma import unrepack_stack
+
+        rc, rs = self.codes, self.scales
+        if experts is not None:
+            rc, rs = rc.index_select(0, experts), rs.index_select(0, experts)
+        return unrepack_stack(rc, rs, **self._fmt())
+
+    def canonical(self):
+        """The weight as a ``kbit.format.KbitWeight`` (unrepacked codes and scales; tensor scales and codebook
+        shared)."""
+        from kbit.format.spec import KbitWeight
+
+        codes, scales = self.canonical_tensors()
+        return KbitWeight(codes, scales, self.tensor_scale, self.codebook, self.shape, self.k, self.blocksize,
+                          self.scale_format, self.codebook_name)
+
+    def __repr__(self) -> str:
+        return (f"RepackedWeight(shape={self.shape}, k={self.k}, blocksize={self.blocksize}, "
+                f"scale_format={self.scale_format!r}, layout={LAYOUT!r}, device={self.device})")
 
 
 _ = math  # keep the import for callers that patch configs

@@ -23,10 +23,10 @@ import weakref
 
 import torch
 
-from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, repack
+from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, repack, unrepack
 
 __all__ = ["available", "block_table", "block_table_reference", "block_table_torch", "choose_ng", "copy_repacked",
-           "grouped_linear", "repack_stack", "repacked_stack"]
+           "grouped_linear", "grouped_linear_repacked", "repack_stack", "repacked_stack", "unrepack_stack"]
 
 
 # ------------------------------------------------------------------------------------------------ repack
@@ -48,6 +48,24 @@ def repack_stack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize
         rc, rs = repack(codes.reshape(E * N, -1), scales.reshape(E * N, -1), N=E * N, **kw)
         return rc.view(E, N // 16, *rc.shape[1:]), rs.view(E, N // 16, *rs.shape[1:])
     parts = [repack(codes[e], scales[e], N=N, **kw) for e in range(E)]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def unrepack_stack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
+                   K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack_stack` (bit-exact, new tensors): canonical ``(codes [E, N, words], scales [E, N,
+    nb])``."""
+    E = rcodes.shape[0]
+    if E == 0:
+        Kp = -(-K // blocksize) * blocksize
+        return (torch.empty(0, N, Kp * k // 32, dtype=torch.int32, device=rcodes.device),
+                torch.empty(0, N, Kp // blocksize, dtype=rscales.dtype, device=rscales.device))
+    if N % 16 == 0:
+        c, s = unrepack(rcodes.reshape(E * rcodes.shape[1], *rcodes.shape[2:]),
+                        rscales.reshape(E * rscales.shape[1], *rscales.shape[2:]), k=k, blocksize=blocksize,
+                        N=E * N, K=K)
+        return c.view(E, N, -1), s.view(E, N, -1)
+    parts = [unrepack(rcodes[e], rscales[e], k=k, blocksize=blocksize, N=N, K=K) for e in range(E)]
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
@@ -198,10 +216,53 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     ng = ng or choose_ng(P, E)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
+    rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    return _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
+                        ng=ng, blocks=blocks)
+
+
+def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
+                            scale_format="log8", N, K, blocks=None, ng=None):
+    """:func:`grouped_linear` on a stack held in layout "mma-v1" (``rcodes, rscales`` from :func:`repack_stack`):
+    no cache, nothing kept. Where the CUDA kernel is unavailable: an unrepacked temporary of the stack and
+    ``kbit.ops.gemv.grouped_gemv``."""
+    from kbit.ops.gemv import _check_grouped, _fail, grouped_gemv
+    from kbit.ops.gemv_mma import _check_repacked
+
+    E = rcodes.shape[0] if rcodes.dim() == 6 else -1
+    _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, None, (E,))
+    if not available(x.device):
+        codes, scales = unrepack_stack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
+        _check_grouped(x, "rows", rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
+                       scale_format, N, K)
+        return grouped_gemv(x, rows, expert_ids, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                            scale_format=scale_format, N=N, K=K)
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
+        _fail(ValueError, "x", "fp16/bf16 [T, K]", (x.dtype, tuple(x.shape)))
+    if rows.dtype != torch.int32 or expert_ids.dtype != torch.int32 or rows.dim() != 1 or \
+            expert_ids.shape != rows.shape:
+        _fail(ValueError, "rows, expert_ids", "int32 [P] each", (rows.dtype, tuple(rows.shape), expert_ids.dtype,
+                                                                tuple(expert_ids.shape)))
+    if ng is not None and ng not in (1, 2, 4, 8):
+        _fail(ValueError, "ng", "one of 1, 2, 4, 8", ng)
+    P = rows.shape[0]
+    y = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0:
+        return y
+    ng = ng or choose_ng(P, E)
+    if blocks is None:
+        blocks = block_table(expert_ids.contiguous(), 8 * ng)
+    return _grouped_run(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
+                        scale_format=scale_format, N=N, ng=ng, blocks=blocks)
+
+
+def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks):
+    from kbit.ops.gemv import _fail
+
+    P = rows.shape[0]
     blk, nblk = blocks
     if blk.shape != (P + 1,) or nblk.shape != (1,) or blk.dtype != torch.int32 or nblk.dtype != torch.int32:
         _fail(ValueError, "blocks", f"(int32 [{P + 1}], int32 [1]) from block_table", (blk.shape, nblk.shape))
-    rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
     Nt, S = rc.shape[1], rc.shape[2]
     xp = _prep_x(x, S)
     dev = x.device

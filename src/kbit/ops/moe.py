@@ -135,7 +135,8 @@ def gemm_supported(device, dtype: torch.dtype) -> bool:
     return _gemm_available() and available(device)
 
 
-def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device) -> MoePlan:
+def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device,
+                gemm: bool | None = None) -> MoePlan:
     """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
 
     On CUDA (fp16/bf16, NVRTC): the GEMV at T = 1 on experts of at most :data:`GEMV_T1_MAX_WEIGHTS` weights,
@@ -168,18 +169,30 @@ def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, 
 # ------------------------------------------------------------------------------------------------ expert matmul
 
 
+def _repacked(weight) -> bool:
+    """Whether ``weight`` is held in layout "mma-v1" (a ``kbit.ops.gemv_mma.RepackedWeight``)."""
+    return getattr(weight, "layout", None) == "mma-v1"
+
+
 def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtype):
     """(float weights ``[S or E, N, K]``, the matching ``offs``): every expert when ``S == E`` (no gather),
-    else the touched experts gathered into ``S`` slots (unused slots hold expert 0, with empty groups)."""
+    else the touched experts gathered into ``S`` slots (unused slots hold expert 0, with empty groups).
+    A repacked stack is unrepacked (the gathered slots only) into a temporary first."""
     from kbit.ops.dequant import dequantize_tensors
 
     E = weight.shape[0]
     codes, scales, ts = weight.codes, weight.scales, weight.tensor_scale
     offs = routing.offsets
+    idx = None
     if routing.S < E:
         idx = routing.slot_experts.clamp(min=0)
-        codes, scales, ts = codes.index_select(0, idx), scales.index_select(0, idx), ts.index_select(0, idx)
         offs = routing.slot_offsets
+    if _repacked(weight):
+        codes, scales = weight.canonical_tensors(idx)
+        if idx is not None:
+            ts = ts.index_select(0, idx)
+    elif idx is not None:
+        codes, scales, ts = codes.index_select(0, idx), scales.index_select(0, idx), ts.index_select(0, idx)
     w = dequantize_tensors(codes, scales, ts, weight.codebook, k=weight.k, blocksize=weight.blocksize,
                            scale_format=weight.scale_format, shape=(codes.shape[0], weight.N, weight.K),
                            dtype=dtype)
@@ -194,7 +207,9 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     ----------
     x : ``[T, K]`` (``gather``: token activations) or ``[P, K]`` (one row per sorted pair).
     routing : the step's :class:`~kbit.ops.moe_align.MoeRouting`.
-    weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``.
+    weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``, or a stack held in layout "mma-v1"
+        (``kbit.ops.gemv_mma.RepackedWeight``): read as it is by ``"gemm"``; ``"gemv"`` unrepacks the whole
+        stack into a temporary, ``"grouped_mm"`` the touched experts.
     kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
     blocks : ``"gemm"`` only: the step's ``kbit.ops.grouped_mma.block_table`` (built here when None).
 
@@ -202,6 +217,15 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     -------
     ``[P, N]`` in x's dtype, rows in sorted order.
     """
+    if _repacked(weight) and kernel == "gemm":
+        from kbit.ops.grouped_mma import grouped_linear_repacked
+
+        rows = routing.token_ids if gather else routing.row_ids
+        return grouped_linear_repacked(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
+                                       weight.codebook, k=weight.k, blocksize=weight.blocksize,
+                                       scale_format=weight.scale_format, N=weight.N, K=weight.K, blocks=blocks)
+    if _repacked(weight) and kernel == "gemv":
+        weight = weight.canonical()
     if kernel == "gemv":
         from kbit.ops.gemv import grouped_gemv
 
@@ -295,8 +319,9 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     ----------
     hidden : fp16/bf16 (any kernel) or a dtype ``torch._grouped_mm`` supports ``[T, H]``.
     routing : :func:`kbit.ops.moe_align.align` of the step's top-k choice.
-    gate_up : :class:`~kbit.format.KbitWeight` ``[E, 2I, H]`` (gate rows first, then up rows).
-    down : :class:`~kbit.format.KbitWeight` ``[E, H, I]``.
+    gate_up : :class:`~kbit.format.KbitWeight` ``[E, 2I, H]`` (gate rows first, then up rows), or the stack in
+        layout "mma-v1" (``kbit.ops.gemv_mma.RepackedWeight``, see :func:`expert_matmul`).
+    down : :class:`~kbit.format.KbitWeight` ``[E, H, I]`` (or repacked).
     plan : the kernels; default :func:`choose_plan`.
     """
     if hidden.dim() != 2:
