@@ -104,8 +104,9 @@ def heuristic(M: int, N: int, K: int, k: int, has_gemv: bool = True) -> Choice:
 
 #: Up to this M the CUDA tensor-core small-M kernel (``kbit.ops.gemv_mma``, reached through ``"gemv"``) wins:
 #: H100, benchmarks/results/h100/mma-2026-11-21-final.md against the fused entries of configs/gemm_h100.json,
-#: k = 2 and 4 on the four benchmark shapes: 1.8-3.0x faster at M = 16, 1.1-1.8x at M = 32, mixed at M = 64.
-MMA_MAX_M = 32
+#: k = 2 and 4 on the four benchmark shapes: 1.8-3.0x faster at M = 16, 1.1-1.8x at M = 32; with its kernel 4
+#: (benchmarks/results/h100/mid-2026-11-21-run3.log) 1.15-1.9x faster than the fused entries at M = 64 as well.
+MMA_MAX_M = 64
 
 
 def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False, mma: bool = False) -> Choice:
