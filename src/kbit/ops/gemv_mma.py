@@ -246,6 +246,10 @@ BIG = 2 * 10**8
 def default_config(k, M, N, K):
     """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
 
+    Kernel 4 (M > 16, and 9 <= M <= 16 with N >= 8192; H100 runs of 2026-11-21 in
+    ``benchmarks/results/h100/mid-2026-11-21-*``): a CTA of W warps streams (row block, segment) pairs (stream-K),
+    x / codes / scales of each segment through a cp.async shared-memory pipeline, block scales folded into the A
+    fragments; ``config`` (4, W, row tiles a warp, stages[, min CTAs an SM]).
     Kernel 3 (N >= TALL: M = 1 with x staged in shared memory; 2 <= M <= 8 without, not k = 4 with
     N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
     segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
@@ -254,8 +258,11 @@ def default_config(k, M, N, K):
     double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
-    if _ng(M) > 2:
-        cfg = (1, 8, 1)
+    ng = _ng(M)
+    if ng == 8:
+        cfg = (4, 16, 1, 2)
+    elif ng == 4 or (ng == 2 and N >= 8192):
+        cfg = (4, 8, 1, 2)
     elif M == 1 and N >= TALL:
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
@@ -323,6 +330,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         minb = cfg[4] if len(cfg) > 4 else 1
         sv = 2 if scale_format == "fp16" else 1
         stage = 8 * ng * 576 + W * rt * (k * 512 + sv * 128)
+        D = max(2, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
         defines = dict(KERNEL=4, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=rt)
         shared = D * stage + _table_smem(k)
     else:
