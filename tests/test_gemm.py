@@ -80,7 +80,8 @@ def test_dispatch_table_and_heuristic():
     # the CUDA small-M kernel (reached through "gemv") takes every dense M <= MMA_MAX_M where it can run
     assert choose(32, 4096, 4096, 4, mma=True).kernel == "gemv"
     assert choose(16, 4096, 4096, 4, mma=False).kernel == "fused"
-    assert choose(64, 4096, 4096, 4, mma=True).kernel != "gemv"
+    assert choose(64, 4096, 4096, 4, mma=True).kernel == "gemv"
+    assert choose(65, 4096, 4096, 4, mma=True).kernel != "gemv"
     assert choose(16, 4096, 4096, 4, grouped=True, mma=True).kernel != "gemv"
 
 
