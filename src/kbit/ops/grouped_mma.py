@@ -19,6 +19,7 @@ Where the CUDA kernel is not available (no GPU / NVRTC, Triton interpreter) :fun
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -107,6 +108,8 @@ def choose_ng(P: int, E: int) -> int:
     expert ``P / min(E, P)`` rounded up to 8, 16 or 32 (NG = 8 compiles with ~150 bytes of register spills
     (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2)."""
     rpe = P / max(1, min(E, P))
+    if _kernel(8) == 4:  # kernel 4 holds 64-row blocks without spills
+        return 1 if rpe <= 8 else 2 if rpe <= 16 else 4 if rpe <= 32 else 8
     return 1 if rpe <= 8 else 2 if rpe <= 16 else 4
 
 
@@ -173,11 +176,48 @@ MAX_WARPS = 8
 _PLANS: dict = {}
 
 
+def _kernel(ng: int) -> int:
+    """Which grouped kernel serves blocks of ``8 ng`` rows: 4 = ``kbit_grouped_mma4`` (kernel 5 of the dense
+    source ``kbit.cuda.gemv_mma_src``: x rows, codes and scales of each segment through a cp.async shared-memory
+    pipeline that runs on across items, block scales folded into the A fragments), 1 = ``kbit_grouped_mma``
+    (``kbit.cuda.grouped_mma_src``: register double buffer, x from L1/L2). ``KBIT_GROUPED_KERNEL`` overrides."""
+    v = os.environ.get("KBIT_GROUPED_KERNEL")
+    if v:
+        return int(v)
+    return 4 if ng >= GROUPED4_MIN_NG else 1
+
+
+#: kernel 4 from this many 8-row groups a block (see :func:`_kernel`)
+GROUPED4_MIN_NG = 2
+
+
+def _plan4(k, ng, scale_format, bf16, dev):
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import SOURCE as DENSE
+
+    key = (4, k, ng, scale_format, bf16, dev)
+    p = _PLANS.get(key)
+    if p is None:
+        W = 16 if ng == 8 else 8
+        sv = 2 if scale_format == "fp16" else 1
+        stage = 8 * ng * 576 + W * (k * 512 + sv * 128)
+        D = 2
+        defines = dict(KERNEL=5, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
+                       FP16_SCALES=int(scale_format == "fp16"))
+        kern = compile_kernel(DENSE, "kbit_grouped_mma4", defines, dev)
+        shared = D * stage + _table_smem(k)
+        occ = kern.occupancy(W * 32, shared)
+        p = _PLANS[key] = (kern, W, shared, occ, defines)
+    return p
+
+
 def _plan(k, ng, S, scale_format, bf16, dev):
     """(kernel, warps, dynamic shared bytes, CTAs an SM) for one define set."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.grouped_mma_src import SOURCE
 
+    if _kernel(ng) == 4:
+        return _plan4(k, ng, scale_format, bf16, dev)
     key = (k, ng, S, scale_format, bf16, dev)
     p = _PLANS.get(key)
     if p is None:
@@ -266,8 +306,11 @@ def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, s
     Nt, S = rc.shape[1], rc.shape[2]
     xp = _prep_x(x, S)
     dev = x.device
-    kern, W, shared, occ, _ = _plan(k, ng, S, scale_format, x.dtype == torch.bfloat16, dev)
-    grid = max(1, min(_sms(dev) * occ, Nt * P))
+    kern, W, shared, occ, defines = _plan(k, ng, S, scale_format, x.dtype == torch.bfloat16, dev)
+    if defines.get("KERNEL") == 5:  # items: row blocks of W tiles x expert blocks (at most P blocks)
+        grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * P))
+    else:
+        grid = max(1, min(_sms(dev) * occ, Nt * P))
     rows_c, ids_c = rows.contiguous(), expert_ids.contiguous()
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     kern((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),

@@ -1,0 +1,164 @@
+"""GPU lab for the grouped (MoE) tensor-core kernels of ``kbit.ops.grouped_mma``: kernel 1 (``kbit_grouped_mma``)
+against kernel 4 (``kbit_grouped_mma4``), one expert GEMM at a time, next to bf16 ``torch._grouped_mm`` on the same
+routing (x rows gathered, as a layer does), in one call.
+
+    PYTHONUNBUFFERED=1 python scripts/moe_lab.py [--models ...] [--tokens 16,64,256,1024] [--kernels 1,4]
+
+Correctness first (float64 reference on small stacks: every k, both dtypes, fp16 scales, ragged expert runs),
+then cold-L2 CUDA-graph timings (``kbit.bench.timing.time_calls``). Writes ``moe_lab.json`` / ``moe_lab.log``
+under ``$OUT``; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
+from kbit.ops import grouped_mma as GM  # noqa: E402
+from kbit.ops.gemv import grouped_gemv_reference  # noqa: E402
+
+MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3-next": (512, 10, 2048, 512), "mixtral-8x7b": (8, 2, 4096, 14336)}
+LOG = []
+
+
+def log(*a):
+    s = " ".join(str(v) for v in a)
+    print(s, flush=True)
+    LOG.append(s)
+
+
+def stack(E, N, K, k, sf="log8", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Kp = -(-K // 32) * 32
+    codes = torch.randint(-(2**31), 2**31 - 1, (E, N, Kp * k // 32), generator=g, dtype=torch.int32, device="cuda")
+    if sf == "log8":
+        scales = torch.randint(0, 64, (E, N, Kp // 32), generator=g, dtype=torch.uint8, device="cuda")
+    else:
+        scales = (torch.rand(E, N, Kp // 32, generator=g, device="cuda") + 0.05).half()
+    ts = torch.rand(E, generator=g, device="cuda") + 0.5
+    cb = torch.sort(torch.rand(2**k, generator=g, device="cuda") * 2 - 1).values
+    return codes, scales, ts, cb
+
+
+def routing(T, E, top, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, device="cuda")
+    eid = logits.topk(top, dim=1).indices.reshape(-1)
+    tok = torch.arange(T, device="cuda").repeat_interleave(top)
+    order = torch.sort(eid, stable=True).indices
+    eids = eid[order].to(torch.int32)
+    rows = tok[order].to(torch.int32)
+    offs = torch.cumsum(torch.bincount(eids, minlength=E), 0).to(torch.int32)
+    return rows, eids, offs
+
+
+def set_kernel(kern):
+    os.environ["KBIT_GROUPED_KERNEL"] = str(kern)
+
+
+def correctness():
+    fails, n = [], 0
+    for kern in (4,):
+        set_kernel(kern)
+        for k in (2, 3, 4, 5):
+            for dt in (torch.float16, torch.bfloat16):
+                for sf in ("log8", "fp16"):
+                    for (E, T, top, N, K) in ((16, 40, 4, 384, 512), (8, 7, 2, 200, 768), (4, 100, 2, 64, 256)):
+                        w = stack(E, N, K, k, sf, seed=n)
+                        rows, eids, _ = routing(T, E, top, seed=n)
+                        x = torch.randn(T, K, dtype=dt, device="cuda")
+                        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K)
+                        y = GM.grouped_linear(x, rows, eids, *w, **kw)
+                        ref = grouped_gemv_reference(x, rows, eids, *w, **kw)
+                        e = ((y.double() - ref).norm() / ref.norm()).item()
+                        ok = e < (3e-3 if dt == torch.float16 else 1.5e-2)
+                        n += 1
+                        if not ok or n % 16 == 0:
+                            log(f"check kern={kern} k={k} {dt} {sf} E={E} T={T} N={N} K={K}: {e:.2e} {'ok' if ok else 'FAIL'}")
+                        if not ok:
+                            fails.append((kern, k, str(dt), sf, E, T, N, K, e))
+    log(f"correctness: {n} cases, {len(fails)} failures")
+    return fails
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="16,64,256,1024")
+    ap.add_argument("--kernels", default="1,4")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    fails = correctness()
+    rows_out = []
+
+    def dump():
+        (out / "moe_lab.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+                                                          commit=os.environ.get("KBIT_COMMIT", "?"), fails=fails,
+                                                          rows=rows_out), indent=1))
+        (out / "moe_lab.log").write_text("\n".join(LOG))
+
+    dump()
+    k = a.k
+    for name in a.models.split(","):
+        E, top, H, I = MODELS[name]
+        for which, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
+            nbytes = E * N * K * k // 8
+            ncopy = max(1, min(copies_for_cold_l2(nbytes, l2_bytes()), int(12e9 // max(nbytes, 1))))
+            ws = [stack(E, N, K, k, seed=i) for i in range(ncopy)]
+            wb = [torch.randn(E, N, K, dtype=torch.bfloat16, device="cuda").transpose(-2, -1) for _ in
+                  range(max(1, min(copies_for_cold_l2(2 * E * N * K, l2_bytes()), int(20e9 // (2 * E * N * K)))))]
+            for T in [int(v) for v in a.tokens.split(",")]:
+                if time.time() - t0 > a.budget:
+                    log("budget reached")
+                    break
+                rows, eids, offs = routing(T, E, top)
+                x = torch.randn(T, K, dtype=torch.bfloat16, device="cuda")
+                r = dict(model=name, gemm=which, T=T, N=N, K=K, E=E)
+                bf = time_calls([(lambda w=w: torch._grouped_mm(x.index_select(0, rows), w, offs=offs)) for w in wb])
+                r["bf16_us"] = bf.us
+                outs = {}
+                for kern in [int(v) for v in a.kernels.split(",")]:
+                    set_kernel(kern)
+                    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
+                    try:
+                        outs[kern] = GM.grouped_linear(x, rows, eids, *ws[0], **kw)
+                        t = time_calls([(lambda w=w: GM.grouped_linear(x, rows, eids, *w, **kw)) for w in ws])
+                        r[f"k{kern}_us"] = t.us
+                    except Exception as ex:  # noqa: BLE001
+                        log(f"  kernel {kern} failed: {repr(ex)[:300]}")
+                if len(outs) == 2:
+                    a1, a4 = outs.values()
+                    r["k1_vs_k4"] = ((a1.double() - a4.double()).norm() / a4.double().norm()).item()
+                rows_out.append(r)
+                log(f"{name} {which} T={T} bf16 {bf.us:.1f} " + " ".join(
+                    f"{kk}={v:.1f}({bf.us / v:.2f}x)" for kk, v in r.items() if kk.startswith("k") and kk.endswith("_us"))
+                    + (f" diff {r.get('k1_vs_k4', 0):.1e}"))
+                dump()
+            del ws, wb
+            torch.cuda.empty_cache()
+    log(f"\ncorrectness failures: {len(fails)}")
+    log("| model | gemm | T | bf16 us | " + " | ".join(f"kernel {v}" for v in a.kernels.split(",")) + " |")
+    for r in rows_out:
+        log(f"| {r['model']} | {r['gemm']} | {r['T']} | {r['bf16_us']:.1f} | " + " | ".join(
+            (f"{r[f'k{v}_us']:.1f} ({r['bf16_us'] / r[f'k{v}_us']:.2f}x)" if f"k{v}_us" in r else "-")
+            for v in a.kernels.split(",")) + " |")
+    dump()
+
+
+if __name__ == "__main__":
+    main()
