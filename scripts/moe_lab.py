@@ -45,7 +45,7 @@ def stack(E, N, K, k, sf="log8", seed=0):
         scales = torch.randint(0, 64, (E, N, Kp // 32), generator=g, dtype=torch.uint8, device="cuda")
     else:
         scales = (torch.rand(E, N, Kp // 32, generator=g, device="cuda") + 0.05).half()
-    ts = torch.rand(E, generator=g, device="cuda") + 0.5
+    ts = torch.rand(E, generator=g, device="cuda") + 0.5 if sf == "log8" else torch.ones(E, device="cuda")  # format
     cb = torch.sort(torch.rand(2**k, generator=g, device="cuda") * 2 - 1).values
     return codes, scales, ts, cb
 
