@@ -5,9 +5,12 @@ operand (up to 8 tokens per mma), fp32 accumulation. Codes are looked up in a sh
 fp16/bf16 pairs (k = 3, 4), quads (k = 2) or single values (k = 5), stored once per lane (conflict-free).
 The block scale multiplies each 32-column block's mma result (fp32) before it is added to the accumulator.
 
-The kernel reads a **repacked layout** (:func:`repack`, format "mma-v1"), made once from the canonical layout
-of ``docs/format.md`` and cached per weight (:func:`repacked`); :func:`unrepack` is its inverse. Where the
-CUDA path is not available (no GPU, no NVRTC, Triton interpreter), :func:`linear_small_m` falls back to
+The kernel reads a **repacked layout** (:func:`repack`, format "mma-v1"), made from the canonical layout of
+``docs/format.md``; :func:`unrepack` is its inverse. :func:`linear_small_m` takes canonical tensors and caches
+their repacked copy per weight (:func:`repacked`: the weight is then held twice); :func:`linear_repacked` takes
+a weight held in layout "mma-v1" only (what ``kbit.nn.KbitLinear`` holds after ``repack_for_kernels``), and
+:func:`linear_mma_v1` (torch op ``kbit::linear_mma_v1``) serves any M from it (other kernels get an unrepacked
+temporary). Where the CUDA path is not available (no GPU, no NVRTC, Triton interpreter), they fall back to
 ``kbit.ops.gemv.gemv`` (Triton).
 
 Layout "mma-v1" of one matrix ``[N, K]`` (Nt = ceil(N / 16) row tiles, S = ceil(Kp / 256) segments):
@@ -30,8 +33,6 @@ import os
 import weakref
 
 import torch
-
-from kbit.format.pack import pack, unpack
 
 __all__ = ["repack", "unrepack", "repacked", "linear_small_m", "linear_repacked", "linear_mma_v1", "serves",
            "kbit_linear_small_m", "available", "MAX_M", "LAYOUT", "RepackedWeight"]
@@ -63,29 +64,19 @@ def _geometry(N, K, blocksize):
 
 def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
            K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical ``(codes [N, Kp*k/32], scales [N, Kp/B])`` -> layout "mma-v1" ``(codes, scales)``.
+    """Canonical ``(codes [N, Kp*k/32], scales [N, Kp/B])`` -> layout "mma-v1" ``(codes, scales)`` (new tensors).
 
-    Plain torch, deterministic, on the tensors' device. See the module docstring for the layout.
+    Plain torch, deterministic, on the tensors' device; byte-level ops on chunks of row tiles (:func:`_recode`).
+    See the module docstring for the layout; :func:`unrepack` is the inverse.
     """
     if codes.dim() != 2 or scales.dim() != 2:
         raise ValueError(f"codes, scales: expected 2-D tensors, got {tuple(codes.shape)}, {tuple(scales.shape)}")
     Kp, Nt, S = _geometry(N, K, blocksize)
+    if tuple(codes.shape) != (N, Kp * k // 32) or codes.dtype != torch.int32:
+        raise ValueError(f"codes: expected int32 {(N, Kp * k // 32)}, got {codes.dtype} {tuple(codes.shape)}")
     dev = codes.device
     words = torch.empty(Nt, S, k, 32, 4, dtype=torch.int32, device=dev)
-    step = max(1, (1 << 22) // (S * SEG * 16))  # row tiles per chunk (~4M codes)
-    shifts = torch.arange(k, device=dev, dtype=torch.int32)
-    pos = torch.arange(32, device=dev, dtype=torch.int64)
-    for t0 in range(0, Nt, step):
-        t1 = min(Nt, t0 + step)
-        r0, r1 = t0 * 16, min(N, t1 * 16)
-        c = torch.zeros((t1 - t0) * 16, S * SEG, dtype=torch.int32, device=dev)
-        c[: r1 - r0, :Kp] = unpack(codes[r0:r1], k, Kp)
-        # [T, r, g, S, u, t, h, j, e] -> [T, S, g, t, u, h, j, r, e]: the lane's code order
-        c = c.view(t1 - t0, 2, 8, S, 8, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 7, 1, 8).reshape(t1 - t0, S, 32, 128)
-        bits = ((c[..., None] >> shifts) & 1).to(torch.int64).reshape(t1 - t0, S, 32, 4 * k, 32)
-        w = (bits << pos).sum(-1)  # [T, S, 32, 4k] in [0, 2**32)
-        w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-        words[t0:t1] = w.view(t1 - t0, S, 32, k, 4).permute(0, 1, 3, 2, 4)
+    _recode(codes.contiguous(), words, k, Kp, N, to_mma=True)
     # scales: expand to 32-column blocks, pad, [Nt, r, g, S, u] -> [Nt, S, g, u, r]
     s32 = scales.repeat_interleave(blocksize // 32, dim=1)  # [N, Kp/32]
     pad = 255 if scale_format == "log8" else 0.0
@@ -95,92 +86,165 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int,
     return words, sfull
 
 
-def _chunk_tiles(S, device):
-    """Row tiles per chunk of :func:`repack` / :func:`unrepack`: ~4M codes on the CPU, ~32M on a GPU (fewer
-    launches; the temporaries of :func:`unrepack` are 1-2 bytes a code)."""
-    codes = 1 << (25 if torch.device(device).type == "cuda" else 22)
+def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
+             K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`repack`: layout "mma-v1" -> canonical ``(codes, scales)`` (bit-exact, new tensors)."""
+    Kp, Nt, S = _geometry(N, K, blocksize)
+    if tuple(rcodes.shape) != (Nt, S, k, 32, 4) or rcodes.dtype != torch.int32:
+        raise ValueError(f"rcodes: expected int32 {(Nt, S, k, 32, 4)} (layout {LAYOUT}), got {rcodes.dtype} "
+                         f"{tuple(rcodes.shape)}")
+    if tuple(rscales.shape) != (Nt, S, 8, 16):
+        raise ValueError(f"rscales: expected {(Nt, S, 8, 16)} (layout {LAYOUT}), got {tuple(rscales.shape)}")
+    codes = torch.empty(N, Kp * k // 32, dtype=torch.int32, device=rcodes.device)
+    _recode(codes, rcodes.contiguous(), k, Kp, N, to_mma=False)
+    s = rscales.view(Nt, S, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(Nt * 16, S * 8)[:N, : Kp // 32]
+    return codes, s[:, :: blocksize // 32].contiguous()
+
+
+# Byte-level recoding between the canonical codes and layout "mma-v1", a chunk of T row tiles at a time.
+# A lane's k-bit stream, as bytes, sits at ``rc.view(uint8)[tile, seg, a, lane, c]`` (stream byte 16a + c).
+# k = 4: stream byte 8u + 4h + 2j + r holds the code pair (e = 0, 1) of row r: one canonical byte (a pure byte
+# permutation, written in place when the chunk needs no padding). k = 2: stream byte 4u + 2h + j holds (r, e),
+# a canonical byte (j, e) of one row: a nibble exchange then a permutation. k = 3, 5: codes as bytes in between.
+
+
+def _chunk_tiles(S: int, k: int, device) -> int:
+    """Row tiles a chunk: ~32M codes on a GPU at k = 2, 4 (temporaries <= 0.5 byte a code), ~8M at k = 3, 5
+    (~6 bytes a code); ~4M on the CPU."""
+    cuda = torch.device(device).type == "cuda"
+    codes = 1 << ((25 if k in (2, 4) else 23) if cuda else 22)
     return max(1, codes // (S * SEG * 16))
 
 
-def _lane_bytes(rc: torch.Tensor, k: int) -> torch.Tensor:
-    """``[T, S, k, 32, 4]`` int32 -> uint8 ``[T, S, 32, 16k]``: each lane's k-bit stream as bytes."""
+def _recode(canon: torch.Tensor, rc: torch.Tensor, k: int, Kp: int, N: int, to_mma: bool) -> None:
+    """Copy ``canon [N, Kp*k/32]`` into ``rc [Nt, S, k, 32, 4]`` (``to_mma``) or back, both preallocated."""
+    Nt, S = rc.shape[:2]
+    step = _chunk_tiles(S, k, rc.device)
+    for t0 in range(0, Nt, step):
+        t1 = min(Nt, t0 + step)
+        T, r0, r1 = t1 - t0, t0 * 16, min(N, t1 * 16)
+        direct = r1 - r0 == 16 * T and Kp == S * SEG  # no padding: permute straight into the destination
+        if to_mma:
+            src = canon[r0:r1] if direct else _pad_rows(canon[r0:r1], T, S, k)
+            _to_mma(src, rc[t0:t1], k)
+        elif direct:
+            _from_mma(rc[t0:t1], canon[r0:r1], k)
+        else:
+            full = torch.empty(16 * T, S * SEG * k // 32, dtype=torch.int32, device=rc.device)
+            _from_mma(rc[t0:t1], full, k)
+            for a, b, n in _plane_spans(k, Kp, S * SEG):
+                canon[r0:r1, a:a + n] = full[: r1 - r0, b:b + n]
+
+
+def _plane_spans(k: int, Kp: int, Kfull: int):
+    """(first word in rows of Kp codes, first word in rows of Kfull codes, words) of each bit plane."""
+    from kbit.format.pack import PLANES
+
+    a = b = 0
+    for width, _ in PLANES[k]:
+        yield a, b, Kp * width // 32
+        a, b = a + Kp * width // 32, b + Kfull * width // 32
+
+
+def _pad_rows(words: torch.Tensor, T: int, S: int, k: int) -> torch.Tensor:
+    """Canonical rows ``[R <= 16T, Kp*k/32]`` -> ``[16T, S*256*k/32]``, zero codes in the padding (the planes
+    of k = 3, 5 each padded)."""
+    R, Kp = words.shape[0], words.shape[1] * 32 // k
+    out = torch.zeros(16 * T, S * SEG * k // 32, dtype=torch.int32, device=words.device)
+    for a, b, n in _plane_spans(k, Kp, S * SEG):
+        out[:R, b:b + n] = words[:, a:a + n]
+    return out
+
+
+def _to_mma(canon: torch.Tensor, rc: torch.Tensor, k: int, general: bool = False) -> None:
+    """Full canonical tiles ``[16T, S*256*k/32]`` -> ``rc [T, S, k, 32, 4]`` (written in place)."""
     T, S = rc.shape[:2]
-    return rc.view(torch.uint8).view(T, S, k, 32, 16).permute(0, 1, 3, 2, 4).reshape(T, S, 32, 16 * k)
+    dst = rc.view(torch.uint8)
+    src = canon.view(torch.uint8)
+    if k == 4 and not general:
+        # canonical byte [T, r, g, S, uh, ul, t, h, j] -> stream byte [T, S, a = uh, g, t, c = (ul, h, j, r)]
+        src = src.view(T, 2, 8, S, 4, 2, 4, 2, 2)
+        dst.view(T, S, 4, 8, 4, 2, 2, 2, 2).copy_(src.permute(0, 3, 4, 2, 6, 5, 7, 8, 1))
+        return
+    if k == 2 and not general:
+        # canonical byte [T, r, g, S, uh, ul, t, h] holds (j, e); stream byte [T, S, uh, g, t, (ul, h, j)] (r, e)
+        b = src.view(T, 2, 8, S, 2, 4, 4, 2)
+        x0, x1 = b[:, 0], b[:, 1]
+        lb = torch.stack([(x0 & 15) | (x1 << 4), (x0 >> 4) | (x1 & 0xF0)], dim=-1)  # [T, g, S, uh, ul, t, h, j]
+        dst.view(T, S, 2, 8, 4, 4, 2, 2).copy_(lb.permute(0, 2, 3, 1, 5, 4, 6, 7))
+        return
+    c = _unpack_bytes(canon, k)  # [16T, S*256] uint8
+    # [T, r, g, S, u, t, h, j, e] -> [T, S, g, t, u, h, j, r, e]: the lane's code order, 16 groups of 8 codes
+    c = c.view(T, 2, 8, S, 8, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 7, 1, 8).reshape(T, S, 32, 16, 8)
+    v = c[..., 0].to(torch.int64)
+    for i in range(1, 8):
+        v |= c[..., i].to(torch.int64) << (k * i)  # 8 codes = k bytes, little-endian
+    del c
+    lb = torch.stack([((v >> (8 * j)) & 255).to(torch.uint8) for j in range(k)], dim=-1)  # [T, S, 32, 16, k]
+    dst.view(T, S, k, 32, 16).copy_(lb.view(T, S, 32, k, 16).permute(0, 1, 3, 2, 4))
 
 
-def _lane_codes(b: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 lane streams ``[..., 16k]`` -> uint8 codes ``[..., 128]`` (code i = stream bits ik .. ik + k - 1)."""
-    q = torch.arange(128, device=b.device) * k
+def _from_mma(rc: torch.Tensor, canon: torch.Tensor, k: int, general: bool = False) -> None:
+    """``rc [T, S, k, 32, 4]`` -> full canonical tiles ``[16T, S*256*k/32]`` (written in place)."""
+    T, S = rc.shape[:2]
+    src = rc.view(torch.uint8)
+    dst = canon.view(torch.uint8)
+    if k == 4 and not general:
+        src = src.view(T, S, 4, 8, 4, 2, 2, 2, 2)
+        dst.view(T, 2, 8, S, 4, 2, 4, 2, 2).copy_(src.permute(0, 8, 3, 1, 2, 5, 4, 6, 7))
+        return
+    if k == 2 and not general:
+        b = src.view(T, S, 2, 8, 4, 4, 2, 2)
+        j0, j1 = b[..., 0], b[..., 1]
+        x = torch.stack([(j0 & 15) | (j1 << 4), (j0 >> 4) | (j1 & 0xF0)], dim=-1)  # [T, S, uh, g, t, ul, h, r]
+        dst.view(T, 2, 8, S, 2, 4, 4, 2).copy_(x.permute(0, 7, 3, 1, 2, 5, 4, 6))
+        return
+    # stream bytes [T, S, 32, 16k] -> codes: code i = stream bits ik .. ik + k - 1 (two bytes hold it)
+    b = torch.nn.functional.pad(src.view(T, S, k, 32, 16).permute(0, 1, 3, 2, 4).reshape(T, S, 32, 16 * k), (0, 1))
+    q = torch.arange(128, device=rc.device) * k
     lo, off = q // 8, (q % 8).to(torch.int16)
-    b = torch.nn.functional.pad(b, (0, 1))
     v = b[..., lo].to(torch.int16) | (b[..., lo + 1].to(torch.int16) << 8)
-    return ((v >> off) & (2**k - 1)).to(torch.uint8)
+    del b
+    c = ((v >> off) & (2**k - 1)).to(torch.uint8)  # [T, S, 32, 128]
+    del v
+    # [T, S, g, t, u, h, j, r, e] -> [T, r, g, S, u, t, h, j, e]
+    c = c.view(T, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(16 * T, S * SEG)
+    _pack_bytes(c, k, out=canon)
 
 
-def _pack_bytes(c: torch.Tensor, k: int) -> torch.Tensor:
-    """uint8 codes ``[R, Kp]`` -> canonical int32 words ``[R, Kp*k/32]`` (``kbit.format.pack.pack`` on bytes)."""
+def _unpack_bytes(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Canonical int32 words ``[R, Kp*k/32]`` -> uint8 codes ``[R, Kp]`` (``kbit.format.pack.unpack`` on bytes)."""
+    from kbit.format.pack import PLANES
+
+    R, Kp = words.shape[0], words.shape[1] * 32 // k
+    b = words.view(torch.uint8)
+    c, start = None, 0
+    for width, shift in PLANES[k]:
+        n = Kp * width // 8  # bytes of this plane
+        plane = b[:, start:start + n, None] >> torch.arange(0, 8, width, device=b.device, dtype=torch.uint8)
+        plane = (plane & ((1 << width) - 1)).reshape(R, Kp)
+        c = plane if c is None else c | (plane << shift)
+        start += n
+    return c
+
+
+def _pack_bytes(c: torch.Tensor, k: int, out: torch.Tensor) -> None:
+    """uint8 codes ``[R, Kp]`` -> canonical int32 words ``out [R, Kp*k/32]`` (``kbit.format.pack.pack`` on
+    bytes)."""
     from kbit.format.pack import PLANES
 
     R, Kp = c.shape
-    planes = []
+    dst = out.view(torch.uint8)
+    start = 0
     for width, shift in PLANES[k]:
         bits = c if (shift, width) == (0, k) else (c >> shift) & ((1 << width) - 1)
         per = 8 // width
         v = bits.view(R, Kp // per, per)
-        byte = v[..., 0].clone()
+        byte = dst[:, start:start + Kp // per]
+        byte.copy_(v[..., 0])
         for i in range(1, per):
             byte |= v[..., i] << (width * i)
-        planes.append(byte)
-    return torch.cat(planes, dim=1).view(torch.int32)
-
-
-def _unrepack_tiles(rc: torch.Tensor, k: int, Kp: int, general: bool = False) -> torch.Tensor:
-    """Codes of row tiles ``[T, S, k, 32, 4]`` -> canonical int32 ``[16T, Kp*k/32]`` (padding rows included).
-
-    k = 4: a byte permutation (a stream byte is the code pair (e = 0, 1) of one row: a canonical byte); k = 2:
-    a nibble permutation (a stream byte holds rows r = 0, 1 as its low / high nibble); k = 3, 5 (``general``):
-    codes unpacked to bytes, permuted, packed again.
-    """
-    T, S = rc.shape[:2]
-    b = rc.view(torch.uint8).view(T, S, k, 32, 16)  # lane byte 16a + c at [.., a, lane, c]
-    if k == 4 and not general:
-        # byte 8u + 4h + 2j + r: a = u // 2, c = 8 (u % 2) + 4h + 2j + r -> canonical [T, r, g, S, u, t, h, j]
-        b = b.view(T, S, 4, 8, 4, 2, 2, 2, 2).permute(0, 8, 3, 1, 2, 5, 4, 6, 7)
-        return b.reshape(16 * T, S * 128).view(torch.int32)[:, : Kp // 8]
-    if k == 2 and not general:
-        # byte 4u + 2h + j holds codes (r, e): a = u // 4, c = 4 (u % 4) + 2h + j
-        b = b.view(T, S, 2, 8, 4, 4, 2, 2)
-        j0, j1 = b[..., 0], b[..., 1]
-        x = torch.stack([(j0 & 15) | (j1 << 4), (j0 >> 4) | (j1 & 0xF0)], dim=-1)  # [T, S, uh, g, t, ul, h, r]
-        return x.permute(0, 7, 3, 1, 2, 5, 4, 6).reshape(16 * T, S * 64).view(torch.int32)[:, : Kp // 16]
-    c = _lane_codes(_lane_bytes(rc, k), k)  # [T, S, 32, 128]
-    # [T, S, g, t, u, h, j, r, e] -> [T, r, g, S, u, t, h, j, e]
-    c = c.view(T, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(16 * T, S * SEG)
-    return _pack_bytes(c[:, :Kp], k)
-
-
-def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
-             K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`repack`: layout "mma-v1" -> canonical ``(codes, scales)`` (bit-exact, new tensors).
-
-    Byte-level torch ops in chunks of row tiles (temporaries of a few bytes a code for one chunk): k = 4 is one
-    byte permutation, k = 2 a nibble permutation, k = 3, 5 unpack the codes to bytes and pack them again.
-    """
-    Kp, Nt, S = _geometry(N, K, blocksize)
-    if rcodes.shape != (Nt, S, k, 32, 4) or rcodes.dtype != torch.int32:
-        raise ValueError(f"rcodes: expected int32 {(Nt, S, k, 32, 4)} (layout {LAYOUT}), got {rcodes.dtype} "
-                         f"{tuple(rcodes.shape)}")
-    if rscales.shape != (Nt, S, 8, 16):
-        raise ValueError(f"rscales: expected {(Nt, S, 8, 16)} (layout {LAYOUT}), got {tuple(rscales.shape)}")
-    codes = torch.empty(N, Kp * k // 32, dtype=torch.int32, device=rcodes.device)
-    rc = rcodes.contiguous()
-    step = _chunk_tiles(S, rcodes.device)
-    for t0 in range(0, Nt, step):
-        t1 = min(Nt, t0 + step)
-        r0, r1 = t0 * 16, min(N, t1 * 16)
-        codes[r0:r1] = _unrepack_tiles(rc[t0:t1], k, Kp)[: r1 - r0]
-    s = rscales.view(Nt, S, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(Nt * 16, S * 8)[:N, : Kp // 32]
-    return codes, s[:, :: blocksize // 32].contiguous()
+        start += Kp // per
 
 
 _CACHE: dict = {}

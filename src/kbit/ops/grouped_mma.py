@@ -1,9 +1,12 @@
 """Grouped (MoE) small-M linear on k-bit expert stacks with tensor cores: ``y[r] = x[rows[r]] @ W[expert_ids[r]].T``.
 
 The grouped form of ``kbit.ops.gemv_mma`` (swap-AB ``mma.sync.m16n8k16``, layout "mma-v1"): each expert of a
-stack ``[E, N, K]`` is repacked with ``kbit.ops.gemv_mma.repack`` (:func:`repack_stack`, cached per stack:
-:func:`repacked_stack`). Rows come grouped by expert (``kbit.ops.moe_align``: sorted rows from ``sort_pairs``
-/ ``align``; any order is correct, but only adjacent rows of one expert share a weight read).
+stack ``[E, N, K]`` is repacked with ``kbit.ops.gemv_mma.repack`` (:func:`repack_stack`; inverse
+:func:`unrepack_stack`). :func:`grouped_linear` takes canonical stacks and caches their repacked copy
+(:func:`repacked_stack`); :func:`grouped_linear_repacked` takes a stack held in layout "mma-v1" only (what
+``kbit.nn.KbitMoE`` holds after ``repack_for_kernels``). Rows come grouped by expert (``kbit.ops.moe_align``:
+sorted rows from ``sort_pairs`` / ``align``; any order is correct, but only adjacent rows of one expert share a
+weight read).
 
 Work: a **block table** built on the device (:func:`block_table`, one CUDA launch, no host sync) cuts every run
 of equal expert ids into blocks of at most ``BM = 8 * NG`` rows from the run's start; ``blk[b]`` is the first

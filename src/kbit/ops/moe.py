@@ -144,11 +144,13 @@ def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, 
     (``T * top_k / min(E, T * top_k)``), dequantize + ``torch._grouped_mm`` above where it runs.
     Elsewhere: GEMV (fp16/bf16 only) while there are at most :data:`GEMV_MAX_ROWS_PER_EXPERT` rows per touched
     expert, dequantize + ``torch._grouped_mm`` above, or whichever exists.
+    ``gemm=False``: plan as if the grouped tensor-core kernel were not there (it reads layout "mma-v1"; a
+    ``kbit.nn.KbitMoE`` that keeps the canonical layout plans without it).
     """
     P = T * top_k
     rows_per_expert = P / max(1, min(E, P))
     gemv_ok = dtype in (torch.float16, torch.bfloat16)
-    gemm_ok = gemm_supported(device, dtype)
+    gemm_ok = gemm is not False and gemm_supported(device, dtype)
     plan = []
     for N, K in ((2 * I, H), (H, I)):
         mm_ok = grouped_mm_supported(device, dtype, N, K)
