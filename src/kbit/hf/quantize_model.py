@@ -150,7 +150,8 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     quantized module's kind and activation dtype, tied parameters), ``model.safetensors``
     (``kbit.save_file``: ``P.weight`` of a KbitLinear and ``P.gate_up_proj`` / ``P.down_proj`` of
     KbitExperts as quantized weights; every other parameter and buffer, non-persistent ones included, as is).
-    Save the tokenizer yourself.
+    Modules holding their weights in a kernel layout (``KbitLinear.repack_for_kernels``) are saved in the
+    canonical layout: the file is the same either way. Save the tokenizer yourself.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -173,7 +174,10 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
             continue
         if any(mname.startswith(q + ".") for q in modules):
             continue  # inside a quantized module (KbitExperts.act_fn has no tensors, but be safe)
-        local = list(module._parameters.items()) + list(module._buffers.items())
+        bufs = module._buffers
+        if callable(getattr(module, "canonical_buffers", None)):  # kbit.nn modules held in a kernel layout
+            bufs = module.canonical_buffers()
+        local = list(module._parameters.items()) + list(bufs.items())
         for pname, t in local:
             if t is None:
                 continue

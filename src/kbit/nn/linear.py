@@ -5,6 +5,15 @@ activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the C
 reference, so models run (slowly) anywhere. Outside ``torch.compile`` the op's implementation is called
 directly: going through the dispatcher of ``torch.library`` costs several microseconds a call, which at
 M = 1 is a sizeable part of a ~10-50 us kernel. Under ``torch.compile`` the op (with its fake impl) is traced.
+
+Layouts: the weight is held once, either in the canonical layout of ``docs/format.md`` (``layout ==
+"canonical"``) or in the small-M kernel's layout "mma-v1" (``kbit.ops.gemv_mma``): :meth:`KbitLinear.
+repack_for_kernels` replaces ``codes`` / ``scales`` by their repacked form (the canonical tensors are freed),
+:meth:`KbitLinear.to_canonical` goes back. By default (``auto_repack``) the first CUDA forward that runs the
+small-M kernel repacks (outside CUDA-graph capture; run one eager step before capturing). Repacked, the
+small-M kernel reads the buffers directly, every other kernel (fused GEMM, dequantize + cuBLAS, Triton GEMV;
+the CPU reference) gets a canonical temporary (``kbit.ops.gemv_mma.unrepack``, freed after the call), and
+``state_dict`` / ``weight()`` / ``kbit.save_quantized`` see the canonical layout (files are unchanged).
 """
 
 from __future__ import annotations
@@ -14,9 +23,36 @@ from torch import nn
 
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
+from kbit.ops import gemv_mma
 from kbit.ops.gemm import linear as _linear_impl
 
-__all__ = ["KbitLinear"]
+__all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
+
+#: ``layout`` of a module holding the canonical tensors (``docs/format.md``)
+CANONICAL = "canonical"
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _release(old: list[torch.Tensor]) -> None:
+    """Let the caching allocator reuse ``old`` (being dropped) only after the current stream's work: a repack
+    on a side stream (graph warm-up) reads tensors allocated on another stream."""
+    for t in old:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def repack_for_kernels(model: nn.Module) -> int:
+    """:meth:`~KbitLinear.repack_for_kernels` on every ``KbitLinear`` / ``KbitMoE`` of ``model`` (in place);
+    returns how many were repacked (modules already in layout "mma-v1" are not counted)."""
+    n = 0
+    for m in model.modules():
+        if callable(getattr(m, "repack_for_kernels", None)) and getattr(m, "layout", None) == CANONICAL:
+            m.repack_for_kernels()
+            n += 1
+    return n
 
 
 class KbitLinear(nn.Module):
@@ -25,6 +61,11 @@ class KbitLinear(nn.Module):
     Buffers (saved in the state dict): ``codes`` int32, ``scales`` uint8/fp16, ``tensor_scale`` float32 [],
     ``codebook`` float32 ``[2**k]``, ``bias`` (optional, in ``dtype``). The format parameters (k, blocksize,
     scale_format, shape) are saved in the module's extra state and checked on load.
+
+    ``layout``: ``"canonical"`` (``codes [N, Kp*k/32]``, ``scales [N, Kp/B]``) or ``"mma-v1"`` (``codes``,
+    ``scales`` in the small-M kernel's layout, ``kbit.ops.gemv_mma``; the state dict still holds the
+    canonical tensors). ``auto_repack`` (default True): repack on the first CUDA forward that runs the small-M
+    kernel; False keeps the canonical layout (small M then runs the Triton GEMV, which reads it as it is).
 
     Parameters
     ----------
@@ -40,6 +81,9 @@ class KbitLinear(nn.Module):
     >>> y = q(torch.randn(2, 7, 4096, dtype=torch.bfloat16, device="cuda"))  # doctest: +SKIP
     """
 
+    #: repack on the first CUDA forward that runs the small-M kernel (see the module docstring)
+    auto_repack: bool = True
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k: int = DEFAULT_K,
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
                  dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
@@ -54,6 +98,7 @@ class KbitLinear(nn.Module):
         self.scale_format = check_scale_format(scale_format)
         self.dtype = dtype
         self.codebook_name = codebook_name
+        self.layout = CANONICAL
         kp = padded_k(self.in_features, self.blocksize)
         sdt = torch.uint8 if scale_format == "log8" else torch.float16
         self.register_buffer("codes", torch.zeros(out_features, words_per_row(k, kp), dtype=torch.int32,
@@ -98,39 +143,137 @@ class KbitLinear(nn.Module):
         return cls.from_weight(qw, linear.bias, dtype)
 
     def weight(self) -> KbitWeight:
-        """The layer's weight as a :class:`~kbit.format.KbitWeight` (sharing the buffers)."""
-        return KbitWeight(self.codes, self.scales, self.tensor_scale, self.codebook,
+        """The layer's weight as a :class:`~kbit.format.KbitWeight` in the canonical layout: sharing the buffers,
+        or (layout "mma-v1") with unrepacked copies of ``codes`` / ``scales``."""
+        codes, scales = self._canonical_codes()
+        return KbitWeight(codes, scales, self.tensor_scale, self.codebook,
                           (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format,
                           self.codebook_name)
+
+    def kernel_weight(self) -> KbitWeight | gemv_mma.RepackedWeight:
+        """The weight as held (sharing the buffers): a ``KbitWeight`` or a ``kbit.ops.gemv_mma.RepackedWeight``."""
+        if self.layout == CANONICAL:
+            return self.weight()
+        return gemv_mma.RepackedWeight(self.codes, self.scales, self.tensor_scale, self.codebook,
+                                       (self.out_features, self.in_features), self.k, self.blocksize,
+                                       self.scale_format, self.codebook_name)
+
+    # -- layout --------------------------------------------------------------------------------------------
+    def _fmt(self) -> dict:
+        return dict(k=self.k, blocksize=self.blocksize, N=self.out_features, K=self.in_features)
+
+    def _canonical_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layout == CANONICAL:
+            return self.codes, self.scales
+        return gemv_mma.unrepack(self.codes, self.scales, **self._fmt())
+
+    def canonical_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers (``self._buffers``, same names and order) with codes and scales in the canonical
+        layout (unrepacked copies when the module holds layout "mma-v1")."""
+        codes, scales = self._canonical_codes()
+        return {n: codes if n == "codes" else scales if n == "scales" else t for n, t in self._buffers.items()}
+
+    def repack_for_kernels(self) -> KbitLinear:
+        """Hold ``codes`` / ``scales`` in layout "mma-v1" only (in place; the canonical tensors are dropped, so
+        freed unless referenced elsewhere, e.g. by a ``KbitWeight`` the module was built from). Idempotent;
+        returns self."""
+        if self.layout != CANONICAL:
+            return self
+        old = [self.codes, self.scales]
+        rc, rs = gemv_mma.repack(self.codes, self.scales, scale_format=self.scale_format, **self._fmt())
+        _release(old)
+        self.codes, self.scales = rc, rs
+        self.layout = gemv_mma.LAYOUT
+        self.__dict__.pop("_cpu_weight", None)
+        return self
+
+    def to_canonical(self) -> KbitLinear:
+        """Undo :meth:`repack_for_kernels` (bit-exact, in place). Returns self."""
+        if self.layout == CANONICAL:
+            return self
+        old = [self.codes, self.scales]
+        codes, scales = self._canonical_codes()
+        _release(old)
+        self.codes, self.scales = codes, scales
+        self.layout = CANONICAL
+        self.__dict__.pop("_cpu_weight", None)
+        return self
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.codes, self.scales, self.tensor_scale, self.codebook, self.k, self.blocksize,
                 self.scale_format, self.out_features, self.in_features, self.bias)
+        if self.layout != CANONICAL:
+            if torch.compiler.is_compiling():
+                return torch.ops.kbit.linear_mma_v1(*args)
+            if x.device.type == "cpu":
+                return self._cpu_forward(x)
+            return gemv_mma.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
+                                          scale_format=self.scale_format, bias=self.bias, **self._fmt())
         if torch.compiler.is_compiling():
             return torch.ops.kbit.linear(*args)
         if x.device.type == "cpu":
             return self._cpu_forward(x)
+        if gemv_mma.serves(x, self.out_features, self.in_features, self.k):
+            if self.auto_repack and not _capturing():
+                return self.repack_for_kernels().forward(x)
+            return self._forward_no_mma(x)  # the small-M kernel would cache a repacked copy beside ours
         return _linear_impl(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
                             blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
                             K=self.in_features, bias=self.bias)
+
+    def _forward_no_mma(self, x: torch.Tensor) -> torch.Tensor:
+        """Canonical layout, an M the small-M kernel would serve: the dispatcher's choice without that kernel
+        (Triton GEMV up to M = 8, the per-GPU table above)."""
+        from kbit.ops.gemm import dequant_mm, gemm_fused
+        from kbit.ops.gemv import gemv
+        from kbit.tuning.dispatch import choose
+        from kbit.tuning.gemv import gemv_config
+
+        N, K = self.out_features, self.in_features
+        M = x.numel() // K
+        kw = dict(k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=N, K=K, bias=self.bias)
+        parts = (x, self.codes, self.scales, self.tensor_scale, self.codebook)
+        ch = choose(M, N, K, self.k, x.device, mma=False)
+        if ch.kernel == "gemv":
+            return gemv(*parts, config=gemv_config(self.k, min(M, 8), N, K, x.device), **kw)
+        if ch.kernel == "dequant_mm":
+            return dequant_mm(*parts, **kw)
+        return gemm_fused(*parts, config=ch.config, **kw)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU path (reference numbers: float32 weight, float32 product, result in x's dtype), with the
         dequantized weight kept between calls: re-dequantizing every layer at every decode step cost ~12 ms
         a call on SmolLM2. The cache is rebuilt when any quantized buffer is replaced or changed in place."""
         parts = (self.codes, self.scales, self.tensor_scale, self.codebook)
-        key = tuple((t.data_ptr(), t._version) for t in parts)
+        key = (self.layout,) + tuple((t.data_ptr(), t._version) for t in parts)
         cached = self.__dict__.get("_cpu_weight")
         if cached is None or cached[0] != key:
-            qw = KbitWeight(*parts, (self.out_features, self.in_features), self.k, self.blocksize,
-                            self.scale_format)
+            qw = self.weight()
             cached = (key, dequantize_reference(qw, torch.float32))
             self.__dict__["_cpu_weight"] = cached
         bias = None if self.bias is None else self.bias.to(torch.float32)
         return torch.nn.functional.linear(x.to(torch.float32), cached[1], bias).to(x.dtype)
 
     # -- state dict ----------------------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout != CANONICAL:  # the file format is the canonical layout
+            codes, scales = self._canonical_codes()
+            destination[prefix + "codes"], destination[prefix + "scales"] = codes, scales
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.layout == CANONICAL:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        self.to_canonical()  # load into the canonical buffers (shape checks, in-place copies), then repack
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self.repack_for_kernels()
+
     def get_extra_state(self) -> dict:
         return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
                 "shape": [self.out_features, self.in_features], "codebook": self.codebook_name}
@@ -146,4 +289,5 @@ class KbitLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"k={self.k}, blocksize={self.blocksize}, scale_format={self.scale_format!r}, "
-                f"codebook={self.codebook_name!r}, dtype={self.dtype}")
+                f"codebook={self.codebook_name!r}, dtype={self.dtype}"
+                + (f", layout={self.layout!r}" if self.layout != CANONICAL else ""))

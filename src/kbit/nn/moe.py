@@ -11,6 +11,13 @@ are built and cached).
 Built from float stacks (:meth:`KbitMoE.from_float`), from quantized stacks (:meth:`KbitMoE.from_weights`),
 or from a Hugging Face block (:meth:`KbitMoE.from_hf`: Mixtral, Qwen2/3-MoE, Qwen3-Next; both the fused 3-D
 expert parameters of transformers >= 5 and the older per-expert ``nn.Linear`` lists).
+
+Layouts (as ``kbit.nn.KbitLinear``): the stacks are held once, canonical or in the grouped tensor-core kernel's
+layout "mma-v1" (:meth:`KbitMoE.repack_for_kernels`; by default on the first CUDA forward whose plan runs that
+kernel, outside graph capture). Repacked, automatic plans run the grouped kernel wherever they would have
+run the GEMV (T = 1 included), ``grouped_mm`` dequantizes the touched experts from an unrepacked temporary, and
+a pinned ``"gemv"`` unrepacks the whole stack into a temporary each call; ``state_dict`` and
+:meth:`gate_up_weight` / :meth:`down_weight` give the canonical layout.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, moe_experts
+from kbit.nn.linear import CANONICAL, _capturing, _release
+from kbit.ops import gemv_mma
+from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, gemm_supported, moe_experts
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_router import ROUTERS, fusable, route_pairs, select_experts
 
@@ -60,11 +69,17 @@ class KbitMoE(nn.Module):
     k, blocksize, scale_format : format parameters of both stacks.
     dtype : activations and output dtype (fp16/bf16 on CUDA; fp32 works through ``torch._grouped_mm``).
 
+    ``layout`` (``"canonical"`` or ``"mma-v1"``) and ``auto_repack`` as in ``KbitLinear`` (module docstring);
+    ``auto_repack = False`` keeps the canonical layout and plans without the grouped tensor-core kernel.
+
     Example
     -------
     >>> moe = KbitMoE.from_float(w_gate_up, w_down, top_k=8, k=4).cuda()  # doctest: +SKIP
     >>> out = moe(hidden, router_logits)  # [T, H]  # doctest: +SKIP
     """
+
+    #: repack on the first CUDA forward whose plan runs the grouped tensor-core kernel
+    auto_repack: bool = True
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int, *,
                  router: str = "softmax", norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
@@ -89,6 +104,7 @@ class KbitMoE(nn.Module):
         self.k, self.blocksize = check_k(k), check_blocksize(blocksize)
         self.scale_format = check_scale_format(scale_format)
         self.dtype, self.codebook_name = dtype, codebook_name
+        self.layout = CANONICAL
         #: pin the kernels (a :class:`~kbit.ops.moe.MoePlan`); None = chosen per call by token count
         self.plan: MoePlan | None = None
         #: how the pairs are sorted by expert (``kbit.ops.moe_align.ALIGN_METHODS``)
@@ -110,20 +126,80 @@ class KbitMoE(nn.Module):
         self.shared_expert_gate = shared_expert_gate
 
     # -- weights ------------------------------------------------------------------------------------------
-    def _stack(self, name: str) -> KbitWeight:
-        N, K = (2 * self.intermediate_size, self.hidden_size) if name == "gate_up" else \
+    def _dims(self, name: str) -> tuple[int, int]:
+        return (2 * self.intermediate_size, self.hidden_size) if name == "gate_up" else \
             (self.hidden_size, self.intermediate_size)
-        t = [getattr(self, f"{name}_{p}") for p in _PARTS]
-        return KbitWeight(*t, (self.num_experts, N, K), self.k, self.blocksize, self.scale_format,
-                          self.codebook_name)
+
+    def _canonical_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scales = getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")
+        if self.layout == CANONICAL:
+            return codes, scales
+        from kbit.ops.grouped_mma import unrepack_stack
+
+        N, K = self._dims(name)
+        return unrepack_stack(codes, scales, k=self.k, blocksize=self.blocksize, N=N, K=K)
+
+    def _stack(self, name: str) -> KbitWeight:
+        N, K = self._dims(name)
+        codes, scales = self._canonical_codes(name)
+        return KbitWeight(codes, scales, getattr(self, f"{name}_tensor_scale"), getattr(self, f"{name}_codebook"),
+                          (self.num_experts, N, K), self.k, self.blocksize, self.scale_format, self.codebook_name)
 
     def gate_up_weight(self) -> KbitWeight:
-        """The ``[E, 2I, H]`` stack (gate rows ``[0, I)``, up rows ``[I, 2I)``), sharing the buffers."""
+        """The ``[E, 2I, H]`` stack (gate rows ``[0, I)``, up rows ``[I, 2I)``) in the canonical layout, sharing
+        the buffers (layout "mma-v1": unrepacked copies of codes and scales)."""
         return self._stack("gate_up")
 
     def down_weight(self) -> KbitWeight:
-        """The ``[E, H, I]`` stack, sharing the buffers."""
+        """The ``[E, H, I]`` stack in the canonical layout (as :meth:`gate_up_weight`)."""
         return self._stack("down")
+
+    def kernel_weights(self) -> tuple:
+        """(gate_up, down) as held, sharing the buffers: ``KbitWeight`` or ``kbit.ops.gemv_mma.RepackedWeight``."""
+        if self.layout == CANONICAL:
+            return self._stack("gate_up"), self._stack("down")
+        return tuple(gemv_mma.RepackedWeight(*(getattr(self, f"{name}_{p}") for p in _PARTS),
+                                             (self.num_experts, *self._dims(name)), self.k, self.blocksize,
+                                             self.scale_format, self.codebook_name) for name in _STACKS)
+
+    def canonical_buffers(self) -> dict[str, torch.Tensor]:
+        """The module's buffers (``self._buffers``, same names and order) in the canonical layout (unrepacked
+        copies of the codes and scales when the module holds layout "mma-v1")."""
+        out = dict(self._buffers)
+        if self.layout != CANONICAL:
+            for name in _STACKS:
+                out[f"{name}_codes"], out[f"{name}_scales"] = self._canonical_codes(name)
+        return out
+
+    def repack_for_kernels(self) -> KbitMoE:
+        """Hold both stacks in layout "mma-v1" only (in place, one stack at a time; the canonical tensors are
+        dropped, so freed unless referenced elsewhere). Idempotent; returns self."""
+        if self.layout != CANONICAL:
+            return self
+        from kbit.ops.grouped_mma import repack_stack
+
+        for name in _STACKS:
+            N, K = self._dims(name)
+            old = [getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")]
+            rc, rs = repack_stack(*old, k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=N, K=K)
+            _release(old)
+            del old
+            setattr(self, f"{name}_codes", rc)
+            setattr(self, f"{name}_scales", rs)
+        self.layout = gemv_mma.LAYOUT
+        return self
+
+    def to_canonical(self) -> KbitMoE:
+        """Undo :meth:`repack_for_kernels` (bit-exact, in place). Returns self."""
+        if self.layout == CANONICAL:
+            return self
+        for name in _STACKS:
+            codes, scales = self._canonical_codes(name)
+            _release([getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")])
+            setattr(self, f"{name}_codes", codes)
+            setattr(self, f"{name}_scales", scales)
+        self.layout = CANONICAL
+        return self
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -208,10 +284,27 @@ class KbitMoE(nn.Module):
     def plan_for(self, T: int, plan: MoePlan | None = None, dtype: torch.dtype | None = None,
                  device=None) -> MoePlan:
         """The kernels of a step of ``T`` tokens in ``dtype`` (default ``self.dtype``) on ``device`` (default
-        the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.ops.moe.choose_plan`."""
-        return plan or self.plan or choose_plan(T, self.top_k, self.num_experts, self.hidden_size,
-                                                self.intermediate_size, dtype or self.dtype,
-                                                device or self.gate_up_codes.device)
+        the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.ops.moe.choose_plan` (held in layout
+        "mma-v1": the grouped tensor-core kernel wherever that picks the GEMV; canonical with ``auto_repack``
+        off: without that kernel)."""
+        if plan or self.plan:
+            return plan or self.plan
+        dtype, device = dtype or self.dtype, device or self.gate_up_codes.device
+        repacked = self.layout != CANONICAL
+        p = choose_plan(T, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size, dtype, device,
+                        gemm=None if (repacked or self.auto_repack) else False)
+        if repacked and "gemv" in (p.gate_up, p.down) and gemm_supported(device, dtype):
+            p = MoePlan(*("gemm" if kn == "gemv" else kn for kn in (p.gate_up, p.down)))
+        return p
+
+    def _maybe_repack(self, plan: MoePlan | None, x: torch.Tensor) -> bool:
+        """Repack before a step whose plan runs the grouped tensor-core kernel (``auto_repack``, CUDA, not
+        capturing a graph): that kernel reads layout "mma-v1", and would otherwise cache a repacked copy."""
+        if (plan is None or self.layout != CANONICAL or not self.auto_repack or "gemm" not in (plan.gate_up, plan.down)
+                or not gemm_supported(x.device, x.dtype) or _capturing()):
+            return False
+        self.repack_for_kernels()
+        return True
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
                 plan: MoePlan | None = None) -> torch.Tensor:
@@ -228,9 +321,12 @@ class KbitMoE(nn.Module):
         if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
                              f"got {tuple(router_logits.shape)}")
-        plan = self.plan_for(x.shape[0], plan, x.dtype, x.device) if x.shape[0] else None
+        pinned = plan
+        plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
+        if self._maybe_repack(plan, x):
+            plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
         routing = self.route(router_logits, plan)
-        out = moe_experts(x, routing, self.gate_up_weight(), self.down_weight(), plan)
+        out = moe_experts(x, routing, *self.kernel_weights(), plan)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -239,6 +335,25 @@ class KbitMoE(nn.Module):
         return out.reshape(hidden.shape)
 
     # -- state dict ---------------------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout != CANONICAL:  # the file format is the canonical layout
+            for name in _STACKS:
+                destination[f"{prefix}{name}_codes"], destination[f"{prefix}{name}_scales"] = \
+                    self._canonical_codes(name)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.layout == CANONICAL:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        self.to_canonical()  # load into the canonical buffers (shape checks, in-place copies), then repack
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self.repack_for_kernels()
+
     def get_extra_state(self) -> dict:
         return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
                 "shape": [self.num_experts, self.hidden_size, self.intermediate_size], "top_k": self.top_k,
@@ -256,7 +371,8 @@ class KbitMoE(nn.Module):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, router={self.router!r}, "
                 f"norm_topk_prob={self.norm_topk_prob}, k={self.k}, blocksize={self.blocksize}, "
-                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, dtype={self.dtype}")
+                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, dtype={self.dtype}"
+                + (f", layout={self.layout!r}" if self.layout != CANONICAL else ""))
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
