@@ -78,12 +78,14 @@ def repack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int,
     words = torch.empty(Nt, S, k, 32, 4, dtype=torch.int32, device=dev)
     _recode(codes.contiguous(), words, k, Kp, N, to_mma=True)
     # scales: expand to 32-column blocks, pad, [Nt, r, g, S, u] -> [Nt, S, g, u, r]
-    s32 = scales.repeat_interleave(blocksize // 32, dim=1)  # [N, Kp/32]
-    pad = 255 if scale_format == "log8" else 0.0
-    sfull = torch.full((Nt * 16, S * 8), pad, dtype=scales.dtype, device=dev)
-    sfull[:N, : Kp // 32] = s32
-    sfull = sfull.view(Nt, 2, 8, S, 8).permute(0, 3, 2, 4, 1).reshape(Nt, S, 8, 16).contiguous()
-    return words, sfull
+    rs = torch.empty(Nt, S, 8, 16, dtype=scales.dtype, device=dev)
+    if blocksize == 32 and N == 16 * Nt and Kp == S * SEG:
+        src = scales  # nothing to expand or pad: permuted straight into rs
+    else:
+        src = torch.full((Nt * 16, S * 8), 255 if scale_format == "log8" else 0.0, dtype=scales.dtype, device=dev)
+        src[:N, : Kp // 32] = scales.repeat_interleave(blocksize // 32, dim=1)  # [N, Kp/32]
+    rs.view(Nt, S, 8, 8, 2).copy_(src.reshape(Nt, 2, 8, S, 8).permute(0, 3, 2, 4, 1))
+    return words, rs
 
 
 def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
