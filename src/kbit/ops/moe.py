@@ -51,9 +51,11 @@ GEMV_MAX_ROWS_PER_EXPERT = 4
 #: the rows of an expert are adjacent in the GEMV's grid and its weight is re-read from L2. At T = 16,
 #: P = 128 pairs: all the GEMV's programs are resident at once anyway (a guess; T = 64 measures the sort).
 PAIR_ORDER_MAX_T = 16
-#: The grouped tensor-core GEMM ("gemm") up to this many rows per touched expert (its largest block, 64 rows;
-#: above, an expert's blocks re-read its weight, and bf16 ``torch._grouped_mm`` has the higher mma rate).
-GEMM_MAX_ROWS_PER_EXPERT = 64
+#: The grouped tensor-core GEMM ("gemm") up to this many rows per touched expert (blocks of up to 64 rows; above,
+#: dequantize + bf16 ``torch._grouped_mm``). H100, k = 4, benchmarks/results/h100/moe-2026-11-21-kernel4.md and
+#: moe-lab-2026-11-21-run1.log: "gemm" beat "grouped_mm" at 256 rows an expert (Qwen3-30B T = 4096 0.55x vs
+#: 0.48x bf16; Mixtral T = 1024 ~0.5x vs 0.38x) and lost at 1024 (Mixtral T = 4096: 0.42x vs 0.69x).
+GEMM_MAX_ROWS_PER_EXPERT = 256
 #: Steps of a fused-routing plan above this many tokens sort with ``align`` (torch's radix sort, ~30 launches)
 #: instead of the one-launch ``sort_pairs`` (O(P^2) compares: ~P^2 / 64 / 2M per us, a guess).
 SORT_PAIRS_MAX_T = 1024
