@@ -126,5 +126,19 @@ def _grouped_gemv(qw, routing):
     return lambda a: grouped_gemv(a, rows, eids, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
 
 
+@register("grouped_mma", kind="moe", note="kbit.ops.grouped_mma.grouped_linear (tensor cores, CUDA)")
+def _grouped_mma(qw, routing):
+    try:
+        from kbit.ops.grouped_mma import available, grouped_linear
+    except ImportError as e:
+        raise Unsupported(f"kbit.ops.grouped_mma not importable ({e})") from e
+    eids = routing.expert_ids
+    if not available(eids.device):
+        raise Unsupported("the CUDA grouped kernel is not available here (NVRTC / GPU)")
+    kw = _gemv_kwargs(qw)
+    rows = torch.arange(eids.numel(), dtype=torch.int32, device=eids.device)
+    return lambda a: grouped_linear(a, rows, eids, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
+
+
 # GEMM candidates (issue 4) register themselves on import; kept in their own module.
 from kbit.bench import candidates_gemm as _candidates_gemm  # noqa: E402,F401
