@@ -14,23 +14,49 @@ BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 
 
 def gemv_table(path: Path) -> str:
+    """M = 1 from a ``kbit bench`` results file: the dispatched kernel ("gemv") per k next to humming at the
+    same k and tinygemm (k = 4), all timed in the same run."""
     d = json.loads(path.read_text())
     h = d["header"]
     rows = [r for r in d["rows"] if r["M"] == 1 and r.get("E", 1) == 1 and r.get("us")]
     shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
     out = [f"M = 1, {h['gpu_name']}, commit {h['commit']}, `{path.relative_to(ROOT)}` (read ceiling "
-           f"{h['ceiling_tbps']:.2f} TB/s). Cells: us (x faster than bf16).", "",
-           "| N x K | bf16 | " + " | ".join(f"kbit k={k}" for k in (2, 3, 4, 5)) + " | humming w4 | tinygemm w4 |",
-           "|---|--:|" + "--:|" * 6]
+           f"{h['ceiling_tbps']:.2f} TB/s). Cells: kbit us / % of the read ceiling (all bytes read) / x faster than "
+           "bf16, then humming at the same bits [h us] and tinygemm int4 [t us], timed in the same run.", "",
+           "| N x K | bf16 us | " + " | ".join(f"k={k}" for k in (2, 3, 4, 5)) + " |", "|---|--:|" + "---|" * 4]
+
+    def find(N, K, kernel, k=None):
+        for r in rows:
+            if (r["N"], r["K"], r["kernel"]) == (N, K, kernel) and (k is None or r["k"] == k):
+                return r
+        return None
+
     for N, K in shapes:
-        def cell(kernel, k=None, N=N, K=K):
-            for r in rows:
-                if (r["N"], r["K"], r["kernel"]) == (N, K, kernel) and (k is None or r["k"] == k):
-                    return f"{r['us']:.1f} ({r['bf16_us'] / r['us']:.2f}x)"
-            return "-"
-        bf = next(r["us"] for r in rows if (r["N"], r["K"], r["kernel"]) == (N, K, "bf16"))
-        out.append(f"| {N}x{K} | {bf:.1f} | " + " | ".join(cell("gemv", k) for k in (2, 3, 4, 5))
-                   + f" | {cell('humming', 4)} | {cell('tinygemm', 4)} |")
+        bf = find(N, K, "bf16")["us"]
+        cells = []
+        for k in (2, 3, 4, 5):
+            r, hm, tg = find(N, K, "gemv", k), find(N, K, "humming", k), find(N, K, "tinygemm", k)
+            c = f"{r['us']:.1f} / {100 * r['tbps'] / r['ceiling_tbps']:.0f}% / {bf / r['us']:.2f}x" if r else "-"
+            c += f" [h {hm['us']:.1f}]" if hm else ""
+            c += f" [t {tg['us']:.1f}]" if tg else ""
+            cells.append(c)
+        out.append(f"| {N}x{K} | {bf:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def mid_table(path: Path) -> str:
+    """Mid M (16..64): the old default (kernel 1) against kernel 4 from a scripts/mid_lab.py results file."""
+    d = json.loads(path.read_text())
+    out = [f"Mid M, k = 4 and 2, bf16 activations, {d['gpu']}, commit {d['commit']}, `{path.relative_to(ROOT)}`. "
+           "Cells: us (x faster than bf16 `F.linear`, same run). Kernel 4 is now the default for M 17..64 "
+           "(W = 8 warps up to M = 32, 16 above) and for M 9..16 with N >= 8192.", "",
+           "| k | N x K | M | bf16 | kernel 1 (old default) | kernel 4, 8 warps | kernel 4, 16 warps |",
+           "|--:|---|--:|--:|--:|--:|--:|"]
+    for r in d["rows"]:
+        def c(key, r=r):
+            return f"{r[key]:.1f} ({r['bf16_us'] / r[key]:.2f}x)" if r.get(key) else "-"
+        out.append(f"| {r['k']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | {c('default')} | "
+                   f"{c('4,8,1,2')} | {c('4,16,1,2')} |")
     return "\n".join(out)
 
 
@@ -121,9 +147,10 @@ def quantize_table(path: Path) -> str:
 
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
-             "### Small-batch GEMV (Triton, with peers)", gemv_table(RES / "gemv-2026-11-21.json"),
+             "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session3-2026-11-21.json"),
+             "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
-             "### MoE layer", moe_table(RES / "moe-2026-11-21-gemm.json"),
+             "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
              "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
              e2e_table(RES / "e2e-opt-2026-11-21.json"),
