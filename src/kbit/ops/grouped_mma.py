@@ -179,7 +179,7 @@ MAX_WARPS = 8
 _PLANS: dict = {}
 
 
-def _kernel(ng: int) -> int:
+def _kernel(ng: int, S: int | None = None) -> int:
     """Which grouped kernel serves blocks of ``8 ng`` rows: 4 = ``kbit_grouped_mma4`` (kernel 5 of the dense
     source ``kbit.cuda.gemv_mma_src``: x rows, codes and scales of each segment through a cp.async shared-memory
     pipeline that runs on across items, block scales folded into the A fragments), 1 = ``kbit_grouped_mma``
@@ -187,11 +187,16 @@ def _kernel(ng: int) -> int:
     v = os.environ.get("KBIT_GROUPED_KERNEL")
     if v:
         return int(v)
-    return 4 if ng >= GROUPED4_MIN_NG else 1
+    return 4 if ng >= GROUPED4_MIN_NG or (S is not None and S <= GROUPED4_MAX_SEG_NG1) else 1
 
 
 #: kernel 4 from this many 8-row groups a block (see :func:`_kernel`)
 GROUPED4_MIN_NG = 2
+#: ... and for single-group blocks (T = 1..4 decode steps) on short K (at most this many 256-column segments):
+#: H100, benchmarks/results/h100/moe-lab-2026-11-21-run2-decode.log, k = 4: Qwen3-30B down (K = 768) 1 token
+#: 16.4 -> 12.4 us, Qwen3-Next down (K = 512) 19.3 -> 13.6 us; gate_up (K = 2048, 8 segments) 18.0 vs 19.1 us
+#: stays on kernel 1
+GROUPED4_MAX_SEG_NG1 = 4
 
 
 def _plan4(k, ng, scale_format, bf16, dev):
@@ -219,7 +224,7 @@ def _plan(k, ng, S, scale_format, bf16, dev):
     from kbit.cuda import compile_kernel
     from kbit.cuda.grouped_mma_src import SOURCE
 
-    if _kernel(ng) == 4:
+    if _kernel(ng, S) == 4:
         return _plan4(k, ng, scale_format, bf16, dev)
     key = (k, ng, S, scale_format, bf16, dev)
     p = _PLANS.get(key)
