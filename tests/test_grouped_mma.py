@@ -103,7 +103,8 @@ def test_repacked_stack_cached():
 
 def test_choose_ng():
     assert GR.choose_ng(8, 128) == 1 and GR.choose_ng(512, 128) == 1 and GR.choose_ng(2048, 128) == 2
-    assert GR.choose_ng(8192, 128) == 4 and GR.choose_ng(4096, 128) == 4
+    assert GR.choose_ng(8192, 128) == 8 and GR.choose_ng(4096, 128) == 4  # 64 rows: kernel 4's largest block
+    assert GR.choose_ng(100000, 128) == 8
     assert GR.choose_ng(128, 8) == 2 and GR.choose_ng(2, 8) == 1
 
 
