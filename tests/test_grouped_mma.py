@@ -149,7 +149,8 @@ def test_choose_plan_picks_gemm_when_available(monkeypatch):
     assert moe.choose_plan(4, 8, 128, 2048, 768, bf, "cpu") == gemm
     assert moe.choose_plan(1024, 8, 128, 2048, 768, bf, "cpu") == gemm  # 64 rows an expert
     assert moe.choose_plan(256, 2, 8, 4096, 14336, bf, "cpu") == gemm
-    assert moe.choose_plan(1024, 2, 8, 4096, 14336, bf, "cpu") == moe.MoePlan("grouped_mm", "grouped_mm")
+    assert moe.choose_plan(1024, 2, 8, 4096, 14336, bf, "cpu") == gemm  # 256 rows an expert
+    assert moe.choose_plan(4096, 2, 8, 4096, 14336, bf, "cpu") == moe.MoePlan("grouped_mm", "grouped_mm")
 
 
 # ------------------------------------------------------------------------------------------------ GPU
