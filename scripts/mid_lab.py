@@ -37,6 +37,7 @@ def main():
     ap.add_argument("--ks", default="4")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--no-default", action="store_true", help="do not time the default config (M > 64)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     out = Path(a.out)
@@ -69,7 +70,7 @@ def main():
                     break
                 bf = L.time_bf16(N, K, M)
                 r = dict(k=k, N=N, K=K, M=M, bf16_us=bf)
-                for cfg in [None] + cfgs:
+                for cfg in ([] if a.no_default else [None]) + cfgs:
                     name = "default" if cfg is None else ",".join(map(str, cfg))
                     try:
                         us, nb = L.time_mma(N, K, k, M, torch.bfloat16, cfg)
@@ -85,7 +86,7 @@ def main():
     L.log(f"\ncorrectness failures: {len(fails)}")
     for f in fails[:20]:
         L.log(f"  {f}")
-    names = ["default"] + [",".join(map(str, c)) for c in cfgs]
+    names = ([] if a.no_default else ["default"]) + [",".join(map(str, c)) for c in cfgs]
     L.log("| k | shape | M | bf16 us | " + " | ".join(names) + " |")
     for r in rows:
         L.log(f"| {r['k']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | " + " | ".join(

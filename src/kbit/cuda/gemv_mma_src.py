@@ -563,14 +563,18 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     }
   }
 }
-#elif KERNEL == 4 || KERNEL == 5
+#elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column
    segment's x[M][256], codes and scales go through a D-stage cp.async shared-memory pipeline (one CTA barrier a
    segment). x B fragments are read once per unit and used by the warp's RT tiles; block scales are folded into
    the A fragments (packed half2 multiply after the lookup), so every (tile, 8-token group) accumulates straight
    through its mma chain and the per-token-group cost is one LDS.128 and 2 mma per tile. */
 #define XROW 576   /* bytes of one x row in a stage: 512 + 64 pad, conflict-free LDS.128 B fragments */
+#if KERNEL == 6
+#define XSTAGE (8 * NG * 512)  /* wgmma B: core matrices of 8 tokens x 16 bytes, no padding */
+#else
 #define XSTAGE (8 * NG * XROW)
+#endif
 #define CSTAGE (MAXW * RT * K_BITS * 512)
 #define SSTAGE (MAXW * RT * SV * 128)
 #define STAGE4 (XSTAGE + CSTAGE + SSTAGE)
@@ -738,7 +742,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   }
   cp_wait_all();
 }
-#else
+#elif KERNEL == 5
 /* grouped (MoE): y[r] = x[rows[r]] @ W[e(r)].T for the rows of a block table (kbit.ops.grouped_mma.block_table,
    blocks of <= 8 NG rows of one expert). Items (row block of MAXW x RT tiles, expert block), row-block major;
    CTA q takes items q, q + grid, ... and streams their (item, segment) steps through kernel 4's pipeline
@@ -899,6 +903,142 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
   }
   cp_wait_all();
 }
+#else
+/* kernel 6 (sm_90a): kernel 4 with Hopper wgmma. A warpgroup (4 warps, 16 rows each: the mma.sync A fragment of
+   a warp is its slice of the m64 wgmma A operand) looks its codes up into registers, folds the block scales, and
+   issues wgmma.m64n(8 NG)k16 with B = the x tile read by the tensor cores from shared memory: no x LDS, one
+   instruction per 64 rows x 8 NG tokens x 16 columns. x must be pre-permuted to the "mma-v1" K order
+   (kbit.ops.gemv_mma._permute_x) so that its 16-byte chunks land in wgmma's no-swizzle K-major core matrices:
+   stage byte (c * NG + tok / 8) * 128 + (tok % 8) * 16 holds the 16-byte chunk c (0..31) of token tok. */
+__device__ __forceinline__ u64 wg_desc(u32 saddr) {
+  /* no swizzle; LBO: K-direction core-matrix stride (NG * 128 B), SBO: N-direction (128 B) */
+  u64 d = (u64)((saddr & 0x3FFFF) >> 4);
+#if WG_SWAP
+  d |= (u64)((128 >> 4) & 0x3FFF) << 16;
+  d |= (u64)(((NG * 128) >> 4) & 0x3FFF) << 32;
+#else
+  d |= (u64)(((NG * 128) >> 4) & 0x3FFF) << 16;
+  d |= (u64)((128 >> 4) & 0x3FFF) << 32;
+#endif
+  return d;
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+/*WGMMA_FUNCS*/
+extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
+    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
+    int bias_kind, int ws_stride) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2;
+  const int n_rb = (n_tiles + MAXW - 1) / MAXW;
+  const long long T = (long long)n_rb * n_seg;
+  const int j0 = (int)(T * blockIdx.x / gridDim.x), j1 = (int)(T * (blockIdx.x + 1) / gridDim.x);
+  extern __shared__ __align__(128) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  const u32 st0 = dsm_base;
+  auto issue = [&](int j, int slot) {
+    if (j < j1) {
+      const int rb = j / n_seg, seg = j - rb * n_seg;
+      const u32 sb = st0 + slot * STAGE4;
+      for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
+        const int row = i >> 5, c = i & 31;
+        cp_async16(sb + (c * NG + (row >> 3)) * 128 + (row & 7) * 16, x + (long long)row * x_stride + seg * SEG + c * 8);
+      }
+      const int tile = rb * MAXW + (int)warp;
+      if (tile < n_tiles) {
+        const long long ts_ = (long long)tile * n_seg + seg;
+        const u32 cs = sb + XSTAGE + (warp * K_BITS) * 512 + lane * 16;
+#pragma unroll
+        for (int v = 0; v < K_BITS; ++v) cp_async16(cs + v * 512, codes + (ts_ * K_BITS + v) * 32 + lane);
+        if (lane < 8 * SV)
+          cp_async16(sb + XSTAGE + CSTAGE + (warp * 8 * SV + lane) * 16, scales + ts_ * 8 * SV + lane);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s) { issue(j0 + s, s); cp_commit(); }
+  const float ts = *ts_ptr;
+  build_table_fast(tab, cb, tid, MAXW * 32);
+  const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
+  for (u32 i = tid; i < 256; i += MAXW * 32) {
+    const u16 h = f2h(e_tab[i] * SPRE);
+    s_sc2[i] = (u32)h | ((u32)h << 16);
+  }
+  const u32 lbb = lane_bits(tab, lane);
+  const u32 sc2_base = smem_addr(s_sc2);
+  float acc[NG][4];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+  int rb = j0 / n_seg, seg = j0 - rb * n_seg, seg_first = seg, slot = 0;
+  for (int j = j0; j < j1; ++j) {
+    cp_wait_d2();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    {
+      int ls = slot + D - 1;
+      issue(j + D - 1, ls >= D ? ls - D : ls);
+      cp_commit();
+    }
+    const u32 sb = st0 + slot * STAGE4;
+    slot = slot + 1 == D ? 0 : slot + 1;
+    const int tile0 = rb * MAXW + (int)warp;
+    /* every warp of a warpgroup issues its wgmmas (they are warpgroup-wide): a tile past N computes on stale
+       codes, its rows are never written */
+    u32 w[NW];
+    u32 sw[4 * SV];
+    {
+      const u32 cs = sb + XSTAGE + (warp * K_BITS) * 512 + lane * 16;
+#pragma unroll
+      for (int v = 0; v < K_BITS; ++v) {
+        V4 q = lds128(cs + v * 512);
+        w[4 * v] = q.x; w[4 * v + 1] = q.y; w[4 * v + 2] = q.z; w[4 * v + 3] = q.w;
+      }
+#pragma unroll
+      for (int v = 0; v < SV; ++v) {
+        V4 q = lds128(sb + XSTAGE + CSTAGE + (warp * 8 * SV + g * SV + v) * 16);
+        sw[4 * v] = q.x; sw[4 * v + 1] = q.y; sw[4 * v + 2] = q.z; sw[4 * v + 3] = q.w;
+      }
+    }
+    u32 A[2][2][4];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      u32 (&Au)[2][4] = A[u & 1];
+      if (u >= 2) wg_wait<1>();  /* the group that read A[u & 1] (unit u - 2) is done */
+      lookup(w, u, lbb, Au);
+      const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        Au[h][0] = hmul2(Au[h][0], s0);
+        Au[h][2] = hmul2(Au[h][2], s0);
+        Au[h][1] = hmul2(Au[h][1], s1);
+        Au[h][3] = hmul2(Au[h][3], s1);
+      }
+      wg_fence();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], wg_desc(sb + (u * 2 + h) * 2 * NG * 128));
+      wg_commit();
+    }
+    wg_wait<0>();
+    ++seg;
+    if (seg == n_seg || j + 1 == j1) {
+      if (tile0 < n_tiles)
+        finish(acc, tile0, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+               ws_stride);
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+      if (seg == n_seg) { seg = 0; ++rb; }
+      seg_first = seg;
+    }
+  }
+  cp_wait_all();
+}
 #endif
 #else
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
@@ -1006,3 +1146,27 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 }
 #endif
 """
+
+
+def _wgmma_funcs() -> str:
+    """``wg_mma(acc, A, desc)``: ``wgmma.mma_async m64n(8 NG)k16``, fp32 accumulators ``acc[NG][4]`` (the n8 chunk j
+    of the warp's 16 rows is ``acc[j]``, the layout of NG mma.sync tiles), A from 4 registers, B by descriptor."""
+    out = []
+    for ng in (1, 2, 4, 8, 16, 32):
+        n = 8 * ng
+        nacc = 4 * ng
+        regs = ", ".join(f"%{i}" for i in range(nacc))
+        a = ", ".join(f"%{nacc + i}" for i in range(4))
+        cons_o = ", ".join(f'"+f"(acc[{i // 4}][{i % 4}])' for i in range(nacc))
+        for bf, dt in ((1, "bf16"), (0, "f16")):
+            out.append(f"#if NG == {ng} && BF16 == {bf}\n"
+                       "__device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {\n"
+                       f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} {{{regs}}}, {{{a}}}, '
+                       f'%{nacc + 4}, 1, 1, 1, 0;"\n'
+                       f"               : {cons_o}\n"
+                       f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");\n'
+                       "}\n#endif\n")
+    return "".join(out)
+
+
+SOURCE = SOURCE.replace("/*WGMMA_FUNCS*/", _wgmma_funcs())

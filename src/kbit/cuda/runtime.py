@@ -175,7 +175,10 @@ def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
         hit = _MODULES.get(key)
         if hit is not None:
             return hit
-        cubin, _ = nvrtc_compile(full, _arch(device))
+        arch = _arch(device)
+        if defines.get("ARCH_SPECIFIC"):  # wgmma & co.: sm_90a (arch-specific features, that GPU only)
+            arch += "a"
+        cubin, _ = nvrtc_compile(full, arch)
         with torch.cuda.device(device):
             torch.cuda.current_stream()  # make sure the primary context exists and is current
             lib = _libcuda()

@@ -293,7 +293,15 @@ def _etab(device):
 
 
 def _ng(M):
-    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
+    """8-token groups of a launch (kernels 1-4 take M <= 64 a launch; kernel 6 up to 256)."""
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8 if M <= 64 else 16 if M <= 128 else 32
+
+
+def _permute_x(x2):
+    """x columns in the K order of layout "mma-v1" (kernel 6's wgmma B operand): within each 32-column unit,
+    column 8t + 4h + 2p + e moves to 16h + 8p + 2t + e."""
+    M, Kw = x2.shape
+    return x2.view(M, Kw // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, Kw)
 
 
 #: kernel 3: register pipeline depth (segments) per k
@@ -390,6 +398,15 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         W = max(1, min(W, S))
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
         shared = _table_smem(k)
+    elif kernel == 6:
+        D = cfg[3] if len(cfg) > 3 else 2
+        minb = cfg[4] if len(cfg) > 4 else 1
+        sv = 2 if scale_format == "fp16" else 1
+        stage = 8 * ng * 512 + W * (k * 512 + sv * 128)
+        D = max(2, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
+        defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1,
+                       WG_SWAP=int(os.environ.get("KBIT_WG_SWAP", "0")))
+        shared = D * stage + _table_smem(k) + 128
     elif kernel == 4:
         rt = X
         D = cfg[3] if len(cfg) > 3 else 3
@@ -413,6 +430,9 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
     if kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
+    elif kernel == 6:
+        splits, sps = 1, S
+        grid = max(1, min(slots, -(-Nt // W) * S))
     elif kernel == 4:
         splits, sps = 1, S  # not used by kernel 4 (stream-K over (row block, segment) pairs, workspace fix-up)
         grid = max(1, min(slots, -(-Nt // (W * X)) * S))
@@ -427,7 +447,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4) or splits > 1)
+                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1)
 
 
 _PLANS: dict = {}
@@ -448,6 +468,8 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
             _PLANS.clear()
         _PLANS[key] = p
     Nt, S, splits = p["Nt"], p["S"], p["splits"]
+    if p["defines"]["KERNEL"] == 6:
+        x2 = _permute_x(x2)
     ws, cnt = _workspace(dev, M, Nt * 16, Nt) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
