@@ -904,6 +904,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
   cp_wait_all();
 }
 #else
+#ifndef AB
+#define AB 4 /* A register buffers (units in flight) */
+#endif
 /* kernel 6 (sm_90a): kernel 4 with Hopper wgmma. A warpgroup (4 warps, 16 rows each: the mma.sync A fragment of
    a warp is its slice of the m64 wgmma A operand) looks its codes up into registers, folds the block scales, and
    issues wgmma.m64n(8 NG)k16 with B = the x tile read by the tensor cores from shared memory: no x LDS, one
@@ -963,7 +966,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     }
   };
 #pragma unroll
-  for (int s = 0; s < D - 1; ++s) { issue(j0 + s, s); cp_commit(); }
+  for (int s = 0; s < D - 2; ++s) { issue(j0 + s, s); cp_commit(); }  /* D - 2 ahead: a slot is refilled two
+                                                                          segments after its wgmmas were issued */
   const float ts = *ts_ptr;
   build_table_fast(tab, cb, tid, MAXW * 32);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
@@ -978,12 +982,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
   int rb = j0 / n_seg, seg = j0 - rb * n_seg, seg_first = seg, slot = 0;
   for (int j = j0; j < j1; ++j) {
-    cp_wait_d2();
+    asm volatile("cp.async.wait_group %0;" :: "n"(D - 3) : "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncthreads();
     {
-      int ls = slot + D - 1;
-      issue(j + D - 1, ls >= D ? ls - D : ls);
+      /* slot of segment j - 2: its wgmma groups completed (at most AB - 1 < 8 groups are ever outstanding) */
+      int ls = slot + D - 2;
+      issue(j + D - 2, ls >= D ? ls - D : ls);
       cp_commit();
     }
     const u32 sb = st0 + slot * STAGE4;
@@ -1006,11 +1011,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         sw[4 * v] = q.x; sw[4 * v + 1] = q.y; sw[4 * v + 2] = q.z; sw[4 * v + 3] = q.w;
       }
     }
-    u32 A[2][2][4];
+    u32 A[AB][2][4];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      u32 (&Au)[2][4] = A[u & 1];
-      if (u >= 2) wg_wait<1>();  /* the group that read A[u & 1] (unit u - 2) is done */
+      u32 (&Au)[2][4] = A[u % AB];
+      wg_wait<AB - 1>();  /* the group that read A[u % AB] (unit u - AB, maybe of the last segment) is done */
       lookup(w, u, lbb, Au);
       const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
 #pragma unroll
@@ -1025,9 +1030,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], wg_desc(sb + (u * 2 + h) * 2 * NG * 128));
       wg_commit();
     }
-    wg_wait<0>();
     ++seg;
     if (seg == n_seg || j + 1 == j1) {
+      wg_wait<0>();  /* accumulators final */
       if (tile0 < n_tiles)
         finish(acc, tile0, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
                ws_stride);
@@ -1037,6 +1042,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       seg_first = seg;
     }
   }
+  wg_wait<0>();
   cp_wait_all();
 }
 #endif

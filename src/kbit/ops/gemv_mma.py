@@ -399,12 +399,13 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
         shared = _table_smem(k)
     elif kernel == 6:
-        D = cfg[3] if len(cfg) > 3 else 2
-        minb = cfg[4] if len(cfg) > 4 else 1
+        D = cfg[3] if len(cfg) > 3 else 4
+        ab = cfg[4] if len(cfg) > 4 else 4
+        minb = 1
         sv = 2 if scale_format == "fp16" else 1
         stage = 8 * ng * 512 + W * (k * 512 + sv * 128)
-        D = max(2, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
-        defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1,
+        D = max(3, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
+        defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1, AB=ab,
                        WG_SWAP=int(os.environ.get("KBIT_WG_SWAP", "0")))
         shared = D * stage + _table_smem(k) + 128
     elif kernel == 4:
