@@ -202,6 +202,27 @@ def test_gpu_grouped_kernel_vs_reference(k, dt, E, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["1", "4"])
+@pytest.mark.parametrize("k,dt,T,K_", [(4, "bf16", 1, 1280), (4, "fp16", 64, 2048), (3, "bf16", 16, 768),
+                                       (5, "fp16", 300, 1280), (2, "bf16", 4, 256)])
+def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
+    """Kernels 1 and 4 forced (the default picks by block rows and K), blocks of 8..64 rows, long and short K."""
+    if not GR.available("cuda"):
+        pytest.skip("CUDA kernel not available")
+    monkeypatch.setenv("KBIT_GROUPED_KERNEL", kernel)
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    E, top_k, N = 16, 4, 336
+    codes, scales, ts, cb = make_stack(E, N, K_, k, 32, "log8", device="cuda", seed=T + K_)
+    tok, ids = routing_ids(T, top_k, E, seed=T, device="cuda")
+    x = torch.randn(T, K_, device="cuda").to(dtype)
+    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
+    for ng in (1, 2, 4, 8) if kernel == "4" else (1, 2, 4):
+        y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, ng=ng, **kw)
+        assert rel_err(y, ref) < tol(dtype), ng
+
+
+@pytest.mark.gpu
 def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
     if not GR.available("cuda"):
         pytest.skip("CUDA kernel not available")
