@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import mma_lab as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import mma_lab as L  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.ops.dequant import dequantize_tensors  # noqa: E402
 
@@ -82,14 +82,16 @@ def main():
             bf = L.time_bf16(N, K, M)
             r = dict(N=N, K=K, M=M, k=k, bf16_us=bf)
             ref = whole(x, ws[0], N, K, k)
-            r["whole_us"] = time_calls([(lambda w=w: whole(x, w, N, K, k)) for w in ws]).us
+            r["whole_us"] = time_calls([(lambda w=w, x=x, N=N, K=K: whole(x, w, N, K, k)) for w in ws]).us
             for mode in a.modes.split(","):
                 for slab in [int(v) for v in a.slabs.split(",")]:
                     name = f"{mode}{slab}"
                     try:
                         y = slabbed(x, ws[0], slab, mode, N, K, k)
                         err = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
-                        r[name] = time_calls([(lambda w=w: slabbed(x, w, slab, mode, N, K, k)) for w in ws]).us
+                        calls = [(lambda w=w, x=x, s_=slab, m_=mode, N=N, K=K: slabbed(x, w, s_, m_, N, K, k))
+                                 for w in ws]
+                        r[name] = time_calls(calls).us
                         r[name + "_err"] = err
                     except Exception as ex:  # noqa: BLE001
                         L.log(f"  {name} failed: {repr(ex)[:300]}")

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import mma_lab as L  # noqa: E402
 import torch  # noqa: E402
 
-import mma_lab as L  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
 
 SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]

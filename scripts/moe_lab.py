@@ -84,7 +84,8 @@ def correctness():
                         ok = e < (3e-3 if dt == torch.float16 else 1.5e-2)
                         n += 1
                         if not ok or n % 16 == 0:
-                            log(f"check kern={kern} k={k} {dt} {sf} E={E} T={T} N={N} K={K}: {e:.2e} {'ok' if ok else 'FAIL'}")
+                            log(f"check kern={kern} k={k} {dt} {sf} E={E} T={T} N={N} K={K}: {e:.2e} "
+                                f"{'ok' if ok else 'FAIL'}")
                         if not ok:
                             fails.append((kern, k, str(dt), sf, E, T, N, K, e))
     log(f"correctness: {n} cases, {len(fails)} failures")
@@ -129,7 +130,8 @@ def main():
                 rows, eids, offs = routing(T, E, top)
                 x = torch.randn(T, K, dtype=torch.bfloat16, device="cuda")
                 r = dict(model=name, gemm=which, T=T, N=N, K=K, E=E)
-                bf = time_calls([(lambda w=w: torch._grouped_mm(x.index_select(0, rows), w, offs=offs)) for w in wb])
+                bf = time_calls([(lambda w=w, x=x, rows=rows, offs=offs:
+                                  torch._grouped_mm(x.index_select(0, rows), w, offs=offs)) for w in wb])
                 r["bf16_us"] = bf.us
                 outs = {}
                 for kern in [int(v) for v in a.kernels.split(",")]:
@@ -137,7 +139,8 @@ def main():
                     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
                     try:
                         outs[kern] = GM.grouped_linear(x, rows, eids, *ws[0], **kw)
-                        t = time_calls([(lambda w=w: GM.grouped_linear(x, rows, eids, *w, **kw)) for w in ws])
+                        t = time_calls([(lambda w=w, x=x, rows=rows, eids=eids, kw=kw:
+                                         GM.grouped_linear(x, rows, eids, *w, **kw)) for w in ws])
                         r[f"k{kern}_us"] = t.us
                     except Exception as ex:  # noqa: BLE001
                         log(f"  kernel {kern} failed: {repr(ex)[:300]}")
@@ -146,7 +149,8 @@ def main():
                     r["k1_vs_k4"] = ((a1.double() - a4.double()).norm() / a4.double().norm()).item()
                 rows_out.append(r)
                 log(f"{name} {which} T={T} bf16 {bf.us:.1f} " + " ".join(
-                    f"{kk}={v:.1f}({bf.us / v:.2f}x)" for kk, v in r.items() if kk.startswith("k") and kk.endswith("_us"))
+                    f"{kk}={v:.1f}({bf.us / v:.2f}x)" for kk, v in r.items()
+                    if kk.startswith("k") and kk.endswith("_us"))
                     + (f" diff {r.get('k1_vs_k4', 0):.1e}"))
                 dump()
             del ws, wb

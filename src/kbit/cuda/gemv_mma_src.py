@@ -188,7 +188,9 @@ __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
-__device__ __forceinline__ void cp_wait_d2() { asm volatile("cp.async.wait_group %0;" :: "n"(D >= 2 ? D - 2 : 0) : "memory"); }
+__device__ __forceinline__ void cp_wait_d2() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(D >= 2 ? D - 2 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ V4 lds128(u32 a) {
   V4 v;
@@ -952,7 +954,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       const u32 sb = st0 + slot * STAGE4;
       for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
         const int row = i >> 5, c = i & 31;
-        cp_async16(sb + (c * NG + (row >> 3)) * 128 + (row & 7) * 16, x + (long long)row * x_stride + seg * SEG + c * 8);
+        cp_async16(sb + (c * NG + (row >> 3)) * 128 + (row & 7) * 16,
+                   x + (long long)row * x_stride + seg * SEG + c * 8);
       }
       const int tile = rb * MAXW + (int)warp;
       if (tile < n_tiles) {
