@@ -416,10 +416,11 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     _assert_matches(y1, before[1])
 
     torch.cuda.reset_peak_memory_stats()
+    outs = {M: q(xs[M]) for M in small}  # compared after the peak is read: the comparison makes float64 copies
+    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values())  # no temporaries
     for M in small:
-        _assert_matches(q(xs[M]), before[M], M)
-    out_max = max(_nbytes([before[M]]) for M in small)
-    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + out_max  # no temporaries, no cache
+        _assert_matches(outs[M], before[M], M)
+    del outs
     for M in large:  # an unrepacked temporary, freed after the call
         _assert_matches(q(xs[M]), before[M], M)
     assert _alloc() - held < 0.01 * wbytes
