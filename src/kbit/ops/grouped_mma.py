@@ -203,10 +203,10 @@ def _plan4(k, ng, scale_format, bf16, dev):
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE as DENSE
 
-    key = (4, k, ng, scale_format, bf16, dev)
+    key = (4, k, ng, scale_format, bf16, dev, os.environ.get("KBIT_GROUPED4_W"))
     p = _PLANS.get(key)
     if p is None:
-        W = 16 if ng == 8 else 8
+        W = int(os.environ.get("KBIT_GROUPED4_W", 0)) or (16 if ng == 8 else 8)
         sv = 2 if scale_format == "fp16" else 1
         stage = 8 * ng * 576 + W * (k * 512 + sv * 128)
         D = 2
