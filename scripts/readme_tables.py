@@ -153,7 +153,9 @@ def main():
              "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
              "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
-             e2e_table(RES / "e2e-opt-2026-11-21.json"),
+             e2e_table(RES / "e2e-session3.json"),
+             "Same setup, batch 1, after the MoE decode change (grouped kernel 4 on the down projections):",
+             e2e_table(RES / "e2e-session3-moe-t1.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
     text = readme.read_text()
