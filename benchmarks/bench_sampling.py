@@ -53,8 +53,8 @@ SWEEP = [  # (chunk, candidate vectors, warps_chunk, warps_select)
     (1024, 32, 1, 8), (1024, 32, 1, 16), (2048, 32, 2, 8), (2048, 32, 2, 16), (4096, 32, 4, 16),
     (2048, 32, 1, 16),
 ]
-QUICK_SWEEP = {128: [(4096, 32, 4, 8), (8192, 32, 8, 16), (2048, 32, 2, 8)],
-               1: [(4096, 32, 4, 8), (4096, 32, 4, 4), (2048, 32, 2, 4), (1024, 32, 1, 8)]}
+QUICK_SWEEP = {128: [(4096, 32, 4, 8), (2048, 32, 2, 16), (8192, 32, 8, 16)],
+               1: [(4096, 32, 4, 8), (2048, 32, 2, 16), (8192, 32, 8, 16)]}
 
 
 def git_commit() -> str:
@@ -166,7 +166,7 @@ def time_passes(B):
     """Pass 1 and pass 2 of the headline case alone, each in its own CUDA graph (default config), and
     the number of rows whose certificate F lies at or above the top-k threshold (whole-row fallback)."""
     from kbit.kernels import sampling as kern
-    from kbit.ops.sampling import _BOUND_PIVOTS, _FAST_ENTRIES, _FAST_VECTORS, _STREAM_VECTORS, _next_pow2, _tile
+    from kbit.ops.sampling import _FAST_ENTRIES, _PASS1_CAP_BATCH, _PASS1_MAXNREG, _STREAM_VECTORS, _next_pow2, _tile
 
     xs, _ = make_inputs(B, torch.float32, 1.0, {})
     cfg = pick_config(B, V)
@@ -177,9 +177,8 @@ def time_passes(B):
     cand = torch.empty(B, S * KC, dtype=torch.int32, device=dev)
     cand_val = torch.empty(B, S * KC, dtype=torch.float32, device=dev)
     stats = torch.empty(6, B, S, dtype=torch.float32, device=dev)
-    PV, PE = _FAST_VECTORS, _FAST_ENTRIES
-    fscr_v = torch.empty(B, PE, dtype=torch.float32, device=dev)
-    fscr_i = torch.empty(B, PV + PE, dtype=torch.int32, device=dev)
+    PE = _FAST_ENTRIES
+    fscr = torch.empty(B, PE, dtype=torch.int64, device=dev)
     scr_v = torch.empty(B, P, dtype=torch.float32, device=dev)
     scr_i = torch.empty(B, P, dtype=torch.int32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
@@ -191,16 +190,17 @@ def time_passes(B):
     def pass1(i):
         kern.chunk_summary_kernel[(B, S)](
             xs[i], V, V, lp, temp, lp, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False, TOPK_PER_ROW=False,
-            CHUNK=cfg.chunk, KC=KC, G=G, T=T, MAX_ITERS=24, num_warps=cfg.warps_chunk)
+            CHUNK=cfg.chunk, KC=KC, G=G, T=T, MAX_ITERS=24, num_warps=cfg.warps_chunk,
+            **({"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}))
 
     def pass2(i):
         kern.select_sample_kernel[(B,)](
-            xs[0], V, V, cand, cand_val, stats, B, S, scr_v, scr_i, fscr_v, fscr_i, lp, temp, lp, top_k, lp, top_p,
+            xs[0], V, V, cand, cand_val, stats, B, S, scr_v, scr_i, fscr, lp, temp, lp, top_k, lp, top_p,
             lp, 0.0,
             seed, 0, offset, 0, tok, lp, TEMP_PER_ROW=False, TOPK_PER_ROW=False, TOPP_PER_ROW=False,
             MINP_PER_ROW=False, SEED_MODE=1, OFFSET_MODE=1, CHUNK=cfg.chunk, KC=KC, SP=_next_pow2(S),
             NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS), BLOCK=min(1024, _next_pow2(V)), NPIV=16,
-            PV=PV, PE=PE, NPIV_L=_BOUND_PIVOTS, num_warps=cfg.warps_select)
+            PE=PE, EVEN4=V % 4 == 0, FUSED=True, num_warps=cfg.warps_select)
 
     t1 = graph_time_us(pass1, len(xs))[0]
     pass1(0)

@@ -7,17 +7,21 @@ Pass 1, ``chunk_summary_kernel``, grid ``(B, S)``: one small program reads one c
 as a [G, T/4, 4] tile of raw logits (z = fl(x / T) is monotone in x, so order statistics are taken
 on x), and writes the chunk's max, its certificate and its candidates: the base indices of the
 16-byte vectors that hold an entry ``x >= tau``, ``tau`` = the least of the G tile-row maxima (so at
-least G entries pass; at most ``KC`` vectors, else a uniform general branch refines ``tau`` by
-bisection). Every entry of the chunk not in a stored vector is ``< tau``: the certificate. The sum
-of ``exp(z - max)`` is only computed for rows whose top-k is off (pass 2 needs the mass only there).
+least G entries pass; at most ``KC`` vectors, else ``_chunk_general``, a separate function so that
+its registers do not cap the common path's occupancy, refines ``tau`` by bisection). Every entry of
+the chunk not in a stored vector is ``< tau``: the certificate. The sum of ``exp(z - max)`` is only
+computed for rows whose top-k is off (pass 2 needs the mass only there).
 
-Pass 2, ``select_sample_kernel``, grid ``(B,)``: one program expands a row's candidate vectors,
-keeps the entries above ``F`` (the largest chunk certificate: every entry above ``F`` is a candidate)
-packed into ``P`` scratch slots, finds the top-k and top-p thresholds on them by bisection over
-order-preserving integer keys and, when the final threshold lies above ``F``, samples by inverse
-CDF among them with one Philox uniform per row. Otherwise (wide supports, massive ties) it falls
-back to a k-ary threshold search over the whole row (``NPIV`` pivots per pass) and an inverse-CDF
-scan; with no filter at all it picks the chunk from the chunk masses and scans only that chunk.
+Pass 2, ``select_sample_kernel``, grid ``(B,)``, one program a row. Fast path (top-k and greedy
+rows): a lower bound ``L`` of the top-k threshold from the chunks' two largest tile-row maxima; the
+entries ``>= L`` and above ``F`` (the largest chunk certificate: every entry above ``F`` is a
+candidate), ~k of them, are gathered, packed into scratch and ranked all-pairs; exact whenever the
+top-k threshold lies above ``F``, then one Philox uniform per row picks the token by inverse CDF.
+Everything else calls ``_select_fallback`` (not inlined): all candidate entries above ``F`` packed
+into ``P`` scratch slots, thresholds by bisection over order-preserving integer keys, and when they
+are not certified a k-ary threshold search over the whole row (``NPIV`` pivots per pass) and an
+inverse-CDF scan; with no filter at all it picks the chunk from the chunk masses and scans only that
+chunk.
 
 ``apply_penalties_kernel`` rewrites, in a float32 copy of the logits, the entries named by a sorted
 token history (repetition, presence and frequency penalties).
@@ -70,6 +74,14 @@ def _load_tempered(x_ptr, offs, mask, scale):
     z = x * scale + 0.0
     fin = z > NEG_INF
     return tl.where(fin, z, NEG_INF), fin
+
+
+@triton.jit
+def _uniform(seed, off, row):
+    """One Philox draw per row: counter (row, offset), key seed; a float in [0, 1)."""
+    r0, _r1, _r2, _r3 = tl.philox(seed, row.to(tl.uint32), (off & 0xFFFFFFFF).to(tl.uint32),
+                                  ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), (row * 0).to(tl.uint32))
+    return tl.uint_to_uniform_float(r0)
 
 
 @triton.jit
@@ -181,9 +193,9 @@ def _chunk_general(x_ptr, stride_x, V, row, chunk, scale, need_mass, cand_idx_pt
     pos1 = tl.cumsum(kv1, 0) - 1
     vb1 = tl.reshape(vb, [CHUNK // 4])
     base = (row.to(tl.int64) * S + chunk) * KC
-    tl.store(cand_idx_ptr + base + pos1, vb1, mask=(kv1 > 0) & (pos1 < KC))
-    tl.store(cand_val_ptr + base + pos1, tl.reshape(vmax, [CHUNK // 4]) * scale + 0.0,
-             mask=(kv1 > 0) & (pos1 < KC))
+    put1 = (kv1 > 0) & (pos1 < KC)
+    tl.store(cand_idx_ptr + base + pos1, vb1, mask=put1)
+    tl.store(cand_val_ptr + base + pos1, tl.reshape(vmax, [CHUNK // 4]) * scale + 0.0, mask=put1)
     n_vec = tl.sum(kv1, 0)
     kk = tl.arange(0, KC)
     tl.store(cand_val_ptr + base + kk, tl.full([KC], NEG_INF, tl.float32), mask=kk >= n_vec)
@@ -218,8 +230,9 @@ def chunk_summary_kernel(
     every one of its G rows holds an entry above it. Common path: all x finite and at most KC
     vectors holding an entry >= tau; anything else calls ``_chunk_general`` (not inlined).
 
-    Outputs per chunk: candidate vector bases and maxima (tempered; unused slots -inf) in KC slots,
-    and 6 stats planes: max, mass (top-k off rows only), certificate, finite count, vectors, m2.
+    Outputs per chunk: KC candidate slots, each the base index of a vector and its tempered max (unused
+    slots: -inf), and 6 stats planes: max, mass (top-k off rows only), certificate, finite count,
+    vectors, m2.
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -306,29 +319,87 @@ def _cand_top_p(v, keys, w, sel, target):
 
 
 @triton.jit
-def _kth_lower_bound(m_c, m2_c, k, F, M, NPIV: tl.constexpr, ROUNDS: tl.constexpr):
-    """A value L <= t_k (the row's k-th largest), from the chunks' two largest tile-row maxima m_c, m2_c.
+def _kth_lower_bound(a, k, F):
+    """L = max(F, the k-th largest of the values a, ties counted; -inf when fewer than k are finite).
 
-    They sit at distinct positions of the row, so any L with count(m_c >= L) + count(m2_c >= L) >= k
-    has at least k row entries at or above it. ROUNDS searches of NPIV pivots between max(F, least
-    value) and M find the largest such pivot; F when even the lowest start holds fewer than k (pass 2
-    drops everything at or below F anyway).
-    """
-    vmin = tl.minimum(tl.min(tl.where(m_c > NEG_INF, m_c, POS_INF), 0),
-                      tl.min(tl.where(m2_c > NEG_INF, m2_c, POS_INF), 0))
-    lo = tl.maximum(F, vmin)
-    c_lo = tl.sum((m_c >= lo).to(tl.int32), 0) + tl.sum((m2_c >= lo).to(tl.int32), 0)
-    hi = tl.maximum(M, lo)
-    f = (tl.arange(0, NPIV) + 1).to(tl.float32) / NPIV
-    for _ in tl.static_range(ROUNDS):
-        piv = lo * (1.0 - f) + hi * f  # no overflow for far-apart finite ends; the last pivot is hi
-        cnt = (tl.sum((m_c[:, None] >= piv[None, :]).to(tl.int32), 0)
-               + tl.sum((m2_c[:, None] >= piv[None, :]).to(tl.int32), 0))
-        good = cnt >= k
-        new_lo = tl.maximum(lo, tl.max(tl.where(good, piv, NEG_INF), 0))
-        hi = tl.min(tl.where(good, hi, piv), 0)
-        lo = new_lo
-    return tl.where(c_lo >= k, lo, F)
+    a holds the chunks' two largest tile-row maxima (m_c, m2_c), values at distinct positions of the
+    row, so at least k row entries are >= the k-th largest of them: L <= t_k whenever t_k > F (and
+    pass 2 drops everything at or below F anyway). One all-pairs count, no search."""
+    ge = a[:, None] >= a[None, :]  # [j, i]: the reduction over j stays mostly within each thread
+    c = tl.sum(ge.to(tl.int32), 0)
+    kth = tl.max(tl.where((c >= k) & (a > NEG_INF), a, NEG_INF), 0)
+    return tl.maximum(kth, F)
+
+
+# Several reductions in one pass (one shared-memory round instead of one each) when FUSED; the
+# interpreter runs a custom combine function once per element in Python (~0.1 s per 128 elements and
+# program), so under TRITON_INTERPRET the launcher passes FUSED=False: the same results from built-in
+# reductions (sums may round differently).
+@triton.jit
+def _merge_stats(m0, f0, n0, m1, f1, n1):
+    return tl.maximum(m0, m1), tl.maximum(f0, f1), n0 + n1
+
+
+@triton.jit
+def _sum2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _lexmax(v0, c0, v1, c1):
+    c = tl.where(v0 > v1, c0, tl.where(v1 > v0, c1, tl.maximum(c0, c1)))
+    return tl.maximum(v0, v1), c
+
+
+@triton.jit
+def _argmin_key(k0, i0, v0, k1, i1, v1):
+    first = (k0 < k1) | ((k0 == k1) & (i0 <= i1))
+    return tl.where(first, k0, k1), tl.where(first, i0, i1), tl.where(first, v0, v1)
+
+
+@triton.jit
+def _max_max_sum(a, b, c, FUSED: tl.constexpr):
+    """(max a, max b, sum c) over axis 0."""
+    if FUSED:
+        ra, rb, rc = tl.reduce((a, b, c), 0, _merge_stats)
+    else:
+        ra = tl.max(a, 0)
+        rb = tl.max(b, 0)
+        rc = tl.sum(c, 0)
+    return ra, rb, rc
+
+
+@triton.jit
+def _sum_sum(a, b, axis: tl.constexpr, FUSED: tl.constexpr):
+    if FUSED:
+        ra, rb = tl.reduce((a, b), axis, _sum2)
+    else:
+        ra = tl.sum(a, axis)
+        rb = tl.sum(b, axis)
+    return ra, rb
+
+
+@triton.jit
+def _max_then_max(v, c, FUSED: tl.constexpr):
+    """The largest v, and the largest c among the entries holding it."""
+    if FUSED:
+        rv, rc = tl.reduce((v, c), 0, _lexmax)
+    else:
+        rv = tl.max(v, 0)
+        rc = tl.max(tl.where(v == rv, c, NEG_INF), 0)
+    return rv, rc
+
+
+@triton.jit
+def _argmin(key, idx, v, FUSED: tl.constexpr):
+    """(idx, v) of the smallest key; ties: the lowest idx."""
+    if FUSED:
+        _k, ri, rv = tl.reduce((key, idx, v), 0, _argmin_key)
+    else:
+        kmin = tl.min(key, 0)
+        ri = tl.min(tl.where(key == kmin, idx, INT32_MAX), 0)
+        rv = tl.max(tl.where((key == kmin) & (idx == ri), v, NEG_INF), 0)
+    return ri, rv
 
 
 # ----------------------------------------------------------------- pass 2: whole-row fallbacks
@@ -421,35 +492,19 @@ def _expand(x_row, cand_row, nvec_row, vs, S, KC: tl.constexpr, V, scale, NV: tl
     return tl.reshape(e_idx, [NV * 4]), tl.reshape(e_z, [NV * 4]), tl.reshape(e_fin, [NV * 4])
 
 
-@triton.jit
-def select_sample_kernel(
-    x_ptr, stride_x, V,
-    cand_idx_ptr, cand_val_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr, fscr_val_ptr, fscr_idx_ptr,
-    temp_ptr, temp_val, topk_ptr, topk_val, topp_ptr, topp_val, minp_ptr, minp_val,
-    seed_ptr, seed_val, offset_ptr, offset_val,
-    tok_ptr, logprob_ptr,
-    TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr, TOPP_PER_ROW: tl.constexpr,
-    MINP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_MODE: tl.constexpr,
+@triton.jit(noinline=True)
+def _select_fallback(
+    x_ptr, stride_x, V, row, cand_idx_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr,
+    scale, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
     CHUNK: tl.constexpr, KC: tl.constexpr, SP: tl.constexpr, NVP: tl.constexpr, P: tl.constexpr,
-    VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr, PV: tl.constexpr, PE: tl.constexpr,
-    NPIV_L: tl.constexpr,
+    VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    """Pass 2 for the rows the fast path could not certify (and rows with top-k off): expands every
+    candidate vector, keeps the entries above the certificate F packed into P scratch slots, bisects
+    the thresholds on them and, when a threshold is not certified, searches the whole row. Not inlined:
+    its registers and code stay out of the fast path. Stores the row's token and log-probability."""
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    temp = _param(temp_ptr, temp_val, row, TEMP_PER_ROW, tl.float32)
-    top_k = _param(topk_ptr, topk_val, row, TOPK_PER_ROW, tl.int32)
-    top_p = _param(topp_ptr, topp_val, row, TOPP_PER_ROW, tl.float32)
-    min_p = _param(minp_ptr, minp_val, row, MINP_PER_ROW, tl.float32)
-    scale, greedy = _row_scale(temp)
-
-    # one Philox draw per row, counter (row, offset), key seed
-    seed = _rng_word(seed_ptr, seed_val, row, SEED_MODE)
-    off = _rng_word(offset_ptr, offset_val, row, OFFSET_MODE)
-    r0, _r1, _r2, _r3 = tl.philox(seed, row.to(tl.uint32), (off & 0xFFFFFFFF).to(tl.uint32),
-                                  ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), (row * 0).to(tl.uint32))
-    u = tl.uint_to_uniform_float(r0)
-
-    # merge the chunk summaries
+    u = _uniform(seed, off, row)
     sl = tl.arange(0, SP)
     smask = sl < S
     plane = B * S
@@ -464,193 +519,257 @@ def select_sample_kernel(
     F = tl.max(f_c, 0)
     n_fin = tl.sum(n_c, 0).to(tl.int32)
     zmin = tl.full([], -3.4028234663852886e38, tl.float32)  # lowest finite value: fallback searches start here
-
-    # ---- fast path (top-k rows and greedy rows): a lower bound L of the top-k threshold from the
-    # chunks' two largest tile-row maxima; only the candidate vectors whose max is >= L (and > F)
-    # are gathered (~k of them), their entries packed into PE slots and ranked all-pairs.
     cand_row = cand_idx_ptr + row.to(tl.int64) * S * KC
     nvec_row = stats_ptr + 4 * plane + row * S
-    topk_on0 = (top_k > 0) & (top_k < n_fin)
-    fast = greedy | topk_on0
-    m2_c = tl.load(stats_ptr + 5 * plane + sat, mask=smask, other=NEG_INF)
-    kk = tl.arange(0, KC)
-    soff = sl[:, None] * KC + kk[None, :]
-    sval = tl.load(cand_val_ptr + row.to(tl.int64) * S * KC + soff, mask=smask[:, None], other=NEG_INF)
-    sidx = tl.load(cand_row + soff, mask=smask[:, None], other=0)
-    nv = tl.load(nvec_row + sl, mask=smask, other=0.0)
-    L = tl.where(greedy, M, _kth_lower_bound(m_c, m2_c, top_k, F, M, NPIV_L, 2))
-    F_f = tl.where(greedy, NEG_INF, F)  # greedy rows only need the vectors holding M
-    f_surv = (kk[None, :].to(tl.float32) < nv[:, None]) & (sval >= L) & (sval > F_f)
-    s1 = tl.reshape(f_surv.to(tl.int32), [SP * KC])
-    spos = tl.cumsum(s1, 0) - 1
-    n_sv = tl.sum(s1, 0)
-    fbase = row.to(tl.int64) * (PV + PE)
-    tl.store(fscr_idx_ptr + fbase + spos, tl.reshape(sidx, [SP * KC]), mask=(s1 > 0) & (spos < PV))
     tok = tl.full([], 0, tl.int32)
     logprob = tl.full([], 0.0, tl.float32)
-    done = tl.full([], 0, tl.int32)
-    if fast & (n_sv <= PV):
+
+    # candidate entries: the 4 entries of each stored vector. Survivors (above the certificate F)
+    # are packed into P scratch slots, streaming VB vectors at a time, when there are more entries
+    if NVP * 4 > P:
+        scr = row.to(tl.int64) * P
+        tok_g = tl.full([], INT32_MAX, tl.int32)
+        n_surv = tl.full([], 0, tl.int32)
+        F_pack = tl.where(greedy, POS_INF, F)  # greedy rows need no survivors
+        for vs in range(0, S * KC, VB):
+            e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, vs, S, KC, V, scale, VB)
+            tok_g = tl.minimum(tok_g, tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0))
+            surv = e_fin & (e_z > F_pack)
+            pos = n_surv + tl.cumsum(surv.to(tl.int32), 0) - 1
+            put = surv & (pos < P)
+            tl.store(scr_val_ptr + scr + pos, e_z, mask=put)
+            tl.store(scr_idx_ptr + scr + pos, e_idx, mask=put)
+            n_surv += tl.sum(surv.to(tl.int32), 0)
+        F = tl.where(n_surv > P, POS_INF, F)  # survivors lost: certify nothing
         tl.debug_barrier()
-        pv = tl.arange(0, PV)
-        vok = pv < n_sv
-        fvb = tl.load(fscr_idx_ptr + fbase + pv, mask=vok, other=0)
-        f_idx = fvb[:, None] + tl.arange(0, 4)[None, :]
-        f_z, f_fin = _load_tempered(x_row, f_idx, vok[:, None] & (f_idx < V), scale)
-        e1 = tl.reshape((f_fin & (f_z >= L) & (f_z > F_f)).to(tl.int32), [PV * 4])
-        epos = tl.cumsum(e1, 0) - 1
-        n_se = tl.sum(e1, 0)
-        eput = (e1 > 0) & (epos < PE)
-        tl.store(fscr_val_ptr + row.to(tl.int64) * PE + epos, tl.reshape(f_z, [PV * 4]), mask=eput)
-        tl.store(fscr_idx_ptr + fbase + PV + epos, tl.reshape(f_idx, [PV * 4]), mask=eput)
-        if n_se <= PE:
-            tl.debug_barrier()
-            ce = tl.arange(0, PE)
-            efin = ce < n_se
-            ev = tl.load(fscr_val_ptr + row.to(tl.int64) * PE + ce, mask=efin, other=NEG_INF)
-            eidx = tl.load(fscr_idx_ptr + fbase + PV + ce, mask=efin, other=0)
-            if greedy:
-                tok = tl.min(tl.where(efin & (ev == M), eidx, INT32_MAX), 0)
-                done = (tok < INT32_MAX).to(tl.int32)
-            else:
-                # c_i = #{j : v_j >= v_i}: t_k = the largest v_i with c_i >= k (ties counted);
-                # exact whenever t_k > F (every entry >= t_k is then among the survivors)
-                ge = efin[None, :] & (ev[None, :] >= ev[:, None])
-                c_i = tl.sum(ge.to(tl.int32), 1)
-                t_k = tl.max(tl.where(efin & (c_i >= top_k), ev, NEG_INF), 0)
-                in_k = efin & (ev >= t_k)
-                w = tl.where(in_k, tl.exp(ev - M), 0.0)
-                W_k = tl.sum(w, 0)
-                t_p = tl.full([], NEG_INF, tl.float32)
-                if top_p < 1.0:
-                    # mass at or above each kept value: t_p = the largest with mass >= top_p * W_k
-                    mass_i = tl.sum(tl.where(ge, w[None, :], 0.0), 1)
-                    t_p = tl.max(tl.where(in_k & (mass_i >= top_p * W_k), ev, NEG_INF), 0)
-                t_min = tl.where(min_p > 0.0, M + tl.log(min_p), NEG_INF)
-                t = tl.maximum(tl.maximum(t_k, t_p), t_min)
-                ws = tl.where(in_k & (ev >= t), w, 0.0)
-                W_t = tl.sum(ws, 0)
-                cs = tl.cumsum(ws, 0)
-                pick = tl.min(tl.where((cs > u * W_t) & (ws > 0.0), ce, INT32_MAX), 0)
-                pick = tl.where(pick < INT32_MAX, pick, tl.max(tl.where(ws > 0.0, ce, 0), 0))
-                tok = tl.sum(tl.where(ce == pick, eidx, 0), 0)
-                z_tok = tl.sum(tl.where(ce == pick, ev, 0.0), 0)
-                logprob = z_tok - M - tl.log(W_t)
-                done = (t_k > F).to(tl.int32)
+        cl = tl.arange(0, P)
+        fin = cl < n_surv
+        v = tl.load(scr_val_ptr + scr + cl, mask=fin, other=NEG_INF)
+        idx = tl.load(scr_idx_ptr + scr + cl, mask=fin, other=0)
+    else:
+        e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, 0, S, KC, V, scale, NVP)
+        tok_g = tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0)
+        cl = tl.arange(0, NVP * 4)
+        fin = e_fin & (e_z > F)
+        v = tl.where(fin, e_z, NEG_INF)
+        idx = e_idx
 
-    if done == 0:
-        # candidate entries: the 4 entries of each stored vector. Survivors (above the certificate F)
-        # are packed into P scratch slots, streaming VB vectors at a time, when there are more entries
-        if NVP * 4 > P:
-            scr = row.to(tl.int64) * P
-            tok_g = tl.full([], INT32_MAX, tl.int32)
-            n_surv = tl.full([], 0, tl.int32)
-            F_pack = tl.where(greedy, POS_INF, F)  # greedy rows need no survivors
-            for vs in range(0, S * KC, VB):
-                e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, vs, S, KC, V, scale, VB)
-                tok_g = tl.minimum(tok_g, tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0))
-                surv = e_fin & (e_z > F_pack)
-                pos = n_surv + tl.cumsum(surv.to(tl.int32), 0) - 1
-                put = surv & (pos < P)
-                tl.store(scr_val_ptr + scr + pos, e_z, mask=put)
-                tl.store(scr_idx_ptr + scr + pos, e_idx, mask=put)
-                n_surv += tl.sum(surv.to(tl.int32), 0)
-            F = tl.where(n_surv > P, POS_INF, F)  # survivors lost: certify nothing
-            tl.debug_barrier()
-            cl = tl.arange(0, P)
-            fin = cl < n_surv
-            v = tl.load(scr_val_ptr + scr + cl, mask=fin, other=NEG_INF)
-            idx = tl.load(scr_idx_ptr + scr + cl, mask=fin, other=0)
-        else:
-            e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, 0, S, KC, V, scale, NVP)
-            tok_g = tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0)
-            cl = tl.arange(0, NVP * 4)
-            fin = e_fin & (e_z > F)
-            v = tl.where(fin, e_z, NEG_INF)
-            idx = e_idx
+    if greedy:
+        # the lowest index holding the row max is always a candidate
+        tok = tok_g
+    else:
+        # pass 1 summed exp(z - max) only for rows with top-k off
+        mass_known = top_k <= 0
+        topk_on = (top_k > 0) & (top_k < n_fin)
+        topp_on = top_p < 1.0
+        if (~mass_known) & (~topk_on):
+            Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
+        # (a candidate at or below F can never be part of a certified support: dropped above)
+        keys = _ordered_key(v)
+        w = tl.where(fin, tl.exp(v - M), 0.0)
+        t_min = tl.where(min_p > 0.0, M + tl.log(min_p), NEG_INF)
 
-        if greedy:
-            # the lowest index holding the row max is always a candidate
-            tok = tok_g
-            logprob = tl.full([], 0.0, tl.float32)
+        # thresholds from the candidates; each is exact when it lies above the certificate F
+        t_k = tl.full([], NEG_INF, tl.float32)
+        if topk_on:
+            t_k = _cand_kth_largest(v, keys, fin, top_k)
+        in_k = fin & (v >= t_k)
+        W_k = tl.where(topk_on, tl.sum(tl.where(in_k, w, 0.0), 0), Z)
+        t_p = tl.full([], NEG_INF, tl.float32)
+        if topp_on:
+            t_p = _cand_top_p(v, keys, w, in_k, top_p * W_k)
+        ok_k = (~topk_on) | (t_k > F)
+        ok_p = (~topp_on) | (t_p > F)
+        t = tl.maximum(tl.maximum(t_k, t_p), t_min)
+
+        if ok_k & ok_p & (t > F):
+            # the whole support is among the candidates
+            ws = tl.where(fin & (v >= t), w, 0.0)
+            W_t = tl.sum(ws, 0)
+            cs = tl.cumsum(ws, 0)
+            # a parallel scan may round up across a zero weight: only land on kept entries
+            pick = tl.min(tl.where((cs > u * W_t) & (ws > 0.0), cl, INT32_MAX), 0)
+            pick = tl.where(pick < INT32_MAX, pick, tl.max(tl.where(ws > 0.0, cl, 0), 0))
+            tok = tl.sum(tl.where(cl == pick, idx, 0), 0)
+            z_tok = tl.sum(tl.where(cl == pick, v, 0.0), 0)
+            logprob = z_tok - M - tl.log(W_t)
         else:
-            # pass 1 summed exp(z - max) only for rows with top-k off
-            mass_known = top_k <= 0
-            topk_on = (top_k > 0) & (top_k < n_fin)
-            topp_on = top_p < 1.0
-            if (~mass_known) & (~topk_on):
+            # whole-row passes for whatever the candidates could not certify
+            hi0 = _ordered_key(M).to(tl.int64) + 1
+            if (~mass_known) & topk_on:
                 Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
-            # (a candidate at or below F can never be part of a certified support: dropped above)
-            keys = _ordered_key(v)
-            w = tl.where(fin, tl.exp(v - M), 0.0)
-            t_min = tl.where(min_p > 0.0, M + tl.log(min_p), NEG_INF)
-
-            # thresholds from the candidates; each is exact when it lies above the certificate F
-            t_k = tl.full([], NEG_INF, tl.float32)
-            if topk_on:
-                t_k = _cand_kth_largest(v, keys, fin, top_k)
-            in_k = fin & (v >= t_k)
-            W_k = tl.where(topk_on, tl.sum(tl.where(in_k, w, 0.0), 0), Z)
-            t_p = tl.full([], NEG_INF, tl.float32)
+            c_k = tl.where(topk_on, tl.sum(in_k.to(tl.float32), 0), n_fin.to(tl.float32))
+            if topk_on & (~ok_k):
+                lo_k, c_k, W_k = _row_search(x_row, V, scale, M, _ordered_key(zmin).to(tl.int64), hi0,
+                                             n_fin.to(tl.float32), Z, top_k.to(tl.float32),
+                                             top_k.to(tl.float32), 0, BLOCK, NPIV)
+                t_k = _key_to_float(lo_k.to(tl.int32))
+            W_p = W_k
             if topp_on:
-                t_p = _cand_top_p(v, keys, w, in_k, top_p * W_k)
-            ok_k = (~topk_on) | (t_k > F)
-            ok_p = (~topp_on) | (t_p > F)
+                lo_p0 = _ordered_key(tl.maximum(t_k, zmin)).to(tl.int64)
+                lo_p, _c_p, W_p = _row_search(x_row, V, scale, M, lo_p0, hi0, c_k, W_k, top_p * W_k,
+                                              -1.0, 1, BLOCK, NPIV)
+                t_p = _key_to_float(lo_p.to(tl.int32))
             t = tl.maximum(tl.maximum(t_k, t_p), t_min)
-
-            if ok_k & ok_p & (t > F):
-                # the whole support is among the candidates
-                ws = tl.where(fin & (v >= t), w, 0.0)
-                W_t = tl.sum(ws, 0)
-                cs = tl.cumsum(ws, 0)
-                # a parallel scan may round up across a zero weight: only land on kept entries
-                pick = tl.min(tl.where((cs > u * W_t) & (ws > 0.0), cl, INT32_MAX), 0)
-                pick = tl.where(pick < INT32_MAX, pick, tl.max(tl.where(ws > 0.0, cl, 0), 0))
-                tok = tl.sum(tl.where(cl == pick, idx, 0), 0)
-                z_tok = tl.sum(tl.where(cl == pick, v, 0.0), 0)
-                logprob = z_tok - M - tl.log(W_t)
+            if (t == NEG_INF) & mass_known:
+                # no filter: choose the chunk by its mass, then scan that chunk alone
+                cum = tl.cumsum(mass_c, 0)
+                c_pick = tl.min(tl.where((cum > u * Z) & (mass_c > 0.0), sl, SP), 0)
+                c_pick = tl.where(c_pick < SP, c_pick, tl.max(tl.where(mass_c > 0.0, sl, 0), 0))
+                before = tl.sum(tl.where(sl < c_pick, mass_c, 0.0), 0)
+                start = c_pick * CHUNK
+                tok = _row_scan(x_row, start, tl.minimum(start + CHUNK, V), scale, M, t,
+                                u * Z - before, BLOCK)
+                W_t = Z
             else:
-                # whole-row passes for whatever the candidates could not certify
-                hi0 = _ordered_key(M).to(tl.int64) + 1
-                if (~mass_known) & topk_on:
-                    Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
-                c_k = tl.where(topk_on, tl.sum(in_k.to(tl.float32), 0), n_fin.to(tl.float32))
-                if topk_on & (~ok_k):
-                    lo_k, c_k, W_k = _row_search(x_row, V, scale, M, _ordered_key(zmin).to(tl.int64), hi0,
-                                                 n_fin.to(tl.float32), Z, top_k.to(tl.float32),
-                                                 top_k.to(tl.float32), 0, BLOCK, NPIV)
-                    t_k = _key_to_float(lo_k.to(tl.int32))
-                W_p = W_k
-                if topp_on:
-                    lo_p0 = _ordered_key(tl.maximum(t_k, zmin)).to(tl.int64)
-                    lo_p, _c_p, W_p = _row_search(x_row, V, scale, M, lo_p0, hi0, c_k, W_k, top_p * W_k,
-                                                  -1.0, 1, BLOCK, NPIV)
-                    t_p = _key_to_float(lo_p.to(tl.int32))
-                t = tl.maximum(tl.maximum(t_k, t_p), t_min)
-                if (t == NEG_INF) & mass_known:
-                    # no filter: choose the chunk by its mass, then scan that chunk alone
-                    cum = tl.cumsum(mass_c, 0)
-                    c_pick = tl.min(tl.where((cum > u * Z) & (mass_c > 0.0), sl, SP), 0)
-                    c_pick = tl.where(c_pick < SP, c_pick, tl.max(tl.where(mass_c > 0.0, sl, 0), 0))
-                    before = tl.sum(tl.where(sl < c_pick, mass_c, 0.0), 0)
-                    start = c_pick * CHUNK
-                    tok = _row_scan(x_row, start, tl.minimum(start + CHUNK, V), scale, M, t,
-                                    u * Z - before, BLOCK)
-                    W_t = Z
+                if t == t_p:
+                    W_t = W_p
+                elif t == t_k:
+                    W_t = W_k
                 else:
-                    if t == t_p:
-                        W_t = W_p
-                    elif t == t_k:
-                        W_t = W_k
-                    else:
-                        W_t = _row_mass_ge(x_row, V, scale, M, t, BLOCK)
-                    tok = _row_scan(x_row, 0, V, scale, M, t, u * W_t, BLOCK)
-                tok = tl.minimum(tl.maximum(tok, 0), V - 1)
-                z_tok = tl.load(x_row + tok).to(tl.float32) * scale
-                logprob = z_tok - M - tl.log(W_t)
+                    W_t = _row_mass_ge(x_row, V, scale, M, t, BLOCK)
+                tok = _row_scan(x_row, 0, V, scale, M, t, u * W_t, BLOCK)
+            tok = tl.minimum(tl.maximum(tok, 0), V - 1)
+            z_tok = tl.load(x_row + tok).to(tl.float32) * scale
+            logprob = z_tok - M - tl.log(W_t)
 
     tok = tl.minimum(tl.maximum(tok, 0), V - 1)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(logprob_ptr + row, logprob)
+
+
+@triton.jit
+def select_sample_kernel(
+    x_ptr, stride_x, V,
+    cand_idx_ptr, cand_val_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr, fscr_ptr,
+    temp_ptr, temp_val, topk_ptr, topk_val, topp_ptr, topp_val, minp_ptr, minp_val,
+    seed_ptr, seed_val, offset_ptr, offset_val,
+    tok_ptr, logprob_ptr,
+    TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr, TOPP_PER_ROW: tl.constexpr,
+    MINP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_MODE: tl.constexpr,
+    CHUNK: tl.constexpr, KC: tl.constexpr, SP: tl.constexpr, NVP: tl.constexpr, P: tl.constexpr,
+    VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr, PE: tl.constexpr, EVEN4: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    """One program per row. Fast path (top-k rows and greedy rows):
+
+    1. Read at once: the chunk stats and every candidate slot (vector base and max).
+    2. L = max(F, the k-th largest of the chunks' two largest tile-row maxima) <= t_k (all-pairs).
+    3. The vectors whose max is >= L and > F (~k + 15) are read in place (one masked 16-byte gather per
+       slot); their entries >= L and > F are packed, (value bits, index) in one int64 each, into PE
+       scratch slots: the j-th such entry of a slot's vector goes to (prefix over slots) + j.
+    4. Ranked all-pairs in the order (value desc, index asc): rank r_i and mass C_i at or before i.
+       t_k = max{v_i : r_i >= k}; the mass at or above a value is the largest C of its tie group, so
+       (t_k, W_k), (t_p, W_p) are one reduction each; the draw is the first entry (in that order)
+       with C_i > u * W_t: inverse CDF, independent of the slot order. Exact whenever t_k > F (every
+       entry >= t_k is then packed).
+
+    Greedy rows: the lowest candidate index holding the row max (every chunk stores the vector of its
+    lowest index holding its max: always exact). Everything else calls ``_select_fallback``."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    temp = _param(temp_ptr, temp_val, row, TEMP_PER_ROW, tl.float32)
+    top_k = _param(topk_ptr, topk_val, row, TOPK_PER_ROW, tl.int32)
+    top_p = _param(topp_ptr, topp_val, row, TOPP_PER_ROW, tl.float32)
+    min_p = _param(minp_ptr, minp_val, row, MINP_PER_ROW, tl.float32)
+    scale, greedy = _row_scale(temp)
+    seed = _rng_word(seed_ptr, seed_val, row, SEED_MODE)
+    off = _rng_word(offset_ptr, offset_val, row, OFFSET_MODE)
+
+    # everything the fast path reads, issued at once: chunk stats and all candidate slots
+    sl = tl.arange(0, SP)
+    smask = sl < S
+    plane = B * S
+    sat = row * S + sl
+    m_c = tl.load(stats_ptr + sat, mask=smask, other=NEG_INF)
+    f_c = tl.load(stats_ptr + 2 * plane + sat, mask=smask, other=NEG_INF)
+    n_c = tl.load(stats_ptr + 3 * plane + sat, mask=smask, other=0.0)
+    a_i = tl.arange(0, 2 * SP)
+    a_s = a_i % SP
+    a = tl.load(stats_ptr + tl.where(a_i < SP, 0, 5 * plane) + row * S + a_s, mask=a_s < S, other=NEG_INF)
+    ns = tl.arange(0, NVP)
+    nmask = ns < S * KC
+    slot_row = row.to(tl.int64) * S * KC
+    j4 = tl.arange(0, 4)
+    sval = tl.load(cand_val_ptr + slot_row + ns, mask=nmask, other=NEG_INF)
+    sidx = tl.load(cand_idx_ptr + slot_row + ns, mask=nmask, other=0)
+    M, F, n_fin = _max_max_sum(m_c, f_c, n_c, FUSED)
+    topk_on = (top_k > 0) & (top_k < n_fin.to(tl.int32))
+
+    tok = tl.full([], 0, tl.int32)
+    logprob = tl.full([], 0.0, tl.float32)
+    done = tl.full([], 0, tl.int32)
+    if greedy | topk_on:
+        L = tl.where(greedy, M, _kth_lower_bound(a, top_k, F))
+        F_f = tl.where(greedy, NEG_INF, F)  # greedy rows only need the entries holding M
+        keep_v = (sval >= L) & (sval > F_f)  # unused slots hold -inf: never kept
+        e_idx = tl.multiple_of(sidx, 4)[:, None] + j4[None, :]
+        if EVEN4:  # no vector straddles V: a per-vector mask keeps the gather 16 bytes wide
+            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None], scale)
+        else:
+            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None] & (e_idx < V), scale)
+        keep_e = fin & (z >= L) & (z > F_f)
+        if greedy:
+            tok = tl.min(tl.min(tl.where(keep_e & (z == M), e_idx, INT32_MAX), 1), 0)
+            done = tl.full([], 1, tl.int32)
+        else:
+            # pack (value bits, index) of the survivors: four 1-D stores, so that no 2-D tile changes
+            # layout for the scatter
+            k_i = keep_e.to(tl.int32)
+            cnt_v = tl.sum(k_i, 1)
+            n_se = tl.sum(cnt_v, 0)
+            excl = tl.cumsum(cnt_v, 0) - cnt_v
+            rank_e = tl.cumsum(k_i, 1)
+            zbits = z.to(tl.int32, bitcast=True)
+            fbase = row.to(tl.int64) * PE
+            for j in tl.static_range(4):
+                sel = keep_e & (rank_e == j + 1)
+                idx_j = tl.sum(tl.where(sel, e_idx, 0), 1)
+                bits_j = tl.sum(tl.where(sel, zbits, 0), 1)
+                packed = (bits_j.to(tl.int64) << 32) | idx_j.to(tl.int64)
+                tl.store(fscr_ptr + fbase + excl + j, packed, mask=(cnt_v > j) & (excl + j < PE))
+            if n_se <= PE:
+                tl.debug_barrier()
+                ce = tl.arange(0, PE)
+                efin = ce < n_se
+                pk = tl.load(fscr_ptr + fbase + ce, mask=efin, other=0)
+                eidx = (pk & 0xFFFFFFFF).to(tl.int32)
+                ev = tl.where(efin, (pk >> 32).to(tl.int32).to(tl.float32, bitcast=True), NEG_INF)
+                w = tl.where(efin, tl.exp(ev - M), 0.0)
+                # [j, i]: j precedes-or-is i in the order (value desc, index asc); the reduction over j
+                # stays mostly within each thread
+                prec = efin[:, None] & ((ev[:, None] > ev[None, :])
+                                        | ((ev[:, None] == ev[None, :]) & (eidx[:, None] <= eidx[None, :])))
+                r_i, C_i = _sum_sum(prec.to(tl.int32), tl.where(prec, w[:, None], 0.0), 0, FUSED)
+                t_k, W_k = _max_then_max(tl.where(efin & (r_i >= top_k), ev, NEG_INF), C_i, FUSED)
+                in_k = efin & (ev >= t_k)
+                t_p = tl.full([], NEG_INF, tl.float32)
+                W_p = W_k
+                if top_p < 1.0:
+                    # t_p = the largest kept value whose upper set holds >= top_p of the mass
+                    t_p, W_p = _max_then_max(tl.where(in_k & (C_i >= top_p * W_k), ev, NEG_INF), C_i, FUSED)
+                t_min = tl.where(min_p > 0.0, M + tl.log(min_p), NEG_INF)
+                t = tl.maximum(tl.maximum(t_k, t_p), t_min)
+                W_t = tl.where(t == t_p, W_p, W_k)
+                if t > tl.maximum(t_k, t_p):
+                    W_t = tl.max(tl.where(in_k & (ev >= t), C_i, 0.0), 0)
+                # inverse CDF: the first entry with C_i > u * W_t (rounding: the last with weight);
+                # the uniform is drawn here, long after its seed and offset were read
+                u = _uniform(seed, off, row)
+                supp = in_k & (ev >= t) & (w > 0.0)
+                key = tl.where(C_i > u * W_t, C_i, 3.0 * W_t + (W_t - C_i))
+                tok, z_tok = _argmin(tl.where(supp, key, POS_INF), eidx, ev, FUSED)
+                logprob = z_tok - M - tl.log(W_t)
+                done = (t_k > F).to(tl.int32)
+
+    if done != 0:
+        tok = tl.minimum(tl.maximum(tok, 0), V - 1)
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(logprob_ptr + row, logprob)
+    else:
+        _select_fallback(x_ptr, stride_x, V, row, cand_idx_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr,
+                         scale, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
+                         CHUNK, KC, SP, NVP, P, VB, BLOCK, NPIV)
 
 
 # ---------------------------------------------------------------------------------- penalties

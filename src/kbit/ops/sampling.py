@@ -30,9 +30,9 @@ _SEARCH_ITERS = 24  # pass-1 bisection steps before a chunk settles for fewer en
 _ROW_BLOCK = 1024  # tile of the whole-row fallback passes
 _STREAM_VECTORS = 1024  # candidate vectors pass 2 expands at a time (4096 entries) when packing
 _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
-_FAST_VECTORS = 128  # fast path: candidate vectors whose max is >= the top-k lower bound (~k expected)
-_FAST_ENTRIES = 128  # fast path: their entries >= the bound, ranked all-pairs
-_BOUND_PIVOTS = 32  # pivots of each of the 2 searches for the top-k lower bound
+_FAST_ENTRIES = 128  # pass-2 fast path: entries >= the top-k lower bound (~k expected), ranked all-pairs
+_PASS1_MAXNREG = 64  # pass-1 register cap: the common path needs ~72, its general branch (a call) ~150
+_PASS1_CAP_BATCH = 16  # cap only from this batch size: below it the grid fits the GPU uncapped anyway
 
 
 def _interpreting() -> bool:
@@ -85,18 +85,14 @@ class SamplingConfig:
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Launch config from the H100 sweep of v4 (benchmarks/results/h100/sampling_v4.md, V = 151936):
-    B >= 16: 4096-entry pass-1 chunks, 4 warps, 16 warps in pass 2 (61.1 us at B = 128, the best of the
-    sweep); smaller B: 2048-entry chunks, 2 warps, 8 warps in pass 2 (16.7 us at B = 1, the best).
-
-    Pass 1 keeps ``{x >= min of the tile-row maxima}`` per chunk; larger chunks mean fewer candidates for
-    pass 2, smaller ones more programs per row (B = 1 has only its own row to spread).
+    """Launch config (to be re-swept on the H100 for v5): 4096-entry pass-1 chunks of 4 warps and 16 warps
+    in pass 2 at every batch size. Pass 2's fast path works on all ~S * 32 candidate slots and the
+    2S chunk values at once, so fewer, larger chunks keep its tiles small (2048-entry chunks double them
+    and spill); pass 1 keeps ``{x >= min of the tile-row maxima}`` per chunk either way.
     """
-    big = batch >= 16
-    chunk = min(4096 if big else 2048, max(16, _next_pow2(vocab)))
+    chunk = min(4096, max(16, _next_pow2(vocab)))
     candidates = max(2, chunk // 2) if vocab <= chunk else 32  # one chunk: keep up to half of it
-    return SamplingConfig(chunk, candidates, warps_chunk=max(1, min(4 if big else 2, chunk // 1024)),
-                          warps_select=16 if big else 8)
+    return SamplingConfig(chunk, candidates, warps_chunk=max(1, min(4, chunk // 1024)), warps_select=16)
 
 
 def _tile(chunk: int, warps: int) -> tuple[int, int]:
@@ -237,11 +233,12 @@ def _sample_op(
         return dummy if t is None else t
 
     G, T = _tile(chunk, warps_chunk)
+    cap = {"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}
     _k.chunk_summary_kernel[(B, S)](
         x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
-        CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk,
+        CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk, **cap,
     )
     NVP = _next_pow2(S * KC)
     P = select_slots
@@ -250,11 +247,10 @@ def _sample_op(
         scr_idx = torch.empty(B, P, dtype=torch.int32, device=device)
     else:
         scr_val, scr_idx = dummy, cand_idx
-    PV, PE = _FAST_VECTORS, _FAST_ENTRIES
-    fscr_val = torch.empty(B, PE, dtype=torch.float32, device=device)
-    fscr_idx = torch.empty(B, PV + PE, dtype=torch.int32, device=device)
+    PE = _FAST_ENTRIES
+    fscr = torch.empty(B, PE, dtype=torch.int64, device=device)
     _k.select_sample_kernel[(B,)](
-        x, x.stride(0), V, cand_idx, cand_val, stats, B, S, scr_val, scr_idx, fscr_val, fscr_idx,
+        x, x.stride(0), V, cand_idx, cand_val, stats, B, S, scr_val, scr_idx, fscr,
         ptr(temperature_t), temperature, ptr(top_k_t), top_k, ptr(top_p_t), top_p,
         ptr(min_p_t), min_p, ptr(seed_t), seed, ptr(offset_t), offset,
         tokens, logprobs,
@@ -263,7 +259,7 @@ def _sample_op(
         SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
         CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
-        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PV=PV, PE=PE, NPIV_L=_BOUND_PIVOTS,
+        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not _interpreting(),
         num_warps=warps_select,
     )
     return tokens, logprobs
