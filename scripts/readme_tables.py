@@ -145,6 +145,18 @@ def quantize_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def sampling_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    m = d["meta"]
+    out = [f"Fused sampler (`kbit.sample`), V = 151936 fp32 logits, temperature 0.7 + top-k 50 + top-p 0.9, "
+           f"{m['gpu']}, commit {m['commit']}, `{path.relative_to(ROOT)}` (`{m['command']}`; CUDA graphs, "
+           f"torch reference in the same run; GPU statistical tests: {m['tests']['summary'].split(',')[0]}).", "",
+           "| B | kbit us | torch reference us | speedup |", "|--:|--:|--:|--:|"]
+    for r in d["cases"]:
+        out.append(f"| {r['B']} | {r['kbit_us']:.1f} | {r['ref_us']:.1f} | {r['speedup']:.1f}x |")
+    return "\n".join(out)
+
+
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
              "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session3-2026-11-21.json"),
@@ -156,6 +168,7 @@ def main():
              e2e_table(RES / "e2e-session3.json"),
              "Same setup, batch 1, after the MoE decode change (grouped kernel 4 on the down projections):",
              e2e_table(RES / "e2e-session3-moe-t1.json"),
+             "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
     text = readme.read_text()
