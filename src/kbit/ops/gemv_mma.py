@@ -252,17 +252,31 @@ def _pack_bytes(c: torch.Tensor, k: int, out: torch.Tensor) -> None:
 _CACHE: dict = {}
 
 
-def repacked(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
-             K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`repack`, cached per ``codes`` tensor (object and version, held weakly) and ``scales`` version."""
-    key = id(codes)
-    hit = _CACHE.get(key)
+def cache_get(cache: dict, codes: torch.Tensor, scales: torch.Tensor):
+    """The value ``cache`` holds for ``(codes, scales)``, or None: entries are keyed by the codes tensor (object
+    and version, held weakly) and the scales tensor (object and version)."""
+    hit = cache.get(id(codes))
     if (hit is not None and hit[0]() is codes and hit[1] == codes._version and hit[2]() is scales
             and hit[3] == scales._version):
         return hit[4]
-    val = repack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
-    _CACHE[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
-    weakref.finalize(codes, _CACHE.pop, key, None)
+    return None
+
+
+def cache_put(cache: dict, codes: torch.Tensor, scales: torch.Tensor, val):
+    """Store ``val`` for ``(codes, scales)`` (dropped when ``codes`` is freed); returns ``val``."""
+    key = id(codes)
+    cache[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
+    weakref.finalize(codes, cache.pop, key, None)
+    return val
+
+
+def repacked(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
+             K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`repack`, cached per ``codes`` tensor (object and version, held weakly) and ``scales`` version."""
+    val = cache_get(_CACHE, codes, scales)
+    if val is None:
+        val = cache_put(_CACHE, codes, scales,
+                        repack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K))
     return val
 
 

@@ -23,11 +23,10 @@ Where the CUDA kernel is not available (no GPU / NVRTC, Triton interpreter) :fun
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 
-from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, repack, unrepack
+from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, cache_get, cache_put, repack, unrepack
 
 __all__ = ["available", "block_table", "block_table_reference", "block_table_torch", "choose_ng", "copy_repacked",
            "grouped_linear", "grouped_linear_repacked", "repack_stack", "repacked_stack", "unrepack_stack"]
@@ -79,27 +78,20 @@ _CACHE: dict = {}
 def repacked_stack(codes, scales, *, k, blocksize, scale_format, N, K):
     """:func:`repack_stack`, cached per ``codes`` tensor (object and version, held weakly) and ``scales``
     version: a KbitMoE's stacks are repacked once, on the first call (run one eager step before capturing)."""
-    key = id(codes)
-    hit = _CACHE.get(key)
-    if (hit is not None and hit[0]() is codes and hit[1] == codes._version and hit[2]() is scales
-            and hit[3] == scales._version):
-        return hit[4]
-    val = repack_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
-    _CACHE[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
-    weakref.finalize(codes, _CACHE.pop, key, None)
+    val = cache_get(_CACHE, codes, scales)
+    if val is None:
+        val = cache_put(_CACHE, codes, scales,
+                        repack_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K))
     return val
 
 
 def copy_repacked(src_codes, src_scales, dst_codes, dst_scales) -> bool:
     """Seed the cache of a copy (``dst``, equal tensors) with clones of ``src``'s repacked stack, if cached
     (benchmarks build many weight copies; repacking each costs ~0.1 s). Returns whether it did."""
-    hit = _CACHE.get(id(src_codes))
-    if hit is None or hit[0]() is not src_codes or hit[1] != src_codes._version or hit[2]() is not src_scales:
+    val = cache_get(_CACHE, src_codes, src_scales)
+    if val is None:
         return False
-    val = tuple(t.clone() for t in hit[4])
-    key = id(dst_codes)
-    _CACHE[key] = (weakref.ref(dst_codes), dst_codes._version, weakref.ref(dst_scales), dst_scales._version, val)
-    weakref.finalize(dst_codes, _CACHE.pop, key, None)
+    cache_put(_CACHE, dst_codes, dst_scales, tuple(t.clone() for t in val))
     return True
 
 
