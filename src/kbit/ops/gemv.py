@@ -219,6 +219,17 @@ def _use_mma(x) -> bool:
     return gemv_mma.available(x.device)
 
 
+
+def _check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias):
+    """The argument checks of a dense small-M call (``gemv``, ``kbit.ops.gemv_mma.linear_small_m``)."""
+    _check_params(k, blocksize, scale_format, N, K)
+    _check_tensor("x", x, (torch.float16, torch.bfloat16))
+    if x.dim() < 1 or x.shape[-1] != K:
+        _fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
+    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
+    if bias is not None:
+        _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
+
 def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
          config: GemvConfig | None = None):
     """``y = x @ W.T (+ bias)`` for a k-bit weight ``W[N, K]`` in the canonical layout.
@@ -242,19 +253,14 @@ def gemv(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_for
     -------
     >>> y = gemv(x, w.codes, w.scales, w.tensor_scale, w.codebook, k=4, N=4096, K=4096)  # doctest: +SKIP
     """
-    _check_params(k, blocksize, scale_format, N, K)
-    _check_tensor("x", x, (torch.float16, torch.bfloat16))
-    if x.dim() < 1 or x.shape[-1] != K:
-        _fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
+    _check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
     if bias is not None:
-        _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
         bias = bias.contiguous()
     if config is None and _use_mma(x):
         from kbit.ops import gemv_mma
 
-        return gemv_mma.linear_small_m(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
-                                       scale_format=scale_format, N=N, K=K, bias=bias)
+        return gemv_mma._linear_small_m(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                        scale_format=scale_format, N=N, K=K, bias=bias)  # checked above
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]

@@ -507,15 +507,9 @@ def _prep_x(x2, S):
 
 
 def _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias):
-    from kbit.ops.gemv import _check_params, _check_tensor, _check_weight, _fail
+    from kbit.ops.gemv import _check_dense
 
-    _check_params(k, blocksize, scale_format, N, K)
-    _check_tensor("x", x, (torch.float16, torch.bfloat16))
-    if x.dim() < 1 or x.shape[-1] != K:
-        _fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    _check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
-    if bias is not None:
-        _check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
+    _check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
 
 
 def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
@@ -532,6 +526,13 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
     (``kbit.nn.KbitLinear.repack_for_kernels``).
     """
     _check(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    return _linear_small_m(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                           scale_format=scale_format, N=N, K=K, bias=bias, config=config)
+
+
+def _linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize, scale_format, N, K, bias=None,
+                    config=None):
+    """:func:`linear_small_m` on checked arguments (``kbit.ops.gemv.gemv`` checks them once)."""
     if not available(x.device):
         from kbit.ops.gemv import gemv
 
