@@ -918,13 +918,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
 __device__ __forceinline__ u64 wg_desc(u32 saddr) {
   /* no swizzle; LBO: K-direction core-matrix stride (NG * 128 B), SBO: N-direction (128 B) */
   u64 d = (u64)((saddr & 0x3FFFF) >> 4);
-#if WG_SWAP
-  d |= (u64)((128 >> 4) & 0x3FFF) << 16;
-  d |= (u64)(((NG * 128) >> 4) & 0x3FFF) << 32;
-#else
   d |= (u64)(((NG * 128) >> 4) & 0x3FFF) << 16;
   d |= (u64)((128 >> 4) & 0x3FFF) << 32;
-#endif
   return d;
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

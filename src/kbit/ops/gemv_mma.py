@@ -419,8 +419,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sv = 2 if scale_format == "fp16" else 1
         stage = 8 * ng * 512 + W * (k * 512 + sv * 128)
         D = max(3, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
-        defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1, AB=ab,
-                       WG_SWAP=int(os.environ.get("KBIT_WG_SWAP", "0")))
+        defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1, AB=ab)
         shared = D * stage + _table_smem(k) + 128
     elif kernel == 4:
         rt = X
