@@ -565,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     }
   }
 }
-#elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6
+#elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column
    segment's x[M][256], codes and scales go through a D-stage cp.async shared-memory pipeline (one CTA barrier a
    segment). x B fragments are read once per unit and used by the warp's RT tiles; block scales are folded into
@@ -928,6 +928,7 @@ template <int N> __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 /*WGMMA_FUNCS*/
+#if KERNEL == 6
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
@@ -1043,6 +1044,185 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   wg_wait<0>();
   cp_wait_all();
 }
+#else
+/* kernel 7 (sm_90a, large M): output tiles of MAXW x 16 weight rows x 8 NG tokens (NG = 16, 32), one tile a task,
+   K split into `splits` tasks when the tiles are too few for the GPU. Persistent CTAs take tasks blockIdx.x,
+   + gridDim.x, ...; tasks are rastered in groups of GM token blocks (the x and the codes that CTAs running at
+   once touch stay in L2). Each warpgroup (4 warps x 16 rows) looks its codes up into the m64 wgmma A operand as
+   kernel 6 does; B = x chunks of 64 columns (x permuted to the "mma-v1" K order on the host) through a D-stage
+   cp.async ring read by the tensor cores. Codes and scales of the next segment are prefetched into registers. */
+#define XC (8 * NG * 128)   /* one 64-column chunk of 8 NG tokens: 8 K-direction core matrices x NG */
+#define LAG (AB / 2 + 1)    /* a stage is refilled LAG chunks after the chunk that last read it */
+#ifndef GM
+#define GM 8
+#endif
+struct Task { int tb, rb, s0, s1; };
+__device__ __forceinline__ Task task_of(int p, int n_rb, int n_tb, int splits, int sps, int n_seg) {
+  Task r;
+  const int q = p / splits, sp = p - q * splits;
+  const int per = GM * n_rb, grp = q / per, first = grp * GM, rem = q - grp * per;
+  const int gsz = min(n_tb - first, GM);
+  r.tb = first + rem % gsz;
+  r.rb = rem / gsz;
+  r.s0 = sp * sps;
+  r.s1 = min(n_seg, r.s0 + sps);
+  return r;
+}
+__device__ __forceinline__ V4 ldg_nc(const V4* p) {
+  V4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
+    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
+    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
+    int bias_kind, int ws_stride) {
+  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2;
+  const int BT = 8 * NG;
+  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = (M + BT - 1) / BT;
+  const int n_tasks = n_rb * n_tb * splits;
+  if ((int)blockIdx.x >= n_tasks) return;
+  extern __shared__ __align__(128) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + D * XC + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  /* x loader: chunk l_c of task l_p */
+  int l_p = blockIdx.x, l_c = 0;
+  Task lt = task_of(l_p, n_rb, n_tb, splits, sps, n_seg);
+  int l_nc = (lt.s1 - lt.s0) * 4;
+  auto issue = [&](int slot) {
+    if (l_p < n_tasks) {
+      const u32 sb = dsm_base + slot * XC;
+      const long long col = (long long)(lt.s0 * 4 + l_c) * 64;
+      const int tok0 = lt.tb * BT;
+#pragma unroll
+      for (int i = (int)tid; i < BT * 8; i += MAXW * 32) {
+        const int tok = i >> 3, c8 = i & 7;
+        int row = tok0 + tok;
+        row = row < M ? row : M - 1;
+        cp_async16(sb + (c8 * NG + (tok >> 3)) * 128 + (tok & 7) * 16, x + (long long)row * x_stride + col + c8 * 8);
+      }
+      if (++l_c == l_nc) {
+        l_c = 0;
+        l_p += gridDim.x;
+        if (l_p < n_tasks) {
+          lt = task_of(l_p, n_rb, n_tb, splits, sps, n_seg);
+          l_nc = (lt.s1 - lt.s0) * 4;
+        }
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
+  /* codes / scales prefetch: segment f_s of task f_p */
+  int f_p = blockIdx.x;
+  Task ft = task_of(f_p, n_rb, n_tb, splits, sps, n_seg);
+  int f_s = ft.s0;
+  u32 wn[NW], swn[4 * SV];
+  auto fetch = [&]() {
+    if (f_p < n_tasks) {
+      const int tile = ft.rb * MAXW + (int)warp;
+      if (tile < n_tiles) {
+        const long long ts_ = (long long)tile * n_seg + f_s;
+#pragma unroll
+        for (int v = 0; v < K_BITS; ++v) {
+          V4 q = ldg_nc(codes + (ts_ * K_BITS + v) * 32 + lane);
+          wn[4 * v] = q.x; wn[4 * v + 1] = q.y; wn[4 * v + 2] = q.z; wn[4 * v + 3] = q.w;
+        }
+#pragma unroll
+        for (int v = 0; v < SV; ++v) {
+          V4 q = ldg_nc(scales + ts_ * 8 * SV + g * SV + v);
+          swn[4 * v] = q.x; swn[4 * v + 1] = q.y; swn[4 * v + 2] = q.z; swn[4 * v + 3] = q.w;
+        }
+      }
+      if (++f_s == ft.s1) {
+        f_p += gridDim.x;
+        if (f_p < n_tasks) {
+          ft = task_of(f_p, n_rb, n_tb, splits, sps, n_seg);
+          f_s = ft.s0;
+        }
+      }
+    }
+  };
+  fetch();
+  const float ts = *ts_ptr;
+  build_table_fast(tab, cb, tid, MAXW * 32);
+  const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
+  for (u32 i = tid; i < 256; i += MAXW * 32) {
+    const u16 h = f2h(e_tab[i] * SPRE);
+    s_sc2[i] = (u32)h | ((u32)h << 16);
+  }
+  const u32 lbb = lane_bits(tab, lane);
+  const u32 sc2_base = smem_addr(s_sc2);
+  float acc[NG][4];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+  int c_p = blockIdx.x;
+  Task ct = task_of(c_p, n_rb, n_tb, splits, sps, n_seg);
+  int c_s = ct.s0, slot = 0;
+  u32 A[AB][2][4];
+  while (c_p < n_tasks) {
+    u32 w[NW], sw[4 * SV];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = wn[i];
+#pragma unroll
+    for (int i = 0; i < 4 * SV; ++i) sw[i] = swn[i];
+    fetch();
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      asm volatile("cp.async.wait_group %0;" :: "n"(D - LAG - 1) : "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncthreads();
+      {
+        int ls = slot + D - LAG;
+        issue(ls >= D ? ls - D : ls);
+        cp_commit();
+      }
+      const u32 sb = dsm_base + slot * XC;
+      slot = slot + 1 == D ? 0 : slot + 1;
+#pragma unroll
+      for (int ul = 0; ul < 2; ++ul) {
+        const int u = 2 * cc + ul;
+        u32 (&Au)[2][4] = A[u % AB];
+        wg_wait<AB - 1>();
+        lookup(w, u, lbb, Au);
+        const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          Au[h][0] = hmul2(Au[h][0], s0);
+          Au[h][2] = hmul2(Au[h][2], s0);
+          Au[h][1] = hmul2(Au[h][1], s1);
+          Au[h][3] = hmul2(Au[h][3], s1);
+        }
+        wg_fence();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], wg_desc(sb + (ul * 2 + h) * 2 * NG * 128));
+        wg_commit();
+      }
+    }
+    if (++c_s == ct.s1) {
+      wg_wait<0>();
+      const int tile = ct.rb * MAXW + (int)warp;
+      const int tok0 = ct.tb * BT;
+      const int mb = min(BT, M - tok0);
+      if (tile < n_tiles)
+        finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post,
+               ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, 1, splits, ws_stride);
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
+      c_p += gridDim.x;
+      if (c_p < n_tasks) {
+        ct = task_of(c_p, n_rb, n_tb, splits, sps, n_seg);
+        c_s = ct.s0;
+      }
+    }
+  }
+  wg_wait<0>();
+  cp_wait_all();
+}
+#endif
 #endif
 #else
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(

@@ -364,6 +364,19 @@ def default_config(k, M, N, K):
     return cfg
 
 
+def large_ok(device) -> bool:
+    """Kernel 7 (M > 64, wgmma) runs here: sm_90 (it is compiled for sm_90a)."""
+    return torch.cuda.get_device_capability(device) == (9, 0) and os.environ.get("KBIT_LARGE_M", "1") != "0"
+
+
+def large_config(k, M, N, K):
+    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group) for
+    M > 64; ``KBIT_LARGE_CFG="7,W,NG,D,GM"`` overrides (lab)."""
+    if os.environ.get("KBIT_LARGE_CFG"):
+        return tuple(int(v) for v in os.environ["KBIT_LARGE_CFG"].split(","))
+    return (7, 8, 16 if M <= 128 else 32, 4, 8)
+
+
 def _table_smem(k):
     """Dynamic shared bytes of the lookup table plus its alignment pad."""
     tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
@@ -421,6 +434,14 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         D = max(3, min(D, (SMEM_MAX - 2048 - _table_smem(k)) // stage))
         defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1, AB=ab)
         shared = D * stage + _table_smem(k) + 128
+    elif kernel == 7:
+        ng = X  # 8-token groups a tile: 16 (128 tokens) or 32 (256)
+        D = cfg[3] if len(cfg) > 3 else 4
+        gm = cfg[4] if len(cfg) > 4 else 8
+        xc = 8 * ng * 128
+        D = max(3, min(D, (SMEM_MAX - 2048 - 128 - _table_smem(k)) // xc))
+        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm)
+        shared = D * xc + _table_smem(k) + 128
     elif kernel == 4:
         rt = X
         D = cfg[3] if len(cfg) > 3 else 3
@@ -447,6 +468,13 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
     elif kernel == 6:
         splits, sps = 1, S
         grid = max(1, min(slots, -(-Nt // W) * S))
+    elif kernel == 7:
+        tiles = -(-Nt // W) * -(-M // (8 * ng))
+        splits = _splits(tiles, S, slots, max(1, S // 4), divide=False) if tiles < 2 * slots else 1
+        sps = -(-S // splits)
+        splits = -(-S // sps)
+        grid = max(1, min(slots, tiles * splits))
+        n_cnt = tiles // -(-Nt // W) * Nt
     elif kernel == 4:
         splits, sps = 1, S  # not used by kernel 4 (stream-K over (row block, segment) pairs, workspace fix-up)
         grid = max(1, min(slots, -(-Nt // (W * X)) * S))
@@ -461,7 +489,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1)
+                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1,
+                n_cnt=n_cnt if kernel == 7 else Nt)
 
 
 _PLANS: dict = {}
@@ -482,9 +511,9 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
             _PLANS.clear()
         _PLANS[key] = p
     Nt, S, splits = p["Nt"], p["S"], p["splits"]
-    if p["defines"]["KERNEL"] == 6:
+    if p["defines"]["KERNEL"] in (6, 7):
         x2 = _permute_x(x2)
-    ws, cnt = _workspace(dev, M, Nt * 16, Nt) if p["use_ws"] else (y, y)
+    ws, cnt = _workspace(dev, M, Nt * 16, p["n_cnt"]) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
@@ -556,6 +585,11 @@ def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format,
         return y.reshape(*lead, N)
     S = rc.shape[1]
     Kp = -(-K // blocksize) * blocksize
+    if M > MAX_M and (config is None or config[0] == 7) and large_ok(x.device):
+        xm = _prep_x(x2, S)
+        _launch(xm, rc, rs, tensor_scale, codebook, bias, y, k=k, scale_format=scale_format, N=N, K=K, M=M, Kp=Kp,
+                config=tuple(config or large_config(k, M, N, K)))
+        return y.reshape(*lead, N)
     for m0 in range(0, M, MAX_M):
         xm = _prep_x(x2[m0:m0 + MAX_M], S)
         _launch(xm, rc, rs, tensor_scale, codebook, bias, y[m0:m0 + MAX_M], k=k, scale_format=scale_format, N=N,
