@@ -82,12 +82,23 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-deq", action="store_true")
     ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--ncu", default="", help="NxKxM: one launch of each --cfgs there (run under ncu), nothing else")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    if a.ncu:
+        N, K, M = (int(v) for v in a.ncu.split("x"))
+        for cfg in [tuple(int(v) for v in c.split(",")) for c in a.cfgs.split(";") if c]:
+            rc, rs, ts, cb = L.rand_repacked(N, K, 4, 0)
+            x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            MM._launch(x, rc, rs, ts, cb, None, y, k=4, scale_format="log8", N=N, K=K, M=M, Kp=K, config=cfg)
+            torch.cuda.synchronize()
+            print(f"ncu launch cfg={cfg}", flush=True)
+        return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    cfgs = [tuple(int(v) for v in c.split(",")) for c in a.cfgs.split(";") if c]
+    cfgs = [None if c == "default" else tuple(int(v) for v in c.split(",")) for c in a.cfgs.split(";") if c]
     rows, fails = [], []
 
     def dump():
@@ -109,7 +120,9 @@ def main():
                 bf = L.time_bf16(N, K, M)
                 r = dict(k=k, N=N, K=K, M=M, bf16_us=bf)
                 for cfg in cfgs:
-                    name = ",".join(map(str, cfg))
+                    name = ",".join(map(str, cfg)) if cfg else "default"
+                    if cfg is None and M > MM.MAX_M:
+                        continue
                     try:
                         us, nb = L.time_mma(N, K, k, M, torch.bfloat16, cfg)
                         r[name] = us
@@ -140,7 +153,7 @@ def main():
     L.log(f"\ncorrectness failures: {len(fails)}")
     for f in fails[:20]:
         L.log(f"  {f}")
-    names = [",".join(map(str, c)) for c in cfgs] + ([] if a.no_deq else ["deq+cublas"])
+    names = [",".join(map(str, c)) if c else "default" for c in cfgs] + ([] if a.no_deq else ["deq+cublas"])
     L.log("| k | shape | M | bf16 us | " + " | ".join(names) + " |")
     for r in rows:
         L.log(f"| {r['k']} | {r['N']}x{r['K']} | {r['M']} | {r['bf16_us']:.1f} | " + " | ".join(

@@ -1056,6 +1056,20 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #ifndef GM
 #define GM 8
 #endif
+#ifndef XSW
+#define XSW 1 /* x chunks in wgmma's 128-byte swizzled K-major layout (0: no swizzle, core matrices) */
+#endif
+/* the B descriptor of the k16 step kk (0..3) of an x chunk at shared address sb */
+__device__ __forceinline__ u64 x_desc(u32 sb, int kk) {
+#if XSW
+  /* token rows of 128 bytes, 16-byte chunk c of row r at (c ^ (r % 8)) * 16; 8-row groups 1024 bytes apart
+     (SBO); K steps advance the start address by 32 bytes inside the swizzle atom; LBO unused (1) */
+  const u32 a = sb + kk * 32;
+  return (u64)((a & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+#else
+  return wg_desc(sb + kk * 2 * NG * 128);
+#endif
+}
 struct Task { int tb, rb, s0, s1; };
 __device__ __forceinline__ Task task_of(int p, int n_rb, int n_tb, int splits, int sps, int n_seg) {
   Task r;
@@ -1086,7 +1100,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const int n_tasks = n_rb * n_tb * splits;
   if ((int)blockIdx.x >= n_tasks) return;
   extern __shared__ __align__(128) unsigned char dsm[];
-  const u32 dsm_base = smem_addr(dsm);
+  const u32 dsm_base = (smem_addr(dsm) + 1023) & ~1023u;  /* swizzle atoms are 1024-byte aligned */
   const u32 tab = (dsm_base + D * XC + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   /* x loader: chunk l_c of task l_p */
   int l_p = blockIdx.x, l_c = 0;
@@ -1099,10 +1113,21 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       const int tok0 = lt.tb * BT;
 #pragma unroll
       for (int i = (int)tid; i < BT * 8; i += MAXW * 32) {
-        const int tok = i >> 3, c8 = i & 7;
+        /* lanes 0-7: 8 tokens of one core matrix (128 contiguous shared bytes a phase: no bank conflict); lane
+           bit 3: the next 16 bytes of the same rows (full 32-byte global sectors); bit 4: the next 8 tokens */
+#if XSW
+        const int tok = i >> 3, c8 = i & 7;  /* a phase (8 lanes) writes one 128-byte row */
+        int row = tok0 + tok;
+        row = row < M ? row : M - 1;
+        cp_async16(sb + tok * 128 + ((c8 ^ (tok & 7)) << 4), x + (long long)row * x_stride + col + c8 * 8);
+#else
+        const int rest = i >> 5;  /* = warp + MAXW j: rest % 4 is the warp's (MAXW % 4 == 0), tokens step by 32 */
+        const int tok = ((rest >> 2) * 2 + ((i >> 4) & 1)) * 8 + (i & 7);
+        const int c8 = (rest & 3) * 2 + ((i >> 3) & 1);
         int row = tok0 + tok;
         row = row < M ? row : M - 1;
         cp_async16(sb + (c8 * NG + (tok >> 3)) * 128 + (tok & 7) * 16, x + (long long)row * x_stride + col + c8 * 8);
+#endif
       }
       if (++l_c == l_nc) {
         l_c = 0;
@@ -1175,32 +1200,35 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       asm volatile("cp.async.wait_group %0;" :: "n"(D - LAG - 1) : "memory");
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
-      {
-        int ls = slot + D - LAG;
-        issue(ls >= D ? ls - D : ls);
-        cp_commit();
-      }
       const u32 sb = dsm_base + slot * XC;
+      const int ls = slot + D - LAG;
       slot = slot + 1 == D ? 0 : slot + 1;
 #pragma unroll
       for (int ul = 0; ul < 2; ++ul) {
         const int u = 2 * cc + ul;
         u32 (&Au)[2][4] = A[u % AB];
-        wg_wait<AB - 1>();
-        lookup(w, u, lbb, Au);
+        /* the table lookups go into temporaries before the wait for the wgmmas that read A[u % AB]: their
+           latency overlaps the tensor cores instead of following the wait */
+        u32 T[2][4];
+        lookup(w, u, lbb, T);
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
+        wg_wait<AB - 1>();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          Au[h][0] = hmul2(Au[h][0], s0);
-          Au[h][2] = hmul2(Au[h][2], s0);
-          Au[h][1] = hmul2(Au[h][1], s1);
-          Au[h][3] = hmul2(Au[h][3], s1);
+          Au[h][0] = hmul2(T[h][0], s0);
+          Au[h][2] = hmul2(T[h][2], s0);
+          Au[h][1] = hmul2(T[h][1], s1);
+          Au[h][3] = hmul2(T[h][3], s1);
         }
         wg_fence();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], wg_desc(sb + (ul * 2 + h) * 2 * NG * 128));
+        for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
         wg_commit();
       }
+      /* refill after this chunk's wgmmas are issued: the copies' address registers are not needed by the
+         lookups that follow the barrier */
+      issue(ls >= D ? ls - D : ls);
+      cp_commit();
     }
     if (++c_s == ct.s1) {
       wg_wait<0>();

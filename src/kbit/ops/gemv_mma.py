@@ -370,8 +370,8 @@ def large_ok(device) -> bool:
 
 
 def large_config(k, M, N, K):
-    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group) for
-    M > 64; ``KBIT_LARGE_CFG="7,W,NG,D,GM"`` overrides (lab)."""
+    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group, x swizzled)
+    for M > 64; ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW"`` overrides (lab)."""
     if os.environ.get("KBIT_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_LARGE_CFG"].split(","))
     return (7, 8, 16 if M <= 128 else 32, 4, 8)
@@ -439,9 +439,10 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         D = cfg[3] if len(cfg) > 3 else 4
         gm = cfg[4] if len(cfg) > 4 else 8
         xc = 8 * ng * 128
-        D = max(3, min(D, (SMEM_MAX - 2048 - 128 - _table_smem(k)) // xc))
-        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm)
-        shared = D * xc + _table_smem(k) + 128
+        xsw = cfg[5] if len(cfg) > 5 else 1
+        D = max(3, min(D, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
+        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw)
+        shared = D * xc + _table_smem(k) + 1024
     elif kernel == 4:
         rt = X
         D = cfg[3] if len(cfg) > 3 else 3
