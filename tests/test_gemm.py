@@ -82,6 +82,11 @@ def test_dispatch_table_and_heuristic():
     assert choose(16, 4096, 4096, 4, mma=False).kernel == "fused"
     assert choose(64, 4096, 4096, 4, mma=True).kernel == "gemv"
     assert choose(65, 4096, 4096, 4, mma=True).kernel != "gemv"
+    # with its sm_90 kernel 7 up to LARGE_MAX_M
+    assert choose(65, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
+    assert choose(256, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
+    assert choose(257, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
+    assert choose(100, 4096, 4096, 4, mma=False, large=True).kernel != "gemv"
     assert choose(16, 4096, 4096, 4, grouped=True, mma=True).kernel != "gemv"
 
 

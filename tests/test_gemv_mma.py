@@ -218,3 +218,58 @@ def test_mma_gpu_cuda_graph():
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
+
+
+sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device_capability() == (9, 0)),
+                          reason="kernel 7 (wgmma) is sm_90a only")
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M", [33, 64, 65, 128, 200, 257])
+def test_large_gpu_m(k, dtype, M):
+    """Kernel 7 through the default route (M 33..64 on small weights, every M > 64): partial token tiles."""
+    assert MM.uses_large(M, 2880, 5120, "cuda")
+    check(2880, 5120, k, M, dtype, seed=M)
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+@pytest.mark.parametrize("config", [(7, 16, 8, 4, 8, 1), (7, 12, 16, 4, 8, 1), (7, 8, 32, 3, 8, 1), (7, 8, 16, 6, 2, 0),
+                                    (7, 4, 16, 3, 8, 1)])
+def test_large_gpu_configs_split_k_formats(config):
+    """Every tile shape, both x layouts: one row block (split K, twice: the workspace must be left clean), odd N
+    and K with bias, fp16 scales, blocksizes 64 / 128, many tasks a CTA (persistent loop, raster groups)."""
+    for _ in range(2):
+        check(64, 8192, 4, 100, torch.float16, bias=True, config=config)
+    check(1000, 4000, 3, 300, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
+    check(17, 300, 5, 129, torch.float16, B=128, config=config)
+    check(28672, 1024, 2, 520, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+def test_large_gpu_cuda_graph_and_dispatch():
+    from kbit.ops.gemm import _choice, linear
+
+    codes, scales, ts, cb = make_weight(512, 1024, 4, device="cuda")
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=512, K=1024)
+    x = torch.randn(200, 1024, dtype=torch.bfloat16, device="cuda")
+    assert _choice(200, 512, 1024, 4, x.device).kernel == "gemv" and MM.serves(x, 512, 1024, 4)
+    assert _choice(300, 512, 1024, 4, x.device).kernel != "gemv"
+    y0 = linear(x, codes, scales, ts, cb, **kw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear(x, codes, scales, ts, cb, **kw)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, y0)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)

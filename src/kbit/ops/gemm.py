@@ -150,7 +150,8 @@ def dequant_mm(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, sca
 def _choice(M, N, K, k, device) -> Choice:
     from kbit.ops import gemv_mma
 
-    return choose(M, N, K, k, device, mma=gemv_mma.available(device))
+    mma = gemv_mma.available(device)
+    return choose(M, N, K, k, device, mma=mma, large=mma and gemv_mma.large_ok(device))
 
 
 def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,

@@ -369,12 +369,31 @@ def large_ok(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and os.environ.get("KBIT_LARGE_M", "1") != "0"
 
 
+#: kernel 7 serves 33 <= M <= 64 where N * K is at most this (kernel 4 stays above: 57344x8192 M = 64 305.5 vs
+#: 321.6 us), H100 ``benchmarks/results/h100/large7-2026-11-22-run7.log``
+LARGE7_MID_MAX_NK = 3 * 10**8
+
+
 def large_config(k, M, N, K):
-    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group, x swizzled)
-    for M > 64; ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW"`` overrides (lab)."""
+    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group, x swizzled):
+    64-token tiles and 16 warps up to M = 64, 128-token tiles and 12 warps up to 256 (the best in the H100 lab runs
+    of 2026-11-22, ``benchmarks/results/h100/large7-2026-11-22-run7.log``), 256-token tiles and 8 warps above.
+    ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW"`` overrides (lab)."""
     if os.environ.get("KBIT_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_LARGE_CFG"].split(","))
-    return (7, 8, 16 if M <= 128 else 32, 4, 8)
+    if M <= 64:
+        return (7, 16, 8, 4, 8, 1)
+    return (7, 12, 16, 4, 8, 1) if M <= 256 else (7, 8, 32, 4, 8, 1)
+
+
+def uses_large(M, N, K, device, config=None) -> bool:
+    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M > 64, or 33..64 on weights
+    of at most :data:`LARGE7_MID_MAX_NK` elements; a given ``config`` decides by its kernel."""
+    if config is not None:
+        return config[0] == 7
+    if not large_ok(device):
+        return False
+    return M > MAX_M or (M > 32 and N * K <= LARGE7_MID_MAX_NK)
 
 
 def _table_smem(k):
@@ -586,7 +605,7 @@ def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format,
         return y.reshape(*lead, N)
     S = rc.shape[1]
     Kp = -(-K // blocksize) * blocksize
-    if M > MAX_M and (config is None or config[0] == 7) and large_ok(x.device):
+    if uses_large(M, N, K, x.device, config):
         xm = _prep_x(x2, S)
         _launch(xm, rc, rs, tensor_scale, codebook, bias, y, k=k, scale_format=scale_format, N=N, K=K, M=M, Kp=Kp,
                 config=tuple(config or large_config(k, M, N, K)))
