@@ -420,7 +420,9 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
 
     torch.cuda.reset_peak_memory_stats()
     outs = {M: q(xs[M]) for M in small}  # compared after the peak is read: the comparison makes float64 copies
-    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values())  # no temporaries
+    # no weight-sized temporaries; kernel 7 (sm_90, M 33..64 here) reads x from a permuted copy (M x K)
+    x_tmp = max([_nbytes([xs[M]]) for M in small if MM.uses_large(M, N, K, "cuda")], default=0)
+    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values()) + x_tmp
     for M in small:
         _assert_matches(outs[M], before[M], M)
     del outs
