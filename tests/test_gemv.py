@@ -132,8 +132,10 @@ def check_gemv(N, K_, k, M, dtype, B=32, sf="log8", device="cpu", bias=False, x=
         # the tensor-core path (kbit.ops.gemv_mma) multiplies by the codebook rounded to x's dtype: tight
         # against that reference; against the exact one the rounding (2**-9 a weight in bf16) can pass the
         # usual tolerance by chance when there are few outputs (N = 1)
+        # (H100, 2026-11-22: k = 2, N = 1, K = 18944, fp16: 2.1e-2 against the exact codebook, 2.5e-4 against
+        # the rounded one), so with fewer than 8 outputs a row the exact bound is 10x looser
         err_r = rel_err(y, G.gemv_reference(x, codes, scales, ts, cb.to(x.dtype).float(), **kw))
-        assert err_r < tol(dtype) / 2 and err < 2 * tol(dtype), (
+        assert err_r < tol(dtype) / 2 and err < (2 if N >= 8 else 20) * tol(dtype), (
             f"k={k} N={N} K={K_} M={M} {dtype} B={B} {sf}: rel err {err:.2e} / {err_r:.2e} (rounded codebook)")
         return
     assert err < tol(dtype), f"k={k} N={N} K={K_} M={M} {dtype} B={B} {sf}: rel err {err:.2e}"
