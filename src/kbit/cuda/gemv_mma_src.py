@@ -608,6 +608,17 @@ __device__ __forceinline__ u32 scale2(const u32* s, int u, int r, u32 sc2_base) 
   return lds32(sc2_base + (byte_of(s[u >> 1], 2 * (u & 1) + r) << 2));
 #endif
 }
+/* A = T with the block scales folded in: s0 on the rows g (registers 0, 2), s1 on the rows g + 8 (1, 3), both
+   mma halves; A may be T */
+__device__ __forceinline__ void fold_scales(u32 (&A)[2][4], const u32 (&T)[2][4], u32 s0, u32 s1) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    A[h][0] = hmul2(T[h][0], s0);
+    A[h][2] = hmul2(T[h][2], s0);
+    A[h][1] = hmul2(T[h][1], s1);
+    A[h][3] = hmul2(T[h][3], s1);
+  }
+}
 #if KERNEL == 4
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -708,13 +719,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         for (int rt = 0; rt < RT; ++rt) {
           lookup(w[rt], u, lbb, A[rt]);
           const u32 s0 = scale2(sw[rt], u, 0, sc2_base), s1 = scale2(sw[rt], u, 1, sc2_base);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            A[rt][h][0] = hmul2(A[rt][h][0], s0);
-            A[rt][h][2] = hmul2(A[rt][h][2], s0);
-            A[rt][h][1] = hmul2(A[rt][h][1], s1);
-            A[rt][h][3] = hmul2(A[rt][h][3], s1);
-          }
+          fold_scales(A[rt], A[rt], s0, s1);
         }
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) {
@@ -865,13 +870,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
         for (int rt = 0; rt < RT; ++rt) {
           lookup(w[rt], u, lbb, A[rt]);
           const u32 s0 = scale2(sw[rt], u, 0, sc2_base), s1 = scale2(sw[rt], u, 1, sc2_base);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            A[rt][h][0] = hmul2(A[rt][h][0], s0);
-            A[rt][h][2] = hmul2(A[rt][h][2], s0);
-            A[rt][h][1] = hmul2(A[rt][h][1], s1);
-            A[rt][h][3] = hmul2(A[rt][h][3], s1);
-          }
+          fold_scales(A[rt], A[rt], s0, s1);
         }
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) {
@@ -1017,13 +1016,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       wg_wait<AB - 1>();  /* the group that read A[u % AB] (unit u - AB, maybe of the last segment) is done */
       lookup(w, u, lbb, Au);
       const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        Au[h][0] = hmul2(Au[h][0], s0);
-        Au[h][2] = hmul2(Au[h][2], s0);
-        Au[h][1] = hmul2(Au[h][1], s1);
-        Au[h][3] = hmul2(Au[h][3], s1);
-      }
+      fold_scales(Au, Au, s0, s1);
       wg_fence();
 #pragma unroll
       for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], wg_desc(sb + (u * 2 + h) * 2 * NG * 128));
@@ -1213,13 +1206,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         lookup(w, u, lbb, T);
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
         wg_wait<AB - 1>();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          Au[h][0] = hmul2(T[h][0], s0);
-          Au[h][2] = hmul2(T[h][2], s0);
-          Au[h][1] = hmul2(T[h][1], s1);
-          Au[h][3] = hmul2(T[h][3], s1);
-        }
+        fold_scales(Au, T, s0, s1);
         wg_fence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
