@@ -391,9 +391,7 @@ def uses_large(M, N, K, device, config=None) -> bool:
     of at most :data:`LARGE7_MID_MAX_NK` elements; a given ``config`` decides by its kernel."""
     if config is not None:
         return config[0] == 7
-    if not large_ok(device):
-        return False
-    return M > MAX_M or (M > 32 and N * K <= LARGE7_MID_MAX_NK)
+    return (M > MAX_M or (M > 32 and N * K <= LARGE7_MID_MAX_NK)) and large_ok(device)
 
 
 def _table_smem(k):
@@ -432,6 +430,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
 
     dev = torch.device(device or "cuda")
     Nt, S = -(-N // 16), -(-K // SEG)
+    n_cnt = Nt  # split-K counters (kernel 7: one set a token block)
     cfg = tuple(config or default_config(k, M, N, K))
     kernel, W, X = cfg[:3]
     ng = _ng(M)
@@ -489,12 +488,13 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         splits, sps = 1, S
         grid = max(1, min(slots, -(-Nt // W) * S))
     elif kernel == 7:
-        tiles = -(-Nt // W) * -(-M // (8 * ng))
+        n_tb = -(-M // (8 * ng))  # token blocks: each has its own split-K counters
+        tiles = -(-Nt // W) * n_tb
         splits = _splits(tiles, S, slots, max(1, S // 4), divide=False) if tiles < 2 * slots else 1
         sps = -(-S // splits)
         splits = -(-S // sps)
         grid = max(1, min(slots, tiles * splits))
-        n_cnt = tiles // -(-Nt // W) * Nt
+        n_cnt = n_tb * Nt
     elif kernel == 4:
         splits, sps = 1, S  # not used by kernel 4 (stream-K over (row block, segment) pairs, workspace fix-up)
         grid = max(1, min(slots, -(-Nt // (W * X)) * S))
@@ -509,8 +509,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1,
-                n_cnt=n_cnt if kernel == 7 else Nt)
+                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1, n_cnt=n_cnt)
 
 
 _PLANS: dict = {}
