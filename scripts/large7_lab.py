@@ -29,7 +29,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
-from kbit.ops import gemv as G  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
 from kbit.ops.dequant import dequantize_tensors  # noqa: E402
 
@@ -37,7 +36,6 @@ SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 
 
 def check(cfgs):
-    fails, n = [], 0
     cases = []
     for k in (2, 3, 4, 5):
         for dt in (torch.float16, torch.bfloat16):
@@ -47,29 +45,7 @@ def check(cfgs):
               (256, 8192, 4, 128, torch.bfloat16, 32, "log8", False),  # 1 row block: split K
               (4096, 1024, 3, 1000, torch.float16, 32, "fp16", False),
               (5120, 2880, 2, 257, torch.bfloat16, 32, "log8", True)]
-    for cfg in cfgs:
-        for N, K, k, M, dt, B, sf, bias in cases:
-            w = L.rand_canonical(N, K, k, B, sf, seed=N + K + k + M)
-            x = torch.randn(M, K, dtype=dt, device="cuda")
-            b = torch.randn(N, dtype=dt, device="cuda") if bias else None
-            kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K, bias=b)
-            torch.full((M, N), float("nan"), dtype=dt, device="cuda")  # poison the allocator's next block
-            name = f"cfg={cfg} N={N} K={K} k={k} M={M} {str(dt)[6:]} B={B} {sf} bias={bias}"
-            n += 1
-            try:
-                ys = [MM.linear_small_m(x, *w, **kw, config=cfg) for _ in range(2)]
-                ref = G.gemv_reference(x, *w, **kw)
-                e = max(L.rel_err(y, ref) for y in ys)
-            except Exception as ex:  # noqa: BLE001
-                L.log(f"check {name}: FAILED {repr(ex)[:600]}")
-                fails.append((name, "exception", repr(ex)[:200]))
-                continue
-            ok = e < (2e-3 if dt == torch.float16 else 1.2e-2)
-            L.log(f"check {name}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
-            if not ok:
-                fails.append((name, e))
-    L.log(f"correctness: {n} cases, {len(fails)} failures")
-    return fails
+    return [f for cfg in cfgs for f in L.run_cases(cases, config=cfg, log_every=1)]
 
 
 def main():

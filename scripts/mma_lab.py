@@ -82,7 +82,6 @@ def rel_err(y, ref):
 
 # ------------------------------------------------------------------------------------------ correctness
 def correctness(full, prewarm_first=False):
-    fails, n = [], 0
     cases = []
     for k in (2, 3, 4, 5):
         for dt in (torch.float16, torch.bfloat16):
@@ -97,6 +96,13 @@ def correctness(full, prewarm_first=False):
     if prewarm_first:
         cfg = tuple(int(v) for v in os.environ["KBIT_MMA_CFG"].split(","))
         prewarm(sorted({(k, M, N, -(-K // 256) * 256, sf, cfg) for N, K, k, M, dt, B, sf, bias in cases}))
+    return run_cases(cases)
+
+
+def run_cases(cases, config=None, log_every=8):
+    """``linear_small_m`` (twice: the split-K workspace must be left clean) against float64 on each
+    (N, K, k, M, dtype, blocksize, scale format, bias) case; returns the failures."""
+    fails, n = [], 0
     for N, K, k, M, dt, B, sf, bias in cases:
         w = rand_canonical(N, K, k, B, sf, seed=N + K + k + M)
         x = torch.randn(M, K, dtype=dt, device="cuda")
@@ -104,9 +110,11 @@ def correctness(full, prewarm_first=False):
         kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K, bias=b)
         torch.full((M, N), float("nan"), dtype=dt, device="cuda")  # poison the allocator's next block
         name = f"N={N} K={K} k={k} M={M} {str(dt)[6:]} B={B} {sf} bias={bias}"
+        if config is not None:
+            name = f"cfg={config} {name}"
         n += 1
         try:
-            ys = [MM.linear_small_m(x, *w, **kw) for _ in range(2)]  # twice: split-K workspace left clean
+            ys = [MM.linear_small_m(x, *w, **kw, config=config) for _ in range(2)]
             ref = G.gemv_reference(x, *w, **kw)
             e = max(rel_err(y, ref) for y in ys)
         except Exception as ex:  # noqa: BLE001
@@ -114,7 +122,7 @@ def correctness(full, prewarm_first=False):
             fails.append((name, "exception", repr(ex)[:200]))
             continue
         ok = e < (2e-3 if dt == torch.float16 else 1.2e-2)
-        if not ok or n % 8 == 0:
+        if not ok or n % log_every == 0:
             log(f"check {name}: rel err {e:.2e} {'ok' if ok else 'FAIL'}")
         if not ok:
             fails.append((name, e))
