@@ -291,8 +291,11 @@ def _workspace(device, M, npad, n_tiles):
     key = device  # one per device: calls on concurrent streams must not use split K at the same time
     ws = _WS.get(key)
     if ws is None or ws[0].numel() < M * npad or ws[1].numel() < n_tiles:
-        ws = (torch.zeros(max(M * npad, 1 << 16), dtype=torch.float32, device=device),
-              torch.zeros(max(n_tiles, 4096), dtype=torch.int32, device=device))
+        # each part only grows: a call that needs more counters must not shrink the partial sums (the size the
+        # workspace settles at would depend on the order of the calls)
+        old = ws or (torch.empty(0), torch.empty(0))
+        ws = (torch.zeros(max(M * npad, 1 << 16, old[0].numel()), dtype=torch.float32, device=device),
+              torch.zeros(max(n_tiles, 4096, old[1].numel()), dtype=torch.int32, device=device))
         _WS[key] = ws
     return ws
 
