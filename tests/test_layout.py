@@ -56,11 +56,12 @@ def _assert_same_state(a: dict, b: dict):
 
 def _repack_bits(codes, k, blocksize, N, K):
     """The layout's bit-level definition (the first implementation of ``repack``): codes of lane 4g + t in the
-    order (u, h, j, r, e), a k-bit little-endian stream over 4k words."""
+    order (u, h, j, r, e) (k = 2: (u, h, e, j, r)), a k-bit little-endian stream over 4k words."""
     Kp, Nt, S = MM._geometry(N, K, blocksize)
     c = torch.zeros(Nt * 16, S * 256, dtype=torch.int32)
     c[:N, :Kp] = unpack(codes, k, Kp)
-    c = c.view(Nt, 2, 8, S, 8, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 7, 1, 8).reshape(Nt, S, 32, 128)
+    order = (0, 3, 2, 5, 4, 6, 8, 7, 1) if k == 2 else (0, 3, 2, 5, 4, 6, 7, 1, 8)  # [T, r, g, S, u, t, h, j, e] ->
+    c = c.view(Nt, 2, 8, S, 8, 4, 2, 2, 2).permute(*order).reshape(Nt, S, 32, 128)
     bits = ((c[..., None] >> torch.arange(k, dtype=torch.int32)) & 1).to(torch.int64).reshape(Nt, S, 32, 4 * k, 32)
     w = (bits << torch.arange(32, dtype=torch.int64)).sum(-1)
     w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)

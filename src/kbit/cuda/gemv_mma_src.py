@@ -24,7 +24,7 @@ struct __align__(8) V2 { u32 x, y; };
 #define SV (FP16_SCALES ? 2 : 1) /* scale vectors per lane per segment */
 
 #if K_BITS == 2
-#define TAB_WORDS (256 * 16 * 2)
+#define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
 #elif K_BITS == 4
@@ -45,6 +45,22 @@ struct __align__(8) V2 { u32 x, y; };
 #define TAB_ALIGN 16
 #endif
 __shared__ float s_sc[256];
+
+/* Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it, and compiled out below
+   sm_90). A kernel launched with the attribute may start while the previous kernel of the stream still runs:
+   everything before pdl_wait() may read only weights (codes, scales, codebook, tensor scale, bias); x, the
+   routing tables, y and the workspace are touched after it. pdl_launch() lets the next kernel start its own
+   weight prologue as soon as every CTA of this one is resident. */
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
   V4 r;
@@ -133,6 +149,11 @@ __device__ __forceinline__ u32 lds16(u32 a) {
 __device__ __forceinline__ float ldsf(u32 a) {
   float v; asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a)); return v;
 }
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
+}
+/* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
+struct LB { u32 a, b; };
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -141,34 +162,36 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
 /* A fragments of unit u (mma h = 0, 1) from the lane's code words w. Lane code order within a unit:
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
-__device__ __forceinline__ void lookup(const u32* w, int u, u32 lbb, u32 (&A)[2][4]) {
+__device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
 #if K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
+    A[h][r + 2 * j] = lds32(lbb.a + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
   }
 #elif K_BITS == 2
+  /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
+     slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
+     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
 #pragma unroll
-  for (int f = 0; f < 4; ++f) {             /* f = 2h + j: byte f of word u = codes (r, e) = (0,0) (0,1) (1,0) (1,1) */
-    const int h = f >> 1, j = f & 1;
-    V2 v = lds64(lbb + (byte_of(w[u], f) << 7));
-    A[h][2 * j] = v.x;
-    A[h][2 * j + 1] = v.y;
+  for (int s = 0; s < 4; ++s) {
+    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
+    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
   }
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
+    A[h][r + 2 * j] = lds32(lbb.a | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
   }
 #else
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     const int c = u * 16 + 2 * f;
-    u32 lo = lds16(lbb | fld(w, c * 5, 5, 6));
-    u32 hi = lds16(lbb | fld(w, (c + 1) * 5, 5, 6));
+    u32 lo = lds16(lbb.a | fld(w, c * 5, 5, 6));
+    u32 hi = lds16(lbb.a | fld(w, (c + 1) * 5, 5, 6));
     A[h][r + 2 * j] = lo | (hi << 16);
   }
 #endif
@@ -211,29 +234,25 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
     s_tab[i] = (u32)f2h(cb[e & 7]) | ((u32)f2h(cb[e >> 3]) << 16);
   }
 #elif K_BITS == 2
-  for (u32 i = tid; i < 256 * 16; i += nt) {
-    const u32 e = i >> 4;
-    s_tab[2 * i] = (u32)f2h(cb[e & 3]) | ((u32)f2h(cb[(e >> 2) & 3]) << 16);
-    s_tab[2 * i + 1] = (u32)f2h(cb[(e >> 4) & 3]) | ((u32)f2h(cb[e >> 6]) << 16);
-  }
+  /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
   for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = f2h(cb[i >> 5]);
 #endif
 }
 
-__device__ __forceinline__ u32 lane_bits(u32 tab, u32 lane) {
+__device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
 #if K_BITS == 2
-  return tab + ((lane & 15) << 3);
+  return LB{(u32)f2h(cb[0]) | ((u32)f2h(cb[1]) << 16), (u32)f2h(cb[2]) | ((u32)f2h(cb[3]) << 16)};
 #elif K_BITS == 5
-  return tab | (lane << 1);
+  return LB{tab | (lane << 1), 0u};
 #else
-  return tab | (lane << 2);
+  return LB{tab | (lane << 2), 0u};
 #endif
 }
 
 /* one 256-column segment of one 16-row tile: codes w (4k words), scales sw, x pointers xs (column 0 of the
    segment) -> acc */
-__device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, u32 lbb, u32 sc_base,
+__device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, LB lbb, u32 sc_base,
                                         float (&acc)[NG][4]) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
@@ -318,6 +337,7 @@ __device__ __forceinline__ void sts128(u32 a, u32 v0, u32 v1) {
 __device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xffffffffu, c, e)); }
 __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
   const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
+  (void)c;
 #if K_BITS == 4
   for (u32 i = tid; i < 2048; i += nt) {
     const u32 e = i >> 3;
@@ -331,12 +351,7 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
     sts128(tab + i * 16, v, v);
   }
 #elif K_BITS == 2
-  for (u32 i = tid; i < 2048; i += nt) {
-    const u32 e = i >> 3;
-    const u32 lo = cbh(c, e & 3) | (cbh(c, (e >> 2) & 3) << 16);
-    const u32 hi = cbh(c, (e >> 4) & 3) | (cbh(c, e >> 6) << 16);
-    sts128(tab + i * 16, lo, hi);
-  }
+  /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
   for (u32 i = tid; i < 128; i += nt) {
     const u32 h = cbh(c, i >> 2);
@@ -367,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
   for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
   __syncthreads();
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   const u16* xr[NG];
 #pragma unroll
@@ -396,6 +411,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   int item = blockIdx.x, seg;
   first(item, seg);
   if (seg >= 0) load(item, seg);
+  pdl_launch();
+  pdl_wait();
   for (; item < items; item += gridDim.x) {
     const int tile = item / splits, sp = item - tile * splits;
     const int s1 = min(sp * sps + sps, n_seg);
@@ -515,6 +532,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+  pdl_launch();
+  pdl_wait();
 #if XS /* x rows [M][n_seg * 256] after the table */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
   const int xv = n_seg * (SEG / 8);
@@ -525,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   __syncthreads();
   if (j0 >= j1) return;
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   const u16* xr[NG];
 #pragma unroll
@@ -638,14 +657,20 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   const u32 st0 = dsm_base;
-  auto issue = [&](int j, int slot) {
+  auto issue_x = [&](int j, int slot) {
     if (j < j1) {
-      const int rb = j / n_seg, seg = j - rb * n_seg;
+      const int seg = j % n_seg;
       const u32 sb = st0 + slot * STAGE4;
       for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
         const int row = i >> 5, c = i & 31;
         cp_async16(sb + row * XROW + c * 16, x + (long long)row * x_stride + seg * SEG + c * 8);
       }
+    }
+  };
+  auto issue_w = [&](int j, int slot) {
+    if (j < j1) {
+      const int rb = j / n_seg, seg = j - rb * n_seg;
+      const u32 sb = st0 + slot * STAGE4;
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         const int tile = (rb * MAXW + (int)warp) * RT + rt;
@@ -660,8 +685,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       }
     }
   };
+  /* weights of the first D - 1 stages before the wait for the previous kernel, x after it (the first commit
+     group holds them all) */
 #pragma unroll
-  for (int s = 0; s < D - 1; ++s) { issue(j0 + s, s); cp_commit(); }
+  for (int s = 0; s < D - 1; ++s) issue_w(j0 + s, s);
   const float ts = *ts_ptr;
   build_table_fast(tab, cb, tid, MAXW * 32);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
@@ -669,7 +696,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const u16 h = f2h(e_tab[i] * SPRE);
     s_sc2[i] = (u32)h | ((u32)h << 16);
   }
-  const u32 lbb = lane_bits(tab, lane);
+  pdl_launch();
+  pdl_wait();
+#pragma unroll
+  for (int s = 0; s < D - 1; ++s) { issue_x(j0 + s, s); cp_commit(); }
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   u32 xoff[NG];
 #pragma unroll
@@ -689,7 +720,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     __syncthreads();
     {
       int ls = slot + D - 1;
-      issue(j + D - 1, ls >= D ? ls - D : ls);
+      ls = ls >= D ? ls - D : ls;
+      issue_x(j + D - 1, ls);
+      issue_w(j + D - 1, ls);
       cp_commit();
     }
     const u32 sb = st0 + slot * STAGE4;
@@ -762,6 +795,17 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
     int n_tiles) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  /* the tables before the wait for the previous kernel: the block table and x are its outputs */
+  build_table_fast(tab, cb, tid, MAXW * 32);
+  for (u32 i = tid; i < 256; i += MAXW * 32) {
+    const u16 h = f2h(e_tab[i] * SPRE);
+    s_sc2[i] = (u32)h | ((u32)h << 16);
+  }
+  pdl_launch();
+  pdl_wait();
   const int nb = *nblk;
   const int n_rb = (n_tiles + MAXW * RT - 1) / (MAXW * RT);
   const int items = nb * n_rb;
@@ -769,9 +813,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
   const int J = my_items * n_seg;
   const long long tile_words = (long long)n_seg * K_BITS * 32;
   const long long tile_sv = (long long)n_seg * 8 * SV;
-  extern __shared__ __align__(16) unsigned char dsm[];
-  const u32 dsm_base = smem_addr(dsm);
-  const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   const u32 st0 = dsm_base;
   /* loader state: step jl of item li (rb, row0, n, e) */
   int l_it = -1, l_rb = 0, l_row0 = 0, l_n = 0, l_e = 0;
@@ -810,12 +851,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
   };
 #pragma unroll
   for (int s = 0; s < D - 1; ++s) { issue(s, s); cp_commit(); }
-  build_table_fast(tab, cb, tid, MAXW * 32);
-  for (u32 i = tid; i < 256; i += MAXW * 32) {
-    const u16 h = f2h(e_tab[i] * SPRE);
-    s_sc2[i] = (u32)h | ((u32)h << 16);
-  }
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[RT][NG][4];
   int c_rb = 0, c_row0 = 0, c_n = 0, c_e = 0, ngv = 0, slot = 0;
@@ -963,6 +999,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       }
     }
   };
+  pdl_launch();
+  pdl_wait();
 #pragma unroll
   for (int s = 0; s < D - 2; ++s) { issue(j0 + s, s); cp_commit(); }  /* D - 2 ahead: a slot is refilled two
                                                                           segments after its wgmmas were issued */
@@ -973,7 +1011,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const u16 h = f2h(e_tab[i] * SPRE);
     s_sc2[i] = (u32)h | ((u32)h << 16);
   }
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[NG][4];
 #pragma unroll
@@ -1132,8 +1170,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       }
     }
   };
-#pragma unroll
-  for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
   /* codes / scales prefetch: segment f_s of task f_p */
   int f_p = blockIdx.x;
   Task ft = task_of(f_p, n_rb, n_tb, splits, sps, n_seg);
@@ -1172,7 +1208,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     const u16 h = f2h(e_tab[i] * SPRE);
     s_sc2[i] = (u32)h | ((u32)h << 16);
   }
-  const u32 lbb = lane_bits(tab, lane);
+  /* x (the previous kernel's output) after the wait; the first codes are in flight */
+  pdl_launch();
+  pdl_wait();
+#pragma unroll
+  for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[NG][4];
 #pragma unroll
@@ -1246,6 +1287,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
     int bias_kind, int ws_stride) {
+  pdl_launch();
+  pdl_wait();
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const float ts = *ts_ptr;
@@ -1265,7 +1308,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   const int J = my_tasks * sps;
   if (J == 0) return;
   const u32 stage0 = dsm_base + warp * (D * STAGE_BYTES) + lane * 16;
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
 
   const u16* xr[NG];

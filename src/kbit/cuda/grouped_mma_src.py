@@ -21,7 +21,7 @@ struct __align__(8) V2 { u32 x, y; };
 #define SV (FP16_SCALES ? 2 : 1) /* scale vectors per lane per segment */
 
 #if K_BITS == 2
-#define TAB_WORDS (256 * 16 * 2)
+#define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
 #elif K_BITS == 4
@@ -124,6 +124,11 @@ __device__ __forceinline__ u32 lds16(u32 a) {
 __device__ __forceinline__ float ldsf(u32 a) {
   float v; asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a)); return v;
 }
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
+}
+/* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
+struct LB { u32 a, b; };
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -132,34 +137,36 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
 /* A fragments of unit u (mma h = 0, 1) from the lane's code words w. Lane code order within a unit:
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
-__device__ __forceinline__ void lookup(const u32* w, int u, u32 lbb, u32 (&A)[2][4]) {
+__device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
 #if K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
+    A[h][r + 2 * j] = lds32(lbb.a + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
   }
 #elif K_BITS == 2
+  /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
+     slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
+     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
 #pragma unroll
-  for (int f = 0; f < 4; ++f) {             /* f = 2h + j: byte f of word u = codes (r, e) = (0,0) (0,1) (1,0) (1,1) */
-    const int h = f >> 1, j = f & 1;
-    V2 v = lds64(lbb + (byte_of(w[u], f) << 7));
-    A[h][2 * j] = v.x;
-    A[h][2 * j + 1] = v.y;
+  for (int s = 0; s < 4; ++s) {
+    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
+    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
   }
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
+    A[h][r + 2 * j] = lds32(lbb.a | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
   }
 #else
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     const int c = u * 16 + 2 * f;
-    u32 lo = lds16(lbb | fld(w, c * 5, 5, 6));
-    u32 hi = lds16(lbb | fld(w, (c + 1) * 5, 5, 6));
+    u32 lo = lds16(lbb.a | fld(w, c * 5, 5, 6));
+    u32 hi = lds16(lbb.a | fld(w, (c + 1) * 5, 5, 6));
     A[h][r + 2 * j] = lo | (hi << 16);
   }
 #endif
@@ -186,23 +193,19 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
     s_tab[i] = (u32)f2h(cb[e & 7]) | ((u32)f2h(cb[e >> 3]) << 16);
   }
 #elif K_BITS == 2
-  for (u32 i = tid; i < 256 * 16; i += nt) {
-    const u32 e = i >> 4;
-    s_tab[2 * i] = (u32)f2h(cb[e & 3]) | ((u32)f2h(cb[(e >> 2) & 3]) << 16);
-    s_tab[2 * i + 1] = (u32)f2h(cb[(e >> 4) & 3]) | ((u32)f2h(cb[e >> 6]) << 16);
-  }
+  /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
   for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = f2h(cb[i >> 5]);
 #endif
 }
 
-__device__ __forceinline__ u32 lane_bits(u32 tab, u32 lane) {
+__device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
 #if K_BITS == 2
-  return tab + ((lane & 15) << 3);
+  return LB{(u32)f2h(cb[0]) | ((u32)f2h(cb[1]) << 16), (u32)f2h(cb[2]) | ((u32)f2h(cb[3]) << 16)};
 #elif K_BITS == 5
-  return tab | (lane << 1);
+  return LB{tab | (lane << 1), 0u};
 #else
-  return tab | (lane << 2);
+  return LB{tab | (lane << 2), 0u};
 #endif
 }
 
@@ -260,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks(const int* 
 
 #ifdef NG
 /* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc */
-__device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, u32 lbb,
+__device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,
                                           u32 sc_base, float (&acc)[NG][4], int ngv) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
@@ -308,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
   build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i];
   __syncthreads();
-  const u32 lbb = lane_bits(tab, lane);
+  const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   const int nb = *nblk;
   const int items = nb * n_tiles;

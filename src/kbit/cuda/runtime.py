@@ -106,6 +106,44 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> 
     return buf.raw, log_s
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+# Programmatic dependent launch for the kernels that allow it (``pdl=True`` at launch) on devices of compute
+# capability >= 9.0: the kernel may start while the previous kernel of the stream finishes; its code waits
+# (``griddepcontrol.wait``) before it reads what that kernel wrote. ``KBIT_PDL=0`` or ``set_pdl(False)`` turns it
+# off (benchmarks compare both).
+_PDL = [os.environ.get("KBIT_PDL", "1") != "0"]
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turns programmatic dependent launch on or off for later launches; returns the previous setting."""
+    prev = _PDL[0]
+    _PDL[0] = bool(enabled)
+    return prev
+
+
+def pdl_enabled(device) -> bool:
+    """Whether a launch with ``pdl=True`` on ``device`` uses programmatic dependent launch now."""
+    return _PDL[0] and _cc_major(torch.device(device).index or 0) >= 9
+
+
+@functools.cache
+def _cc_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def _arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
@@ -121,6 +159,15 @@ class Kernel:
     def __init__(self, module, func, device, cubin, name):
         self.module, self.func, self.device, self.cubin, self.name = module, func, device, cubin, name
         self._occ = {}
+        self._pdl_ok = _cc_major(device.index or 0) >= 9
+        self._attr = _LaunchAttribute()
+        self._attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value[0] = 1
+        self._cfg = _LaunchConfig()
+        self._cfg.attrs = ctypes.pointer(self._attr)
+        self._cfg.numAttrs = 1
+        self._cfg_lock = threading.Lock()
+        self._cfg.gridDimY = self._cfg.gridDimZ = self._cfg.blockDimY = self._cfg.blockDimZ = 1
         self._max_shared = -1  # set the attribute on first use: static + dynamic may pass 48 KB below it
         attr = ctypes.c_int()
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
@@ -146,7 +193,9 @@ class Kernel:
             _check_cu(_libcuda().cuFuncSetAttribute(self.func, 8, shared), "set shared memory")
             self._max_shared = shared
 
-    def __call__(self, grid, block, fmt: str, *args, shared: int = 0):
+    def __call__(self, grid, block, fmt: str, *args, shared: int = 0, pdl: bool = False):
+        """Launch; ``pdl=True`` asks for programmatic dependent launch (see :func:`pdl_enabled`): only for
+        kernels that call ``pdl_wait()`` before they read anything an earlier kernel may still be writing."""
         if shared > self._max_shared:
             self.set_shared(shared)
         buf = struct.pack("@" + fmt, *args)
@@ -156,6 +205,13 @@ class Kernel:
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(cbuf), 2, ctypes.addressof(size), 0)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        if pdl and _PDL[0] and self._pdl_ok and gy == 1 and gz == 1:
+            with self._cfg_lock:  # one config struct a kernel, filled per launch
+                cfg = self._cfg
+                cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = gx, block, shared, stream
+                res = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, None, extra)
+            _check_cu(res, f"launch {self.name}")
+            return
         _check_cu(_libcuda().cuLaunchKernel(self.func, gx, gy, gz, block, 1, 1, shared, ctypes.c_void_p(stream),
                                             None, extra), f"launch {self.name}")
 

@@ -17,9 +17,10 @@ Layout "mma-v1" of one matrix ``[N, K]`` (Nt = ceil(N / 16) row tiles, S = ceil(
 
 - codes: int32 ``[Nt, S, k, 32, 4]``. Lane ``l = 4g + t`` of (tile, segment) holds the 128 codes of rows
   ``16 tile + g + 8r`` (r = 0, 1) and columns ``256 seg + 32u + 8t + 4h + 2j + e`` (u = 0..7; h, j, e = 0, 1),
-  in the order (u, h, j, r, e), as a k-bit little-endian bit stream over its 4k words (so a byte holds the
-  pair (e = 0, 1) of an mma A register at k = 4, and the two A registers (r = 0, 1) of one LDS.64 at k = 2);
-  word j of the lane sits at
+  in the order (u, h, j, r, e) (k = 2: (u, h, e, j, r)), as a k-bit little-endian bit stream over its 4k
+  words (so a byte holds the pair (e = 0, 1) of an mma A register at k = 4; at k = 2 the 2-bit slot 2j + r of
+  bytes (2h, 2h + 1) of word u is that pair, looked up from registers by byte permutes); word j of the lane
+  sits at
   ``[tile, seg, j // 4, l, j % 4]``. Rows >= N and columns >= Kp hold code 0.
 - scales: uint8 (log8) or float16 ``[Nt, S, 8, 16]``: ``[tile, seg, g, 2u + r]`` is the scale of row
   ``16 tile + g + 8r``, 32-column block ``8 seg + u`` (a scale of blocksize 64 / 128 repeated); padding holds
@@ -106,8 +107,9 @@ def unrepack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: 
 # Byte-level recoding between the canonical codes and layout "mma-v1", a chunk of T row tiles at a time.
 # A lane's k-bit stream, as bytes, sits at ``rc.view(uint8)[tile, seg, a, lane, c]`` (stream byte 16a + c).
 # k = 4: stream byte 8u + 4h + 2j + r holds the code pair (e = 0, 1) of row r: one canonical byte (a pure byte
-# permutation, written in place when the chunk needs no padding). k = 2: stream byte 4u + 2h + j holds (r, e),
-# a canonical byte (j, e) of one row: a nibble exchange then a permutation. k = 3, 5: codes as bytes in between.
+# permutation, written in place when the chunk needs no padding). k = 2: stream byte 4u + 2h + e holds (j, r)
+# (slot 2j + r), from the canonical bytes (j, e) of rows r = 0, 1: a 2-bit exchange then a permutation.
+# k = 3, 5: codes as bytes in between.
 
 
 def _chunk_tiles(S: int, k: int, device) -> int:
@@ -169,15 +171,18 @@ def _to_mma(canon: torch.Tensor, rc: torch.Tensor, k: int, general: bool = False
         dst.view(T, S, 4, 8, 4, 2, 2, 2, 2).copy_(src.permute(0, 3, 4, 2, 6, 5, 7, 8, 1))
         return
     if k == 2 and not general:
-        # canonical byte [T, r, g, S, uh, ul, t, h] holds (j, e); stream byte [T, S, uh, g, t, (ul, h, j)] (r, e)
+        # canonical byte [T, r, g, S, uh, ul, t, h] holds (j, e); stream byte [T, S, uh, g, t, (ul, h, e)] (j, r)
         b = src.view(T, 2, 8, S, 2, 4, 4, 2)
         x0, x1 = b[:, 0], b[:, 1]
-        lb = torch.stack([(x0 & 15) | (x1 << 4), (x0 >> 4) | (x1 & 0xF0)], dim=-1)  # [T, g, S, uh, ul, t, h, j]
+        lb = torch.stack([(x0 & 0x33) | ((x1 & 0x33) << 2), ((x0 >> 2) & 0x33) | (x1 & 0xCC)],
+                         dim=-1)  # [T, g, S, uh, ul, t, h, e]
         dst.view(T, S, 2, 8, 4, 4, 2, 2).copy_(lb.permute(0, 2, 3, 1, 5, 4, 6, 7))
         return
     c = _unpack_bytes(canon, k)  # [16T, S*256] uint8
-    # [T, r, g, S, u, t, h, j, e] -> [T, S, g, t, u, h, j, r, e]: the lane's code order, 16 groups of 8 codes
-    c = c.view(T, 2, 8, S, 8, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 7, 1, 8).reshape(T, S, 32, 16, 8)
+    # [T, r, g, S, u, t, h, j, e] -> [T, S, g, t, u, h, j, r, e] (k = 2: [.., h, e, j, r]): the lane's code order,
+    # 16 groups of 8 codes
+    order = (0, 3, 2, 5, 4, 6, 8, 7, 1) if k == 2 else (0, 3, 2, 5, 4, 6, 7, 1, 8)
+    c = c.view(T, 2, 8, S, 8, 4, 2, 2, 2).permute(*order).reshape(T, S, 32, 16, 8)
     v = c[..., 0].to(torch.int64)
     for i in range(1, 8):
         v |= c[..., i].to(torch.int64) << (k * i)  # 8 codes = k bytes, little-endian
@@ -197,8 +202,9 @@ def _from_mma(rc: torch.Tensor, canon: torch.Tensor, k: int, general: bool = Fal
         return
     if k == 2 and not general:
         b = src.view(T, S, 2, 8, 4, 4, 2, 2)
-        j0, j1 = b[..., 0], b[..., 1]
-        x = torch.stack([(j0 & 15) | (j1 << 4), (j0 >> 4) | (j1 & 0xF0)], dim=-1)  # [T, S, uh, g, t, ul, h, r]
+        n0, n1 = b[..., 0], b[..., 1]
+        x = torch.stack([(n0 & 0x33) | ((n1 & 0x33) << 2), ((n0 >> 2) & 0x33) | (n1 & 0xCC)],
+                        dim=-1)  # [T, S, uh, g, t, ul, h, r]
         dst.view(T, 2, 8, S, 2, 4, 4, 2).copy_(x.permute(0, 7, 3, 1, 2, 5, 4, 6))
         return
     # stream bytes [T, S, 32, 16k] -> codes: code i = stream bits ik .. ik + k - 1 (two bytes hold it)
@@ -209,8 +215,9 @@ def _from_mma(rc: torch.Tensor, canon: torch.Tensor, k: int, general: bool = Fal
     del b
     c = ((v >> off) & (2**k - 1)).to(torch.uint8)  # [T, S, 32, 128]
     del v
-    # [T, S, g, t, u, h, j, r, e] -> [T, r, g, S, u, t, h, j, e]
-    c = c.view(T, S, 8, 4, 8, 2, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6, 8).reshape(16 * T, S * SEG)
+    # [T, S, g, t, u, h, j, r, e] (k = 2: [.., h, e, j, r]) -> [T, r, g, S, u, t, h, j, e]
+    order = (0, 8, 2, 1, 4, 3, 5, 7, 6) if k == 2 else (0, 7, 2, 1, 4, 3, 5, 6, 8)
+    c = c.view(T, S, 8, 4, 8, 2, 2, 2, 2).permute(*order).reshape(16 * T, S * SEG)
     _pack_bytes(c, k, out=canon)
 
 
@@ -399,7 +406,7 @@ def uses_large(M, N, K, device, config=None) -> bool:
 
 def _table_smem(k):
     """Dynamic shared bytes of the lookup table plus its alignment pad."""
-    tab = {2: 256 * 16 * 8, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]
+    tab = {2: 16, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]  # k = 2: codebook in registers
     return tab + {3: 8192, 4: 128, 5: 2048}.get(k, 16)
 
 
@@ -541,7 +548,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
               _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
               ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, p["sps"], bias_kind,
-              Nt * 16, shared=p["shared"])
+              Nt * 16, shared=p["shared"], pdl=True)
 
 
 def _prep_x(x2, S):

@@ -316,5 +316,6 @@ def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, s
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     kern((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
          _etab(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
-         nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=shared)
+         nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=shared,
+         pdl=defines.get("KERNEL") == 5)
     return y
