@@ -273,3 +273,61 @@ def test_large_gpu_cuda_graph_and_dispatch():
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+
+
+def test_launch_config_structs_match_the_driver_abi():
+    """``cuLaunchKernelEx``'s structs as the runtime declares them (CUDA 12 ``cuda.h``: CUlaunchConfig 56 bytes,
+    hStream at 32, attrs at 40, numAttrs at 48; CUlaunchAttribute 72 bytes, value at 8); set_pdl toggles."""
+    import ctypes
+
+    from kbit.cuda import runtime as R
+
+    assert ctypes.sizeof(R._LaunchConfig) == 56 and ctypes.sizeof(R._LaunchAttribute) == 72
+    assert (R._LaunchConfig.hStream.offset, R._LaunchConfig.attrs.offset, R._LaunchConfig.numAttrs.offset) == \
+        (32, 40, 48)
+    assert R._LaunchAttribute.value.offset == 8
+    prev = R.set_pdl(False)
+    try:
+        assert R.set_pdl(True) is False
+    finally:
+        R.set_pdl(prev)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k,M", [(2, 1), (4, 1), (3, 8), (4, 16), (5, 40), (4, 100)])
+def test_gpu_pdl_dependent_chain(k, M):
+    """Each call reads the previous call's output (programmatic dependent launch: a kernel may start before the
+    previous one ends and must wait before it reads x), and a torch kernel sits between two of them; eager and
+    replayed from a CUDA graph, against float64 references of each step."""
+    from kbit.cuda import runtime as R
+
+    assert R.pdl_enabled("cuda") == (torch.cuda.get_device_capability()[0] >= 9)
+    N, K_ = 2048, 3072
+    wa = make_weight(N, K_, k, device="cuda", seed=1)
+    wb = make_weight(K_, N, k, device="cuda", seed=2)
+    wa[2], wb[2] = wa[2] / K_**0.5, wb[2] / N**0.5  # outputs of order 1 through the chain
+    ka = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    kb = dict(k=k, blocksize=32, scale_format="log8", N=K_, K=N)
+    x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
+
+    def chain():
+        y1 = MM.linear_small_m(x, *wa, **ka)
+        y2 = MM.linear_small_m(y1, *wb, **kb)
+        return y1, y2, MM.linear_small_m(y2 * 2, *wa, **ka)
+
+    def check_chain(ys):
+        refs = (G.gemv_reference(x, *wa, **ka), G.gemv_reference(ys[0], *wb, **kb),
+                G.gemv_reference(ys[1] * 2, *wa, **ka))
+        for y, r in zip(ys, refs, strict=True):
+            assert rel_err(y, r) < tol(torch.bfloat16)
+
+    check_chain(chain())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        check_chain(ys)
