@@ -52,8 +52,9 @@ def test_repack_round_trip(k, N, K_, B, sf):
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_repack_layout_definition(k):
-    """Lane 4g + t of (tile, seg): code i = 16u + 8h + 4j + 2r + e of its k-bit stream is W's code at row
-    16 tile + g + 8r, column 256 seg + 32u + 8t + 4h + 2j + e (what the kernel's lookups assume)."""
+    """Lane 4g + t of (tile, seg): code i = 16u + 8h + 4j + 2r + e (k = 2: 16u + 8h + 4e + 2j + r) of its k-bit
+    stream is W's code at row 16 tile + g + 8r, column 256 seg + 32u + 8t + 4h + 2j + e (what the kernel's
+    lookups assume)."""
     N, K_ = 32, 512
     c = torch.randint(0, 2**k, (N, K_))
     rc, _ = MM.repack(pack(c, k), torch.zeros(N, K_ // 32, dtype=torch.uint8), k=k, blocksize=32,
@@ -63,7 +64,7 @@ def test_repack_layout_definition(k):
     for _ in range(200):
         tile, seg, g, t, u, h, j, r, e = (int(torch.randint(0, n, (), generator=gen))
                                           for n in (2, 2, 8, 4, 8, 2, 2, 2, 2))
-        i = 16 * u + 8 * h + 4 * j + 2 * r + e
+        i = 16 * u + 8 * h + (4 * e + 2 * j + r if k == 2 else 4 * j + 2 * r + e)
         words = lanes[tile, seg, 4 * g + t]
         stream = sum(int(w) << (32 * n) for n, w in enumerate(words.tolist()))
         code = (stream >> (i * k)) & (2**k - 1)

@@ -348,7 +348,8 @@ def default_config(k, M, N, K):
     ``benchmarks/results/h100/mid-2026-11-21-*``): a CTA of W warps streams (row block, segment) pairs (stream-K),
     x / codes / scales of each segment through a cp.async shared-memory pipeline, block scales folded into the A
     fragments; ``config`` (4, W, row tiles a warp, stages[, min CTAs an SM]).
-    Kernel 3 (N >= TALL: M = 1 with x staged in shared memory; 2 <= M <= 8 without, not k = 4 with
+    Kernel 3 (N >= TALL, and k = 2 with N * K >= BIG: M = 1 with x staged in shared memory (H100,
+    ``benchmarks/results/h100/m1-cfg-sweep-2026-11-22.log``); N >= TALL: 2 <= M <= 8 without, not k = 4 with
     N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
     segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
     (3, W, CTAs an SM, ring depth, x in shared memory 0/1).
@@ -361,7 +362,7 @@ def default_config(k, M, N, K):
         cfg = (4, 16, 1, 2)
     elif ng == 4 or (ng == 2 and N >= 8192):
         cfg = (4, 8, 1, 2)
-    elif M == 1 and N >= TALL:
+    elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
         cfg = (3, 8, 2, PIPE[k])
