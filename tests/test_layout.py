@@ -387,9 +387,6 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     assert MM.available("cuda")
     N, K = 8192, 4096
     torch.manual_seed(k)
-    # live memory is counted in allocator blocks: a cached block up to 1 MB larger than asked is handed out
-    # unsplit, so a canonical weight placed in one (left by earlier tests) would seem to shrink when it is freed
-    torch.cuda.empty_cache()
     qw = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k=k)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     small, large = (1, 4, 16, MMA_MAX_M), (MMA_MAX_M + 1, 300)
@@ -417,7 +414,10 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     torch.cuda.reset_peak_memory_stats()
     y1 = q(xs[1])  # repacks: canonical -> mma-v1, the canonical tensors freed
     assert q.layout == "mma-v1"
-    assert abs(_alloc() - _nbytes([y1]) - held) < 0.01 * wbytes
+    # live memory is counted in allocator blocks: a cached block less than 1 MB larger than asked is handed out
+    # unsplit (PyTorch's large pool), so the canonical codes can sit in a block up to 1 MB larger than they are
+    # and seem to shrink when freed (H100, session 5: 211968 bytes when the kernel 7 tests ran first)
+    assert abs(_alloc() - _nbytes([y1]) - held) < 0.01 * wbytes + 2**20
     temps = 0 if k == 4 else 48 * 2**20  # k = 3: a chunk's byte-level temporaries (~6 bytes a code, 8M codes)
     assert torch.cuda.max_memory_allocated() - held < 1.25 * wbytes + temps  # repacking: both layouts of a layer
     _assert_matches(y1, before[1])
