@@ -159,7 +159,7 @@ def sampling_table(path: Path) -> str:
 
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
-             "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session3-2026-11-21.json"),
+             "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session5b-2026-11-22.json"),
              "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
              "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
