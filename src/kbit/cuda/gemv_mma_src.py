@@ -12,7 +12,9 @@ mma h (0, 1) of unit u takes columns 8t + 4h + {0, 1} (b0 b1) and 8t + 4h + {2, 
 Scales per (tile, segment): [8 g][16] (byte / half 2u + r = row g + 8r, unit u), expanded to 32-column blocks.
 """
 
-SOURCE = r"""
+# The device helpers (types, loads, mma wrappers, code lookups, tables, programmatic dependent launch) that the
+# grouped kernel source (``kbit.cuda.grouped_mma_src``) shares.
+HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -206,22 +208,6 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 #endif
 }
 
-__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(g) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
-__device__ __forceinline__ void cp_wait_d2() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(D >= 2 ? D - 2 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ V4 lds128(u32 a) {
-  V4 v;
-  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict__ cb, u32 tid, u32 nt) {
 #if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
@@ -248,6 +234,25 @@ __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restri
 #else
   return LB{tab | (lane << 2), 0u};
 #endif
+}
+
+"""
+
+SOURCE = HELPERS + r"""
+__device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
+__device__ __forceinline__ void cp_wait_d2() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(D >= 2 ? D - 2 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ V4 lds128(u32 a) {
+  V4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a) : "memory");
+  return v;
 }
 
 /* one 256-column segment of one 16-row tile: codes w (4k words), scales sw, x pointers xs (column 0 of the
@@ -638,6 +643,15 @@ __device__ __forceinline__ void fold_scales(u32 (&A)[2][4], const u32 (&T)[2][4]
     A[h][3] = hmul2(T[h][3], s1);
   }
 }
+/* kernels 4-7: the code lookup table and the packed log8 scales (s, s), pre-multiplied by SPRE */
+__device__ __forceinline__ void build_tables(u32 tab, const float* __restrict__ cb, const float* __restrict__ e_tab,
+                                             u32 tid) {
+  build_table_fast(tab, cb, tid, MAXW * 32);
+  for (u32 i = tid; i < 256; i += MAXW * 32) {
+    const u16 h = f2h(e_tab[i] * SPRE);
+    s_sc2[i] = (u32)h | ((u32)h << 16);
+  }
+}
 #if KERNEL == 4
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -690,12 +704,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #pragma unroll
   for (int s = 0; s < D - 1; ++s) issue_w(j0 + s, s);
   const float ts = *ts_ptr;
-  build_table_fast(tab, cb, tid, MAXW * 32);
+  build_tables(tab, cb, e_tab, tid);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
-  for (u32 i = tid; i < 256; i += MAXW * 32) {
-    const u16 h = f2h(e_tab[i] * SPRE);
-    s_sc2[i] = (u32)h | ((u32)h << 16);
-  }
   pdl_launch();
   pdl_wait();
 #pragma unroll
@@ -799,11 +809,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma4(
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + D * STAGE4 + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   /* the tables before the wait for the previous kernel: the block table and x are its outputs */
-  build_table_fast(tab, cb, tid, MAXW * 32);
-  for (u32 i = tid; i < 256; i += MAXW * 32) {
-    const u16 h = f2h(e_tab[i] * SPRE);
-    s_sc2[i] = (u32)h | ((u32)h << 16);
-  }
+  build_tables(tab, cb, e_tab, tid);
   pdl_launch();
   pdl_wait();
   const int nb = *nblk;
@@ -1005,12 +1011,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   for (int s = 0; s < D - 2; ++s) { issue(j0 + s, s); cp_commit(); }  /* D - 2 ahead: a slot is refilled two
                                                                           segments after its wgmmas were issued */
   const float ts = *ts_ptr;
-  build_table_fast(tab, cb, tid, MAXW * 32);
+  build_tables(tab, cb, e_tab, tid);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
-  for (u32 i = tid; i < 256; i += MAXW * 32) {
-    const u16 h = f2h(e_tab[i] * SPRE);
-    s_sc2[i] = (u32)h | ((u32)h << 16);
-  }
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[NG][4];
@@ -1202,12 +1204,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   };
   fetch();
   const float ts = *ts_ptr;
-  build_table_fast(tab, cb, tid, MAXW * 32);
+  build_tables(tab, cb, e_tab, tid);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
-  for (u32 i = tid; i < 256; i += MAXW * 32) {
-    const u16 h = f2h(e_tab[i] * SPRE);
-    s_sc2[i] = (u32)h | ((u32)h << 16);
-  }
   /* x (the previous kernel's output) after the wait; the first codes are in flight */
   pdl_launch();
   pdl_wait();

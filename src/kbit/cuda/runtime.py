@@ -167,7 +167,7 @@ class Kernel:
         self._cfg.attrs = ctypes.pointer(self._attr)
         self._cfg.numAttrs = 1
         self._cfg_lock = threading.Lock()
-        self._cfg.gridDimY = self._cfg.gridDimZ = self._cfg.blockDimY = self._cfg.blockDimZ = 1
+        self._cfg.blockDimY = self._cfg.blockDimZ = 1
         self._max_shared = -1  # set the attribute on first use: static + dynamic may pass 48 KB below it
         attr = ctypes.c_int()
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
@@ -205,10 +205,11 @@ class Kernel:
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(cbuf), 2, ctypes.addressof(size), 0)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        if pdl and _PDL[0] and self._pdl_ok and gy == 1 and gz == 1:
+        if pdl and _PDL[0] and self._pdl_ok:
             with self._cfg_lock:  # one config struct a kernel, filled per launch
                 cfg = self._cfg
-                cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = gx, block, shared, stream
+                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+                cfg.blockDimX, cfg.sharedMemBytes, cfg.hStream = block, shared, stream
                 res = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, None, extra)
             _check_cu(res, f"launch {self.name}")
             return
