@@ -1,0 +1,139 @@
+"""Triton kernels for split-KV decode attention (launchers: ``kbit.ops.attention``).
+
+One decode step of grouped-query attention: the G query heads that share a KV head are the rows of one
+[G, D] tile, attended against that head's cache ``[L, D]``. ``split_kernel``, grid ``(B * Hkv, S)``:
+program ``(bh, s)`` walks keys ``[s * CHUNK, (s + 1) * CHUNK)`` in blocks of ``BLOCK_N`` with an online
+softmax in float32 (exp2 domain: scores are pre-multiplied by ``log2(e)``). Query rows are padded to
+``BLOCK_G >= 16`` so both products are ``tl.dot`` (tensor cores); the probabilities are rounded to the
+value dtype before ``P @ V``, as flash attention does. A block with no valid key loads neither K nor V, so
+the programs past the valid length cost one small loop and a neutral partial (``m = -inf, l = 0``).
+
+With one split the program normalises and writes the output itself. Otherwise it writes a partial
+(running max ``m``, sum ``l``, unnormalised ``acc``) and ``combine_kernel``, one program per query row,
+merges the S partials: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
+
+Validity of key j for batch row b: ``j < length[b]`` (when a length tensor is given) and, when an additive
+mask is given, ``mask[b, j] > MASKED`` (bool masks: ``mask[b, j]`` true); the mask value is added to the
+scaled score. A row without any valid key gets zeros.
+"""
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+LOG2E = tl.constexpr(1.4426950408889634)
+#: additive mask values at or below this are "masked out" (fp16's lowest finite value: every dtype's
+#: minimum and -inf qualify; exp(s + mask - max) is exactly 0 in float32 for any such key anyway)
+MASKED = tl.constexpr(-65504.0)
+
+
+@triton.jit
+def split_kernel(
+    Q, K, V, Mask, Length, Out, PartO, PartM, PartL,
+    stride_qb, stride_qh, stride_qg,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mb, stride_mn,
+    stride_ob, stride_oh, stride_og,
+    H, G, L, S, qk_scale,
+    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_g < G
+
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, L)
+    if HAS_LENGTH:
+        if LENGTH_PER_ROW:
+            n_valid = tl.load(Length + b).to(tl.int32)
+        else:
+            n_valid = tl.load(Length).to(tl.int32)
+        end = tl.minimum(end, n_valid)
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        valid = n < end
+        if HAS_MASK:
+            mv = tl.load(Mask + b * stride_mb + n * stride_mn, mask=valid, other=0)
+            if MASK_BOOL:
+                valid = valid & (mv != 0)
+                bias = tl.zeros([BLOCK_N], tl.float32)
+            else:
+                bias = mv.to(tl.float32)
+                valid = valid & (bias > MASKED)
+                bias = tl.where(valid, bias, 0.0) * LOG2E
+        else:
+            bias = tl.zeros([BLOCK_N], tl.float32)
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            # both loads before the first product, so V is in flight while the scores are computed
+            k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]
+            s = tl.where(valid[None, :], s, NEG_INF)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+    if SPLIT:
+        ml = (bh * S + split) * G + offs_g
+        tl.store(PartM + ml, m_i, mask=row_ok)
+        tl.store(PartL + ml, l_i, mask=row_ok)
+        tl.store(PartO + ml[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def combine_kernel(
+    PartO, PartM, PartL, Out,
+    stride_ob, stride_oh, stride_og,
+    H, G, S,
+    D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = pid // G
+    g = pid % G
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, D)
+
+    offs_s = tl.arange(0, S_PAD)
+    m = tl.load(PartM + (bh * S + offs_s) * G + g, mask=offs_s < S, other=NEG_INF)
+    l = tl.load(PartL + (bh * S + offs_s) * G + g, mask=offs_s < S, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > NEG_INF, m_max, 0.0)  # no split with a valid key: every weight is 0
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ms = tl.load(PartM + (bh * S + s) * G + g, mask=s < S, other=NEG_INF)
+        ws = tl.exp2(ms - m_max)
+        o = tl.load(PartO + ((bh * S + s) * G + g)[:, None] * D + offs_d[None, :], mask=(ws > 0)[:, None],
+                    other=0.0)
+        acc += tl.sum(ws[:, None] * o, axis=0)
+
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + g * stride_og + offs_d, out.to(Out.dtype.element_ty))

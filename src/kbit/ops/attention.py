@@ -1,0 +1,315 @@
+"""Split-KV decode attention: one query token per sequence against a (static) KV cache, no host sync.
+
+``decode_attention`` is the op (validate -> allocate -> pick config -> launch, registered as
+``kbit::decode_attention``); ``decode_attention_reference`` is its float64 plain-torch specification.
+Kernels: ``kbit.kernels.attention``.
+
+Why: SDPA on ``[B, Hkv, G, D]`` queries against a ``[B, Hkv, Lmax, D]`` static cache runs ``B * Hkv``
+programs (8 on Llama-3-8B at batch 1, for 132 SMs) and reads the padded part of the cache. Here every
+KV head's length is split over programs (about ``PROGRAMS_PER_SM`` per SM in all, chosen from ``Lmax``
+so the grid is fixed under a CUDA graph), and a program whose keys are all invalid skips its K/V loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kbit.kernels import attention as _k
+
+__all__ = [
+    "DecodeAttentionConfig",
+    "pick_config",
+    "decode_attention",
+    "decode_attention_reference",
+    "supports",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
+_INT_DTYPES = (torch.int32, torch.int64)
+MASKED = -65504.0  # additive mask values <= this exclude the key (see kbit.kernels.attention.MASKED)
+MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16)
+PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (issue 6: 2-4)
+DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
+COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Launch choices of ``decode_attention``; ``pick_config`` gives the default, tests may pin one.
+
+    Attributes
+    ----------
+    chunk : int
+        Keys per split program (a multiple of ``block_n``); the grid is ``(B * Hkv, ceil(L / chunk))``.
+        One split (``chunk >= L``) writes the output directly and skips the combine kernel.
+    block_n : int
+        Keys per step of a program's loop (power of two, >= 16: the ``tl.dot`` minimum).
+    num_warps : int
+        ``num_warps`` of the split kernel.
+    """
+
+    chunk: int
+    block_n: int = 64
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"DecodeAttentionConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if self.chunk < self.block_n or self.chunk % self.block_n:
+            raise ValueError(f"DecodeAttentionConfig.chunk must be a positive multiple of block_n = "
+                             f"{self.block_n}, got {self.chunk}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeAttentionConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+
+def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
+    """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
+    ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
+    chunk would be that short). Not yet swept on the H100 (scripts/attn_lab.py times alternatives)."""
+    splits = max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads))
+    chunk = -(-length // splits)
+    block_n = 32 if head_dim > 128 or chunk <= 32 else 64
+    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    return DecodeAttentionConfig(chunk=chunk, block_n=block_n)
+
+
+# ----------------------------------------------------------------------------------- validation
+def _check_inputs(query, key, value, length, mask, scale):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+    device = query.device
+    if not (device.type == "cuda" or (_interpreting() and device.type == "cpu")):
+        raise ValueError(f"query must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
+    B, H, G, D = query.shape
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"query's head dim must be a power of two in [16, 256], got {D}")
+    if not 1 <= G <= MAX_G:
+        raise ValueError(f"query must have 1 <= G <= {MAX_G} rows per KV head (dim 2), got {G}")
+    L = key.shape[2]
+    if L < 1:
+        raise ValueError(f"key must have at least one position (dim 2), got shape {tuple(key.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+        if tuple(t.shape) != (B, H, L, D):
+            raise ValueError(f"{name} must have shape (B, Hkv, L, D) = ({B}, {H}, L, {D}) "
+                             f"(query {tuple(query.shape)}), got {tuple(t.shape)}")
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    if length is not None:
+        if not isinstance(length, torch.Tensor):
+            raise TypeError(f"length must be an int32/int64 tensor or None, got {type(length).__name__}")
+        if length.dtype not in _INT_DTYPES:
+            raise TypeError(f"length must be an int32 or int64 tensor, got {length.dtype}")
+        if length.dim() > 1 or length.numel() not in (1, B):
+            raise ValueError(f"length must have shape (), (1,) or (B,) = ({B},), got {tuple(length.shape)}")
+        if length.device != device:
+            raise ValueError(f"length must be on {device}, got {length.device}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
+        if mask.dtype not in _MASK_DTYPES:
+            raise TypeError(f"mask must be bool, float16, bfloat16 or float32, got {mask.dtype}")
+        if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != 1 \
+                or mask.shape[3] != L:
+            raise ValueError(f"mask must have shape (B or 1, 1, 1, L) = ({B}, 1, 1, {L}), got {tuple(mask.shape)}")
+        if mask.device != device:
+            raise ValueError(f"mask must be on {device}, got {mask.device}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+
+
+def supports(query, key, value, mask=None) -> bool:
+    """Whether ``decode_attention(query, key, value, mask=mask)`` accepts these tensors (no exception)."""
+    try:
+        _check_inputs(query, key, value, None, mask, None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------ op
+@torch.library.custom_op("kbit::decode_attention", mutates_args=())
+def _decode_attention_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    length: torch.Tensor | None, mask: torch.Tensor | None,
+    scale: float, chunk: int, block_n: int, num_warps: int,
+) -> torch.Tensor:
+    B, H, G, D = query.shape
+    L = key.shape[2]
+    out_dtype = query.dtype
+    if _interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
+        query, key, value = query.float(), key.float(), value.float()
+    out = torch.empty(B, H, G, D, dtype=query.dtype, device=query.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+        elif _interpreting() and mask.dtype == torch.bfloat16:
+            mask = mask.float()
+        stride_mb = mask.stride(0) if mask.shape[0] > 1 else 0
+        stride_mn = mask.stride(3)
+    else:
+        stride_mb = stride_mn = 0
+    S = -(-L // chunk)
+    if S > 1:
+        part_o = torch.empty(B * H, S, G, D, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
+        part_l = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_m = part_l = out
+    _k.split_kernel[(B * H, S)](
+        query, key, value, mask if mask is not None else out, length if length is not None else out,
+        out, part_o, part_m, part_l,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        stride_mb, stride_mn,
+        out.stride(0), out.stride(1), out.stride(2),
+        H, G, L, S, scale * 1.4426950408889634,
+        CHUNK=chunk, BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
+        HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+        HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
+        SPLIT=S > 1, num_warps=num_warps,
+    )
+    if S > 1:
+        S_PAD = _next_pow2(S)
+        _k.combine_kernel[(B * H * G,)](
+            part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
+            D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2,
+        )
+    return out.to(out_dtype)
+
+
+@_decode_attention_op.register_fake
+def _(query, key, value, length, mask, scale, chunk, block_n, num_warps):
+    return query.new_empty(query.shape)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    length: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    config: DecodeAttentionConfig | None = None,
+) -> torch.Tensor:
+    r"""Attention of one decode step, grouped-query heads as rows: ``softmax(q k^T * scale + mask) v``.
+
+    Parameters
+    ----------
+    query : torch.Tensor, shape (B, Hkv, G, D), float16 / bfloat16
+        The G = Hq / Hkv query heads of each KV head as rows (query head ``kv * G + g``, the order of
+        transformers' ``repeat_kv``: ``q.reshape(B, Hkv, G, D)`` of a ``[B, Hq, 1, D]`` query).
+    key, value : torch.Tensor, shape (B, Hkv, L, D), query's dtype and device
+        The whole cache (e.g. a static cache of ``L = Lmax`` positions); only valid keys are read.
+    length : int32 / int64 tensor of shape (), (1,) or (B,), optional
+        Keys ``[0, length)`` (of each row, for shape (B,)) are valid. A device tensor: the value may
+        change between CUDA-graph replays. Values above L count as L.
+    mask : tensor of shape (B or 1, 1, 1, L), optional
+        Additive float mask (float16 / bfloat16 / float32, as SDPA's ``attn_mask``): added to the scaled
+        scores; a value ``<= -65504`` (any dtype's minimum, ``-inf``, NaN) excludes the key, which is then
+        not read. A bool mask keeps the keys where it is true. Given with ``length``, both apply.
+        Without either, all L keys are valid.
+    scale : float, optional
+        Score scale, default ``1 / sqrt(D)``.
+    config : DecodeAttentionConfig, optional
+        Launch choices; default ``pick_config(B * Hkv, L, D, <SMs of the device>)``.
+
+    Returns
+    -------
+    torch.Tensor, shape (B, Hkv, G, D), query's dtype (contiguous)
+        Rows with no valid key are zeros (SDPA would give NaN or a uniform average).
+
+    Notes
+    -----
+    Grid ``(B * Hkv, ceil(L / chunk))`` fixed by L, so the call is capturable in a CUDA graph while the
+    valid length changes between replays; a second small kernel merges the splits when there are more
+    than one. Scores, softmax and accumulation are float32; the probabilities are rounded to the input
+    dtype for the ``P @ V`` product (as flash attention does). No host synchronisation.
+
+    Examples
+    --------
+    >>> q = torch.randn(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
+    >>> k = torch.randn(1, 8, 544, 128, device="cuda", dtype=torch.bfloat16)
+    >>> n = torch.tensor([529], device="cuda")
+    >>> decode_attention(q, k, k, length=n).shape
+    torch.Size([1, 8, 4, 128])
+    """
+    _check_inputs(query, key, value, length, mask, scale)
+    B, H, G, D = query.shape
+    L = key.shape[2]
+    if config is None:
+        config = pick_config(B * H, L, D, sm_count(query.device))
+    elif not isinstance(config, DecodeAttentionConfig):
+        raise TypeError(f"config must be a DecodeAttentionConfig, got {type(config).__name__}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return torch.ops.kbit.decode_attention(query, key, value, length, mask, scale, config.chunk, config.block_n,
+                                           config.num_warps)
+
+
+# ------------------------------------------------------------------------------------ reference
+def decode_attention_reference(query, key, value, *, length=None, mask=None, scale=None, out_dtype=None):
+    """``decode_attention``'s semantics in float64 torch (same arguments); returns ``out_dtype``
+    (default query's dtype). Invalid keys are never touched (NaN there does not leak)."""
+    B, H, G, D = query.shape
+    L = key.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    q, k, v = query.double(), key.double(), value.double()
+    valid = torch.ones(B, 1, 1, L, dtype=torch.bool, device=query.device)
+    bias = torch.zeros(B, 1, 1, L, dtype=torch.float64, device=query.device)
+    if length is not None:
+        valid = valid & (torch.arange(L, device=query.device).view(1, 1, 1, L) < length.reshape(-1, 1, 1, 1))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            valid = valid & mask
+        else:
+            m = mask.double()
+            valid = valid & (m > MASKED)
+            bias = torch.where(valid, m, 0.0)
+    k = torch.where(valid.transpose(-1, -2), k, 0.0)
+    v = torch.where(valid.transpose(-1, -2), v, 0.0)
+    s = (q @ k.transpose(-1, -2)) * scale + bias
+    s = s.masked_fill(~valid, -math.inf)
+    mx = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(mx), mx, 0.0))
+    den = p.sum(-1, keepdim=True)
+    out = (p @ v) / torch.where(den > 0, den, 1.0)
+    return out.to(query.dtype if out_dtype is None else out_dtype)

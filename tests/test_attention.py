@@ -1,0 +1,334 @@
+"""kbit.ops.attention.decode_attention against its float64 reference (and the reference against torch's SDPA).
+
+CPU runs go through the Triton interpreter (``TRITON_INTERPRET=1``, set here when no GPU is present) on small
+shapes, in float16 (the interpreter's bfloat16 arithmetic is wrong: the op upcasts bf16 there); small pinned
+configs force several splits, splits past the valid length and per-block skips. ``@pytest.mark.gpu`` cases:
+bf16/fp16 at Llama-3-8B / Qwen3-30B-A3B shapes, CUDA-graph replay with a changing length, torch.compile.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kbit.ops.attention import (  # noqa: E402
+    DecodeAttentionConfig,
+    decode_attention,
+    decode_attention_reference,
+    pick_config,
+    supports,
+)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+RUNNABLE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel = pytest.mark.skipif(not RUNNABLE, reason="needs a GPU or TRITON_INTERPRET=1")
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # P rounded to the input dtype for P @ V; output rounding
+
+
+def _qkv(B, H, G, D, L, dtype=torch.float16, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, G, D, generator=g) * 2  # scores of a few units: a peaked softmax
+    k = torch.randn(B, H, L, D, generator=g)
+    v = torch.randn(B, H, L, D, generator=g)
+    return (t.to(dtype).to(device) for t in (q, k, v))
+
+
+def _static_mask(pos, L, B, dtype, device=DEV):
+    """StaticDecoder's mask: 0 for keys j <= pos, the dtype's minimum after; [B, 1, 1, L] expanded (stride 0)."""
+    allowed = torch.arange(L, device=device) <= pos
+    mask = torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)
+    return mask.view(1, 1, 1, L).expand(B, 1, 1, L)
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    assert bool(torch.isfinite(out).all()), "non-finite output"
+    bad = err > TOL[dtype] * (1 + ref.abs())
+    if bool(bad.any()):
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{int(bad.sum())} elements off, max error {err.max().item():.3g}; first at {idx}: "
+                             f"{out[idx].item()} vs {ref[idx].item()}")
+
+
+def _poison_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors: every output or partial element read must be written."""
+    real = torch.empty
+
+    def empty(*args, **kw):
+        t = real(*args, **kw)
+        if t.is_floating_point():
+            t.fill_(math.nan)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# ------------------------------------------------------------------------------------------------ reference
+def test_reference_matches_sdpa():
+    B, H, G, D, L = 2, 3, 4, 32, 40
+    q, k, v = _qkv(B, H, G, D, L, dtype=torch.float64, device="cpu")
+    for pos in (0, 17, L - 1):
+        mask = _static_mask(pos, L, B, torch.float64, device="cpu")
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+        got = decode_attention_reference(q, k, v, mask=mask, scale=0.3)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got = decode_attention_reference(q, k, v, length=torch.tensor([pos + 1]), scale=0.3)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+CONFIGS = {
+    "default": None,
+    "c32b16": DecodeAttentionConfig(chunk=32, block_n=16),
+    "c48b16": DecodeAttentionConfig(chunk=48, block_n=16, num_warps=2),  # 3 blocks per split
+    "one": DecodeAttentionConfig(chunk=512, block_n=64),  # one split: direct write, no combine
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("B,H,G,D,L,n", [
+    (1, 2, 4, 64, 112, 1),
+    (2, 2, 4, 64, 112, 15),
+    (3, 1, 7, 64, 112, 17),
+    (1, 2, 8, 128, 112, 100),
+    (2, 1, 1, 128, 112, 112),
+    (1, 1, 4, 64, 100, 100),  # L not a multiple of the block
+])
+def test_length_matches_reference(monkeypatch, cfg, B, H, G, D, L, n):
+    q, k, v = _qkv(B, H, G, D, L, seed=B * 100 + n)
+    k[:, :, n:] = math.nan  # keys past the length must never be read
+    v[:, :, n:] = math.inf
+    length = torch.tensor(n, dtype=torch.int32, device=DEV)
+    ref = decode_attention_reference(q, k, v, length=length, out_dtype=torch.float64)
+    _poison_empty(monkeypatch)
+    out = decode_attention(q, k, v, length=length, config=CONFIGS[cfg])
+    _check(out, ref, torch.float16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cfg", ["default", "c32b16"])
+@pytest.mark.parametrize("mask_dtype", [torch.float16, torch.float32, torch.bool])
+def test_static_mask_matches_reference(monkeypatch, cfg, mask_dtype):
+    B, H, G, D, L, pos = 2, 2, 4, 64, 96, 40
+    q, k, v = _qkv(B, H, G, D, L, seed=3)
+    k[:, :, pos + 1:] = math.nan
+    v[:, :, pos + 1:] = math.nan
+    if mask_dtype == torch.bool:
+        mask = (torch.arange(L, device=DEV) <= pos).view(1, 1, 1, L).expand(B, 1, 1, L)
+    else:
+        mask = _static_mask(pos, L, B, mask_dtype)
+    ref = decode_attention_reference(q, k, v, mask=mask, out_dtype=torch.float64)
+    _poison_empty(monkeypatch)
+    _check(decode_attention(q, k, v, mask=mask, config=CONFIGS[cfg]), ref, torch.float16)
+
+
+@needs_kernel
+def test_general_mask_length_and_scale():
+    """Finite additive values are added; -inf and dtype minima exclude; with a per-row length both apply."""
+    B, H, G, D, L = 3, 2, 4, 64, 80
+    q, k, v = _qkv(B, H, G, D, L, seed=4)
+    g = torch.Generator().manual_seed(9)
+    mask = (torch.rand(B, 1, 1, L, generator=g) * -4).to(DEV)
+    mask[0, ..., 5:9] = -math.inf
+    mask[1, ..., 30:70] = torch.finfo(torch.float32).min
+    length = torch.tensor([80, 75, 33], device=DEV)
+    ref = decode_attention_reference(q, k, v, length=length, mask=mask, scale=0.05, out_dtype=torch.float64)
+    out = decode_attention(q, k, v, length=length, mask=mask, scale=0.05, config=CONFIGS["c32b16"])
+    _check(out, ref, torch.float16)
+
+
+@needs_kernel
+def test_early_exit_and_empty_rows(monkeypatch):
+    """Most splits past the valid length (neutral partials), a row with no valid key gets zeros."""
+    B, H, G, D, L = 2, 2, 4, 64, 256
+    q, k, v = _qkv(B, H, G, D, L, seed=5)
+    length = torch.tensor([3, 0], device=DEV)
+    k[0, :, 3:] = math.nan
+    v[0, :, 3:] = math.nan
+    k[1] = math.nan
+    v[1] = math.nan
+    _poison_empty(monkeypatch)
+    out = decode_attention(q, k, v, length=length, config=CONFIGS["c32b16"])
+    ref = decode_attention_reference(q, k, v, length=length, out_dtype=torch.float64)
+    _check(out, ref, torch.float16)
+    assert bool((out[1] == 0).all())
+
+
+@needs_kernel
+def test_strided_inputs():
+    """Query as transformers makes it (a reshape of [B, Hq, 1, D] with strides), a cache slice."""
+    B, Hq, H, D, L = 2, 8, 2, 64, 64
+    g = torch.Generator().manual_seed(6)
+    q4 = torch.randn(B, 1, Hq, D, generator=g).to(torch.float16).to(DEV).transpose(1, 2)  # [B, Hq, 1, D]
+    qg = q4.reshape(B, H, Hq // H, D)
+    big = torch.randn(B, H, 2 * L, D, generator=g).to(torch.float16).to(DEV)
+    k, v = big[:, :, :L], big[:, :, L:]
+    n = torch.tensor([50], device=DEV)
+    ref = decode_attention_reference(qg, k, v, length=n, out_dtype=torch.float64)
+    _check(decode_attention(qg, k, v, length=n, config=CONFIGS["c32b16"]), ref, torch.float16)
+
+
+@needs_kernel
+def test_bf16_through_the_interpreter_upcast():
+    q, k, v = _qkv(2, 2, 4, 64, 64, dtype=torch.bfloat16, seed=7)
+    mask = _static_mask(20, 64, 2, torch.bfloat16)
+    ref = decode_attention_reference(q, k, v, mask=mask, out_dtype=torch.float64)
+    _check(decode_attention(q, k, v, mask=mask, config=CONFIGS["c32b16"]), ref, torch.bfloat16)
+
+
+@needs_kernel
+def test_opcheck():
+    q, k, v = _qkv(1, 2, 4, 64, 64, seed=8)
+    n = torch.tensor([40], device=DEV)
+    mask = _static_mask(30, 64, 1, torch.float16)
+    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, n, mask, 0.125, 32, 16, 4),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------------------------------------ config
+@pytest.mark.parametrize("bh,L,D,sms", [(8, 544, 128, 132), (4, 544, 128, 132), (512, 544, 128, 132),
+                                        (8, 8208, 128, 132), (128, 2064, 256, 132), (1, 17, 64, 2)])
+def test_pick_config(bh, L, D, sms):
+    c = pick_config(bh, L, D, sms)
+    splits = -(-L // c.chunk)
+    assert c.chunk % c.block_n == 0 and c.block_n >= 16
+    assert bh * splits <= max(bh, 4 * sms)  # about PROGRAMS_PER_SM per SM, at least one split a head
+    if bh >= 4 * sms:
+        assert splits == 1
+    if D > 128:
+        assert c.block_n == 32
+
+
+def test_config_validation():
+    for kw in ({"chunk": 48, "block_n": 32}, {"chunk": 8, "block_n": 8}, {"chunk": 64, "block_n": 24},
+               {"chunk": 64, "block_n": 64, "num_warps": 3}):
+        with pytest.raises(ValueError, match="DecodeAttentionConfig"):
+            DecodeAttentionConfig(**kw)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+_Q, _K, _V = _qkv(2, 2, 4, 64, 32)
+_N = torch.tensor([5], device=DEV)
+BAD = {
+    "query dtype": (dict(query=_Q.float()), TypeError, "query must be float16 or bfloat16"),
+    "query type": (dict(query=_Q.tolist()), TypeError, "query must be a torch.Tensor"),
+    "key dtype": (dict(key=_K.to(torch.bfloat16)), TypeError, "key must have query's dtype"),
+    "dims": (dict(query=_Q[0]), ValueError, "query must have 4 dimensions"),
+    "D": (dict(query=_Q[..., :48], key=_K[..., :48], value=_V[..., :48]), ValueError, "power of two"),
+    "G": (dict(query=torch.zeros(2, 2, 65, 64, dtype=torch.float16, device=DEV)), ValueError, "G <= 64"),
+    "key shape": (dict(key=_K[:1], value=_V[:1]), ValueError, "key must have shape"),
+    "value shape": (dict(value=_V[:, :, :16]), ValueError, "value must have"),
+    "stride": (dict(key=_K.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "last dimension"),
+    "length dtype": (dict(length=_N.float()), TypeError, "length must be an int32 or int64"),
+    "length shape": (dict(length=torch.tensor([1, 2, 3], device=DEV)), ValueError, "length must have shape"),
+    "length type": (dict(length=5), TypeError, "length must be"),
+    "mask dtype": (dict(mask=torch.zeros(2, 1, 1, 32, dtype=torch.int32, device=DEV)), TypeError,
+                   "mask must be bool"),
+    "mask heads": (dict(mask=torch.zeros(2, 2, 1, 32, device=DEV)), ValueError, "mask must have shape"),
+    "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask must have shape"),
+    "scale": (dict(scale=math.nan), TypeError, "scale must be"),
+    "config": (dict(config=(32, 16)), TypeError, "config must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input(case):
+    kw, exc, msg = BAD[case]
+    args = {"query": _Q, "key": _K, "value": _V, **kw}
+    q, k, v = args.pop("query"), args.pop("key"), args.pop("value")
+    with pytest.raises(exc, match=msg):
+        decode_attention(q, k, v, **args)
+
+
+def test_bad_input_device():
+    q, k, v = _qkv(1, 1, 4, 64, 16, device="cpu")
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            with pytest.raises(ValueError, match="CUDA device"):
+                decode_attention(q, k, v)
+        return
+    with pytest.raises(ValueError, match="CUDA device"):
+        decode_attention(q, k, v)
+    with pytest.raises(ValueError, match="key must be on"):
+        decode_attention(q.cuda(), k, v.cuda())
+    with pytest.raises(ValueError, match="length must be on"):
+        decode_attention(q.cuda(), k.cuda(), v.cuda(), length=torch.tensor([3]))
+
+
+def test_supports():
+    q, k, v = _qkv(1, 2, 4, 64, 16, device="cpu")
+    assert not supports(q.float(), k.float(), v.float())
+    assert not supports(q, k, v, torch.zeros(1, 2, 4, 16))  # a per-head mask: SDPA keeps it
+    if RUNNABLE:
+        assert supports(q, k, v, torch.zeros(1, 1, 1, 16))
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+SHAPES = {"llama3-8b": (8, 4), "qwen3-30b-a3b": (4, 8)}  # (Hkv, G), D = 128
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("B,n,L", [(1, 529, 544), (4, 2049, 2064), (16, 100, 2064), (64, 528, 544)])
+def test_gpu_model_shapes(dtype, model, B, n, L):
+    H, G = SHAPES[model]
+    q, k, v = _qkv(B, H, G, 128, L, dtype=dtype, seed=n)
+    mask = _static_mask(n - 1, L, B, dtype)
+    ref = decode_attention_reference(q, k, v, mask=mask, out_dtype=torch.float64)
+    _check(decode_attention(q, k, v, mask=mask), ref, dtype)
+    _check(decode_attention(q, k, v, length=torch.tensor([n], device=DEV)), ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,G", [(64, 16), (256, 4), (128, 7), (16, 2)])
+def test_gpu_head_dims(D, G):
+    q, k, v = _qkv(2, 2, G, D, 1040, dtype=torch.bfloat16, seed=D)
+    n = torch.tensor([1000, 37], device=DEV)
+    ref = decode_attention_reference(q, k, v, length=n, out_dtype=torch.float64)
+    _check(decode_attention(q, k, v, length=n), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_gpu_graph_replay_changing_length(use_mask):
+    B, H, G, D, L = 2, 8, 4, 128, 2064
+    q, k, v = _qkv(B, H, G, D, L, dtype=torch.bfloat16, seed=11)
+    n = torch.tensor([1], device=DEV)
+    arange = torch.arange(L, device=DEV)
+
+    def call():
+        if use_mask:
+            mask = torch.where(arange < n, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+            return decode_attention(q, k, v, mask=mask.view(1, 1, 1, L).expand(B, 1, 1, L))
+        return decode_attention(q, k, v, length=n)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for length in (1, 5, 63, 64, 65, 700, 2047, 2064, 17):
+        n.fill_(length)
+        graph.replay()
+        eager = call()
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+        ref = decode_attention_reference(q, k, v, length=n, out_dtype=torch.float64)
+        _check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile():
+    q, k, v = _qkv(1, 8, 4, 128, 544, dtype=torch.bfloat16, seed=12)
+    n = torch.tensor([300], device=DEV)
+    fn = torch.compile(lambda q, k, v, n: decode_attention(q, k, v, length=n) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, n), decode_attention(q, k, v, length=n) * 2)
