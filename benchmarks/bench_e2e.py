@@ -14,6 +14,8 @@ cache, final norm, lm_head, argmax, the token written back, position advanced) c
 and replayed. Timed: ``--steps`` consecutive steps (CUDA events), rewound to the prompt between repetitions,
 median of ``--reps``. tokens/s = batch * steps / time. ``--fuse``: ``kbit.hf.decode.compile_glue`` on both
 sides (RMSNorm, rotary, SiLU * up fused by torch.compile; matmuls and attention untouched).
+Both sides decode through ``kbit.hf.decode.static_attention`` (the split-KV kernel of ``kbit.ops.attention``
+on one-token steps; ``KBIT_DECODE_ATTN=sdpa`` runs SDPA instead, recorded as ``decode_attn`` in the meta).
 The bf16 MoE baseline is timed twice, with
 transformers' ``experts_implementation="grouped_mm"`` (``bf16``) and with kbit's device-side routing +
 ``torch._grouped_mm`` on the bf16 stacks (``bf16-kr``, as in bench_moe.py); speedups are against the faster.
@@ -431,7 +433,7 @@ def run(args) -> list:
             "triton": triton.__version__, "transformers": transformers.__version__,
             "command": "python benchmarks/bench_e2e.py " + " ".join(args.argv), "ctx": args.ctx,
             "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse, "fuse_proj": args.fuse_proj,
-            "lm_head_k": args.lm_head_k}
+            "lm_head_k": args.lm_head_k, "decode_attn": os.environ.get("KBIT_DECODE_ATTN", "auto")}
     rows: list = []
     json_path = out_dir / f"{args.name}.json"
     if args.append and json_path.exists():  # one results file for several invocations

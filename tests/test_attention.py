@@ -3,7 +3,8 @@
 CPU runs go through the Triton interpreter (``TRITON_INTERPRET=1``, set here when no GPU is present) on small
 shapes, in float16 (the interpreter's bfloat16 arithmetic is wrong: the op upcasts bf16 there); small pinned
 configs force several splits, splits past the valid length and per-block skips. ``@pytest.mark.gpu`` cases:
-bf16/fp16 at Llama-3-8B / Qwen3-30B-A3B shapes, CUDA-graph replay with a changing length, torch.compile.
+bf16/fp16 at Llama-3-8B / Qwen3-30B-A3B shapes, CUDA-graph replay with a changing length, torch.compile, and
+``static_attention`` against its SDPA path.
 """
 
 import math
@@ -269,6 +270,17 @@ def test_supports():
         assert supports(q, k, v, torch.zeros(1, 1, 1, 16))
 
 
+def test_env_switch(monkeypatch):
+    from kbit.hf.decode import _decode_kernel_enabled
+
+    for value, want in (("", True), ("auto", True), ("kbit", True), ("SDPA", False), ("sdpa", False)):
+        monkeypatch.setenv("KBIT_DECODE_ATTN", value)
+        assert _decode_kernel_enabled() is want
+    monkeypatch.setenv("KBIT_DECODE_ATTN", "flash")
+    with pytest.raises(ValueError, match="KBIT_DECODE_ATTN"):
+        _decode_kernel_enabled()
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 SHAPES = {"llama3-8b": (8, 4), "qwen3-30b-a3b": (4, 8)}  # (Hkv, G), D = 128
 
@@ -332,3 +344,37 @@ def test_gpu_torch_compile():
     n = torch.tensor([300], device=DEV)
     fn = torch.compile(lambda q, k, v, n: decode_attention(q, k, v, length=n) * 2, fullgraph=True)
     torch.testing.assert_close(fn(q, k, v, n), decode_attention(q, k, v, length=n) * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model", list(SHAPES))
+def test_gpu_static_attention_matches_sdpa(monkeypatch, dtype, model):
+    from kbit.hf.decode import static_attention
+
+    H, G = SHAPES[model]
+    B, L, pos = 4, 544, 528
+    g = torch.Generator().manual_seed(13)
+    query = torch.randn(B, 1, H * G, 128, generator=g).to(dtype).to(DEV).transpose(1, 2)  # [B, Hq, 1, D]
+    key = torch.randn(B, H, L, 128, generator=g).to(dtype).to(DEV)
+    value = torch.randn(B, H, L, 128, generator=g).to(dtype).to(DEV)
+    mask = _static_mask(pos, L, B, dtype)
+    out, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
+    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
+    want, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
+    assert out.shape == want.shape == (B, 1, H * G, 128)
+    torch.testing.assert_close(out, want, rtol=2 * TOL[dtype], atol=2 * TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_kernel_vs_sdpa(monkeypatch):
+    """A tiny Llama (D = 16) decoded under a CUDA graph with each attention: the same greedy tokens."""
+    from test_decode import PROMPT, llama, static_greedy
+
+    model = llama(vocab=256).to(device="cuda", dtype=torch.float16)
+    ids = torch.tensor(PROMPT, device="cuda")
+    t_kbit, l_kbit = static_greedy(model, ids, 8, graph=True)
+    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
+    t_sdpa, l_sdpa = static_greedy(model, ids, 8, graph=True)
+    assert torch.equal(t_kbit, t_sdpa)
+    torch.testing.assert_close(l_kbit, l_sdpa, atol=2e-2, rtol=2e-2)

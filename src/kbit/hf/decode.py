@@ -11,7 +11,8 @@ The model's own forward is used (any kbit modules inside: ``KbitLinear``, ``Kbit
 and the position ids are made here (a 4-D additive mask over the whole static cache, built on the device from
 the position tensor, once per step), so the step depends on no transformers mask or position logic that reads
 the host. The attention of a one-token step is transformers' SDPA with the query heads of each KV group as
-the query rows (``[B, Hkv, G, D]`` against the cache's ``[B, Hkv, L, D]``): transformers' own SDPA path
+the query rows (``[B, Hkv, G, D]`` against the cache's ``[B, Hkv, L, D]``; on CUDA the split-KV kernel of
+:mod:`kbit.ops.attention`, ``KBIT_DECODE_ATTN=sdpa`` for SDPA): transformers' own SDPA path
 repeats the whole static cache G times whenever a mask is given (``repeat_kv``: at batch 64 and 600
 positions, ~20 GB of copies a step on Llama-3-8B). The prefill uses transformers' SDPA as is.
 
@@ -25,6 +26,8 @@ Graph capture needs a sync-free forward: quantized MoE models should use :class:
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -46,7 +49,10 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     """Attention for the static cache: ``query [B, Hq, q, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (the whole
     cache), ``attention_mask`` additive ``[B, 1, q, L]``. A one-token step runs one SDPA on ``[B, Hkv, G, D]``
     queries (the G = Hq / Hkv heads sharing a KV head as rows: no copy of the cache); longer ones (prefill)
-    go to transformers' ``sdpa`` forward. Returns ``([B, q, Hq, D], None)`` as transformers' functions do."""
+    go to transformers' ``sdpa`` forward. On CUDA the one-token step is :func:`kbit.ops.attention.decode_attention`
+    (split over the cache length, the same additive mask; keys past the position are not read) unless
+    ``KBIT_DECODE_ATTN=sdpa`` or the tensors are outside its support (fp32, odd head dims, other mask shapes).
+    Returns ``([B, q, Hq, D], None)`` as transformers' functions do."""
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or Hq % Hkv or dropout:
@@ -56,8 +62,24 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
                                       **kwargs)
     qg = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * G + g, the order of transformers' repeat_kv
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+    if query.is_cuda and _decode_kernel_enabled():
+        from kbit.ops import attention as _attn
+
+        if _attn.supports(qg, key, value, mask):
+            out = _attn.decode_attention(qg, key, value, mask=mask, scale=scaling)
+            return out.reshape(B, 1, Hq, D), None
     out = torch.nn.functional.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, 1, Hq, D), None
+
+
+def _decode_kernel_enabled() -> bool:
+    """``KBIT_DECODE_ATTN``: unset, ``kbit`` or ``auto`` = :func:`kbit.ops.attention.decode_attention` for
+    one-token steps on CUDA (fp16/bf16, head dim a power of two <= 256); ``sdpa`` = SDPA (for A/B runs). Read
+    at every call, so it takes effect at the next capture or eager step."""
+    choice = os.environ.get("KBIT_DECODE_ATTN", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "kbit", "sdpa"):
+        raise ValueError(f"KBIT_DECODE_ATTN: expected 'auto', 'kbit' or 'sdpa', got {choice!r}")
+    return choice != "sdpa"
 
 
 def _register() -> None:
