@@ -45,7 +45,15 @@ def check(cfgs):
               (256, 8192, 4, 128, torch.bfloat16, 32, "log8", False),  # 1 row block: split K
               (4096, 1024, 3, 1000, torch.float16, 32, "fp16", False),
               (5120, 2880, 2, 257, torch.bfloat16, 32, "log8", True)]
-    return [f for cfg in cfgs for f in L.run_cases(cases, config=cfg, log_every=1)]
+    fails = []
+    for M, Kw, bt in [(1, 256, 128), (100, 512, 128), (300, 4096, 256), (256, 768, 256)]:
+        for dt in (torch.float16, torch.bfloat16):
+            x = torch.randn(M, Kw, dtype=dt, device="cuda")
+            ok = torch.equal(MM._x_tiles(x, bt, Kw // 256), MM._x_tiles_reference(x, bt, Kw // 256))
+            L.log(f"check x tiles M={M} Kw={Kw} bt={bt} {dt}: {'ok' if ok else 'FAIL'}")
+            if not ok:
+                fails.append((f"x tiles {M} {Kw} {bt} {dt}", "mismatch"))
+    return fails + [f for cfg in cfgs for f in L.run_cases(cases, config=cfg, log_every=1)]
 
 
 def main():

@@ -1085,12 +1085,42 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
    kernel 6 does; B = x chunks of 64 columns (x permuted to the "mma-v1" K order on the host) through a D-stage
    cp.async ring read by the tensor cores. Codes and scales of the next segment are prefetched into registers. */
 #define XC (8 * NG * 128)   /* one 64-column chunk of 8 NG tokens: 8 K-direction core matrices x NG */
+#if XB == 2 && defined(XLAG)
+#define LAG XLAG            /* XB = 2: the producer waits for the stage's empty barrier instead */
+#else
 #define LAG (AB / 2 + 1)    /* a stage is refilled LAG chunks after the chunk that last read it */
+#endif
 #ifndef GM
 #define GM 8
 #endif
 #ifndef XSW
 #define XSW 1 /* x chunks in wgmma's 128-byte swizzled K-major layout (0: no swizzle, core matrices) */
+#endif
+#ifndef XB
+#define XB 0 /* 1: x pre-tiled and swizzled on the device (kbit_x_tiles): one bulk copy a chunk, mbarrier */
+#endif
+#if XB
+__shared__ __align__(8) u64 s_full[8];  /* a chunk's bulk copy landed in stage s */
+__shared__ __align__(8) u64 s_empty[8]; /* XB = 2: every warp's wgmmas that read stage s retired */
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ u32 mbar_try(u32 bar, u32 parity) {
+  u32 ok;
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+               : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok;
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) { while (!mbar_try(bar, parity)) {} }
+/* one thread: stage `dst` <- `bytes` contiguous global bytes at `src`, completion counted on `bar` */
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 #endif
 /* the B descriptor of the k16 step kk (0..3) of an x chunk at shared address sb */
 __device__ __forceinline__ u64 x_desc(u32 sb, int kk) {
@@ -1139,7 +1169,24 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   int l_p = blockIdx.x, l_c = 0;
   Task lt = task_of(l_p, n_rb, n_tb, splits, sps, n_seg);
   int l_nc = (lt.s1 - lt.s0) * 4;
+#if XB == 2
+  int l_q = 0;       /* chunks issued (thread 0) */
+  u32 ephase = 0;    /* bit s: parity of the next completion of s_empty[s] */
+#endif
   auto issue = [&](int slot) {
+#if XB
+    /* x_stride = 64-column chunks a token block; chunk (tb, c) is XC contiguous bytes */
+    if (tid == 0 && l_p < n_tasks) {
+#if XB == 2
+      if (l_q >= D) {  /* chunk l_q - D, the stage's last reader, retired in every warp */
+        mbar_wait(smem_addr(&s_empty[slot]), (ephase >> slot) & 1);
+        ephase ^= 1u << slot;
+      }
+      ++l_q;
+#endif
+      bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
+                smem_addr(&s_full[slot]));
+#else
     if (l_p < n_tasks) {
       const u32 sb = dsm_base + slot * XC;
       const long long col = (long long)(lt.s0 * 4 + l_c) * 64;
@@ -1162,6 +1209,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         cp_async16(sb + (c8 * NG + (tok >> 3)) * 128 + (tok & 7) * 16, x + (long long)row * x_stride + col + c8 * 8);
 #endif
       }
+#endif
       if (++l_c == l_nc) {
         l_c = 0;
         l_p += gridDim.x;
@@ -1206,6 +1254,20 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const float ts = *ts_ptr;
   build_tables(tab, cb, e_tab, tid);
   const float post = FP16_SCALES ? ts : ts * (1.0f / SPRE);
+#if XB
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < D; ++s) {
+      mbar_init(smem_addr(&s_full[s]), 1);
+#if XB == 2
+      mbar_init(smem_addr(&s_empty[s]), MAXW);
+#endif
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  u32 phase = 0;  /* bit s: parity of the next completion of stage s */
+#endif
   /* x (the previous kernel's output) after the wait; the first codes are in flight */
   pdl_launch();
   pdl_wait();
@@ -1219,6 +1281,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   int c_p = blockIdx.x;
   Task ct = task_of(c_p, n_rb, n_tb, splits, sps, n_seg);
   int c_s = ct.s0, slot = 0;
+#if XB == 2
+  int prev_slot = 0, n_used = 0;
+#endif
   u32 A[AB][2][4];
   while (c_p < n_tasks) {
     u32 w[NW], sw[4 * SV];
@@ -1229,9 +1294,18 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     fetch();
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
+#if XB
+#if XB == 1
+      /* every warp is past the wgmma wait that retired chunk c - 2: its stage may be refilled below */
+      __syncthreads();
+#endif
+      mbar_wait(smem_addr(&s_full[slot]), (phase >> slot) & 1);
+      phase ^= 1u << slot;
+#else
       asm volatile("cp.async.wait_group %0;" :: "n"(D - LAG - 1) : "memory");
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncthreads();
+#endif
       const u32 sb = dsm_base + slot * XC;
       const int ls = slot + D - LAG;
       slot = slot + 1 == D ? 0 : slot + 1;
@@ -1245,12 +1319,20 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         lookup(w, u, lbb, T);
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
         wg_wait<AB - 1>();
+#if XB == 2
+        /* before unit 1 of chunk c, every wgmma group of chunk c - 1 has retired (AB = 2) */
+        if (ul == 1 && lane == 0 && n_used > 0) mbar_arrive(smem_addr(&s_empty[prev_slot]));
+#endif
         fold_scales(Au, T, s0, s1);
         wg_fence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
         wg_commit();
       }
+#if XB == 2
+      prev_slot = slot == 0 ? D - 1 : slot - 1;  /* slot has advanced: the stage this chunk read */
+      ++n_used;
+#endif
       /* refill after this chunk's wgmmas are issued: the copies' address registers are not needed by the
          lookups that follow the barrier */
       issue(ls >= D ? ls - D : ls);
@@ -1410,3 +1492,35 @@ def _wgmma_funcs() -> str:
 
 
 SOURCE = SOURCE.replace("/*WGMMA_FUNCS*/", _wgmma_funcs())
+
+# x for kernel 7 with XB = 1: the "mma-v1" K permutation, token blocks of BT rows, 64-column chunks, each chunk
+# a contiguous [BT][128 bytes] tile in wgmma's 128-byte swizzle (16-byte piece c of row r at (c ^ (r % 8)) * 16),
+# rows past M zero. One thread a 16-byte piece: four 4-byte column pairs of one row.
+X_TILES_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct __align__(16) V4 { u32 x, y, z, w; };
+extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
+                                         int n_ch, int bt, long long total) {
+  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  if (o >= total) return;
+  const int pos = (int)(o & 7);
+  long long rest = o >> 3;
+  const int r = (int)(rest % bt);
+  rest /= bt;
+  const int ch = (int)(rest % n_ch);
+  const int row = (int)(rest / n_ch) * bt + r;
+  V4 v = {0u, 0u, 0u, 0u};
+  if (row < M) {
+    /* piece c of the chunk = permuted columns 8c .. 8c + 7 = original 32 (c / 4) + 8t + 4h + 2p + e */
+    const int c = pos ^ (r & 7), h = (c >> 1) & 1, p = c & 1;
+    const u32* src = (const u32*)(x + (long long)row * x_stride + ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p);
+    v.x = src[0]; v.y = src[4]; v.z = src[8]; v.w = src[12];
+  }
+  xt[o] = v;
+}
+"""

@@ -469,8 +469,12 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         gm = cfg[4] if len(cfg) > 4 else 8
         xc = 8 * ng * 128
         xsw = cfg[5] if len(cfg) > 5 else 1
-        D = max(3, min(D, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
-        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw)
+        xb = int(len(cfg) > 6 and cfg[6] and xsw)  # x pre-tiled on the device, one bulk copy a chunk
+        D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
+        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
+                       XB=xb)
+        if xb == 2 and len(cfg) > 7 and cfg[7]:
+            defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
         shared = D * xc + _table_smem(k) + 1024
     elif kernel == 4:
         rt = X
@@ -541,15 +545,50 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
             _PLANS.clear()
         _PLANS[key] = p
     Nt, S, splits = p["Nt"], p["S"], p["splits"]
-    if p["defines"]["KERNEL"] in (6, 7):
+    x_stride = x2.stride(0)
+    if p["defines"].get("XB"):
+        bt = 8 * p["defines"]["NG"]
+        x2 = _x_tiles(x2, bt, S)
+        x_stride = S * 4  # 64-column chunks a token block
+    elif p["defines"]["KERNEL"] in (6, 7):
         x2 = _permute_x(x2)
+        x_stride = x2.stride(0)
     ws, cnt = _workspace(dev, M, Nt * 16, p["n_cnt"]) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
               _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
-              ws.data_ptr(), cnt.data_ptr(), M, N, x2.stride(0), y.stride(0), S, Nt, splits, p["sps"], bias_kind,
+              ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y.stride(0), S, Nt, splits, p["sps"], bias_kind,
               Nt * 16, shared=p["shared"], pdl=True)
+
+
+def _x_tiles(x2, bt, S):
+    """x ``[M, S * 256]`` (rows 16-byte aligned) as kernel 7's bulk-copy tiles: ``[ceil(M / bt), S * 4, bt, 64]``
+    in the "mma-v1" K order, each ``[bt, 64]`` tile in wgmma's 128-byte swizzle, rows past M zero
+    (``kbit_x_tiles``; :func:`_x_tiles_reference` is the torch definition)."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
+
+    M = x2.shape[0]
+    n_tb, n_ch = -(-M // bt), S * 4
+    xt = torch.empty(n_tb * n_ch * bt * 64, dtype=x2.dtype, device=x2.device)
+    total = xt.numel() // 8
+    kern = compile_kernel(X_TILES_SOURCE, "kbit_x_tiles", {}, x2.device)
+    kern((-(-total // 256),), 256, "QQiiiiq", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt, total,
+         pdl=True)
+    return xt
+
+
+def _x_tiles_reference(x2, bt, S):
+    """The definition of :func:`_x_tiles` in torch."""
+    M, Kw = x2.shape
+    n_tb = -(-M // bt)
+    xp = torch.zeros(n_tb * bt, Kw, dtype=x2.dtype, device=x2.device)
+    xp[:M] = _permute_x(x2)
+    t = xp.view(n_tb, bt, S * 4, 8, 8).permute(0, 2, 1, 3, 4)  # [tb, chunk, row, piece, 8]
+    r = torch.arange(bt, device=x2.device).view(bt, 1) % 8
+    src = torch.arange(8, device=x2.device).view(1, 8) ^ r  # piece at position c holds piece c ^ (r % 8)
+    return t[:, :, torch.arange(bt, device=x2.device).view(bt, 1), src].reshape(-1)
 
 
 def _prep_x(x2, S):
