@@ -86,7 +86,7 @@ def test_reference_matches_sdpa():
 CONFIGS = {
     "default": None,
     "c32b16": DecodeAttentionConfig(chunk=32, block_n=16),
-    "c48b16": DecodeAttentionConfig(chunk=48, block_n=16, num_warps=2),  # 3 blocks per split
+    "c48b16": DecodeAttentionConfig(chunk=48, block_n=16, num_warps=2, num_stages=3),  # 3 blocks per split
     "one": DecodeAttentionConfig(chunk=512, block_n=64),  # one split: direct write, no combine
 }
 
@@ -188,7 +188,7 @@ def test_opcheck():
     q, k, v = _qkv(1, 2, 4, 64, 64, seed=8)
     n = torch.tensor([40], device=DEV)
     mask = _static_mask(30, 64, 1, torch.float16)
-    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, n, mask, 0.125, 32, 16, 4),
+    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, n, mask, 0.125, 32, 16, 4, 2),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -208,7 +208,7 @@ def test_pick_config(bh, L, D, sms):
 
 def test_config_validation():
     for kw in ({"chunk": 48, "block_n": 32}, {"chunk": 8, "block_n": 8}, {"chunk": 64, "block_n": 24},
-               {"chunk": 64, "block_n": 64, "num_warps": 3}):
+               {"chunk": 64, "block_n": 64, "num_warps": 3}, {"chunk": 64, "num_stages": 0}):
         with pytest.raises(ValueError, match="DecodeAttentionConfig"):
             DecodeAttentionConfig(**kw)
 

@@ -2,7 +2,7 @@
 
 One decode step of grouped-query attention: the G query heads that share a KV head are the rows of one
 [G, D] tile, attended against that head's cache ``[L, D]``. ``split_kernel``, grid ``(B * Hkv, S)``:
-program ``(bh, s)`` walks keys ``[s * CHUNK, (s + 1) * CHUNK)`` in blocks of ``BLOCK_N`` with an online
+program ``(bh, s)`` walks keys ``[s * chunk, (s + 1) * chunk)`` in blocks of ``BLOCK_N`` with an online
 softmax in float32 (exp2 domain: scores are pre-multiplied by ``log2(e)``). Query rows are padded to
 ``BLOCK_G >= 16`` so both products are ``tl.dot`` (tensor cores); the probabilities are rounded to the
 value dtype before ``P @ V``, as flash attention does. A block with no valid key loads neither K nor V, so
@@ -28,6 +28,22 @@ MASKED = tl.constexpr(-65504.0)
 
 
 @triton.jit
+def _attend_block(q, k_base, v_base, n, valid, bias, m_i, l_i, acc, stride_kn, stride_vn, qk_scale, offs_d):
+    """One block of keys ``n`` (at least one valid) folded into the online softmax of the G rows."""
+    # both loads before the first product, so V is in flight while the scores are computed
+    k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]
+    s = tl.where(valid[None, :], s, NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def split_kernel(
     Q, K, V, Mask, Length, Out, PartO, PartM, PartL,
     stride_qb, stride_qh, stride_qg,
@@ -35,8 +51,8 @@ def split_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mn,
     stride_ob, stride_oh, stride_og,
-    H, G, L, S, qk_scale,
-    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    H, G, L, S, chunk, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -49,8 +65,8 @@ def split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_g < G
 
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, L)
+    start = split * chunk
+    end = tl.minimum(start + chunk, L)
     if HAS_LENGTH:
         if LENGTH_PER_ROW:
             n_valid = tl.load(Length + b).to(tl.int32)
@@ -78,20 +94,12 @@ def split_kernel(
                 bias = mv.to(tl.float32)
                 valid = valid & (bias > MASKED)
                 bias = tl.where(valid, bias, 0.0) * LOG2E
-        else:
-            bias = tl.zeros([BLOCK_N], tl.float32)
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            # both loads before the first product, so V is in flight while the scores are computed
-            k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]
-            s = tl.where(valid[None, :], s, NEG_INF)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            if tl.max(valid.to(tl.int32), axis=0) > 0:  # a masked-out block loads no K/V
+                m_i, l_i, acc = _attend_block(q, k_base, v_base, n, valid, bias, m_i, l_i, acc, stride_kn, stride_vn,
+                                              qk_scale, offs_d)
+        else:  # every block has a valid key: no branch, so the loop's loads can be pipelined
+            m_i, l_i, acc = _attend_block(q, k_base, v_base, n, valid, tl.zeros([BLOCK_N], tl.float32), m_i, l_i,
+                                          acc, stride_kn, stride_vn, qk_scale, offs_d)
 
     if SPLIT:
         ml = (bh * S + split) * G + offs_g

@@ -72,11 +72,15 @@ class DecodeAttentionConfig:
         Keys per step of a program's loop (power of two, >= 16: the ``tl.dot`` minimum).
     num_warps : int
         ``num_warps`` of the split kernel.
+    num_stages : int
+        ``num_stages`` of the split kernel (software pipelining of the K/V loads of the length-only loop;
+        stages hold ``2 * block_n * D`` input elements of shared memory each).
     """
 
     chunk: int
     block_n: int = 64
     num_warps: int = 4
+    num_stages: int = 2
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -86,6 +90,8 @@ class DecodeAttentionConfig:
                              f"{self.block_n}, got {self.chunk}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"DecodeAttentionConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"DecodeAttentionConfig.num_stages must be in [1, 6], got {self.num_stages}")
 
 
 def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
@@ -169,7 +175,7 @@ def supports(query, key, value, mask=None) -> bool:
 def _decode_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     length: torch.Tensor | None, mask: torch.Tensor | None,
-    scale: float, chunk: int, block_n: int, num_warps: int,
+    scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
 ) -> torch.Tensor:
     B, H, G, D = query.shape
     L = key.shape[2]
@@ -201,11 +207,11 @@ def _decode_attention_op(
         value.stride(0), value.stride(1), value.stride(2),
         stride_mb, stride_mn,
         out.stride(0), out.stride(1), out.stride(2),
-        H, G, L, S, scale * 1.4426950408889634,
-        CHUNK=chunk, BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
+        H, G, L, S, chunk, scale * 1.4426950408889634,
+        BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
-        SPLIT=S > 1, num_warps=num_warps,
+        SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages,
     )
     if S > 1:
         S_PAD = _next_pow2(S)
@@ -217,7 +223,7 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(query, key, value, length, mask, scale, chunk, block_n, num_warps):
+def _(query, key, value, length, mask, scale, chunk, block_n, num_warps, num_stages):
     return query.new_empty(query.shape)
 
 
@@ -282,7 +288,7 @@ def decode_attention(
         raise TypeError(f"config must be a DecodeAttentionConfig, got {type(config).__name__}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     return torch.ops.kbit.decode_attention(query, key, value, length, mask, scale, config.chunk, config.block_n,
-                                           config.num_warps)
+                                           config.num_warps, config.num_stages)
 
 
 # ------------------------------------------------------------------------------------ reference
