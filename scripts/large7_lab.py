@@ -35,15 +35,17 @@ from kbit.ops.dequant import dequantize_tensors  # noqa: E402
 SHAPES = [(28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672)]
 
 
-def check(cfgs):
+def check(cfgs, quick=False):
     cases = []
     for k in (2, 3, 4, 5):
         for dt in (torch.float16, torch.bfloat16):
-            cases.append((2880, 5120, k, 100 if dt == torch.float16 else 300, dt, 32, "log8", False))
+            if not quick or (k, dt) in ((4, torch.bfloat16), (3, torch.float16)):
+                cases.append((2880, 5120, k, 100 if dt == torch.float16 else 300, dt, 32, "log8", False))
     cases += [(1000, 4000, 4, 65, torch.bfloat16, 64, "fp16", True),
               (17, 300, 5, 129, torch.float16, 128, "log8", True),
               (256, 8192, 4, 128, torch.bfloat16, 32, "log8", False),  # 1 row block: split K
-              (4096, 1024, 3, 1000, torch.float16, 32, "fp16", False),
+              (4096, 1024, 3, 1000, torch.float16, 32, "fp16", False)][:5 if quick else 99] + [
+              (8192, 1024, 4, 2000, torch.bfloat16, 32, "log8", False),
               (5120, 2880, 2, 257, torch.bfloat16, 32, "log8", True)]
     fails = []
     for M, Kw, bt in [(1, 256, 128), (100, 512, 128), (300, 4096, 256), (256, 768, 256)]:
@@ -64,6 +66,7 @@ def main():
     ap.add_argument("--ks", default="4")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--quick-check", action="store_true")
     ap.add_argument("--no-deq", action="store_true")
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--ncu", default="", help="NxKxM: one launch of each --cfgs there (run under ncu), nothing else")
@@ -91,7 +94,7 @@ def main():
         (out / "large7.log").write_text("\n".join(L.LOG))
 
     if not a.no_check:
-        fails = check([tuple(int(v) for v in c.split(",")) for c in a.check_cfgs.split(";") if c])
+        fails = check([tuple(int(v) for v in c.split(",")) for c in a.check_cfgs.split(";") if c], a.quick_check)
         dump()
     shapes = SHAPES if not a.shapes else [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     for k in [int(v) for v in a.ks.split(",")]:

@@ -271,14 +271,14 @@ def test_supports():
 
 
 def test_env_switch(monkeypatch):
-    from kbit.hf.decode import _decode_kernel_enabled
+    from kbit.hf.decode import _decode_kernel_choice
 
-    for value, want in (("", True), ("auto", True), ("kbit", True), ("SDPA", False), ("sdpa", False)):
+    for value, want in (("", "auto"), ("auto", "auto"), ("kbit", "kbit"), ("SDPA", "sdpa"), ("sdpa", "sdpa")):
         monkeypatch.setenv("KBIT_DECODE_ATTN", value)
-        assert _decode_kernel_enabled() is want
+        assert _decode_kernel_choice() == want
     monkeypatch.setenv("KBIT_DECODE_ATTN", "flash")
     with pytest.raises(ValueError, match="KBIT_DECODE_ATTN"):
-        _decode_kernel_enabled()
+        _decode_kernel_choice()
 
 
 # ------------------------------------------------------------------------------------------------ GPU

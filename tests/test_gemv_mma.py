@@ -241,15 +241,41 @@ def test_large_gpu_m(k, dtype, M):
 @gpu
 @sm90
 @pytest.mark.parametrize("config", [(7, 16, 8, 4, 8, 1), (7, 12, 16, 4, 8, 1), (7, 8, 32, 3, 8, 1), (7, 8, 16, 6, 2, 0),
-                                    (7, 4, 16, 3, 8, 1)])
+                                    (7, 4, 16, 3, 8, 1), (7, 8, 32, 4, 8, 1, 1), (7, 12, 16, 4, 8, 1, 2, 0, 1),
+                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2)])
 def test_large_gpu_configs_split_k_formats(config):
-    """Every tile shape, both x layouts: one row block (split K, twice: the workspace must be left clean), odd N
-    and K with bias, fp16 scales, blocksizes 64 / 128, many tasks a CTA (persistent loop, raster groups)."""
+    """Every tile shape, both x layouts, both x loaders (cp.async; bulk copies with the CTA barrier or empty
+    mbarriers), split K and stream-K: one row block (twice: the workspace must be left clean), odd N and K with
+    bias, fp16 scales, blocksizes 64 / 128, many tasks a CTA (persistent loop, raster groups)."""
     for _ in range(2):
         check(64, 8192, 4, 100, torch.float16, bias=True, config=config)
     check(1000, 4000, 3, 300, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
     check(17, 300, 5, 129, torch.float16, B=128, config=config)
     check(28672, 1024, 2, 520, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+def test_large_gpu_x_tiles():
+    """kbit_x_tiles (kernel 7's bulk-copy x layout) equals its torch definition: partial token blocks, both
+    dtypes, a strided x."""
+    for M, Kw, bt, dt in [(1, 256, 128, torch.float16), (100, 512, 128, torch.bfloat16),
+                          (300, 4096, 256, torch.bfloat16), (257, 768, 64, torch.float16)]:
+        x = torch.randn(M, Kw + 64, dtype=dt, device="cuda")[:, :Kw]
+        assert torch.equal(MM._x_tiles(x, bt, Kw // 256), MM._x_tiles_reference(x, bt, Kw // 256))
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+@pytest.mark.parametrize("M", [300, 1000, 2100])
+def test_large_gpu_default_route_large_m(M):
+    """The default kernel 7 configs above 256 rows (256-token tiles, bulk-copied x, no stream-K), a big weight
+    beyond LARGE7_MAX_M."""
+    assert MM.large_serves(M, 2880, 5120) == (M <= MM.LARGE7_MAX_M)
+    check(2880, 5120, 4, M, torch.bfloat16, seed=M)
+    check(1000, 700, 3, M, torch.float16, seed=M + 1)
 
 
 @pytest.mark.gpu

@@ -1096,6 +1096,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #ifndef XSW
 #define XSW 1 /* x chunks in wgmma's 128-byte swizzled K-major layout (0: no swizzle, core matrices) */
 #endif
+#ifndef SK
+#define SK 0 /* 1: stream-K over (task, segment) pairs instead of whole tasks (split K) */
+#endif
 #ifndef XB
 #define XB 0 /* 1: x pre-tiled and swizzled on the device (kbit_x_tiles): one bulk copy a chunk, mbarrier */
 #endif
@@ -1114,7 +1117,14 @@ __device__ __forceinline__ u32 mbar_try(u32 bar, u32 parity) {
                : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
   return ok;
 }
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) { while (!mbar_try(bar, parity)) {} }
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+#ifdef MBAR_TRAP /* lab: a wait that fails ~4M times (try_wait suspends a while before it fails) is a deadlock */
+  for (u32 n = 0; !mbar_try(bar, parity); ++n)
+    if (n == (1u << 22)) asm volatile("trap;");
+#else
+  while (!mbar_try(bar, parity)) {}
+#endif
+}
 /* one thread: stage `dst` <- `bytes` contiguous global bytes at `src`, completion counted on `bar` */
 __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
@@ -1161,13 +1171,30 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   const int BT = 8 * NG;
   const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = (M + BT - 1) / BT;
   const int n_tasks = n_rb * n_tb * splits;
-  if ((int)blockIdx.x >= n_tasks) return;
+#if SK
+  /* stream-K: CTA b takes the (task, segment) pairs [T b / G, T (b + 1) / G) of the raster order; a task it
+     covers in part is summed in the fp32 workspace (finish() counts its segments) */
+  const long long Tw = (long long)n_rb * n_tb * n_seg;
+  const long long sj0 = Tw * blockIdx.x / gridDim.x, sj1 = Tw * (blockIdx.x + 1) / gridDim.x;
+  const int p_first = (int)(sj0 / n_seg), p_end = sj1 > sj0 ? (int)((sj1 - 1) / n_seg) + 1 : p_first;
+  const int p_step = 1;
+  auto get_task = [&](int p) {
+    Task t = task_of(p, n_rb, n_tb, 1, n_seg, n_seg);
+    if (p == p_first) t.s0 = (int)(sj0 - (long long)p_first * n_seg);
+    if (p == p_end - 1) t.s1 = (int)(sj1 - (long long)(p_end - 1) * n_seg);
+    return t;
+  };
+#else
+  const int p_first = blockIdx.x, p_end = n_tasks, p_step = gridDim.x;
+  auto get_task = [&](int p) { return task_of(p, n_rb, n_tb, splits, sps, n_seg); };
+#endif
+  if (p_first >= p_end) return;
   extern __shared__ __align__(128) unsigned char dsm[];
   const u32 dsm_base = (smem_addr(dsm) + 1023) & ~1023u;  /* swizzle atoms are 1024-byte aligned */
   const u32 tab = (dsm_base + D * XC + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   /* x loader: chunk l_c of task l_p */
-  int l_p = blockIdx.x, l_c = 0;
-  Task lt = task_of(l_p, n_rb, n_tb, splits, sps, n_seg);
+  int l_p = p_first, l_c = 0;
+  Task lt = get_task(l_p);
   int l_nc = (lt.s1 - lt.s0) * 4;
 #if XB == 2
   int l_q = 0;       /* chunks issued (thread 0) */
@@ -1176,7 +1203,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   auto issue = [&](int slot) {
 #if XB
     /* x_stride = 64-column chunks a token block; chunk (tb, c) is XC contiguous bytes */
-    if (tid == 0 && l_p < n_tasks) {
+    if (tid == 0 && l_p < p_end) {
 #if XB == 2
       if (l_q >= D) {  /* chunk l_q - D, the stage's last reader, retired in every warp */
         mbar_wait(smem_addr(&s_empty[slot]), (ephase >> slot) & 1);
@@ -1187,7 +1214,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
                 smem_addr(&s_full[slot]));
 #else
-    if (l_p < n_tasks) {
+    if (l_p < p_end) {
       const u32 sb = dsm_base + slot * XC;
       const long long col = (long long)(lt.s0 * 4 + l_c) * 64;
       const int tok0 = lt.tb * BT;
@@ -1212,21 +1239,21 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #endif
       if (++l_c == l_nc) {
         l_c = 0;
-        l_p += gridDim.x;
-        if (l_p < n_tasks) {
-          lt = task_of(l_p, n_rb, n_tb, splits, sps, n_seg);
+        l_p += p_step;
+        if (l_p < p_end) {
+          lt = get_task(l_p);
           l_nc = (lt.s1 - lt.s0) * 4;
         }
       }
     }
   };
   /* codes / scales prefetch: segment f_s of task f_p */
-  int f_p = blockIdx.x;
-  Task ft = task_of(f_p, n_rb, n_tb, splits, sps, n_seg);
+  int f_p = p_first;
+  Task ft = get_task(f_p);
   int f_s = ft.s0;
   u32 wn[NW], swn[4 * SV];
   auto fetch = [&]() {
-    if (f_p < n_tasks) {
+    if (f_p < p_end) {
       const int tile = ft.rb * MAXW + (int)warp;
       if (tile < n_tiles) {
         const long long ts_ = (long long)tile * n_seg + f_s;
@@ -1242,9 +1269,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         }
       }
       if (++f_s == ft.s1) {
-        f_p += gridDim.x;
-        if (f_p < n_tasks) {
-          ft = task_of(f_p, n_rb, n_tb, splits, sps, n_seg);
+        f_p += p_step;
+        if (f_p < p_end) {
+          ft = get_task(f_p);
           f_s = ft.s0;
         }
       }
@@ -1278,14 +1305,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   float acc[NG][4];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-  int c_p = blockIdx.x;
-  Task ct = task_of(c_p, n_rb, n_tb, splits, sps, n_seg);
+  int c_p = p_first;
+  Task ct = get_task(c_p);
   int c_s = ct.s0, slot = 0;
 #if XB == 2
   int prev_slot = 0, n_used = 0;
 #endif
   u32 A[AB][2][4];
-  while (c_p < n_tasks) {
+  while (c_p < p_end) {
     u32 w[NW], sw[4 * SV];
 #pragma unroll
     for (int i = 0; i < NW; ++i) w[i] = wn[i];
@@ -1345,12 +1372,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       const int mb = min(BT, M - tok0);
       if (tile < n_tiles)
         finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post,
-               ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, 1, splits, ws_stride);
+               ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, SK ? c_s - ct.s0 : 1, SK ? n_seg : splits,
+               ws_stride);
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-      c_p += gridDim.x;
-      if (c_p < n_tasks) {
-        ct = task_of(c_p, n_rb, n_tb, splits, sps, n_seg);
+      c_p += p_step;
+      if (c_p < p_end) {
+        ct = get_task(c_p);
         c_s = ct.s0;
       }
     }

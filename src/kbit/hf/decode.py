@@ -62,7 +62,8 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
                                       **kwargs)
     qg = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * G + g, the order of transformers' repeat_kv
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
-    if query.is_cuda and _decode_kernel_enabled():
+    choice = _decode_kernel_choice() if query.is_cuda else "sdpa"
+    if choice == "kbit" or (choice == "auto" and B * Hkv <= DECODE_KERNEL_MAX_HEADS):
         from kbit.ops import attention as _attn
 
         if _attn.supports(qg, key, value, mask):
@@ -72,14 +73,21 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     return out.reshape(B, 1, Hq, D), None
 
 
-def _decode_kernel_enabled() -> bool:
-    """``KBIT_DECODE_ATTN``: unset, ``kbit`` or ``auto`` = :func:`kbit.ops.attention.decode_attention` for
-    one-token steps on CUDA (fp16/bf16, head dim a power of two <= 256); ``sdpa`` = SDPA (for A/B runs). Read
-    at every call, so it takes effect at the next capture or eager step."""
+#: ``auto`` runs the decode kernel up to this many (batch row, KV head) pairs: H100, scripts/attn_lab.py
+#: (benchmarks/results/h100/attn-lab-s6.log; mask path): 2.5x faster than SDPA at 8 pairs and 528 keys, still
+#: faster at 64 (Qwen3 B = 16: 14.1 vs 19.8 us), slower at 128 from 2048 keys (Llama B = 16: 62.7 vs 58.4 us).
+DECODE_KERNEL_MAX_HEADS = 64
+
+
+def _decode_kernel_choice() -> str:
+    """``KBIT_DECODE_ATTN``: unset or ``auto`` = :func:`kbit.ops.attention.decode_attention` for one-token steps
+    on CUDA (fp16/bf16, head dim a power of two <= 256) when batch x KV heads <= DECODE_KERNEL_MAX_HEADS, else
+    SDPA; ``kbit`` = the kernel always; ``sdpa`` = SDPA always (A/B runs). Read at every call, so it takes
+    effect at the next capture or eager step."""
     choice = os.environ.get("KBIT_DECODE_ATTN", "auto").strip().lower() or "auto"
     if choice not in ("auto", "kbit", "sdpa"):
         raise ValueError(f"KBIT_DECODE_ATTN: expected 'auto', 'kbit' or 'sdpa', got {choice!r}")
-    return choice != "sdpa"
+    return choice
 
 
 def _register() -> None:

@@ -386,23 +386,44 @@ LARGE7_MID_MAX_NK = 3 * 10**8
 
 
 def large_config(k, M, N, K):
-    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group, x swizzled):
-    64-token tiles and 16 warps up to M = 64, 128-token tiles and 12 warps up to 256 (the best in the H100 lab runs
-    of 2026-11-22, ``benchmarks/results/h100/large7-2026-11-22-run7.log``), 256-token tiles and 8 warps above.
-    ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW"`` overrides (lab)."""
+    """Kernel 7's config (7, warps a CTA, 8-token groups a tile, x stages, token blocks a raster group, x swizzled
+    [, x by bulk copy (1: CTA barrier, 2: empty mbarriers), refill lag, stream-K]).
+
+    H100 lab runs of 2026-11-22 (``benchmarks/results/h100/large7-s6-run*.log``, k = 4, four shapes): x tiled on
+    the device and bulk-copied (XB) beat the cp.async loader everywhere; up to M = 128 (and M <= 256 when N < 8192)
+    128-token tiles of 12 warps with stream-K won, up to 256 256-token tiles with stream-K, above 256-token tiles
+    without it. M <= 64 keeps the session-4 config (64-token tiles, no XB: not measured with it).
+    ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW[,XB,LAG,SK]"`` overrides (lab)."""
     if os.environ.get("KBIT_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_LARGE_CFG"].split(","))
     if M <= 64:
         return (7, 16, 8, 4, 8, 1)
-    return (7, 12, 16, 4, 8, 1) if M <= 256 else (7, 8, 32, 4, 8, 1)
+    if M <= 128 or (M <= 256 and N < 8192):
+        return (7, 12, 16, 4, 8, 1, 2, 0, 1)
+    if M <= 256:
+        return (7, 8, 32, 4, 8, 1, 2, 0, 1)
+    return (7, 8, 32, 4, 8, 1, 1)
+
+
+#: kernel 7 serves every M up to this; above it, weights of at least LARGE7_BIG_NK elements (dequantize + cuBLAS
+#: won by ~5% at M = 4096 on 28672x4096 and 4096x14336, kernel 7 by 4-8% on 57344x8192 and 8192x28672: H100,
+#: ``benchmarks/results/h100/large7-s6-run3.log`` against ``large7-s6-run1-xb.log``'s dequantize + cuBLAS)
+LARGE7_MAX_M = 2048
+LARGE7_BIG_NK = 2 * 10**8
 
 
 def uses_large(M, N, K, device, config=None) -> bool:
-    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M > 64, or 33..64 on weights
-    of at most :data:`LARGE7_MID_MAX_NK` elements; a given ``config`` decides by its kernel."""
+    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M 65..2048 (larger on big
+    weights), or 33..64 on weights of at most :data:`LARGE7_MID_MAX_NK` elements; a given ``config`` decides by
+    its kernel."""
     if config is not None:
         return config[0] == 7
     return (M > MAX_M or (M > 32 and N * K <= LARGE7_MID_MAX_NK)) and large_ok(device)
+
+
+def large_serves(M, N, K) -> bool:
+    """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to kernel 7 (where it runs)."""
+    return M <= LARGE7_MAX_M or N * K >= LARGE7_BIG_NK
 
 
 def _table_smem(k):
@@ -475,6 +496,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
                        XB=xb)
         if xb == 2 and len(cfg) > 7 and cfg[7]:
             defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
+        if len(cfg) > 8 and cfg[8]:
+            defines["SK"] = 1  # stream-K
         shared = D * xc + _table_smem(k) + 1024
     elif kernel == 4:
         rt = X
@@ -505,10 +528,14 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
     elif kernel == 7:
         n_tb = -(-M // (8 * ng))  # token blocks: each has its own split-K counters
         tiles = -(-Nt // W) * n_tb
-        splits = _splits(tiles, S, slots, max(1, S // 4), divide=False) if tiles < 2 * slots else 1
-        sps = -(-S // splits)
-        splits = -(-S // sps)
-        grid = max(1, min(slots, tiles * splits))
+        if defines.get("SK"):
+            splits, sps = 1, S
+            grid = max(1, min(slots, tiles * S))
+        else:
+            splits = _splits(tiles, S, slots, max(1, S // 4), divide=False) if tiles < 2 * slots else 1
+            sps = -(-S // splits)
+            splits = -(-S // sps)
+            grid = max(1, min(slots, tiles * splits))
         n_cnt = n_tb * Nt
     elif kernel == 4:
         splits, sps = 1, S  # not used by kernel 4 (stream-K over (row block, segment) pairs, workspace fix-up)
@@ -524,7 +551,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, use_ws=kernel in (3, 4, 6) or splits > 1, n_cnt=n_cnt)
+                regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt,
+                use_ws=kernel in (3, 4, 6) or splits > 1 or bool(defines.get("SK")))
 
 
 _PLANS: dict = {}

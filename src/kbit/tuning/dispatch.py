@@ -108,11 +108,15 @@ def heuristic(M: int, N: int, K: int, k: int, has_gemv: bool = True) -> Choice:
 #: (benchmarks/results/h100/mid-2026-11-21-run3.log) 1.15-1.9x faster than the fused entries at M = 64 as well.
 MMA_MAX_M = 64
 
-#: With its wgmma kernel 7 (sm_90) the same entry point serves dense M up to this: H100,
-#: benchmarks/results/h100/large7-2026-11-22-run7.log, k = 4 against dequantize + cuBLAS in the same run: M = 128
-#: 0.41-1.01x bf16 vs 0.45-0.49x (3 of 4 shapes faster), M = 256 0.53-0.58x vs 0.45-0.51x (all 4); M = 512 mixed,
-#: M = 1024 slower everywhere (0.49-0.59x vs 0.72-0.76x).
-LARGE_MAX_M = 256
+#: With its wgmma kernel 7 (sm_90) the same entry point serves larger M too: ``kbit.ops.gemv_mma.large_serves``
+#: (session 4: up to 256, from benchmarks/results/h100/large7-2026-11-22-run7.log; session 6, x bulk-copied: up to
+#: 2048, and every M on weights of >= 2e8 elements, from benchmarks/results/h100/large7-s6-run*.log).
+
+
+def _large_serves(M: int, N: int, K: int) -> bool:
+    from kbit.ops.gemv_mma import large_serves
+
+    return large_serves(M, N, K)
 
 
 def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False, mma: bool = False,
@@ -120,8 +124,8 @@ def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False, m
     """The kernel and config for ``M`` activation rows on a k-bit ``[N, K]`` weight on ``device``.
 
     ``mma``: the CUDA small-M kernel can run there (then it serves every dense M <= :data:`MMA_MAX_M`);
-    ``large``: and its sm_90 kernel 7 too (dense M <= :data:`LARGE_MAX_M`)."""
-    if mma and not grouped and (M <= MMA_MAX_M or (large and M <= LARGE_MAX_M)):
+    ``large``: and its sm_90 kernel 7 too (dense M where ``kbit.ops.gemv_mma.large_serves``)."""
+    if mma and not grouped and (M <= MMA_MAX_M or (large and _large_serves(M, N, K))):
         return Choice("gemv")
     key = gpu_key(device) if device is not None else "generic"
     kt = _table(key).get("grouped" if grouped else "dense", {}).get(str(k), {})
@@ -144,5 +148,5 @@ def split_k(cfg: GemmConfig, M: int, N: int, kp: int, sms: int) -> int:
     return max(1, min(want, kp // (4 * cfg.BK)))
 
 
-__all__ = ["Choice", "GemmConfig", "KERNELS", "LARGE_MAX_M", "MMA_MAX_M", "M_BUCKETS", "choose", "heuristic",
+__all__ = ["Choice", "GemmConfig", "KERNELS", "MMA_MAX_M", "M_BUCKETS", "choose", "heuristic",
            "m_bucket", "replace", "split_k"]
