@@ -410,6 +410,9 @@ def large_config(k, M, N, K):
 #: ``benchmarks/results/h100/large7-s6-run3.log`` against ``large7-s6-run1-xb.log``'s dequantize + cuBLAS)
 LARGE7_MAX_M = 2048
 LARGE7_BIG_NK = 2 * 10**8
+#: below this many weight elements, M 65..256 goes to dequantize + cuBLAS (4096x4096: 0.55-0.58x bf16 there
+#: against kernel 7's 0.40x; ``benchmarks/results/h100/issue4-s6-2026-11-22.md``)
+LARGE7_SMALL_NK = 2 * 10**7
 
 
 def uses_large(M, N, K, device, config=None) -> bool:
@@ -423,6 +426,8 @@ def uses_large(M, N, K, device, config=None) -> bool:
 
 def large_serves(M, N, K) -> bool:
     """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to kernel 7 (where it runs)."""
+    if N * K < LARGE7_SMALL_NK and 64 < M <= 256:
+        return False
     return M <= LARGE7_MAX_M or N * K >= LARGE7_BIG_NK
 
 
