@@ -157,10 +157,39 @@ def sampling_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def gemm_table(path: Path) -> str:
+    """Dense M = 16..4096 from a ``kbit bench`` run with the dispatcher (``kbit-linear``) and dequantize + cuBLAS:
+    x faster than bf16 ``F.linear`` in the same run, k = 4 and 2."""
+    d = json.loads(path.read_text())
+    h = d["header"]
+    rows = [r for r in d["rows"] if r.get("us") and r.get("E", 1) == 1]
+    ms = sorted({r["M"] for r in rows})
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    out = [f"Dense GEMM by M, {h['gpu_name']}, commit {h['commit']}, `{path.relative_to(ROOT)}`. Cells: x faster than "
+           "bf16 `F.linear` (same run) for kbit's dispatcher at k = 4 / k = 2, [dequantize + cuBLAS at k = 4].", "",
+           "| N x K | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
+
+    def sp(N, K, M, kernel, k):
+        for r in rows:
+            if (r["N"], r["K"], r["M"], r["kernel"], r["k"]) == (N, K, M, kernel, k):
+                return f"{r['bf16_us'] / r['us']:.2f}"
+        return "-"
+
+    for N, K in shapes:
+        cells = [f"{sp(N, K, m, 'kbit-linear', 4)} / {sp(N, K, m, 'kbit-linear', 2)} "
+                 f"[{sp(N, K, m, 'dequant+cublas', 4)}]" for m in ms]
+        out.append(f"| {N}x{K} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
              "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session5b-2026-11-22.json"),
              "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
+             "### Dense GEMM, M = 16..4096 (the dispatcher; kernel 7 with bulk-copied x above M = 64)",
+             gemm_table(RES / "issue4-s6-2026-11-22.json"),
+             "After this run the dispatcher sends weights under 2e7 elements (4096x4096 here) at M 33..256 to "
+             "dequantize + cuBLAS (the bracketed column), where kernel 7 measured 0.40-0.46x.",
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
              "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
@@ -168,6 +197,8 @@ def main():
              e2e_table(RES / "e2e-session3.json"),
              "Same setup, batch 1, after the MoE decode change (grouped kernel 4 on the down projections):",
              e2e_table(RES / "e2e-session3-moe-t1.json"),
+             "Llama-3-8B-shaped, batch 1, same setup, with the decode-attention kernel on both sides (session 6):",
+             e2e_table(RES / "e2e-s6-2026-11-22.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"

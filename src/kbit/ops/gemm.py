@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kbit.ops.dequant import _e_table, dequantize_tensors
 from kbit.ops.gemv import gemv_reference
-from kbit.tuning.dispatch import MMA_MAX_M, Choice, GemmConfig, choose, split_k
+from kbit.tuning.dispatch import Choice, GemmConfig, choose, split_k
 
 __all__ = ["dequant_mm", "gemm_fused", "gemm_reference", "grouped_gemm_reference", "kbit_grouped_gemm",
            "linear", "linear_reference", "kbit_gemm",
@@ -151,8 +151,8 @@ def _choice(M, N, K, k, device) -> Choice:
     from kbit.ops import gemv_mma
 
     mma = gemv_mma.available(device)
-    # kernel 7 only matters above MMA_MAX_M: the decode path (M <= 64) does not ask for the capability
-    return choose(M, N, K, k, device, mma=mma, large=mma and M > MMA_MAX_M and gemv_mma.large_ok(device))
+    # with kernel 7 (sm_90) the entry point's range is gemv_mma.large_serves (cached: one lookup per shape)
+    return choose(M, N, K, k, device, mma=mma, large=mma and gemv_mma.large_ok(device))
 
 
 def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,

@@ -410,8 +410,8 @@ def large_config(k, M, N, K):
 #: ``benchmarks/results/h100/large7-s6-run3.log`` against ``large7-s6-run1-xb.log``'s dequantize + cuBLAS)
 LARGE7_MAX_M = 2048
 LARGE7_BIG_NK = 2 * 10**8
-#: below this many weight elements, M 65..256 goes to dequantize + cuBLAS (4096x4096: 0.55-0.58x bf16 there
-#: against kernel 7's 0.40x; ``benchmarks/results/h100/issue4-s6-2026-11-22.md``)
+#: below this many weight elements, M 33..256 goes to dequantize + cuBLAS (4096x4096: 0.55-0.60x bf16 there
+#: against kernel 7's 0.40-0.44x at M = 64..256; ``benchmarks/results/h100/issue4-s6-2026-11-22.md``)
 LARGE7_SMALL_NK = 2 * 10**7
 
 
@@ -425,8 +425,10 @@ def uses_large(M, N, K, device, config=None) -> bool:
 
 
 def large_serves(M, N, K) -> bool:
-    """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to kernel 7 (where it runs)."""
-    if N * K < LARGE7_SMALL_NK and 64 < M <= 256:
+    """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to this entry point where kernel 7
+    runs (sm_90): kernels 1-4 up to M = 32, kernel 7 above, except small weights at M 33..256 and, beyond
+    :data:`LARGE7_MAX_M`, weights under :data:`LARGE7_BIG_NK` elements (dequantize + cuBLAS there)."""
+    if N * K < LARGE7_SMALL_NK and 32 < M <= 256:
         return False
     return M <= LARGE7_MAX_M or N * K >= LARGE7_BIG_NK
 

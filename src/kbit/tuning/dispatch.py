@@ -125,7 +125,7 @@ def choose(M: int, N: int, K: int, k: int, device=None, grouped: bool = False, m
 
     ``mma``: the CUDA small-M kernel can run there (then it serves every dense M <= :data:`MMA_MAX_M`);
     ``large``: and its sm_90 kernel 7 too (dense M where ``kbit.ops.gemv_mma.large_serves``)."""
-    if mma and not grouped and (M <= MMA_MAX_M or (large and _large_serves(M, N, K))):
+    if mma and not grouped and (_large_serves(M, N, K) if large else M <= MMA_MAX_M):
         return Choice("gemv")
     key = gpu_key(device) if device is not None else "generic"
     kt = _table(key).get("grouped" if grouped else "dense", {}).get(str(k), {})
