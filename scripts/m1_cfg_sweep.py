@@ -1,31 +1,77 @@
-"""GPU lab: M = 1 configs of the small-M kernels (kernel 1 / kernel 3, with and without x in shared memory) on the
-N = 8192 / 4096 / 28672 shapes, k = 2, 3, 4, timed as ``pdl_lab`` times (``KBIT_MMA_CFG`` per column).
+"""GPU lab: small-M configs of the tensor-core kernels (``KBIT_MMA_CFG`` per column), timed as ``pdl_lab`` times
+(one CUDA graph over weight copies > 8x L2, median of 15 replays, bf16 activations, log8 B = 32).
 
-    PYTHONUNBUFFERED=1 python scripts/m1_cfg_sweep.py
+    PYTHONUNBUFFERED=1 python scripts/m1_cfg_sweep.py [--shapes 6144x4096,...] [--ks 4,2] [--ms 1]
+        [--cfgs "1,4,4;1,8,2;3,8,2,2"] [--between] [--out DIR]
+
+``--between`` puts a small torch kernel between consecutive calls (as in a decoder layer, where the neighbours of
+a GEMV never trigger programmatic dependent launch), so a call cannot overlap the previous one's tail.
 """
+import argparse
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-import pdl_lab as P  # noqa: E402
+import mma_lab as L  # noqa: E402
+import torch  # noqa: E402
 
+from kbit.bench.timing import time_calls  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
 
-for N, K in [(8192, 28672), (4096, 14336), (28672, 4096)]:
-    for k in (2, 3, 4):
-        line = []
-        for cfg in ["", "1,4,4", "1,8,2", "3,8,2,2", "3,8,2,3", "3,8,2,2,1", "3,8,2,3,1"]:
-            if cfg:
-                os.environ["KBIT_MMA_CFG"] = cfg
-            else:
-                os.environ.pop("KBIT_MMA_CFG", None)
-            MM._PLANS.clear()
-            try:
-                us = P.time_one(N, K, k, 1)
-            except Exception as e:  # noqa: BLE001
-                us = float("nan")
-                print(cfg, repr(e)[:200])
-            line.append(f"{cfg or 'default'}: {us:.2f}")
-        print(f"k={k} {N}x{K} M=1 | " + " | ".join(line), flush=True)
+DEFAULT_CFGS = "1,4,4;1,8,2;1,8,1;1,16,1;3,8,2,2;3,8,2,2,1;3,4,4,2;3,16,1,2"
+
+
+def time_cfg(N, K, k, M, between):
+    ws = L.copies(N, K, k)
+    x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+    pad = torch.randn(4096, dtype=torch.bfloat16, device="cuda")
+    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, config=None)
+
+    def call(w):
+        if between:
+            pad.mul_(1.0)
+        return MM._run(x, w[0], w[1], w[2], w[3], None, **kw)
+
+    return time_calls([(lambda w=w: call(w)) for w in ws]).us
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="6144x4096,4096x4096,28672x4096,4096x14336")
+    ap.add_argument("--ks", default="4,2")
+    ap.add_argument("--ms", default="1")
+    ap.add_argument("--cfgs", default=DEFAULT_CFGS, help="';'-separated KBIT_MMA_CFG values ('' = default)")
+    ap.add_argument("--between", action="store_true", help="a torch kernel between consecutive calls")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    cfgs = [""] + [c for c in args.cfgs.split(";") if c]
+    lines = [f"# {torch.cuda.get_device_name()}; us per call; between={args.between}"]
+    for s in args.shapes.split(","):
+        N, K = (int(v) for v in s.split("x"))
+        for k in (int(v) for v in args.ks.split(",")):
+            for M in (int(v) for v in args.ms.split(",")):
+                line = []
+                for cfg in cfgs:
+                    if cfg:
+                        os.environ["KBIT_MMA_CFG"] = cfg
+                    else:
+                        os.environ.pop("KBIT_MMA_CFG", None)
+                    MM._PLANS.clear()
+                    try:
+                        us = time_cfg(N, K, k, M, args.between)
+                    except Exception as e:  # noqa: BLE001
+                        us = float("nan")
+                        print(cfg, repr(e)[:200])
+                    line.append(f"{cfg or 'default'}: {us:.2f}")
+                lines.append(f"k={k} {N}x{K} M={M} | " + " | ".join(line))
+                print(lines[-1], flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "m1_cfg_sweep.log").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

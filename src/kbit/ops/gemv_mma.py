@@ -332,6 +332,11 @@ def _permute_x(x2):
 PIPE = {2: 2, 3: 3, 4: 2, 5: 2}
 #: kernel 3 is the default from this many rows (M <= 8): it won on 28672 / 57344 rows, lost on 4096 / 8192
 TALL = 16384
+#: M = 1 on more rows than this (16-row tiles > 2 CTAs x 132 SMs) goes to kernel 3 with x in shared memory below
+#: BIG: kernel 1 then splits K into pieces of one segment a warp (H100, ``benchmarks/results/h100/
+#: m1-cfg-sweep-s7-*.log``: k = 4 6144x4096 15.5 -> 9.3 us, 14336x4096 33.6 -> 16.3, 10240x5120 27.4 -> 14.6;
+#: at most 0.5 us slower on 8192x4096 / 12288x4096)
+WIDE = 4224
 #: kernel 3 with x staged in shared memory (config[4] = 1): dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
 #: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
@@ -348,7 +353,8 @@ def default_config(k, M, N, K):
     ``benchmarks/results/h100/mid-2026-11-21-*``): a CTA of W warps streams (row block, segment) pairs (stream-K),
     x / codes / scales of each segment through a cp.async shared-memory pipeline, block scales folded into the A
     fragments; ``config`` (4, W, row tiles a warp, stages[, min CTAs an SM]).
-    Kernel 3 (N >= TALL, and k = 2 with N * K >= BIG: M = 1 with x staged in shared memory (H100,
+    Kernel 3 (N >= TALL, M = 1 on N > WIDE below BIG, and k = 2 with N * K >= BIG: M = 1 with x staged in
+    shared memory (H100,
     ``benchmarks/results/h100/m1-cfg-sweep-2026-11-22.log``); N >= TALL: 2 <= M <= 8 without, not k = 4 with
     N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
     segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
@@ -364,6 +370,8 @@ def default_config(k, M, N, K):
         cfg = (4, 8, 1, 2)
     elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
         cfg = (3, 8, 2, PIPE[k], 1)
+    elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
+        cfg = (3, 8, 2, 2, 1)
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
         cfg = (3, 8, 2, PIPE[k])
     elif N * K >= BIG:

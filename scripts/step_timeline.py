@@ -1,0 +1,152 @@
+"""Where the time of one decode step goes: kernel durations and the gaps between them in a CUDA-graph replay.
+
+Builds the random-initialised models of ``benchmarks/bench_e2e.py`` (same options), captures the decode step,
+times graph replays, profiles one eager step with the torch profiler (kernel durations; CUPTI records no kernels
+inside graph replays here) and prints, per kernel family, the count and the summed duration, beside the graph step.
+
+    python scripts/step_timeline.py --models llama3-8b --k bf16,4,2 --fuse --fuse-proj [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "src"))
+
+FAMILIES = [  # (family, regex on the kernel name), first match wins
+    ("kbit gemv", r"kbit_gemv|kbit_gemv_mma"),
+    ("kbit x tiles", r"kbit_x_tiles"),
+    ("attention", r"attn|attention|sdpa|flash|fmha"),
+    ("cublas gemm", r"nvjet|gemm|cutlass|splitKreduce"),
+    ("rms norm", r"rsqrt|rms|norm"),
+    ("rotary", r"cat_mul_neg|rotary|rope"),
+    ("silu*up", r"silu"),
+    ("kv write", r"index_elementwise|index_copy|scatter"),
+    ("argmax/sample", r"argmax|reduce_kernel|sample|topk"),
+    ("elementwise", r"elementwise|triton_poi|copy"),
+]
+
+
+def family(name: str) -> str:
+    for fam, pat in FAMILIES:
+        if re.search(pat, name, re.I):
+            return fam
+    return "other"
+
+
+def kernels_of_step(dec):
+    """Kernels of one eager decode step (CUPTI records no kernels inside graph replays here): (name, start, end)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n0 = dec.length
+    dec._step_body()
+    torch.cuda.synchronize()
+    dec.rewind(n0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec._step_body()
+        torch.cuda.synchronize()
+    dec.rewind(n0)
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ker = [(e.name, e.time_range.start, e.time_range.end) for e in ev
+           if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
+    ker.sort(key=lambda t: t[1])
+    return ker
+
+
+def graph_step_us(dec, steps: int = 20) -> float:
+    n0 = dec.length
+    for _ in range(3):
+        dec.step()
+    dec.rewind(n0)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        dec.step()
+    b.record()
+    b.synchronize()
+    dec.rewind(n0)
+    return a.elapsed_time(b) * 1e3 / steps
+
+
+def summarise(step):
+    fam = defaultdict(lambda: [0, 0.0, 0.0])
+    gemv_i = 0
+    for i, (name, t0, t1) in enumerate(step):
+        f = family(name)
+        if f == "kbit gemv":
+            f = f"kbit gemv #{gemv_i % 4}"
+            gemv_i += 1
+        gap = t0 - step[i - 1][2] if i else 0.0
+        fam[f][0] += 1
+        fam[f][1] += t1 - t0
+        fam[f][2] += max(gap, 0.0)
+    total = step[-1][2] - step[0][1]
+    return dict(fam), total
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama3-8b")
+    p.add_argument("--k", default="bf16,4,2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--fuse", action="store_true")
+    p.add_argument("--fuse-proj", action="store_true")
+    p.add_argument("--lm-head-k", type=int, default=None)
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    args = p.parse_args(argv)
+    import bench_e2e as be
+
+    from kbit.hf.decode import StaticDecoder, compile_glue
+
+    cfgs = be.configs()
+    report, lines = {}, []
+    for name in args.models.split(","):
+        for kk in args.k.split(","):
+            k = None if kk == "bf16" else int(kk)
+            model = (be.build_bf16(cfgs[name], "cuda", fuse_proj=args.fuse_proj) if k is None else
+                     be.build_kbit(cfgs[name], "cuda", k, lm_head_k=args.lm_head_k, fuse_proj=args.fuse_proj))
+            if args.fuse:
+                compile_glue(model)
+            dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
+                                      generator=gen))
+            dec.capture()
+            dec.step()
+            graph_us = graph_step_us(dec)
+            ker = kernels_of_step(dec)
+            fams, _ = summarise(ker)
+            busy = sum(v[1] for v in fams.values())
+            tag = f"{name} {'bf16' if k is None else f'k={k}'} B={args.batch}"
+            report[tag] = {"graph_step_us": graph_us, "eager_busy_us": busy, "families": fams,
+                           "kernels": [(n, t1 - t0) for n, t0, t1 in ker]}
+            lines.append(f"\n{tag}: graph step {graph_us:.1f} us; kernels of an eager step: {len(ker)}, busy "
+                         f"{busy:.1f} us; graph step - busy = {graph_us - busy:.1f} us")
+            lines.append(f"{'family':<22}{'n':>5}{'busy us':>10}{'avg us':>9}")
+            for f, (n, d, _g) in sorted(fams.items(), key=lambda kv: -kv[1][1]):
+                lines.append(f"{f:<22}{n:>5}{d:>10.1f}{d / n:>9.2f}")
+            dec.release()
+            del dec, model
+            torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "step_timeline.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / "step_timeline.txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
