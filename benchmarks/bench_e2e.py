@@ -278,13 +278,16 @@ def weight_bytes(model) -> int:
 # ------------------------------------------------------------------------------------------------ timing
 
 
+FAST = [None]  # StaticDecoder's fast decode step: None = its default (on CUDA when supported), False = --no-fast
+
+
 def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool, seed: int = 0,
                 eager_steps: int = 0, profile: bool = False) -> dict:
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)  # max_mem_gb: the model + this batch's cache, graph, prefill
-    dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph)
+    dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph, fast=FAST[0])
     gen = torch.Generator(device=dev).manual_seed(seed)
     prompt = torch.randint(0, vocab, (batch, ctx), device=dev, generator=gen)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -363,8 +366,9 @@ def markdown(meta: dict, rows: list) -> str:
              f"Context {meta['ctx']} prompt tokens per row, {meta['steps']} decode steps per repetition, median "
              f"of {meta['reps']}; CUDA graph of one whole decode step (attention, lm_head, argmax included) on "
              "both sides; glue fused by torch.compile (compile_glue) on both sides: "
-             f"{'yes' if meta.get('fuse') else 'no'}. Speedup: against the faster bf16 variant of the same model "
-             "and batch.", "",
+             f"{'yes' if meta.get('fuse') else 'no'}; decode steps through kbit's fast step (fused glue kernels, "
+             f"kbit.hf.fast_decode) on both sides: {'yes' if meta.get('fast_decode') else 'no'}. Speedup: against "
+             "the faster bf16 variant of the same model and batch.", "",
              "| model | variant | k | batch | ms/step | tokens/s | speedup | eager ms/step | max mem GB |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     best = best_bf16(rows)
@@ -433,7 +437,9 @@ def run(args) -> list:
             "triton": triton.__version__, "transformers": transformers.__version__,
             "command": "python benchmarks/bench_e2e.py " + " ".join(args.argv), "ctx": args.ctx,
             "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse, "fuse_proj": args.fuse_proj,
-            "lm_head_k": args.lm_head_k, "decode_attn": os.environ.get("KBIT_DECODE_ATTN", "auto")}
+            "lm_head_k": args.lm_head_k, "decode_attn": os.environ.get("KBIT_DECODE_ATTN", "auto"),
+            "fast_decode": not args.no_fast}
+    FAST[0] = False if args.no_fast else None
     rows: list = []
     json_path = out_dir / f"{args.name}.json"
     if args.append and json_path.exists():  # one results file for several invocations
@@ -537,6 +543,7 @@ def parse(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--no-fast", action="store_true", help="decode steps through transformers' forward (A/B)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="e2e")
     p.add_argument("--append", action="store_true", help="add the rows to an existing NAME.json")

@@ -236,3 +236,65 @@ def test_decode_steps_write_at_pos(kbit_llama):
     for layer in dec.cache.layers:
         assert int(layer.cumulative_length) == 5
         assert layer.keys[:, :, 5:8].abs().sum() > 0 and layer.keys[:, :, 8:].abs().sum() == 0
+
+
+def qwen3():
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96,
+                                      max_position_embeddings=64)
+    torch.manual_seed(1)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["llama", "kbit_llama", "qwen3", "qwen3_moe"])
+def test_fast_step_matches_dynamic(name, kbit_llama):
+    """kbit.hf.fast_decode (glue kernels, through the interpreter on the CPU) against transformers' dynamic cache."""
+    model = {"llama": llama, "qwen3": qwen3}.get(name, lambda: kbit_llama)()
+    if name == "qwen3_moe":
+        model = quantize_model(qwen3_moe(), k=4, progress=False)
+        use_kbit_moe(model)
+    ids = torch.tensor(PROMPT)
+    ref_t, ref_l = dynamic_greedy(model, ids, 5)
+    dec = StaticDecoder(model, ids.shape[0], ids.shape[1] + 5, fast=True)
+    assert dec._fast is not None
+    toks, logits = [dec.prefill(ids).clone()], [dec.logits.clone()]
+    for _ in range(4):
+        toks.append(dec.step().clone())
+        logits.append(dec.logits.clone())
+    assert torch.equal(torch.stack(toks, 1), ref_t)
+    torch.testing.assert_close(torch.stack(logits), ref_l, atol=2e-3 if name == "qwen3_moe" else 1e-4, rtol=1e-3)
+
+
+def test_fast_step_unsupported():
+    from kbit.hf.fast_decode import unsupported_reason
+
+    model = llama()
+    assert unsupported_reason(model, 32) is None
+    model.config.model_type = "gpt2"
+    assert "model_type" in unsupported_reason(model, 32)
+    with pytest.raises(ValueError, match="fast decode step"):
+        StaticDecoder(model, 1, 16, fast=True)
+    assert StaticDecoder(model, 1, 16)._fast is None  # auto: transformers' forward
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+def test_gpu_fast_step_matches_transformers(arch):
+    """The fast step (glue kernels with PDL, the split-KV attention) against transformers' forward, bf16 k = 4, in
+    CUDA graphs; the fast step's graph replay equals its eager run."""
+    model = {"llama": lambda: llama(vocab=256), "qwen3": qwen3, "qwen3_moe": qwen3_moe}[arch]()
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    if arch == "qwen3_moe":
+        use_kbit_moe(model, k=4)
+        quantize_model(model, k=4, include=[r"self_attn\.(q|k|v|o)_proj"], progress=False)
+    else:
+        quantize_model(model, k=4, progress=False)
+    ids = torch.tensor(PROMPT, device="cuda")
+    ref_t, ref_l = static_greedy(model, ids, 8, graph=True, fast=False)
+    eager_t, eager_l = static_greedy(model, ids, 8, graph=False, fast=True)
+    graph_t, graph_l = static_greedy(model, ids, 8, graph=True, fast=True)
+    assert torch.equal(graph_t, eager_t)
+    torch.testing.assert_close(graph_l, eager_l, atol=1e-2, rtol=1e-2)
+    assert (graph_t == ref_t).float().mean() >= 0.8  # bf16 rounding of a different attention kernel
+    rel = (graph_l[:3] - ref_l[:3]).norm() / ref_l[:3].norm()
+    assert rel < 2e-2, rel

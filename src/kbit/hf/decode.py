@@ -131,10 +131,15 @@ class StaticDecoder:
         CPU); ``temperature == 0`` is greedy (argmax).
     seed : the sampler's Philox key; the offset starts at 0 for the token after the prompt and advances by one
         per step, as :func:`kbit.hf.generate.generate_tokens` draws them.
+    fast : decode steps through :class:`kbit.hf.fast_decode.FastDecodeStep` (kbit's fused glue kernels around
+        the model's own projections) instead of transformers' forward. ``None`` (default): on CUDA when the model
+        is supported and ``KBIT_FAST_DECODE`` is not ``0``; ``True`` requires it (ValueError naming why not).
+        The prefill always runs transformers' forward.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, graph: bool | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 fast: bool | None = None):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if not (isinstance(max_len, int) and max_len >= 2):
@@ -172,6 +177,15 @@ class StaticDecoder:
         self.length = 0  # tokens in the cache (host copy)
         self._cuda_graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
+        self._fast = self._fast_step(model, fast)
+
+    def _fast_step(self, model, fast):
+        from kbit.hf.fast_decode import FastDecodeStep, unsupported_reason
+
+        if fast is None:
+            fast = self.device.type == "cuda" and os.environ.get("KBIT_FAST_DECODE", "1") != "0" and \
+                unsupported_reason(model, self.L) is None
+        return FastDecodeStep(model, self.cache, self.L) if fast else None
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def _patch_cache(self) -> None:
@@ -222,11 +236,14 @@ class StaticDecoder:
 
     def _step_body(self) -> torch.Tensor:
         """One decode step on the device tensors only (what the graph captures)."""
-        self._fast_write = True
-        try:
-            logits = self._forward(self.ids, self.pos)
-        finally:
-            self._fast_write = False
+        if self._fast is not None:
+            logits = self._fast(self.ids, self.pos)
+        else:
+            self._fast_write = True
+            try:
+                logits = self._forward(self.ids, self.pos)
+            finally:
+                self._fast_write = False
         token = self._pick(logits)
         self.ids.copy_(token.view(-1, 1))
         self.pos.add_(1)

@@ -20,6 +20,8 @@ scaled score. A row without any valid key gets zeros.
 import triton
 import triton.language as tl
 
+from kbit.kernels.glue import _pdl_enter
+
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
 #: additive mask values at or below this are "masked out" (fp16's lowest finite value: every dtype's
@@ -54,10 +56,11 @@ def split_kernel(
     H, G, L, S, chunk, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
+    _pdl_enter(PDL)
     b = bh // H
     h = bh % H
     offs_g = tl.arange(0, BLOCK_G)
@@ -117,9 +120,10 @@ def combine_kernel(
     PartO, PartM, PartL, Out,
     stride_ob, stride_oh, stride_og,
     H, G, S,
-    D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    _pdl_enter(PDL)
     bh = pid // G
     g = pid % G
     b = bh // H

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kbit.kernels import attention as _k
+from kbit.ops.glue import _launch_kw
 
 __all__ = [
     "DecodeAttentionConfig",
@@ -193,6 +194,7 @@ def _decode_attention_op(
     else:
         stride_mb = stride_mn = 0
     S = -(-L // chunk)
+    pdl = _launch_kw(query.device)  # programmatic dependent launch on sm_90 (kbit.ops.glue)
     if S > 1:
         part_o = torch.empty(B * H, S, G, D, dtype=torch.float32, device=query.device)
         part_m = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
@@ -211,13 +213,13 @@ def _decode_attention_op(
         BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
-        SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if S > 1:
         S_PAD = _next_pow2(S)
         _k.combine_kernel[(B * H * G,)](
             part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
-            D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2,
+            D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2, **pdl,
         )
     return out.to(out_dtype)
 

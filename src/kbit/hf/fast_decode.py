@@ -1,0 +1,148 @@
+"""The one-token decode step of a Llama-family model on kbit's glue kernels, for :class:`kbit.hf.StaticDecoder`.
+
+transformers' forward spends about 14 kernels a dense decoder layer on a one-token step besides its four (fused)
+projections: two RMSNorms, two rotary kernels, two KV-cache copies, the attention, two residual adds, SiLU * up
+(H100, Llama-3-8B shapes: ~24 us a layer, ~0.8 ms of a 3.7 ms k = 4 step,
+``benchmarks/results/h100/step-timeline-s7-before.txt``). This step walks the same modules' weights with
+:mod:`kbit.ops.glue`: residual add + RMSNorm in one kernel, rotary + (Qwen3) q/k norms + KV append in one, the
+split-KV attention of :mod:`kbit.ops.attention` over the valid length, SiLU * up in one; each launched with
+programmatic dependent launch on sm_90, so the next k-bit GEMV starts loading its weights while it runs. The
+projections and MLPs are the model's own modules (``KbitLinear``, ``nn.Linear``, ``KbitMoE``, or the benchmark's
+fused parts), so bf16 and k-bit models take the same path.
+
+Supported: ``model_type`` in :data:`MODEL_TYPES` (dense or MoE MLPs), no sliding window within the cache length,
+head dims a power of two; :func:`unsupported_reason` says why not otherwise (the decoder then uses transformers'
+forward).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+def _layers(model):
+    inner = getattr(model, "model", None)
+    return getattr(inner, "layers", None)
+
+
+def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
+    """``None`` when :class:`FastDecodeStep` runs ``model`` with a cache of ``max_len`` positions, else why not."""
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in MODEL_TYPES:
+        return f"model_type {mt!r} not in {MODEL_TYPES}"
+    layers = _layers(model)
+    inner = model.model
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
+        return "no model.model.layers / rotary_emb / embed_tokens"
+    if not hasattr(model, "lm_head") or not hasattr(inner, "norm"):
+        return "no lm_head / final norm"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and getattr(cfg, "use_sliding_window", True) and max_len > window:
+        return f"sliding window {window} < cache length {max_len}"
+    for i, layer in enumerate(layers):
+        att = getattr(layer, "self_attn", None)
+        if att is None or not all(hasattr(att, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+            return f"layer {i}: no self_attn with q/k/v/o projections"
+        if getattr(att, "sliding_window", None) is not None and max_len > att.sliding_window:
+            return f"layer {i}: sliding window"
+        d = att.head_dim
+        if d < 2 or d & (d - 1):
+            return f"head dim {d} is not a power of two"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, name, None)
+            if norm is None or not hasattr(norm, "weight") or not hasattr(norm, "variance_epsilon"):
+                return f"layer {i}: {name} is not an RMSNorm"
+        if (hasattr(att, "q_norm") or hasattr(att, "k_norm")) and mt not in ("qwen3", "qwen3_moe"):
+            return f"layer {i}: q/k norms outside Qwen3"
+        if getattr(layer, "mlp", None) is None:
+            return f"layer {i}: no mlp"
+    return None
+
+
+def _dense_mlp(mlp) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")) and \
+        type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+class FastDecodeStep:
+    """``step(ids [B, 1], pos [1]) -> logits [B, V]`` (float32) for ``model`` over the static ``cache`` of a
+    :class:`~kbit.hf.StaticDecoder`; k and v of the step are written into the cache at ``pos``.
+
+    The rotary tables are computed once for ``max_len`` positions by the model's own ``rotary_emb`` (the same
+    values transformers computes at every step, any rope scaling included)."""
+
+    def __init__(self, model: nn.Module, cache, max_len: int):
+        why = unsupported_reason(model, max_len)
+        if why is not None:
+            raise ValueError(f"model: the fast decode step does not support it ({why})")
+        self.model, self.cache = model, cache
+        inner = model.model
+        self.layers = list(inner.layers)
+        dtype = inner.embed_tokens.weight.dtype
+        dev = inner.embed_tokens.weight.device
+        pos = torch.arange(max_len, device=dev).view(1, -1)
+        probe = torch.zeros(1, max_len, 1, dtype=dtype, device=dev)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        att = self.layers[0].self_attn
+        self.D = att.head_dim
+        self.qk_norm = hasattr(att, "q_norm")
+        self.dense = [_dense_mlp(layer.mlp) for layer in self.layers]
+
+    def _attend(self, q, kc, vc, length, scale):
+        from kbit.ops import attention as A
+
+        B, Hkv = kc.shape[:2]
+        qg = q.view(B, Hkv, -1, self.D)
+        if (q.is_cuda or A._interpreting()) and A.supports(qg, kc, vc):
+            return A.decode_attention(qg, kc, vc, length=length, scale=scale)
+        return A.decode_attention_reference(qg, kc, vc, length=length, scale=scale, out_dtype=q.dtype)
+
+    def _mlp(self, i, y):
+        mlp = self.layers[i].mlp
+        if not self.dense[i]:
+            out = mlp(y.unsqueeze(1))
+            out = out[0] if isinstance(out, tuple) else out
+            return out.reshape(y.shape[0], -1)
+        from kbit.ops.glue import silu_mul
+
+        return mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        from kbit.ops.glue import add_rms_norm, rms_norm, rope_append
+
+        inner = self.model.model
+        B = ids.shape[0]
+        x = inner.embed_tokens(ids).reshape(B, -1)
+        length = pos + 1
+        res = None
+        for i, layer in enumerate(self.layers):
+            n = layer.input_layernorm
+            if res is None:
+                y, res = rms_norm(x, n.weight, n.variance_epsilon), x
+            else:
+                y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
+            att = layer.self_attn
+            q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
+            kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
+            if self.qk_norm:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
+                                 att.q_norm.variance_epsilon)
+            else:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
+            o = self._attend(qr, kc, vc, length, att.scaling)
+            x = att.o_proj(o.reshape(B, -1))
+            n = layer.post_attention_layernorm
+            y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
+            x = self._mlp(i, y)
+        n = inner.norm
+        y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon)
+        return self.model.lm_head(y).float()

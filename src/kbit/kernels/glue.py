@@ -1,0 +1,110 @@
+"""Triton kernels for the element-wise glue of a decoder layer's one-token step (launchers and torch references in
+:mod:`kbit.ops.glue`).
+
+- :func:`add_rms_norm_kernel`: ``r = x + residual`` (rounded to the activation dtype, as transformers adds), then
+  ``weight * (r * rsqrt(mean(r^2) + eps))``: the residual add and the next RMSNorm in one pass over the row.
+- :func:`rope_append_kernel`: rotary embedding of q and k (optionally after a per-head RMSNorm of q and k, as in
+  Qwen3), k and v written into the static cache at the step's position, the rotated q written out.
+- :func:`silu_mul_kernel`: ``silu(gate) * up`` of a dense MLP.
+
+Each kernel takes ``PDL``: launched with programmatic dependent launch (sm_90), it waits for the previous kernel
+(``gdc_wait``) before reading anything that kernel may have written, then lets the next kernel launch
+(``gdc_launch_dependents``), so a following k-bit GEMV loads its first weights while this kernel runs.
+Rounding follows transformers' eager code: every product and sum that it computes in the activation dtype is
+rounded to that dtype here too (products of two 16-bit values are exact in float32, so rounding the float32 result
+gives the 16-bit operation's value).
+"""
+
+import triton
+import triton.language as tl
+
+try:  # triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: PDL is never requested there (see kbit.ops.glue)
+    gdc_launch_dependents = gdc_wait = None
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stride_ro, H, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
+    _pdl_enter(PDL)
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    h = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _load_head(base, Wn, offs, rot, eps, D: tl.constexpr, QK_NORM: tl.constexpr, dtype: tl.constexpr):
+    """A head's values and their rotate-half partners (float32), after the head's RMSNorm when ``QK_NORM``."""
+    x = tl.load(base + offs).to(tl.float32)
+    xr = tl.load(base + rot).to(tl.float32)
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = (tl.load(Wn + offs).to(tl.float32) * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xr = (tl.load(Wn + rot).to(tl.float32) * (xr * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return x, xr
+
+
+@triton.jit
+def _rotate(x, xr, c, s, dtype: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` with each product and the sum rounded to ``dtype``."""
+    a = (x * c).to(dtype).to(tl.float32)
+    b = (xr * s).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
+def rope_append_kernel(Q, Kx, V, Cos, Sin, Pos, QN, KN, Qout, Kc, Vc,
+                       stride_qb, stride_kb, stride_vb, stride_cos, stride_qob, stride_qoh,
+                       stride_kcb, stride_kch, stride_kcl, stride_vcb, stride_vch, stride_vcl,
+                       Hq, eps, D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # query heads first, then one program a KV head (k and v)
+    dtype = Qout.dtype.element_ty
+    offs = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    rot = (offs + half) % D
+    sign = tl.where(offs < half, -1.0, 1.0)
+    _pdl_enter(PDL)
+    p = tl.load(Pos).to(tl.int32)
+    c = tl.load(Cos + p * stride_cos + offs).to(tl.float32)
+    s = tl.load(Sin + p * stride_cos + offs).to(tl.float32)
+    if h < Hq:
+        x, xr = _load_head(Q + b * stride_qb + h * D, QN, offs, rot, eps, D, QK_NORM, dtype)
+        tl.store(Qout + b * stride_qob + h * stride_qoh + offs, _rotate(x, sign * xr, c, s, dtype))
+    else:
+        j = h - Hq
+        x, xr = _load_head(Kx + b * stride_kb + j * D, KN, offs, rot, eps, D, QK_NORM, dtype)
+        tl.store(Kc + b * stride_kcb + j * stride_kch + p * stride_kcl + offs,
+                 _rotate(x, sign * xr, c, s, Kc.dtype.element_ty))
+        v = tl.load(V + b * stride_vb + j * D + offs)
+        tl.store(Vc + b * stride_vcb + j * stride_vch + p * stride_vcl + offs, v.to(Vc.dtype.element_ty))
+
+
+@triton.jit
+def silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    _pdl_enter(PDL)
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
+    tl.store(Y + row * stride_y + offs, (a * u).to(Y.dtype.element_ty), mask=ok)

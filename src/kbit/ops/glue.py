@@ -1,0 +1,280 @@
+"""Decoder-layer glue for one-token steps: residual add + RMSNorm, rotary embedding + KV-cache append, SiLU * up.
+
+Torch ops ``kbit::rms_norm``, ``kbit::add_rms_norm``, ``kbit::rope_append`` (writes the caches) and
+``kbit::silu_mul``, each with a plain-torch reference beside it that follows transformers' eager code (Llama,
+Qwen2/3, Mistral). CUDA tensors run the Triton kernels of :mod:`kbit.kernels.glue`, launched with programmatic
+dependent launch on sm_90 (:func:`kbit.cuda.runtime.pdl_enabled`) so that the next k-bit GEMV starts streaming its
+weights while they run; CPU tensors run the Triton kernels under ``TRITON_INTERPRET=1`` and the references
+otherwise.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+__all__ = ["add_rms_norm", "rms_norm", "rms_norm_reference", "rope_append", "rope_append_reference", "silu_mul",
+           "silu_mul_reference"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or _interpreting()
+
+
+def _pdl(device) -> bool:
+    if device.type != "cuda":
+        return False
+    from kbit.cuda.runtime import pdl_enabled
+    from kbit.kernels import glue as _k
+
+    return _k.gdc_wait is not None and pdl_enabled(device)
+
+
+def _launch_kw(device) -> dict:
+    return {"PDL": True, "launch_pdl": True} if _pdl(device) else {"PDL": False}
+
+
+def _up(t):
+    """The interpreter's bfloat16 arithmetic is wrong: compute in float32 there."""
+    return t.float() if _interpreting() and t is not None and t.dtype == torch.bfloat16 else t
+
+
+def _check_rows(name, t, dtype=None, device=None, width=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected {dtype} (the dtype of the other inputs), got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected 2 dims [rows, features], got shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if width is not None and t.shape[-1] != width:
+        raise ValueError(f"{name}: expected {width} features, got shape {tuple(t.shape)}")
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+def rms_norm_reference(x, weight, eps, residual=None):
+    """transformers' ``residual + x`` (in the activation dtype) then RMSNorm; returns ``(y, new_residual)``."""
+    r = x if residual is None else residual + x
+    h = r.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(r.dtype), r
+
+
+def _check_norm(x, weight, eps, residual):
+    _check_rows("x", x)
+    if residual is not None:
+        _check_rows("residual", residual, x.dtype, x.device, x.shape[1])
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: expected shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],):
+        raise ValueError(f"weight: expected shape ({x.shape[1]},), got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if weight.device != x.device:
+        raise ValueError(f"weight: expected a tensor on {x.device}, got {weight.device}")
+    if not weight.is_contiguous():
+        raise ValueError("weight: expected a contiguous tensor")
+    if not eps > 0:
+        raise ValueError(f"eps: expected > 0, got {eps}")
+
+
+def _norm_launch(x, residual, weight, eps):
+    from kbit.kernels import glue as _k
+
+    R, H = x.shape
+    xd = _up(x)
+    rd = _up(residual)
+    y = torch.empty_like(xd)
+    r_out = torch.empty_like(xd) if residual is not None else y
+    block = triton_next_pow2(H)
+    _k.add_rms_norm_kernel[(R,)](
+        xd, rd if rd is not None else xd, _up(weight), y, r_out,
+        xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **_launch_kw(x.device))
+    return y.to(x.dtype), r_out.to(x.dtype)
+
+
+@torch.library.custom_op("kbit::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not _use_triton(x):
+        return rms_norm_reference(x, weight, eps)[0]
+    return _norm_launch(x, None, weight, eps)[0]
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kbit::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(x):
+        return rms_norm_reference(x, weight, eps, residual)
+    return _norm_launch(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the rows of ``x [R, H]`` (transformers' rounding); see :func:`rms_norm_reference`."""
+    _check_norm(x, weight, eps, None)
+    return torch.ops.kbit.rms_norm(x, weight, float(eps))
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = residual + x`` then RMSNorm of ``r``, in one kernel: returns ``(rms_norm(r), r)``."""
+    _check_norm(x, weight, eps, residual)
+    return torch.ops.kbit.add_rms_norm(x, residual, weight, float(eps))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------ rotary + cache
+def rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6):
+    """transformers' order: per-head RMSNorm of q and k (Qwen3; when the weights are given), rotate-half rotary
+    with ``cos[pos]``, ``sin[pos]`` (``[L, D]`` tables), k and v written into ``k_cache``/``v_cache``
+    ``[B, Hkv, L, D]`` at ``pos``. ``q [B, Hq * D]``, ``k``/``v [B, Hkv * D]``. Returns the rotated q
+    ``[B, Hq, D]``; the caches are written in place."""
+    B, Hkv, _, D = k_cache.shape
+    qh = q.reshape(B, -1, D)
+    kh = k.reshape(B, Hkv, D)
+    if q_norm is not None:
+        qh = rms_norm_reference(qh.reshape(-1, D), q_norm, eps)[0].reshape(qh.shape)
+        kh = rms_norm_reference(kh.reshape(-1, D), k_norm, eps)[0].reshape(kh.shape)
+    p = pos.reshape(-1)[:1]
+    c = cos.index_select(0, p).to(q.dtype)  # [1, D]
+    s = sin.index_select(0, p).to(q.dtype)
+
+    def rot(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    q_out = qh * c + rot(qh) * s
+    k_out = kh * c + rot(kh) * s
+    k_cache.index_copy_(2, p, k_out.unsqueeze(2).to(k_cache.dtype))
+    v_cache.index_copy_(2, p, v.reshape(B, Hkv, 1, D).to(v_cache.dtype))
+    return q_out
+
+
+@torch.library.custom_op("kbit::rope_append", mutates_args=("k_cache", "v_cache"))
+def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if not _use_triton(q):
+        return rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps)
+    from kbit.kernels import glue as _k
+
+    B, Hkv, _, D = k_cache.shape
+    Hq = q.shape[1] // D
+    qd, kd, vd, cd, sd = _up(q), _up(k), _up(v), _up(cos), _up(sin)
+    interp_cache = _interpreting() and k_cache.dtype == torch.bfloat16
+    kc, vc = (k_cache.float(), v_cache.float()) if interp_cache else (k_cache, v_cache)
+    q_out = torch.empty(B, Hq, D, dtype=qd.dtype, device=q.device)
+    qn = _up(q_norm) if q_norm is not None else cd
+    kn = _up(k_norm) if k_norm is not None else cd
+    _k.rope_append_kernel[(B, Hq + Hkv)](
+        qd, kd, vd, cd, sd, pos, qn, kn, q_out, kc, vc,
+        qd.stride(0), kd.stride(0), vd.stride(0), cd.stride(0), q_out.stride(0), q_out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        Hq, float(eps), D=D, QK_NORM=q_norm is not None, num_warps=1, **_launch_kw(q.device))
+    if interp_cache:
+        k_cache.copy_(kc)
+        v_cache.copy_(vc)
+    return q_out.to(q.dtype)
+
+
+@_rope_append_op.register_fake
+def _(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps):
+    B, _, _, D = k_cache.shape
+    return q.new_empty(B, q.shape[1] // D, D)
+
+
+def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6):
+    """One-token step of a layer's attention input: rotary embedding of ``q [B, Hq * D]`` and ``k [B, Hkv * D]``
+    (optionally after the per-head RMSNorms ``q_norm``/``k_norm [D]``, Qwen3), k and ``v [B, Hkv * D]`` appended
+    to ``k_cache``/``v_cache [B, Hkv, L, D]`` at the position ``pos`` (an int tensor of one element, on the
+    device: graph-safe), ``cos``/``sin`` ``[L', D]`` tables indexed by position. Returns the rotated q
+    ``[B, Hq, D]``. q, k, v may be column slices of one fused projection output."""
+    _check_rows("q", q)
+    dt, dev = q.dtype, q.device
+    _check_rows("k", k, dt, dev)
+    _check_rows("v", v, dt, dev, k.shape[1])
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.device != dev or c.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a [B, Hkv, L, D] tensor on {dev} with a contiguous last dim, got "
+                             f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
+    B, Hkv, L, D = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"k_cache: head dim must be a power of two >= 2, got {D}")
+    if q.shape[0] != B or k.shape != (B, Hkv * D) or q.shape[1] % D:
+        raise ValueError(f"q, k: expected [B = {B}, Hq * {D}] and [{B}, {Hkv * D}], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != D or t.device != dev or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a [positions, {D}] table on {dev}, got {tuple(t.shape)}")
+    if not (isinstance(pos, torch.Tensor) and pos.numel() == 1 and pos.dtype in (torch.int32, torch.int64)
+            and pos.device == dev):
+        raise ValueError(f"pos: expected a one-element int32/int64 tensor on {dev}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm, k_norm: give both or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (D,) or w.device != dev):
+            raise ValueError(f"{name}: expected shape ({D},) on {dev}, got {tuple(w.shape)}")
+    return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps))
+
+
+# ------------------------------------------------------------------------------------------ SiLU * up
+def silu_mul_reference(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+SILU_BLOCK = 1024
+
+
+@torch.library.custom_op("kbit::silu_mul", mutates_args=())
+def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(gate):
+        return silu_mul_reference(gate, up)
+    from kbit.kernels import glue as _k
+
+    R, I = gate.shape
+    g, u = _up(gate), _up(up)
+    y = torch.empty(R, I, dtype=g.dtype, device=gate.device)
+    _k.silu_mul_kernel[(R, triton.cdiv(I, SILU_BLOCK))](
+        g, u, y, g.stride(0), u.stride(0), y.stride(0), I, BLOCK=SILU_BLOCK, num_warps=4, **_launch_kw(gate.device))
+    return y.to(gate.dtype)
+
+
+@_silu_mul_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape[0], gate.shape[1])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[R, I]`` rows (column slices of a fused gate/up output are fine)."""
+    _check_rows("gate", gate)
+    _check_rows("up", up, gate.dtype, gate.device, gate.shape[1])
+    if up.shape[0] != gate.shape[0]:
+        raise ValueError(f"up: expected {gate.shape[0]} rows, got {up.shape[0]}")
+    return torch.ops.kbit.silu_mul(gate, up)
+
