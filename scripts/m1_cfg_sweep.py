@@ -2,7 +2,7 @@
 (one CUDA graph over weight copies > 8x L2, median of 15 replays, bf16 activations, log8 B = 32).
 
     PYTHONUNBUFFERED=1 python scripts/m1_cfg_sweep.py [--shapes 6144x4096,...] [--ks 4,2] [--ms 1]
-        [--cfgs "1,4,4;1,8,2;3,8,2,2"] [--between] [--out DIR]
+        [--cfgs "1,4,4;1,8,2;3,8,2,2;@KBIT_L2PF=8192"] [--between] [--out DIR]
 
 ``--between`` puts a small torch kernel between consecutive calls (as in a decoder layer, where the neighbours of
 a GEMV never trigger programmatic dependent launch), so a call cannot overlap the previous one's tail.
@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from kbit.bench.timing import time_calls  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
 
+ENV_KEYS: set = set()  # environment variables set by a column ("cfg@KEY=VAL+KEY2=VAL"), cleared before the next
 DEFAULT_CFGS = "1,4,4;1,8,2;1,8,1;1,16,1;3,8,2,2;3,8,2,2,1;3,4,4,2;3,16,1,2"
 
 
@@ -43,7 +44,8 @@ def main():
     ap.add_argument("--shapes", default="6144x4096,4096x4096,28672x4096,4096x14336")
     ap.add_argument("--ks", default="4,2")
     ap.add_argument("--ms", default="1")
-    ap.add_argument("--cfgs", default=DEFAULT_CFGS, help="';'-separated KBIT_MMA_CFG values ('' = default)")
+    ap.add_argument("--cfgs", default=DEFAULT_CFGS, help="';'-separated KBIT_MMA_CFG values ('' = default), each "
+                    "optionally followed by '@KEY=VAL+KEY2=VAL' (environment, e.g. KBIT_L2PF)")
     ap.add_argument("--between", action="store_true", help="a torch kernel between consecutive calls")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -54,7 +56,14 @@ def main():
         for k in (int(v) for v in args.ks.split(",")):
             for M in (int(v) for v in args.ms.split(",")):
                 line = []
-                for cfg in cfgs:
+                for col in cfgs:
+                    cfg, _, env = col.partition("@")
+                    for kv in ENV_KEYS | {e.split("=")[0] for e in env.split("+") if e}:
+                        os.environ.pop(kv, None)
+                    for e in (e for e in env.split("+") if e):
+                        key, val = e.split("=")
+                        ENV_KEYS.add(key)
+                        os.environ[key] = val
                     if cfg:
                         os.environ["KBIT_MMA_CFG"] = cfg
                     else:
@@ -65,7 +74,7 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         us = float("nan")
                         print(cfg, repr(e)[:200])
-                    line.append(f"{cfg or 'default'}: {us:.2f}")
+                    line.append(f"{col or 'default'}: {us:.2f}")
                 lines.append(f"k={k} {N}x{K} M={M} | " + " | ".join(line))
                 print(lines[-1], flush=True)
     if args.out:

@@ -83,3 +83,16 @@ def test_glue_validation():
         kc6 = torch.zeros(2, 1, 4, 6, device=DEV)
         glue.rope_append(x[:, :6], x[:, :6], x[:, :6], torch.ones(4, 6, device=DEV), torch.ones(4, 6, device=DEV),
                          torch.tensor([0], device=DEV), kc6, kc6.clone())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [1, 100, 4096, 9000])
+def test_argmax(dtype, V):
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(3, V, generator=g).to(dtype).to(DEV)
+    if V > 50:
+        x[1, 7] = x[1, V - 3] = x[1].max() + 1  # a tie: the first index wins
+        x[2, V // 2] = float("nan")  # NaN wins, as in torch
+    got = glue.argmax(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got.cpu(), x.float().cpu().argmax(-1))

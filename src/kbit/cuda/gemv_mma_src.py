@@ -64,6 +64,18 @@ __device__ __forceinline__ void pdl_launch() {
 #endif
 }
 
+/* Before pdl_wait(): pull the first L2PF bytes of this warp's (kernel 3) or CTA's (kernel 1) weight range into
+   L2 with one bulk prefetch, so that they stream while the previous kernel finishes (sm_90; L2PF = 0: off). */
+#ifndef L2PF
+#define L2PF 0
+#endif
+__device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
+#if __CUDA_ARCH__ >= 900
+  bytes = bytes < (long long)L2PF ? bytes : (long long)L2PF;
+  if (L2PF > 0 && bytes >= 16)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"((u32)(bytes & ~15LL)) : "memory");
+#endif
+}
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
   V4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -378,6 +390,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     int bias_kind, int ws_stride) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
+  if (tid == 0 && (int)blockIdx.x < n_tiles * splits) { /* the CTA's first item, codes then scales */
+    const int it = blockIdx.x, tl_ = it / splits, sp_ = it - tl_ * splits;
+    const int s0_ = sp_ * sps, s1_ = min(s0_ + sps, n_seg);
+    const long long j = (long long)tl_ * n_seg + s0_;
+    l2_prefetch(codes + j * K_BITS * 32, (long long)(s1_ - s0_) * K_BITS * 512);
+    l2_prefetch(scales + j * 8 * SV, (long long)(s1_ - s0_) * SV * 128);
+  }
   const float ts = *ts_ptr;
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
@@ -530,6 +549,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)
     if (j0 + p < j1) ld_seg(buf[p], codes, scales, j0 + p, lane, g);  /* in flight while the tables are built */
+  if (lane == 0 && j0 + PD - 1 < j1) { /* the rest of the warp's range, from its start */
+    l2_prefetch(codes + (long long)(j0 + PD - 1) * K_BITS * 32, (long long)(j1 - j0 - PD + 1) * K_BITS * 512);
+    l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
+  }
   const float ts = *ts_ptr;
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);

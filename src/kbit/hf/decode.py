@@ -225,6 +225,10 @@ class StaticDecoder:
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0.0:
+            if logits.is_cuda:
+                from kbit.ops.glue import argmax
+
+                return argmax(logits)
             return logits.argmax(dim=-1)
         if logits.is_cuda:
             from kbit.ops.sampling import sample

@@ -26,9 +26,9 @@ except ImportError:  # pragma: no cover - older triton: PDL is never requested t
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
+    if PDL:  # the next kernel may launch now: it reads only weights before its own wait, which waits for us
         gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -108,3 +108,30 @@ def silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexp
     u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
     tl.store(Y + row * stride_y + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def argmax_partial_kernel(X, PV, PI, stride_x, V, NB, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Max and first index of the max over one ``BLOCK`` of a row (NaN counts as the largest, as in torch)."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    _pdl_enter(PDL)
+    x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    m = tl.max(x, axis=0)
+    i = tl.min(tl.where(x == m, offs, V), axis=0)
+    tl.store(PV + row * NB + blk, m)
+    tl.store(PI + row * NB + blk, i)
+
+
+@triton.jit
+def argmax_final_kernel(PV, PI, Out, stride_o, NB, V, NB_PAD: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, NB_PAD)
+    ok = offs < NB
+    _pdl_enter(PDL)
+    v = tl.load(PV + row * NB + offs, mask=ok, other=float("-inf"))
+    i = tl.load(PI + row * NB + offs, mask=ok, other=V)
+    m = tl.max(v, axis=0)
+    tl.store(Out + row * stride_o, tl.min(tl.where(v == m, i, V), axis=0).to(Out.dtype.element_ty))

@@ -339,6 +339,9 @@ TALL = 16384
 WIDE = 4224
 #: kernel 3 with x staged in shared memory (config[4] = 1): dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
+#: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait
+#: (``KBIT_L2PF`` overrides, lab)
+L2PF = {1: 0, 3: 0}
 #: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
 DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
 SMEM_MAX = 227 * 1024
@@ -530,6 +533,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         D = max(2, min(X, (SMEM_MAX - 1024 - _table_smem(k)) // (W * stage)))
         defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
         shared = W * D * stage + _table_smem(k)
+    if kernel in (1, 3):
+        defines["L2PF"] = int(os.environ.get("KBIT_L2PF", L2PF.get(kernel, 0)))
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
