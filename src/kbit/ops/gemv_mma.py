@@ -339,9 +339,11 @@ TALL = 16384
 WIDE = 4224
 #: kernel 3 with x staged in shared memory (config[4] = 1): dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
-#: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait
-#: (``KBIT_L2PF`` overrides, lab)
-L2PF = {1: 0, 3: 0}
+#: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
+#: weights under BIG elements (``KBIT_L2PF`` overrides, lab). H100, consecutive M = 1 calls
+#: (``benchmarks/results/h100/m1-cfg-sweep-s7-l2pf.log``): kernel 1 4096x4096 k = 4 7.00 -> 6.47 us, 4096x14336
+#: 15.09 -> 14.76; kernel 3 and kernel 1 on 8192x28672 only slower (up to +10% at 64 KB), so off there.
+L2PF = {1: 16384, 3: 0}
 #: kernel 2: cp.async pipeline depth (stages) per k; shared memory per CTA available on sm_90
 DEPTH = {2: 8, 3: 6, 4: 4, 5: 4}
 SMEM_MAX = 227 * 1024
@@ -534,7 +536,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
         shared = W * D * stage + _table_smem(k)
     if kernel in (1, 3):
-        defines["L2PF"] = int(os.environ.get("KBIT_L2PF", L2PF.get(kernel, 0)))
+        pf = L2PF.get(kernel, 0) if N * K < BIG else 0
+        defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
