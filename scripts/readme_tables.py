@@ -113,7 +113,7 @@ def moe_table(path: Path) -> str:
     return "\n".join(out)
 
 
-def e2e_table(path: Path) -> str:
+def e2e_table(path: Path, variant: str = "kbit") -> str:
     d = json.loads(path.read_text())
     m = d["meta"]
     rows = [r for r in d["rows"] if r.get("tokens_per_s")]
@@ -129,7 +129,7 @@ def e2e_table(path: Path) -> str:
         base = max(r["tokens_per_s"] for r in bf)
         cells = []
         for k in (2, 3, 4, 5):
-            kr = [r for r in rows if (r["model"], r["batch"], r["variant"], r["k"]) == (model, b, "kbit", k)]
+            kr = [r for r in rows if (r["model"], r["batch"], r["variant"], r["k"]) == (model, b, variant, k)]
             cells.append(f"{kr[0]['tokens_per_s']:.1f} ({kr[0]['tokens_per_s'] / base:.2f}x)" if kr else "-")
         out.append(f"| {model} | {b} | {base:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -199,6 +199,13 @@ def main():
              e2e_table(RES / "e2e-session3-moe-t1.json"),
              "Llama-3-8B-shaped, batch 1, same setup, with the decode-attention kernel on both sides (session 6):",
              e2e_table(RES / "e2e-s6-2026-11-22.json"),
+             "### End-to-end decode, the fast decode step on both sides (session 7)",
+             "One-token steps through `kbit.hf.fast_decode` (residual add + RMSNorm, rotary + KV append, SiLU * up, "
+             "attention and argmax as kbit kernels with programmatic dependent launch, around the model's own "
+             "projections), the default of `StaticDecoder` on CUDA:",
+             e2e_table(RES / "e2e-s7b-2026-11-22.json"), e2e_table(RES / "e2e-s7-qwen3-2026-11-22.json"),
+             "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
+             e2e_table(RES / "e2e-s7b-lmhead4-2026-11-22.json", "kbit+head4"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
