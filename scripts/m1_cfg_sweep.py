@@ -58,8 +58,8 @@ def main():
                 line = []
                 for col in cfgs:
                     cfg, _, env = col.partition("@")
-                    for kv in ENV_KEYS | {e.split("=")[0] for e in env.split("+") if e}:
-                        os.environ.pop(kv, None)
+                    for key in ENV_KEYS:
+                        os.environ.pop(key, None)
                     for e in (e for e in env.split("+") if e):
                         key, val = e.split("=")
                         ENV_KEYS.add(key)

@@ -249,10 +249,11 @@ def qwen3():
 @pytest.mark.parametrize("name", ["llama", "kbit_llama", "qwen3", "qwen3_moe"])
 def test_fast_step_matches_dynamic(name, kbit_llama):
     """kbit.hf.fast_decode (glue kernels, through the interpreter on the CPU) against transformers' dynamic cache."""
-    model = {"llama": llama, "qwen3": qwen3}.get(name, lambda: kbit_llama)()
     if name == "qwen3_moe":
         model = quantize_model(qwen3_moe(), k=4, progress=False)
         use_kbit_moe(model)
+    else:
+        model = {"llama": llama, "qwen3": qwen3, "kbit_llama": lambda: kbit_llama}[name]()
     ids = torch.tensor(PROMPT)
     ref_t, ref_l = dynamic_greedy(model, ids, 5)
     dec = StaticDecoder(model, ids.shape[0], ids.shape[1] + 5, fast=True)

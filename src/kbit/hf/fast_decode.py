@@ -19,14 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.ops import attention as A
+from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
+
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
-
-
-def _layers(model):
-    inner = getattr(model, "model", None)
-    return getattr(inner, "layers", None)
 
 
 def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
@@ -35,8 +33,8 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     mt = getattr(cfg, "model_type", None)
     if mt not in MODEL_TYPES:
         return f"model_type {mt!r} not in {MODEL_TYPES}"
-    layers = _layers(model)
-    inner = model.model
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "embed_tokens"):
         return "no model.model.layers / rotary_emb / embed_tokens"
     if not hasattr(model, "lm_head") or not hasattr(inner, "norm"):
@@ -97,8 +95,6 @@ class FastDecodeStep:
         self.dense = [_dense_mlp(layer.mlp) for layer in self.layers]
 
     def _attend(self, q, kc, vc, length, scale):
-        from kbit.ops import attention as A
-
         B, Hkv = kc.shape[:2]
         qg = q.view(B, Hkv, -1, self.D)
         if (q.is_cuda or A._interpreting()) and A.supports(qg, kc, vc):
@@ -111,14 +107,10 @@ class FastDecodeStep:
             out = mlp(y.unsqueeze(1))
             out = out[0] if isinstance(out, tuple) else out
             return out.reshape(y.shape[0], -1)
-        from kbit.ops.glue import silu_mul
-
         return mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        from kbit.ops.glue import add_rms_norm, rms_norm, rope_append
-
         inner = self.model.model
         B = ids.shape[0]
         x = inner.embed_tokens(ids).reshape(B, -1)

@@ -5,11 +5,14 @@
   ``weight * (r * rsqrt(mean(r^2) + eps))``: the residual add and the next RMSNorm in one pass over the row.
 - :func:`rope_append_kernel`: rotary embedding of q and k (optionally after a per-head RMSNorm of q and k, as in
   Qwen3), k and v written into the static cache at the step's position, the rotated q written out.
-- :func:`silu_mul_kernel`: ``silu(gate) * up`` of a dense MLP.
+- :func:`silu_mul_kernel`: ``silu(gate) * up`` of a dense MLP (silu rounded first, as transformers does; the MoE
+  kernel of :mod:`kbit.kernels.moe` rounds once, on a fused ``[P, 2I]`` input).
+- :func:`argmax_partial_kernel`, :func:`argmax_final_kernel`: the index of each row's largest value.
 
-Each kernel takes ``PDL``: launched with programmatic dependent launch (sm_90), it waits for the previous kernel
-(``gdc_wait``) before reading anything that kernel may have written, then lets the next kernel launch
-(``gdc_launch_dependents``), so a following k-bit GEMV loads its first weights while this kernel runs.
+Each kernel takes ``PDL``: launched with programmatic dependent launch (sm_90), it first lets the next kernel launch
+(``gdc_launch_dependents``; that kernel reads only weights before its own wait, which waits for this one), then waits
+for the previous kernel (``gdc_wait``) before reading anything that kernel may have written, so a following k-bit
+GEMV loads its first weights while this kernel runs.
 Rounding follows transformers' eager code: every product and sum that it computes in the activation dtype is
 rounded to that dtype here too (products of two 16-bit values are exact in float32, so rounding the float32 result
 gives the 16-bit operation's value).

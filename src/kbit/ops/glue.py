@@ -14,6 +14,9 @@ import os
 import torch
 import triton
 
+from kbit.cuda.runtime import pdl_enabled
+from kbit.kernels import glue as _k
+
 __all__ = ["add_rms_norm", "argmax", "rms_norm", "rms_norm_reference", "rope_append", "rope_append_reference",
            "silu_mul", "silu_mul_reference"]
 
@@ -31,9 +34,6 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _pdl(device) -> bool:
     if device.type != "cuda":
         return False
-    from kbit.cuda.runtime import pdl_enabled
-    from kbit.kernels import glue as _k
-
     return _k.gdc_wait is not None and pdl_enabled(device)
 
 
@@ -90,14 +90,12 @@ def _check_norm(x, weight, eps, residual):
 
 
 def _norm_launch(x, residual, weight, eps):
-    from kbit.kernels import glue as _k
-
     R, H = x.shape
     xd = _up(x)
     rd = _up(residual)
     y = torch.empty_like(xd)
     r_out = torch.empty_like(xd) if residual is not None else y
-    block = triton_next_pow2(H)
+    block = triton.next_power_of_2(H)
     _k.add_rms_norm_kernel[(R,)](
         xd, rd if rd is not None else xd, _up(weight), y, r_out,
         xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
@@ -143,10 +141,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return torch.ops.kbit.add_rms_norm(x, residual, weight, float(eps))
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 # ------------------------------------------------------------------------------------------ rotary + cache
 def rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6):
     """transformers' order: per-head RMSNorm of q and k (Qwen3; when the weights are given), rotate-half rotary
@@ -180,8 +174,6 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                     k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
     if not _use_triton(q):
         return rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps)
-    from kbit.kernels import glue as _k
-
     B, Hkv, _, D = k_cache.shape
     Hq = q.shape[1] // D
     qd, kd, vd, cd, sd = _up(q), _up(k), _up(v), _up(cos), _up(sin)
@@ -255,8 +247,6 @@ SILU_BLOCK = 1024
 def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not _use_triton(gate):
         return silu_mul_reference(gate, up)
-    from kbit.kernels import glue as _k
-
     R, I = gate.shape
     g, u = _up(gate), _up(up)
     y = torch.empty(R, I, dtype=g.dtype, device=gate.device)
@@ -288,8 +278,6 @@ ARGMAX_BLOCK = 4096
 def _argmax_op(x: torch.Tensor) -> torch.Tensor:
     if not _use_triton(x):
         return x.argmax(-1)
-    from kbit.kernels import glue as _k
-
     R, V = x.shape
     nb = triton.cdiv(V, ARGMAX_BLOCK)
     pv = torch.empty(R, nb, dtype=torch.float32, device=x.device)
@@ -297,7 +285,7 @@ def _argmax_op(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, dtype=torch.int64, device=x.device)
     kw = _launch_kw(x.device)
     _k.argmax_partial_kernel[(R, nb)](_up(x), pv, pi, x.stride(0), V, nb, BLOCK=ARGMAX_BLOCK, num_warps=8, **kw)
-    _k.argmax_final_kernel[(R,)](pv, pi, out, 1, nb, V, NB_PAD=triton_next_pow2(nb), num_warps=1, **kw)
+    _k.argmax_final_kernel[(R,)](pv, pi, out, 1, nb, V, NB_PAD=triton.next_power_of_2(nb), num_warps=1, **kw)
     return out
 
 
