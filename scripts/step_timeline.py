@@ -5,6 +5,9 @@ times graph replays, profiles one eager step with the torch profiler (kernel dur
 inside graph replays here) and prints, per kernel family, the count and the summed duration, beside the graph step.
 
     python scripts/step_timeline.py --models llama3-8b --k bf16,4,2 --fuse --fuse-proj [--out DIR]
+
+``--ablate norm,rope,attn,silu,glue``: also time the graph step with that part of the fast step replaced by no
+kernel at all (wrong logits, timing only): the step's saving is what the part costs on the critical path.
 """
 from __future__ import annotations
 
@@ -94,6 +97,33 @@ def summarise(step):
     return dict(fam), total
 
 
+ABLATIONS = ("norm", "rope", "attn", "silu", "glue")
+
+
+def ablate(part: str):
+    """Patch :mod:`kbit.hf.fast_decode` so that ``part`` launches nothing; returns an undo function."""
+    import kbit.hf.fast_decode as fd
+
+    saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul")}
+    saved_attend = fd.FastDecodeStep._attend
+    parts = set(ABLATIONS[:-1]) if part == "glue" else {part}
+    if "norm" in parts:
+        fd.rms_norm = lambda x, w, eps: x
+        fd.add_rms_norm = lambda x, res, w, eps: (x, res)
+    if "rope" in parts:
+        fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
+    if "attn" in parts:
+        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale: q
+    if "silu" in parts:
+        fd.silu_mul = lambda g, u: g
+
+    def undo():
+        for n, f in saved.items():
+            setattr(fd, n, f)
+        fd.FastDecodeStep._attend = saved_attend
+    return undo
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama3-8b")
@@ -103,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--fuse", action="store_true")
     p.add_argument("--fuse-proj", action="store_true")
     p.add_argument("--lm-head-k", type=int, default=None)
+    p.add_argument("--ablate", default="", help=f"comma list of {ABLATIONS}: graph step without that part")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     import bench_e2e as be
@@ -137,7 +168,23 @@ def main(argv=None) -> int:
             for f, (n, d, _g) in sorted(fams.items(), key=lambda kv: -kv[1][1]):
                 lines.append(f"{f:<22}{n:>5}{d:>10.1f}{d / n:>9.2f}")
             dec.release()
-            del dec, model
+            del dec
+            for part in filter(None, args.ablate.split(",")):
+                undo = ablate(part)
+                try:
+                    dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
+                    dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
+                                              generator=gen))
+                    dec.capture()
+                    dec.step()
+                    us = graph_step_us(dec)
+                    dec.release()
+                    del dec
+                finally:
+                    undo()
+                report[tag].setdefault("ablate", {})[part] = us
+                lines.append(f"  without {part:<6}: graph step {us:8.1f} us  (saves {graph_us - us:7.1f} us)")
+            del model
             torch.cuda.empty_cache()
     text = "\n".join(lines)
     print(text)
