@@ -113,7 +113,7 @@ def ablate(part: str):
     if "rope" in parts:
         fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
     if "attn" in parts:
-        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale: q
+        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: q
     if "silu" in parts:
         fd.silu_mul = lambda g, u: g
 
@@ -121,6 +121,19 @@ def ablate(part: str):
         for n, f in saved.items():
             setattr(fd, n, f)
         fd.FastDecodeStep._attend = saved_attend
+    return undo
+
+
+def attn_config(spec: str):
+    """Patch :func:`kbit.ops.attention.pick_config` to return ``chunk:block_n:num_warps:num_stages``; returns undo."""
+    import kbit.ops.attention as A
+
+    chunk, block_n, warps, stages = (int(v) for v in spec.split(":"))
+    saved = A.pick_config
+    A.pick_config = lambda *a, **kw: A.DecodeAttentionConfig(chunk, block_n, warps, stages)
+
+    def undo():
+        A.pick_config = saved
     return undo
 
 
@@ -134,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--fuse-proj", action="store_true")
     p.add_argument("--lm-head-k", type=int, default=None)
     p.add_argument("--ablate", default="", help=f"comma list of {ABLATIONS}: graph step without that part")
+    p.add_argument("--attn", default="", help="semicolon list of chunk:block_n:num_warps:num_stages attention "
+                   "configs: graph step with each instead of pick_config's")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     import bench_e2e as be
@@ -169,8 +184,10 @@ def main(argv=None) -> int:
                 lines.append(f"{f:<22}{n:>5}{d:>10.1f}{d / n:>9.2f}")
             dec.release()
             del dec
-            for part in filter(None, args.ablate.split(",")):
-                undo = ablate(part)
+            variants = [("ablate", a) for a in filter(None, args.ablate.split(","))] + \
+                [("attn", a) for a in filter(None, args.attn.split(";"))]
+            for kind, part in variants:
+                undo = ablate(part) if kind == "ablate" else attn_config(part)
                 try:
                     dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
                     dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
@@ -182,8 +199,9 @@ def main(argv=None) -> int:
                     del dec
                 finally:
                     undo()
-                report[tag].setdefault("ablate", {})[part] = us
-                lines.append(f"  without {part:<6}: graph step {us:8.1f} us  (saves {graph_us - us:7.1f} us)")
+                report[tag].setdefault(kind, {})[part] = us
+                what = f"without {part:<6}" if kind == "ablate" else f"attn {part:<14}"
+                lines.append(f"  {what}: graph step {us:8.1f} us  (saves {graph_us - us:7.1f} us)")
             del model
             torch.cuda.empty_cache()
     text = "\n".join(lines)

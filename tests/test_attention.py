@@ -184,12 +184,40 @@ def test_bf16_through_the_interpreter_upcast():
 
 
 @needs_kernel
+@pytest.mark.parametrize("cfg", ["default", "c32b16", "c48b16", "one"])
+@pytest.mark.parametrize("B,H,G,D,L,ns", [
+    (1, 2, 4, 64, 112, (1, 30, 112)),
+    (2, 2, 4, 64, 112, ((15, 100), (112, 2))),  # per-row lengths
+    (1, 1, 7, 128, 100, (33, 100)),
+    (2, 3, 1, 64, 96, (64,)),
+])
+def test_prefetch_and_fold_match_reference(monkeypatch, cfg, B, H, G, D, L, ns):
+    """new_from (keys before it loaded before the PDL wait) and counters (the last split merges): the same
+    outputs, and the counters are zero again after every call."""
+    counters = torch.zeros(B * H + 3, dtype=torch.int32, device=DEV)
+    _poison_empty(monkeypatch)
+    for i, n in enumerate(ns):
+        q, k, v = _qkv(B, H, G, D, L, seed=50 + i)
+        length = torch.tensor(n if isinstance(n, tuple) else [n], device=DEV)
+        mx = int(length.max())
+        k[:, :, mx:] = math.nan  # keys past every length must never be read
+        v[:, :, mx:] = math.inf
+        ref = decode_attention_reference(q, k, v, length=length, out_dtype=torch.float64)
+        out = decode_attention(q, k, v, length=length, new_from=length - 1, counters=counters, config=CONFIGS[cfg])
+        _check(out, ref, torch.float16)
+        assert counters.eq(0).all(), counters
+
+
+@needs_kernel
 def test_opcheck():
     q, k, v = _qkv(1, 2, 4, 64, 64, seed=8)
     n = torch.tensor([40], device=DEV)
     mask = _static_mask(30, 64, 1, torch.float16)
-    torch.library.opcheck(torch.ops.kbit.decode_attention.default, (q, k, v, n, mask, 0.125, 32, 16, 4, 2),
-                          test_utils=("test_schema", "test_faketensor"))
+    c = torch.zeros(2, dtype=torch.int32, device=DEV)
+    for args in ((q, k, v, n, mask, None, None, 0.125, 32, 16, 4, 2),
+                 (q, k, v, n, None, n - 1, c, 0.125, 32, 16, 4, 2)):
+        torch.library.opcheck(torch.ops.kbit.decode_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -235,6 +263,13 @@ BAD = {
     "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask must have shape"),
     "scale": (dict(scale=math.nan), TypeError, "scale must be"),
     "config": (dict(config=(32, 16)), TypeError, "config must be"),
+    "new_from dtype": (dict(length=_N, new_from=_N.float()), TypeError, "new_from must be an int32"),
+    "new_from alone": (dict(new_from=_N), ValueError, "new_from must come with length"),
+    "new_from shape": (dict(length=_N, new_from=torch.tensor([1, 2], device=DEV)), ValueError,
+                       "new_from must come with length"),
+    "counters dtype": (dict(counters=torch.zeros(4, device=DEV)), TypeError, "counters must be an int32"),
+    "counters size": (dict(counters=torch.zeros(3, dtype=torch.int32, device=DEV)), ValueError,
+                      "at least B \\* Hkv = 4"),
 }
 
 
@@ -263,11 +298,11 @@ def test_bad_input_device():
 
 
 def test_supports():
-    q, k, v = _qkv(1, 2, 4, 64, 16, device="cpu")
+    q, k, v = _qkv(1, 2, 4, 64, 16, device=DEV)
     assert not supports(q.float(), k.float(), v.float())
-    assert not supports(q, k, v, torch.zeros(1, 2, 4, 16))  # a per-head mask: SDPA keeps it
+    assert not supports(q, k, v, torch.zeros(1, 2, 4, 16, device=DEV))  # a per-head mask: SDPA keeps it
     if RUNNABLE:
-        assert supports(q, k, v, torch.zeros(1, 1, 1, 16))
+        assert supports(q, k, v, torch.zeros(1, 1, 1, 16, device=DEV))
 
 
 def test_env_switch(monkeypatch):
@@ -308,14 +343,17 @@ def test_gpu_head_dims(D, G):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("use_mask", [False, True])
+@pytest.mark.parametrize("use_mask", [False, True, "fold"])
 def test_gpu_graph_replay_changing_length(use_mask):
     B, H, G, D, L = 2, 8, 4, 128, 2064
     q, k, v = _qkv(B, H, G, D, L, dtype=torch.bfloat16, seed=11)
     n = torch.tensor([1], device=DEV)
     arange = torch.arange(L, device=DEV)
+    counters = torch.zeros(B * H, dtype=torch.int32, device=DEV)
 
     def call():
+        if use_mask == "fold":  # the fast decode step's form: prefetch before the wait, last split merges
+            return decode_attention(q, k, v, length=n, new_from=n - 1, counters=counters)
         if use_mask:
             mask = torch.where(arange < n, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
             return decode_attention(q, k, v, mask=mask.view(1, 1, 1, L).expand(B, 1, 1, L))

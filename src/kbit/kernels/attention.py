@@ -9,8 +9,15 @@ value dtype before ``P @ V``, as flash attention does. A block with no valid key
 the programs past the valid length cost one small loop and a neutral partial (``m = -inf, l = 0``).
 
 With one split the program normalises and writes the output itself. Otherwise it writes a partial
-(running max ``m``, sum ``l``, unnormalised ``acc``) and ``combine_kernel``, one program per query row,
-merges the S partials: ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``.
+(running max ``m``, sum ``l``, unnormalised ``acc``) and the S partials are merged:
+``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. ``FOLD``: by the split program that finishes last
+(a per-(b, h) arrival counter, reset to 0 by that program, so the counters stay zero between calls); otherwise by
+``combine_kernel``, one program per query row, launched after.
+
+``PREFETCH`` (length form, no mask): the caller promises that the keys before ``NewFrom[0]`` and the length were
+written before the kernels of the current dependent-launch chain (e.g. in earlier decode steps). The program then
+loads its first block of those keys before the PDL wait, overlapping the kernels before it; only keys at or
+after ``NewFrom[0]`` (this step's, written by the kernel just before) are read after the wait.
 
 Validity of key j for batch row b: ``j < length[b]`` (when a length tensor is given) and, when an additive
 mask is given, ``mask[b, j] > MASKED`` (bool masks: ``mask[b, j]`` true); the mask value is added to the
@@ -35,6 +42,12 @@ def _attend_block(q, k_base, v_base, n, valid, bias, m_i, l_i, acc, stride_kn, s
     # both loads before the first product, so V is in flight while the scores are computed
     k = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid[:, None], other=0.0)
+    return _attend_kv(q, k, v, valid, bias, m_i, l_i, acc, qk_scale)
+
+
+@triton.jit
+def _attend_kv(q, k, v, valid, bias, m_i, l_i, acc, qk_scale):
+    """:func:`_attend_block` on loaded keys and values."""
     s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]
     s = tl.where(valid[None, :], s, NEG_INF)
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: the block has a valid key
@@ -46,8 +59,38 @@ def _attend_block(q, k_base, v_base, n, valid, bias, m_i, l_i, acc, stride_kn, s
 
 
 @triton.jit
+def _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og,
+                   D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, SB: tl.constexpr):
+    """Merge KV head ``bh``'s S partials into its G output rows at ``o_base`` (row stride ``stride_og``)."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_g < G
+    offs_s = tl.arange(0, S_PAD)
+    mg = (bh * S + offs_s[:, None]) * G + offs_g[None, :]
+    ok = (offs_s[:, None] < S) & row_ok[None, :]
+    # .cg: other programs wrote these (to L2); never a stale line of this SM's L1
+    m = tl.load(PartM + mg, mask=ok, other=NEG_INF, cache_modifier=".cg")
+    l_all = tl.load(PartL + mg, mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > NEG_INF, m_max, 0.0)  # no split with a valid key: every weight is 0
+    denom = tl.sum(tl.exp2(m - m_max[None, :]) * l_all, axis=0)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s0 in range(0, S, SB):  # SB partials at a time: [SB, G_PAD, D] loads in flight together
+        s = s0 + tl.arange(0, SB)
+        r = (bh * S + s[:, None]) * G + offs_g[None, :]
+        ms = tl.load(PartM + r, mask=(s[:, None] < S) & row_ok[None, :], other=NEG_INF, cache_modifier=".cg")
+        ws = tl.exp2(ms - m_max[None, :])
+        o = tl.load(PartO + r[:, :, None] * D + offs_d[None, None, :], mask=(ws > 0)[:, :, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += tl.sum(ws[:, :, None] * o, axis=0)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(o_base + offs_g[:, None] * stride_og + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
 def split_kernel(
-    Q, K, V, Mask, Length, Out, PartO, PartM, PartL,
+    Q, K, V, Mask, Length, NewFrom, Counter, Out, PartO, PartM, PartL,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -56,21 +99,36 @@ def split_kernel(
     H, G, L, S, chunk, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, FOLD: tl.constexpr = False,
+    G_PAD: tl.constexpr = 1, S_PAD: tl.constexpr = 1, SB: tl.constexpr = 1,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    _pdl_enter(PDL)
     b = bh // H
     h = bh % H
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_g < G
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
 
     start = split * chunk
     end = tl.minimum(start + chunk, L)
-    if HAS_LENGTH:
+    if PREFETCH:  # the length and the keys before NewFrom are settled: first block before the wait
+        if LENGTH_PER_ROW:
+            end = tl.minimum(end, tl.load(Length + b).to(tl.int32))
+            new0 = tl.load(NewFrom + b).to(tl.int32)
+        else:
+            end = tl.minimum(end, tl.load(Length).to(tl.int32))
+            new0 = tl.load(NewFrom).to(tl.int32)
+        n = start + offs_n
+        valid0 = n < end
+        old = valid0 & (n < new0)
+        k0 = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=old[:, None], other=0.0)
+        v0 = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=old[:, None], other=0.0)
+    _pdl_enter(PDL)
+    if HAS_LENGTH and not PREFETCH:
         if LENGTH_PER_ROW:
             n_valid = tl.load(Length + b).to(tl.int32)
         else:
@@ -79,13 +137,20 @@ def split_kernel(
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
 
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    first = start
+    if PREFETCH:
+        fresh = valid0 & (n >= new0)  # this step's keys: written by the kernel before, read after the wait
+        k1 = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=fresh[:, None], other=0.0)
+        v1 = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=fresh[:, None], other=0.0)
+        if start < end:
+            m_i, l_i, acc = _attend_kv(q, tl.where(fresh[:, None], k1, k0), tl.where(fresh[:, None], v1, v0),
+                                       valid0, tl.zeros([BLOCK_N], tl.float32), m_i, l_i, acc, qk_scale)
+        first = start + BLOCK_N
+    for n0 in range(first, end, BLOCK_N):
         n = n0 + offs_n
         valid = n < end
         if HAS_MASK:
@@ -109,6 +174,13 @@ def split_kernel(
         tl.store(PartM + ml, m_i, mask=row_ok)
         tl.store(PartL + ml, l_i, mask=row_ok)
         tl.store(PartO + ml[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FOLD:  # the last of the S programs to arrive merges the partials (classic threadfence reduction)
+            tl.debug_barrier()  # every thread's partial stores precede the release of the arrival below
+            arrived = tl.atomic_add(Counter + bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == S - 1:
+                tl.atomic_xchg(Counter + bh, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _combine_store(PartO, PartM, PartL, Out, bh, S, G, Out + b * stride_ob + h * stride_oh, stride_og,
+                               D, G_PAD, S_PAD, SB)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]

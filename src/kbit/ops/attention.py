@@ -38,6 +38,7 @@ MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16
 PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (issue 6: 2-4)
 DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
 COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
+FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
 
 
 def _interpreting() -> bool:
@@ -172,10 +173,11 @@ def supports(query, key, value, mask=None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ op
-@torch.library.custom_op("kbit::decode_attention", mutates_args=())
+@torch.library.custom_op("kbit::decode_attention", mutates_args=("counters",))
 def _decode_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    length: torch.Tensor | None, mask: torch.Tensor | None,
+    length: torch.Tensor | None, mask: torch.Tensor | None, new_from: torch.Tensor | None,
+    counters: torch.Tensor | None,
     scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
 ) -> torch.Tensor:
     B, H, G, D = query.shape
@@ -201,8 +203,13 @@ def _decode_attention_op(
         part_l = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
     else:
         part_o = part_m = part_l = out
+    fold = S > 1 and counters is not None
+    prefetch = new_from is not None and length is not None and mask is None
+    G_PAD = _next_pow2(G)
+    S_PAD = _next_pow2(S)
     _k.split_kernel[(B * H, S)](
         query, key, value, mask if mask is not None else out, length if length is not None else out,
+        new_from if prefetch else out, counters if fold else out,
         out, part_o, part_m, part_l,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -213,10 +220,11 @@ def _decode_attention_op(
         BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
-        SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages, **pdl,
+        SPLIT=S > 1, PREFETCH=prefetch, FOLD=fold,
+        G_PAD=G_PAD, S_PAD=S_PAD, SB=max(1, min(S_PAD, FOLD_TILE // (G_PAD * D))),
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
-    if S > 1:
-        S_PAD = _next_pow2(S)
+    if S > 1 and not fold:
         _k.combine_kernel[(B * H * G,)](
             part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
             D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2, **pdl,
@@ -225,7 +233,7 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
-def _(query, key, value, length, mask, scale, chunk, block_n, num_warps, num_stages):
+def _(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages):
     return query.new_empty(query.shape)
 
 
@@ -238,6 +246,8 @@ def decode_attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
     config: DecodeAttentionConfig | None = None,
+    new_from: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Attention of one decode step, grouped-query heads as rows: ``softmax(q k^T * scale + mask) v``.
 
@@ -260,6 +270,15 @@ def decode_attention(
         Score scale, default ``1 / sqrt(D)``.
     config : DecodeAttentionConfig, optional
         Launch choices; default ``pick_config(B * Hkv, L, D, <SMs of the device>)``.
+    new_from : int32 / int64 tensor of length's shape, optional
+        With ``length`` and no mask: the first key written in this step (e.g. the decode position). Keys before
+        it, and ``length`` itself, must have been written before the kernels of the current programmatic
+        dependent-launch chain (earlier steps, or any ordinary kernel since); the kernel then loads them before
+        its PDL wait, while the kernels before it still run. Same result either way.
+    counters : int32 tensor of at least B * Hkv zeros, optional
+        The caller's workspace (left all zero after each call): with it, the split program that finishes last
+        merges the partials (one launch instead of two). Calls that may run at the same time (other streams)
+        must not share it.
 
     Returns
     -------
@@ -289,8 +308,23 @@ def decode_attention(
     elif not isinstance(config, DecodeAttentionConfig):
         raise TypeError(f"config must be a DecodeAttentionConfig, got {type(config).__name__}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return torch.ops.kbit.decode_attention(query, key, value, length, mask, scale, config.chunk, config.block_n,
-                                           config.num_warps, config.num_stages)
+    if new_from is not None:
+        if not isinstance(new_from, torch.Tensor) or new_from.dtype not in _INT_DTYPES:
+            raise TypeError(f"new_from must be an int32/int64 tensor or None, got "
+                            f"{new_from.dtype if isinstance(new_from, torch.Tensor) else type(new_from).__name__}")
+        if length is None or new_from.shape != length.shape or new_from.device != query.device:
+            raise ValueError(f"new_from must come with length and have its shape and device "
+                             f"({None if length is None else tuple(length.shape)}, {query.device}), got "
+                             f"{tuple(new_from.shape)} on {new_from.device}")
+    if counters is not None:
+        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
+            raise TypeError(f"counters must be an int32 tensor or None, got "
+                            f"{counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__}")
+        if counters.device != query.device or not counters.is_contiguous() or counters.numel() < B * H:
+            raise ValueError(f"counters must be a contiguous tensor of at least B * Hkv = {B * H} elements on "
+                             f"{query.device}, got {tuple(counters.shape)} on {counters.device}")
+    return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, counters, scale, config.chunk,
+                                           config.block_n, config.num_warps, config.num_stages)
 
 
 # ------------------------------------------------------------------------------------ reference
