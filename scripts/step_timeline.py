@@ -97,7 +97,7 @@ def summarise(step):
     return dict(fam), total
 
 
-ABLATIONS = ("norm", "rope", "attn", "silu", "glue")
+ABLATIONS = ("norm", "rope", "attn", "attn-tiny", "silu", "glue")
 
 
 def ablate(part: str):
@@ -106,7 +106,7 @@ def ablate(part: str):
 
     saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul")}
     saved_attend = fd.FastDecodeStep._attend
-    parts = set(ABLATIONS[:-1]) if part == "glue" else {part}
+    parts = {"norm", "rope", "attn", "silu"} if part == "glue" else {part}
     if "norm" in parts:
         fd.rms_norm = lambda x, w, eps: x
         fd.add_rms_norm = lambda x, res, w, eps: (x, res)
@@ -114,6 +114,9 @@ def ablate(part: str):
         fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
     if "attn" in parts:
         fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: q
+    if "attn-tiny" in parts:  # the attention replaced by one tiny glue kernel (cost of any launch in its place)
+        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: saved["silu_mul"](
+            q.flatten(1), q.flatten(1)).view(q.shape)
     if "silu" in parts:
         fd.silu_mul = lambda g, u: g
 

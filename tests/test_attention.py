@@ -214,10 +214,9 @@ def test_opcheck():
     n = torch.tensor([40], device=DEV)
     mask = _static_mask(30, 64, 1, torch.float16)
     c = torch.zeros(2, dtype=torch.int32, device=DEV)
-    for args in ((q, k, v, n, mask, None, None, 0.125, 32, 16, 4, 2),
-                 (q, k, v, n, None, n - 1, c, 0.125, 32, 16, 4, 2)):
-        torch.library.opcheck(torch.ops.kbit.decode_attention.default, args,
-                              test_utils=("test_schema", "test_faketensor"))
+    for op, args in ((torch.ops.kbit.decode_attention, (q, k, v, n, mask, None, 0.125, 32, 16, 4, 2)),
+                     (torch.ops.kbit.decode_attention_counted, (q, k, v, n, None, n - 1, c, 0.125, 32, 16, 4, 2))):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -381,7 +380,13 @@ def test_gpu_torch_compile():
     q, k, v = _qkv(1, 8, 4, 128, 544, dtype=torch.bfloat16, seed=12)
     n = torch.tensor([300], device=DEV)
     fn = torch.compile(lambda q, k, v, n: decode_attention(q, k, v, length=n) * 2, fullgraph=True)
-    torch.testing.assert_close(fn(q, k, v, n), decode_attention(q, k, v, length=n) * 2)
+    c = torch.zeros(8, dtype=torch.int32, device=DEV)
+    fc = torch.compile(lambda q, k, v, n: decode_attention(q, k, v, length=n, new_from=n - 1, counters=c) * 2,
+                       fullgraph=True)
+    want = decode_attention(q, k, v, length=n) * 2
+    torch.testing.assert_close(fn(q, k, v, n), want)
+    torch.testing.assert_close(fc(q, k, v, n), want, rtol=1e-2, atol=1e-2)  # another merge order
+    assert c.eq(0).all()
 
 
 @pytest.mark.gpu

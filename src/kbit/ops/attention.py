@@ -173,13 +173,27 @@ def supports(query, key, value, mask=None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ op
-@torch.library.custom_op("kbit::decode_attention", mutates_args=("counters",))
+@torch.library.custom_op("kbit::decode_attention", mutates_args=())
 def _decode_attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     length: torch.Tensor | None, mask: torch.Tensor | None, new_from: torch.Tensor | None,
-    counters: torch.Tensor | None,
     scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
 ) -> torch.Tensor:
+    return _launch(query, key, value, length, mask, new_from, None, scale, chunk, block_n, num_warps, num_stages)
+
+
+# a second op: torch.compile cannot functionalize an optional mutated argument given as None
+@torch.library.custom_op("kbit::decode_attention_counted", mutates_args=("counters",))
+def _decode_attention_counted_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    length: torch.Tensor | None, mask: torch.Tensor | None, new_from: torch.Tensor | None,
+    counters: torch.Tensor,
+    scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
+) -> torch.Tensor:
+    return _launch(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages)
+
+
+def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages):
     B, H, G, D = query.shape
     L = key.shape[2]
     out_dtype = query.dtype
@@ -233,6 +247,11 @@ def _decode_attention_op(
 
 
 @_decode_attention_op.register_fake
+def _(query, key, value, length, mask, new_from, scale, chunk, block_n, num_warps, num_stages):
+    return query.new_empty(query.shape)
+
+
+@_decode_attention_counted_op.register_fake
 def _(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages):
     return query.new_empty(query.shape)
 
@@ -323,8 +342,10 @@ def decode_attention(
         if counters.device != query.device or not counters.is_contiguous() or counters.numel() < B * H:
             raise ValueError(f"counters must be a contiguous tensor of at least B * Hkv = {B * H} elements on "
                              f"{query.device}, got {tuple(counters.shape)} on {counters.device}")
-    return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, counters, scale, config.chunk,
-                                           config.block_n, config.num_warps, config.num_stages)
+    cfg = (scale, config.chunk, config.block_n, config.num_warps, config.num_stages)
+    if counters is None:
+        return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, *cfg)
+    return torch.ops.kbit.decode_attention_counted(query, key, value, length, mask, new_from, counters, *cfg)
 
 
 # ------------------------------------------------------------------------------------ reference
