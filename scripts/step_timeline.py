@@ -140,6 +140,25 @@ def attn_config(spec: str):
     return undo
 
 
+def prefetch_set(spec: str):
+    """Make every new FastDecodeStep prefetch ``gemv,gemv[@MB]``; returns undo."""
+    import kbit.hf.fast_decode as fd
+
+    names, _, mb = spec.partition("@")
+    init = fd.FastDecodeStep.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self.prefetch = tuple(names.split(","))
+        if mb:
+            self.prefetch_cap = int(float(mb) * (1 << 20))
+    fd.FastDecodeStep.__init__ = patched
+
+    def undo():
+        fd.FastDecodeStep.__init__ = init
+    return undo
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama3-8b")
@@ -152,6 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--ablate", default="", help=f"comma list of {ABLATIONS}: graph step without that part")
     p.add_argument("--attn", default="", help="semicolon list of chunk:block_n:num_warps:num_stages attention "
                    "configs: graph step with each instead of pick_config's")
+    p.add_argument("--prefetch", default="", help="semicolon list of 'gemv,gemv[@MB]' L2 prefetch sets "
+                   "(qkv, o, gate_up, down): graph step with FastDecodeStep.prefetch set so")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     import bench_e2e as be
@@ -188,9 +209,10 @@ def main(argv=None) -> int:
             dec.release()
             del dec
             variants = [("ablate", a) for a in filter(None, args.ablate.split(","))] + \
-                [("attn", a) for a in filter(None, args.attn.split(";"))]
+                [("attn", a) for a in filter(None, args.attn.split(";"))] + \
+                [("prefetch", a) for a in filter(None, args.prefetch.split(";"))]
             for kind, part in variants:
-                undo = ablate(part) if kind == "ablate" else attn_config(part)
+                undo = {"ablate": ablate, "attn": attn_config, "prefetch": prefetch_set}[kind](part)
                 try:
                     dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
                     dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
@@ -203,7 +225,7 @@ def main(argv=None) -> int:
                 finally:
                     undo()
                 report[tag].setdefault(kind, {})[part] = us
-                what = f"without {part:<6}" if kind == "ablate" else f"attn {part:<14}"
+                what = f"without {part:<6}" if kind == "ablate" else f"{kind} {part:<14}"
                 lines.append(f"  {what}: graph step {us:8.1f} us  (saves {graph_us - us:7.1f} us)")
             del model
             torch.cuda.empty_cache()
