@@ -15,8 +15,16 @@ import torch
 __all__ = ["prefetch_l2"]
 
 CHUNK = 16384  # bytes a bulk prefetch
-THREADS = 128
+THREADS = 32  # one warp a CTA, a CTA on every SM: the SMs' copy engines work through the prefetches in parallel
 _KERNELS: dict = {}
+_SMS: dict = {}
+
+
+def _sms(device: torch.device) -> int:
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def _enabled(device: torch.device) -> bool:
@@ -53,5 +61,5 @@ def prefetch_l2(*tensors: torch.Tensor | None) -> None:
     total = sum(sizes)
     if total == 0:
         return
-    ctas = max(1, min(132, -(-total // (CHUNK * THREADS))))
+    ctas = max(1, min(_sms(dev), -(-total // CHUNK)))
     kern((ctas,), THREADS, "QQQQqqqqqi", *ptrs, *sizes, total, CHUNK, pdl=True)
