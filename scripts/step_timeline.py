@@ -159,6 +159,28 @@ def prefetch_set(spec: str):
     return undo
 
 
+def gemv_config(spec: str):
+    """M = 1 GEMVs of the listed ``NxK`` shapes on the given configs (``NxK=1,8,2/NxK=3,8,2,2,1``); returns undo."""
+    from kbit.ops import gemv_mma as G
+
+    table = {}
+    for item in spec.split("/"):
+        shape, cfg = item.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        table[(n, k)] = tuple(int(v) for v in cfg.split(","))
+    saved = G.default_config
+
+    def patched(k, M, N, K):
+        return table.get((N, K)) if M == 1 and (N, K) in table else saved(k, M, N, K)
+    G.default_config = patched
+    G._PLANS.clear()
+
+    def undo():
+        G.default_config = saved
+        G._PLANS.clear()
+    return undo
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama3-8b")
@@ -173,6 +195,8 @@ def main(argv=None) -> int:
                    "configs: graph step with each instead of pick_config's")
     p.add_argument("--prefetch", default="", help="semicolon list of 'gemv,gemv[@MB]' L2 prefetch sets "
                    "(qkv, o, gate_up, down): graph step with FastDecodeStep.prefetch set so")
+    p.add_argument("--gemv", default="", help="semicolon list of 'NxK=cfg[/NxK=cfg]' M = 1 GEMV configs (cfg as "
+                   "KBIT_MMA_CFG, comma-separated): graph step with those shapes on that config")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     import bench_e2e as be
@@ -210,9 +234,11 @@ def main(argv=None) -> int:
             del dec
             variants = [("ablate", a) for a in filter(None, args.ablate.split(","))] + \
                 [("attn", a) for a in filter(None, args.attn.split(";"))] + \
-                [("prefetch", a) for a in filter(None, args.prefetch.split(";"))]
+                [("prefetch", a) for a in filter(None, args.prefetch.split(";"))] + \
+                [("gemv", a) for a in filter(None, args.gemv.split(";"))]
             for kind, part in variants:
-                undo = {"ablate": ablate, "attn": attn_config, "prefetch": prefetch_set}[kind](part)
+                undo = {"ablate": ablate, "attn": attn_config, "prefetch": prefetch_set,
+                        "gemv": gemv_config}[kind](part)
                 try:
                     dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
                     dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
