@@ -188,16 +188,13 @@ def build_kbit(config, device, k: int, seed: int = 0, lm_head_k: int | None = No
         if name != "layers":
             _materialise(m, device, gen)
     _fix_rotary(model, device)
-    include = [ATTN, DENSE_MLP] + ([r"self_attn\.qkv_proj", r"mlp\.gate_up_proj"] if fuse_proj else [])
+    # fuse_proj: q/k/v and gate/up quantized jointly (quantize_model's default), which the fast decode step runs
+    # as one GEMV each (kbit.hf.fast_decode.fuse_group): the library's own path, what a user gets
     for layer in layers:
         _materialise(layer, device, gen)
         for name, block in moe_blocks(layer):
             layer.set_submodule(name, KbitMoE.from_hf(block, k=k))
-        if fuse_proj:
-            fuse_projections_layer(layer)
-        quantize_model(layer, k=k, include=include, progress=False)
-        if fuse_proj:
-            _rebind_parts(layer)
+        quantize_model(layer, k=k, include=[ATTN, DENSE_MLP], progress=False, joint=fuse_proj)
         if device != "cpu":
             torch.cuda.empty_cache()
     if lm_head_k is not None:
@@ -230,8 +227,8 @@ class _Part(nn.Module):
 def fuse_projections(model) -> int:
     """Concatenate q/k/v and gate/up Linear weights of every decoder layer into one Linear each (``qkv_proj``,
     ``gate_up_proj``; the old names become slices of it), before quantization, so a decode step runs 4 matrix
-    products a layer instead of 7. Returns how many groups were fused. Benchmark only: quantizing the fused
-    matrix gives it one tensor scale, a (slightly) different model than quantizing each projection."""
+    products a layer instead of 7. Returns how many groups were fused. The bf16 side of ``--fuse-proj``; the kbit
+    side gets the same from ``quantize_model(joint=True)`` and the fast decode step (one tensor scale a group)."""
     return sum(fuse_projections_layer(layer) for layer in model.model.layers)
 
 
@@ -255,20 +252,10 @@ def fuse_projections_layer(layer) -> int:
         for i, (n, m) in enumerate(zip(names, mods, strict=True)):
             setattr(parent, n, _Part(owner, lo, lo + m.out_features, first=i == 0, last=i == len(names) - 1))
             lo += m.out_features
-        parent._kbit_fused_owner = owner  # keeps the owner reachable for quantization (see _rebind_parts)
+        parent._kbit_fused_owner = owner  # keeps the owner reachable (tests check it holds no product)
         del w, mods
         done += 1
     return done
-
-
-def _rebind_parts(model) -> None:
-    """After quantization replaced ``qkv_proj`` / ``gate_up_proj`` by KbitLinear, point the parts at it."""
-    for m in model.modules():
-        owner = m.__dict__.get("_kbit_fused_owner")
-        if owner is not None:
-            owner["linear"] = getattr(m, "qkv_proj", None) or m.gate_up_proj
-            owner.pop("x", None)
-            owner.pop("y", None)
 
 
 def weight_bytes(model) -> int:
@@ -537,7 +524,9 @@ def parse(argv=None):
     p.add_argument("--skip-bf16", action="store_true")
     p.add_argument("--no-kr", action="store_true", help="MoE: time only transformers' grouped_mm bf16 baseline")
     p.add_argument("--fuse", action="store_true", help="compile_glue (torch.compile of norms, rotary, SiLU*up)")
-    p.add_argument("--fuse-proj", action="store_true", help="one Linear for q/k/v and one for gate/up (both sides)")
+    p.add_argument("--fuse-proj", action="store_true",
+                   help="one matrix product for q/k/v and one for gate/up on both sides (bf16: fused Linear; kbit: "
+                   "joint quantization, fused by the fast decode step)")
     p.add_argument("--profile", action="store_true", help="torch profiler on one eager step (first batch)")
     p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")

@@ -156,8 +156,8 @@ def test_bench_fused_projections_same_model(name):
     torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
     owners = [m.__dict__["_kbit_fused_owner"] for m in fused.modules() if "_kbit_fused_owner" in m.__dict__]
     assert owners and all("y" not in o for o in owners)  # no product kept between calls
-    kb = bench.build_kbit(config, "cpu", 4, fuse_proj=True)
-    assert type(kb.model.layers[0].self_attn.qkv_proj).__name__ == "KbitLinear"
+    att = bench.build_kbit(config, "cpu", 4, fuse_proj=True).model.layers[0].self_attn  # joint q/k/v
+    assert torch.equal(att.q_proj.tensor_scale, att.k_proj.tensor_scale)
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -258,12 +258,61 @@ def test_fast_step_matches_dynamic(name, kbit_llama):
     ref_t, ref_l = dynamic_greedy(model, ids, 5)
     dec = StaticDecoder(model, ids.shape[0], ids.shape[1] + 5, fast=True)
     assert dec._fast is not None
+    if name == "kbit_llama":  # joint q/k/v and gate/up: one GEMV each
+        assert all(f is not None for f in dec._fast.qkv + dec._fast.gate_up)
     toks, logits = [dec.prefill(ids).clone()], [dec.logits.clone()]
     for _ in range(4):
         toks.append(dec.step().clone())
         logits.append(dec.logits.clone())
     assert torch.equal(torch.stack(toks, 1), ref_t)
     torch.testing.assert_close(torch.stack(logits), ref_l, atol=2e-3 if name == "qwen3_moe" else 1e-4, rtol=1e-3)
+
+
+def test_quantize_model_joint_groups():
+    """q/k/v and gate/up are quantized as one matrix (shared tensor scale), each keeping its rows; o/down alone;
+    joint=False or differing overrides quantize each on its own."""
+    from kbit.ops.quantize import quantize
+
+    model = llama()
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach().clone()
+    w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone()
+    w_o = att.o_proj.weight.detach().clone()
+    quantize_model(model, k=3, progress=False)
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for parts, w in (([att.q_proj, att.k_proj, att.v_proj], w_qkv), ([mlp.gate_proj, mlp.up_proj], w_gu)):
+        qw = quantize(w, k=3)
+        assert torch.equal(torch.cat([m.codes for m in parts]), qw.codes)
+        assert torch.equal(torch.cat([m.scales for m in parts]), qw.scales)
+        assert all(torch.equal(m.tensor_scale, qw.tensor_scale) for m in parts)
+    assert torch.equal(att.o_proj.tensor_scale, quantize(w_o, k=3).tensor_scale)
+
+    alone = quantize_model(llama(), k=3, progress=False, joint=False).model.layers[0].self_attn
+    assert not torch.equal(alone.q_proj.tensor_scale, alone.k_proj.tensor_scale)
+    mixed = quantize_model(llama(), k=3, progress=False, overrides={r"k_proj": {"k": 4}}).model.layers[0]
+    assert mixed.self_attn.k_proj.k == 4 and not torch.equal(mixed.self_attn.q_proj.tensor_scale,
+                                                             mixed.self_attn.v_proj.tensor_scale)
+    assert torch.equal(mixed.mlp.gate_proj.tensor_scale, mixed.mlp.up_proj.tensor_scale)
+
+
+def test_fuse_group_shares_memory():
+    from kbit.hf.fast_decode import fuse_group
+
+    model = quantize_model(llama(), k=4, progress=False)
+    att = model.model.layers[1].self_attn
+    parts = [att.q_proj, att.k_proj, att.v_proj]
+    x = torch.randn(3, 64)
+    want = [m(x) for m in parts]
+    fused, rows = fuse_group(parts)
+    assert rows == [m.out_features for m in parts]
+    y = fused(x)
+    torch.testing.assert_close(y, torch.cat(want, -1), rtol=1e-5, atol=1e-5)
+    for m, w in zip(parts, want, strict=True):  # the members now view the fused buffers and still work
+        assert m.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr()
+        torch.testing.assert_close(m(x), w, rtol=0, atol=0)
+    assert fuse_group([att.q_proj, att.o_proj]) is None  # o_proj: its own tensor scale
+    alone = quantize_model(llama(), k=4, progress=False, joint=False).model.layers[0].self_attn
+    assert fuse_group([alone.q_proj, alone.k_proj, alone.v_proj]) is None
 
 
 def test_fast_step_unsupported():

@@ -63,6 +63,50 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
+def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
+    """One KbitLinear computing ``mods``' outputs side by side (``None`` unless they can be fused).
+
+    The members must be :class:`~kbit.nn.KbitLinear` of one format, input size, tensor scale and codebook (what
+    ``quantize_model(joint=True)`` gives q/k/v and gate/up), on one device, with row counts that are multiples of 16.
+    Their codes and scales are concatenated (repacked for the small-M kernel first where it runs) and the members
+    are re-pointed at row views of the result, so the model keeps working unchanged and no memory is added.
+    Returns ``(fused, [rows of each member])``."""
+    from kbit.nn import KbitLinear
+    from kbit.ops import gemv_mma
+
+    if len(mods) < 2 or not all(type(m) is KbitLinear for m in mods):
+        return None
+    m0 = mods[0]
+    attrs = ("in_features", "k", "blocksize", "scale_format", "dtype", "codebook_name")
+    for m in mods:
+        if any(getattr(m, a) != getattr(m0, a) for a in attrs) or (m.bias is None) != (m0.bias is None) or \
+                m.out_features % 16 or m.codes.device != m0.codes.device:
+            return None
+        if not (torch.equal(m.tensor_scale, m0.tensor_scale) and torch.equal(m.codebook, m0.codebook)):
+            return None
+    if gemv_mma.available(m0.codes.device):
+        for m in mods:
+            m.repack_for_kernels()
+    if len({m.layout for m in mods}) != 1:
+        return None
+    rows = [m.out_features for m in mods]
+    codes = torch.cat([m.codes for m in mods])
+    scales = torch.cat([m.scales for m in mods])
+    fused = KbitLinear(m0.in_features, sum(rows), m0.bias is not None, k=m0.k, blocksize=m0.blocksize,
+                       scale_format=m0.scale_format, dtype=m0.dtype, device="meta", codebook_name=m0.codebook_name)
+    fused.codes, fused.scales, fused.tensor_scale, fused.codebook = codes, scales, m0.tensor_scale, m0.codebook
+    if m0.bias is not None:
+        fused.bias = torch.cat([m.bias for m in mods])
+    fused.layout = m0.layout
+    fused.auto_repack = False  # the members view its buffers: a repack would copy them
+    per = 16 if m0.layout == gemv_mma.LAYOUT else 1  # layout "mma-v1" is tile-major (16 rows a tile)
+    lo = 0
+    for m, n in zip(mods, rows, strict=True):
+        m.codes, m.scales = codes[lo // per:(lo + n) // per], scales[lo // per:(lo + n) // per]
+        lo += n
+    return fused, rows
+
+
 def _dense_mlp(mlp) -> bool:
     act = getattr(mlp, "act_fn", None)
     return all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj")) and \
@@ -94,6 +138,11 @@ class FastDecodeStep:
         self.D = att.head_dim
         self.qk_norm = hasattr(att, "q_norm")
         self.dense = [_dense_mlp(layer.mlp) for layer in self.layers]
+        # q/k/v and gate/up quantized together (quantize_model(joint=True)): one GEMV each
+        self.qkv = [fuse_group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in self.layers]
+        self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
+                        for layer, dense in zip(self.layers, self.dense, strict=True)]
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
         self.prefetch: tuple[str, ...] = ()  # GEMVs ("qkv", "o", "gate_up", "down") whose weights go to L2 early
         self.prefetch_cap = 16 << 20  # bytes of each prefetched weight (its first rows)
@@ -130,7 +179,12 @@ class FastDecodeStep:
             out = mlp(y.unsqueeze(1))
             out = out[0] if isinstance(out, tuple) else out
             return out.reshape(y.shape[0], -1)
-        g, u = mlp.gate_proj(y), mlp.up_proj(y)
+        if self.gate_up[i] is not None:
+            fused, (ng, _) = self.gate_up[i]
+            gu = fused(y)
+            g, u = gu[:, :ng], gu[:, ng:]
+        else:
+            g, u = mlp.gate_proj(y), mlp.up_proj(y)
         self._pf("down", mlp.down_proj)
         return mlp.down_proj(silu_mul(g, u))
 
@@ -149,7 +203,12 @@ class FastDecodeStep:
                 y, res = rms_norm(x, n.weight, n.variance_epsilon), x
             else:
                 y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
-            q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
+            if self.qkv[i] is not None:
+                fused, (nq, nk, _) = self.qkv[i]
+                qkv = fused(y)
+                q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
+            else:
+                q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
             self._pf("o", att.o_proj)
             if self.qk_norm:

@@ -99,11 +99,15 @@ class DecodeAttentionConfig:
 def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
     """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
     ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
-    chunk would be that short). Not yet swept on the H100 (scripts/attn_lab.py times alternatives)."""
+    chunk would be that short). Swept in the decode step only at Llama-3-8B batch 1 (scripts/step_timeline.py
+    --attn)."""
     splits = max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads))
     chunk = -(-length // splits)
     block_n = 32 if head_dim > 128 or chunk <= 32 else 64
     chunk = max(block_n, -(-chunk // block_n) * block_n)
+    if chunk == block_n == 32:  # one block a program: 2 warps, no pipeline (Llama-3-8B batch 1, 576 keys, in the
+        # decode step: 2545 vs 2636 us with 4 warps / 2 stages, benchmarks/results/h100/step-timeline-s8-attn.txt)
+        return DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=1)
     return DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
 
