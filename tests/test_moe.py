@@ -291,6 +291,27 @@ def test_layer_sigmoid_router_shared_expert_and_3d_input():
     assert relative_error(out.reshape(-1, H), ref) < 1e-5
 
 
+def test_cpu_tensors_without_the_interpreter(monkeypatch):
+    """A KbitMoE on the CPU of a machine that runs Triton only on its GPU: the reference forward, no kernel."""
+    E, H, I, top_k = 8, 32, 32, 3
+    gu, dn = _stacks(E, H, I, seed=4)
+    shared = torch.nn.Linear(H, H, bias=False)
+    m = KbitMoE.from_float(gu, dn, top_k=top_k, k=4, shared_expert=shared, dtype=torch.float32)
+    x = torch.randn(2, 5, H)
+    logits = torch.randn(10, E)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import kbit.nn.moe as nn_moe
+
+    monkeypatch.setattr(nn_moe, "moe_experts", None)  # the kernel path would fail here
+    with torch.no_grad():
+        out = m(x, logits)
+        w, ids = select_experts_reference(logits, top_k)
+        ref = moe_reference(x.reshape(-1, H), w, ids, dequantize_reference(m.gate_up_weight()),
+                            dequantize_reference(m.down_weight())) + shared(x.reshape(-1, H)).double()
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert relative_error(out.reshape(-1, H), ref) < 1e-6
+
+
 def test_state_dict_round_trip_and_errors():
     E, H, I = 4, 32, 32
     gu, dn = _stacks(E, H, I)

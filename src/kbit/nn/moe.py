@@ -22,6 +22,8 @@ a pinned ``"gemv"`` unrepacks the whole stack into a temporary each call; ``stat
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -321,6 +323,8 @@ class KbitMoE(nn.Module):
         if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
                              f"got {tuple(router_logits.shape)}")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":  # no Triton here: the reference
+            return self._reference_forward(x, router_logits).reshape(hidden.shape)
         pinned = plan
         plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
         if self._maybe_repack(plan, x):
@@ -333,6 +337,26 @@ class KbitMoE(nn.Module):
                 s = torch.sigmoid(self.shared_expert_gate(x)) * s
             out = out + s
         return out.reshape(hidden.shape)
+
+    def _reference_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The forward on tensors Triton cannot run (CPU without the interpreter): the float64 reference on the
+        dequantized stacks (routing by :func:`select_experts_reference`), in x's dtype."""
+        from kbit.format.reference import dequantize_reference
+        from kbit.ops.moe import moe_reference
+        from kbit.ops.moe_router import select_experts_reference
+
+        w, ids = select_experts_reference(router_logits, self.top_k, router=self.router,
+                                          renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
+                                          n_group=self.n_group, topk_group=self.topk_group,
+                                          scaling=self.routed_scaling_factor)
+        out = moe_reference(x, w, ids, dequantize_reference(self.gate_up_weight()),
+                            dequantize_reference(self.down_weight())).to(x.dtype)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            out = out + s
+        return out
 
     # -- state dict ---------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
