@@ -206,6 +206,14 @@ def main():
              e2e_table(RES / "e2e-s7b-2026-11-22.json"), e2e_table(RES / "e2e-s7-qwen3-2026-11-22.json"),
              "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
              e2e_table(RES / "e2e-s7b-lmhead4-2026-11-22.json", "kbit+head4"),
+             "### End-to-end decode, session 8: one attention launch a layer, q/k/v and gate/up quantized jointly",
+             "The decode attention loads the keys of earlier steps before its PDL wait and its last split program "
+             "merges the partials (one launch a layer); `quantize_model` quantizes q/k/v and gate/up jointly "
+             "(`joint=True`, the default) and the fast step runs each group as one GEMV (the kbit side of "
+             "`--fuse-proj` is now this library path, not a benchmark-only fusion):",
+             e2e_table(RES / "e2e-s8-2026-11-22.json"), e2e_table(RES / "e2e-s8-qwen3-2026-11-22.json"),
+             "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
+             e2e_table(RES / "e2e-s8-lmhead4-2026-11-22.json", "kbit+head4"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
