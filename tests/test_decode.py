@@ -2,6 +2,7 @@
 and the CUDA-graph step against the eager one (GPU); benchmarks/bench_e2e.py on tiny configs (CPU)."""
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,13 @@ def test_fuse_group_shares_memory():
         assert m.codes.untyped_storage().data_ptr() == fused.codes.untyped_storage().data_ptr()
         torch.testing.assert_close(m(x), w, rtol=0, atol=0)
     assert fuse_group([att.q_proj, att.o_proj]) is None  # o_proj: its own tensor scale
+    from kbit.hf import load_quantized, save_quantized
+
+    with tempfile.TemporaryDirectory() as d:  # members holding views save and load as before
+        save_quantized(model, d)
+        back = load_quantized(d).model.layers[1].self_attn
+        for name, w in zip(("q_proj", "k_proj", "v_proj"), want, strict=True):
+            torch.testing.assert_close(getattr(back, name)(x), w, rtol=0, atol=0)
     alone = quantize_model(llama(), k=4, progress=False, joint=False).model.layers[0].self_attn
     assert fuse_group([alone.q_proj, alone.k_proj, alone.v_proj]) is None
 
