@@ -140,25 +140,6 @@ def attn_config(spec: str):
     return undo
 
 
-def prefetch_set(spec: str):
-    """Make every new FastDecodeStep prefetch ``gemv,gemv[@MB]``; returns undo."""
-    import kbit.hf.fast_decode as fd
-
-    names, _, mb = spec.partition("@")
-    init = fd.FastDecodeStep.__init__
-
-    def patched(self, *a, **kw):
-        init(self, *a, **kw)
-        self.prefetch = tuple(names.split(","))
-        if mb:
-            self.prefetch_cap = int(float(mb) * (1 << 20))
-    fd.FastDecodeStep.__init__ = patched
-
-    def undo():
-        fd.FastDecodeStep.__init__ = init
-    return undo
-
-
 def gemv_config(spec: str):
     """M = 1 GEMVs of the listed ``NxK`` shapes on the given configs (``NxK=1,8,2/NxK=3,8,2,2,1``); returns undo."""
     from kbit.ops import gemv_mma as G
@@ -193,8 +174,6 @@ def main(argv=None) -> int:
     p.add_argument("--ablate", default="", help=f"comma list of {ABLATIONS}: graph step without that part")
     p.add_argument("--attn", default="", help="semicolon list of chunk:block_n:num_warps:num_stages attention "
                    "configs: graph step with each instead of pick_config's")
-    p.add_argument("--prefetch", default="", help="semicolon list of 'gemv,gemv[@MB]' L2 prefetch sets "
-                   "(qkv, o, gate_up, down): graph step with FastDecodeStep.prefetch set so")
     p.add_argument("--gemv", default="", help="semicolon list of 'NxK=cfg[/NxK=cfg]' M = 1 GEMV configs (cfg as "
                    "KBIT_MMA_CFG, comma-separated): graph step with those shapes on that config")
     p.add_argument("--out", default=os.environ.get("OUT"))
@@ -234,11 +213,9 @@ def main(argv=None) -> int:
             del dec
             variants = [("ablate", a) for a in filter(None, args.ablate.split(","))] + \
                 [("attn", a) for a in filter(None, args.attn.split(";"))] + \
-                [("prefetch", a) for a in filter(None, args.prefetch.split(";"))] + \
                 [("gemv", a) for a in filter(None, args.gemv.split(";"))]
             for kind, part in variants:
-                undo = {"ablate": ablate, "attn": attn_config, "prefetch": prefetch_set,
-                        "gemv": gemv_config}[kind](part)
+                undo = {"ablate": ablate, "attn": attn_config, "gemv": gemv_config}[kind](part)
                 try:
                     dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
                     dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",

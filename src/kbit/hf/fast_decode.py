@@ -21,7 +21,6 @@ from torch import nn
 
 from kbit.ops import attention as A
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
-from kbit.ops.prefetch import prefetch_l2
 
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
 
@@ -144,24 +143,6 @@ class FastDecodeStep:
         self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
                         for layer, dense in zip(self.layers, self.dense, strict=True)]
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
-        self.prefetch: tuple[str, ...] = ()  # GEMVs ("qkv", "o", "gate_up", "down") whose weights go to L2 early
-        self.prefetch_cap = 16 << 20  # bytes of each prefetched weight (its first rows)
-
-    def _pf(self, name: str, *mods) -> None:
-        if name not in self.prefetch:
-            return
-        for mod in mods:
-            owner = getattr(mod, "owner", None)  # a part of a fused projection (benchmark): its fused Linear
-            mod = owner["linear"] if isinstance(owner, dict) else mod
-            codes, scales = getattr(mod, "codes", None), getattr(mod, "scales", None)
-            if not isinstance(codes, torch.Tensor) or not codes.is_cuda or not codes.is_contiguous():
-                continue
-            frac = min(1.0, self.prefetch_cap / (codes.numel() * codes.element_size()))
-            c = codes.view(-1)[: int(codes.numel() * frac)]
-            sc = scales.reshape(-1)[: int(scales.numel() * frac)] if scales.is_contiguous() else None
-            prefetch_l2(c, sc)
-            if isinstance(owner, dict):
-                return  # q, k, v parts share one fused weight
 
     def _attend(self, q, kc, vc, length, scale, pos):
         B, Hkv = kc.shape[:2]
@@ -185,7 +166,6 @@ class FastDecodeStep:
             g, u = gu[:, :ng], gu[:, ng:]
         else:
             g, u = mlp.gate_proj(y), mlp.up_proj(y)
-        self._pf("down", mlp.down_proj)
         return mlp.down_proj(silu_mul(g, u))
 
     @torch.no_grad()
@@ -198,7 +178,6 @@ class FastDecodeStep:
         for i, layer in enumerate(self.layers):
             n = layer.input_layernorm
             att = layer.self_attn
-            self._pf("qkv", att.q_proj, att.k_proj, att.v_proj)
             if res is None:
                 y, res = rms_norm(x, n.weight, n.variance_epsilon), x
             else:
@@ -210,7 +189,6 @@ class FastDecodeStep:
             else:
                 q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
-            self._pf("o", att.o_proj)
             if self.qk_norm:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
                                  att.q_norm.variance_epsilon)
@@ -219,8 +197,6 @@ class FastDecodeStep:
             o = self._attend(qr, kc, vc, length, att.scaling, pos)
             x = att.o_proj(o.reshape(B, -1))
             n = layer.post_attention_layernorm
-            if self.dense[i]:
-                self._pf("gate_up", layer.mlp.gate_proj, layer.mlp.up_proj)
             y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
             x = self._mlp(i, y)
         n = inner.norm
