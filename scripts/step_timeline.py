@@ -162,6 +162,17 @@ def gemv_config(spec: str):
     return undo
 
 
+def captured(model, args, gen):
+    """A StaticDecoder of ``model`` prefilled with a random prompt (from ``gen``), its step captured and run once."""
+    from kbit.hf.decode import StaticDecoder
+
+    dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
+    dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda", generator=gen))
+    dec.capture()
+    dec.step()
+    return dec
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama3-8b")
@@ -180,7 +191,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import bench_e2e as be
 
-    from kbit.hf.decode import StaticDecoder, compile_glue
+    from kbit.hf.decode import compile_glue
 
     cfgs = be.configs()
     report, lines = {}, []
@@ -191,12 +202,8 @@ def main(argv=None) -> int:
                      be.build_kbit(cfgs[name], "cuda", k, lm_head_k=args.lm_head_k, fuse_proj=args.fuse_proj))
             if args.fuse:
                 compile_glue(model)
-            dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
             gen = torch.Generator(device="cuda").manual_seed(0)
-            dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
-                                      generator=gen))
-            dec.capture()
-            dec.step()
+            dec = captured(model, args, gen)
             graph_us = graph_step_us(dec)
             ker = kernels_of_step(dec)
             fams, _ = summarise(ker)
@@ -217,11 +224,7 @@ def main(argv=None) -> int:
             for kind, part in variants:
                 undo = {"ablate": ablate, "attn": attn_config, "gemv": gemv_config}[kind](part)
                 try:
-                    dec = StaticDecoder(model, args.batch, args.ctx + 64, graph=True)
-                    dec.prefill(torch.randint(0, model.config.vocab_size, (args.batch, args.ctx), device="cuda",
-                                              generator=gen))
-                    dec.capture()
-                    dec.step()
+                    dec = captured(model, args, gen)
                     us = graph_step_us(dec)
                     dec.release()
                     del dec
