@@ -59,6 +59,16 @@ def _attend_kv(q, k, v, valid, bias, m_i, l_i, acc, qk_scale):
 
 
 @triton.jit
+def _row_value(T, b, PER_ROW: tl.constexpr):
+    """``T[b]`` (one value per batch row) or ``T[0]`` (one for all), as int32."""
+    if PER_ROW:
+        v = tl.load(T + b)
+    else:
+        v = tl.load(T)
+    return v.to(tl.int32)
+
+
+@triton.jit
 def _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og,
                    D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, SB: tl.constexpr):
     """Merge KV head ``bh``'s S partials into its G output rows at ``o_base`` (row stride ``stride_og``)."""
@@ -116,12 +126,8 @@ def split_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, L)
     if PREFETCH:  # the length and the keys before NewFrom are settled: first block before the wait
-        if LENGTH_PER_ROW:
-            end = tl.minimum(end, tl.load(Length + b).to(tl.int32))
-            new0 = tl.load(NewFrom + b).to(tl.int32)
-        else:
-            end = tl.minimum(end, tl.load(Length).to(tl.int32))
-            new0 = tl.load(NewFrom).to(tl.int32)
+        end = tl.minimum(end, _row_value(Length, b, LENGTH_PER_ROW))
+        new0 = _row_value(NewFrom, b, LENGTH_PER_ROW)
         n = start + offs_n
         valid0 = n < end
         old = valid0 & (n < new0)
@@ -129,11 +135,7 @@ def split_kernel(
         v0 = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=old[:, None], other=0.0)
     _pdl_enter(PDL)
     if HAS_LENGTH and not PREFETCH:
-        if LENGTH_PER_ROW:
-            n_valid = tl.load(Length + b).to(tl.int32)
-        else:
-            n_valid = tl.load(Length).to(tl.int32)
-        end = tl.minimum(end, n_valid)
+        end = tl.minimum(end, _row_value(Length, b, LENGTH_PER_ROW))
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
