@@ -6,6 +6,7 @@ inside graph replays here) and prints, per kernel family, the count and the summ
 
     python scripts/step_timeline.py --models llama3-8b --k bf16,4,2 --fuse --fuse-proj [--out DIR]
 
+``--env "KBIT_FUSE_PROLOGUE=0;..."``: also time the graph step captured with those environment variables.
 ``--ablate norm,rope,attn,silu,glue``: also time the graph step with that part of the fast step replaced by no
 kernel at all (wrong logits, timing only): the step's saving is what the part costs on the critical path.
 """
@@ -104,12 +105,14 @@ def ablate(part: str):
     """Patch :mod:`kbit.hf.fast_decode` so that ``part`` launches nothing; returns an undo function."""
     import kbit.hf.fast_decode as fd
 
-    saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul")}
+    saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul",
+                                         "add_rms_norm_linear", "silu_mul_linear")}
     saved_attend = fd.FastDecodeStep._attend
     parts = {"norm", "rope", "attn", "silu"} if part == "glue" else {part}
     if "norm" in parts:
         fd.rms_norm = lambda x, w, eps: x
         fd.add_rms_norm = lambda x, res, w, eps: (x, res)
+        fd.add_rms_norm_linear = lambda x, res, w, eps, lin: (lin(x), res)
     if "rope" in parts:
         fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
     if "attn" in parts:
@@ -119,6 +122,7 @@ def ablate(part: str):
             q.flatten(1), q.flatten(1)).view(q.shape)
     if "silu" in parts:
         fd.silu_mul = lambda g, u: g
+        fd.silu_mul_linear = lambda gu, lin: lin(gu[:, :lin.in_features])
 
     def undo():
         for n, f in saved.items():
@@ -162,6 +166,22 @@ def gemv_config(spec: str):
     return undo
 
 
+def env_setting(spec: str):
+    """Set the environment variables of ``NAME=value[,NAME=value]`` for the capture; returns undo."""
+    pairs = [item.split("=", 1) for item in spec.split(",")]
+    saved = {n: os.environ.get(n) for n, _ in pairs}
+    for n, v in pairs:
+        os.environ[n] = v
+
+    def undo():
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+    return undo
+
+
 def captured(model, args, gen):
     """A StaticDecoder of ``model`` prefilled with a random prompt (from ``gen``), its step captured and run once."""
     from kbit.hf.decode import StaticDecoder
@@ -187,6 +207,8 @@ def main(argv=None) -> int:
                    "configs: graph step with each instead of pick_config's")
     p.add_argument("--gemv", default="", help="semicolon list of 'NxK=cfg[/NxK=cfg]' M = 1 GEMV configs (cfg as "
                    "KBIT_MMA_CFG, comma-separated): graph step with those shapes on that config")
+    p.add_argument("--env", default="", help="semicolon list of 'NAME=value[,NAME=value]': graph step captured "
+                   "with those environment variables (e.g. KBIT_FUSE_PROLOGUE=0)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     args = p.parse_args(argv)
     import bench_e2e as be
@@ -220,9 +242,10 @@ def main(argv=None) -> int:
             del dec
             variants = [("ablate", a) for a in filter(None, args.ablate.split(","))] + \
                 [("attn", a) for a in filter(None, args.attn.split(";"))] + \
-                [("gemv", a) for a in filter(None, args.gemv.split(";"))]
+                [("gemv", a) for a in filter(None, args.gemv.split(";"))] + \
+                [("env", a) for a in filter(None, args.env.split(";"))]
             for kind, part in variants:
-                undo = {"ablate": ablate, "attn": attn_config, "gemv": gemv_config}[kind](part)
+                undo = {"ablate": ablate, "attn": attn_config, "gemv": gemv_config, "env": env_setting}[kind](part)
                 try:
                     dec = captured(model, args, gen)
                     us = graph_step_us(dec)

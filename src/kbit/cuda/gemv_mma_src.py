@@ -85,6 +85,9 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #ifndef XS
 #define XS 0
 #endif
+#ifndef PRO
+#define PRO 0
+#endif
 __device__ __forceinline__ V4 ld_x(const void* p) {
   V4 r;
 #if XS /* x staged in shared memory (kernel 3): p is a generic pointer into it */
@@ -534,12 +537,100 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
 }
+#if PRO
+/* x prologues (kernel 3 with x in shared memory), in the arithmetic of transformers' eager code (every value it
+   holds in the activation dtype rounded to it here too):
+   PRO 1: RMSNorm  x' = w * (x * rsqrt(mean(x^2) + eps)), the mean over the first kin columns;
+   PRO 2: residual add + RMSNorm: r = x + res (CTA 0 writes r to res_out), x' = RMSNorm(r);
+   PRO 3: SiLU * up: x' = silu(x[:, c]) * x[:, x_off + c] (gate and up halves of one row).
+   Columns from kin on are zero. */
+__device__ __forceinline__ u32 hh(u32 w, int i) { return (w >> (16 * i)) & 0xFFFFu; }
+__device__ __forceinline__ float vh(const V4& v, int e) {
+  const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
+  return h2f(hh(w, e & 1));
+}
+__device__ __forceinline__ V4 pack8(const float (&f)[8]) {
+  V4 r;
+  r.x = (u32)f2h(f[0]) | ((u32)f2h(f[1]) << 16);
+  r.y = (u32)f2h(f[2]) | ((u32)f2h(f[3]) << 16);
+  r.z = (u32)f2h(f[4]) | ((u32)f2h(f[5]) << 16);
+  r.w = (u32)f2h(f[6]) | ((u32)f2h(f[7]) << 16);
+  return r;
+}
+__device__ __forceinline__ float rnd(float f) { return h2f(f2h(f)); }
+__shared__ float s_pro[32];
+__device__ __forceinline__ void stage_x_prologue(V4* sx, const u16* __restrict__ x, int x_stride, int M, int xv,
+                                                 const u16* __restrict__ res, u16* __restrict__ res_out,
+                                                 const u16* __restrict__ nw, float eps, int kin, int x_off,
+                                                 int r_stride, u32 tid, u32 lane, u32 warp, u32 W) {
+  const int nv = kin >> 3;  /* 8-column vectors that hold data (kin % 8 == 0) */
+#if PRO == 3
+  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
+    const int tok = i / xv, c = i - tok * xv;
+    V4 o = {0u, 0u, 0u, 0u};
+    if (c < nv) {
+      const u16* xp = x + (long long)tok * x_stride + 8 * c;
+      const V4 gv = *(const V4*)xp, uv = *(const V4*)(xp + x_off);
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float gf = vh(gv, e);
+        f[e] = rnd(gf / (1.0f + __expf(-gf))) * vh(uv, e);
+      }
+      o = pack8(f);
+    }
+    sx[i] = o;
+  }
+#else
+  for (int tok = 0; tok < M; ++tok) {
+    float ss = 0.0f;
+    for (int c = (int)tid; c < xv; c += (int)blockDim.x) {
+      V4 v = {0u, 0u, 0u, 0u};
+      if (c < nv) {
+        v = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+#if PRO == 2
+        const V4 r = *(const V4*)(res + (long long)tok * r_stride + 8 * c);
+        float f[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = vh(v, e) + vh(r, e);
+        v = pack8(f);
+        if (blockIdx.x == 0) *(V4*)(res_out + (long long)tok * r_stride + 8 * c) = v;
+#endif
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) { const float f = vh(v, e); ss += f * f; }
+      sx[tok * xv + c] = v;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) s_pro[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    for (u32 w = 0; w < W; ++w) tot += s_pro[w];
+    const float rs = rsqrtf(tot / (float)kin + eps);
+    __syncthreads();  /* s_pro is reused by the next token */
+    for (int c = (int)tid; c < nv; c += (int)blockDim.x) {  /* the vectors this thread wrote above */
+      const V4 v = sx[tok * xv + c], wv = *(const V4*)(nw + 8 * c);
+      float f[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = vh(wv, e) * rnd(vh(v, e) * rs);
+      sx[tok * xv + c] = pack8(f);
+    }
+  }
+#endif
+}
+#endif
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride) {
+    int bias_kind, int ws_stride
+#if PRO
+    , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
+    int kin, int x_off, int r_stride
+#endif
+    ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
   const long long T = (long long)n_tiles * n_seg, TW = (long long)gridDim.x * W;
@@ -565,10 +656,15 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #if XS /* x rows [M][n_seg * 256] after the table */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
   const int xv = n_seg * (SEG / 8);
+#if PRO
+  stage_x_prologue((V4*)sx, x, x_stride, M, xv, p_res, p_res_out, p_nw, eps, kin, x_off, r_stride, tid, lane,
+                   warp, W);
+#else
   for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
     ((V4*)sx)[i] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
+#endif
 #endif
   __syncthreads();
   if (j0 >= j1) return;

@@ -21,6 +21,7 @@ from torch import nn
 
 from kbit.ops import attention as A
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
+from kbit.ops.prologue import add_rms_norm_linear, silu_mul_linear
 
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
 
@@ -142,6 +143,14 @@ class FastDecodeStep:
                     for layer in self.layers]
         self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
                         for layer, dense in zip(self.layers, self.dense, strict=True)]
+        # the down projections run SiLU * up in their x prologue (kbit.ops.prologue): layout "mma-v1" there
+        from kbit.ops import gemv_mma
+
+        if gemv_mma.available(dev):
+            for layer, gu in zip(self.layers, self.gate_up, strict=True):
+                down = getattr(layer.mlp, "down_proj", None)
+                if gu is not None and callable(getattr(down, "repack_for_kernels", None)):
+                    down.repack_for_kernels()
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
     def _attend(self, q, kc, vc, length, scale, pos):
@@ -154,19 +163,23 @@ class FastDecodeStep:
             return A.decode_attention(qg, kc, vc, length=length, scale=scale, new_from=pos, counters=self.counters)
         return A.decode_attention_reference(qg, kc, vc, length=length, scale=scale, out_dtype=q.dtype)
 
-    def _mlp(self, i, y):
-        mlp = self.layers[i].mlp
+    def _mlp(self, i, x, res):
+        """The residual add + post-attention RMSNorm and the MLP: returns ``(mlp output, new residual)``. A fused
+        gate/up GEMV computes the add + norm in its x prologue, the down GEMV SiLU * up (kbit.ops.prologue)."""
+        layer = self.layers[i]
+        mlp, n = layer.mlp, layer.post_attention_layernorm
+        if self.dense[i] and self.gate_up[i] is not None:
+            fused, (ng, _) = self.gate_up[i]
+            gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
+            if ng == getattr(mlp.down_proj, "in_features", None):
+                return silu_mul_linear(gu, mlp.down_proj), res
+            return mlp.down_proj(silu_mul(gu[:, :ng], gu[:, ng:])), res
+        y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
         if not self.dense[i]:
             out = mlp(y.unsqueeze(1))
             out = out[0] if isinstance(out, tuple) else out
-            return out.reshape(y.shape[0], -1)
-        if self.gate_up[i] is not None:
-            fused, (ng, _) = self.gate_up[i]
-            gu = fused(y)
-            g, u = gu[:, :ng], gu[:, ng:]
-        else:
-            g, u = mlp.gate_proj(y), mlp.up_proj(y)
-        return mlp.down_proj(silu_mul(g, u))
+            return out.reshape(y.shape[0], -1), res
+        return mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y))), res
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -178,15 +191,19 @@ class FastDecodeStep:
         for i, layer in enumerate(self.layers):
             n = layer.input_layernorm
             att = layer.self_attn
-            if res is None:
-                y, res = rms_norm(x, n.weight, n.variance_epsilon), x
-            else:
-                y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
-            if self.qkv[i] is not None:
+            if self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
                 fused, (nq, nk, _) = self.qkv[i]
-                qkv = fused(y)
+                if res is None:
+                    res = x
+                    qkv = fused(rms_norm(x, n.weight, n.variance_epsilon))
+                else:
+                    qkv, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
                 q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
             else:
+                if res is None:
+                    y, res = rms_norm(x, n.weight, n.variance_epsilon), x
+                else:
+                    y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
                 q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
             if self.qk_norm:
@@ -196,9 +213,7 @@ class FastDecodeStep:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
             o = self._attend(qr, kc, vc, length, att.scaling, pos)
             x = att.o_proj(o.reshape(B, -1))
-            n = layer.post_attention_layernorm
-            y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
-            x = self._mlp(i, y)
+            x, res = self._mlp(i, x, res)
         n = inner.norm
         y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon)
         return self.model.lm_head(y).float()

@@ -475,8 +475,9 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan(k, M, N, K, scale_format="log8", config=None, device=None):
-    """The launch plan: dict of defines, block, grid, dynamic shared bytes, splits, segments a split."""
+def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0):
+    """The launch plan: dict of defines, block, grid, dynamic shared bytes, splits, segments a split. ``pro``: an x
+    prologue (:data:`PRO_NORM`, :data:`PRO_ADD_NORM`, :data:`PRO_SILU`; kernel 3 with x in shared memory only)."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
@@ -491,6 +492,10 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         xs = int(len(cfg) > 4 and cfg[4] and _table_smem(k) + M * S * SEG * 2 <= XS_MAX)
         defines = dict(KERNEL=3, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X, PD=pd, XS=xs)
         shared = _table_smem(k) + xs * M * S * SEG * 2
+        if pro:
+            if not xs:
+                raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
+            defines["PRO"] = pro
     elif kernel == 1:
         W = max(1, min(W, S))
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
@@ -529,12 +534,16 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
         defines = dict(KERNEL=4, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=rt)
         shared = D * stage + _table_smem(k)
     else:
+        if pro:
+            raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
         if ng > 2:
             W = min(W, 8)
         stage = _stage_bytes(k, scale_format)
         D = max(2, min(X, (SMEM_MAX - 1024 - _table_smem(k)) // (W * stage)))
         defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
         shared = W * D * stage + _table_smem(k)
+    if pro and kernel != 3:
+        raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
     if kernel in (1, 3):
         pf = L2PF.get(kernel, 0) if N * K < BIG else 0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
@@ -581,16 +590,19 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None):
 _PLANS: dict = {}
 
 
-def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None):
+def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None,
+            pro=None):
+    """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps, x_off)`` of an x prologue."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
     dev = x2.device
     bf16 = x2.dtype == torch.bfloat16
-    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev)
+    kind = pro[0] if pro else 0
+    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind)
     p = _PLANS.get(key)
     if p is None:
-        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev)
+        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev, pro=kind)
         p["kern"] = compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": int(bf16)}, dev)
         if len(_PLANS) > 4096:
             _PLANS.clear()
@@ -606,11 +618,18 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
         x_stride = x2.stride(0)
     ws, cnt = _workspace(dev, M, Nt * 16, p["n_cnt"]) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
-    p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii",
+    fmt, extra = "", ()
+    if kind:
+        _, res, res_out, nw, eps, x_off = pro
+        fmt, extra = "QQQfiii", (res.data_ptr() if res is not None else 0,
+                                 res_out.data_ptr() if res_out is not None else 0,
+                                 nw.data_ptr() if nw is not None else 0, float(eps), K, x_off,
+                                 res.stride(0) if res is not None else 0)
+    p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii" + fmt,
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
               _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
               ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y.stride(0), S, Nt, splits, p["sps"], bias_kind,
-              Nt * 16, shared=p["shared"], pdl=True)
+              Nt * 16, *extra, shared=p["shared"], pdl=True)
 
 
 _XT_KERNELS: dict = {}
