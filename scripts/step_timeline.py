@@ -106,13 +106,15 @@ def ablate(part: str):
     import kbit.hf.fast_decode as fd
 
     saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul",
-                                         "add_rms_norm_linear", "silu_mul_linear")}
+                                         "add_rms_norm_linear")}
     saved_attend = fd.FastDecodeStep._attend
     parts = {"norm", "rope", "attn", "silu"} if part == "glue" else {part}
     if "norm" in parts:
         fd.rms_norm = lambda x, w, eps: x
         fd.add_rms_norm = lambda x, res, w, eps: (x, res)
-        fd.add_rms_norm_linear = lambda x, res, w, eps, lin: (lin(x), res)
+        # the fused prologue path: the projection alone (with silu_mul, its first half: SiLU * up goes too)
+        fd.add_rms_norm_linear = lambda x, res, w, eps, lin, silu_mul=False: (
+            lin(x)[:, :lin.out_features // 2] if silu_mul else lin(x), res)
     if "rope" in parts:
         fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
     if "attn" in parts:
@@ -122,7 +124,6 @@ def ablate(part: str):
             q.flatten(1), q.flatten(1)).view(q.shape)
     if "silu" in parts:
         fd.silu_mul = lambda g, u: g
-        fd.silu_mul_linear = lambda gu, lin: lin(gu[:, :lin.in_features])
 
     def undo():
         for n, f in saved.items():

@@ -27,65 +27,58 @@ def _w64(q):
 
 
 def _spy(monkeypatch):
-    """Record the prologue kind of every small-M launch."""
-    kinds = []
+    """Record (prologue kind, epilogue) of every small-M launch."""
+    calls = []
     real = gemv_mma._launch
 
-    def spy(*a, pro=None, **kw):
-        kinds.append(pro[0] if pro else 0)
-        return real(*a, pro=pro, **kw)
+    def spy(*a, pro=None, epi=0, **kw):
+        calls.append((pro[0] if pro else 0, epi))
+        return real(*a, pro=pro, epi=epi, **kw)
 
     monkeypatch.setattr(gemv_mma, "_launch", spy)
-    return kinds
+    return calls
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (3, 1000, 2888), (8, 6144, 1024), (1, 272, 8)])
-def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, M, N, K):
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("M,N,K", [(1, 6144, 4096), (3, 1024, 2888), (8, 28672, 1024), (1, 288, 8)])
+def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     dev = "cuda"
     q = _lin(N, K, k, dtype, dev, seed=N + K + k, bias=(M == 3)).repack_for_kernels()
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(M, K, generator=g).to(dtype).to(dev)
     res = torch.randn(M, K, generator=g).to(dtype).to(dev)
     w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
-    kinds = _spy(monkeypatch)
-    y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q)
+    calls = _spy(monkeypatch)
+    y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     torch.cuda.synchronize()
-    assert kinds == [P.PRO_ADD_NORM]  # one launch, fused
-    assert y.shape == (M, N) and y.dtype == dtype and r.dtype == dtype
+    assert calls == [(P.PRO_ADD_NORM, P.EPI_SILU if silu else 0)]  # one launch, fused
+    assert y.shape == (M, N // 2 if silu else N) and y.dtype == dtype and r.dtype == dtype
     assert torch.equal(r, res + x)
     h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
-    y_ref = h_ref @ _w64(q).T.to(h_ref.device)
+    z_ref = h_ref @ _w64(q).T.to(h_ref.device)
     if q.bias is not None:
-        y_ref = y_ref + q.bias.double()
+        z_ref = z_ref + q.bias.double()
+    y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
     assert _rel(y, y_ref) < TOL[dtype]
-    # the two-step path gives the same numbers up to the rounding of the normalised x
+    # the separate steps give the same numbers up to roundings
     monkeypatch.setenv("KBIT_FUSE_PROLOGUE", "0")
-    y2, r2 = P.add_rms_norm_linear(x, res, w, 1e-5, q)
+    y2, r2 = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     assert torch.equal(r2, r) and _rel(y, y2) < TOL[dtype] / 2
+    assert calls[1:] == [(0, 0)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize("M,N,K", [(1, 4096, 14336), (5, 1000, 2888), (8, 272, 1024)])
-def test_silu_mul_linear_gpu(monkeypatch, dtype, k, M, N, K):
-    dev = "cuda"
-    q = _lin(N, K, k, dtype, dev, seed=N + 3 * K + k).repack_for_kernels()
-    g = torch.Generator().manual_seed(M + K)
-    gu = (2 * torch.randn(M, 2 * K, generator=g)).to(dtype).to(dev)
-    kinds = _spy(monkeypatch)
-    y = P.silu_mul_linear(gu, q)
-    torch.cuda.synchronize()
-    assert kinds == [P.PRO_SILU]
-    gate, up = gu[:, :K].double(), gu[:, K:].double()
-    y_ref = (torch.nn.functional.silu(gate) * up) @ _w64(q).T.to(gate.device)
-    assert y.shape == (M, N) and y.dtype == dtype
-    assert _rel(y, y_ref) < TOL[dtype]
-    monkeypatch.setenv("KBIT_FUSE_PROLOGUE", "0")
-    assert _rel(y, P.silu_mul_linear(gu, q)) < TOL[dtype] / 2
+def test_counters_reset_between_calls():
+    """The epilogue's pair counters are back at zero after a call: repeated calls give identical outputs."""
+    dev, dtype = "cuda", torch.bfloat16
+    q = _lin(2048, 512, 4, dtype, dev, seed=5).repack_for_kernels()
+    x, res = torch.randn(2, 512, device=dev).to(dtype), torch.randn(2, 512, device=dev).to(dtype)
+    w = torch.rand(512, device=dev).to(dtype) + 0.5
+    outs = [P.add_rms_norm_linear(x, res, w, 1e-6, q, silu_mul=True)[0] for _ in range(4)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @pytest.mark.gpu
@@ -98,8 +91,8 @@ def test_prologue_graph_replay():
     w = torch.rand(4096, device=dev).to(dtype) + 0.5
 
     def step():
-        y, r = P.add_rms_norm_linear(x, res, w, 1e-6, q)
-        return P.silu_mul_linear(y, d), r
+        y, r = P.add_rms_norm_linear(x, res, w, 1e-6, q, silu_mul=True)
+        return d(y), r
 
     eager = step()
     s = torch.cuda.Stream()
@@ -117,32 +110,33 @@ def test_prologue_graph_replay():
 
 def test_fused_config():
     assert P.fused_config(4, 1, 28672, 4096)[0] == 3
-    assert P.fused_config(4, 1, 4096, 14336) == (3, 8, 2, gemv_mma.PIPE[4], 1)
+    assert P.fused_config(4, 1, 4096, 4096) == (3, 8, 2, gemv_mma.PIPE[4], 1)
     assert P.fused_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
     assert P.fused_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fallback_cpu(dtype):
-    """Off the fused path (CPU here) the functions are the two steps they replace."""
+    """Off the fused path (CPU here) the function is the separate steps it replaces."""
     q = _lin(48, 64, 4, dtype, "cpu", seed=3)
     x, res = torch.randn(2, 64).to(dtype), torch.randn(2, 64).to(dtype)
     w = (torch.rand(64) + 0.5).to(dtype)
     y, r = P.add_rms_norm_linear(x, res, w, 1e-6, q)
     h, r2 = glue.add_rms_norm(x, res, w, 1e-6)
     assert torch.equal(r, r2) and torch.equal(y, q(h))
-    gu = torch.randn(2, 128).to(dtype)
-    assert torch.equal(P.silu_mul_linear(gu, q), q(glue.silu_mul(gu[:, :64], gu[:, 64:])))
+    a, r3 = P.add_rms_norm_linear(x, res, w, 1e-6, q, silu_mul=True)
+    z = q(h)
+    assert torch.equal(r3, r2) and torch.equal(a, glue.silu_mul(z[:, :24], z[:, 24:]))
 
 
 def test_errors():
     q = _lin(48, 64, 4, torch.float32, "cpu", seed=4)
     x, w = torch.randn(2, 64), torch.ones(64)
-    with pytest.raises(ValueError, match="gate_up"):
-        P.silu_mul_linear(torch.randn(2, 100), q)
     with pytest.raises(ValueError, match="residual"):
         P.add_rms_norm_linear(x, torch.randn(3, 64), w, 1e-6, q)
     with pytest.raises(ValueError, match="lin"):
         P.add_rms_norm_linear(torch.randn(2, 32), torch.randn(2, 32), torch.ones(32), 1e-6, q)
-    with pytest.raises(TypeError, match="gate_up"):
-        P.silu_mul_linear(torch.randn(2, 128).to(torch.int32), q)
+    with pytest.raises(ValueError, match="silu_mul"):
+        P.add_rms_norm_linear(x, x, w, 1e-6, _lin(47, 64, 4, torch.float32, "cpu", seed=4), silu_mul=True)
+    with pytest.raises(TypeError, match="x"):
+        P.add_rms_norm_linear(x.to(torch.int32), x, w, 1e-6, q)

@@ -88,6 +88,9 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #ifndef PRO
 #define PRO 0
 #endif
+#ifndef EPI
+#define EPI 0
+#endif
 __device__ __forceinline__ V4 ld_x(const void* p) {
   V4 r;
 #if XS /* x staged in shared memory (kernel 3): p is a generic pointer into it */
@@ -537,17 +540,18 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
 }
+#if PRO || EPI
+__device__ __forceinline__ float rnd(float f) { return h2f(f2h(f)); }
+#endif
 #if PRO
 /* x prologues (kernel 3 with x in shared memory), in the arithmetic of transformers' eager code (every value it
    holds in the activation dtype rounded to it here too):
    PRO 1: RMSNorm  x' = w * (x * rsqrt(mean(x^2) + eps)), the mean over the first kin columns;
-   PRO 2: residual add + RMSNorm: r = x + res (CTA 0 writes r to res_out), x' = RMSNorm(r);
-   PRO 3: SiLU * up: x' = silu(x[:, c]) * x[:, x_off + c] (gate and up halves of one row).
-   Columns from kin on are zero. */
-__device__ __forceinline__ u32 hh(u32 w, int i) { return (w >> (16 * i)) & 0xFFFFu; }
+   PRO 2: residual add + RMSNorm: r = x + res (CTA 0 writes r to res_out), x' = RMSNorm(r).
+   The norm weight w is staged in shared memory (sw) before the PDL wait. Columns from kin on are zero. */
 __device__ __forceinline__ float vh(const V4& v, int e) {
   const u32 w = e < 2 ? v.x : e < 4 ? v.y : e < 6 ? v.z : v.w;
-  return h2f(hh(w, e & 1));
+  return h2f((w >> (16 * (e & 1))) & 0xFFFFu);
 }
 __device__ __forceinline__ V4 pack8(const float (&f)[8]) {
   V4 r;
@@ -557,49 +561,48 @@ __device__ __forceinline__ V4 pack8(const float (&f)[8]) {
   r.w = (u32)f2h(f[6]) | ((u32)f2h(f[7]) << 16);
   return r;
 }
-__device__ __forceinline__ float rnd(float f) { return h2f(f2h(f)); }
 __shared__ float s_pro[32];
-__device__ __forceinline__ void stage_x_prologue(V4* sx, const u16* __restrict__ x, int x_stride, int M, int xv,
-                                                 const u16* __restrict__ res, u16* __restrict__ res_out,
-                                                 const u16* __restrict__ nw, float eps, int kin, int x_off,
-                                                 int r_stride, u32 tid, u32 lane, u32 warp, u32 W) {
+__device__ __forceinline__ void stage_w(V4* sw, const u16* __restrict__ nw, int kin, u32 tid) {
+  for (int c = (int)tid; c < (kin >> 3); c += (int)blockDim.x) sw[c] = *(const V4*)(nw + 8 * c);
+}
+#define PRO_U 4 /* vectors a thread loads at once */
+__device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16* __restrict__ x, int x_stride,
+                                                 int M, int xv, const u16* __restrict__ res,
+                                                 u16* __restrict__ res_out, float eps, int kin, int r_stride,
+                                                 u32 tid, u32 lane, u32 warp, u32 W) {
   const int nv = kin >> 3;  /* 8-column vectors that hold data (kin % 8 == 0) */
-#if PRO == 3
-  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
-    const int tok = i / xv, c = i - tok * xv;
-    V4 o = {0u, 0u, 0u, 0u};
-    if (c < nv) {
-      const u16* xp = x + (long long)tok * x_stride + 8 * c;
-      const V4 gv = *(const V4*)xp, uv = *(const V4*)(xp + x_off);
-      float f[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float gf = vh(gv, e);
-        f[e] = rnd(gf / (1.0f + __expf(-gf))) * vh(uv, e);
-      }
-      o = pack8(f);
-    }
-    sx[i] = o;
-  }
-#else
+  const int bd = (int)blockDim.x;
   for (int tok = 0; tok < M; ++tok) {
     float ss = 0.0f;
-    for (int c = (int)tid; c < xv; c += (int)blockDim.x) {
-      V4 v = {0u, 0u, 0u, 0u};
-      if (c < nv) {
-        v = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
-#if PRO == 2
-        const V4 r = *(const V4*)(res + (long long)tok * r_stride + 8 * c);
-        float f[8];
+    for (int c0 = (int)tid; c0 < xv; c0 += PRO_U * bd) {
+      V4 v[PRO_U], r[PRO_U];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = vh(v, e) + vh(r, e);
-        v = pack8(f);
-        if (blockIdx.x == 0) *(V4*)(res_out + (long long)tok * r_stride + 8 * c) = v;
+      for (int u = 0; u < PRO_U; ++u) {
+        const int c = c0 + u * bd;
+        v[u] = r[u] = V4{0u, 0u, 0u, 0u};
+        if (c < nv) {
+          v[u] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+#if PRO == 2
+          r[u] = *(const V4*)(res + (long long)tok * r_stride + 8 * c);
 #endif
+        }
       }
 #pragma unroll
-      for (int e = 0; e < 8; ++e) { const float f = vh(v, e); ss += f * f; }
-      sx[tok * xv + c] = v;
+      for (int u = 0; u < PRO_U; ++u) {
+        const int c = c0 + u * bd;
+        if (c < xv) {
+#if PRO == 2
+          float f[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[e] = vh(v[u], e) + vh(r[u], e);
+          v[u] = pack8(f);
+          if (blockIdx.x == 0 && c < nv) *(V4*)(res_out + (long long)tok * r_stride + 8 * c) = v[u];
+#endif
+#pragma unroll
+          for (int e = 0; e < 8; ++e) { const float f = vh(v[u], e); ss += f * f; }
+          sx[tok * xv + c] = v[u];
+        }
+      }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -609,15 +612,59 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const u16* __restrict__
     for (u32 w = 0; w < W; ++w) tot += s_pro[w];
     const float rs = rsqrtf(tot / (float)kin + eps);
     __syncthreads();  /* s_pro is reused by the next token */
-    for (int c = (int)tid; c < nv; c += (int)blockDim.x) {  /* the vectors this thread wrote above */
-      const V4 v = sx[tok * xv + c], wv = *(const V4*)(nw + 8 * c);
+    for (int c = (int)tid; c < nv; c += bd) {  /* the vectors this thread wrote above */
+      const V4 v = sx[tok * xv + c], wv = sw[c];
       float f[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = vh(wv, e) * rnd(vh(v, e) * rs);
       sx[tok * xv + c] = pack8(f);
     }
   }
+}
 #endif
+#if EPI
+/* EPI 1: SiLU * up epilogue of a fused gate/up GEMV: rows [0, N/2) are the gate, [N/2, N) the up projection
+   (N/2 % 16 == 0); y [M, N/2] = silu(gate) * up, rounded as transformers rounds (gate, up, silu(gate), the
+   product). Every task adds its partial sums to the fp32 workspace; the warp that completes both tiles of a pair
+   (counter of the gate tile) writes y. */
+__device__ __forceinline__ float bias_of(const void* __restrict__ bias, int bias_kind, int row) {
+  if (bias_kind == 1) return h2f_f16(((const u16*)bias)[row]);
+  if (bias_kind == 2) return bits2f((u32)((const u16*)bias)[row] << 16);
+  if (bias_kind == 3) return ((const float*)bias)[row];
+  return 0.0f;
+}
+__device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 lane, int M, int N,
+                                            u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
+                                            int bias_kind, float post, float* __restrict__ ws,
+                                            int* __restrict__ cnt, int contrib, int total, int ws_stride) {
+  const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
+    }
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&cnt[pair], contrib) == 2 * total - contrib;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (tok < M) {
+        const float gv = rnd(atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f) + bias_of(bias, bias_kind, row));
+        const float uv = rnd(atomicExch(&ws[(long long)tok * ws_stride + half + row], 0.0f)
+                             + bias_of(bias, bias_kind, half + row));
+        y[(long long)tok * y_stride + row] = f2h(rnd(gv / (1.0f + __expf(-gv))) * uv);
+      }
+    }
+  if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
@@ -628,7 +675,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     int bias_kind, int ws_stride
 #if PRO
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
-    int kin, int x_off, int r_stride
+    int kin, int r_stride
 #endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
@@ -651,14 +698,19 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-  pdl_launch();
-  pdl_wait();
-#if XS /* x rows [M][n_seg * 256] after the table */
+#if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight) */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
   const int xv = n_seg * (SEG / 8);
 #if PRO
-  stage_x_prologue((V4*)sx, x, x_stride, M, xv, p_res, p_res_out, p_nw, eps, kin, x_off, r_stride, tid, lane,
-                   warp, W);
+  V4* sw_ = (V4*)sx + M * xv;
+  stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
+#endif
+#endif
+  pdl_launch();
+  pdl_wait();
+#if XS
+#if PRO
+  stage_x_prologue((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
 #else
   for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
@@ -697,8 +749,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
         ++seg;
         if (seg == n_seg || j + 1 == j1) {
+#if EPI
+          finish_silu(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+                      ws_stride);
+#else
           finish(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
                  ws_stride);
+#endif
 #pragma unroll
           for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
           if (seg == n_seg) { seg = 0; ++tile; }

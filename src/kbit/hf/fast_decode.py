@@ -21,7 +21,7 @@ from torch import nn
 
 from kbit.ops import attention as A
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
-from kbit.ops.prologue import add_rms_norm_linear, silu_mul_linear
+from kbit.ops.prologue import add_rms_norm_linear
 
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
 
@@ -143,14 +143,6 @@ class FastDecodeStep:
                     for layer in self.layers]
         self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
                         for layer, dense in zip(self.layers, self.dense, strict=True)]
-        # the down projections run SiLU * up in their x prologue (kbit.ops.prologue): layout "mma-v1" there
-        from kbit.ops import gemv_mma
-
-        if gemv_mma.available(dev):
-            for layer, gu in zip(self.layers, self.gate_up, strict=True):
-                down = getattr(layer.mlp, "down_proj", None)
-                if gu is not None and callable(getattr(down, "repack_for_kernels", None)):
-                    down.repack_for_kernels()
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
     def _attend(self, q, kc, vc, length, scale, pos):
@@ -165,14 +157,15 @@ class FastDecodeStep:
 
     def _mlp(self, i, x, res):
         """The residual add + post-attention RMSNorm and the MLP: returns ``(mlp output, new residual)``. A fused
-        gate/up GEMV computes the add + norm in its x prologue, the down GEMV SiLU * up (kbit.ops.prologue)."""
+        gate/up GEMV computes the add + norm in its x prologue and SiLU * up in its epilogue (kbit.ops.prologue)."""
         layer = self.layers[i]
         mlp, n = layer.mlp, layer.post_attention_layernorm
         if self.dense[i] and self.gate_up[i] is not None:
-            fused, (ng, _) = self.gate_up[i]
+            fused, (ng, nu) = self.gate_up[i]
+            if ng == nu:
+                act, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused, silu_mul=True)
+                return mlp.down_proj(act), res
             gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
-            if ng == getattr(mlp.down_proj, "in_features", None):
-                return silu_mul_linear(gu, mlp.down_proj), res
             return mlp.down_proj(silu_mul(gu[:, :ng], gu[:, ng:])), res
         y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
         if not self.dense[i]:

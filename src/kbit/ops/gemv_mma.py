@@ -475,9 +475,10 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0):
+def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0):
     """The launch plan: dict of defines, block, grid, dynamic shared bytes, splits, segments a split. ``pro``: an x
-    prologue (:data:`PRO_NORM`, :data:`PRO_ADD_NORM`, :data:`PRO_SILU`; kernel 3 with x in shared memory only)."""
+    prologue (1: RMSNorm, 2: residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the
+    SiLU * up epilogue of a fused gate/up weight (kernel 3 only); see :mod:`kbit.ops.prologue`."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
@@ -496,6 +497,9 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0):
             if not xs:
                 raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
             defines["PRO"] = pro
+            shared += S * SEG * 2  # the norm weight
+        if epi:
+            defines["EPI"] = epi
     elif kernel == 1:
         W = max(1, min(W, S))
         defines = dict(KERNEL=1, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X)
@@ -542,8 +546,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0):
         D = max(2, min(X, (SMEM_MAX - 1024 - _table_smem(k)) // (W * stage)))
         defines = dict(KERNEL=2, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1)
         shared = W * D * stage + _table_smem(k)
-    if pro and kernel != 3:
-        raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
+    if (pro or epi) and kernel != 3:
+        raise ValueError(f"pro, epi: a prologue or epilogue needs kernel 3, got config {cfg}")
     if kernel in (1, 3):
         pf = L2PF.get(kernel, 0) if N * K < BIG else 0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
@@ -591,18 +595,19 @@ _PLANS: dict = {}
 
 
 def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None,
-            pro=None):
-    """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps, x_off)`` of an x prologue."""
+            pro=None, epi=0):
+    """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
+    :func:`plan`."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
     dev = x2.device
     bf16 = x2.dtype == torch.bfloat16
     kind = pro[0] if pro else 0
-    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind)
+    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind, epi)
     p = _PLANS.get(key)
     if p is None:
-        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev, pro=kind)
+        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev, pro=kind, epi=epi)
         p["kern"] = compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": int(bf16)}, dev)
         if len(_PLANS) > 4096:
             _PLANS.clear()
@@ -620,11 +625,10 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     fmt, extra = "", ()
     if kind:
-        _, res, res_out, nw, eps, x_off = pro
-        fmt, extra = "QQQfiii", (res.data_ptr() if res is not None else 0,
-                                 res_out.data_ptr() if res_out is not None else 0,
-                                 nw.data_ptr() if nw is not None else 0, float(eps), K, x_off,
-                                 res.stride(0) if res is not None else 0)
+        _, res, res_out, nw, eps = pro
+        fmt, extra = "QQQfii", (res.data_ptr() if res is not None else 0,
+                                res_out.data_ptr() if res_out is not None else 0,
+                                nw.data_ptr(), float(eps), K, res.stride(0) if res is not None else 0)
     p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii" + fmt,
               rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
               _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,

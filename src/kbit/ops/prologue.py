@@ -1,20 +1,25 @@
-"""Decoder glue folded into the next k-bit GEMV: residual add + RMSNorm, or SiLU * up, computed by the GEMV itself.
+"""Decoder glue folded into the k-bit GEMVs: residual add + RMSNorm before, SiLU * up after, in the GEMV itself.
 
-A one-token decode step runs a small kernel before most of its projections (the residual add + RMSNorm before q/k/v
-and gate/up, SiLU * up before down). Each costs a launch and a dependency hop on the critical path (~1.5 us on an
-H100, ``benchmarks/results/h100/step-timeline-s8-ablate.txt``: the norms 102 us and SiLU * up 31 us of a 2648 us
-Llama-3-8B step). The small-M kernel 3 of :mod:`kbit.ops.gemv_mma` stages x in shared memory before its loop, so it
-can compute that glue while staging (``PRO`` of ``kbit.cuda.gemv_mma_src``, transformers' rounding):
+A one-token decode step runs a small kernel around most of its projections (the residual add + RMSNorm before q/k/v
+and gate/up, SiLU * up between gate/up and down). Each costs a launch and a dependency hop on the critical path
+(H100, ``benchmarks/results/h100/step-timeline-s8-ablate.txt``: the norms 102 us and SiLU * up 31 us of a 2648 us
+Llama-3-8B step). The small-M kernel 3 of :mod:`kbit.ops.gemv_mma` can do that glue itself
+(``kbit.cuda.gemv_mma_src``, transformers' rounding throughout):
 
-- :func:`add_rms_norm_linear`: ``r = x + residual``; ``y = lin(RMSNorm(r) * weight)``; returns ``(y, r)`` (the
-  first CTA writes ``r``);
-- :func:`silu_mul_linear`: ``y = lin(silu(gu[:, :K]) * gu[:, K:])`` for a fused gate/up output ``gu [M, 2K]``.
+- ``PRO`` (x prologue): while it stages x in shared memory, ``r = x + residual`` (the first CTA writes ``r``) and
+  ``RMSNorm(r) * weight``; the norm weight is staged before the PDL wait;
+- ``EPI`` (SiLU * up epilogue) on a fused gate/up weight (gate rows first): the warp that completes a gate tile and
+  its up tile (workspace counter) writes ``silu(gate) * up``, so the GEMV returns ``[M, N / 2]``.
 
-The fused launch runs for a :class:`~kbit.nn.KbitLinear` held in layout "mma-v1" on CUDA, M <= 8 rows, 16-bit
-activations with 16-byte aligned rows and x staged in shared memory fitting (:func:`fused_config`). Anything else
-runs the same computation as the two separate steps (the torch ops of :mod:`kbit.ops.glue`, then the module), so
-the functions work for any module and device, and under ``torch.compile`` (traced as those two steps).
+:func:`add_rms_norm_linear` runs them for a :class:`~kbit.nn.KbitLinear` held in layout "mma-v1" on CUDA, M <= 8
+rows, 16-bit activations with 16-byte aligned rows and x staged in shared memory fitting (:func:`fused_config`).
+Anything else runs the same computation as separate steps (the torch ops of :mod:`kbit.ops.glue` and the module),
+so it works for any module and device, and under ``torch.compile`` (traced as those steps).
 ``KBIT_FUSE_PROLOGUE=0`` turns the fused launches off (``norm`` / ``silu``: only that one on; lab).
+
+Measured and dropped: SiLU * up as the down GEMV's x prologue. Every CTA recomputes the whole activation (14336
+values at Llama-3-8B shapes), and that cost 150 us a step more than the separate kernel
+(``benchmarks/results/h100/step-timeline-s9-prologue-a.txt``).
 """
 from __future__ import annotations
 
@@ -23,12 +28,14 @@ import os
 import torch
 
 from kbit.ops import gemv_mma
-from kbit.ops.glue import _check_norm, _check_rows, add_rms_norm, silu_mul
+from kbit.ops.glue import _check_norm, add_rms_norm, silu_mul
 
-__all__ = ["PRO_ADD_NORM", "PRO_NORM", "PRO_SILU", "add_rms_norm_linear", "fused_config", "silu_mul_linear"]
+__all__ = ["EPI_SILU", "PRO_ADD_NORM", "add_rms_norm_linear", "fused_config"]
 
-#: ``PRO`` values of kernel 3 (x prologues)
-PRO_NORM, PRO_ADD_NORM, PRO_SILU = 1, 2, 3
+#: ``PRO`` value of kernel 3: residual add + RMSNorm x prologue (1, RMSNorm alone, is not used from Python)
+PRO_ADD_NORM = 2
+#: ``EPI`` value of kernel 3: SiLU * up of a fused gate/up weight
+EPI_SILU = 1
 
 
 def _enabled(what: str) -> bool:
@@ -39,11 +46,11 @@ def _enabled(what: str) -> bool:
 
 def fused_config(k: int, M: int, N: int, K: int):
     """The kernel-3 config (x in shared memory) of a prologue launch, or None when it does not apply (M > 8, or
-    x [M, K] does not fit in shared memory beside the lookup table)."""
+    x [M, K] and the norm weight do not fit in shared memory beside the lookup table)."""
     if not 1 <= M <= 8:
         return None
     S = -(-K // gemv_mma.SEG)
-    if gemv_mma._table_smem(k) + M * S * gemv_mma.SEG * 2 > gemv_mma.XS_MAX:
+    if gemv_mma._table_smem(k) + (M + 1) * S * gemv_mma.SEG * 2 > gemv_mma.XS_MAX:
         return None
     cfg = gemv_mma.default_config(k, M, N, K)
     if cfg[0] == 3 and len(cfg) > 4 and cfg[4]:
@@ -55,50 +62,41 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def _fusable(what, lin, x: torch.Tensor, K: int) -> bool:
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, lin, *,
+                        silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = residual + x``; ``z = lin(rms_norm(r) * weight)``; returns ``(z, r)``, or with ``silu_mul``
+    ``(silu(z[:, :N/2]) * z[:, N/2:], r)`` (``lin`` a fused gate/up projection, gate rows first): the
+    :func:`kbit.ops.glue.add_rms_norm`, the module and :func:`kbit.ops.glue.silu_mul` in one kernel where it can
+    (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``."""
     from kbit.nn import KbitLinear
 
-    return (_enabled(what) and type(lin) is KbitLinear and lin.layout == gemv_mma.LAYOUT and x.is_cuda
-            and x.dtype in (torch.float16, torch.bfloat16) and x.dim() == 2 and K % 8 == 0
-            and gemv_mma.available(x.device) and not torch.compiler.is_compiling()
-            and fused_config(lin.k, x.shape[0], lin.out_features, K) is not None)
-
-
-def _launch(kind, x, lin, res, res_out, nw, eps, x_off):
+    _check_norm(x, weight, eps, residual)
+    K = x.shape[1]
+    N = getattr(lin, "out_features", None)
+    if getattr(lin, "in_features", None) != K:
+        raise ValueError(f"lin: expected in_features {K} (x's width), got {getattr(lin, 'in_features', None)}")
+    if silu_mul and (N is None or N % 2):
+        raise ValueError(f"lin: silu_mul needs an even out_features (gate and up halves), got {N}")
+    fuse_norm = (_enabled("norm") and type(lin) is KbitLinear and lin.layout == gemv_mma.LAYOUT and x.is_cuda
+                 and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
+                 and gemv_mma.available(x.device) and not torch.compiler.is_compiling()
+                 and fused_config(lin.k, x.shape[0], N, K) is not None
+                 and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual))
+    if not fuse_norm:
+        h, r = add_rms_norm(x, residual, weight, eps)
+        z = lin(h)
+        return (_silu_halves(z, N) if silu_mul else z), r
+    epi = EPI_SILU if silu_mul and _enabled("silu") and N % 32 == 0 else 0
     M = x.shape[0]
-    N, K = lin.out_features, lin.in_features
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N // 2 if epi else N, dtype=x.dtype, device=x.device)
+    r = torch.empty_like(residual)
     Kp = -(-K // lin.blocksize) * lin.blocksize
     bias = lin.bias.contiguous() if lin.bias is not None else None
     gemv_mma._launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
-                     scale_format=lin.scale_format, N=N, K=K, M=M, Kp=Kp,
-                     config=fused_config(lin.k, M, N, K), pro=(kind, res, res_out, nw, eps, x_off))
-    return y
+                     scale_format=lin.scale_format, N=N, K=K, M=M, Kp=Kp, config=fused_config(lin.k, M, N, K),
+                     pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi)
+    return (_silu_halves(y, N) if silu_mul and not epi else y), r
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        lin) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r = residual + x``; ``(lin(rms_norm(r) * weight), r)``: :func:`kbit.ops.glue.add_rms_norm` and the
-    module ``lin`` in one kernel where it can (see the module doc), in two steps otherwise."""
-    _check_norm(x, weight, eps, residual)
-    if lin.in_features != x.shape[1]:
-        raise ValueError(f"lin: expected in_features {x.shape[1]} (x's width), got {lin.in_features}")
-    if _fusable("norm", lin, x, x.shape[1]) and weight.dtype == x.dtype and _rows_ok(x) and residual.is_contiguous() \
-            and _rows_ok(residual):
-        r = torch.empty_like(residual, memory_format=torch.contiguous_format)
-        y = _launch(PRO_ADD_NORM, x, lin, residual, r, weight, eps, 0)
-        return y, r
-    h, r = add_rms_norm(x, residual, weight, eps)
-    return lin(h), r
-
-
-def silu_mul_linear(gate_up: torch.Tensor, lin) -> torch.Tensor:
-    """``lin(silu(gate_up[:, :K]) * gate_up[:, K:])`` with ``K = lin.in_features``: :func:`kbit.ops.glue.silu_mul`
-    and the module in one kernel where it can (see the module doc), in two steps otherwise."""
-    _check_rows("gate_up", gate_up)
-    K = lin.in_features
-    if gate_up.shape[1] != 2 * K:
-        raise ValueError(f"gate_up: expected {2 * K} columns (2 x lin.in_features), got {gate_up.shape[1]}")
-    if _fusable("silu", lin, gate_up, K) and _rows_ok(gate_up):
-        return _launch(PRO_SILU, gate_up, lin, None, None, None, 0.0, K)
-    return lin(silu_mul(gate_up[:, :K], gate_up[:, K:]))
+def _silu_halves(z: torch.Tensor, N: int) -> torch.Tensor:
+    return silu_mul(z[:, :N // 2], z[:, N // 2:])
