@@ -364,6 +364,9 @@ def default_config(k, M, N, K):
     N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
     segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
     (3, W, CTAs an SM, ring depth, x in shared memory 0/1).
+    9 <= M <= 16 (H100, ``benchmarks/results/h100/m1-cfg-sweep-s9-m16.log``): kernel 3 without XS on
+    WIDE < N < 8192 below BIG (kernel 1 splits K badly there too) and, at k = 2, on N >= TALL; kernel 1 with
+    4-warp CTAs at k = 2 on N * K >= BIG below TALL.
     Kernel 1: a CTA per (row tile, K split), its warps take the split's segments round-robin (register
     double buffer), shared-memory reduction. Kernel 2: every warp streams whole (tile, K split) tasks through
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
@@ -371,8 +374,14 @@ def default_config(k, M, N, K):
     ng = _ng(M)
     if ng == 8:
         cfg = (4, 16, 1, 2)
+    elif ng == 2 and k == 2 and N >= TALL:  # 57344x8192 108.3 vs 116.4 us (kernel 4)
+        cfg = (3, 8, 2, 2)
+    elif ng == 2 and k == 2 and N * K >= BIG:  # 8192x28672 55.9 vs 62.4 us (kernel 4)
+        cfg = (1, 4, 4)
     elif ng == 4 or (ng == 2 and N >= 8192):
         cfg = (4, 8, 1, 2)
+    elif ng == 2 and N > WIDE and N * K < BIG:  # 6144x4096 k = 4 20.3 -> 15.1 us, k = 2 17.8 -> 13.5 (kernel 1)
+        cfg = (3, 8, 2, 2)
     elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
