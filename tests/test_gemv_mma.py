@@ -208,9 +208,9 @@ def test_mma_gpu_configs_split_k(config):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("N,K_,k,M", [(6144, 1024, 4, 16), (6144, 1024, 2, 12), (16384, 512, 2, 16),
-                                      (16384, 512, 3, 9)])
-def test_mma_gpu_default_routes_m9_16(N, K_, k, M):
-    """The default configs of 9 <= M <= 16 on these shapes (kernel 3 on mid-size and, at k = 2, tall N)."""
+                                      (16384, 512, 3, 9), (6144, 1024, 4, 4), (10240, 520, 2, 2), (5120, 2880, 5, 8)])
+def test_mma_gpu_default_routes_m2_16(N, K_, k, M):
+    """The default configs of 2 <= M <= 16 on these shapes (kernel 3 on mid-size and, at k = 2, tall N)."""
     check(N, K_, k, M, torch.bfloat16, seed=M)
     check(N, K_, k, M, torch.float16, bias=True, seed=M + 1)
 

@@ -364,7 +364,7 @@ def default_config(k, M, N, K):
     N * K >= BIG): stream-K over (tile, segment) pairs, a contiguous range a warp, register ring of PIPE[k]
     segments (faster there in the H100 runs of issue 3, 2026-11-21-issue3). ``config`` for kernel 3:
     (3, W, CTAs an SM, ring depth, x in shared memory 0/1).
-    9 <= M <= 16 (H100, ``benchmarks/results/h100/m1-cfg-sweep-s9-m16.log``): kernel 3 without XS on
+    2 <= M <= 16 (H100, ``benchmarks/results/h100/m1-cfg-sweep-s9-m16.log``, ``-m2-8.log``): kernel 3 without XS on
     WIDE < N < 8192 below BIG (kernel 1 splits K badly there too) and, at k = 2, on N >= TALL; kernel 1 with
     4-warp CTAs at k = 2 on N * K >= BIG below TALL.
     Kernel 1: a CTA per (row tile, K split), its warps take the split's segments round-robin (register
@@ -386,6 +386,8 @@ def default_config(k, M, N, K):
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
         cfg = (3, 8, 2, 2, 1)
+    elif M <= 8 and N > WIDE and N * K < BIG and N < TALL:  # the same at M = 2..8: 6144x4096 k = 4 15.7 -> 11.0
+        cfg = (3, 8, 2, 2)  # us, 10240x5120 28.2 -> 16.5 (m1-cfg-sweep-s9-m2-8.log)
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
         cfg = (3, 8, 2, PIPE[k])
     elif N * K >= BIG:
