@@ -214,6 +214,15 @@ def main():
              e2e_table(RES / "e2e-s8-2026-11-22.json"), e2e_table(RES / "e2e-s8-qwen3-2026-11-22.json"),
              "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
              e2e_table(RES / "e2e-s8-lmhead4-2026-11-22.json", "kbit+head4"),
+             "### End-to-end decode, session 9: glue folded into the GEMVs, kernel 3 for 2 <= M <= 16 on mid-size N",
+             "The fused q/k/v and gate/up GEMVs compute the residual add + RMSNorm in their x prologue and the "
+             "gate/up GEMV SiLU * up in its epilogue (`kbit.ops.prologue`); batches 2-16 run kernel 3 on q/k/v "
+             "(batch 4 and 16 at commit ccf6bb1 / b4596bc, batch 1 at 7ff78eb, before the M = 2..16 dispatch "
+             "change, which does not touch M = 1):",
+             e2e_table(RES / "e2e-s9-2026-11-22.json"), e2e_table(RES / "e2e-s9-b4-2026-11-22.json"),
+             e2e_table(RES / "e2e-s9-b16-2026-11-22.json"), e2e_table(RES / "e2e-s9-qwen3-2026-11-22.json"),
+             "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
+             e2e_table(RES / "e2e-s9-lmhead4-2026-11-22.json", "kbit+head4"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
