@@ -300,6 +300,36 @@ __device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* c
 
 #define STAGE_BYTES ((K_BITS + SV) * 512)
 
+/* bias[row] as float (bias_kind 0: none, 1: fp16, 2: bf16, 3: fp32) */
+__device__ __forceinline__ float bias_of(const void* __restrict__ bias, int bias_kind, int row) {
+  if (bias_kind == 1) return h2f_f16(((const u16*)bias)[row]);
+  if (bias_kind == 2) return bits2f((u32)((const u16*)bias)[row] << 16);
+  if (bias_kind == 3) return ((const float*)bias)[row];
+  return 0.0f;
+}
+
+/* add a task's partial sums (rows of tile) to the fp32 workspace and count its contrib segments on cnt[c];
+   true in every lane of the warp whose count completes total (it then reads the sums back) */
+__device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 lane, int M, int N, float post,
+                                             float* __restrict__ ws, int* __restrict__ cnt, int c_idx, int contrib,
+                                             int total, int ws_stride) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
+    }
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&cnt[c_idx], contrib) == total - contrib;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) __threadfence();
+  return last;
+}
+
 /* finish one (tile, K range) task: write y, or add to the fp32 workspace (the last of the tile's splits writes) */
 __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, int M, int N, u16* __restrict__ y,
                                        int y_stride, const void* __restrict__ bias, int bias_kind, float post,
@@ -313,40 +343,21 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
       for (int c = 0; c < 4; ++c) {
         const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
         if (row < N && tok < M) {
-          float v = acc[ng][c] * post;
-          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-          else if (bias_kind == 3) v += ((const float*)bias)[row];
+          const float v = acc[ng][c] * post + bias_of(bias, bias_kind, row);
           y[(long long)tok * y_stride + row] = f2h(v);
         }
       }
     return;
   }
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
-    }
-  __threadfence();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(&cnt[tile], contrib) == total - contrib;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) {
-    __threadfence();
+  if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
         if (row < N && tok < M) {
-          float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-          else if (bias_kind == 3) v += ((const float*)bias)[row];
-          y[(long long)tok * y_stride + row] = f2h(v);
+          const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+          y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
         }
       }
     if (lane == 0) atomicExch(&cnt[tile], 0);
@@ -493,10 +504,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       s_red[e] = 0.0f;
       if (row < N && tok < M) {
         if (last) {
-          if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-          else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-          else if (bias_kind == 3) v += ((const float*)bias)[row];
-          y[(long long)tok * y_stride + row] = f2h(v);
+          y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
         } else {
           atomicAdd(&ws[(long long)tok * ws_stride + row], v);
         }
@@ -514,11 +522,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
           const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
           if (row < N && tok < M) {
-            float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-            if (bias_kind == 1) v += h2f_f16(((const u16*)bias)[row]);
-            else if (bias_kind == 2) v += bits2f((u32)((const u16*)bias)[row] << 16);
-            else if (bias_kind == 3) v += ((const float*)bias)[row];
-            y[(long long)tok * y_stride + row] = f2h(v);
+            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
           }
         }
         if (tid == 0) atomicExch(&cnt[tile], 0);
@@ -627,40 +632,21 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
    (N/2 % 16 == 0); y [M, N/2] = silu(gate) * up, rounded as transformers rounds (gate, up, silu(gate), the
    product). Every task adds its partial sums to the fp32 workspace; the warp that completes both tiles of a pair
    (counter of the gate tile) writes y. */
-__device__ __forceinline__ float bias_of(const void* __restrict__ bias, int bias_kind, int row) {
-  if (bias_kind == 1) return h2f_f16(((const u16*)bias)[row]);
-  if (bias_kind == 2) return bits2f((u32)((const u16*)bias)[row] << 16);
-  if (bias_kind == 3) return ((const float*)bias)[row];
-  return 0.0f;
-}
 __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 lane, int M, int N,
                                             u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
                                             int bias_kind, float post, float* __restrict__ ws,
                                             int* __restrict__ cnt, int contrib, int total, int ws_stride) {
   const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
-    }
-  __threadfence();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(&cnt[pair], contrib) == 2 * total - contrib;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (!last) return;
-  __threadfence();
+  if (!add_partials(acc, tile, lane, M, N, post, ws, cnt, pair, contrib, 2 * total, ws_stride)) return;
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
       if (tok < M) {
-        const float gv = rnd(atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f) + bias_of(bias, bias_kind, row));
-        const float uv = rnd(atomicExch(&ws[(long long)tok * ws_stride + half + row], 0.0f)
-                             + bias_of(bias, bias_kind, half + row));
+        float* w = ws + (long long)tok * ws_stride;
+        const float gv = rnd(atomicExch(w + row, 0.0f) + bias_of(bias, bias_kind, row));
+        const float uv = rnd(atomicExch(w + half + row, 0.0f) + bias_of(bias, bias_kind, half + row));
         y[(long long)tok * y_stride + row] = f2h(rnd(gv / (1.0f + __expf(-gv))) * uv);
       }
     }

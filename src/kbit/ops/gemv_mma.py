@@ -549,8 +549,6 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         defines = dict(KERNEL=4, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=rt)
         shared = D * stage + _table_smem(k)
     else:
-        if pro:
-            raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
         if ng > 2:
             W = min(W, 8)
         stage = _stage_bytes(k, scale_format)
@@ -566,10 +564,9 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
-    if kernel in (1, 3) and len(cfg) > 5 - (kernel == 1) * 2 and cfg[5 - (kernel == 1) * 2]:
-        # CTAs an SM in the grid below the occupancy (config[5] of kernel 3, config[3] of kernel 1): leaves room
-        # for the next kernel's CTAs to become resident (PDL) while this one runs
-        slots = _sms(dev) * min(occ, cfg[5 - (kernel == 1) * 2])
+    gi = {1: 3, 3: 5}.get(kernel)  # CTAs an SM in the grid below the occupancy (lab): leaves room for the next
+    if gi is not None and len(cfg) > gi and cfg[gi]:  # kernel's CTAs to become resident (PDL) while this one runs
+        slots = _sms(dev) * min(occ, cfg[gi])
     if kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))

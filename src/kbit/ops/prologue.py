@@ -77,23 +77,24 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         raise ValueError(f"lin: expected in_features {K} (x's width), got {getattr(lin, 'in_features', None)}")
     if silu_mul and (N is None or N % 2):
         raise ValueError(f"lin: silu_mul needs an even out_features (gate and up halves), got {N}")
-    fuse_norm = (_enabled("norm") and type(lin) is KbitLinear and lin.layout == gemv_mma.LAYOUT and x.is_cuda
-                 and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
-                 and gemv_mma.available(x.device) and not torch.compiler.is_compiling()
-                 and fused_config(lin.k, x.shape[0], N, K) is not None
-                 and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual))
-    if not fuse_norm:
+    M = x.shape[0]
+    cfg = None
+    if (_enabled("norm") and type(lin) is KbitLinear and lin.layout == gemv_mma.LAYOUT and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
+            and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual)
+            and gemv_mma.available(x.device) and not torch.compiler.is_compiling()):
+        cfg = fused_config(lin.k, M, N, K)
+    if cfg is None:
         h, r = add_rms_norm(x, residual, weight, eps)
         z = lin(h)
         return (_silu_halves(z, N) if silu_mul else z), r
     epi = EPI_SILU if silu_mul and _enabled("silu") and N % 32 == 0 else 0
-    M = x.shape[0]
     y = torch.empty(M, N // 2 if epi else N, dtype=x.dtype, device=x.device)
     r = torch.empty_like(residual)
     Kp = -(-K // lin.blocksize) * lin.blocksize
     bias = lin.bias.contiguous() if lin.bias is not None else None
     gemv_mma._launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
-                     scale_format=lin.scale_format, N=N, K=K, M=M, Kp=Kp, config=fused_config(lin.k, M, N, K),
+                     scale_format=lin.scale_format, N=N, K=K, M=M, Kp=Kp, config=cfg,
                      pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi)
     return (_silu_halves(y, N) if silu_mul and not epi else y), r
 
