@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from kbit.bench.timing import copies_for_cold_l2, l2_bytes, tbps, time_calls  # noqa: E402
+from kbit.bench.timing import capture, copies_for_cold_l2, l2_bytes, tbps, time_calls  # noqa: E402
 from kbit.hf.decode import static_attention  # noqa: E402
 from kbit.ops import attention as A  # noqa: E402
 
@@ -127,14 +127,7 @@ def graph_check():
         m = torch.where(ar < n, 0.0, torch.finfo(DT).min).to(DT).view(1, 1, 1, L).expand(B, 1, 1, L)
         return A.decode_attention(q, k, v, length=n), A.decode_attention(q, k, v, mask=m)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call()
+    graph, outs = capture(call)
     ok = True
     for length in (1, 63, 64, 65, 529, 2047, 2064, 7):
         n.fill_(length)

@@ -16,6 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kbit.bench.timing import capture  # noqa: E402
 from kbit.ops.attention import (  # noqa: E402
     DecodeAttentionConfig,
     decode_attention,
@@ -358,14 +359,7 @@ def test_gpu_graph_replay_changing_length(use_mask):
             return decode_attention(q, k, v, mask=mask.view(1, 1, 1, L).expand(B, 1, 1, L))
         return decode_attention(q, k, v, length=n)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture(call)
     for length in (1, 5, 63, 64, 65, 700, 2047, 2064, 17):
         n.fill_(length)
         graph.replay()

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from kbit.bench.timing import capture
 from kbit.format.reference import dequantize_reference
 from kbit.nn import KbitLinear
 from kbit.ops import gemv_mma, glue
@@ -95,14 +96,7 @@ def test_prologue_graph_replay():
         return d(y), r
 
     eager = step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     graph.replay()
     torch.cuda.synchronize()
     # kernel 3 adds the partial sums of a tile split between warps in arrival order (fp32 atomics): equal up to

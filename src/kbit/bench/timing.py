@@ -97,6 +97,14 @@ def _capture(calls: Sequence[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of one call of ``fn`` (after a warm-up call on a side stream) and what that captured call
+    returned: the tensors the graph's replays write."""
+    out = []
+    graph = _capture([lambda: out.append(fn())])
+    return graph, out[-1]
+
+
 def time_calls(calls: Sequence[Callable[[], object]], reps: int = REPS, warmup: int = WARMUP,
                use_graph: bool = True) -> Timing:
     """Times ``calls`` (one per weight copy) as described in the module docstring.
