@@ -158,13 +158,13 @@ def _launch_chain(x, residual, stages):
     ws, cnt = gemv_mma._workspace(dev, M, Nt_max * 16, Nt_max)
     h, r = x, residual
     fields = []
-    keep = []
+    keep = []  # every buffer alive until the launch is queued (no two phases' buffers share memory)
     for (lin, nw, eps, silu), S in zip(stages, S_of, strict=True):
         N = lin.out_features
         y = torch.empty(M, N // 2 if silu else N, dtype=x.dtype, device=dev)
         r_out = torch.empty_like(r) if nw is not None else None
         bias = lin.bias.contiguous() if lin.bias is not None else None
-        keep.append(bias)
+        keep += [y, r_out, bias]
         bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
         fields += [lin.codes.data_ptr(), lin.scales.data_ptr(), lin.tensor_scale.data_ptr(),
                    lin.codebook.data_ptr(), h.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
@@ -182,7 +182,13 @@ def _launch_chain(x, residual, stages):
                Nt_max * 16, 0]
     buf = struct.pack(_CHAIN, *fields)
     p["kern"]((p["grid"],), p["W"] * 32, f"{len(buf)}s", buf, shared=p["shared"], pdl=True)
+    if _DEBUG is not None:
+        _DEBUG[:] = keep
     return h, r
+
+
+#: lab: set to a list to receive every phase's (y, residual out, bias) of the last fused launch
+_DEBUG = None
 
 
 def linear_chain_unfused(x, residual, stages):
