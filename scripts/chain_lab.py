@@ -58,6 +58,11 @@ def check(k, dtype, H, I, Q, M, log):
             errs.append(f"y{i} {rel(yf, h):.1e}")
             if nw is not None:
                 errs.append(f"r{i} {rel(inter[3 * i + 1], rr):.1e}")
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        import test_chain
+
+        yr, rr = test_chain._reference(x, res, st[:n])
+        errs.append(f"| vs f64 ref: y {rel(y, yr):.1e}" + (f" r {rel(r, rr):.1e}" if n >= 2 else ""))
         line = f"k={k} {str(dtype)[6:]} M={M} {H}x{I}x{Q} n={n}: " + " ".join(errs)
         print(line, flush=True)
         log.write(line + "\n")
@@ -65,11 +70,14 @@ def check(k, dtype, H, I, Q, M, log):
     return rows
 
 
-def bench(k, dtype, copies, reps=50):
+def bench(k, dtype, copies, reps=50, phases=None):
     H, I, Q = 4096, 14336, 6144
     layers = [layer(H, I, Q, k, dtype, seed=1000 + c) for c in range(copies)]
-    x = torch.randn(1, H, device="cuda").to(dtype)
-    res = torch.randn(1, H, device="cuda").to(dtype)
+    if phases is not None:
+        layers = [[st[i] for i in phases] for st in layers]
+    width = layers[0][0][0].in_features
+    x = torch.randn(1, width, device="cuda").to(dtype)
+    res = torch.randn(1, width, device="cuda").to(dtype)
     out = {}
     for name, fn in (("fused", C.linear_chain), ("separate", C.linear_chain_unfused)):
         for st in layers:
@@ -118,11 +126,21 @@ def main():
                     check(k, dtype, 1024, 1536, 1536, M, log)
     table = []
     for k in ks:
-        t, nb = bench(k, torch.bfloat16, a.copies)
-        line = (f"k={k} layer chain (o, gate/up, down, qkv) 4096/14336/6144 M=1: fused {t['fused']:.1f} us, "
-                f"separate {t['separate']:.1f} us, bytes {nb / 1e6:.1f} MB = {nb / 3.0e6:.1f} us at 3 TB/s")
-        table.append(line)
-        log.write(line + "\n")
+        for ph in ([0, 1, 2, 3], [0], [1], [2], [3], [0, 1], [1, 2]):
+            t, nb = bench(k, torch.bfloat16, a.copies, phases=ph)
+            names = "/".join(("o", "gate_up", "down", "qkv")[i] for i in ph)
+            line = (f"k={k} M=1 {names:22s} fused {t['fused']:6.1f} us  separate {t['separate']:6.1f} us  "
+                    f"bytes {nb / 1e6:6.1f} MB = {nb / 3.0e6:5.1f} us at 3 TB/s")
+            table.append(line)
+            log.write(line + "\n")
+    if os.environ.get("KBIT_CHAIN_NOWAIT") != "1":
+        os.environ["KBIT_CHAIN_NOWAIT"] = "1"
+        for k in ks:
+            t, nb = bench(k, torch.bfloat16, a.copies)
+            line = f"k={k} M=1 all four, no waits (wrong results) fused {t['fused']:6.1f} us"
+            table.append(line)
+            log.write(line + "\n")
+        del os.environ["KBIT_CHAIN_NOWAIT"]
     print("\n".join(table), flush=True)
 
 

@@ -124,12 +124,14 @@ def _plan(k, M, scale_format, bf16, dev, shapes):
     from kbit.cuda.gemv_mma_src import SOURCE
 
     W, X, pd = chain_config(k)
-    key = (k, M, scale_format, bf16, dev, shapes, W, X, pd)
+    key = (k, M, scale_format, bf16, dev, shapes, W, X, pd, os.environ.get("KBIT_CHAIN_NOWAIT"))
     p = _PLANS.get(key)
     if p is not None:
         return p
     defines = dict(KERNEL=8, K_BITS=k, NG=1, D=1, MAXW=W, MINB=X, PD=pd, XS=1, PRO=2, EPI=1, L2PF=0,
                    BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
+    if os.environ.get("KBIT_CHAIN_NOWAIT") == "1":  # lab: no waits between phases (wrong results, timing only)
+        defines["CHAIN_NOWAIT"] = 1
     kern = compile_kernel(SOURCE, "kbit_gemv_chain", defines, dev)
     xs = max((M + int(pro)) * S * gemv_mma.SEG * 2 for S, pro in shapes)
     shared = gemv_mma._table_smem(k) + xs
