@@ -532,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     __syncthreads();
   }
 }
-#elif KERNEL == 3 || KERNEL == 8
+#elif KERNEL == 3
 /* stream-K over segments: the Nt x S (tile, segment) pairs, in memory order, are cut into equal contiguous
    ranges, one a warp (grid = CTAs that fit at once). A warp streams its range through a ring of PD register
    buffers (PD - 1 segments in flight while one is computed; no CTA barrier, no drain between tiles); a tile
@@ -544,17 +544,6 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
   for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + ((long long)j * K_BITS + v) * 32 + lane);
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
-}
-/* x (activations) staged into shared memory: the chain kernel (8) reads what other CTAs of the same launch wrote
-   in its previous phase, so it goes through L2 only (no non-coherent / L1 path) */
-__device__ __forceinline__ V4 ld_x_act(const u16* p) {
-#if KERNEL == 8
-  V4 r;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-#else
-  return *(const V4*)p;
-#endif
 }
 #if PRO || EPI
 __device__ __forceinline__ float rnd(float f) { return h2f(f2h(f)); }
@@ -597,9 +586,9 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
         const int c = c0 + u * bd;
         v[u] = r[u] = V4{0u, 0u, 0u, 0u};
         if (c < nv) {
-          v[u] = ld_x_act(x + (long long)tok * x_stride + 8 * c);
+          v[u] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
 #if PRO == 2
-          r[u] = ld_x_act(res + (long long)tok * r_stride + 8 * c);
+          r[u] = *(const V4*)(res + (long long)tok * r_stride + 8 * c);
 #endif
         }
       }
@@ -705,7 +694,6 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
     }
   }
 }
-#if KERNEL == 3
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
@@ -775,116 +763,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
                bias_kind, post, ws, cnt, ws_stride, EPI);
 }
-#else
-/* Kernel 8 ("chain"): consecutive one-token projections of a decoder layer (o, gate/up with the add + norm prologue
-   and the SiLU * up epilogue, down, the next layer's q/k/v with the add + norm prologue) in one persistent launch,
-   one phase each, so that a projection's weights stream while the previous one finishes instead of behind a kernel
-   boundary. Every phase is kernel 3 (stream-K over (tile, segment) pairs, x staged in shared memory) on the phase's
-   weight; x of phase p > 0 is y of phase p - 1. Between phases a warp loads its first segments of the next phase
-   as soon as its own range is done, the CTA rebuilds its tables, and thread 0 waits for every CTA of the grid to
-   have finished the phase (an arrival counter a phase, acquire / release at GPU scope; CTA barrier after).
-   The grid is the CTAs that fit at once, so all are resident (the next kernel is let in (PDL) only in the last
-   phase, when every CTA is). The last CTA to finish resets the counters. Phase parameters come in one
-   __grid_constant__ struct (indexed in the constant bank, no copy). */
-#define MAXPH 4
-struct Phase {
-  const V4* codes; const V4* scales; const float* ts_ptr; const float* cb; const u16* x; u16* y; const void* bias;
-  const u16* res; u16* res_out; const u16* nw;
-  float eps; int kin; int N; int n_seg; int n_tiles; int x_stride; int y_stride; int r_stride; int bias_kind;
-  int pro; int epi; int pad_;
-};
-struct Chain {
-  Phase ph[MAXPH];
-  const float* e_tab; float* ws; int* cnt; int* bar;
-  int n_ph, M, ws_stride, pad_;
-};
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v; asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
-}
-__device__ __forceinline__ void red_release(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int atom_acq_rel(int* p, int v) {
-  int o; asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(o) : "l"(p), "r"(v) : "memory"); return o;
-}
-/* this warp's (tile, segment) range of phase P, and its first PD - 1 segments into the ring */
-__device__ __forceinline__ void chain_range(const Phase& P, V4 (&buf)[PD][K_BITS + SV], long long gw, long long TW,
-                                            u32 lane, int g, int& j0, int& j1) {
-  const long long T = (long long)P.n_tiles * P.n_seg;
-  j0 = (int)(T * gw / TW);
-  j1 = (int)(T * (gw + 1) / TW);
-#pragma unroll
-  for (int p = 0; p < PD - 1; ++p)
-    if (j0 + p < j1) ld_seg(buf[p], P.codes, P.scales, j0 + p, lane, g);
-}
-extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_chain(const __grid_constant__ Chain c) {
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
-  const int g = lane >> 2, M = c.M;
-  const long long TW = (long long)gridDim.x * W, gw = (long long)blockIdx.x * W + warp;
-  extern __shared__ __align__(16) unsigned char dsm[];
-  const u32 dsm_base = smem_addr(dsm);
-  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
-  u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
-  const u32 sc_base = smem_addr(s_sc);
-  V4 buf[PD][K_BITS + SV];
-  int j0, j1;
-  chain_range(c.ph[0], buf, gw, TW, lane, g, j0, j1);
-  for (int p = 0; p < c.n_ph; ++p) {
-    const Phase& P = c.ph[p];
-    const float ts = *P.ts_ptr;
-    if (p == 0 || P.cb != c.ph[p - 1].cb) build_table_fast(tab, P.cb, tid, blockDim.x);
-    for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : c.e_tab[i] * ts;
-    const float post = FP16_SCALES ? ts : 1.0f;
-    const int n_seg = P.n_seg, xv = n_seg * (SEG / 8);
-    V4* sw_ = (V4*)sx + M * xv;
-    if (P.pro) stage_w(sw_, P.nw, P.kin, tid);  /* a weight: before the wait */
-    if (p == 0) {
-      if (c.n_ph == 1) pdl_launch();
-      pdl_wait();
-    } else {
-      if (p == c.n_ph - 1) pdl_launch();  /* every CTA is resident by now: the next kernel may take free room */
-#ifndef CHAIN_NOWAIT /* lab: CHAIN_NOWAIT skips the wait (wrong results; what the waits cost) */
-      if (tid == 0)
-        while (ld_acquire(&c.bar[p - 1]) < (int)gridDim.x) {
-        }
-#endif
-      __syncthreads();
-    }
-    if (P.pro) {
-      stage_x_prologue((V4*)sx, sw_, P.x, P.x_stride, M, xv, P.res, P.res_out, P.eps, P.kin, P.r_stride, tid, lane,
-                       warp, W);
-    } else {
-      for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
-        const int tok = i / xv, col = i - tok * xv;
-        ((V4*)sx)[i] = ld_x_act(P.x + (long long)tok * P.x_stride + 8 * col);
-      }
-    }
-    __syncthreads();
-    if (j0 < j1) {
-      const LB lbb = lane_bits(tab, lane, P.cb);
-      const u16* xr[NG];
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        int tok = ng * 8 + g;
-        tok = tok < M ? tok : M - 1;
-        xr[ng] = sx + (long long)tok * (n_seg * SEG) + 8 * (lane & 3);
-      }
-      stream_range(buf, P.codes, P.scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, P.N, P.y, P.y_stride,
-                   P.bias, P.bias_kind, post, c.ws, c.cnt, c.ws_stride, P.epi != 0);
-    }
-    if (p + 1 < c.n_ph) chain_range(c.ph[p + 1], buf, gw, TW, lane, g, j0, j1);  /* weights: no wait */
-    __syncthreads();  /* the CTA is done with this phase's tables and x; its y writes are ordered before the arrival */
-    if (tid == 0) {
-      if (p + 1 < c.n_ph) {
-        __threadfence();
-        red_release(&c.bar[p], 1);
-      } else if (atom_acq_rel(&c.bar[p], 1) == (int)gridDim.x - 1) {
-        for (int q = 0; q < c.n_ph; ++q) c.bar[q] = 0;  /* every CTA has passed every wait */
-      }
-    }
-  }
-}
-#endif
 #elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column
    segment's x[M][256], codes and scales go through a D-stage cp.async shared-memory pipeline (one CTA barrier a

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from kbit.ops import attention as A
-from kbit.ops.chain import linear_chain
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
 from kbit.ops.prologue import add_rms_norm_linear
 
@@ -144,24 +143,7 @@ class FastDecodeStep:
                     for layer in self.layers]
         self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
                         for layer, dense in zip(self.layers, self.dense, strict=True)]
-        # o, add + norm, gate/up, SiLU * up, down (and the next layer's add + norm, q/k/v) as one chain of GEMVs
-        self.chain = [self._chain_stages(i) for i in range(len(self.layers))]
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
-
-    def _chain_stages(self, i):
-        """The :func:`kbit.ops.chain.linear_chain` stages from layer i's o_proj on, or None (no fused gate/up with
-        equal halves): o_proj, gate/up (post-attention add + norm, SiLU * up), down, then the next layer's fused
-        q/k/v (its input add + norm) where there is one."""
-        layer = self.layers[i]
-        if not self.dense[i] or self.gate_up[i] is None or self.gate_up[i][1][0] != self.gate_up[i][1][1]:
-            return None
-        n2 = layer.post_attention_layernorm
-        st = [(layer.self_attn.o_proj, None, 0.0, False), (self.gate_up[i][0], n2.weight, n2.variance_epsilon, True),
-              (layer.mlp.down_proj, None, 0.0, False)]
-        if i + 1 < len(self.layers) and self.qkv[i + 1] is not None:
-            n1 = self.layers[i + 1].input_layernorm
-            st.append((self.qkv[i + 1][0], n1.weight, n1.variance_epsilon, False))
-        return st
 
     def _attend(self, q, kc, vc, length, scale, pos):
         B, Hkv = kc.shape[:2]
@@ -198,15 +180,11 @@ class FastDecodeStep:
         B = ids.shape[0]
         x = inner.embed_tokens(ids).reshape(B, -1)
         length = pos + 1
-        res = qkv_next = None
+        res = None
         for i, layer in enumerate(self.layers):
             n = layer.input_layernorm
             att = layer.self_attn
-            if qkv_next is not None:  # computed by the previous layer's chain
-                nq, nk, _ = self.qkv[i][1]
-                qkv, qkv_next = qkv_next, None
-                q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
-            elif self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
+            if self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
                 fused, (nq, nk, _) = self.qkv[i]
                 if res is None:
                     res = x
@@ -226,15 +204,8 @@ class FastDecodeStep:
                                  att.q_norm.variance_epsilon)
             else:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
-            o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
-            if self.chain[i] is not None:
-                y, res = linear_chain(o, res, self.chain[i])
-                if len(self.chain[i]) == 4:
-                    qkv_next = y
-                else:
-                    x = y
-                continue
-            x = att.o_proj(o)
+            o = self._attend(qr, kc, vc, length, att.scaling, pos)
+            x = att.o_proj(o.reshape(B, -1))
             x, res = self._mlp(i, x, res)
         n = inner.norm
         y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon)
