@@ -231,6 +231,37 @@ def test_mma_gpu_cuda_graph():
     assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K_,k,M,config", [
+    (64, 8192, 4, 1, (3, 8, 2, 2)),        # kernel 3: 4 tiles x 32 segments over thousands of warps (32 parts a tile)
+    (6144, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory, 8 parts a tile (q/k/v of Llama-3-8B)
+    (4096, 4096, 2, 2, None),              # the default route (kernel 1) at M = 2
+    (64, 8192, 2, 3, (1, 2, 3)),           # kernel 1, split K over many CTAs
+    (2048, 14336, 5, 8, (1, 4, 4)),        # kernel 1, 4-warp CTAs
+])
+def test_mma_gpu_deterministic(N, K_, k, M, config):
+    """Tiles split over several warps / CTAs add their parts in a fixed order: repeated calls and graph replays
+    give bit-identical outputs (fp32 atomics in arrival order did not)."""
+    codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=N + k)
+    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
+    x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
+    y0 = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    for i in range(30):
+        if i % 3 == 0:  # other work on the GPU in between shifts the arrival order
+            torch.randn(1 << 20, device="cuda").sum()
+        assert torch.equal(MM.linear_small_m(x, codes, scales, ts, cb, **kw), y0), i
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    for i in range(10):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y0), i
+    kw.pop("config")
+    assert rel_err(y0, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+
+
 sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="kernel 7 (wgmma) is sm_90a only")
 

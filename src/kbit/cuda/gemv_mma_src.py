@@ -396,8 +396,9 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
 #if KERNEL == 1
 /* CTA per (tile, K split): its W warps take the split's segments round-robin (register double buffer, the
    first segment of the warp's next item prefetched before this item's reduction), partial sums reduced in
-   shared memory; split K across CTAs is fixed up in an fp32 workspace by the last CTA of the tile. */
-__shared__ float s_red[NG * 128];
+   shared memory in warp order; split K across CTAs goes through a workspace slot a split, added in split order
+   by the last CTA of the tile (deterministic). */
+__shared__ float s_red[MAXW * NG * 128]; /* a warp's partial sums each, added in warp order */
 __shared__ int s_flag;
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -421,7 +422,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
   __syncthreads();
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
@@ -485,29 +485,31 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         seg = n_seg_;
         if (done) break;
       }
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) atomicAdd(&s_red[(ng * 4 + c) * 32 + lane], acc[ng][c]);
     } else {
       int n_item = item + gridDim.x;  /* this warp had no segment in this item: look at the next one */
       first(n_item, seg);
       if (seg >= 0) load(n_item, seg);
     }
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_red[warp * (NG * 128) + (ng * 4 + c) * 32 + lane] = acc[ng][c];
     __syncthreads();
     const bool last = splits == 1;
+    /* split K across CTAs: the CTA's sums go to slot sp of the tile; the CTA that completes the tile's count adds
+       the slots in split order and zeroes them (deterministic: no sum depends on the order of arrival) */
+    float* slots = ws + (long long)tile * splits * (NG * 128);
     for (u32 e = tid; e < NG * 128; e += blockDim.x) {
       const u32 c = (e >> 5) & 3, l = e & 31;
       const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
       const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-      float v = s_red[e] * post;
-      s_red[e] = 0.0f;
-      if (row < N && tok < M) {
-        if (last) {
-          y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-        } else {
-          atomicAdd(&ws[(long long)tok * ws_stride + row], v);
-        }
+      float v = 0.0f;
+      for (u32 w = 0; w < W; ++w) v += s_red[w * (NG * 128) + e];
+      v *= post;
+      if (!last) {
+        __stcg(slots + sp * (NG * 128) + e, v);
+      } else if (row < N && tok < M) {
+        y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
       }
     }
     if (!last) {
@@ -521,10 +523,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           const u32 c = (e >> 5) & 3, l = e & 31;
           const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
           const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-          if (row < N && tok < M) {
-            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-          }
+          float v = 0.0f;
+          for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
+          for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
+          if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
         }
         if (tid == 0) atomicExch(&cnt[tile], 0);
       }
@@ -536,8 +538,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 /* stream-K over segments: the Nt x S (tile, segment) pairs, in memory order, are cut into equal contiguous
    ranges, one a warp (grid = CTAs that fit at once). A warp streams its range through a ring of PD register
    buffers (PD - 1 segments in flight while one is computed; no CTA barrier, no drain between tiles); a tile
-   that lies wholly in the range is written directly, a partial one is added to the fp32 workspace and the
-   warp that completes the tile's segment count (counter) writes it. */
+   that lies wholly in the range is written directly, a part of one goes to its own workspace slot and the
+   warp that completes the tile's segment count (counter) adds the slots in a fixed order and writes it
+   (finish_det: bit-identical outputs run to run). */
 __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
                                        const V4* __restrict__ scales, int j, u32 lane, int g) {
 #pragma unroll
@@ -653,6 +656,91 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
   if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif
+/* Deterministic fix-up of a tile split over several warps: each part writes its partial sums (128 NG floats, element
+   (ng, c, lane)) to its own slot of the tile, slot ceil(seg_first / L) with L the shortest warp range (so that two
+   parts of a tile never share one), and the warp that completes the tile's count adds the tile's spt slots in
+   slot order and zeroes them (unused slots are zero at rest, and adding them changes nothing). A sum therefore
+   does not depend on which warp arrived first: outputs are bit-identical run to run. */
+__device__ __forceinline__ bool slot_arrive(const float (&acc)[NG][4], float* __restrict__ slot, u32 lane,
+                                            float post, int* __restrict__ cnt, int c_idx, int contrib, int total) {
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) __stcg(slot + (ng * 4 + c) * 32 + lane, acc[ng][c] * post);
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&cnt[c_idx], contrib) == total - contrib;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) __threadfence();
+  return last;
+}
+/* the sums of a tile's spt slots (in slot order) for this lane's elements; the slots are zeroed */
+__device__ __forceinline__ void slot_sum(float* __restrict__ base, int spt, u32 lane, float (&v)[NG][4]) {
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) v[ng][0] = v[ng][1] = v[ng][2] = v[ng][3] = 0.0f;
+  for (int q = 0; q < spt; ++q)
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) v[ng][c] += __ldcg(base + q * (NG * 128) + (ng * 4 + c) * 32 + lane);
+  for (int q = 0; q < spt; ++q)
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) __stcg(base + q * (NG * 128) + (ng * 4 + c) * 32 + lane, 0.0f);
+}
+/* finish() with the slot fix-up */
+__device__ __forceinline__ void finish_det(float (&acc)[NG][4], int tile, int seg_first, int L, int spt, u32 lane,
+                                           int M, int N, u16* __restrict__ y, int y_stride,
+                                           const void* __restrict__ bias, int bias_kind, float post,
+                                           float* __restrict__ ws, int* __restrict__ cnt, int contrib, int total) {
+  const int g = lane >> 2, t = lane & 3;
+  float* base = ws + (long long)tile * spt * (NG * 128);
+  if (contrib != total) {
+    if (!slot_arrive(acc, base + ((seg_first + L - 1) / L) * (NG * 128), lane, post, cnt, tile, contrib, total))
+      return;
+    slot_sum(base, spt, lane, acc);  /* the tile's sums, in place of this part's */
+    post = 1.0f;
+    if (lane == 0) atomicExch(&cnt[tile], 0);
+  }
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(acc[ng][c] * post + bias_of(bias, bias_kind, row));
+    }
+}
+#if EPI
+/* finish_silu() with the slot fix-up: the warp that completes both tiles of a (gate, up) pair adds each tile's
+   slots */
+__device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, int seg_first, int L, int spt,
+                                                u32 lane, int M, int N, u16* __restrict__ y, int y_stride,
+                                                const void* __restrict__ bias, int bias_kind, float post,
+                                                float* __restrict__ ws, int* __restrict__ cnt, int contrib,
+                                                int total) {
+  const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
+  float* own = ws + (long long)tile * spt * (NG * 128);
+  if (!slot_arrive(acc, own + ((seg_first + L - 1) / L) * (NG * 128), lane, post, cnt, pair, contrib, 2 * total))
+    return;
+  float (&gs)[NG][4] = acc, us[NG][4];  /* the gate tile's sums in place of this part's */
+  slot_sum(ws + (long long)pair * spt * (NG * 128), spt, lane, gs);
+  slot_sum(ws + (long long)(pair + (half >> 4)) * spt * (NG * 128), spt, lane, us);
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (tok < M) {
+        const float gv = rnd(gs[ng][c] + bias_of(bias, bias_kind, row));
+        const float uv = rnd(us[ng][c] + bias_of(bias, bias_kind, half + row));
+        y[(long long)tok * y_stride + row] = f2h(rnd(gv / (1.0f + __expf(-gv))) * uv);
+      }
+    }
+  if (lane == 0) atomicExch(&cnt[pair], 0);
+}
+#endif
 /* a warp's range [j0, j1) of (tile, segment) pairs through the register ring buf (its first PD - 1 segments
    already loaded); x rows xr (segment 0 of each 8-token group); epi: the SiLU * up epilogue (EPI builds) */
 __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V4* __restrict__ codes,
@@ -660,7 +748,8 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              const u16* const (&xr)[NG], LB lbb, u32 sc_base, u32 lane, int g,
                                              int M, int N, u16* __restrict__ y, int y_stride,
                                              const void* __restrict__ bias, int bias_kind, float post,
-                                             float* __restrict__ ws, int* __restrict__ cnt, int ws_stride, bool epi) {
+                                             float* __restrict__ ws, int* __restrict__ cnt, int L, int spt,
+                                             bool epi) {
   int tile = j0 / n_seg, seg = j0 - tile * n_seg, seg_first = seg;
   float acc[NG][4];
 #pragma unroll
@@ -679,12 +768,12 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
         if (seg == n_seg || j + 1 == j1) {
 #if EPI
           if (epi)
-            finish_silu(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
-                        ws_stride);
+            finish_silu_det(acc, tile, seg_first, L, spt, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
+                            seg - seg_first, n_seg);
           else
 #endif
-            finish(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
-                   ws_stride);
+            finish_det(acc, tile, seg_first, L, spt, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
+                       seg - seg_first, n_seg);
 #pragma unroll
           for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
           if (seg == n_seg) { seg = 0; ++tile; }
@@ -760,8 +849,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
 #endif
   }
+  const long long Lq = T / TW;  /* the shortest warp range: parts of a tile start at least this far apart */
+  const int L = Lq > 0 ? (int)Lq : 1, spt = (n_seg + L - 2) / L + 1;  /* slots a tile (see finish_det) */
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, ws_stride, EPI);
+               bias_kind, post, ws, cnt, L, spt, EPI);
 }
 #elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column

@@ -293,15 +293,15 @@ _WS: dict = {}
 _ETAB: dict = {}
 
 
-def _workspace(device, M, npad, n_tiles):
-    """fp32 partial sums [M, npad] and per-tile counters, zero at rest (the kernel re-zeroes what it used)."""
+def _workspace(device, n_floats, n_tiles):
+    """fp32 partial sums (``n_floats``) and per-tile counters, zero at rest (the kernel re-zeroes what it used)."""
     key = device  # one per device: calls on concurrent streams must not use split K at the same time
     ws = _WS.get(key)
-    if ws is None or ws[0].numel() < M * npad or ws[1].numel() < n_tiles:
+    if ws is None or ws[0].numel() < n_floats or ws[1].numel() < n_tiles:
         # each part only grows: a call that needs more counters must not shrink the partial sums (the size the
         # workspace settles at would depend on the order of the calls)
         old = ws or (torch.empty(0), torch.empty(0))
-        ws = (torch.zeros(max(M * npad, 1 << 16, old[0].numel()), dtype=torch.float32, device=device),
+        ws = (torch.zeros(max(n_floats, 1 << 16, old[0].numel()), dtype=torch.float32, device=device),
               torch.zeros(max(n_tiles, 4096, old[1].numel()), dtype=torch.int32, device=device))
         _WS[key] = ws
     return ws
@@ -598,8 +598,15 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         splits = _splits(Nt, S, slots * W, S // 2, divide=True)
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
+    if kernel == 3:  # a slot a part of a tile (kbit_gemv_mma's finish_det): parts start >= L segments apart
+        L = max(Nt * S // (grid * W), 1)
+        ws_floats = Nt * ((S + L - 2) // L + 1) * 128 * ng
+    elif kernel == 1:  # a slot a K split of a tile
+        ws_floats = Nt * splits * 128 * ng if splits > 1 else 0
+    else:  # fp32 partial sums [M, Nt * 16]
+        ws_floats = M * Nt * 16
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
-                regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt,
+                regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt, ws_floats=ws_floats,
                 use_ws=kernel in (3, 4, 6) or splits > 1 or bool(defines.get("SK")))
 
 
@@ -633,7 +640,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     elif p["defines"]["KERNEL"] in (6, 7):
         x2 = _permute_x(x2)
         x_stride = x2.stride(0)
-    ws, cnt = _workspace(dev, M, Nt * 16, p["n_cnt"]) if p["use_ws"] else (y, y)
+    ws, cnt = _workspace(dev, p["ws_floats"], p["n_cnt"]) if p["use_ws"] else (y, y)
     bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     fmt, extra = "", ()
     if kind:
