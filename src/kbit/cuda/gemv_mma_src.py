@@ -709,7 +709,8 @@ __device__ __forceinline__ void finish_det(float (&acc)[NG][4], int tile, int se
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(acc[ng][c] * post + bias_of(bias, bias_kind, row));
+      if (row < N && tok < M)
+        y[(long long)tok * y_stride + row] = f2h(acc[ng][c] * post + bias_of(bias, bias_kind, row));
     }
 }
 #if EPI
