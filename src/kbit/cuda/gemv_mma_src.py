@@ -524,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
           const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
           float v = 0.0f;
+#pragma unroll 8
           for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
           for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
           if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
@@ -679,6 +680,7 @@ __device__ __forceinline__ bool slot_arrive(const float (&acc)[NG][4], float* __
 __device__ __forceinline__ void slot_sum(float* __restrict__ base, int spt, u32 lane, float (&v)[NG][4]) {
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) v[ng][0] = v[ng][1] = v[ng][2] = v[ng][3] = 0.0f;
+#pragma unroll 8 /* the loads of 8 slots in flight at once, not one L2 round trip a slot */
   for (int q = 0; q < spt; ++q)
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
