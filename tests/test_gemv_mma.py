@@ -240,9 +240,12 @@ def test_mma_gpu_cuda_graph():
     (64, 8192, 2, 3, (1, 2, 3)),           # kernel 1, split K over many CTAs
     (2048, 14336, 5, 8, (1, 4, 4)),        # kernel 1, 4-warp CTAs
 ])
-def test_mma_gpu_deterministic(N, K_, k, M, config):
-    """Tiles split over several warps / CTAs add their parts in a fixed order: repeated calls and graph replays
-    give bit-identical outputs (fp32 atomics in arrival order did not)."""
+def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
+    """With deterministic algorithms on (torch's flag or KBIT_DETERMINISTIC=1), tiles split over several warps /
+    CTAs add their parts in a fixed order: repeated calls and graph replays give bit-identical outputs (the
+    default fp32 atomics in arrival order need not)."""
+    monkeypatch.setenv("KBIT_DETERMINISTIC", "1")
+    assert MM.deterministic()
     codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=N + k)
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
     x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")

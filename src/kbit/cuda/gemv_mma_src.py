@@ -85,6 +85,9 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #ifndef XS
 #define XS 0
 #endif
+#ifndef DET /* kernels 1 and 3: 1 = split-K parts added in a fixed order (bit-identical runs), 0 = fp32 atomics */
+#define DET 0
+#endif
 #ifndef PRO
 #define PRO 0
 #endif
@@ -396,9 +399,10 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
 #if KERNEL == 1
 /* CTA per (tile, K split): its W warps take the split's segments round-robin (register double buffer, the
    first segment of the warp's next item prefetched before this item's reduction), partial sums reduced in
-   shared memory in warp order; split K across CTAs goes through a workspace slot a split, added in split order
-   by the last CTA of the tile (deterministic). */
-__shared__ float s_red[MAXW * NG * 128]; /* a warp's partial sums each, added in warp order */
+   shared memory; split K across CTAs is fixed up in an fp32 workspace by the last CTA of the tile (DET: warps
+   added in warp order, a workspace slot a split added in split order: deterministic). */
+/* DET: a warp's partial sums each, added in warp order; else one set, shared-memory atomics */
+__shared__ float s_red[(DET ? MAXW : 1) * NG * 128];
 __shared__ int s_flag;
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -422,6 +426,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+#if !DET
+  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
+#endif
   __syncthreads();
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
@@ -485,15 +492,23 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         seg = n_seg_;
         if (done) break;
       }
+#if !DET
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) atomicAdd(&s_red[(ng * 4 + c) * 32 + lane], acc[ng][c]);
+#endif
     } else {
       int n_item = item + gridDim.x;  /* this warp had no segment in this item: look at the next one */
       first(n_item, seg);
       if (seg >= 0) load(n_item, seg);
     }
+#if DET
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s_red[warp * (NG * 128) + (ng * 4 + c) * 32 + lane] = acc[ng][c];
+#endif
     __syncthreads();
     const bool last = splits == 1;
     /* split K across CTAs: the CTA's sums go to slot sp of the tile; the CTA that completes the tile's count adds
@@ -503,6 +518,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       const u32 c = (e >> 5) & 3, l = e & 31;
       const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
       const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+#if DET
       float v = 0.0f;
       for (u32 w = 0; w < W; ++w) v += s_red[w * (NG * 128) + e];
       v *= post;
@@ -511,6 +527,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       } else if (row < N && tok < M) {
         y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
       }
+#else
+      const float v = s_red[e] * post;
+      s_red[e] = 0.0f;
+      if (row < N && tok < M) {
+        if (last) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+        else atomicAdd(&ws[(long long)tok * ws_stride + row], v);
+      }
+#endif
     }
     if (!last) {
       __threadfence();
@@ -523,11 +547,18 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           const u32 c = (e >> 5) & 3, l = e & 31;
           const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
           const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+#if DET
           float v = 0.0f;
 #pragma unroll 8
           for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
           for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
           if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+#else
+          if (row < N && tok < M) {
+            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+          }
+#endif
         }
         if (tid == 0) atomicExch(&cnt[tile], 0);
       }
@@ -539,9 +570,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 /* stream-K over segments: the Nt x S (tile, segment) pairs, in memory order, are cut into equal contiguous
    ranges, one a warp (grid = CTAs that fit at once). A warp streams its range through a ring of PD register
    buffers (PD - 1 segments in flight while one is computed; no CTA barrier, no drain between tiles); a tile
-   that lies wholly in the range is written directly, a part of one goes to its own workspace slot and the
-   warp that completes the tile's segment count (counter) adds the slots in a fixed order and writes it
-   (finish_det: bit-identical outputs run to run). */
+   that lies wholly in the range is written directly, a part of one is added to the fp32 workspace (DET: goes
+   to its own workspace slot) and the warp that completes the tile's segment count (counter) writes it (DET:
+   adds the slots in a fixed order, finish_det: bit-identical outputs run to run). */
 __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
                                        const V4* __restrict__ scales, int j, u32 lane, int g) {
 #pragma unroll
@@ -751,8 +782,8 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              const u16* const (&xr)[NG], LB lbb, u32 sc_base, u32 lane, int g,
                                              int M, int N, u16* __restrict__ y, int y_stride,
                                              const void* __restrict__ bias, int bias_kind, float post,
-                                             float* __restrict__ ws, int* __restrict__ cnt, int L, int spt,
-                                             bool epi) {
+                                             float* __restrict__ ws, int* __restrict__ cnt, int ws_stride, int L,
+                                             int spt, bool epi) {
   int tile = j0 / n_seg, seg = j0 - tile * n_seg, seg_first = seg;
   float acc[NG][4];
 #pragma unroll
@@ -769,6 +800,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
         segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
         ++seg;
         if (seg == n_seg || j + 1 == j1) {
+#if DET
 #if EPI
           if (epi)
             finish_silu_det(acc, tile, seg_first, L, spt, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
@@ -777,6 +809,16 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #endif
             finish_det(acc, tile, seg_first, L, spt, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
                        seg - seg_first, n_seg);
+#else
+#if EPI
+          if (epi)
+            finish_silu(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+                        ws_stride);
+          else
+#endif
+            finish(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt, seg - seg_first, n_seg,
+                   ws_stride);
+#endif
 #pragma unroll
           for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
           if (seg == n_seg) { seg = 0; ++tile; }
@@ -855,7 +897,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   const long long Lq = T / TW;  /* the shortest warp range: parts of a tile start at least this far apart */
   const int L = Lq > 0 ? (int)Lq : 1, spt = (n_seg + L - 2) / L + 1;  /* slots a tile (see finish_det) */
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, L, spt, EPI);
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI);
 }
 #elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column

@@ -293,6 +293,14 @@ _WS: dict = {}
 _ETAB: dict = {}
 
 
+def deterministic() -> bool:
+    """Whether kernels 1 and 3 add the parts of a split tile in a fixed order (bit-identical outputs run to run and
+    replay to replay) instead of with fp32 atomics in arrival order: when ``torch.use_deterministic_algorithms(True)``
+    is on, or ``KBIT_DETERMINISTIC=1``. Off by default: it costs ~95 us of a 2.54 ms Llama-3-8B decode step at
+    k = 4 on an H100 (``benchmarks/results/h100/step-timeline-s10-det.txt``)."""
+    return torch.are_deterministic_algorithms_enabled() or os.environ.get("KBIT_DETERMINISTIC") == "1"
+
+
 def _workspace(device, n_floats, n_tiles):
     """fp32 partial sums (``n_floats``) and per-tile counters, zero at rest (the kernel re-zeroes what it used)."""
     key = device  # one per device: calls on concurrent streams must not use split K at the same time
@@ -560,6 +568,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     if kernel in (1, 3):
         pf = L2PF.get(kernel, 0) if N * K < BIG else 0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
+    if kernel in (1, 3) and deterministic():
+        defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
@@ -598,10 +608,10 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         splits = _splits(Nt, S, slots * W, S // 2, divide=True)
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
-    if kernel == 3:  # a slot a part of a tile (kbit_gemv_mma's finish_det): parts start >= L segments apart
+    if kernel == 3 and defines.get("DET"):  # a slot a part of a tile (finish_det): parts start >= L segments apart
         L = max(Nt * S // (grid * W), 1)
         ws_floats = Nt * ((S + L - 2) // L + 1) * 128 * ng
-    elif kernel == 1:  # a slot a K split of a tile
+    elif kernel == 1 and defines.get("DET"):  # a slot a K split of a tile
         ws_floats = Nt * splits * 128 * ng if splits > 1 else 0
     else:  # fp32 partial sums [M, Nt * 16]
         ws_floats = M * Nt * 16
@@ -623,7 +633,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     dev = x2.device
     bf16 = x2.dtype == torch.bfloat16
     kind = pro[0] if pro else 0
-    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind, epi)
+    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind, epi, deterministic())
     p = _PLANS.get(key)
     if p is None:
         p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev, pro=kind, epi=epi)
