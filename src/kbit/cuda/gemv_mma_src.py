@@ -311,6 +311,18 @@ __device__ __forceinline__ float bias_of(const void* __restrict__ bias, int bias
   return 0.0f;
 }
 
+/* after a warp's partial sums are written: count its contrib segments on cnt[c_idx]; true in every lane of the warp
+   whose count completes total (it then reads the sums back) */
+__device__ __forceinline__ bool arrive(int* __restrict__ cnt, int c_idx, int contrib, int total, u32 lane) {
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(&cnt[c_idx], contrib) == total - contrib;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) __threadfence();
+  return last;
+}
+
 /* add a task's partial sums (rows of tile) to the fp32 workspace and count its contrib segments on cnt[c];
    true in every lane of the warp whose count completes total (it then reads the sums back) */
 __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 lane, int M, int N, float post,
@@ -324,13 +336,24 @@ __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 
       const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
       if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
     }
-  __threadfence();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(&cnt[c_idx], contrib) == total - contrib;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) __threadfence();
-  return last;
+  return arrive(cnt, c_idx, contrib, total, lane);
+}
+
+/* y of the lane's elements of a tile: acc * post + bias */
+__device__ __forceinline__ void store_tile(const float (&acc)[NG][4], int tile, u32 lane, int M, int N,
+                                           u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
+                                           int bias_kind, float post) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) {
+        const float v = acc[ng][c] * post + bias_of(bias, bias_kind, row);
+        y[(long long)tok * y_stride + row] = f2h(v);
+      }
+    }
 }
 
 /* finish one (tile, K range) task: write y, or add to the fp32 workspace (the last of the tile's splits writes) */
@@ -340,16 +363,7 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
                                        int ws_stride) {
   const int g = lane >> 2, t = lane & 3;
   if (contrib == total) {
-#pragma unroll
-    for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-        if (row < N && tok < M) {
-          const float v = acc[ng][c] * post + bias_of(bias, bias_kind, row);
-          y[(long long)tok * y_stride + row] = f2h(v);
-        }
-      }
+    store_tile(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post);
     return;
   }
   if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
@@ -667,6 +681,8 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
    (N/2 % 16 == 0); y [M, N/2] = silu(gate) * up, rounded as transformers rounds (gate, up, silu(gate), the
    product). Every task adds its partial sums to the fp32 workspace; the warp that completes both tiles of a pair
    (counter of the gate tile) writes y. */
+/* silu(gate) * up of the rounded gate and up values, rounded as transformers rounds */
+__device__ __forceinline__ u16 silu_up(float gv, float uv) { return f2h(rnd(gv / (1.0f + __expf(-gv))) * uv); }
 __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 lane, int M, int N,
                                             u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
                                             int bias_kind, float post, float* __restrict__ ws,
@@ -682,7 +698,7 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
         float* w = ws + (long long)tok * ws_stride;
         const float gv = rnd(atomicExch(w + row, 0.0f) + bias_of(bias, bias_kind, row));
         const float uv = rnd(atomicExch(w + half + row, 0.0f) + bias_of(bias, bias_kind, half + row));
-        y[(long long)tok * y_stride + row] = f2h(rnd(gv / (1.0f + __expf(-gv))) * uv);
+        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
       }
     }
   if (lane == 0) atomicExch(&cnt[pair], 0);
@@ -699,13 +715,7 @@ __device__ __forceinline__ bool slot_arrive(const float (&acc)[NG][4], float* __
   for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
     for (int c = 0; c < 4; ++c) __stcg(slot + (ng * 4 + c) * 32 + lane, acc[ng][c] * post);
-  __threadfence();
-  __syncwarp();
-  int last = 0;
-  if (lane == 0) last = atomicAdd(&cnt[c_idx], contrib) == total - contrib;
-  last = __shfl_sync(0xffffffffu, last, 0);
-  if (last) __threadfence();
-  return last;
+  return arrive(cnt, c_idx, contrib, total, lane);
 }
 /* the sums of a tile's spt slots (in slot order) for this lane's elements; the slots are zeroed */
 __device__ __forceinline__ void slot_sum(float* __restrict__ base, int spt, u32 lane, float (&v)[NG][4]) {
@@ -728,7 +738,6 @@ __device__ __forceinline__ void finish_det(float (&acc)[NG][4], int tile, int se
                                            int M, int N, u16* __restrict__ y, int y_stride,
                                            const void* __restrict__ bias, int bias_kind, float post,
                                            float* __restrict__ ws, int* __restrict__ cnt, int contrib, int total) {
-  const int g = lane >> 2, t = lane & 3;
   float* base = ws + (long long)tile * spt * (NG * 128);
   if (contrib != total) {
     if (!slot_arrive(acc, base + ((seg_first + L - 1) / L) * (NG * 128), lane, post, cnt, tile, contrib, total))
@@ -737,14 +746,7 @@ __device__ __forceinline__ void finish_det(float (&acc)[NG][4], int tile, int se
     post = 1.0f;
     if (lane == 0) atomicExch(&cnt[tile], 0);
   }
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (row < N && tok < M)
-        y[(long long)tok * y_stride + row] = f2h(acc[ng][c] * post + bias_of(bias, bias_kind, row));
-    }
+  store_tile(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post);
 }
 #if EPI
 /* finish_silu() with the slot fix-up: the warp that completes both tiles of a (gate, up) pair adds each tile's
@@ -769,7 +771,7 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
       if (tok < M) {
         const float gv = rnd(gs[ng][c] + bias_of(bias, bias_kind, row));
         const float uv = rnd(us[ng][c] + bias_of(bias, bias_kind, half + row));
-        y[(long long)tok * y_stride + row] = f2h(rnd(gv / (1.0f + __expf(-gv))) * uv);
+        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
       }
     }
   if (lane == 0) atomicExch(&cnt[pair], 0);
