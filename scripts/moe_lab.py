@@ -63,17 +63,48 @@ def routing(T, E, top, seed=0):
 
 
 def set_kernel(kern):
-    os.environ["KBIT_GROUPED_KERNEL"] = str(kern)
+    """``"1"`` / ``"4"``: that grouped kernel (the sm_90 kernel 7 off); ``"7"`` the grouped kernel 7 at every
+    T (its default config for the step), ``"7:7.12.16.4.8.1.2"`` with that config."""
+    kern = str(kern)
+    for v in ("KBIT_GROUPED_KERNEL", "KBIT_GROUPED_LARGE_CFG"):
+        os.environ.pop(v, None)
+    if kern.startswith("7"):
+        os.environ["KBIT_GROUPED_LARGE"] = "1"
+        GM.LARGE_MIN_ROWS = 0
+        if ":" in kern:
+            os.environ["KBIT_GROUPED_LARGE_CFG"] = kern.split(":")[1].replace(".", ",")
+    else:
+        os.environ["KBIT_GROUPED_LARGE"] = "0"
+        os.environ["KBIT_GROUPED_KERNEL"] = kern
 
 
-def correctness():
-    fails, n = [], 0
-    for kern in (4,):
+def check_x_tiles():
+    fails = []
+    for (E, T, top, K, bt) in ((16, 40, 4, 512, 64), (8, 300, 2, 768, 128), (4, 700, 2, 256, 256)):
+        rows, eids, _ = routing(T, E, top)
+        x = torch.randn(T, K, dtype=torch.bfloat16, device="cuda")
+        blk, nblk = GM.block_table(eids, bt)
+        P = rows.shape[0]
+        n_max = min(P, P // bt + min(E, P))
+        S = K // 256
+        a = GM._x_tiles_grouped(x, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk.item())]
+        b = GM._x_tiles_grouped_reference(x, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk.item())]
+        ok = torch.equal(a, b)
+        log(f"check x tiles grouped E={E} T={T} K={K} bt={bt}: {'ok' if ok else 'FAIL'}")
+        if not ok:
+            fails.append(("x_tiles_g", E, T, K, bt))
+    return fails
+
+
+def correctness(kernels=(4,)):
+    fails, n = check_x_tiles() if any(str(v).startswith("7") for v in kernels) else [], 0
+    for kern in kernels:
         set_kernel(kern)
         for k in (2, 3, 4, 5):
             for dt in (torch.float16, torch.bfloat16):
                 for sf in ("log8", "fp16"):
-                    for (E, T, top, N, K) in ((16, 40, 4, 384, 512), (8, 7, 2, 200, 768), (4, 100, 2, 64, 256)):
+                    for (E, T, top, N, K) in ((16, 40, 4, 384, 512), (8, 7, 2, 200, 768), (4, 100, 2, 64, 256),
+                                              (8, 600, 2, 1000, 1100)):
                         w = stack(E, N, K, k, sf, seed=n)
                         rows, eids, _ = routing(T, E, top, seed=n)
                         x = torch.randn(T, K, dtype=dt, device="cuda")
@@ -97,6 +128,7 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="16,64,256,1024")
     ap.add_argument("--kernels", default="1,4")
+    ap.add_argument("--check", default="4", help="kernels to check (set_kernel's names)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -104,7 +136,7 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    fails = correctness()
+    fails = correctness(a.check.split(",") if a.check else ())
     rows_out = []
 
     def dump():
@@ -134,7 +166,7 @@ def main():
                                   torch._grouped_mm(x.index_select(0, rows), w, offs=offs)) for w in wb])
                 r["bf16_us"] = bf.us
                 outs = {}
-                for kern in [int(v) for v in a.kernels.split(",")]:
+                for kern in a.kernels.split(","):
                     set_kernel(kern)
                     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
                     try:
@@ -144,8 +176,8 @@ def main():
                         r[f"k{kern}_us"] = t.us
                     except Exception as ex:  # noqa: BLE001
                         log(f"  kernel {kern} failed: {repr(ex)[:300]}")
-                if len(outs) == 2:
-                    a1, a4 = outs.values()
+                if len(outs) >= 2:
+                    a1, a4 = list(outs.values())[:2]
                     r["k1_vs_k4"] = ((a1.double() - a4.double()).norm() / a4.double().norm()).item()
                 rows_out.append(r)
                 log(f"{name} {which} T={T} bf16 {bf.us:.1f} " + " ".join(

@@ -1414,6 +1414,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #ifndef XB
 #define XB 0 /* 1: x pre-tiled and swizzled on the device (kbit_x_tiles): one bulk copy a chunk, mbarrier */
 #endif
+#ifndef GRP
+#define GRP 0 /* 1: grouped (MoE): token blocks are the blocks of a device block table, each of one expert */
+#endif
+#if GRP && (SK || !XB)
+#error "GRP: x must be pre-tiled (XB) and stream-K is not supported"
+#endif
 #if XB
 __shared__ __align__(8) u64 s_full[8];  /* a chunk's bulk copy landed in stage s */
 __shared__ __align__(8) u64 s_empty[8]; /* XB = 2: every warp's wgmmas that read stage s retired */
@@ -1455,7 +1461,12 @@ __device__ __forceinline__ u64 x_desc(u32 sb, int kk) {
   return wg_desc(sb + kk * 2 * NG * 128);
 #endif
 }
-struct Task { int tb, rb, s0, s1; };
+struct Task {
+  int tb, rb, s0, s1;
+#if GRP
+  int e, r0, mb; /* the block's expert, first row and row count */
+#endif
+};
 __device__ __forceinline__ Task task_of(int p, int n_rb, int n_tb, int splits, int sps, int n_seg) {
   Task r;
   const int q = p / splits, sp = p - q * splits;
@@ -1477,11 +1488,24 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride) {
+    int bias_kind, int ws_stride
+#if GRP
+    , const int* __restrict__ blk, const int* __restrict__ nblk, const int* __restrict__ eid
+#endif
+    ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2;
   const int BT = 8 * NG;
+#if GRP
+  /* grouped: codes [E][n_tiles][n_seg], ts_ptr [E]; token block b = rows [blk[b], blk[b + 1]) of expert
+     eid[blk[b]], x tiled per block (kbit_x_tiles_g), y rows in the same order. The block table is the previous
+     kernels' output: wait first (no weight prologue before the wait). */
+  pdl_launch();
+  pdl_wait();
+  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = min(*nblk, M); /* M: the tiles' block count */
+#else
   const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = (M + BT - 1) / BT;
+#endif
   const int n_tasks = n_rb * n_tb * splits;
 #if SK
   /* stream-K: CTA b takes the (task, segment) pairs [T b / G, T (b + 1) / G) of the raster order; a task it
@@ -1498,7 +1522,15 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   };
 #else
   const int p_first = blockIdx.x, p_end = n_tasks, p_step = gridDim.x;
-  auto get_task = [&](int p) { return task_of(p, n_rb, n_tb, splits, sps, n_seg); };
+  auto get_task = [&](int p) {
+    Task t = task_of(p, n_rb, n_tb, splits, sps, n_seg);
+#if GRP
+    t.r0 = blk[t.tb];
+    t.mb = blk[t.tb + 1] - t.r0;
+    t.e = eid[t.r0];
+#endif
+    return t;
+  };
 #endif
   if (p_first >= p_end) return;
   extern __shared__ __align__(128) unsigned char dsm[];
@@ -1568,7 +1600,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     if (f_p < p_end) {
       const int tile = ft.rb * MAXW + (int)warp;
       if (tile < n_tiles) {
+#if GRP
+        const long long ts_ = ((long long)ft.e * n_tiles + tile) * n_seg + f_s;
+#else
         const long long ts_ = (long long)tile * n_seg + f_s;
+#endif
 #pragma unroll
         for (int v = 0; v < K_BITS; ++v) {
           V4 q = ldg_nc(codes + (ts_ * K_BITS + v) * 32 + lane);
@@ -1607,9 +1643,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   __syncthreads();
   u32 phase = 0;  /* bit s: parity of the next completion of stage s */
 #endif
+#if !GRP
   /* x (the previous kernel's output) after the wait; the first codes are in flight */
   pdl_launch();
   pdl_wait();
+#endif
 #pragma unroll
   for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
   const LB lbb = lane_bits(tab, lane, cb);
@@ -1680,10 +1718,16 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     if (++c_s == ct.s1) {
       wg_wait<0>();
       const int tile = ct.rb * MAXW + (int)warp;
+#if GRP
+      const int tok0 = ct.r0, mb = ct.mb;
+      const float post_t = ts_ptr[ct.e] * (FP16_SCALES ? 1.0f : 1.0f / SPRE);
+#else
       const int tok0 = ct.tb * BT;
       const int mb = min(BT, M - tok0);
+      const float post_t = post;
+#endif
       if (tile < n_tiles)
-        finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post,
+        finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post_t,
                ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, SK ? c_s - ct.s0 : 1, SK ? n_seg : splits,
                ws_stride);
 #pragma unroll
@@ -1840,13 +1884,27 @@ X_TILES_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) V4 { u32 x, y, z, w; };
-extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
-                                         int n_ch, int bt, long long total) {
-  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+__device__ __forceinline__ void pdl() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+/* the 16-byte piece at position pos of row r of chunk ch, from x row `row` (< 0: zeros) */
+__device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_stride, int ch, int r, int pos) {
+  V4 v = {0u, 0u, 0u, 0u};
+  if (row >= 0) {
+    /* piece c of the chunk = permuted columns 8c .. 8c + 7 = original 32 (c / 4) + 8t + 4h + 2p + e */
+    const int c = pos ^ (r & 7), h = (c >> 1) & 1, p = c & 1;
+    const u32* src = (const u32*)(x + (long long)row * x_stride + ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p);
+    v.x = src[0]; v.y = src[4]; v.z = src[8]; v.w = src[12];
+  }
+  return v;
+}
+extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
+                                         int n_ch, int bt, long long total) {
+  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  pdl();
   if (o >= total) return;
   const int pos = (int)(o & 7);
   long long rest = o >> 3;
@@ -1854,13 +1912,26 @@ extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restric
   rest /= bt;
   const int ch = (int)(rest % n_ch);
   const int row = (int)(rest / n_ch) * bt + r;
-  V4 v = {0u, 0u, 0u, 0u};
-  if (row < M) {
-    /* piece c of the chunk = permuted columns 8c .. 8c + 7 = original 32 (c / 4) + 8t + 4h + 2p + e */
-    const int c = pos ^ (r & 7), h = (c >> 1) & 1, p = c & 1;
-    const u32* src = (const u32*)(x + (long long)row * x_stride + ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p);
-    v.x = src[0]; v.y = src[4]; v.z = src[8]; v.w = src[12];
-  }
-  xt[o] = v;
+  xt[o] = piece(x, row < M ? row : -1, x_stride, ch, r, pos);
+}
+/* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
+   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero */
+extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restrict__ xt,
+                                           const int* __restrict__ rows, const int* __restrict__ blk,
+                                           const int* __restrict__ nblk, int x_stride, int n_ch, int bt,
+                                           long long total) {
+  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  pdl();
+  if (o >= total) return;
+  const int pos = (int)(o & 7);
+  long long rest = o >> 3;
+  const int r = (int)(rest % bt);
+  rest /= bt;
+  const int ch = (int)(rest % n_ch);
+  const int b = (int)(rest / n_ch);
+  if (b >= *nblk) return;
+  const int i = blk[b] + r;
+  const int row = i < blk[b + 1] ? (rows ? rows[i] : i) : -1;
+  xt[o] = piece(x, row, x_stride, ch, r, pos);
 }
 """

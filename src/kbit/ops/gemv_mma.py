@@ -494,6 +494,29 @@ def _sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def large_defines(k, cfg, grouped=False):
+    """(defines, dynamic shared bytes) of kernel 7 config ``cfg`` (:func:`large_config`); ``grouped``: the MoE
+    form (``GRP``: x pre-tiled per block of a block table, no split K; ``kbit.ops.grouped_mma``)."""
+    W, ng = cfg[1], cfg[2]  # warps; 8-token groups a tile: 8 (64 tokens), 16 (128) or 32 (256)
+    D = cfg[3] if len(cfg) > 3 else 4
+    gm = cfg[4] if len(cfg) > 4 else 8
+    xc = 8 * ng * 128
+    xsw = cfg[5] if len(cfg) > 5 else 1
+    xb = int(len(cfg) > 6 and cfg[6] and xsw)  # x pre-tiled on the device, one bulk copy a chunk
+    if grouped and not xb:
+        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1 or 2), got {cfg}")
+    D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
+    defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
+                   XB=xb)
+    if xb == 2 and len(cfg) > 7 and cfg[7]:
+        defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
+    if len(cfg) > 8 and cfg[8] and not grouped:
+        defines["SK"] = 1  # stream-K
+    if grouped:
+        defines["GRP"] = 1
+    return defines, D * xc + _table_smem(k) + 1024
+
+
 def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0):
     """The launch plan: dict of defines, block, grid, dynamic shared bytes, splits, segments a split. ``pro``: an x
     prologue (1: RMSNorm, 2: residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the
@@ -533,20 +556,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         defines = dict(KERNEL=6, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=minb, RT=1, ARCH_SPECIFIC=1, AB=ab)
         shared = D * stage + _table_smem(k) + 128
     elif kernel == 7:
-        ng = X  # 8-token groups a tile: 16 (128 tokens) or 32 (256)
-        D = cfg[3] if len(cfg) > 3 else 4
-        gm = cfg[4] if len(cfg) > 4 else 8
-        xc = 8 * ng * 128
-        xsw = cfg[5] if len(cfg) > 5 else 1
-        xb = int(len(cfg) > 6 and cfg[6] and xsw)  # x pre-tiled on the device, one bulk copy a chunk
-        D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
-        defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
-                       XB=xb)
-        if xb == 2 and len(cfg) > 7 and cfg[7]:
-            defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
-        if len(cfg) > 8 and cfg[8]:
-            defines["SK"] = 1  # stream-K
-        shared = D * xc + _table_smem(k) + 1024
+        defines, shared = large_defines(k, cfg)
+        ng = defines["NG"]
     elif kernel == 4:
         rt = X
         D = cfg[3] if len(cfg) > 3 else 3

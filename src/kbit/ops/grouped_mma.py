@@ -98,10 +98,15 @@ def copy_repacked(src_codes, src_scales, dst_codes, dst_scales) -> bool:
 # ------------------------------------------------------------------------------------------------ block table
 
 
-def choose_ng(P: int, E: int) -> int:
+def choose_ng(P: int, E: int, device=None) -> int:
     """8-row groups per block (``BM = 8 NG``) for ``P`` rows on ``E`` experts: the expected rows per touched
     expert ``P / min(E, P)`` rounded up to 8, 16 or 32 (NG = 8 compiles with ~150 bytes of register spills
-    (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2)."""
+    (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2). With ``device`` given
+    and the grouped kernel 7 serving the step there (:func:`large_config`): its 64-, 128- or 256-row blocks."""
+    if device is not None:
+        bt = _large_rows(P, E, device)
+        if bt:
+            return bt // 8
     rpe = P / max(1, min(E, P))
     if _kernel(8) == 4:  # kernel 4 holds 64-row blocks without spills
         return 1 if rpe <= 8 else 2 if rpe <= 16 else 4 if rpe <= 32 else 8
@@ -163,6 +168,108 @@ def block_table(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.
     ids = expert_ids.contiguous()
     kern((1,), 1024, "QiiQQ", ids.data_ptr(), P, bm, blk.data_ptr(), nblk.data_ptr())
     return blk, nblk
+
+
+# ------------------------------------------------------------------------------------------------ kernel 7
+
+#: the grouped kernel 7 (sm_90 wgmma, ``GRP`` of ``kbit.cuda.gemv_mma_src``) from this many rows per touched
+#: expert (a first guess from the dense kernel 7, which beat kernel 4 from M ~ 64; to be measured)
+LARGE_MIN_ROWS = 48
+
+
+def large_config(rpe: float):
+    """The grouped kernel 7 config (``kbit.ops.gemv_mma.large_config``'s tuple) for ``rpe`` rows per touched
+    expert: 64-, 128- or 256-row blocks. ``KBIT_GROUPED_LARGE_CFG`` overrides (lab)."""
+    if os.environ.get("KBIT_GROUPED_LARGE_CFG"):
+        return tuple(int(v) for v in os.environ["KBIT_GROUPED_LARGE_CFG"].split(","))
+    if rpe <= 96:
+        return (7, 16, 8, 4, 8, 1, 2)
+    if rpe <= 384:
+        return (7, 12, 16, 4, 8, 1, 2)
+    return (7, 8, 32, 4, 8, 1, 1)
+
+
+def _large_rows(P: int, E: int, device) -> int:
+    """Rows a block of the grouped kernel 7 if it serves ``P`` rows on ``E`` experts on ``device``, else 0."""
+    from kbit.ops.gemv_mma import large_ok
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or os.environ.get("KBIT_GROUPED_LARGE", "1") == "0" or not available(dev):
+        return 0
+    rpe = P / max(1, min(E, P))
+    if rpe < LARGE_MIN_ROWS or not large_ok(dev):
+        return 0
+    return 8 * large_config(rpe)[2]
+
+
+_XTG: dict = {}
+
+
+def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S):
+    """x rows gathered per block of a block table into kernel 7's bulk-copy tiles: ``[n_max, S * 4, bt, 64]``,
+    block ``b`` holding rows ``x[rows[blk[b] + r]]`` (zero past the block's end); blocks from ``nblk`` on are
+    not written (``kbit_x_tiles_g``)."""
+    n_ch = S * 4
+    xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
+    total = xt.numel() // 8
+    kern = _XTG.get(xp.device)
+    if kern is None:
+        from kbit.cuda import compile_kernel
+        from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
+
+        kern = _XTG[xp.device] = compile_kernel(X_TILES_SOURCE, "kbit_x_tiles_g", {}, xp.device)
+    kern((-(-total // 256),), 256, "QQQQQiiiq", xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
+         nblk.data_ptr(), xp.stride(0), n_ch, bt, total, pdl=True)
+    return xt
+
+
+def _x_tiles_grouped_reference(xp, rows, blk, nblk, n_max, bt, S):
+    """The definition of :func:`_x_tiles_grouped` in torch (host loop; unwritten blocks zero)."""
+    from kbit.ops.gemv_mma import _x_tiles
+
+    n_ch = S * 4
+    out = torch.zeros(n_max, n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
+    b_list = blk.tolist()
+    for b in range(min(int(nblk.item()), n_max)):
+        r = rows[b_list[b]:b_list[b + 1]].long()
+        out[b] = _x_tiles(xp.index_select(0, r), bt, S)[: n_ch * bt * 64] if r.numel() else 0
+    return out.reshape(-1)
+
+
+_LPLANS: dict = {}
+
+
+def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, blocks):
+    """One grouped kernel 7 launch (and its x gather) over the blocks of ``blocks`` (built for the config's
+    rows a block, or fewer)."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import SOURCE as DENSE
+    from kbit.ops.gemv_mma import large_defines
+
+    P = rows.shape[0]
+    E, Nt, S = rc.shape[0], rc.shape[1], rc.shape[2]
+    dev = xp.device
+    cfg = large_config(P / max(1, min(E, P)))
+    bf16 = xp.dtype == torch.bfloat16
+    key = (k, cfg, scale_format, bf16, dev)
+    p = _LPLANS.get(key)
+    if p is None:
+        defines, shared = large_defines(k, cfg, grouped=True)
+        defines.update(BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
+        kern = compile_kernel(DENSE, "kbit_gemv_mma", defines, dev)
+        p = _LPLANS[key] = (kern, defines, shared, kern.occupancy(cfg[1] * 32, shared))
+    kern, defines, shared, occ = p
+    W, bt = defines["MAXW"], 8 * defines["NG"]
+    blk, nblk = blocks
+    n_max = min(P, P // bt + min(E, P))  # blocks of at most bt rows: at most this many (kernel clamps nblk)
+    xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
+    grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
+    ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
+    kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
+         cb_c.data_ptr(), _etab(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
+         n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, blk.data_ptr(), nblk.data_ptr(),
+         expert_ids.contiguous().data_ptr(), shared=shared, pdl=True)
+    return y
 
 
 # ------------------------------------------------------------------------------------------------ launcher
@@ -254,7 +361,7 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    ng = ng or choose_ng(P, E)
+    ng = ng or choose_ng(P, E, x.device)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
     rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
@@ -290,7 +397,7 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    ng = ng or choose_ng(P, E)
+    ng = ng or choose_ng(P, E, x.device)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
     return _grouped_run(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
@@ -307,6 +414,9 @@ def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, s
     Nt, S = rc.shape[1], rc.shape[2]
     xp = _prep_x(x, S)
     dev = x.device
+    if ng * 8 == _large_rows(P, rc.shape[0], dev):
+        return _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
+                          N=N, blocks=blocks)
     kern, W, shared, occ, defines = _plan(k, ng, S, scale_format, x.dtype == torch.bfloat16, dev)
     if defines.get("KERNEL") == 5:  # items: row blocks of W tiles x expert blocks (at most P blocks)
         grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * P))

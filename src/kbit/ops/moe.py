@@ -137,6 +137,13 @@ def gemm_supported(device, dtype: torch.dtype) -> bool:
     return _gemm_available() and available(device)
 
 
+def _large(P: int, E: int, device) -> bool:
+    """Whether the grouped wgmma kernel (``kbit.ops.grouped_mma.large_config``, sm_90) serves the step."""
+    from kbit.ops.grouped_mma import _large_rows
+
+    return bool(_large_rows(P, E, device))
+
+
 def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device,
                 gemm: bool | None = None) -> MoePlan:
     """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
@@ -158,7 +165,7 @@ def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, 
         mm_ok = grouped_mm_supported(device, dtype, N, K)
         if gemm_ok and gemv_ok and T == 1 and N * K <= GEMV_T1_MAX_WEIGHTS:
             plan.append("gemv")
-        elif gemm_ok and (rows_per_expert <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok):
+        elif gemm_ok and (rows_per_expert <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok or _large(P, E, device)):
             plan.append("gemm")
         elif gemv_ok and (rows_per_expert <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
             plan.append("gemv")
@@ -348,7 +355,7 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     if plan.gate_up == plan.down == "gemm" and gemm_supported(hidden.device, hidden.dtype):
         from kbit.ops.grouped_mma import block_table, choose_ng
 
-        blocks = block_table(routing.expert_ids, 8 * choose_ng(routing.P, E))  # one table for both GEMMs
+        blocks = block_table(routing.expert_ids, 8 * choose_ng(routing.P, E, hidden.device))  # both GEMMs'
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     act = silu_mul(gu)
     y = expert_matmul(act, routing, down, plan.down, gather=False, blocks=blocks)
