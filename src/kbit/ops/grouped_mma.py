@@ -179,14 +179,16 @@ LARGE_MIN_ROWS = 48
 
 def large_config(rpe: float):
     """The grouped kernel 7 config (``kbit.ops.gemv_mma.large_config``'s tuple) for ``rpe`` rows per touched
-    expert: 64-, 128- or 256-row blocks. ``KBIT_GROUPED_LARGE_CFG`` overrides (lab)."""
+    expert: 64-, 128- or 256-row blocks (H100, k = 4, ``benchmarks/results/h100/moe7-s11-*.log``: 64 won at
+    20 rows an expert, 128 at 64-80, 256 at 256 on Mixtral and tied on Qwen3-30B). ``KBIT_GROUPED_LARGE_CFG``
+    overrides (lab)."""
     if os.environ.get("KBIT_GROUPED_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_GROUPED_LARGE_CFG"].split(","))
-    if rpe <= 96:
+    if rpe < 48:
         return (7, 16, 8, 4, 8, 1, 2)
-    if rpe <= 384:
+    if rpe < 192:
         return (7, 12, 16, 4, 8, 1, 2)
-    return (7, 8, 32, 4, 8, 1, 1)
+    return (7, 8, 32, 4, 8, 1, 2)
 
 
 def _large_rows(P: int, E: int, device) -> int:
