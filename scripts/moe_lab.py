@@ -183,7 +183,8 @@ def main():
                         P, S = rows.shape[0], -(-K // 256)
                         xp = GM._prep_x(x, S)
                         n_max = min(P, P // bt + min(E, P))
-                        r["kxt_us"] = time_calls([lambda: GM._x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S)]).us
+                        args = (xp, rows, blk, nblk, n_max, bt, S)
+                        r["kxt_us"] = time_calls([lambda args=args: GM._x_tiles_grouped(*args)]).us
                         continue
                     set_kernel(kern)
                     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
