@@ -241,3 +241,83 @@ def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(y, y2)
+
+
+LARGE_CFGS = ["7,16,8,4,8,1,2", "7,12,16,4,8,1,2", "7,8,32,4,8,1,2", "7,8,32,4,8,1,1"]
+
+
+def _sm90():
+    return CUDA and GR.available("cuda") and MM.large_ok("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", LARGE_CFGS)
+@pytest.mark.parametrize("k,dt,sf,sort", [(4, "bf16", "log8", True), (4, "fp16", "fp16", True),
+                                          (2, "bf16", "log8", False), (3, "fp16", "log8", True),
+                                          (5, "bf16", "log8", True)])
+def test_gpu_grouped_large_vs_reference(monkeypatch, cfg, k, dt, sf, sort):
+    """The grouped kernel 7 (sm_90 wgmma) forced at every row count, each block size: skewed routing (full,
+    partial and single-row blocks), odd N (tiles of two experts not aligned), K not a multiple of 256, gather
+    (gate_up) and no gather (down), sorted and unsorted rows."""
+    if not _sm90():
+        pytest.skip("needs sm_90 and the CUDA kernels")
+    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
+    monkeypatch.setenv("KBIT_GROUPED_LARGE_CFG", cfg)
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    E, T, top_k = 8, 600, 2
+    for N, K_ in ((1000, 1100), (512, 256)):
+        codes, scales, ts, cb = make_stack(E, N, K_, k, 32, sf, device="cuda", seed=k + N)
+        tok, ids = routing_ids(T, top_k, E, seed=N, sort=sort, device="cuda")
+        x = torch.randn(T, K_, device="cuda").to(dtype)
+        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_)
+        assert GR._large_rows(T * top_k, E, "cuda") == 8 * int(cfg.split(",")[2])
+        y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+        ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
+        assert rel_err(y, ref) < tol(dtype), (N, K_)
+        xs = torch.randn(T * top_k, K_, device="cuda").to(dtype)
+        rows = torch.arange(T * top_k, device="cuda", dtype=torch.int32)
+        y2 = GR.grouped_linear(xs, rows, ids, codes, scales, ts, cb, **kw)
+        ref2 = G.grouped_gemv_reference(xs, rows, ids, codes, scales, ts, cb, **kw)
+        assert rel_err(y2, ref2) < tol(dtype), (N, K_)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
+    """The grouped x gather equals its torch definition; the kernel 7 step runs without a host sync and a CUDA
+    graph replay equals eager bit for bit."""
+    if not _sm90():
+        pytest.skip("needs sm_90 and the CUDA kernels")
+    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
+    for E, T, top_k, K_, bt in ((16, 40, 4, 512, 64), (8, 300, 2, 768, 128), (4, 700, 2, 256, 256)):
+        tok, ids = routing_ids(T, top_k, E, seed=T, device="cuda")
+        x = torch.randn(T, K_, device="cuda").bfloat16()
+        blk, nblk = GR.block_table(ids, bt)
+        P, S = T * top_k, K_ // 256
+        n_max = min(P, P // bt + min(E, P))
+        a = GR._x_tiles_grouped(x, tok, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk)]
+        b = GR._x_tiles_grouped_reference(x, tok, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk)]
+        assert torch.equal(a, b), (E, T, K_, bt)
+    E, N, K_, T = 8, 768, 1024, 512
+    codes, scales, ts, cb = make_stack(E, N, K_, 4, device="cuda")
+    tok, ids = routing_ids(T, 2, E, device="cuda")
+    x = torch.randn(T, K_, device="cuda").bfloat16()
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_)
+    y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y2 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y, y2)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+        with torch.cuda.graph(g, stream=s):
+            y3 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, y3)

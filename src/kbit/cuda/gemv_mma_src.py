@@ -1461,27 +1461,10 @@ __device__ __forceinline__ u64 x_desc(u32 sb, int kk) {
   return wg_desc(sb + kk * 2 * NG * 128);
 #endif
 }
-#if GRP
-#define PASTE2(a, b) a##b
-#define PASTE(a, b) PASTE2(a, b)
-#define wg_mma_half PASTE(wg_mma_, NG_HALF)
-#define wg_mma_quarter PASTE(wg_mma_, NG_QUARTER)
-#if NG == 32
-#define NG_HALF 16
-#define NG_QUARTER 8
-#elif NG == 16
-#define NG_HALF 8
-#define NG_QUARTER 4
-#else
-#define NG_HALF 4
-#define NG_QUARTER 2
-#endif
-#endif
 struct Task {
   int tb, rb, s0, s1;
 #if GRP
   int e, r0, mb; /* the block's expert, first row and row count */
-  int q;         /* quarters of the tile's BT tokens that the block's mb rows need: 1, 2 or 4 */
 #endif
 };
 __device__ __forceinline__ Task task_of(int p, int n_rb, int n_tb, int splits, int sps, int n_seg) {
@@ -1545,7 +1528,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     t.r0 = blk[t.tb];
     t.mb = blk[t.tb + 1] - t.r0;
     t.e = eid[t.r0];
-    t.q = t.mb > BT / 2 ? 4 : t.mb > BT / 4 ? 2 : 1;
 #endif
     return t;
   };
@@ -1573,12 +1555,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       }
       ++l_q;
 #endif
-#if GRP
-      const u32 bytes = XC / 4 * lt.q;  /* rows past the block's quarters are not read (nor written) */
-#else
-      const u32 bytes = XC;
-#endif
-      bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), bytes,
+      bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
                 smem_addr(&s_full[slot]));
 #else
     if (l_p < p_end) {
@@ -1724,31 +1701,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         if (ul == 1 && lane == 0 && n_used > 0) mbar_arrive(smem_addr(&s_empty[prev_slot]));
 #endif
         fold_scales(Au, T, s0, s1);
-#if GRP
-        /* a block of at most half or a quarter of the tile's tokens: a narrower wgmma (its other accumulators
-           stay zero and are not stored) */
-        if (ct.q == 1) {
-          wg_fence();
-          wg_mma_quarter(acc, Au[0], x_desc(sb, ul * 2));
-          wg_mma_quarter(acc, Au[1], x_desc(sb, ul * 2 + 1));
-          wg_commit();
-        } else if (ct.q == 2) {
-          wg_fence();
-          wg_mma_half(acc, Au[0], x_desc(sb, ul * 2));
-          wg_mma_half(acc, Au[1], x_desc(sb, ul * 2 + 1));
-          wg_commit();
-        } else {
-          wg_fence();
-          wg_mma(acc, Au[0], x_desc(sb, ul * 2));
-          wg_mma(acc, Au[1], x_desc(sb, ul * 2 + 1));
-          wg_commit();
-        }
-#else
         wg_fence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
         wg_commit();
-#endif
       }
 #if XB == 2
       prev_slot = slot == 0 ? D - 1 : slot - 1;  /* slot has advanced: the stage this chunk read */
@@ -1770,11 +1726,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       const int mb = min(BT, M - tok0);
       const float post_t = post;
 #endif
-#ifdef NOSTORE /* lab: the cost of the output stores (results wrong) */
-      if (tile < 0)
-#else
       if (tile < n_tiles)
-#endif
         finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post_t,
                ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, SK ? c_s - ct.s0 : 1, SK ? n_seg : splits,
                ws_stride);
@@ -1920,16 +1872,6 @@ def _wgmma_funcs() -> str:
                        f"               : {cons_o}\n"
                        f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");\n'
                        "}\n#endif\n")
-            # the first ng of NG 8-token groups only (grouped kernel 7: blocks of at most half or a quarter of
-            # the tile's tokens)
-            out.append(f"#if defined(NG) && NG > {ng} && BF16 == {bf}\n"
-                       f"__device__ __forceinline__ void wg_mma_{ng}(float (&acc)[NG][4], const u32 (&a)[4], "
-                       "u64 desc) {\n"
-                       f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} {{{regs}}}, {{{a}}}, '
-                       f'%{nacc + 4}, 1, 1, 1, 0;"\n'
-                       f"               : {cons_o}\n"
-                       f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");\n'
-                       "}\n#endif\n")
     return "".join(out)
 
 
@@ -1973,8 +1915,7 @@ extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restric
   xt[o] = piece(x, row < M ? row : -1, x_stride, ch, r, pos);
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
-   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero up to the quarter of bt the
-   kernel reads (later rows are not written) */
+   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero */
 extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restrict__ xt,
                                            const int* __restrict__ rows, const int* __restrict__ blk,
                                            const int* __restrict__ nblk, int x_stride, int n_ch, int bt,
@@ -1989,10 +1930,8 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   const int ch = (int)(rest % n_ch);
   const int b = (int)(rest / n_ch);
   if (b >= *nblk) return;
-  const int r0 = blk[b], mb = blk[b + 1] - r0;
-  const int q = mb > bt / 2 ? 4 : mb > bt / 4 ? 2 : 1; /* the kernel reads this many quarters of the rows */
-  if (r >= q * (bt / 4)) return;
-  const int row = r < mb ? (rows ? rows[r0 + r] : r0 + r) : -1;
+  const int i = blk[b] + r;
+  const int row = i < blk[b + 1] ? (rows ? rows[i] : i) : -1;
   xt[o] = piece(x, row, x_stride, ch, r, pos);
 }
 """

@@ -514,8 +514,6 @@ def large_defines(k, cfg, grouped=False):
         defines["SK"] = 1  # stream-K
     if grouped:
         defines["GRP"] = 1
-    if os.environ.get("KBIT_LARGE_DEFINES"):  # lab only, e.g. "NOSTORE=1" (no output stores: wrong results)
-        defines.update({kv.split("=")[0]: int(kv.split("=")[1]) for kv in os.environ["KBIT_LARGE_DEFINES"].split(",")})
     return defines, D * xc + _table_smem(k) + 1024
 
 
