@@ -110,7 +110,7 @@ def correctness(kernels=(4,)):
                         rows, eids, _ = routing(T, E, top, seed=n)
                         x = torch.randn(T, K, dtype=dt, device="cuda")
                         kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K)
-                        y = GM.grouped_linear(x, rows, eids, *w, **kw)
+                        y = GM.grouped_linear(x, rows, eids, *w, **kw, sorted_rows=True)
                         ref = grouped_gemv_reference(x, rows, eids, *w, **kw)
                         e = ((y.double() - ref).norm() / ref.norm()).item()
                         ok = e < (3e-3 if dt == torch.float16 else 1.5e-2)
@@ -179,7 +179,7 @@ def main():
                         r["kxt_us"] = time_calls([lambda args=args: GM._x_tiles_grouped(*args)]).us
                         continue
                     set_kernel(kern)
-                    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K)
+                    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, sorted_rows=True)
                     try:
                         outs[kern] = GM.grouped_linear(x, rows, eids, *ws[0], **kw)
                         t = time_calls([(lambda w=w, x=x, rows=rows, eids=eids, kw=kw:

@@ -258,7 +258,7 @@ def _sm90():
 def test_gpu_grouped_large_vs_reference(monkeypatch, cfg, k, dt, sf, sort):
     """The grouped kernel 7 (sm_90 wgmma) forced at every row count, each block size: skewed routing (full,
     partial and single-row blocks), odd N (tiles of two experts not aligned), K not a multiple of 256, gather
-    (gate_up) and no gather (down), sorted and unsorted rows."""
+    (gate_up) and no gather (down); unsorted rows (``sorted_rows=False``) take the other kernels."""
     if not _sm90():
         pytest.skip("needs sm_90 and the CUDA kernels")
     monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
@@ -269,15 +269,16 @@ def test_gpu_grouped_large_vs_reference(monkeypatch, cfg, k, dt, sf, sort):
         codes, scales, ts, cb = make_stack(E, N, K_, k, 32, sf, device="cuda", seed=k + N)
         tok, ids = routing_ids(T, top_k, E, seed=N, sort=sort, device="cuda")
         x = torch.randn(T, K_, device="cuda").to(dtype)
-        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_)
+        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_, sorted_rows=sort)
         assert GR._large_rows(T * top_k, E, "cuda") == 8 * int(cfg.split(",")[2])
         y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-        ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
+        kr = {a: b for a, b in kw.items() if a != "sorted_rows"}
+        ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kr)
         assert rel_err(y, ref) < tol(dtype), (N, K_)
         xs = torch.randn(T * top_k, K_, device="cuda").to(dtype)
         rows = torch.arange(T * top_k, device="cuda", dtype=torch.int32)
         y2 = GR.grouped_linear(xs, rows, ids, codes, scales, ts, cb, **kw)
-        ref2 = G.grouped_gemv_reference(xs, rows, ids, codes, scales, ts, cb, **kw)
+        ref2 = G.grouped_gemv_reference(xs, rows, ids, codes, scales, ts, cb, **kr)
         assert rel_err(y2, ref2) < tol(dtype), (N, K_)
 
 
@@ -301,7 +302,7 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
     codes, scales, ts, cb = make_stack(E, N, K_, 4, device="cuda")
     tok, ids = routing_ids(T, 2, E, device="cuda")
     x = torch.randn(T, K_, device="cuda").bfloat16()
-    kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_)
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_, sorted_rows=True)
     y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

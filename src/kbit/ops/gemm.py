@@ -239,16 +239,18 @@ def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> to
 
 
 def kbit_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight,
-                      blocks=None) -> torch.Tensor:
+                      blocks=None, sorted_rows: bool = False) -> torch.Tensor:
     """MoE expert matmul on a stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``: ``y[r] = x[rows[r]] @
     W[expert_ids[r]].T``, ``[P, N]`` in x's dtype (the grouped GEMV's semantics). Rows grouped by expert
     (sorted) share weight reads: the CUDA tensor-core kernel ``kbit.ops.grouped_mma.grouped_linear``; the
-    Triton grouped GEMV where that is not available. ``blocks``: a ``grouped_mma.block_table`` to reuse."""
+    Triton grouped GEMV where that is not available.
+    ``blocks``: a ``grouped_mma.block_table`` to reuse; ``sorted_rows``: see ``grouped_mma.grouped_linear``."""
     from kbit.ops.grouped_mma import grouped_linear
 
     k, blocksize, scale_format, N, K = _wargs(weight)
     return grouped_linear(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
-                          k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, blocks=blocks)
+                          k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, blocks=blocks,
+                          sorted_rows=sorted_rows)
 
 
 def grouped_gemm_reference(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight) -> torch.Tensor:

@@ -98,12 +98,13 @@ def copy_repacked(src_codes, src_scales, dst_codes, dst_scales) -> bool:
 # ------------------------------------------------------------------------------------------------ block table
 
 
-def choose_ng(P: int, E: int, device=None) -> int:
+def choose_ng(P: int, E: int, device=None, sorted_rows: bool = False) -> int:
     """8-row groups per block (``BM = 8 NG``) for ``P`` rows on ``E`` experts: the expected rows per touched
     expert ``P / min(E, P)`` rounded up to 8, 16 or 32 (NG = 8 compiles with ~150 bytes of register spills
-    (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2). With ``device`` given
-    and the grouped kernel 7 serving the step there (:func:`large_config`): its 64-, 128- or 256-row blocks."""
-    if device is not None:
+    (sm_90, k = 4): more rows are more blocks of 32, whose tile reads coincide in L2). With ``sorted_rows``
+    (each expert's rows adjacent) and the grouped kernel 7 serving the step on ``device``
+    (:func:`large_config`): its 64-, 128- or 256-row blocks."""
+    if sorted_rows and device is not None:
         bt = _large_rows(P, E, device)
         if bt:
             return bt // 8
@@ -342,13 +343,17 @@ def _plan(k, ng, S, scale_format, bf16, dev):
 
 
 def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
-                   scale_format="log8", N, K, blocks=None, ng=None):
+                   scale_format="log8", N, K, blocks=None, ng=None,
+                  sorted_rows=False):
     """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` for a k-bit stack ``W [E, N, K]``: ``[P, N]`` in x's dtype.
 
     x: fp16/bf16 ``[T, K]``; rows, expert_ids: int32 ``[P]`` on x's device (ids valid, not checked: that would
     sync); codes ``[E, N, words]``, scales ``[E, N, nb]``, tensor_scale float32 ``[E]``, codebook ``[2**k]``
     (``kbit.ops.gemv.grouped_gemv``'s arguments). ``blocks``: a :func:`block_table` of expert_ids for
     ``8 * ng`` rows (pass one table to both GEMMs of an MoE step); ``ng``: default :func:`choose_ng`.
+    ``sorted_rows``: the caller guarantees that each expert's rows are adjacent (one run an expert, as from
+    ``kbit.ops.moe_align``); on sm_90 that allows the grouped wgmma kernel 7 (:func:`large_config`) when the
+    rows an expert are many. Unsorted rows with ``sorted_rows=True`` give wrong results.
     """
     from kbit.ops.gemv import _check_grouped, _fail, grouped_gemv
 
@@ -363,16 +368,17 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    ng = ng or choose_ng(P, E, x.device)
+    ng = ng or choose_ng(P, E, x.device, sorted_rows)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
     rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
     return _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
-                        ng=ng, blocks=blocks)
+                        ng=ng, blocks=blocks, sorted_rows=sorted_rows)
 
 
 def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
-                            scale_format="log8", N, K, blocks=None, ng=None):
+                            scale_format="log8", N, K, blocks=None, ng=None,
+                           sorted_rows=False):
     """:func:`grouped_linear` on a stack held in layout "mma-v1" (``rcodes, rscales`` from :func:`repack_stack`):
     no cache, nothing kept. Where the CUDA kernel is unavailable: an unrepacked temporary of the stack and
     ``kbit.ops.gemv.grouped_gemv``."""
@@ -399,14 +405,15 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    ng = ng or choose_ng(P, E, x.device)
+    ng = ng or choose_ng(P, E, x.device, sorted_rows)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
     return _grouped_run(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
-                        scale_format=scale_format, N=N, ng=ng, blocks=blocks)
+                        scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows)
 
 
-def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks):
+def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks,
+                 sorted_rows=False):
     from kbit.ops.gemv import _fail
 
     P = rows.shape[0]
@@ -416,7 +423,7 @@ def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, s
     Nt, S = rc.shape[1], rc.shape[2]
     xp = _prep_x(x, S)
     dev = x.device
-    if ng * 8 == _large_rows(P, rc.shape[0], dev):
+    if sorted_rows and ng * 8 == _large_rows(P, rc.shape[0], dev):
         return _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
                           N=N, blocks=blocks)
     kern, W, shared, occ, defines = _plan(k, ng, S, scale_format, x.dtype == torch.bfloat16, dev)

@@ -234,7 +234,8 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         rows = routing.token_ids if gather else routing.row_ids
         return grouped_linear_repacked(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
                                        weight.codebook, k=weight.k, blocksize=weight.blocksize,
-                                       scale_format=weight.scale_format, N=weight.N, K=weight.K, blocks=blocks)
+                                       scale_format=weight.scale_format, N=weight.N, K=weight.K, blocks=blocks,
+                                       sorted_rows=routing.sorted)
     if _repacked(weight) and kernel == "gemv":
         weight = weight.canonical()
     if kernel == "gemv":
@@ -257,7 +258,7 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         from kbit.ops.gemm import kbit_grouped_gemm
 
         rows = routing.token_ids if gather else routing.row_ids
-        return kbit_grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks)
+        return kbit_grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
 
 
@@ -355,7 +356,8 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     if plan.gate_up == plan.down == "gemm" and gemm_supported(hidden.device, hidden.dtype):
         from kbit.ops.grouped_mma import block_table, choose_ng
 
-        blocks = block_table(routing.expert_ids, 8 * choose_ng(routing.P, E, hidden.device))  # both GEMMs'
+        ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
+        blocks = block_table(routing.expert_ids, 8 * ng)  # one table for both GEMMs
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     act = silu_mul(gu)
     y = expert_matmul(act, routing, down, plan.down, gather=False, blocks=blocks)
