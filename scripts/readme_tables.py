@@ -192,6 +192,10 @@ def main():
              "dequantize + cuBLAS (the bracketed column), where kernel 7 measured 0.40-0.46x.",
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
              "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
+             "Session 11: with the grouped wgmma kernel (kernel 7 over 64-256-row blocks of one expert, sm_90) "
+             "serving steps of 48 or more rows an expert (here Qwen3-30B-A3B at T >= 1024, Qwen3-Next at 4096, "
+             "Mixtral at T >= 256; the other rows run the same kernels as above):",
+             moe_table(RES / "moe-s11-grouped7-2026-11-22.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
              "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
              e2e_table(RES / "e2e-session3.json"),
