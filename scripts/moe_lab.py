@@ -85,7 +85,7 @@ def check_x_tiles():
         x = torch.randn(T, K, dtype=torch.bfloat16, device="cuda")
         blk, nblk = GM.block_table(eids, bt)
         P = rows.shape[0]
-        n_max = min(P, P // bt + min(E, P))
+        n_max = GM.max_blocks(P, E, bt)
         S = K // 256
         nb = int(nblk.item())
         a = GM._x_tiles_grouped(x, rows, blk, nblk, n_max, bt, S).view(n_max, S * 4, bt, 64)[:nb]
@@ -174,7 +174,7 @@ def main():
                         blk, nblk = GM.block_table(eids, bt)
                         P, S = rows.shape[0], -(-K // 256)
                         xp = GM._prep_x(x, S)
-                        n_max = min(P, P // bt + min(E, P))
+                        n_max = GM.max_blocks(P, E, bt)
                         args = (xp, rows, blk, nblk, n_max, bt, S)
                         r["kxt_us"] = time_calls([lambda args=args: GM._x_tiles_grouped(*args)]).us
                         continue

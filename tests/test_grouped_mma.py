@@ -4,6 +4,7 @@ reference, the CUDA block table, sync-freedom (GPU, marked ``gpu``)."""
 import pytest
 import torch
 
+from kbit.bench.timing import capture
 from kbit.ops import gemm as GM
 from kbit.ops import gemv as G
 from kbit.ops import gemv_mma as MM
@@ -44,6 +45,16 @@ def routing_ids(T, top_k, E, seed=0, skew=True, sort=True, device="cpu"):
 def rel_err(y, ref):
     assert not torch.isnan(y).any(), "NaN in output (unwritten element?)"
     return ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def no_sync(fn):
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("error")`` (a host sync raises)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def tol(dtype):
@@ -234,13 +245,7 @@ def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
     y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
     ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
     assert rel_err(y, ref) < tol(torch.bfloat16)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y2 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(y, y2)
+    assert torch.equal(y, no_sync(lambda: GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)))
 
 
 LARGE_CFGS = ["7,16,8,4,8,1,2", "7,12,16,4,8,1,2", "7,8,32,4,8,1,2", "7,8,32,4,8,1,1"]
@@ -294,7 +299,7 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
         x = torch.randn(T, K_, device="cuda").bfloat16()
         blk, nblk = GR.block_table(ids, bt)
         P, S = T * top_k, K_ // 256
-        n_max = min(P, P // bt + min(E, P))
+        n_max = GR.max_blocks(P, E, bt)
         a = GR._x_tiles_grouped(x, tok, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk)]
         b = GR._x_tiles_grouped_reference(x, tok, blk, nblk, n_max, bt, S).view(n_max, -1)[: int(nblk)]
         assert torch.equal(a, b), (E, T, K_, bt)
@@ -303,22 +308,12 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
     tok, ids = routing_ids(T, 2, E, device="cuda")
     x = torch.randn(T, K_, device="cuda").bfloat16()
     kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_, sorted_rows=True)
-    y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y2 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(y, y2)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-        with torch.cuda.graph(g, stream=s):
-            y3 = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
+    def step():
+        return GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
+
+    y = step()
+    assert torch.equal(y, no_sync(step))
+    graph, y3 = capture(step)
+    graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, y3)

@@ -1901,18 +1901,26 @@ __device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_st
   }
   return v;
 }
+/* thread o's place in the tiles: 16-byte piece pos of row r of 64-column chunk ch of token block tb */
+struct Loc { int pos, r, ch, tb; };
+__device__ __forceinline__ Loc locate(long long o, int bt, int n_ch) {
+  Loc l;
+  l.pos = (int)(o & 7);
+  long long rest = o >> 3;
+  l.r = (int)(rest % bt);
+  rest /= bt;
+  l.ch = (int)(rest % n_ch);
+  l.tb = (int)(rest / n_ch);
+  return l;
+}
 extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
                                          int n_ch, int bt, long long total) {
   const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   pdl();
   if (o >= total) return;
-  const int pos = (int)(o & 7);
-  long long rest = o >> 3;
-  const int r = (int)(rest % bt);
-  rest /= bt;
-  const int ch = (int)(rest % n_ch);
-  const int row = (int)(rest / n_ch) * bt + r;
-  xt[o] = piece(x, row < M ? row : -1, x_stride, ch, r, pos);
+  const Loc l = locate(o, bt, n_ch);
+  const int row = l.tb * bt + l.r;
+  xt[o] = piece(x, row < M ? row : -1, x_stride, l.ch, l.r, l.pos);
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
    rows[i] of row i (rows == 0: row i itself), rows past the block's end zero */
@@ -1923,15 +1931,10 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   pdl();
   if (o >= total) return;
-  const int pos = (int)(o & 7);
-  long long rest = o >> 3;
-  const int r = (int)(rest % bt);
-  rest /= bt;
-  const int ch = (int)(rest % n_ch);
-  const int b = (int)(rest / n_ch);
-  if (b >= *nblk) return;
-  const int i = blk[b] + r;
-  const int row = i < blk[b + 1] ? (rows ? rows[i] : i) : -1;
-  xt[o] = piece(x, row, x_stride, ch, r, pos);
+  const Loc l = locate(o, bt, n_ch);
+  if (l.tb >= *nblk) return;
+  const int i = blk[l.tb] + l.r;
+  const int row = i < blk[l.tb + 1] ? (rows ? rows[i] : i) : -1;
+  xt[o] = piece(x, row, x_stride, l.ch, l.r, l.pos);
 }
 """

@@ -679,6 +679,18 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
 _XT_KERNELS: dict = {}
 
 
+def _x_tiles_kernel(name, device):
+    """Kernel ``name`` of ``X_TILES_SOURCE`` (``kbit_x_tiles``, ``kbit_x_tiles_g``), compiled once a device:
+    compile_kernel hashes the whole source on every call."""
+    kern = _XT_KERNELS.get((name, device))
+    if kern is None:
+        from kbit.cuda import compile_kernel
+        from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
+
+        kern = _XT_KERNELS[(name, device)] = compile_kernel(X_TILES_SOURCE, name, {}, device)
+    return kern
+
+
 def _x_tiles(x2, bt, S):
     """x ``[M, S * 256]`` (rows 16-byte aligned) as kernel 7's bulk-copy tiles: ``[ceil(M / bt), S * 4, bt, 64]``
     in the "mma-v1" K order, each ``[bt, 64]`` tile in wgmma's 128-byte swizzle, rows past M zero
@@ -687,12 +699,7 @@ def _x_tiles(x2, bt, S):
     n_tb, n_ch = -(-M // bt), S * 4
     xt = torch.empty(n_tb * n_ch * bt * 64, dtype=x2.dtype, device=x2.device)
     total = xt.numel() // 8
-    kern = _XT_KERNELS.get(x2.device)
-    if kern is None:  # once a device: compile_kernel hashes the whole source on every call
-        from kbit.cuda import compile_kernel
-        from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
-
-        kern = _XT_KERNELS[x2.device] = compile_kernel(X_TILES_SOURCE, "kbit_x_tiles", {}, x2.device)
+    kern = _x_tiles_kernel("kbit_x_tiles", x2.device)
     kern((-(-total // 256),), 256, "QQiiiiq", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt, total,
          pdl=True)
     return xt

@@ -26,7 +26,18 @@ import os
 
 import torch
 
-from kbit.ops.gemv_mma import _etab, _prep_x, _sms, _table_smem, available, cache_get, cache_put, repack, unrepack
+from kbit.ops.gemv_mma import (
+    _etab,
+    _prep_x,
+    _sms,
+    _table_smem,
+    _x_tiles_kernel,
+    available,
+    cache_get,
+    cache_put,
+    repack,
+    unrepack,
+)
 
 __all__ = ["available", "block_table", "block_table_reference", "block_table_torch", "choose_ng", "copy_repacked",
            "grouped_linear", "grouped_linear_repacked", "repack_stack", "repacked_stack", "unrepack_stack"]
@@ -205,7 +216,10 @@ def _large_rows(P: int, E: int, device) -> int:
     return 8 * large_config(rpe)[2]
 
 
-_XTG: dict = {}
+def max_blocks(P: int, E: int, bt: int) -> int:
+    """At most this many blocks in a block table of ``P`` rows sorted by expert (one run an expert) cut into at
+    most ``bt`` rows: the size of the grouped kernel 7's x tiles."""
+    return min(P, P // bt + min(E, P))
 
 
 def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S):
@@ -215,12 +229,7 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S):
     n_ch = S * 4
     xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
     total = xt.numel() // 8
-    kern = _XTG.get(xp.device)
-    if kern is None:
-        from kbit.cuda import compile_kernel
-        from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
-
-        kern = _XTG[xp.device] = compile_kernel(X_TILES_SOURCE, "kbit_x_tiles_g", {}, xp.device)
+    kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
     kern((-(-total // 256),), 256, "QQQQQiiiq", xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
          nblk.data_ptr(), xp.stride(0), n_ch, bt, total, pdl=True)
     return xt
@@ -264,7 +273,7 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     kern, defines, shared, occ = p
     W, bt = defines["MAXW"], 8 * defines["NG"]
     blk, nblk = blocks
-    n_max = min(P, P // bt + min(E, P))  # blocks of at most bt rows: at most this many (kernel clamps nblk)
+    n_max = max_blocks(P, E, bt)  # the kernel clamps nblk to it
     xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
     grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
