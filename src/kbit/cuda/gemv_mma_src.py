@@ -1693,14 +1693,24 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         /* the table lookups go into temporaries before the wait for the wgmmas that read A[u % AB]: their
            latency overlaps the tensor cores instead of following the wait */
         u32 T[2][4];
+#ifdef LAB_NOLOOKUP /* lab: the code words as A (wrong results): what the lookups cost */
+#pragma unroll
+        for (int i = 0; i < 8; ++i) T[i >> 2][i & 3] = w[(2 * u + (i >> 2)) % NW];
+#else
         lookup(w, u, lbb, T);
+#endif
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
         wg_wait<AB - 1>();
 #if XB == 2
         /* before unit 1 of chunk c, every wgmma group of chunk c - 1 has retired (AB = 2) */
         if (ul == 1 && lane == 0 && n_used > 0) mbar_arrive(smem_addr(&s_empty[prev_slot]));
 #endif
+#ifdef LAB_NOFOLD /* lab: no block scales (wrong results): what the fold costs */
+#pragma unroll
+        for (int i = 0; i < 8; ++i) Au[i >> 2][i & 3] = T[i >> 2][i & 3] ^ (i == 0 ? s0 ^ s1 : 0u);
+#else
         fold_scales(Au, T, s0, s1);
+#endif
         wg_fence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));

@@ -514,7 +514,16 @@ def large_defines(k, cfg, grouped=False):
         defines["SK"] = 1  # stream-K
     if grouped:
         defines["GRP"] = 1
+    defines.update(lab_defines())
     return defines, D * xc + _table_smem(k) + 1024
+
+
+def lab_defines() -> dict:
+    """Lab-only kernel-7 defines from ``KBIT_LAB_DEFINES="NAME=V,..."`` (e.g. ``LAB_NOLOOKUP=1``, ``LAB_NOFOLD=1``:
+    timing variants with wrong results; ``MBAR_TRAP=1``). Read when a plan is first built (plans are cached per
+    process)."""
+    v = os.environ.get("KBIT_LAB_DEFINES", "")
+    return {kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",") if kv}
 
 
 def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0):
