@@ -8,7 +8,7 @@ import sys
 def main():
     path, n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 40
     rows = list(csv.reader(open(path, newline="")))
-    hdr_i = next(i for i, r in enumerate(rows) if any("Source" == c.strip() or c.strip().startswith("Source") for c in r))
+    hdr_i = next(i for i, r in enumerate(rows) if any(c.strip().startswith("Source") for c in r))
     hdr = [c.strip() for c in rows[hdr_i]]
     body = [r for r in rows[hdr_i + 1:] if len(r) == len(hdr)]
     print("columns:", "; ".join(hdr)[:2000])
@@ -23,7 +23,8 @@ def main():
         except ValueError:
             return 0.0
     if allc is None:
-        print("no sampling column"); return
+        print("no sampling column")
+        return
     tot = sum(num(r[allc]) for r in body)
     print(f"lines {len(body)}, samples {tot:.0f}")
     # totals per stall reason
