@@ -1661,11 +1661,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #if XB == 2
   int prev_slot = 0, n_used = 0;
 #endif
-#if HG1
-  u32 A1[4][4];
-#else
   u32 A[AB][2][4];
-#endif
   while (c_p < p_end) {
     u32 w[NW], sw[4 * SV];
 #pragma unroll
@@ -1691,32 +1687,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       const int ls = slot + D - LAG;
       slot = slot + 1 == D ? 0 : slot + 1;
 #pragma unroll
-#if HG1
-      /* one wgmma a commit group, four A buffers: up to three groups stay in flight while the next lookups run */
-#pragma unroll
-      for (int ul = 0; ul < 2; ++ul) {
-        const int u = 2 * cc + ul;
-        u32 T[2][4];
-        lookup(w, u, lbb, T);
-        const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          u32 (&Aj)[4] = A1[(2 * u + h) % 4];
-          wg_wait<3>();
-#if XB == 2
-          /* before the last wgmma of chunk c, every group of chunk c - 1 has retired */
-          if (ul == 1 && h == 1 && lane == 0 && n_used > 0) mbar_arrive(smem_addr(&s_empty[prev_slot]));
-#endif
-          Aj[0] = hmul2(T[h][0], s0);
-          Aj[2] = hmul2(T[h][2], s0);
-          Aj[1] = hmul2(T[h][1], s1);
-          Aj[3] = hmul2(T[h][3], s1);
-          wg_fence();
-          wg_mma(acc, Aj, x_desc(sb, ul * 2 + h));
-          wg_commit();
-        }
-      }
-#else
       for (int ul = 0; ul < 2; ++ul) {
         const int u = 2 * cc + ul;
         u32 (&Au)[2][4] = A[u % AB];
@@ -1746,7 +1716,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
         wg_commit();
       }
-#endif
 #if XB == 2
       prev_slot = slot == 0 ? D - 1 : slot - 1;  /* slot has advanced: the stage this chunk read */
       ++n_used;
