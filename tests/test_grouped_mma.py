@@ -148,6 +148,25 @@ def test_grouped_linear_errors():
         GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, ng=3, **kw)
 
 
+def test_grouped_linear_repacked_act_silu_fallback_and_errors():
+    """``act="silu"`` off the CUDA kernel: silu_mul first, then the plain path (same result); bad act / x shape."""
+    from kbit.ops.moe import silu_mul
+
+    E, N, K_, k = 3, 24, 64, 4
+    codes, scales, ts, cb = make_stack(E, N, K_, k)
+    rc, rs = GR.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    tok, ids = routing_ids(5, 2, E)
+    rows = torch.arange(10, dtype=torch.int32)
+    gu = torch.randn(10, 2 * K_).to(torch.float16)
+    kw = dict(k=k, N=N, K=K_, sorted_rows=True)
+    y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)
+    assert torch.equal(y, GR.grouped_linear_repacked(silu_mul(gu), rows, ids, rc, rs, ts, cb, **kw))
+    with pytest.raises(ValueError, match="act"):
+        GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="gelu", **kw)
+    with pytest.raises(ValueError, match="x"):
+        GR.grouped_linear_repacked(gu[:, :K_], rows, ids, rc, rs, ts, cb, act="silu", **kw)
+
+
 def test_choose_plan_picks_gemm_when_available(monkeypatch):
     from kbit.ops import moe
 
@@ -317,3 +336,53 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, y3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
+    """SiLU * up computed while gathering the grouped kernel 7's x tiles: the tiles match those of silu_mul's
+    output (to an ulp: exp and division may round differently), and ``act="silu"`` matches silu_mul + the plain
+    call and the float64 reference; I not a multiple of 256; no host sync; graph replay equals eager."""
+    if not _sm90():
+        pytest.skip("needs sm_90 and the CUDA kernels")
+    from kbit.ops.moe import silu_mul, silu_mul_reference
+
+    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
+    dtype = torch.bfloat16 if dt == "bf16" else torch.float16
+    close = dict(rtol=1e-2, atol=1e-3) if dt == "bf16" else dict(rtol=2e-3, atol=1e-4)
+    for E, T, top_k, I, bt in ((16, 40, 4, 512, 64), (8, 300, 2, 300, 128), (4, 700, 2, 768, 256)):
+        tok, ids = routing_ids(T, top_k, E, seed=T, device="cuda")
+        P, S = T * top_k, -(-I // 256)
+        gu = (torch.randn(P, 2 * I, device="cuda") * 2).to(dtype)
+        rows = torch.arange(P, device="cuda", dtype=torch.int32)
+        blk, nblk = GR.block_table(ids, bt)
+        n_max = GR.max_blocks(P, E, bt)
+        nb = int(nblk)
+        a = GR._x_tiles_grouped_silu(gu, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[:nb]
+        act = torch.zeros(P, S * 256, device="cuda", dtype=dtype)
+        act[:, :I] = silu_mul(gu)
+        b = GR._x_tiles_grouped_reference(act, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[:nb]
+        torch.testing.assert_close(a.float(), b.float(), **close)
+        assert torch.equal(a == 0, b == 0)  # padding and rows past each block's end: zeros in both
+
+        N = 520
+        codes, scales, ts, cb = make_stack(E, N, I, 4, 32, "log8", device="cuda", seed=I)
+        rc, rs = GR.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=I)
+        kw = dict(k=4, N=N, K=I, sorted_rows=True)
+        monkeypatch.setenv("KBIT_GROUPED_LARGE_CFG", {64: "7,16,8,4,8,1,2", 128: "7,12,16,4,8,1,2",
+                                                      256: "7,8,32,4,8,1,2"}[bt])
+        y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)
+        y0 = GR.grouped_linear_repacked(silu_mul(gu), rows, ids, rc, rs, ts, cb, **kw)
+        ref = G.grouped_gemv_reference(silu_mul_reference(gu).to(dtype), rows, ids, codes, scales, ts, cb, k=4,
+                                       N=N, K=I)
+        assert rel_err(y, ref) < tol(dtype) and rel_err(y, y0) < tol(dtype), (E, T, I)
+
+        def step(a=(gu, rows, ids, rc, rs, ts, cb), kw=kw):
+            return GR.grouped_linear_repacked(*a, act="silu", **kw)
+
+        assert torch.equal(y, no_sync(step))
+        graph, y3 = capture(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, y3)

@@ -1947,4 +1947,52 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   const int row = i < blk[l.tb + 1] ? (rows ? rows[i] : i) : -1;
   xt[o] = piece(x, row, x_stride, l.ch, l.r, l.pos);
 }
+/* SiLU * up of a gate_up product into the tiles: value (row, col) = silu(g) * u with g = gu[row][col],
+   u = gu[row][I + col] (float32, rounded once to gu's dtype: kbit.ops.moe.silu_mul), zero at col >= I */
+__device__ __forceinline__ float h2f_(u32 h, int bf16) {
+  float f;
+  if (bf16) asm("mov.b32 %0, %1;" : "=f"(f) : "r"(h << 16));
+  else asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "r"(h));
+  return f;
+}
+__device__ __forceinline__ u32 f2h_(float f, int bf16) {
+  unsigned short h;
+  if (bf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ u32 silu_pair(const u16* __restrict__ g, int I, int col, int bf16) {
+  u32 out = 0u;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (col + e < I) {
+      const float gv = h2f_(g[col + e], bf16), uv = h2f_(g[I + col + e], bf16);
+      out |= f2h_(gv * (1.0f / (1.0f + __expf(-gv))) * uv, bf16) << (16 * e);
+    }
+  }
+  return out;
+}
+extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* __restrict__ xt,
+                                                const int* __restrict__ rows, const int* __restrict__ blk,
+                                                const int* __restrict__ nblk, int gu_stride, int I, int bf16,
+                                                int n_ch, int bt, long long total) {
+  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  pdl();
+  if (o >= total) return;
+  const Loc l = locate(o, bt, n_ch);
+  if (l.tb >= *nblk) return;
+  const int i = blk[l.tb] + l.r;
+  V4 v = {0u, 0u, 0u, 0u};
+  if (i < blk[l.tb + 1]) {
+    const int row = rows ? rows[i] : i;
+    const int c = l.pos ^ (l.r & 7), h = (c >> 1) & 1, p = c & 1;
+    const int col = l.ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p;
+    const u16* g = gu + (long long)row * gu_stride;
+    v.x = silu_pair(g, I, col, bf16);
+    v.y = silu_pair(g, I, col + 8, bf16);
+    v.z = silu_pair(g, I, col + 16, bf16);
+    v.w = silu_pair(g, I, col + 24, bf16);
+  }
+  xt[o] = v;
+}
 """

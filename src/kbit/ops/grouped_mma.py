@@ -235,6 +235,19 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S):
     return xt
 
 
+def _x_tiles_grouped_silu(gu, rows, blk, nblk, n_max, bt, S):
+    """:func:`_x_tiles_grouped` of ``silu(gu[:, :I]) * gu[:, I:]`` (``kbit.ops.moe.silu_mul``) for a gate_up
+    product ``gu [P, 2I]`` (stride 1 in columns, even row stride), computed while tiling
+    (``kbit_x_tiles_silu_g``): the down projection's x without a separate SwiGLU pass."""
+    n_ch, I = S * 4, gu.shape[1] // 2
+    xt = torch.empty(n_max * n_ch * bt * 64, dtype=gu.dtype, device=gu.device)
+    total = xt.numel() // 8
+    kern = _x_tiles_kernel("kbit_x_tiles_silu_g", gu.device)
+    kern((-(-total // 256),), 256, "QQQQQiiiiiq", gu.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
+         nblk.data_ptr(), gu.stride(0), I, int(gu.dtype == torch.bfloat16), n_ch, bt, total, pdl=True)
+    return xt
+
+
 def _x_tiles_grouped_reference(xp, rows, blk, nblk, n_max, bt, S):
     """The definition of :func:`_x_tiles_grouped` in torch (host loop; unwritten blocks zero)."""
     from kbit.ops.gemv_mma import _x_tiles
@@ -251,9 +264,10 @@ def _x_tiles_grouped_reference(xp, rows, blk, nblk, n_max, bt, S):
 _LPLANS: dict = {}
 
 
-def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, blocks):
+def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, blocks, silu=False):
     """One grouped kernel 7 launch (and its x gather) over the blocks of ``blocks`` (built for the config's
-    rows a block, or fewer)."""
+    rows a block, or fewer). ``silu``: xp is a gate_up product ``[P, 2K]``, x = SiLU(gate) * up, made while
+    gathering."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE as DENSE
     from kbit.ops.gemv_mma import large_defines
@@ -274,7 +288,10 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     W, bt = defines["MAXW"], 8 * defines["NG"]
     blk, nblk = blocks
     n_max = max_blocks(P, E, bt)  # the kernel clamps nblk to it
-    xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
+    if silu:
+        xt = _x_tiles_grouped_silu(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
+    else:
+        xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
     grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
@@ -387,15 +404,28 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
 
 def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
                             scale_format="log8", N, K, blocks=None, ng=None,
-                           sorted_rows=False):
+                           sorted_rows=False, act=None):
     """:func:`grouped_linear` on a stack held in layout "mma-v1" (``rcodes, rscales`` from :func:`repack_stack`):
     no cache, nothing kept. Where the CUDA kernel is unavailable: an unrepacked temporary of the stack and
-    ``kbit.ops.gemv.grouped_gemv``."""
+    ``kbit.ops.gemv.grouped_gemv``. ``act="silu"``: x is a gate_up product ``[T, 2K]`` (gate columns first) and
+    the input is ``silu(x[:, :K]) * x[:, K:]`` (``kbit.ops.moe.silu_mul``); the grouped kernel 7 computes it
+    while gathering its x tiles, other paths run silu_mul first."""
     from kbit.ops.gemv import _check_grouped, _fail, grouped_gemv
     from kbit.ops.gemv_mma import _check_repacked
 
+    if act not in (None, "silu"):
+        _fail(ValueError, "act", "None or 'silu'", act)
+    if act == "silu":
+        if x.dim() != 2 or x.shape[1] != 2 * K:
+            _fail(ValueError, "x", f"a gate_up product [T, {2 * K}] (act='silu')", tuple(x.shape))
     E = rcodes.shape[0] if rcodes.dim() == 6 else -1
-    _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, None, (E,))
+    _check_repacked(x[:, :K] if act else x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K,
+                    None, (E,))
+    if act == "silu" and not (available(x.device) and sorted_rows and rows.shape[0] and
+                              _fused_silu_ok(x, rows.shape[0], E, ng)):
+        from kbit.ops.moe import silu_mul
+
+        x, act = silu_mul(x), None
     if not available(x.device):
         codes, scales = unrepack_stack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
         _check_grouped(x, "rows", rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
@@ -418,11 +448,20 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)
     return _grouped_run(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
-                        scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows)
+                        scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows,
+                        silu=act == "silu")
+
+
+def _fused_silu_ok(x, P, E, ng) -> bool:
+    """Whether the grouped kernel 7 serves these rows (``ng`` as the caller's, default :func:`choose_ng`) and can
+    read the gate_up product x directly (columns contiguous, even row stride)."""
+    rows_a_block = _large_rows(P, E, x.device)
+    return bool(rows_a_block) and (ng is None or 8 * ng == rows_a_block) and x.stride(1) == 1 and \
+        x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0
 
 
 def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks,
-                 sorted_rows=False):
+                 sorted_rows=False, silu=False):
     from kbit.ops.gemv import _fail
 
     P = rows.shape[0]
@@ -430,8 +469,11 @@ def _grouped_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, s
     if blk.shape != (P + 1,) or nblk.shape != (1,) or blk.dtype != torch.int32 or nblk.dtype != torch.int32:
         _fail(ValueError, "blocks", f"(int32 [{P + 1}], int32 [1]) from block_table", (blk.shape, nblk.shape))
     Nt, S = rc.shape[1], rc.shape[2]
-    xp = _prep_x(x, S)
     dev = x.device
+    if silu:  # grouped_linear_repacked checked that kernel 7 serves these rows
+        return _large_run(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
+                          N=N, blocks=blocks, silu=True)
+    xp = _prep_x(x, S)
     if sorted_rows and ng * 8 == _large_rows(P, rc.shape[0], dev):
         return _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
                           N=N, blocks=blocks)

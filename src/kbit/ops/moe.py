@@ -5,7 +5,8 @@ Steps (``P = T * top_k`` pairs as rows of a :class:`~kbit.ops.moe_align.MoeRouti
 router order for a GEMV-only decode step):
 
 1. ``gu[P, 2I] = x[token of row] @ W_gate_up[expert of row].T`` (:func:`expert_matmul`);
-2. ``a[P, I] = silu(gu[:, :I]) * gu[:, I:]`` (:func:`silu_mul`, one Triton kernel);
+2. ``a[P, I] = silu(gu[:, :I]) * gu[:, I:]`` (:func:`silu_mul`, one Triton kernel; where the grouped wgmma
+   kernel 7 serves step 3, computed while it gathers its x tiles instead);
 3. ``y[P, H] = a @ W_down[expert of row].T`` (:func:`expert_matmul`);
 4. ``out[t] = sum_s w[t, s] * y[row of (t, s)]`` (:func:`combine`, one Triton kernel, float32 sums).
 
@@ -211,7 +212,7 @@ def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtyp
 
 
 def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kernel: str,
-                  gather: bool, blocks=None) -> torch.Tensor:
+                  gather: bool, blocks=None, act: str | None = None) -> torch.Tensor:
     """``y[r] = x[token_ids[r] if gather else r] @ W[expert_ids[r]].T`` for every sorted row ``r``.
 
     Parameters
@@ -223,11 +224,15 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         stack into a temporary, ``"grouped_mm"`` the touched experts.
     kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
     blocks : ``"gemm"`` only: the step's ``kbit.ops.grouped_mma.block_table`` (built here when None).
+    act : ``"silu"``: x is a gate_up product ``[P, 2K]`` and the input is :func:`silu_mul` of it (the grouped
+        kernel 7 computes it while gathering its x tiles; other kernels run :func:`silu_mul` first).
 
     Returns
     -------
     ``[P, N]`` in x's dtype, rows in sorted order.
     """
+    if act not in (None, "silu"):
+        raise ValueError(f"act: expected None or 'silu', got {act!r}")
     if _repacked(weight) and kernel == "gemm":
         from kbit.ops.grouped_mma import grouped_linear_repacked
 
@@ -235,7 +240,9 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         return grouped_linear_repacked(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
                                        weight.codebook, k=weight.k, blocksize=weight.blocksize,
                                        scale_format=weight.scale_format, N=weight.N, K=weight.K, blocks=blocks,
-                                       sorted_rows=routing.sorted)
+                                       sorted_rows=routing.sorted, act=act)
+    if act == "silu":
+        x = silu_mul(x)
     if _repacked(weight) and kernel == "gemv":
         weight = weight.canonical()
     if kernel == "gemv":
@@ -359,8 +366,7 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
         ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
         blocks = block_table(routing.expert_ids, 8 * ng)  # one table for both GEMMs
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
-    act = silu_mul(gu)
-    y = expert_matmul(act, routing, down, plan.down, gather=False, blocks=blocks)
+    y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
     return combine(y, routing, hidden.dtype)
 
 
