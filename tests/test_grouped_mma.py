@@ -386,36 +386,3 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, y3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", ["7,12,16,4,8,1,2", "7,8,32,4,8,1,2"])
-@pytest.mark.parametrize("tail", ["0", "1", "64"])
-def test_gpu_grouped_large_tail_split(monkeypatch, cfg, tail):
-    """Short blocks (<= tail rows) served by a second launch with 64-row tiles, or not at all (0): routing with
-    one big, several mid and many small experts, so that full, long partial, short partial and single-row
-    blocks all occur; gate_up-like (gather) and down-like (SiLU fused into the gather)."""
-    if not _sm90():
-        pytest.skip("needs sm_90 and the CUDA kernels")
-    from kbit.ops.moe import silu_mul_reference
-
-    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
-    monkeypatch.setenv("KBIT_GROUPED_LARGE_CFG", cfg)
-    monkeypatch.setenv("KBIT_GROUPED_TAIL", tail)
-    E, N, K_ = 12, 400, 512
-    sizes = [700, 300, 280, 257, 129, 64, 63, 40, 17, 1, 0, 33]
-    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(sizes)]).cuda()
-    P = ids.shape[0]
-    tok = torch.randint(0, 500, (P,), dtype=torch.int32, device="cuda")
-    codes, scales, ts, cb = make_stack(E, N, K_, 4, device="cuda", seed=int(tail))
-    rc, rs = GR.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=K_)
-    x = torch.randn(500, K_, device="cuda").bfloat16()
-    kw = dict(k=4, N=N, K=K_)
-    y = GR.grouped_linear_repacked(x, tok, ids, rc, rs, ts, cb, sorted_rows=True, **kw)
-    ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
-    assert rel_err(y, ref) < tol(torch.bfloat16)
-    gu = torch.randn(P, 2 * K_, device="cuda").bfloat16()
-    rows = torch.arange(P, device="cuda", dtype=torch.int32)
-    y2 = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, sorted_rows=True, act="silu", **kw)
-    ref2 = G.grouped_gemv_reference(silu_mul_reference(gu).bfloat16(), rows, ids, codes, scales, ts, cb, **kw)
-    assert rel_err(y2, ref2) < tol(torch.bfloat16)

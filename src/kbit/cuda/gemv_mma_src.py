@@ -1397,9 +1397,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
    kernel 6 does; B = x chunks of 64 columns (x permuted to the "mma-v1" K order on the host) through a D-stage
    cp.async ring read by the tensor cores. Codes and scales of the next segment are prefetched into registers. */
 #define XC (8 * NG * 128)   /* one 64-column chunk of 8 NG tokens: 8 K-direction core matrices x NG */
-#ifndef XSRC
-#define XSRC XC  /* bytes of a chunk in the x tiles read (a tail launch reads the first rows of larger tiles) */
-#endif
 #if XB == 2 && defined(XLAG)
 #define LAG XLAG            /* XB = 2: the producer waits for the stage's empty barrier instead */
 #else
@@ -1535,28 +1532,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     return t;
   };
 #endif
-#if TSPLIT
-  /* tail split: blocks of at most TMAX rows are served by a second launch with small tiles (TSPLIT = 2) and
-     skipped by the main one (TSPLIT = 1); both read the same block table and x tiles */
-  auto next_task = [&](int p) {
-    for (; p < p_end; p += p_step) {
-      const int tb = task_of(p, n_rb, n_tb, splits, sps, n_seg).tb;
-      const bool tail = blk[tb + 1] - blk[tb] <= TMAX;
-      if (tail == (TSPLIT == 2)) break;
-    }
-    return p;
-  };
-  const int p_begin = next_task(p_first);
-#else
-  auto next_task = [&](int p) { return p; };
-  const int p_begin = p_first;
-#endif
-  if (p_begin >= p_end) return;
+  if (p_first >= p_end) return;
   extern __shared__ __align__(128) unsigned char dsm[];
   const u32 dsm_base = (smem_addr(dsm) + 1023) & ~1023u;  /* swizzle atoms are 1024-byte aligned */
   const u32 tab = (dsm_base + D * XC + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   /* x loader: chunk l_c of task l_p */
-  int l_p = p_begin, l_c = 0;
+  int l_p = p_first, l_c = 0;
   Task lt = get_task(l_p);
   int l_nc = (lt.s1 - lt.s0) * 4;
 #if XB == 2
@@ -1574,7 +1555,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       }
       ++l_q;
 #endif
-      bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XSRC / 2), XC,
+      bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
                 smem_addr(&s_full[slot]));
 #else
     if (l_p < p_end) {
@@ -1602,7 +1583,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #endif
       if (++l_c == l_nc) {
         l_c = 0;
-        l_p = next_task(l_p + p_step);
+        l_p += p_step;
         if (l_p < p_end) {
           lt = get_task(l_p);
           l_nc = (lt.s1 - lt.s0) * 4;
@@ -1611,7 +1592,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     }
   };
   /* codes / scales prefetch: segment f_s of task f_p */
-  int f_p = p_begin;
+  int f_p = p_first;
   Task ft = get_task(f_p);
   int f_s = ft.s0;
   u32 wn[NW], swn[4 * SV];
@@ -1636,7 +1617,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         }
       }
       if (++f_s == ft.s1) {
-        f_p = next_task(f_p + p_step);
+        f_p += p_step;
         if (f_p < p_end) {
           ft = get_task(f_p);
           f_s = ft.s0;
@@ -1674,7 +1655,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   float acc[NG][4];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-  int c_p = p_begin;
+  int c_p = p_first;
   Task ct = get_task(c_p);
   int c_s = ct.s0, slot = 0;
 #if XB == 2
@@ -1761,7 +1742,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
                ws_stride);
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-      c_p = next_task(c_p + p_step);
+      c_p += p_step;
       if (c_p < p_end) {
         ct = get_task(c_p);
         c_s = ct.s0;

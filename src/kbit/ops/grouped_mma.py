@@ -203,19 +203,6 @@ def large_config(rpe: float):
     return (7, 8, 32, 4, 8, 1, 2)
 
 
-#: the tail launch's config (64-row tiles, 16 warps): :func:`tail_rows`
-TAIL_CFG = (7, 16, 8, 4, 8, 1, 2)
-
-
-def tail_rows(bt: int) -> int:
-    """Blocks of at most this many rows (an expert's last, short block, or a small expert) go to a second grouped
-    kernel 7 launch with 64-row tiles when the main tiles hold ``bt`` >= 128 rows: a full tile would pay its
-    lookups and a full-width wgmma for a few rows (Qwen3-30B-A3B at T = 4096: 256 +- 16 rows an expert). 0: no
-    split. ``KBIT_GROUPED_TAIL`` overrides the 64 (0 disables)."""
-    tmax = int(os.environ.get("KBIT_GROUPED_TAIL", "64"))
-    return min(tmax, 64) if bt >= 128 else 0
-
-
 def _large_rows(P: int, E: int, device) -> int:
     """Rows a block of the grouped kernel 7 if it serves ``P`` rows on ``E`` experts on ``device``, else 0."""
     from kbit.ops.gemv_mma import large_ok
@@ -290,19 +277,14 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     dev = xp.device
     cfg = large_config(P / max(1, min(E, P)))
     bf16 = xp.dtype == torch.bfloat16
-    tmax = tail_rows(8 * cfg[2])
-
-    def plan(cfg, extra):
-        key = (k, cfg, scale_format, bf16, dev, tuple(sorted(extra.items())))
-        p = _LPLANS.get(key)
-        if p is None:
-            defines, shared = large_defines(k, cfg, grouped=True)
-            defines.update(BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"), **extra)
-            kern = compile_kernel(DENSE, "kbit_gemv_mma", defines, dev)
-            p = _LPLANS[key] = (kern, defines, shared, kern.occupancy(cfg[1] * 32, shared))
-        return p
-
-    kern, defines, shared, occ = plan(cfg, dict(TSPLIT=1, TMAX=tmax) if tmax else {})
+    key = (k, cfg, scale_format, bf16, dev)
+    p = _LPLANS.get(key)
+    if p is None:
+        defines, shared = large_defines(k, cfg, grouped=True)
+        defines.update(BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
+        kern = compile_kernel(DENSE, "kbit_gemv_mma", defines, dev)
+        p = _LPLANS[key] = (kern, defines, shared, kern.occupancy(cfg[1] * 32, shared))
+    kern, defines, shared, occ = p
     W, bt = defines["MAXW"], 8 * defines["NG"]
     blk, nblk = blocks
     n_max = max_blocks(P, E, bt)  # the kernel clamps nblk to it
@@ -310,17 +292,12 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
         xt = _x_tiles_grouped_silu(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
     else:
         xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
-    ts_c, cb_c, ids_c = tensor_scale.contiguous(), codebook.contiguous(), expert_ids.contiguous()
-    launches = [(kern, W, shared, occ)]
-    if tmax:  # blocks of at most tmax rows: small tiles reading the first rows of the same x tiles
-        tk, td, tsh, tocc = plan(TAIL_CFG, dict(TSPLIT=2, TMAX=tmax, XSRC=bt * 128))
-        launches.append((tk, td["MAXW"], tsh, tocc))
-    for kern, W, shared, occ in launches:
-        grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
-        kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
-             cb_c.data_ptr(), _etab(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
-             n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, blk.data_ptr(), nblk.data_ptr(), ids_c.data_ptr(),
-             shared=shared, pdl=True)
+    grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
+    ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
+    kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
+         cb_c.data_ptr(), _etab(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
+         n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, blk.data_ptr(), nblk.data_ptr(),
+         expert_ids.contiguous().data_ptr(), shared=shared, pdl=True)
     return y
 
 
