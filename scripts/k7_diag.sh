@@ -3,7 +3,7 @@
 # then one ncu launch with source counters. Usage on the device: bash scripts/k7_diag.sh  (writes under $OUT)
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 CFG=${CFG:-7,8,32,4,8,1,1}
-for v in base LAB_NOLOOKUP=1 LAB_NOFOLD=1 LAB_NOLOOKUP=1,LAB_NOFOLD=1; do
+for v in ${VARIANTS:-base LAB_NOLOOKUP=1 LAB_NOFOLD=1 LAB_NOLOOKUP=1,LAB_NOFOLD=1}; do
   d=$OUT/var_${v//[=,]/_}; mkdir -p $d
   lab=$v; [ $v = base ] && lab=""
   echo "== variant $v"

@@ -190,7 +190,11 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+#ifdef LAB_NOLDS /* lab (kernel 7 diagnosis): the table address as the value, no shared load (wrong results) */
+    A[h][r + 2 * j] = lbb.a + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7);
+#else
     A[h][r + 2 * j] = lds32(lbb.a + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
+#endif
   }
 #elif K_BITS == 2
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
