@@ -359,7 +359,7 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
         blk, nblk = GR.block_table(ids, bt)
         n_max = GR.max_blocks(P, E, bt)
         nb = int(nblk)
-        a = GR._x_tiles_grouped_silu(gu, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[:nb]
+        a = GR._x_tiles_grouped(gu, rows, blk, nblk, n_max, bt, S, silu=True).view(n_max, -1)[:nb]
         act = torch.zeros(P, S * 256, device="cuda", dtype=dtype)
         act[:, :I] = silu_mul(gu)
         b = GR._x_tiles_grouped_reference(act, rows, blk, nblk, n_max, bt, S).view(n_max, -1)[:nb]

@@ -1904,13 +1904,18 @@ __device__ __forceinline__ void pdl() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+/* the first original column of the 16-byte piece at position pos of row r of chunk ch; its four column pairs
+   start there and 8, 16, 24 further on. Piece c of the chunk = permuted columns 8c .. 8c + 7 = original
+   32 (c / 4) + 8t + 4h + 2p + e. */
+__device__ __forceinline__ int piece_col(int ch, int r, int pos) {
+  const int c = pos ^ (r & 7);
+  return ch * 64 + (c >> 2) * 32 + 4 * ((c >> 1) & 1) + 2 * (c & 1);
+}
 /* the 16-byte piece at position pos of row r of chunk ch, from x row `row` (< 0: zeros) */
 __device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_stride, int ch, int r, int pos) {
   V4 v = {0u, 0u, 0u, 0u};
   if (row >= 0) {
-    /* piece c of the chunk = permuted columns 8c .. 8c + 7 = original 32 (c / 4) + 8t + 4h + 2p + e */
-    const int c = pos ^ (r & 7), h = (c >> 1) & 1, p = c & 1;
-    const u32* src = (const u32*)(x + (long long)row * x_stride + ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p);
+    const u32* src = (const u32*)(x + (long long)row * x_stride + piece_col(ch, r, pos));
     v.x = src[0]; v.y = src[4]; v.z = src[8]; v.w = src[12];
   }
   return v;
@@ -1937,7 +1942,11 @@ extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restric
   xt[o] = piece(x, row < M ? row : -1, x_stride, l.ch, l.r, l.pos);
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
-   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero */
+   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero (-1 here) */
+__device__ __forceinline__ int grouped_row(const Loc& l, const int* __restrict__ rows, const int* __restrict__ blk) {
+  const int i = blk[l.tb] + l.r;
+  return i < blk[l.tb + 1] ? (rows ? rows[i] : i) : -1;
+}
 extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restrict__ xt,
                                            const int* __restrict__ rows, const int* __restrict__ blk,
                                            const int* __restrict__ nblk, int x_stride, int n_ch, int bt,
@@ -1947,9 +1956,7 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   if (o >= total) return;
   const Loc l = locate(o, bt, n_ch);
   if (l.tb >= *nblk) return;
-  const int i = blk[l.tb] + l.r;
-  const int row = i < blk[l.tb + 1] ? (rows ? rows[i] : i) : -1;
-  xt[o] = piece(x, row, x_stride, l.ch, l.r, l.pos);
+  xt[o] = piece(x, grouped_row(l, rows, blk), x_stride, l.ch, l.r, l.pos);
 }
 /* SiLU * up of a gate_up product into the tiles: value (row, col) = silu(g) * u with g = gu[row][col],
    u = gu[row][I + col] (float32, rounded once to gu's dtype: kbit.ops.moe.silu_mul), zero at col >= I */
@@ -1985,12 +1992,10 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
   if (o >= total) return;
   const Loc l = locate(o, bt, n_ch);
   if (l.tb >= *nblk) return;
-  const int i = blk[l.tb] + l.r;
+  const int row = grouped_row(l, rows, blk);
   V4 v = {0u, 0u, 0u, 0u};
-  if (i < blk[l.tb + 1]) {
-    const int row = rows ? rows[i] : i;
-    const int c = l.pos ^ (l.r & 7), h = (c >> 1) & 1, p = c & 1;
-    const int col = l.ch * 64 + (c >> 2) * 32 + 4 * h + 2 * p;
+  if (row >= 0) {
+    const int col = piece_col(l.ch, l.r, l.pos);
     const u16* g = gu + (long long)row * gu_stride;
     v.x = silu_pair(g, I, col, bf16);
     v.y = silu_pair(g, I, col + 8, bf16);

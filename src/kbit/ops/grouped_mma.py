@@ -222,29 +222,23 @@ def max_blocks(P: int, E: int, bt: int) -> int:
     return min(P, P // bt + min(E, P))
 
 
-def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S):
+def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
     """x rows gathered per block of a block table into kernel 7's bulk-copy tiles: ``[n_max, S * 4, bt, 64]``,
     block ``b`` holding rows ``x[rows[blk[b] + r]]`` (zero past the block's end); blocks from ``nblk`` on are
-    not written (``kbit_x_tiles_g``)."""
+    not written (``kbit_x_tiles_g``). ``silu``: xp is a gate_up product ``[P, 2I]`` (stride 1 in columns, even
+    row stride) and the tiles hold ``silu(xp[:, :I]) * xp[:, I:]`` (``kbit.ops.moe.silu_mul``), computed while
+    tiling (``kbit_x_tiles_silu_g``): the down projection's x without a separate SwiGLU pass."""
     n_ch = S * 4
     xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
     total = xt.numel() // 8
-    kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
-    kern((-(-total // 256),), 256, "QQQQQiiiq", xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
-         nblk.data_ptr(), xp.stride(0), n_ch, bt, total, pdl=True)
-    return xt
-
-
-def _x_tiles_grouped_silu(gu, rows, blk, nblk, n_max, bt, S):
-    """:func:`_x_tiles_grouped` of ``silu(gu[:, :I]) * gu[:, I:]`` (``kbit.ops.moe.silu_mul``) for a gate_up
-    product ``gu [P, 2I]`` (stride 1 in columns, even row stride), computed while tiling
-    (``kbit_x_tiles_silu_g``): the down projection's x without a separate SwiGLU pass."""
-    n_ch, I = S * 4, gu.shape[1] // 2
-    xt = torch.empty(n_max * n_ch * bt * 64, dtype=gu.dtype, device=gu.device)
-    total = xt.numel() // 8
-    kern = _x_tiles_kernel("kbit_x_tiles_silu_g", gu.device)
-    kern((-(-total // 256),), 256, "QQQQQiiiiiq", gu.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
-         nblk.data_ptr(), gu.stride(0), I, int(gu.dtype == torch.bfloat16), n_ch, bt, total, pdl=True)
+    grid, ptrs = (-(-total // 256),), (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(), nblk.data_ptr())
+    if silu:
+        kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
+        kern(grid, 256, "QQQQQiiiiiq", *ptrs, xp.stride(0), xp.shape[1] // 2, int(xp.dtype == torch.bfloat16),
+             n_ch, bt, total, pdl=True)
+    else:
+        kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
+        kern(grid, 256, "QQQQQiiiq", *ptrs, xp.stride(0), n_ch, bt, total, pdl=True)
     return xt
 
 
@@ -288,10 +282,7 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     W, bt = defines["MAXW"], 8 * defines["NG"]
     blk, nblk = blocks
     n_max = max_blocks(P, E, bt)  # the kernel clamps nblk to it
-    if silu:
-        xt = _x_tiles_grouped_silu(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
-    else:
-        xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S)
+    xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S, silu=silu)
     grid = max(1, min(_sms(dev) * occ, -(-Nt // W) * n_max))
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     kern((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
