@@ -178,6 +178,9 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 #ifndef LUT4R
 #define LUT4R 0
 #endif
+#ifndef LKH
+#define LKH 0
+#endif
 #if K_BITS == 4 && LUT4R
 /* LUT4R (k = 4, no shared table): the codebook's 16 halves split into bytes, four bytes a register: t[0], t[1]
    the low bytes of entries 0-7, t[2], t[3] their high bytes, t[4..7] the same for entries 8-15 */
@@ -1716,6 +1719,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     fetch();
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {
+      u32 T[2][4];
+#if LKH && !defined(LAB_NOLOOKUP)
+      /* the chunk's first lookups before its barrier: they need only the codes, and overlap the wait */
+      lookup(w, 2 * cc, lbb, T);
+#endif
 #if XB
 #if XB == 1
       /* every warp is past the wgmma wait that retired chunk c - 2: its stage may be refilled below */
@@ -1737,12 +1745,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         u32 (&Au)[2][4] = A[u % AB];
         /* the table lookups go into temporaries before the wait for the wgmmas that read A[u % AB]: their
            latency overlaps the tensor cores instead of following the wait */
-        u32 T[2][4];
 #ifdef LAB_NOLOOKUP /* lab: the code words as A (wrong results): what the lookups cost */
 #pragma unroll
         for (int i = 0; i < 8; ++i) T[i >> 2][i & 3] = w[(2 * u + (i >> 2)) % NW];
 #else
-        lookup(w, u, lbb, T);
+        if (!LKH || ul == 1) lookup(w, u, lbb, T);
 #endif
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
         wg_wait<AB - 1>();
