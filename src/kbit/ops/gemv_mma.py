@@ -591,6 +591,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
+    if kernel != 7:
+        defines.update(lab_defines())
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
