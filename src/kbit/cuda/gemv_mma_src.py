@@ -1724,6 +1724,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
       /* the chunk's first lookups before its barrier: they need only the codes, and overlap the wait */
       lookup(w, 2 * cc, lbb, T);
 #endif
+#if LKH >= 2
+      const u32 s0h = scale2(sw, 2 * cc, 0, sc2_base), s1h = scale2(sw, 2 * cc, 1, sc2_base);
+#endif
 #if XB
 #if XB == 1
       /* every warp is past the wgmma wait that retired chunk c - 2: its stage may be refilled below */
@@ -1751,7 +1754,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #else
         if (!LKH || ul == 1) lookup(w, u, lbb, T);
 #endif
+#if LKH >= 2
+        const u32 s0 = ul == 0 ? s0h : scale2(sw, u, 0, sc2_base), s1 = ul == 0 ? s1h : scale2(sw, u, 1, sc2_base);
+#else
         const u32 s0 = scale2(sw, u, 0, sc2_base), s1 = scale2(sw, u, 1, sc2_base);
+#endif
         wg_wait<AB - 1>();
 #if XB == 2
         /* before unit 1 of chunk c, every wgmma group of chunk c - 1 has retired (AB = 2) */
