@@ -431,9 +431,9 @@ def large_config(k, M, N, K):
     if M <= 64:
         return (7, 16, 8, 4, 8, 1)
     if M <= 128 or (M <= 256 and N < 8192):
-        return (7, 12, 16, 4, 8, 1, 2, 0, 1)
+        return (7, 12, 16, 4, 8, 1, 1, 0, 1)
     if M <= 256:
-        return (7, 8, 32, 4, 8, 1, 2, 0, 1)
+        return (7, 8, 32, 4, 8, 1, 1, 0, 1)
     return (7, 8, 32, 4, 8, 1, 1)
 
 
@@ -502,9 +502,9 @@ def large_defines(k, cfg, grouped=False):
     gm = cfg[4] if len(cfg) > 4 else 8
     xc = 8 * ng * 128
     xsw = cfg[5] if len(cfg) > 5 else 1
-    xb = int(len(cfg) > 6 and cfg[6] and xsw)  # x pre-tiled on the device, one bulk copy a chunk
+    xb = cfg[6] if len(cfg) > 6 and xsw else 0  # x pre-tiled on the device, one bulk copy a chunk (1, 2, 3)
     if grouped and not xb:
-        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1 or 2), got {cfg}")
+        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1, 2 or 3), got {cfg}")
     D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
     defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
                    XB=xb)

@@ -197,10 +197,10 @@ def large_config(rpe: float):
     if os.environ.get("KBIT_GROUPED_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_GROUPED_LARGE_CFG"].split(","))
     if rpe < 48:
-        return (7, 16, 8, 4, 8, 1, 2)
+        return (7, 16, 8, 4, 8, 1, 1)
     if rpe < 192:
-        return (7, 12, 16, 4, 8, 1, 2)
-    return (7, 8, 32, 4, 8, 1, 2)
+        return (7, 12, 16, 4, 8, 1, 1)
+    return (7, 8, 32, 4, 8, 1, 1)
 
 
 def _large_rows(P: int, E: int, device) -> int:
