@@ -88,6 +88,20 @@ def test_repacked_cache_follows_tensor():
     assert b is not a and not torch.equal(a[0], b[0])
 
 
+@pytest.mark.parametrize("cfg,xb", [((7, 8, 32, 4, 8, 1), 0), ((7, 8, 32, 4, 8, 1, 1), 1), ((7, 8, 32, 4, 8, 1, 2), 2),
+                                    ((7, 8, 32, 4, 8, 1, 2, 1, 1), 2), ((7, 8, 32, 4, 8, 0, 2), 0)])
+def test_large_defines_x_loader(cfg, xb):
+    """config[6] picks the x loader (it used to read as 1 whenever set); it needs the swizzled x (config[5])."""
+    assert MM.large_defines(4, cfg)[0]["XB"] == xb
+
+
+def test_large_defines_rejects_bad_x_loader():
+    with pytest.raises(ValueError, match="x loader"):
+        MM.large_defines(4, (7, 8, 32, 4, 8, 1, 3))
+    with pytest.raises(ValueError, match="pre-tiled"):
+        MM.large_defines(4, (7, 8, 32, 4, 8, 1, 0), grouped=True)
+
+
 def test_validation_errors():
     codes, scales, ts, cb = make_weight(4, 64, 4)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=4, K=64)

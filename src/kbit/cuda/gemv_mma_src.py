@@ -1403,8 +1403,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #define XC (8 * NG * 128)   /* one 64-column chunk of 8 NG tokens: 8 K-direction core matrices x NG */
 #if XB == 2 && defined(XLAG)
 #define LAG XLAG            /* XB = 2: the producer waits for the stage's empty barrier instead */
-#elif XB == 3
-#define LAG 0               /* XB = 3: the last warp to release a stage refills it */
 #else
 #define LAG (AB / 2 + 1)    /* a stage is refilled LAG chunks after the chunk that last read it */
 #endif
@@ -1434,15 +1432,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #if XB
 __shared__ __align__(8) u64 s_full[8];  /* a chunk's bulk copy landed in stage s */
 __shared__ __align__(8) u64 s_empty[8]; /* XB = 2: every warp's wgmmas that read stage s retired */
-__shared__ u32 s_rel[8];                /* XB = 3: warps that released stage s (all time, modulo MAXW) */
-/* relaxed: an acq_rel atomic or a proxy fence is a MEMBAR.ALL.CTA that also waits for the codes' register prefetch
-   (0.58-0.74x bf16 instead of 0.78-0.97x: k7-s13-xb.log). The stage's readers are wgmmas whose wait_group
-   returned before the count, and the refill is a bulk copy: both in the async proxy. */
-__device__ __forceinline__ u32 atom_add_relaxed(u32 a, u32 v) {
-  u32 r;
-  asm volatile("atom.relaxed.cta.shared::cta.add.u32 %0, [%1], %2;" : "=r"(r) : "r"(a), "r"(v) : "memory");
-  return r;
-}
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
@@ -1564,16 +1553,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   int l_q = 0;       /* chunks issued (thread 0) */
   u32 ephase = 0;    /* bit s: parity of the next completion of s_empty[s] */
 #endif
-  auto issue = [&](int slot, bool copy) {
+  auto issue = [&](int slot) {
 #if XB
     /* x_stride = 64-column chunks a token block; chunk (tb, c) is XC contiguous bytes */
-#if XB == 3
-    if (l_p < p_end) { /* every thread keeps the loader state; the one with `copy` issues the chunk */
-      if (copy) {
-        bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
-                  smem_addr(&s_full[slot]));
-      }
-#else
     if (tid == 0 && l_p < p_end) {
 #if XB == 2
       if (l_q >= D) {  /* chunk l_q - D, the stage's last reader, retired in every warp */
@@ -1584,7 +1566,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #endif
       bulk_load(dsm_base + slot * XC, x + ((long long)lt.tb * x_stride + lt.s0 * 4 + l_c) * (XC / 2), XC,
                 smem_addr(&s_full[slot]));
-#endif
 #else
     if (l_p < p_end) {
       const u32 sb = dsm_base + slot * XC;
@@ -1665,7 +1646,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #if XB == 2
       mbar_init(smem_addr(&s_empty[s]), MAXW);
 #endif
-      s_rel[s] = 0;
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1678,7 +1658,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   pdl_wait();
 #endif
 #pragma unroll
-  for (int s = 0; s < D - LAG; ++s) { issue(s, tid == 0); cp_commit(); }
+  for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[NG][4];
@@ -1687,7 +1667,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   int c_p = p_first;
   Task ct = get_task(c_p);
   int c_s = ct.s0, slot = 0;
-#if XB >= 2
+#if XB == 2
   int prev_slot = 0, n_used = 0;
 #endif
   u32 A[AB][2][4];
@@ -1744,13 +1724,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
 #if XB == 2
         /* before unit 1 of chunk c, every wgmma group of chunk c - 1 has retired (AB = 2) */
         if (ul == 1 && lane == 0 && n_used > 0) mbar_arrive(smem_addr(&s_empty[prev_slot]));
-#elif XB == 3
-        /* the same release, counted: the warp that completes the count refills the stage (no thread waits) */
-        if (ul == 1 && n_used > 0) {
-          bool last = false;
-          if (lane == 0) last = atom_add_relaxed(smem_addr(&s_rel[prev_slot]), 1u) % MAXW == MAXW - 1;
-          issue(prev_slot, last);
-        }
 #endif
 #ifdef LAB_NOFOLD /* lab: no block scales (wrong results): what the fold costs */
 #pragma unroll
@@ -1763,16 +1736,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
         for (int h = 0; h < 2; ++h) wg_mma(acc, Au[h], x_desc(sb, ul * 2 + h));
         wg_commit();
       }
-#if XB >= 2
+#if XB == 2
       prev_slot = slot == 0 ? D - 1 : slot - 1;  /* slot has advanced: the stage this chunk read */
       ++n_used;
 #endif
       /* refill after this chunk's wgmmas are issued: the copies' address registers are not needed by the
          lookups that follow the barrier */
-#if XB != 3
-      issue(ls >= D ? ls - D : ls, tid == 0);
+      issue(ls >= D ? ls - D : ls);
       cp_commit();
-#endif
     }
     if (++c_s == ct.s1) {
       wg_wait<0>();

@@ -502,9 +502,13 @@ def large_defines(k, cfg, grouped=False):
     gm = cfg[4] if len(cfg) > 4 else 8
     xc = 8 * ng * 128
     xsw = cfg[5] if len(cfg) > 5 else 1
-    xb = cfg[6] if len(cfg) > 6 and xsw else 0  # x pre-tiled on the device, one bulk copy a chunk (1, 2, 3)
+    # x pre-tiled on the device, one bulk copy a chunk (XB = 1: CTA barrier, 2: empty mbarriers). Until session 13
+    # this read `int(len(cfg) > 6 and cfg[6] and xsw)`, which is 1 for cfg[6] = 2: XB = 2 had never run.
+    xb = cfg[6] if len(cfg) > 6 and xsw else 0
+    if xb not in (0, 1, 2):
+        raise ValueError(f"config: x loader (config[6]) must be 0, 1 or 2, got {cfg}")
     if grouped and not xb:
-        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1, 2 or 3), got {cfg}")
+        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1 or 2), got {cfg}")
     D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
     defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
                    XB=xb)
