@@ -196,9 +196,9 @@ def main():
              "serving steps of 48 or more rows an expert (here Qwen3-30B-A3B at T >= 1024, Qwen3-Next at 4096, "
              "Mixtral at T >= 256; the other rows run the same kernels as above):",
              moe_table(RES / "moe-s11-grouped7-2026-11-22.json"),
-             "Session 12: SiLU * up computed while gathering the down projection's x tiles for kernel 7 (no separate "
-             "SwiGLU pass), T = 256..4096:",
-             moe_table(RES / "moe-s12-silu-tiles-2026-11-22.json"),
+             "Sessions 12-13: SiLU * up computed while gathering the down projection's x tiles for kernel 7 (no "
+             "separate SwiGLU pass), and kernel 7 doing a chunk's first lookups before its barrier, T = 256..4096:",
+             moe_table(RES / "moe-s13-lkh-2026-11-22.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
              "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
              e2e_table(RES / "e2e-session3.json"),
