@@ -502,9 +502,7 @@ def large_defines(k, cfg, grouped=False):
     gm = cfg[4] if len(cfg) > 4 else 8
     xc = 8 * ng * 128
     xsw = cfg[5] if len(cfg) > 5 else 1
-    # x pre-tiled on the device, one bulk copy a chunk (XB = 1: CTA barrier, 2: empty mbarriers). Until session 13
-    # this read `int(len(cfg) > 6 and cfg[6] and xsw)`, which is 1 for cfg[6] = 2: XB = 2 had never run.
-    xb = cfg[6] if len(cfg) > 6 and xsw else 0
+    xb = cfg[6] if len(cfg) > 6 and xsw else 0  # x pre-tiled, one bulk copy a chunk (1: CTA barrier, 2: mbarriers)
     if xb not in (0, 1, 2):
         raise ValueError(f"config: x loader (config[6]) must be 0, 1 or 2, got {cfg}")
     if grouped and not xb:
@@ -523,9 +521,9 @@ def large_defines(k, cfg, grouped=False):
 
 
 def lab_defines() -> dict:
-    """Lab-only kernel-7 defines from ``KBIT_LAB_DEFINES="NAME=V,..."`` (e.g. ``LAB_NOLOOKUP=1``, ``LAB_NOFOLD=1``:
-    timing variants with wrong results; ``MBAR_TRAP=1``). Read when a plan is first built (plans are cached per
-    process)."""
+    """Lab-only defines from ``KBIT_LAB_DEFINES="NAME=V,..."``, added to every kernel build of this module (e.g.
+    kernel 7's ``LAB_NOLOOKUP=1``, ``LAB_NOFOLD=1``: timing variants with wrong results; ``LKH=0``; ``MBAR_TRAP=1``).
+    Read when a plan is first built (plans are cached per process)."""
     v = os.environ.get("KBIT_LAB_DEFINES", "")
     return {kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",") if kv}
 
