@@ -47,10 +47,27 @@ def main():
     ap.add_argument("--cfgs", default=DEFAULT_CFGS, help="';'-separated KBIT_MMA_CFG values ('' = default), each "
                     "optionally followed by '@KEY=VAL+KEY2=VAL' (environment, e.g. KBIT_L2PF)")
     ap.add_argument("--between", action="store_true", help="a torch kernel between consecutive calls")
+    ap.add_argument("--check", action="store_true", help="first check each explicit config against the float64 "
+                    "reference on odd shapes at the --ms values")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     cfgs = [""] + [c for c in args.cfgs.split(";") if c]
     lines = [f"# {torch.cuda.get_device_name()}; us per call; between={args.between}"]
+    if args.check:
+        n_fail = 0
+        for col in cfgs[1:]:
+            cfg = tuple(int(v) for v in col.partition("@")[0].split(",")) if col.partition("@")[0] else None
+            if cfg is None:
+                continue
+            cases = [c for M in (int(v) for v in args.ms.split(",")) for k in (int(v) for v in args.ks.split(","))
+                     for c in ((2880, 5120, k, M, torch.bfloat16, 32, "log8", False),
+                               (5120, 2880, k, M, torch.float16, 32, "log8", True),
+                               (1000, 4000, k, M, torch.float16, 128, "log8", True),
+                               (17, 300, k, M, torch.bfloat16, 64, "fp16", False))]
+            MM._PLANS.clear()
+            n_fail += len(L.run_cases(cases, config=cfg, log_every=1000))
+        lines.append(f"# check: {n_fail} failures")
+        print(lines[-1], flush=True)
     for s in args.shapes.split(","):
         N, K = (int(v) for v in s.split("x"))
         for k in (int(v) for v in args.ks.split(",")):

@@ -85,6 +85,12 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #ifndef XS
 #define XS 0
 #endif
+#ifndef XK /* kernel 3 with XS: K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
+#define XK 0
+#endif
+#if XK && (PRO || DET || !XS)
+#error "XK: K slices need XS and exclude PRO (a norm over the whole row) and DET (slots by memory order)"
+#endif
 #ifndef DET /* kernels 1 and 3: 1 = split-K parts added in a fixed order (bit-identical runs), 0 = fp32 atomics */
 #define DET 0
 #endif
@@ -789,8 +795,15 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              int M, int N, u16* __restrict__ y, int y_stride,
                                              const void* __restrict__ bias, int bias_kind, float post,
                                              float* __restrict__ ws, int* __restrict__ cnt, int ws_stride, int L,
-                                             int spt, bool epi) {
-  int tile = j0 / n_seg, seg = j0 - tile * n_seg, seg_first = seg;
+                                             int spt, bool epi, int ns, int s_lo) {
+  /* j counts (tile, segment) pairs of the warp's K slice [s_lo, s_lo + ns) (XK; else the whole K: ns = n_seg) */
+  int tile = j0 / ns, seg = j0 - tile * ns, seg_first = seg;
+#if XK /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
+  int pt = tile, ps = seg;
+#pragma unroll
+  for (int p = 0; p < PD - 1; ++p)
+    if (++ps == ns) { ps = 0; ++pt; }
+#endif
   float acc[NG][4];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
@@ -799,13 +812,20 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
     for (int p = 0; p < PD; ++p) {
       const int j = jb + p;
       if (j < j1) {
-        if (j + PD - 1 < j1) ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
+        if (j + PD - 1 < j1) {
+#if XK
+          ld_seg(buf[(p + PD - 1) % PD], codes, scales, pt * n_seg + s_lo + ps, lane, g);
+          if (++ps == ns) { ps = 0; ++pt; }
+#else
+          ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
+#endif
+        }
         const u16* xs[NG];
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
         segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
         ++seg;
-        if (seg == n_seg || j + 1 == j1) {
+        if (seg == ns || j + 1 == j1) {
 #if DET
 #if EPI
           if (epi)
@@ -827,7 +847,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #endif
 #pragma unroll
           for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-          if (seg == n_seg) { seg = 0; ++tile; }
+          if (seg == ns) { seg = 0; ++tile; }
           seg_first = seg;
         }
       }
@@ -847,17 +867,28 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
+#if XK /* gridDim.x / n_sl CTAs a K slice, CTA-consecutive; a slice's pairs in memory order over its warps */
+  const int n_sl = (n_seg + XK - 1) / XK, cps = (int)gridDim.x / n_sl, sl = (int)blockIdx.x / cps;
+  if (sl >= n_sl) return;
+  const int s_lo = sl * XK, ns = min(XK, n_seg - s_lo);
+  const long long T = (long long)n_tiles * ns, TW = (long long)cps * W;
+  const long long gw = (long long)(blockIdx.x - sl * cps) * W + warp;
+#else
+  const int s_lo = 0, ns = n_seg;
   const long long T = (long long)n_tiles * n_seg, TW = (long long)gridDim.x * W;
   const long long gw = (long long)blockIdx.x * W + warp;
+#endif
   const int j0 = (int)(T * gw / TW), j1 = (int)(T * (gw + 1) / TW);
   V4 buf[PD][K_BITS + SV];
 #pragma unroll
-  for (int p = 0; p < PD - 1; ++p)
-    if (j0 + p < j1) ld_seg(buf[p], codes, scales, j0 + p, lane, g);  /* in flight while the tables are built */
+  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+    if (j0 + p < j1) ld_seg(buf[p], codes, scales, XK ? (j0 + p) / ns * n_seg + s_lo + (j0 + p) % ns : j0 + p, lane, g);
+#if !XK
   if (lane == 0 && j0 + PD - 1 < j1) { /* the rest of the warp's range, from its start */
     l2_prefetch(codes + (long long)(j0 + PD - 1) * K_BITS * 32, (long long)(j1 - j0 - PD + 1) * K_BITS * 512);
     l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
   }
+#endif
   const float ts = *ts_ptr;
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
@@ -865,9 +896,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight) */
+#if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32], the 64
+          pad bytes put 8-token rows' B-fragment loads in alternate bank halves */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
-  const int xv = n_seg * (SEG / 8);
+  const int xv = XK ? XK * (SEG / 8) + 4 : n_seg * (SEG / 8);
 #if PRO
   V4* sw_ = (V4*)sx + M * xv;
   stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
@@ -878,6 +910,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #if XS
 #if PRO
   stage_x_prologue((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
+#elif XK
+  for (int i = (int)tid, nv = ns * (SEG / 8); i < M * nv; i += (int)blockDim.x) {
+    const int tok = i / nv, c = i - tok * nv;
+    ((V4*)sx)[tok * xv + c] = *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
+  }
 #else
   for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
@@ -895,7 +932,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     int tok = ng * 8 + g;
     tok = tok < M ? tok : M - 1;
 #if XS
-    xr[ng] = sx + (long long)tok * (n_seg * SEG) + 8 * (lane & 3);
+    xr[ng] = sx + (long long)tok * (8 * xv) + 8 * (lane & 3);
 #else
     xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
 #endif
@@ -903,7 +940,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   const long long Lq = T / TW;  /* the shortest warp range: parts of a tile start at least this far apart */
   const int L = Lq > 0 ? (int)Lq : 1, spt = (n_seg + L - 2) / L + 1;  /* slots a tile (see finish_det) */
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI);
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo);
 }
 #elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column

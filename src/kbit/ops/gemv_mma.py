@@ -543,9 +543,17 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     ng = _ng(M)
     if kernel == 3:
         pd = cfg[3] if len(cfg) > 3 else PIPE[k]
-        xs = int(len(cfg) > 4 and cfg[4] and _table_smem(k) + M * S * SEG * 2 <= XS_MAX)
-        defines = dict(KERNEL=3, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X, PD=pd, XS=xs)
-        shared = _table_smem(k) + xs * M * S * SEG * 2
+        xk = min(cfg[5], S) if len(cfg) > 5 and cfg[5] and not pro and not deterministic() else 0
+        if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
+            xs = 1
+            shared = _table_smem(k) + M * (xk * SEG + 32) * 2
+            if shared > SMEM_MAX:
+                raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared "
+                                 f"memory, more than {SMEM_MAX}")
+        else:
+            xs = int(len(cfg) > 4 and cfg[4] and _table_smem(k) + M * S * SEG * 2 <= XS_MAX)
+            shared = _table_smem(k) + xs * M * S * SEG * 2
+        defines = dict(KERNEL=3, K_BITS=k, NG=ng, D=1, MAXW=W, MINB=X, PD=pd, XS=xs, XK=xk)
         if pro:
             if not xs:
                 raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
@@ -601,7 +609,11 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     gi = {1: 3, 3: 5}.get(kernel)  # CTAs an SM in the grid below the occupancy (lab): leaves room for the next
     if gi is not None and len(cfg) > gi and cfg[gi]:  # kernel's CTAs to become resident (PDL) while this one runs
         slots = _sms(dev) * min(occ, cfg[gi])
-    if kernel == 3:
+    if kernel == 3 and defines["XK"]:  # the same CTAs for every K slice (the kernel reads cps = grid / n_sl)
+        n_sl = -(-S // defines["XK"])
+        splits, sps = 1, S
+        grid = n_sl * max(1, min(slots // n_sl, -(-(Nt * defines["XK"]) // W)))
+    elif kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
     elif kernel == 6:
