@@ -25,6 +25,18 @@ ENV_KEYS: set = set()  # environment variables set by a column ("cfg@KEY=VAL+KEY
 DEFAULT_CFGS = "1,4,4;1,8,2;1,8,1;1,16,1;3,8,2,2;3,8,2,2,1;3,4,4,2;3,16,1,2"
 
 
+def set_env(col):
+    """Set a column's environment ("cfg@KEY=VAL+KEY2=VAL"; the previous column's is cleared); returns cfg."""
+    cfg, _, env = col.partition("@")
+    for key in ENV_KEYS:
+        os.environ.pop(key, None)
+    for e in (e for e in env.split("+") if e):
+        key, val = e.split("=", 1)
+        ENV_KEYS.add(key)
+        os.environ[key] = val
+    return cfg
+
+
 def time_cfg(N, K, k, M, between):
     ws = L.copies(N, K, k)
     x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
@@ -56,9 +68,10 @@ def main():
     if args.check:
         n_fail = 0
         for col in cfgs[1:]:
-            cfg = tuple(int(v) for v in col.partition("@")[0].split(",")) if col.partition("@")[0] else None
-            if cfg is None:
+            cfg = set_env(col)
+            if not cfg:
                 continue
+            cfg = tuple(int(v) for v in cfg.split(","))
             cases = [c for M in (int(v) for v in args.ms.split(",")) for k in (int(v) for v in args.ks.split(","))
                      for c in ((2880, 5120, k, M, torch.bfloat16, 32, "log8", False),
                                (5120, 2880, k, M, torch.float16, 32, "log8", True),
@@ -74,13 +87,7 @@ def main():
             for M in (int(v) for v in args.ms.split(",")):
                 line = []
                 for col in cfgs:
-                    cfg, _, env = col.partition("@")
-                    for key in ENV_KEYS:
-                        os.environ.pop(key, None)
-                    for e in (e for e in env.split("+") if e):
-                        key, val = e.split("=")
-                        ENV_KEYS.add(key)
-                        os.environ[key] = val
+                    cfg = set_env(col)
                     if cfg:
                         os.environ["KBIT_MMA_CFG"] = cfg
                     else:
