@@ -102,6 +102,25 @@ def test_large_defines_rejects_bad_x_loader():
         MM.large_defines(4, (7, 8, 32, 4, 8, 1, 0), grouped=True)
 
 
+def test_mid_m_routes():
+    """9 <= M <= 64 (session 14, H100): x slices at M <= 16 on tall, big weights (sm_90 only); kernel 7's 32- and
+    64-token tiles with stream-K; 16 warps on big weights except k = 5."""
+    assert MM.default_config(4, 16, 10000, 5120, sm90=True) == MM.XK_CFG
+    assert MM.default_config(4, 16, 10000, 5120) != MM.XK_CFG  # other GPUs: not measured there
+    assert MM.default_config(4, 16, 4096, 14336, sm90=True) != MM.XK_CFG  # N < 8192
+    assert MM.default_config(4, 16, 8192, 4096, sm90=True) != MM.XK_CFG  # N * K < 5e7
+    assert MM.default_config(4, 8, 10000, 5120, sm90=True) != MM.XK_CFG  # M <= 8
+    assert MM.large_config(4, 24, 28672, 4096) == (7, 8, 4, 6, 8, 1, 1, 0, 1)
+    assert MM.large_config(4, 64, 57344, 8192)[:3] == (7, 16, 8)
+    assert MM.large_config(5, 64, 57344, 8192)[:3] == (7, 12, 8)
+    assert MM.large_config(4, 48, 4096, 14336)[:3] == (7, 12, 8)
+
+
+def test_x_slices_too_big_for_shared_memory():
+    with pytest.raises(ValueError, match="x slices"):
+        MM.plan(4, 64, 10000, 5120, config=(3, 16, 1, 3, 1, 20), device="cpu")
+
+
 def test_validation_errors():
     codes, scales, ts, cb = make_weight(4, 64, 4)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=4, K=64)
@@ -231,6 +250,38 @@ def test_mma_gpu_default_routes_m2_16(N, K_, k, M):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("config", [(3, 16, 1, 3, 1, 8), (3, 8, 2, 2, 1, 4), (3, 4, 2, 4, 1, 2), (3, 16, 1, 2, 1, 8)])
+def test_mma_gpu_x_slices(config):
+    """Kernel 3 with K slices of x in shared memory (config[5]): a last slice shorter than the others (K = 5120:
+    20 segments), one slice wider than K (K = 300), K not a multiple of 256, many slices with split tiles added
+    through the workspace (twice: it must be left clean), bias, fp16 scales, blocksizes 64 / 128, M 1..32."""
+    for _ in range(2):
+        check(2880, 5120, 4, 16, torch.bfloat16, bias=True, config=config)
+    check(64, 8192, 2, 9, torch.float16, config=config)
+    check(17, 300, 5, 13, torch.float16, B=128, config=config)
+    check(1000, 4000, 3, 16, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
+    check(5000, 4096, 4, 1, torch.float16, config=config)
+    check(4096, 2048, 2, 32, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("M", [9, 16, 17, 24, 32, 48, 64])
+def test_mma_gpu_default_routes_m9_64(k, M):
+    """The default routes of 9 <= M <= 64 on a weight of >= 5e7 elements with N >= 8192: on sm_90 kernel 3 with x
+    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
+    N, K_ = 10000, 5120
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert MM.uses_large(M, N, K_, "cuda") == (M > 16)
+        if M <= 16:
+            assert MM.plan(k, M, N, K_)["defines"]["XK"] == 8
+    check(N, K_, k, M, torch.bfloat16, bias=True, seed=M)
+    check(N, K_, k, M, torch.float16, seed=M + 1)
+
+
+@pytest.mark.gpu
+@gpu
 def test_mma_gpu_cuda_graph():
     codes, scales, ts, cb = make_weight(512, 1024, 4, device="cuda")
     kw = dict(k=4, blocksize=32, scale_format="log8", N=512, K=1024)
@@ -253,6 +304,7 @@ def test_mma_gpu_cuda_graph():
     (4096, 4096, 2, 2, None),              # the default route (kernel 1) at M = 2
     (64, 8192, 2, 3, (1, 2, 3)),           # kernel 1, split K over many CTAs
     (2048, 14336, 5, 8, (1, 4, 4)),        # kernel 1, 4-warp CTAs
+    (2880, 5120, 4, 16, (3, 16, 1, 3, 1, 8)),  # x slices asked for: dropped (their parts are not in memory order)
 ])
 def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
     """With deterministic algorithms on (torch's flag or KBIT_DETERMINISTIC=1), tiles split over several warps /
@@ -300,7 +352,8 @@ def test_large_gpu_m(k, dtype, M):
 @sm90
 @pytest.mark.parametrize("config", [(7, 16, 8, 4, 8, 1), (7, 12, 16, 4, 8, 1), (7, 8, 32, 3, 8, 1), (7, 8, 16, 6, 2, 0),
                                     (7, 4, 16, 3, 8, 1), (7, 8, 32, 4, 8, 1, 1), (7, 12, 16, 4, 8, 1, 2, 0, 1),
-                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2)])
+                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2), (7, 8, 4, 6, 8, 1, 1, 0, 1),
+                                    (7, 12, 8, 6, 8, 1, 1, 0, 1), (7, 8, 2, 6, 8, 1, 1, 0, 1)])
 def test_large_gpu_configs_split_k_formats(config):
     """Every tile shape, both x layouts, both x loaders (cp.async; bulk copies with the CTA barrier or empty
     mbarriers), split K and stream-K: one row block (twice: the workspace must be left clean), odd N and K with

@@ -359,8 +359,18 @@ SMEM_MAX = 227 * 1024
 BIG = 2 * 10**8
 
 
-def default_config(k, M, N, K):
+#: 9 <= M <= 16 on sm_90 with at least XK_MIN_N rows and XK_MIN_NK weights: kernel 3 with K slices of x in shared
+#: memory (config[5] = XK segments a slice), 16 warps a CTA. H100, ``benchmarks/results/h100/m16-s14-xk-sweep1.log``,
+#: ``k7-s14-k235.log``, M = 16, k = 4 (kernel 4 -> this): 28672x4096 44.3 -> 37.7 us, 8192x28672 71.5 -> 66.8,
+#: 57344x8192 135.2 -> 129.0; 4096x14336 21.8 vs 22.0 and 4096x4096 8.9 vs 12.9 (kernel 1 / 4 kept there)
+XK_MIN_N = 8192
+XK_MIN_NK = 5 * 10**7
+XK_CFG = (3, 16, 1, 3, 1, 8)
+
+
+def default_config(k, M, N, K, sm90=False):
     """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
+    ``sm90``: the device is an H100-class GPU (the XK configs were measured there only).
 
     Kernel 4 (M > 16, and 9 <= M <= 16 with N >= 8192; H100 runs of 2026-11-21 in
     ``benchmarks/results/h100/mid-2026-11-21-*``): a CTA of W warps streams (row block, segment) pairs (stream-K),
@@ -380,7 +390,9 @@ def default_config(k, M, N, K):
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
     ng = _ng(M)
-    if ng == 8:
+    if sm90 and ng == 2 and N >= XK_MIN_N and N * K >= XK_MIN_NK:
+        cfg = XK_CFG
+    elif ng == 8:
         cfg = (4, 16, 1, 2)
     elif ng == 2 and k == 2 and N >= TALL:  # 57344x8192 108.3 vs 116.4 us (kernel 4)
         cfg = (3, 8, 2, 2)
@@ -408,13 +420,15 @@ def default_config(k, M, N, K):
 
 
 def large_ok(device) -> bool:
-    """Kernel 7 (M > 64, wgmma) runs here: sm_90 (it is compiled for sm_90a)."""
+    """Kernel 7 (wgmma; see :func:`uses_large`) runs here: sm_90 (it is compiled for sm_90a)."""
     return torch.cuda.get_device_capability(device) == (9, 0) and os.environ.get("KBIT_LARGE_M", "1") != "0"
 
 
-#: kernel 7 serves 33 <= M <= 64 where N * K is at most this (kernel 4 stays above: 57344x8192 M = 64 305.5 vs
-#: 321.6 us), H100 ``benchmarks/results/h100/large7-2026-11-22-run7.log``
-LARGE7_MID_MAX_NK = 3 * 10**8
+#: kernel 7 serves 17 <= M <= 32 on weights of at least this many elements (kernel 4 below). H100, session 14
+#: (``benchmarks/results/h100/k7-s14-m16-m32.log``, ``k7-s14-k235.log``), M = 32, kernel 4 -> kernel 7 with 32-token
+#: tiles: k = 4 28672x4096 61.7 -> 51.9 us, 4096x14336 36.3 -> 32.6, 57344x8192 180.9 -> 152.7, 8192x28672 97.0 ->
+#: 82.6; k = 2 57344x8192 154.4 -> 146.9; 14336x4096 k = 4 38.1 -> 31.7 (``k7-s14-small-shapes.log``)
+LARGE7_MID_MIN_NK = 5 * 10**7
 
 
 def large_config(k, M, N, K):
@@ -425,11 +439,17 @@ def large_config(k, M, N, K):
     the device and bulk-copied (XB) beat the cp.async loader everywhere; up to M = 128 (and M <= 256 when N < 8192)
     128-token tiles of 12 warps with stream-K won, up to 256 256-token tiles with stream-K, above 256-token tiles
     without it. M <= 64 keeps the session-4 config (64-token tiles, no XB: not measured with it).
+    Session 14 (``benchmarks/results/h100/k7-s14-*.log``): M <= 32 32-token tiles of 8 warps; M <= 64 64-token
+    tiles, 6 x stages, bulk-copied x and stream-K, 16 warps on weights of >= BIG elements (k = 4 57344x8192 M = 64
+    kernel 4 283.5 -> 192.8 us), else 12 warps (4096x14336 51.0 -> 42.1 us against the session-4 config); k = 5 12
+    warps everywhere (16 spill: 57344x8192 M = 64 320.3 vs 278.5 us).
     ``KBIT_LARGE_CFG="7,W,NG,D,GM,XSW[,XB,LAG,SK]"`` overrides (lab)."""
     if os.environ.get("KBIT_LARGE_CFG"):
         return tuple(int(v) for v in os.environ["KBIT_LARGE_CFG"].split(","))
+    if M <= 32:
+        return (7, 8, 4, 6, 8, 1, 1, 0, 1)
     if M <= 64:
-        return (7, 16, 8, 4, 8, 1)
+        return (7, 16 if N * K >= BIG and k != 5 else 12, 8, 6, 8, 1, 1, 0, 1)
     if M <= 128 or (M <= 256 and N < 8192):
         return (7, 12, 16, 4, 8, 1, 1, 0, 1)
     if M <= 256:
@@ -448,17 +468,18 @@ LARGE7_SMALL_NK = 2 * 10**7
 
 
 def uses_large(M, N, K, device, config=None) -> bool:
-    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M 65..2048 (larger on big
-    weights), or 33..64 on weights of at most :data:`LARGE7_MID_MAX_NK` elements; a given ``config`` decides by
+    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M 33..2048 (larger on big
+    weights), or 17..32 on weights of at least :data:`LARGE7_MID_MIN_NK` elements; a given ``config`` decides by
     its kernel."""
     if config is not None:
         return config[0] == 7
-    return (M > MAX_M or (M > 32 and N * K <= LARGE7_MID_MAX_NK)) and large_ok(device)
+    return (M > 32 or (M > 16 and N * K >= LARGE7_MID_MIN_NK)) and large_ok(device)
 
 
 def large_serves(M, N, K) -> bool:
     """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to this entry point where kernel 7
-    runs (sm_90): kernels 1-4 up to M = 32, kernel 7 above, except small weights at M 33..256 and, beyond
+    runs (sm_90): kernels 1-4 up to M = 16 (M = 32 under LARGE7_MID_MIN_NK elements), kernel 7 above, except
+    small weights at M 33..256 and, beyond
     :data:`LARGE7_MAX_M`, weights under :data:`LARGE7_BIG_NK` elements (dequantize + cuBLAS there)."""
     if N * K < LARGE7_SMALL_NK and 32 < M <= 256:
         return False
@@ -538,7 +559,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     dev = torch.device(device or "cuda")
     Nt, S = -(-N // 16), -(-K // SEG)
     n_cnt = Nt  # split-K counters (kernel 7: one set a token block)
-    cfg = tuple(config or default_config(k, M, N, K))
+    sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+    cfg = tuple(config or default_config(k, M, N, K, sm90=sm90))
     kernel, W, X = cfg[:3]
     ng = _ng(M)
     if kernel == 3:
