@@ -352,8 +352,9 @@ def test_large_gpu_m(k, dtype, M):
 @sm90
 @pytest.mark.parametrize("config", [(7, 16, 8, 4, 8, 1), (7, 12, 16, 4, 8, 1), (7, 8, 32, 3, 8, 1), (7, 8, 16, 6, 2, 0),
                                     (7, 4, 16, 3, 8, 1), (7, 8, 32, 4, 8, 1, 1), (7, 12, 16, 4, 8, 1, 2, 0, 1),
-                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2), (7, 8, 4, 6, 8, 1, 1, 0, 1),
-                                    (7, 12, 8, 6, 8, 1, 1, 0, 1), (7, 8, 2, 6, 8, 1, 1, 0, 1)])
+                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2),
+                                    (7, 8, 4, 6, 8, 1, 1, 0, 1), (7, 12, 8, 6, 8, 1, 1, 0, 1),
+                                    (7, 8, 2, 6, 8, 1, 1, 0, 1)])
 def test_large_gpu_configs_split_k_formats(config):
     """Every tile shape, both x layouts, both x loaders (cp.async; bulk copies with the CTA barrier or empty
     mbarriers), split K and stream-K: one row block (twice: the workspace must be left clean), odd N and K with
