@@ -114,6 +114,7 @@ def test_mid_m_routes():
     assert MM.large_config(4, 64, 57344, 8192)[:3] == (7, 16, 8)
     assert MM.large_config(5, 64, 57344, 8192)[:3] == (7, 12, 8)
     assert MM.large_config(4, 48, 4096, 14336)[:3] == (7, 12, 8)
+    assert MM.LARGE7_MIN_M == 17
 
 
 def test_x_slices_too_big_for_shared_memory():
@@ -270,7 +271,11 @@ def test_mma_gpu_x_slices(config):
 @pytest.mark.parametrize("M", [9, 16, 17, 24, 32, 48, 64])
 def test_mma_gpu_default_routes_m9_64(k, M):
     """The default routes of 9 <= M <= 64 on a weight of >= 5e7 elements with N >= 8192: on sm_90 kernel 3 with x
-    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
+    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere. Small weights at
+    M 17..32: kernel 7 too (M 33..64 on them goes to dequantize + cuBLAS, test_gemm)."""
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert MM.uses_large(24, 1024, 4096, "cuda")
+        check(1024, 4096, 4, 24, torch.bfloat16, seed=5)
     N, K_ = 10000, 5120
     if torch.cuda.get_device_capability() == (9, 0):
         assert MM.uses_large(M, N, K_, "cuda") == (M > 16)

@@ -424,11 +424,12 @@ def large_ok(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and os.environ.get("KBIT_LARGE_M", "1") != "0"
 
 
-#: kernel 7 serves 17 <= M <= 32 on weights of at least this many elements (kernel 4 below). H100, session 14
-#: (``benchmarks/results/h100/k7-s14-m16-m32.log``, ``k7-s14-k235.log``), M = 32, kernel 4 -> kernel 7 with 32-token
-#: tiles: k = 4 28672x4096 61.7 -> 51.9 us, 4096x14336 36.3 -> 32.6, 57344x8192 180.9 -> 152.7, 8192x28672 97.0 ->
-#: 82.6; k = 2 57344x8192 154.4 -> 146.9; 14336x4096 k = 4 38.1 -> 31.7 (``k7-s14-small-shapes.log``)
-LARGE7_MID_MIN_NK = 5 * 10**7
+#: kernel 7 serves every M from this (sm_90). H100, session 14 (``benchmarks/results/h100/k7-s14-m16-m32.log``,
+#: ``k7-s14-k235.log``, ``k7-s14-small-shapes.log``), M = 32, kernels 1-4 -> kernel 7 with 32-token tiles: k = 4
+#: 28672x4096 61.7 -> 51.9 us, 4096x14336 36.3 -> 32.6, 57344x8192 180.9 -> 152.7, 8192x28672 97.0 -> 82.6,
+#: 14336x4096 38.1 -> 31.7, 6144x4096 26.5 -> 25.8, 4096x4096 22.9 -> 18.3, 1024x4096 14.3 -> 13.8; k = 2 57344x8192
+#: 154.4 -> 146.9. At M = 16 kernel 3 (x slices) or kernel 1 win.
+LARGE7_MIN_M = 17
 
 
 def large_config(k, M, N, K):
@@ -468,18 +469,16 @@ LARGE7_SMALL_NK = 2 * 10**7
 
 
 def uses_large(M, N, K, device, config=None) -> bool:
-    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M 33..2048 (larger on big
-    weights), or 17..32 on weights of at least :data:`LARGE7_MID_MIN_NK` elements; a given ``config`` decides by
-    its kernel."""
+    """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M >= :data:`LARGE7_MIN_M`
+    (up to 2048, more on big weights: :func:`large_serves`); a given ``config`` decides by its kernel."""
     if config is not None:
         return config[0] == 7
-    return (M > 32 or (M > 16 and N * K >= LARGE7_MID_MIN_NK)) and large_ok(device)
+    return M >= LARGE7_MIN_M and large_ok(device)
 
 
 def large_serves(M, N, K) -> bool:
     """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to this entry point where kernel 7
-    runs (sm_90): kernels 1-4 up to M = 16 (M = 32 under LARGE7_MID_MIN_NK elements), kernel 7 above, except
-    small weights at M 33..256 and, beyond
+    runs (sm_90): kernels 1-4 up to M = 16, kernel 7 above, except small weights at M 33..256 and, beyond
     :data:`LARGE7_MAX_M`, weights under :data:`LARGE7_BIG_NK` elements (dequantize + cuBLAS there)."""
     if N * K < LARGE7_SMALL_NK and 32 < M <= 256:
         return False
