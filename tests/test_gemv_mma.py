@@ -271,11 +271,7 @@ def test_mma_gpu_x_slices(config):
 @pytest.mark.parametrize("M", [9, 16, 17, 24, 32, 48, 64])
 def test_mma_gpu_default_routes_m9_64(k, M):
     """The default routes of 9 <= M <= 64 on a weight of >= 5e7 elements with N >= 8192: on sm_90 kernel 3 with x
-    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere. Small weights at
-    M 17..32: kernel 7 too (M 33..64 on them goes to dequantize + cuBLAS, test_gemm)."""
-    if torch.cuda.get_device_capability() == (9, 0):
-        assert MM.uses_large(24, 1024, 4096, "cuda")
-        check(1024, 4096, 4, 24, torch.bfloat16, seed=5)
+    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
     N, K_ = 10000, 5120
     if torch.cuda.get_device_capability() == (9, 0):
         assert MM.uses_large(M, N, K_, "cuda") == (M > 16)
@@ -338,6 +334,15 @@ def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
 
 sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="kernel 7 (wgmma) is sm_90a only")
+
+
+@pytest.mark.gpu
+@gpu
+@sm90
+def test_mma_gpu_small_weight_m17_32():
+    """Small weights at M 17..32 take kernel 7 too (M 33..64 on them goes to dequantize + cuBLAS, test_gemm)."""
+    assert MM.uses_large(24, 1024, 4096, "cuda")
+    check(1024, 4096, 4, 24, torch.bfloat16, seed=5)
 
 
 @pytest.mark.gpu
