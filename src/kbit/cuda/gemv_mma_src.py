@@ -333,6 +333,32 @@ __device__ __forceinline__ bool arrive(int* __restrict__ cnt, int c_idx, int con
   return last;
 }
 
+/* The fp32 workspace of split tiles (zero at rest): a tile's partial sums are NG * 128 consecutive floats, the
+   four accumulator values of (8-token group ng, lane) at ws_at(tile, ng, lane), so that one vector reduction
+   (sm_90: red.global.add.v4.f32) adds a lane's four values and the reader takes them back with one 16-byte load.
+   A lane's values are rows g, g + 8 of the tile and tokens 8 ng + 2 t, + 1; entries of rows >= N or tokens
+   >= M hold whatever the kernel computed there and are never written out. */
+__device__ __forceinline__ float* ws_at(float* __restrict__ ws, int tile, int ng, u32 lane) {
+  return ws + ((long long)tile * NG + ng) * 128 + lane * 4;
+}
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+  atomicAdd(p + 2, c);
+  atomicAdd(p + 3, d);
+#endif
+}
+/* the lane's four sums of (tile, ng), read back and zeroed by the warp that completed the tile's count */
+__device__ __forceinline__ float4 take4(float* __restrict__ ws, int tile, int ng, u32 lane) {
+  float4* p = (float4*)ws_at(ws, tile, ng, lane);
+  const float4 v = __ldcg(p);
+  __stcg(p, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+  return v;
+}
 /* add a task's partial sums (rows of tile) to the fp32 workspace and count its contrib segments on cnt[c];
    true in every lane of the warp whose count completes total (it then reads the sums back) */
 __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 lane, int M, int N, float post,
@@ -341,11 +367,9 @@ __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
-    }
+    if (tile * 16 + g < N && ng * 8 + 2 * t < M)
+      red_add4(ws_at(ws, tile, ng, lane), acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
+               acc[ng][3] * post);
   return arrive(cnt, c_idx, contrib, total, lane);
 }
 
@@ -378,15 +402,16 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   }
   if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
 #pragma unroll
-    for (int ng = 0; ng < NG; ++ng)
+    for (int ng = 0; ng < NG; ++ng) {
+      if (tile * 16 + g >= N || ng * 8 + 2 * t >= M) continue;
+      const float4 v4 = take4(ws, tile, ng, lane);
+      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-        if (row < N && tok < M) {
-          const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-          y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-        }
+        if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
       }
+    }
     if (lane == 0) atomicExch(&cnt[tile], 0);
   }
 }
@@ -537,12 +562,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const bool last = splits == 1;
     /* split K across CTAs: the CTA's sums go to slot sp of the tile; the CTA that completes the tile's count adds
        the slots in split order and zeroes them (deterministic: no sum depends on the order of arrival) */
+#if DET
     float* slots = ws + (long long)tile * splits * (NG * 128);
     for (u32 e = tid; e < NG * 128; e += blockDim.x) {
       const u32 c = (e >> 5) & 3, l = e & 31;
       const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
       const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-#if DET
       float v = 0.0f;
       for (u32 w = 0; w < W; ++w) v += s_red[w * (NG * 128) + e];
       v *= post;
@@ -551,15 +576,28 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       } else if (row < N && tok < M) {
         y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
       }
-#else
-      const float v = s_red[e] * post;
-      s_red[e] = 0.0f;
-      if (row < N && tok < M) {
-        if (last) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-        else atomicAdd(&ws[(long long)tok * ws_stride + row], v);
-      }
-#endif
     }
+#else
+    if (last) {
+      for (u32 e = tid; e < NG * 128; e += blockDim.x) {
+        const u32 c = (e >> 5) & 3, l = e & 31;
+        const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
+        const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+        const float v = s_red[e] * post;
+        s_red[e] = 0.0f;
+        if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+      }
+    } else {  /* the CTA's sums into the workspace (see ws_at): a lane's four values by one reduction */
+      for (u32 q = tid; q < NG * 32; q += blockDim.x) {
+        const u32 l = q & 31, ng = q >> 5;
+        float* r = s_red + ng * 128 + l;
+        const float v0 = r[0] * post, v1 = r[32] * post, v2 = r[64] * post, v3 = r[96] * post;
+        r[0] = r[32] = r[64] = r[96] = 0.0f;
+        if (tile * 16 + (int)(l >> 2) < N && (int)(ng * 8 + 2 * (l & 3)) < M)
+          red_add4(ws_at(ws, tile, (int)ng, l), v0, v1, v2, v3);
+      }
+    }
+#endif
     if (!last) {
       __threadfence();
       __syncthreads();
@@ -567,23 +605,31 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       __syncthreads();
       if (s_flag) {
         __threadfence();
+#if DET
         for (u32 e = tid; e < NG * 128; e += blockDim.x) {
           const u32 c = (e >> 5) & 3, l = e & 31;
           const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
           const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-#if DET
           float v = 0.0f;
 #pragma unroll 8
           for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
           for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
           if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-#else
-          if (row < N && tok < M) {
-            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-          }
-#endif
         }
+#else
+        for (u32 q = tid; q < NG * 32; q += blockDim.x) {
+          const u32 l = q & 31, ng = q >> 5;
+          const int row0 = tile * 16 + (int)(l >> 2), tok0 = (int)(ng * 8 + 2 * (l & 3));
+          if (row0 >= N || tok0 >= M) continue;
+          const float4 v4 = take4(ws, tile, (int)ng, l);
+          const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int row = row0 + 8 * (c >> 1), tok = tok0 + (c & 1);
+            if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
+          }
+        }
+#endif
         if (tid == 0) atomicExch(&cnt[tile], 0);
       }
     }
@@ -700,17 +746,20 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
   const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
   if (!add_partials(acc, tile, lane, M, N, post, ws, cnt, pair, contrib, 2 * total, ws_stride)) return;
 #pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
+  for (int ng = 0; ng < NG; ++ng) {
+    if (ng * 8 + 2 * t >= M) continue;
+    const float4 g4 = take4(ws, pair, ng, lane), u4 = take4(ws, pair + (half >> 4), ng, lane);
+    const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w};
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
       if (tok < M) {
-        float* w = ws + (long long)tok * ws_stride;
-        const float gv = rnd(atomicExch(w + row, 0.0f) + bias_of(bias, bias_kind, row));
-        const float uv = rnd(atomicExch(w + half + row, 0.0f) + bias_of(bias, bias_kind, half + row));
+        const float gv = rnd(gs[c] + bias_of(bias, bias_kind, row));
+        const float uv = rnd(us[c] + bias_of(bias, bias_kind, half + row));
         y[(long long)tok * y_stride + row] = silu_up(gv, uv);
       }
     }
+  }
   if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif

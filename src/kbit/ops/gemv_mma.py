@@ -670,8 +670,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         ws_floats = Nt * ((S + L - 2) // L + 1) * 128 * ng
     elif kernel == 1 and defines.get("DET"):  # a slot a K split of a tile
         ws_floats = Nt * splits * 128 * ng if splits > 1 else 0
-    else:  # fp32 partial sums [M, Nt * 16]
-        ws_floats = M * Nt * 16
+    else:  # fp32 partial sums: NG * 128 floats a 16-row tile a token block (``ws_at`` in the kernel source)
+        ws_floats = -(-M // (8 * ng)) * 8 * ng * Nt * 16
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
                 regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt, ws_floats=ws_floats,
                 use_ws=kernel in (3, 4, 6) or splits > 1 or bool(defines.get("SK")))

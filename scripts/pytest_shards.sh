@@ -1,0 +1,19 @@
+#!/bin/bash
+# Run the tests that `pytest ARGS` selects in SHARDS (default 8) parallel pytest processes. The GPU tests are
+# compile-bound (NVRTC compiles each kernel variant once per process, on the CPU), so shards cut the wall time
+# on a many-core device machine. Writes one log a shard under ${LOGDIR:-$OUT} and prints each shard's summary.
+#   bash scripts/pytest_shards.sh tests/test_gemv_mma.py -m gpu
+N=${SHARDS:-8}
+D=${LOGDIR:-${OUT:-.}}
+T=$(mktemp -d)
+python -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep "::" > "$T/ids"
+echo "$(wc -l < "$T/ids") tests in $N shards"
+split -n r/"$N" "$T/ids" "$T/shard_"
+rc=0
+for f in "$T"/shard_*; do
+  python -m pytest -q -p no:cacheprovider $(cat "$f") > "$D/$(basename "$f").log" 2>&1 &
+done
+for job in $(jobs -p); do wait "$job" || rc=1; done
+for f in "$T"/shard_*; do echo "$(basename "$f"): $(tail -n 1 "$D/$(basename "$f").log")"; done
+grep -h -E "^(FAILED|ERROR)" "$D"/shard_*.log | head -20
+exit $rc
