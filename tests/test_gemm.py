@@ -85,7 +85,8 @@ def test_dispatch_table_and_heuristic():
     # with its sm_90 kernel 7 up to 2048 rows, and beyond on weights of >= 2e8 elements
     assert choose(65, 8192, 4096, 4, mma=True, large=True).kernel == "gemv"
     assert choose(256, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"  # small weight: dequant + cuBLAS
-    assert choose(64, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
+    assert choose(64, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"  # small weight, M <= 64: kernel 1
+    assert choose(65, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
     assert choose(32, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
     assert choose(2048, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
     assert choose(2049, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"

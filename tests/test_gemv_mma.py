@@ -339,10 +339,14 @@ sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device
 @pytest.mark.gpu
 @gpu
 @sm90
-def test_mma_gpu_small_weight_m17_32():
-    """Small weights at M 17..32 take kernel 7 too (M 33..64 on them goes to dequantize + cuBLAS, test_gemm)."""
-    assert MM.uses_large(24, 1024, 4096, "cuda")
-    check(1024, 4096, 4, 24, torch.bfloat16, seed=5)
+@pytest.mark.parametrize("M", [17, 24, 33, 64])
+def test_mma_gpu_small_weight_m17_64(M):
+    """Small weights at M 17..64 take kernel 1 (SMALL_MID_CFG), not kernel 7; M 65..256 on them goes to
+    dequantize + cuBLAS (test_large_gpu_cuda_graph_and_dispatch)."""
+    assert not MM.uses_large(M, 1024, 4096, "cuda") and MM.large_serves(M, 1024, 4096)
+    assert MM.plan(4, M, 1024, 4096, device="cuda")["defines"]["KERNEL"] == 1
+    check(1024, 4096, 4, M, torch.bfloat16, seed=5)
+    check(4000, 4096, 3, M, torch.float16, bias=True, seed=6)
 
 
 @pytest.mark.gpu
@@ -352,9 +356,11 @@ def test_mma_gpu_small_weight_m17_32():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("M", [33, 64, 65, 128, 200, 257])
 def test_large_gpu_m(k, dtype, M):
-    """Kernel 7 through the default route (M 33..64 on small weights, every M > 64): partial token tiles."""
-    assert MM.uses_large(M, 2880, 5120, "cuda")
-    check(2880, 5120, k, M, dtype, seed=M)
+    """Kernel 7 through the default route (M 33..64 on weights of >= 2e7 elements, every M > 64): partial token
+    tiles."""
+    N = 2880 if M > MM.MAX_M else 4000
+    assert MM.uses_large(M, N, 5120, "cuda")
+    check(N, 5120, k, M, dtype, seed=M)
 
 
 @pytest.mark.gpu

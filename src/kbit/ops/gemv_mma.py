@@ -392,6 +392,8 @@ def default_config(k, M, N, K, sm90=False):
     ng = _ng(M)
     if sm90 and ng == 2 and N >= XK_MIN_N and N * K >= XK_MIN_NK:
         cfg = XK_CFG
+    elif sm90 and ng in (4, 8) and N * K < LARGE7_SMALL_NK:
+        cfg = SMALL_MID_CFG
     elif ng == 8:
         cfg = (4, 16, 1, 2)
     elif ng == 2 and k == 2 and N >= TALL:  # 57344x8192 108.3 vs 116.4 us (kernel 4)
@@ -463,24 +465,35 @@ def large_config(k, M, N, K):
 #: ``benchmarks/results/h100/large7-s6-run3.log`` against ``large7-s6-run1-xb.log``'s dequantize + cuBLAS)
 LARGE7_MAX_M = 2048
 LARGE7_BIG_NK = 2 * 10**8
-#: below this many weight elements, M 33..256 goes to dequantize + cuBLAS (4096x4096: 0.55-0.60x bf16 there
-#: against kernel 7's 0.40-0.44x at M = 64..256; ``benchmarks/results/h100/issue4-s6-2026-11-22.md``)
+#: below this many weight elements, M 65..256 goes to dequantize + cuBLAS (4096x4096: 0.55-0.60x bf16 there
+#: against kernel 7's 0.40-0.44x at M = 64..256; ``benchmarks/results/h100/issue4-s6-2026-11-22.md``) and M 17..64
+#: to kernel 1 (:data:`SMALL_MID_CFG`)
 LARGE7_SMALL_NK = 2 * 10**7
+
+
+#: small weights (under LARGE7_SMALL_NK elements) at M 17..64 on sm_90: kernel 1 (a CTA of 8 warps a 16-row tile and
+#: K split, 2 CTAs an SM). H100 (``benchmarks/results/h100/mid-small-s15-ws4.log``, k = 4, us, kernel 7 -> kernel 1):
+#: 4096x4096 M = 32 18.5 -> 13.0, M = 64 23.1 -> 18.6 (dequantize + cuBLAS, the M = 64 route before: 25.8 in
+#: ``k7-s14-small-shapes.log``); 1024x4096 M = 32 10.3 -> 8.9, M = 64 14.0 -> 11.9. Kernel 7 stays faster from
+#: 6144x4096 (M = 64 28.1 vs 40.9)
+SMALL_MID_CFG = (1, 8, 2)
 
 
 def uses_large(M, N, K, device, config=None) -> bool:
     """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M >= :data:`LARGE7_MIN_M`
-    (up to 2048, more on big weights: :func:`large_serves`); a given ``config`` decides by its kernel."""
+    (up to 2048, more on big weights: :func:`large_serves`) except small weights at M <= 64
+    (:data:`SMALL_MID_CFG`); a given ``config`` decides by its kernel."""
     if config is not None:
         return config[0] == 7
-    return M >= LARGE7_MIN_M and large_ok(device)
+    return M >= LARGE7_MIN_M and large_ok(device) and not (M <= MAX_M and N * K < LARGE7_SMALL_NK)
 
 
 def large_serves(M, N, K) -> bool:
     """Whether the dispatcher sends dense ``M`` rows on an ``[N, K]`` weight to this entry point where kernel 7
-    runs (sm_90): kernels 1-4 up to M = 16, kernel 7 above, except small weights at M 33..256 and, beyond
-    :data:`LARGE7_MAX_M`, weights under :data:`LARGE7_BIG_NK` elements (dequantize + cuBLAS there)."""
-    if N * K < LARGE7_SMALL_NK and 32 < M <= 256:
+    runs (sm_90): kernels 1-4 up to M = 16 (and on small weights up to 64), kernel 7 above, except small weights
+    at M 65..256 and, beyond :data:`LARGE7_MAX_M`, weights under :data:`LARGE7_BIG_NK` elements (dequantize +
+    cuBLAS there)."""
+    if N * K < LARGE7_SMALL_NK and MAX_M < M <= 256:
         return False
     return M <= LARGE7_MAX_M or N * K >= LARGE7_BIG_NK
 
