@@ -333,11 +333,14 @@ __device__ __forceinline__ bool arrive(int* __restrict__ cnt, int c_idx, int con
   return last;
 }
 
-/* The fp32 workspace of split tiles (zero at rest): a tile's partial sums are NG * 128 consecutive floats, the
-   four accumulator values of (8-token group ng, lane) at ws_at(tile, ng, lane), so that one vector reduction
-   (sm_90: red.global.add.v4.f32) adds a lane's four values and the reader takes them back with one 16-byte load.
-   A lane's values are rows g, g + 8 of the tile and tokens 8 ng + 2 t, + 1; entries of rows >= N or tokens
-   >= M hold whatever the kernel computed there and are never written out. */
+/* The fp32 workspace of split tiles (zero at rest). WS4 (NG > 1): a tile's partial sums are NG * 128 consecutive
+   floats, the four accumulator values of (8-token group ng, lane) at ws_at(tile, ng, lane), so that one vector
+   reduction (sm_90: red.global.add.v4.f32) adds a lane's four values and the reader takes them back with one
+   16-byte load. A lane's values are rows g, g + 8 of the tile and tokens 8 ng + 2 t, + 1; entries of rows >= N or
+   tokens >= M hold whatever the kernel computed there and are never written out. NG = 1 (M <= 8): [M, N] (row
+   stride ws_stride), one atomic a value: at M = 1 half a lane's values are past M, and the vector form cost 2-3 us
+   a call (H100, benchmarks/results/h100/m1-s15-ws4-ab.log). */
+#define WS4 (NG > 1)
 __device__ __forceinline__ float* ws_at(float* __restrict__ ws, int tile, int ng, u32 lane) {
   return ws + ((long long)tile * NG + ng) * 128 + lane * 4;
 }
@@ -367,9 +370,17 @@ __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng)
+#if WS4
     if (tile * 16 + g < N && ng * 8 + 2 * t < M)
       red_add4(ws_at(ws, tile, ng, lane), acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
                acc[ng][3] * post);
+#else
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c] * post);
+    }
+#endif
   return arrive(cnt, c_idx, contrib, total, lane);
 }
 
@@ -401,6 +412,7 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
     return;
   }
   if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
+#if WS4
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) {
       if (tile * 16 + g >= N || ng * 8 + 2 * t >= M) continue;
@@ -412,6 +424,18 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
         if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
       }
     }
+#else
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+        if (row < N && tok < M) {
+          const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+          y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+        }
+      }
+#endif
     if (lane == 0) atomicExch(&cnt[tile], 0);
   }
 }
@@ -562,12 +586,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const bool last = splits == 1;
     /* split K across CTAs: the CTA's sums go to slot sp of the tile; the CTA that completes the tile's count adds
        the slots in split order and zeroes them (deterministic: no sum depends on the order of arrival) */
-#if DET
+#if DET || !WS4
     float* slots = ws + (long long)tile * splits * (NG * 128);
     for (u32 e = tid; e < NG * 128; e += blockDim.x) {
       const u32 c = (e >> 5) & 3, l = e & 31;
       const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
       const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+#if DET
       float v = 0.0f;
       for (u32 w = 0; w < W; ++w) v += s_red[w * (NG * 128) + e];
       v *= post;
@@ -576,7 +601,39 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       } else if (row < N && tok < M) {
         y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
       }
+#else
+      const float v = s_red[e] * post;
+      s_red[e] = 0.0f;
+      if (row < N && tok < M) {
+        if (last) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+        else atomicAdd(&ws[(long long)tok * ws_stride + row], v);
+      }
+#endif
     }
+    if (!last) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) s_flag = atomicAdd(&cnt[tile], 1) == splits - 1;
+      __syncthreads();
+      if (s_flag) {
+        __threadfence();
+        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
+          const u32 c = (e >> 5) & 3, l = e & 31;
+          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
+          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+#if DET
+          float v = 0.0f;
+#pragma unroll 8
+          for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
+          for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
+          if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+#else
+          if (row < N && tok < M) {
+            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+          }
+#endif
+        }
 #else
     if (last) {
       for (u32 e = tid; e < NG * 128; e += blockDim.x) {
@@ -597,7 +654,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           red_add4(ws_at(ws, tile, (int)ng, l), v0, v1, v2, v3);
       }
     }
-#endif
     if (!last) {
       __threadfence();
       __syncthreads();
@@ -605,18 +661,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       __syncthreads();
       if (s_flag) {
         __threadfence();
-#if DET
-        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
-          const u32 c = (e >> 5) & 3, l = e & 31;
-          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
-          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-          float v = 0.0f;
-#pragma unroll 8
-          for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
-          for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
-          if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-        }
-#else
         for (u32 q = tid; q < NG * 32; q += blockDim.x) {
           const u32 l = q & 31, ng = q >> 5;
           const int row0 = tile * 16 + (int)(l >> 2), tok0 = (int)(ng * 8 + 2 * (l & 3));
@@ -745,6 +789,7 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
                                             int* __restrict__ cnt, int contrib, int total, int ws_stride) {
   const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
   if (!add_partials(acc, tile, lane, M, N, post, ws, cnt, pair, contrib, 2 * total, ws_stride)) return;
+#if WS4
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) {
     if (ng * 8 + 2 * t >= M) continue;
@@ -760,6 +805,20 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
       }
     }
   }
+#else
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (tok < M) {
+        float* w = ws + (long long)tok * ws_stride;
+        const float gv = rnd(atomicExch(w + row, 0.0f) + bias_of(bias, bias_kind, row));
+        const float uv = rnd(atomicExch(w + half + row, 0.0f) + bias_of(bias, bias_kind, half + row));
+        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
+      }
+    }
+#endif
   if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif
