@@ -413,7 +413,8 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   }
   if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
 #if WS4
-#pragma unroll
+#pragma unroll 1 /* one 16-byte load in flight at a time: unrolled, the loads raised kernel 7 (NG = 4) from 127 to
+                    139 registers, one CTA an SM instead of two, and made big weights 15-35% slower at M = 32 */
     for (int ng = 0; ng < NG; ++ng) {
       if (tile * 16 + g >= N || ng * 8 + 2 * t >= M) continue;
       const float4 v4 = take4(ws, tile, ng, lane);
