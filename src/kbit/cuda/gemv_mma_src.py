@@ -340,7 +340,14 @@ __device__ __forceinline__ bool arrive(int* __restrict__ cnt, int c_idx, int con
    tokens >= M hold whatever the kernel computed there and are never written out. NG = 1 (M <= 8): [M, N] (row
    stride ws_stride), one atomic a value: at M = 1 half a lane's values are past M, and the vector form cost 2-3 us
    a call (H100, benchmarks/results/h100/m1-s15-ws4-ab.log). */
+#ifndef WS4
 #define WS4 (NG > 1)
+#endif
+#ifndef WS4U
+#define WS4U 1 /* the read-back's loads in flight at once: 1 or NG (lab) */
+#endif
+#define KB_STR(x) #x
+#define KB_XSTR(x) KB_STR(x)
 __device__ __forceinline__ float* ws_at(float* __restrict__ ws, int tile, int ng, u32 lane) {
   return ws + ((long long)tile * NG + ng) * 128 + lane * 4;
 }
@@ -413,8 +420,9 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
   }
   if (add_partials(acc, tile, lane, M, N, post, ws, cnt, tile, contrib, total, ws_stride)) {
 #if WS4
-#pragma unroll 1 /* one 16-byte load in flight at a time: unrolled, the loads raised kernel 7 (NG = 4) from 127 to
-                    139 registers, one CTA an SM instead of two, and made big weights 15-35% slower at M = 32 */
+    /* WS4U = 1: one 16-byte load in flight at a time: unrolled, the loads raised kernel 7 (NG = 4) from 127 to 139
+       registers, one CTA an SM instead of two, and made big weights 15-35% slower at M = 32 */
+    _Pragma(KB_XSTR(unroll WS4U))
     for (int ng = 0; ng < NG; ++ng) {
       if (tile * 16 + g >= N || ng * 8 + 2 * t >= M) continue;
       const float4 v4 = take4(ws, tile, ng, lane);
