@@ -337,11 +337,15 @@ __device__ __forceinline__ bool arrive(int* __restrict__ cnt, int c_idx, int con
    floats, the four accumulator values of (8-token group ng, lane) at ws_at(tile, ng, lane), so that one vector
    reduction (sm_90: red.global.add.v4.f32) adds a lane's four values and the reader takes them back with one
    16-byte load. A lane's values are rows g, g + 8 of the tile and tokens 8 ng + 2 t, + 1; entries of rows >= N or
-   tokens >= M hold whatever the kernel computed there and are never written out. NG = 1 (M <= 8): [M, N] (row
-   stride ws_stride), one atomic a value: at M = 1 half a lane's values are past M, and the vector form cost 2-3 us
-   a call (H100, benchmarks/results/h100/m1-s15-ws4-ab.log). */
+   tokens >= M hold whatever the kernel computed there and are never written out. WS4 = 0: [M, N] (row stride
+   ws_stride), one atomic a value. The vector form wins where many parts add to a tile (contention) and loses where
+   few do (its read-back waits for one 16-byte load at a time) and at M = 1, where half a lane's values are past M
+   (2-3 us a call: benchmarks/results/h100/m1-s15-ws4-ab.log). */
 #ifndef WS4
-#define WS4 (NG > 1)
+#define WS4 0 /* kbit.ops.gemv_mma.plan sets it where a tile has many parts (WS4_PARTS); NG > 1 only */
+#endif
+#if WS4 && NG == 1
+#error "WS4 needs NG > 1"
 #endif
 #ifndef WS4U
 #define WS4U 1 /* the read-back's loads in flight at once: 1 or NG (lab) */

@@ -478,6 +478,16 @@ LARGE7_SMALL_NK = 2 * 10**7
 #: 6144x4096 (M = 64 28.1 vs 40.9)
 SMALL_MID_CFG = (1, 8, 2)
 
+#: split-K workspace: a lane's four partial sums by one ``red.global.add.v4.f32`` (``WS4``) where a tile has more
+#: parts than this (NG > 1; kernel 7 with stream-K: CTAs / tiles, kernel 3: K slices x warps a slice / tiles,
+#: kernel 1: K splits), else one atomic a value. H100, ``benchmarks/results/h100/ws4-ab3-2026-11-22.md``
+#: (k = 4, us, scalar -> vector): kernel 7 6144x4096 M = 32 (~5.5 parts) 25.6-26.0 -> 20.7, M = 64 31.2-31.6 ->
+#: 26.4, 4096x14336 M = 64 (~6) 41.9-42.1 -> 38.4; kernel 3 x slices 8192x28672 M = 16 (14 parts) 65.7-66.5 ->
+#: 60.9; but 28672x4096 M = 16 / 32 / 64 (about 1-2 parts) 36.2-36.8 -> 38.7, 50.6-51.5 -> 54.5, 65.2-65.3 ->
+#: 71.5 and 57344x8192 M = 16 (x slices, 4 parts) 128.4 -> 131.7, M = 64 191 -> 206 (the read-back waits for one
+#: 16-byte load at a time). Kernel 7 at 4.1 parts (8192x28672 M = 32 / 64, 6144x4096 M = 64) gained 1-16%.
+WS4_PARTS = 4
+
 
 def uses_large(M, N, K, device, config=None) -> bool:
     """Whether :func:`linear_small_m` runs ``M`` rows as one kernel 7 launch (sm_90): M >= :data:`LARGE7_MIN_M`
@@ -542,7 +552,7 @@ def large_defines(k, cfg, grouped=False):
         raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1 or 2), got {cfg}")
     D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
     defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
-                   XB=xb)
+                   XB=xb, WS4=0)
     if xb == 2 and len(cfg) > 7 and cfg[7]:
         defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
     if len(cfg) > 8 and cfg[8] and not grouped:
@@ -634,7 +644,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
-    defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"))
+    defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
     if kernel != 7:
         defines.update(lab_defines())
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
@@ -678,6 +688,20 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         splits = _splits(Nt, S, slots * W, S // 2, divide=True)
         sps = S // splits
         grid = min(slots, -(-(Nt * splits) // W))
+    # the split-K workspace layout (``WS4`` in the kernel source): NG > 1 and more than WS4_PARTS parts a tile ->
+    # one vector reduction a lane; fewer parts keep one atomic a value
+    parts = splits if kernel == 1 else 0
+    if kernel == 7:
+        parts = grid / tiles if defines.get("SK") else splits
+    elif kernel == 3 and defines["XK"]:
+        n_sl = -(-S // defines["XK"])
+        parts = n_sl * max(1.0, (grid // n_sl) * W / Nt)
+    elif kernel == 3:
+        parts = max(1.0, grid * W / Nt)
+    ws4 = int(ng > 1 and not defines.get("DET") and parts > WS4_PARTS)
+    if "WS4" not in lab_defines() and ws4 != defines.get("WS4", 0):
+        defines["WS4"] = ws4
+        kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     if kernel == 3 and defines.get("DET"):  # a slot a part of a tile (finish_det): parts start >= L segments apart
         L = max(Nt * S // (grid * W), 1)
         ws_floats = Nt * ((S + L - 2) // L + 1) * 128 * ng
