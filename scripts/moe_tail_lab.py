@@ -94,7 +94,9 @@ def main():
                     if not bt:
                         break
                     (mr, me), (tr, te) = split_rows(rows, eids, bt, tail)
-                    # the main part keeps the full step's config (rows a block from P / E of the full step)
+                    # the main part keeps the full step's config (rows a block from P / E of the full step); the
+                    # previous tail's kernel-7 config must not leak into it (it did in the first run)
+                    os.environ.pop("KBIT_GROUPED_LARGE_CFG", None)
                     os.environ["KBIT_GROUPED_LARGE_CFG"] = ",".join(str(v) for v in GM.large_config(P / min(E, P)))
                     GM.LARGE_MIN_ROWS = 0
                     os.environ["KBIT_GROUPED_LARGE"] = "1"
