@@ -49,7 +49,8 @@ def mid_table(path: Path) -> str:
     d = json.loads(path.read_text())
     out = [f"Mid M, k = 4 and 2, bf16 activations, {d['gpu']}, commit {d['commit']}, `{path.relative_to(ROOT)}`. "
            "Cells: us (x faster than bf16 `F.linear`, same run). Kernel 4 is now the default for M 17..64 "
-           "(W = 8 warps up to M = 32, 16 above) and for M 9..16 with N >= 8192.", "",
+           "(W = 8 warps up to M = 32, 16 above) and for M 9..16 with N >= 8192. On sm_90 session 14's routes (next "
+           "table) replace it on these shapes.", "",
            "| k | N x K | M | bf16 | kernel 1 (old default) | kernel 4, 8 warps | kernel 4, 16 warps |",
            "|--:|---|--:|--:|--:|--:|--:|"]
     for r in d["rows"]:
@@ -181,11 +182,23 @@ def gemm_table(path: Path) -> str:
         out.append(f"| {N}x{K} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
+#: hand-written in session 14 (its table from `issue4-s14-mid-2026-11-22.json`), kept verbatim
+S14_MID = "### Mid M, session 14 (the dispatcher on sm_90)\n\nDense M = 16 / 32 / 64, k = 4, bf16 activations, NVIDIA H100 80GB HBM3, commit df86bae, `benchmarks/results/h100/issue4-s14-mid-2026-11-22.json` (`kbit bench --m 16,32,64 --k 4 --candidates kbit-linear`). On sm_90, M 9..16 on weights with N >= 8192 and >= 5e7 elements runs kernel 3 with K slices of x in shared memory; every M 17..64 runs kernel 7 (wgmma) with 32- / 64-token tiles, bulk-copied x and stream-K. Both replace kernel 4 there (weights under 2e7 elements keep dequantize + cuBLAS at M 33..256). Other GPUs keep the table above. The table was measured at df86bae, where M 17..32 took kernel 7 only on weights of >= 5e7 elements (all four shapes here); since then every weight does at M 17..32 (the lab's small shapes, `k7-s14-small-shapes.log`, e.g. 4096x4096 M = 32 22.9 -> 18.3 us). The lab runs behind the choice are `benchmarks/results/h100/k7-s14-*.log` and `m16-s14-xk-sweep1.log`.\n\n| N x K | M | bf16 us | kbit us | x bf16 | route |\n|---|--:|--:|--:|--:|---|\n| 28672x4096 | 16 | 86.6 | 37.1 | 2.34 | kernel 3, x slices |\n| 28672x4096 | 32 | 88.7 | 52.0 | 1.71 | kernel 7, 32-token tiles |\n| 28672x4096 | 64 | 90.4 | 65.8 | 1.37 | kernel 7, 64-token tiles |\n| 4096x14336 | 16 | 46.5 | 21.4 | 2.18 | kernel 1 (unchanged) |\n| 4096x14336 | 32 | 47.3 | 31.0 | 1.53 | kernel 7, 32-token tiles |\n| 4096x14336 | 64 | 48.5 | 42.2 | 1.15 | kernel 7, 64-token tiles |\n| 57344x8192 | 16 | 330.6 | 125.7 | 2.63 | kernel 3, x slices |\n| 57344x8192 | 32 | 330.3 | 147.9 | 2.23 | kernel 7, 32-token tiles |\n| 57344x8192 | 64 | 339.0 | 194.2 | 1.75 | kernel 7, 64-token tiles |\n| 8192x28672 | 16 | 167.3 | 66.1 | 2.53 | kernel 3, x slices |\n| 8192x28672 | 32 | 171.4 | 79.7 | 2.15 | kernel 7, 32-token tiles |\n| 8192x28672 | 64 | 175.4 | 105.9 | 1.66 | kernel 7, 64-token tiles |"  # noqa: E501
+
 
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
              "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session5b-2026-11-22.json"),
              "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
+             S14_MID,
+             "### Mid M, session 15 (split-K workspace, small weights on kernel 1)",
+             "Where more than four parts add to a tile (kernel 7 stream-K on N <= 8192, kernel 3 x slices on "
+             "long K) the split-K workspace holds a lane's four sums together and adds them with one "
+             "`red.global.add.v4.f32` (fewer parts keep one atomic a value; `ws4-ab3-2026-11-22.md`); weights "
+             "under 2e7 elements at M 17..64 run kernel 1 instead of kernel 7 / dequantize + cuBLAS. k = 4 only "
+             "in this run (the dispatcher's choice):",
+             gemm_table(RES / "mid-s15-final-2026-11-22.json").replace(" / - [-]", "").replace(
+                 "at k = 4 / k = 2, [dequantize + cuBLAS at k = 4]", "at k = 4"),
              "### Dense GEMM, M = 16..4096 (the dispatcher; kernel 7 with bulk-copied x above M = 64)",
              gemm_table(RES / "issue4-s6-2026-11-22.json"),
              "After this run the dispatcher sends weights under 2e7 elements (4096x4096 here) at M 33..256 to "
@@ -230,6 +243,10 @@ def main():
              e2e_table(RES / "e2e-s9-b16-2026-11-22.json"), e2e_table(RES / "e2e-s9-qwen3-2026-11-22.json"),
              "Same, with the lm_head quantized at k = 4 too (not the default of `quantize_model`):",
              e2e_table(RES / "e2e-s9-lmhead4-2026-11-22.json", "kbit+head4"),
+             "### End-to-end decode, session 15: batch 32 and 64",
+             "After the session-15 mid-M changes (above). Session 14 had measured batch 64 below bf16 (k = 4 0.90x, "
+             "k = 2 0.83x, `e2e-s14-b16-b64-2026-11-22.md`); batch 1..16 routes are unchanged:",
+             e2e_table(RES / "e2e-s15-b32-b64-2026-11-22.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
