@@ -50,6 +50,16 @@ def stack(E, N, K, k, sf="log8", seed=0):
     return codes, scales, ts, cb
 
 
+def weight_copies(E, N, K, k):
+    """k-bit stacks and bf16 ``[E, K, N]`` views, each as enough copies for a cold L2 (within ~12 / 20 GB)."""
+    nbytes = E * N * K * k // 8
+    ws = [stack(E, N, K, k, seed=i) for i in range(max(1, min(copies_for_cold_l2(nbytes, l2_bytes()),
+                                                                int(12e9 // max(nbytes, 1)))))]
+    wb = [torch.randn(E, N, K, dtype=torch.bfloat16, device="cuda").transpose(-2, -1) for _ in
+          range(max(1, min(copies_for_cold_l2(2 * E * N * K, l2_bytes()), int(20e9 // (2 * E * N * K)))))]
+    return ws, wb
+
+
 def routing(T, E, top, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randn(T, E, generator=g, device="cuda")
@@ -151,11 +161,7 @@ def main():
     for name in a.models.split(","):
         E, top, H, I = MODELS[name]
         for which, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
-            nbytes = E * N * K * k // 8
-            ncopy = max(1, min(copies_for_cold_l2(nbytes, l2_bytes()), int(12e9 // max(nbytes, 1))))
-            ws = [stack(E, N, K, k, seed=i) for i in range(ncopy)]
-            wb = [torch.randn(E, N, K, dtype=torch.bfloat16, device="cuda").transpose(-2, -1) for _ in
-                  range(max(1, min(copies_for_cold_l2(2 * E * N * K, l2_bytes()), int(20e9 // (2 * E * N * K)))))]
+            ws, wb = weight_copies(E, N, K, k)
             for T in [int(v) for v in a.tokens.split(",")]:
                 if time.time() - t0 > a.budget:
                     log("budget reached")

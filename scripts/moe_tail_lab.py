@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from moe_lab import MODELS, routing, set_kernel, stack  # noqa: E402
+from moe_lab import MODELS, routing, set_kernel, weight_copies  # noqa: E402
 
-from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
+from kbit.bench.timing import time_calls  # noqa: E402
 from kbit.ops import grouped_mma as GM  # noqa: E402
 
 LOG = []
@@ -63,11 +63,7 @@ def main():
     for name in a.models.split(","):
         E, top, H, I = MODELS[name]
         for which, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
-            nbytes = E * N * K * k // 8
-            ncopy = max(1, min(copies_for_cold_l2(nbytes, l2_bytes()), int(12e9 // max(nbytes, 1))))
-            ws = [stack(E, N, K, k, seed=i) for i in range(ncopy)]
-            wb = [torch.randn(E, N, K, dtype=torch.bfloat16, device="cuda").transpose(-2, -1) for _ in
-                  range(max(1, min(copies_for_cold_l2(2 * E * N * K, l2_bytes()), int(20e9 // (2 * E * N * K)))))]
+            ws, wb = weight_copies(E, N, K, k)
             kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, sorted_rows=True)
             for T in [int(v) for v in a.tokens.split(",")]:
                 if time.time() - t0 > a.budget:

@@ -373,6 +373,20 @@ __device__ __forceinline__ float4 take4(float* __restrict__ ws, int tile, int ng
   __stcg(p, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
   return v;
 }
+/* take4 of (tile, ng) for lane, written to y (+ bias) where its rows / tokens are inside N / M */
+__device__ __forceinline__ void take_store4(float* __restrict__ ws, int tile, int ng, u32 lane, int M, int N,
+                                            u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
+                                            int bias_kind) {
+  const int row0 = tile * 16 + (int)(lane >> 2), tok0 = ng * 8 + 2 * (int)(lane & 3);
+  if (row0 >= N || tok0 >= M) return;
+  const float4 v4 = take4(ws, tile, ng, lane);
+  const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int row = row0 + 8 * (c >> 1), tok = tok0 + (c & 1);
+    if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
+  }
+}
 /* add a task's partial sums (rows of tile) to the fp32 workspace and count its contrib segments on cnt[c];
    true in every lane of the warp whose count completes total (it then reads the sums back) */
 __device__ __forceinline__ bool add_partials(float (&acc)[NG][4], int tile, u32 lane, int M, int N, float post,
@@ -427,16 +441,7 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
     /* WS4U = 1: one 16-byte load in flight at a time: unrolled, the loads raised kernel 7 (NG = 4) from 127 to 139
        registers, one CTA an SM instead of two, and made big weights 15-35% slower at M = 32 */
     _Pragma(KB_XSTR(unroll WS4U))
-    for (int ng = 0; ng < NG; ++ng) {
-      if (tile * 16 + g >= N || ng * 8 + 2 * t >= M) continue;
-      const float4 v4 = take4(ws, tile, ng, lane);
-      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-        if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
-      }
-    }
+    for (int ng = 0; ng < NG; ++ng) take_store4(ws, tile, ng, lane, M, N, y, y_stride, bias, bias_kind);
 #else
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
@@ -623,30 +628,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       }
 #endif
     }
-    if (!last) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) s_flag = atomicAdd(&cnt[tile], 1) == splits - 1;
-      __syncthreads();
-      if (s_flag) {
-        __threadfence();
-        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
-          const u32 c = (e >> 5) & 3, l = e & 31;
-          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
-          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
-#if DET
-          float v = 0.0f;
-#pragma unroll 8
-          for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
-          for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
-          if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-#else
-          if (row < N && tok < M) {
-            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
-            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
-          }
-#endif
-        }
 #else
     if (last) {
       for (u32 e = tid; e < NG * 128; e += blockDim.x) {
@@ -667,6 +648,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
           red_add4(ws_at(ws, tile, (int)ng, l), v0, v1, v2, v3);
       }
     }
+#endif
     if (!last) {
       __threadfence();
       __syncthreads();
@@ -674,18 +656,27 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       __syncthreads();
       if (s_flag) {
         __threadfence();
-        for (u32 q = tid; q < NG * 32; q += blockDim.x) {
-          const u32 l = q & 31, ng = q >> 5;
-          const int row0 = tile * 16 + (int)(l >> 2), tok0 = (int)(ng * 8 + 2 * (l & 3));
-          if (row0 >= N || tok0 >= M) continue;
-          const float4 v4 = take4(ws, tile, (int)ng, l);
-          const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int row = row0 + 8 * (c >> 1), tok = tok0 + (c & 1);
-            if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v[c] + bias_of(bias, bias_kind, row));
+#if DET || !WS4
+        for (u32 e = tid; e < NG * 128; e += blockDim.x) {
+          const u32 c = (e >> 5) & 3, l = e & 31;
+          const int row = tile * 16 + (int)(l >> 2) + 8 * (int)(c >> 1);
+          const int tok = (int)(e >> 7) * 8 + 2 * (int)(l & 3) + (int)(c & 1);
+#if DET
+          float v = 0.0f;
+#pragma unroll 8
+          for (int q = 0; q < splits; ++q) v += __ldcg(slots + q * (NG * 128) + e);
+          for (int q = 0; q < splits; ++q) __stcg(slots + q * (NG * 128) + e, 0.0f);
+          if (row < N && tok < M) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
+#else
+          if (row < N && tok < M) {
+            const float v = atomicExch(&ws[(long long)tok * ws_stride + row], 0.0f);
+            y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
           }
+#endif
         }
+#else
+        for (u32 q = tid; q < NG * 32; q += blockDim.x)
+          take_store4(ws, tile, (int)(q >> 5), q & 31, M, N, y, y_stride, bias, bias_kind);
 #endif
         if (tid == 0) atomicExch(&cnt[tile], 0);
       }

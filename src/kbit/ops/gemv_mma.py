@@ -690,7 +690,6 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         grid = min(slots, -(-(Nt * splits) // W))
     # the split-K workspace layout (``WS4`` in the kernel source): NG > 1 and more than WS4_PARTS parts a tile ->
     # one vector reduction a lane; fewer parts keep one atomic a value
-    parts = splits if kernel == 1 else 0
     if kernel == 7:
         parts = grid / tiles if defines.get("SK") else splits
     elif kernel == 3 and defines["XK"]:
@@ -698,6 +697,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         parts = n_sl * max(1.0, (grid // n_sl) * W / Nt)
     elif kernel == 3:
         parts = max(1.0, grid * W / Nt)
+    else:
+        parts = splits if kernel == 1 else 0
     ws4 = int(ng > 1 and not defines.get("DET") and parts > WS4_PARTS)
     if "WS4" not in lab_defines() and ws4 != defines.get("WS4", 0):
         defines["WS4"] = ws4
