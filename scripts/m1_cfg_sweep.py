@@ -61,8 +61,22 @@ def main():
     ap.add_argument("--between", action="store_true", help="a torch kernel between consecutive calls")
     ap.add_argument("--check", action="store_true", help="first check each explicit config against the float64 "
                     "reference on odd shapes at the --ms values")
+    ap.add_argument("--ncu", action="store_true", help="profile target: three calls of the first shape / k / M / "
+                    "column on one weight copy (run under ncu -k regex:kbit_gemv_mma -s 2 -c 1)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    if args.ncu:
+        N, K = (int(v) for v in args.shapes.split(",")[0].split("x"))
+        k, M = int(args.ks.split(",")[0]), int(args.ms.split(",")[0])
+        cfg = set_env(args.cfgs.split(";")[0])
+        if cfg:
+            os.environ["KBIT_MMA_CFG"] = cfg
+        w = L.rand_repacked(N, K, k, seed=0)
+        x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            MM._run(x, w[0], w[1], w[2], w[3], None, k=k, blocksize=32, scale_format="log8", N=N, K=K, config=None)
+        torch.cuda.synchronize()
+        return
     cfgs = [""] + [c for c in args.cfgs.split(";") if c]
     lines = [f"# {torch.cuda.get_device_name()}; us per call; between={args.between}"]
     if args.check:

@@ -487,3 +487,54 @@ def test_gpu_pdl_dependent_chain(k, M):
         g.replay()
         torch.cuda.synchronize()
         check_chain(ys)
+
+
+# ------------------------------------------------------------------------------------- dequantize from "mma-v1"
+def test_dequant_repacked_validation():
+    codes, scales, ts, cb = make_weight(32, 256, 4)
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=32, K=256)
+    rc, rs = MM.repack(codes, scales, **kw)
+    with pytest.raises(TypeError, match="dtype"):
+        MM.dequant_repacked(rc, rs, ts, cb, dtype=torch.float32, **kw)
+    with pytest.raises(ValueError, match="rcodes"):
+        MM.dequant_repacked(rc[:1], rs, ts, cb, **kw)
+    with pytest.raises(ValueError, match="out"):
+        MM.dequant_repacked(rc, rs, ts, cb, out=torch.empty(32, 255, dtype=torch.bfloat16), **kw)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("N,K_,B,sf", [(4096, 4096, 32, "log8"), (37, 300, 32, "log8"), (50, 300, 64, "fp16"),
+                                       (1000, 4000, 128, "log8"), (16, 4100, 32, "fp16"), (2880, 5120, 64, "log8")])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequant_repacked_bit_exact(k, N, K_, B, sf, dtype):
+    from kbit.ops.dequant import dequantize_tensors
+
+    codes, scales, ts, cb = make_weight(N, K_, k, B, sf, device="cuda", seed=N + k)
+    kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+    rc, rs = MM.repack(codes, scales, **kw)
+    ref = dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=B, scale_format=sf, shape=(N, K_), dtype=dtype)
+    torch.full((N, K_), float("nan"), dtype=dtype, device="cuda")  # poison the allocator's next block
+    w = MM.dequant_repacked(rc, rs, ts, cb, dtype=dtype, **kw)
+    assert w.shape == (N, K_) and w.dtype == dtype
+    assert torch.equal(w, ref), f"{(w != ref).sum().item()} of {w.numel()} differ"
+    out = torch.full((N, K_), float("nan"), dtype=dtype, device="cuda")
+    assert MM.dequant_repacked(rc, rs, ts, cb, dtype=dtype, out=out, **kw) is out and torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K_,M", [(4096, 4096, 4096), (1000, 4000, 200), (37, 300, 3000)])
+def test_linear_mma_v1_dequant_route(N, K_, M):
+    """Where the dispatcher picks dequantize + cuBLAS, linear_mma_v1 dequantizes from the repacked layout."""
+    from kbit.ops.gemm import _choice
+
+    codes, scales, ts, cb = make_weight(N, K_, 4, device="cuda", seed=3)
+    kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_)
+    rc, rs = MM.repack(codes, scales, **kw)
+    x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(N, dtype=torch.bfloat16, device="cuda")
+    assert not MM.serves(x, N, K_, 4) and _choice(M, N, K_, 4, x.device).kernel == "dequant_mm"
+    y = MM.linear_mma_v1(x, rc, rs, ts, cb, bias=b, **kw)
+    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, bias=b, **kw)) < tol(torch.bfloat16)

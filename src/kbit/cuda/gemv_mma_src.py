@@ -183,6 +183,12 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
 struct LB { u32 a, b; };
+#ifndef K2HI
+#define K2HI 0
+#endif
+__device__ __forceinline__ u32 mulhi(u32 a, u32 b) {
+  u32 r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
+}
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -208,9 +214,18 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
      selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
+#if K2HI >= 2 /* lab: the field shift as a multiply-high (FMA pipe) instead of SHF (ALU pipe) */
+    const u32 ws_ = s ? mulhi(w[u], 1u << (32 - 2 * s)) : w[u];
+#else
+    const u32 ws_ = w[u] >> (2 * s);
+#endif
+    const u32 v = (ws_ & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
+#if K2HI >= 1 /* lab: the upper selector half by a multiply-high instead of SHF */
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, mulhi(v, 0x10000u));
+#else
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
+#endif
   }
 #elif K_BITS == 3
 #pragma unroll
@@ -239,27 +254,32 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 #endif
 }
 
+/* a table entry's half for code e: its codebook value, or (IDX: kbit_deq_mma) the code itself */
+template <bool IDX>
+__device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
+template <bool IDX = false>
 __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict__ cb, u32 tid, u32 nt) {
 #if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
     const u32 e = i >> 5;
-    s_tab[i] = (u32)f2h(cb[e & 15]) | ((u32)f2h(cb[e >> 4]) << 16);
+    s_tab[i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);
   }
 #elif K_BITS == 3
   for (u32 i = tid; i < 64 * 32; i += nt) {
     const u32 e = i >> 5;
-    s_tab[i] = (u32)f2h(cb[e & 7]) | ((u32)f2h(cb[e >> 3]) << 16);
+    s_tab[i] = cbv<IDX>(cb, e & 7) | (cbv<IDX>(cb, e >> 3) << 16);
   }
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
-  for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = f2h(cb[i >> 5]);
+  for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = (u16)cbv<IDX>(cb, i >> 5);
 #endif
 }
 
+template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
 #if K_BITS == 2
-  return LB{(u32)f2h(cb[0]) | ((u32)f2h(cb[1]) << 16), (u32)f2h(cb[2]) | ((u32)f2h(cb[3]) << 16)};
+  return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
 #elif K_BITS == 5
   return LB{tab | (lane << 1), 0u};
 #else
@@ -2168,5 +2188,95 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
     v.w = silu_pair(g, I, col + 24, bf16);
   }
   xt[o] = v;
+}
+"""
+
+# Dequantize a weight held in layout "mma-v1" straight to [N, K] (kbit.ops.gemv_mma.dequant_repacked: the
+# dequantize + cuBLAS route of large M without an unrepacked temporary). A warp takes (tile, segment) items
+# grid-stride, the next item's codes and scales in flight while one is written. The lookup is the kernels' own
+# (lookup(), with a table of code indices instead of codebook halves), the value codebook[c] * scale in float32
+# in the reference's order (kbit.format.reference: codebook[c] * (tensor_scale * E[q]); fp16 scales: times the
+# tensor scale after), so the result is bit-exact with kbit.ops.dequant. A lane holds 8 consecutive columns
+# (32u + 8t .. + 7) of rows g and g + 8 of each 32-column unit u: one 16-byte store each (VEC), else element
+# stores guarded by K. Defines: K_BITS, FP16_SCALES, BF16 (output bf16, else fp16), VEC.
+DEQ_SOURCE = HELPERS + r"""
+__device__ __forceinline__ void ld_item(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
+                                        const V4* __restrict__ scales, long long j, u32 lane, int g) {
+#pragma unroll
+  for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + (j * K_BITS + v) * 32 + lane);
+#pragma unroll
+  for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + (j * 8 + g) * SV + v);
+}
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 r;
+#if BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+/* item j = (tile, segment) of the codes / scales in b -> out */
+__device__ __forceinline__ void deq_item(const V4 (&b)[K_BITS + SV], long long j, int n_seg, LB lbb, u32 sc_base,
+                                         const float* s_cb, float ts, u16* __restrict__ out, int N, int K, int g,
+                                         int t) {
+  const int tile = (int)(j / n_seg), seg = (int)(j - (long long)tile * n_seg);
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    u32 A[2][4];
+    lookup((const u32*)b, u, lbb, A);
+    const int col = seg * SEG + 32 * u + 8 * t;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = tile * 16 + g + 8 * r;
+      const float s = scale_of(b + K_BITS, u, r, sc_base);
+      float v[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {  /* column 8t + q = 4h + 2j + e: half e of A[h][r + 2j] */
+        const u32 a = A[q >> 2][r + 2 * ((q >> 1) & 1)];
+        v[q] = s_cb[(a >> (16 * (q & 1))) & 0xFFFFu] * s;
+        if (FP16_SCALES) v[q] *= ts;
+      }
+      if (row >= N) continue;
+      u16* o = out + (long long)row * K + col;
+      if (VEC && col + 8 <= K) {
+        const V4 w = {pack2(v[0], v[1]), pack2(v[2], v[3]), pack2(v[4], v[5]), pack2(v[6], v[7])};
+        *(V4*)o = w;
+      } else {
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (col + q < K) o[q] = (u16)(pack2(v[q], 0.0f) & 0xFFFFu);
+      }
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) kbit_deq_mma(
+    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
+    const float* __restrict__ cb, const float* __restrict__ e_tab, u16* __restrict__ out, int N, int K,
+    int n_seg, int n_tiles) {
+  __shared__ float s_cb[1 << K_BITS];
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 tid = threadIdx.x, lane = tid & 31, W = blockDim.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const long long T = (long long)n_tiles * n_seg, stride = (long long)gridDim.x * W;
+  long long j = (long long)blockIdx.x * W + (tid >> 5);
+  V4 b[2][K_BITS + SV];
+  if (j < T) ld_item(b[0], codes, scales, j, lane, g);
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  build_table<true>((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
+  const float ts = *ts_ptr;
+  for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : ts * e_tab[i];
+  if (tid < (1u << K_BITS)) s_cb[tid] = cb[tid];
+  __syncthreads();
+  const LB lbb = lane_bits<true>(tab, lane, cb);
+  const u32 sc_base = smem_addr(s_sc);
+  for (; j < T; j += 2 * stride) {  /* two items an iteration: the buffers' indices stay compile-time */
+    if (j + stride < T) ld_item(b[1], codes, scales, j + stride, lane, g);
+    deq_item(b[0], j, n_seg, lbb, sc_base, s_cb, ts, out, N, K, g, t);
+    if (j + stride >= T) break;
+    if (j + 2 * stride < T) ld_item(b[0], codes, scales, j + 2 * stride, lane, g);
+    deq_item(b[1], j + stride, n_seg, lbb, sc_base, s_cb, ts, out, N, K, g, t);
+  }
 }
 """

@@ -34,6 +34,7 @@ import os
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["repack", "unrepack", "repacked", "linear_small_m", "linear_repacked", "linear_mma_v1", "serves",
            "kbit_linear_small_m", "available", "MAX_M", "LAYOUT", "RepackedWeight"]
@@ -925,18 +926,62 @@ def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
     return M > 0 and _choice(M, N, K, k, x.device).kernel == "gemv"
 
 
+_DEQ_KERNELS: dict = {}  # (k, scale_format, dtype, vec, device) -> (kernel, grid slots)
+
+
+def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                     dtype=torch.bfloat16, out=None):
+    """``W [N, K]`` in ``dtype`` (float16 / bfloat16) from a weight in layout "mma-v1", in one kernel
+    (``kbit_deq_mma``; bit-exact with ``kbit.ops.dequant`` of the canonical tensors) instead of :func:`unrepack`
+    plus the canonical dequantize. ``out``: a contiguous ``[N, K]`` tensor of ``dtype`` to write into."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.gemv_mma_src import DEQ_SOURCE
+    from kbit.ops.gemv import _fail
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        _fail(TypeError, "dtype", "torch.float16 or torch.bfloat16", dtype)
+    probe = torch.empty(0, K, dtype=dtype, device=rcodes.device)
+    _check_repacked(probe, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, None)
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=rcodes.device)
+    elif tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous() or out.device != rcodes.device:
+        _fail(ValueError, "out", f"a contiguous {dtype} tensor of shape {(N, K)} on {rcodes.device}",
+              f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
+    _, Nt, S = _geometry(N, K, blocksize)
+    if N == 0 or K == 0:
+        return out
+    dev = out.device
+    vec = int(K % 8 == 0 and out.data_ptr() % 16 == 0)
+    key = (k, scale_format, dtype, vec, dev)
+    hit = _DEQ_KERNELS.get(key)
+    if hit is None:
+        kern = compile_kernel(DEQ_SOURCE, "kbit_deq_mma", dict(K_BITS=k, FP16_SCALES=int(scale_format == "fp16"),
+                                                               BF16=int(dtype == torch.bfloat16), VEC=vec), dev)
+        hit = _DEQ_KERNELS[key] = (kern, _sms(dev) * kern.occupancy(256, _table_smem(k)))
+    kern, slots = hit
+    grid = max(1, min(slots, -(-(Nt * S) // 8)))
+    kern((grid,), 256, "QQQQQQiiii", rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(),
+         codebook.data_ptr(), _etab(dev).data_ptr(), out.data_ptr(), N, K, S, Nt, shared=_table_smem(k))
+    return out
+
+
 def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
                   bias=None):
     """``kbit.ops.gemm.linear`` (any M) on a weight held in layout "mma-v1": the small-M kernel where the
-    dispatcher picks it (:func:`serves`), else an unrepacked temporary (:func:`unrepack`, freed after the call)
-    through ``kbit.ops.gemm.linear`` (fused GEMM, dequantize + cuBLAS, Triton GEMV; the float32 reference on
-    the CPU)."""
+    dispatcher picks it (:func:`serves`); where it picks dequantize + cuBLAS, :func:`dequant_repacked` then
+    ``F.linear``; else an unrepacked temporary (:func:`unrepack`, freed after the call) through
+    ``kbit.ops.gemm.linear`` (fused GEMM, Triton GEMV; the float32 reference on the CPU)."""
     if serves(x, N, K, k):
         return linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                scale_format=scale_format, N=N, K=K, bias=bias)
-    from kbit.ops.gemm import linear
+    from kbit.ops.gemm import _choice, linear
 
     _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and available(x.device)
+            and _choice(x.numel() // K if K else 0, N, K, k, x.device).kernel == "dequant_mm"):
+        w = dequant_repacked(rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                             scale_format=scale_format, N=N, K=K, dtype=x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
     codes, scales = unrepack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
     return linear(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
                   N=N, K=K, bias=bias)
