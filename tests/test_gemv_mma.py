@@ -117,6 +117,21 @@ def test_mid_m_routes():
     assert MM.LARGE7_MIN_M == 17
 
 
+def test_one_tile_cta_routes():
+    """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (session 16, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
+    up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""
+    from kbit.ops.prologue import fused_config
+
+    assert MM.default_config(4, 1, 6144, 4096, sms=132) == (1, 8, 3)
+    assert MM.default_config(3, 8, 5120, 2048, sms=132) == (1, 8, 3)
+    assert MM.default_config(2, 4, 8192, 4096, sms=132) == (1, 8, 4)
+    assert MM.default_config(4, 1, 8192, 4096, sms=132)[0] == 3  # k = 4 at 4 CTAs an SM spills
+    assert MM.default_config(4, 1, 6144, 4096, sms=100)[0] == 3  # more tiles than 3 CTAs x SMs
+    assert MM.default_config(4, 1, 4096, 4096, sms=132) == (1, 8, 2)  # N <= WIDE: as before
+    assert MM.default_config(4, 1, 6144, 4096)[0] == 3  # SM count unknown
+    assert fused_config(4, 1, 6144, 4096)[0] == 3
+
+
 def test_x_slices_too_big_for_shared_memory():
     with pytest.raises(ValueError, match="x slices"):
         MM.plan(4, 64, 10000, 5120, config=(3, 16, 1, 3, 1, 20), device="cpu")

@@ -369,9 +369,21 @@ XK_MIN_NK = 5 * 10**7
 XK_CFG = (3, 16, 1, 3, 1, 8)
 
 
-def default_config(k, M, N, K, sm90=False):
+#: M <= 8 below BIG on WIDE < N <= 16 * ONE_TILE_CTAS * SMs: kernel 1 with 8 warps and 3 CTAs an SM (80 registers;
+#: every 16-row tile its own CTA, K unsplit, no workspace) instead of kernel 3 (whose warps then split every tile
+#: and add partial sums through the workspace); at k = 2 (64 registers, no spill at 4 CTAs an SM) up to
+#: 16 * ONE_TILE_CTAS_K2 * SMs rows with 4 CTAs an SM. H100 (``benchmarks/results/h100/m1-cfg-sweep-s16-mid.log``,
+#: us, M = 1 / 4): k = 4 6144x4096 9.29 / 11.25 -> 8.61 / 9.33, 5120x2048 6.57 / 7.22 -> 5.73 / 5.86; k = 2
+#: 6144x4096 8.78 / 9.43 -> 6.24 / 6.39, 5120x2048 6.07 / 6.39 -> 3.71 / 3.74, 8192x4096 9.58 / 10.64 -> 7.78 /
+#: 7.89 (4 CTAs an SM); k = 4 at 4 CTAs an SM spills and lost (7168x4096 10.16 vs 9.67)
+ONE_TILE_CTAS = 3
+ONE_TILE_CTAS_K2 = 4
+
+
+def default_config(k, M, N, K, sm90=False, sms=None):
     """(kernel, warps a CTA, X) for one launch; X = min CTAs an SM (kernel 1) or pipeline stages (kernel 2).
-    ``sm90``: the device is an H100-class GPU (the XK configs were measured there only).
+    ``sm90``: the device is an H100-class GPU (the XK configs were measured there only). ``sms``: the device's
+    SM count (the one-tile-a-CTA kernel-1 route, :data:`ONE_TILE_CTAS`, needs it; None: not taken).
 
     Kernel 4 (M > 16, and 9 <= M <= 16 with N >= 8192; H100 runs of 2026-11-21 in
     ``benchmarks/results/h100/mid-2026-11-21-*``): a CTA of W warps streams (row block, segment) pairs (stream-K),
@@ -405,6 +417,10 @@ def default_config(k, M, N, K, sm90=False):
         cfg = (4, 8, 1, 2)
     elif ng == 2 and N > WIDE and N * K < BIG:  # 6144x4096 k = 4 20.3 -> 15.1 us, k = 2 17.8 -> 13.5 (kernel 1)
         cfg = (3, 8, 2, 2)
+    elif sms and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS * sms and N * K < BIG:
+        cfg = (1, 8, ONE_TILE_CTAS)
+    elif sms and k == 2 and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS_K2 * sms and N * K < BIG:
+        cfg = (1, 8, ONE_TILE_CTAS_K2)
     elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
@@ -583,7 +599,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     Nt, S = -(-N // 16), -(-K // SEG)
     n_cnt = Nt  # split-K counters (kernel 7: one set a token block)
     sm90 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
-    cfg = tuple(config or default_config(k, M, N, K, sm90=sm90))
+    cfg = tuple(config or default_config(k, M, N, K, sm90=sm90, sms=_sms(dev) if dev.type == "cuda" else None))
     kernel, W, X = cfg[:3]
     ng = _ng(M)
     if kernel == 3:
