@@ -32,6 +32,10 @@ def weight(N, K, k, seed):
 
 
 COLS = ["bf16", "deq", "unrepack", "deq_rep", "dequant_mm", "before", "now"]
+#: --split: where dequantize + cuBLAS loses its time. gemm_wd: F.linear on the dequantized weight, made beforehand;
+#: deq+gemm_wd: a dequantize whose result is dropped, then that same F.linear; deq_own: dequantize, then F.linear on
+#: its result (= dequant_mm's two kernels); deq_into: the same into a buffer allocated beforehand
+SPLIT_COLS = ["bf16", "gemm_wd", "deq", "deq+gemm_wd", "deq_own", "deq_into"]
 
 
 def routes(x, w, wb, k, N, K):
@@ -42,7 +46,20 @@ def routes(x, w, wb, k, N, K):
         c, s = MM.unrepack(rc, rs, k=k, blocksize=32, N=N, K=K)
         return dequant_mm(x, c, s, ts, cb, **kw)
 
+    wd = dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8", shape=(N, K),
+                            dtype=x.dtype)
+
+    buf = torch.empty_like(wd)
+
+    def deq(out=None):
+        return dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8", shape=(N, K),
+                                  dtype=x.dtype, out=out)
+
     return {
+        "gemm_wd": lambda: F.linear(x, wd),
+        "deq+gemm_wd": lambda: (deq(), F.linear(x, wd)),
+        "deq_own": lambda: F.linear(x, deq()),
+        "deq_into": lambda: F.linear(x, deq(buf)),
         "bf16": lambda: F.linear(x, wb),
         "deq": lambda: dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8",
                                           shape=(N, K), dtype=x.dtype),
@@ -59,9 +76,11 @@ def main():
     ap.add_argument("--shapes", default="28672x4096,4096x14336,4096x4096")
     ap.add_argument("--ms", default="256,4096")
     ap.add_argument("--ks", default="4,2")
+    ap.add_argument("--split", action="store_true", help="the SPLIT_COLS columns instead")
     args = ap.parse_args()
-    print("| k | shape | M | " + " | ".join(COLS) + " |  (us)")
-    print("|---|---|--:|" + "--:|" * len(COLS))
+    cols = SPLIT_COLS if args.split else COLS
+    print("| k | shape | M | " + " | ".join(cols) + " |  (us)")
+    print("|---|---|--:|" + "--:|" * len(cols))
     for s in args.shapes.split(","):
         N, K = (int(v) for v in s.split("x"))
         for k in (int(v) for v in args.ks.split(",")):
@@ -71,7 +90,7 @@ def main():
             for M in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
                 calls = [routes(x, w, b, k, N, K) for w, b in zip(ws, wb, strict=True)]
-                row = [f"{time_calls([c[col] for c in calls]).us:.1f}" for col in COLS]
+                row = [f"{time_calls([c[col] for c in calls]).us:.1f}" for col in cols]
                 print(f"| {k} | {N}x{K} | {M} | " + " | ".join(row) + " |", flush=True)
             ws.clear()
             wb.clear()

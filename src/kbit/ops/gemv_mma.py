@@ -378,6 +378,11 @@ XK_CFG = (3, 16, 1, 3, 1, 8)
 #: 7.89 (4 CTAs an SM); k = 4 at 4 CTAs an SM spills and lost (7168x4096 10.16 vs 9.67)
 ONE_TILE_CTAS = 3
 ONE_TILE_CTAS_K2 = 4
+#: k = 2, M <= 8, up to 16 * K2_SMALL_CTAS * SMs rows (beyond the routes above): kernel 1 with 4-warp CTAs, 6 an SM
+#: (``benchmarks/results/h100/m1-cfg-sweep-s16-wide.log``, us, M = 1 / 2 / 8: 10240x4096 10.79 / 12.28 / 13.33 ->
+#: 10.32 / 10.56 / 10.55, 12288x4096 13.37 / 15.27 / 15.83 -> 10.89 / 11.00 / 12.08; 10240x5120 12.91 / 14.02 /
+#: 14.76 -> 13.29 / 13.37 / 13.78; 14336x4096 (896 tiles) lost)
+K2_SMALL_CTAS = 6
 
 
 def default_config(k, M, N, K, sm90=False, sms=None):
@@ -421,6 +426,8 @@ def default_config(k, M, N, K, sm90=False, sms=None):
         cfg = (1, 8, ONE_TILE_CTAS)
     elif sms and k == 2 and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS_K2 * sms and N * K < BIG:
         cfg = (1, 8, ONE_TILE_CTAS_K2)
+    elif sms and k == 2 and M <= 8 and WIDE < N <= 16 * K2_SMALL_CTAS * sms and N * K < BIG:
+        cfg = (1, 4, K2_SMALL_CTAS)
     elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
         cfg = (3, 8, 2, PIPE[k], 1)
     elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
