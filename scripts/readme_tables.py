@@ -199,8 +199,22 @@ def main():
              "in this run (the dispatcher's choice):",
              gemm_table(RES / "mid-s15-final-2026-11-22.json").replace(" / - [-]", "").replace(
                  "at k = 4 / k = 2, [dequantize + cuBLAS at k = 4]", "at k = 4"),
+             "### Small batch on mid-size weights, session 16 (kernel 1, a CTA a tile)",
+             "M <= 8 on weights of 4224 < N <= 16 x 3 x SMs rows (6336 on an H100) below 2e8 elements run kernel 1 "
+             "with a CTA a 16-row tile (3 CTAs an SM, K unsplit, no workspace) instead of kernel 3; at k = 2 also up "
+             "to 16 x 4 x SMs rows (4 CTAs an SM) and 16 x 6 x SMs (4-warp CTAs, 6 an SM). Same-run before/after: "
+             "`m1-one-tile-s16-ab.log`, `k2-wide-s16-ab.log` (e.g. 6144x4096 M = 1 k = 2 9.01 -> 6.23 us, k = 4 "
+             "9.36 -> 8.67; 12288x4096 k = 2 13.11 -> 10.59). The fast decode step's fused q/k/v keeps kernel 3 "
+             "(its norm prologue): a kernel-1 prologue measured no change end to end "
+             "(`e2e-s16-k1pro-dropped.log`). After the change:",
+             gemm_table(RES / "small-mid-s16-2026-11-22.json").replace(" [-]", "").replace(
+                 "Dense GEMM by M", "Small batch by M").replace(", [dequantize + cuBLAS at k = 4]", ""),
              "### Dense GEMM, M = 16..4096 (the dispatcher; kernel 7 with bulk-copied x above M = 64)",
              gemm_table(RES / "issue4-s6-2026-11-22.json"),
+             "Session 16, M = 128 / 256 with the kernels of today (kernel 7 with stream-K, the vector split-K "
+             "workspace):",
+             gemm_table(RES / "issue4-s16-m128-2026-11-22.json").replace(" [-]", "").replace(
+                 ", [dequantize + cuBLAS at k = 4]", ""),
              "After this run the dispatcher sends weights under 2e7 elements (4096x4096 here) at M 33..256 to "
              "dequantize + cuBLAS (the bracketed column), where kernel 7 measured 0.40-0.46x.",
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
