@@ -530,26 +530,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     l2_prefetch(codes + j * K_BITS * 32, (long long)(s1_ - s0_) * K_BITS * 512);
     l2_prefetch(scales + j * 8 * SV, (long long)(s1_ - s0_) * SV * 128);
   }
-  const float ts = *ts_ptr;
-  extern __shared__ __align__(16) unsigned char dsm[];
-  const u32 dsm_base = smem_addr(dsm);
-  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
-  build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
-  const float post = FP16_SCALES ? ts : 1.0f;
-  for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if !DET
-  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
-#endif
-  __syncthreads();
-  const LB lbb = lane_bits(tab, lane, cb);
-  const u32 sc_base = smem_addr(s_sc);
-  const u16* xr[NG];
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng) {
-    int tok = ng * 8 + g;
-    tok = tok < M ? tok : M - 1;
-    xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
-  }
   const int items = n_tiles * splits;
   /* (item, segment) of this warp's next load; seg < 0: none */
   auto first = [&](int item, int& seg) {
@@ -567,9 +547,29 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #pragma unroll
     for (int v = 0; v < SV; ++v) sw[v] = ld_stream(scales + (ts_ * 8 + g) * SV + v);
   };
-  int item = blockIdx.x, seg;
+  int item = blockIdx.x, seg;  /* the first segment in flight while the tables are built */
   first(item, seg);
   if (seg >= 0) load(item, seg);
+  const float ts = *ts_ptr;
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const u32 dsm_base = smem_addr(dsm);
+  const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+  build_table_fast(tab, cb, tid, blockDim.x);
+  const float post = FP16_SCALES ? ts : 1.0f;
+  for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+#if !DET
+  for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
+#endif
+  __syncthreads();
+  const LB lbb = lane_bits(tab, lane, cb);
+  const u32 sc_base = smem_addr(s_sc);
+  const u16* xr[NG];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng) {
+    int tok = ng * 8 + g;
+    tok = tok < M ? tok : M - 1;
+    xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
+  }
   pdl_launch();
   pdl_wait();
   for (; item < items; item += gridDim.x) {
