@@ -91,6 +91,10 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #if XK && (PRO || DET || !XS)
 #error "XK: K slices need XS and exclude PRO (a norm over the whole row) and DET (slots by memory order)"
 #endif
+#ifndef K1EARLY /* kernel 1: the first segment's loads before the table build, built by shuffles (1; M <= 8 below
+                   BIG: faster there) or after it and the CTA barrier (0: 8192x28672 k = 3, 4 were 6-10% faster) */
+#define K1EARLY 0
+#endif
 #ifndef DET /* kernels 1 and 3: 1 = split-K parts added in a fixed order (bit-identical runs), 0 = fp32 atomics */
 #define DET 0
 #endif
@@ -512,6 +516,29 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
    first segment of the warp's next item prefetched before this item's reduction), partial sums reduced in
    shared memory; split K across CTAs is fixed up in an fp32 workspace by the last CTA of the tile (DET: warps
    added in warp order, a workspace slot a split added in split order: deterministic). */
+/* the warp's walk over (item, segment) pairs (first) and its segment loads (load); the first load issued.
+   K1EARLY: before the table build, else after the CTA barrier (as before session 16: same SASS) */
+#define K1_WALK \
+  const int items = n_tiles * splits; \
+  /* (item, segment) of this warp's next load; seg < 0: none */ \
+  auto first = [&](int item, int& seg) { \
+    if (item >= items) { seg = -1; return; } \
+    const int sp = item - (item / splits) * splits; \
+    const int s0 = sp * sps + (int)warp; \
+    seg = s0 < min(sp * sps + sps, n_seg) ? s0 : -1; \
+  }; \
+  V4 cw[K_BITS], sw[SV]; \
+  auto load = [&](int item, int seg) { \
+    const int tile = item / splits; \
+    const long long ts_ = (long long)tile * n_seg + seg; \
+  _Pragma("unroll") \
+    for (int v = 0; v < K_BITS; ++v) cw[v] = ld_stream(codes + (ts_ * K_BITS + v) * 32 + lane); \
+  _Pragma("unroll") \
+    for (int v = 0; v < SV; ++v) sw[v] = ld_stream(scales + (ts_ * 8 + g) * SV + v); \
+  }; \
+  int item = blockIdx.x, seg; \
+  first(item, seg); \
+  if (seg >= 0) load(item, seg);
 /* DET: a warp's partial sums each, added in warp order; else one set, shared-memory atomics */
 __shared__ float s_red[(DET ? MAXW : 1) * NG * 128];
 __shared__ int s_flag;
@@ -530,31 +557,18 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     l2_prefetch(codes + j * K_BITS * 32, (long long)(s1_ - s0_) * K_BITS * 512);
     l2_prefetch(scales + j * 8 * SV, (long long)(s1_ - s0_) * SV * 128);
   }
-  const int items = n_tiles * splits;
-  /* (item, segment) of this warp's next load; seg < 0: none */
-  auto first = [&](int item, int& seg) {
-    if (item >= items) { seg = -1; return; }
-    const int sp = item - (item / splits) * splits;
-    const int s0 = sp * sps + (int)warp;
-    seg = s0 < min(sp * sps + sps, n_seg) ? s0 : -1;
-  };
-  V4 cw[K_BITS], sw[SV];
-  auto load = [&](int item, int seg) {
-    const int tile = item / splits;
-    const long long ts_ = (long long)tile * n_seg + seg;
-#pragma unroll
-    for (int v = 0; v < K_BITS; ++v) cw[v] = ld_stream(codes + (ts_ * K_BITS + v) * 32 + lane);
-#pragma unroll
-    for (int v = 0; v < SV; ++v) sw[v] = ld_stream(scales + (ts_ * 8 + g) * SV + v);
-  };
-  int item = blockIdx.x, seg;  /* the first segment in flight while the tables are built */
-  first(item, seg);
-  if (seg >= 0) load(item, seg);
+#if K1EARLY /* the first segment in flight while the tables are built */
+  K1_WALK
+#endif
   const float ts = *ts_ptr;
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
+#if K1EARLY
   build_table_fast(tab, cb, tid, blockDim.x);
+#else
+  build_table((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
+#endif
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
 #if !DET
@@ -570,6 +584,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     tok = tok < M ? tok : M - 1;
     xr[ng] = x + (long long)tok * x_stride + 8 * (lane & 3);
   }
+#if !K1EARLY
+  K1_WALK
+#endif
   pdl_launch();
   pdl_wait();
   for (; item < items; item += gridDim.x) {
