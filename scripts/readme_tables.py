@@ -13,8 +13,8 @@ MMA_RESULTS = "mma-2026-11-21-final.json"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 
 
-def gemv_table(path: Path) -> str:
-    """M = 1 from a ``kbit bench`` results file: the dispatched kernel ("gemv") per k next to humming at the
+def gemv_table(path: Path, kernel: str = "gemv") -> str:
+    """M = 1 from a ``kbit bench`` results file: the dispatched kernel (``kernel``) per k next to humming at the
     same k and tinygemm (k = 4), all timed in the same run."""
     d = json.loads(path.read_text())
     h = d["header"]
@@ -35,7 +35,7 @@ def gemv_table(path: Path) -> str:
         bf = find(N, K, "bf16")["us"]
         cells = []
         for k in (2, 3, 4, 5):
-            r, hm, tg = find(N, K, "gemv", k), find(N, K, "humming", k), find(N, K, "tinygemm", k)
+            r, hm, tg = find(N, K, kernel, k), find(N, K, "humming", k), find(N, K, "tinygemm", k)
             c = f"{r['us']:.1f} / {100 * r['tbps'] / r['ceiling_tbps']:.0f}% / {bf / r['us']:.2f}x" if r else "-"
             c += f" [h {hm['us']:.1f}]" if hm else ""
             c += f" [t {tg['us']:.1f}]" if tg else ""
@@ -189,6 +189,10 @@ S14_MID = "### Mid M, session 14 (the dispatcher on sm_90)\n\nDense M = 16 / 32 
 def main():
     parts = ["### Small-M kernel (M = 1..64)", mma_table(RES / MMA_RESULTS),
              "### Small batch (M = 1) with peers, same run", gemv_table(RES / "issue3-session5b-2026-11-22.json"),
+             "Session 16, the dispatcher (`kbit-linear`) without peers (so no bracketed cells), after kernel 1's "
+             "earlier first loads and faster table build (M <= 8 below 2e8 weights) and the one-tile-a-CTA routes on "
+             "mid-size weights:",
+             gemv_table(RES / "m1-s16-2026-11-22.json", "kbit-linear"),
              "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
              S14_MID,
              "### Mid M, session 15 (split-K workspace, small weights on kernel 1)",
