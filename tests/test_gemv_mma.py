@@ -520,6 +520,8 @@ def test_dequant_repacked_validation():
         MM.dequant_repacked(rc[:1], rs, ts, cb, **kw)
     with pytest.raises(ValueError, match="out"):
         MM.dequant_repacked(rc, rs, ts, cb, out=torch.empty(32, 255, dtype=torch.bfloat16), **kw)
+    with pytest.raises(ValueError, match="CUDA device"):  # CPU tensors: a clear error, not a failed kernel build
+        MM.dequant_repacked(rc, rs, ts, cb, **kw)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["repack", "unrepack", "repacked", "linear_small_m", "linear_repacked", "linear_mma_v1", "serves",
-           "kbit_linear_small_m", "available", "MAX_M", "LAYOUT", "RepackedWeight"]
+           "dequant_repacked", "kbit_linear_small_m", "available", "MAX_M", "LAYOUT", "RepackedWeight"]
 
 LAYOUT = "mma-v1"
 MAX_M = 64
@@ -967,11 +967,15 @@ def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
         _fail(TypeError, "dtype", "torch.float16 or torch.bfloat16", dtype)
     probe = torch.empty(0, K, dtype=dtype, device=rcodes.device)
     _check_repacked(probe, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, None)
-    if out is None:
-        out = torch.empty(N, K, dtype=dtype, device=rcodes.device)
-    elif tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous() or out.device != rcodes.device:
+    if out is not None and (tuple(out.shape) != (N, K) or out.dtype != dtype or not out.is_contiguous()
+                            or out.device != rcodes.device):
         _fail(ValueError, "out", f"a contiguous {dtype} tensor of shape {(N, K)} on {rcodes.device}",
               f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
+    if not available(rcodes.device):
+        _fail(ValueError, "rcodes", "tensors on a CUDA device where the kernel runs (sm_80+, NVRTC found); "
+              "elsewhere use unrepack and kbit.ops.dequant", rcodes.device)
+    if out is None:
+        out = torch.empty(N, K, dtype=dtype, device=rcodes.device)
     _, Nt, S = _geometry(N, K, blocksize)
     if N == 0 or K == 0:
         return out
