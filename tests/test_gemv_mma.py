@@ -128,8 +128,11 @@ def test_one_tile_cta_routes():
     assert MM.default_config(2, 1, 12288, 4096, sms=132) == (1, 4, 6)
     assert MM.default_config(2, 1, 14336, 4096, sms=132)[0] == 3  # more tiles than 6 CTAs x SMs
     assert MM.default_config(4, 2, 12288, 4096, sms=132)[0] == 3  # k = 2 only
-    assert MM.default_config(4, 1, 8192, 4096, sms=132)[0] == 3  # k = 4 at 4 CTAs an SM spills
-    assert MM.default_config(4, 1, 6144, 4096, sms=100)[0] == 3  # more tiles than 3 CTAs x SMs
+    assert MM.default_config(4, 1, 8192, 4096, sms=132) == (1, 8, 4)
+    assert MM.default_config(3, 8, 7168, 5120, sms=132) == (1, 8, 4)
+    assert MM.default_config(5, 1, 8192, 4096, sms=132)[0] == 3  # k = 5 at 4 CTAs an SM: not measured (spills)
+    assert MM.default_config(4, 1, 6144, 4096, sms=100) == (1, 8, 4)  # more tiles than 3 CTAs x SMs
+    assert MM.default_config(4, 1, 6144, 4096, sms=90)[0] == 3  # more tiles than 4 CTAs x SMs
     assert MM.default_config(4, 1, 4096, 4096, sms=132) == (1, 8, 2)  # N <= WIDE: as before
     assert MM.default_config(4, 1, 6144, 4096)[0] == 3  # SM count unknown
     assert fused_config(4, 1, 6144, 4096)[0] == 3
@@ -261,7 +264,7 @@ def test_mma_gpu_configs_split_k(config):
 @gpu
 @pytest.mark.parametrize("N,K_,k,M", [(6144, 1024, 4, 16), (6144, 1024, 2, 12), (16384, 512, 2, 16),
                                       (16384, 512, 3, 9), (6144, 1024, 4, 4), (10240, 520, 2, 2), (5120, 2880, 5, 8),
-                                      (12288, 1000, 2, 1), (8000, 300, 2, 7)])
+                                      (12288, 1000, 2, 1), (8000, 300, 2, 7), (7168, 1000, 4, 3), (8000, 520, 3, 1)])
 def test_mma_gpu_default_routes_m2_16(N, K_, k, M):
     """The default configs of 1 <= M <= 16 on these shapes (kernel 3 on mid-size and, at k = 2, tall N; kernel 1
     a tile a CTA below 16 x 3 (k = 2: 4, 6) x SMs rows)."""

@@ -371,13 +371,15 @@ XK_CFG = (3, 16, 1, 3, 1, 8)
 
 #: M <= 8 below BIG on WIDE < N <= 16 * ONE_TILE_CTAS * SMs: kernel 1 with 8 warps and 3 CTAs an SM (80 registers;
 #: every 16-row tile its own CTA, K unsplit, no workspace) instead of kernel 3 (whose warps then split every tile
-#: and add partial sums through the workspace); at k = 2 (64 registers, no spill at 4 CTAs an SM) up to
-#: 16 * ONE_TILE_CTAS_K2 * SMs rows with 4 CTAs an SM. H100 (``benchmarks/results/h100/m1-cfg-sweep-s16-mid.log``,
-#: us, M = 1 / 4): k = 4 6144x4096 9.29 / 11.25 -> 8.61 / 9.33, 5120x2048 6.57 / 7.22 -> 5.73 / 5.86; k = 2
-#: 6144x4096 8.78 / 9.43 -> 6.24 / 6.39, 5120x2048 6.07 / 6.39 -> 3.71 / 3.74, 8192x4096 9.58 / 10.64 -> 7.78 /
-#: 7.89 (4 CTAs an SM); k = 4 at 4 CTAs an SM spills and lost (7168x4096 10.16 vs 9.67)
+#: and add partial sums through the workspace). H100 (``benchmarks/results/h100/m1-cfg-sweep-s16-mid.log``, us,
+#: M = 1 / 4): k = 4 6144x4096 9.29 / 11.25 -> 8.61 / 9.33, 5120x2048 6.57 / 7.22 -> 5.73 / 5.86; k = 2 6144x4096
+#: 8.78 / 9.43 -> 6.24 / 6.39, 5120x2048 6.07 / 6.39 -> 3.71 / 3.74. k = 2..4 up to 16 * ONE_TILE_CTAS_4 * SMs rows
+#: with 4 CTAs an SM (64 registers; k = 3 / 4: 8 / 16 bytes of stack), measured with kernel 1's early first loads
+#: (K1EARLY; ``m1-cfg-sweep-s16-k34.log``, us, M = 1 / 8): k = 4 8192x4096 10.89 / 13.78 -> 10.88 / 12.28, 7168x5120
+#: 12.99 / 16.30 -> 11.84 / 13.27, 7168x4096 9.83 / 12.11 -> 9.87 / 11.43; k = 3 8192x4096 10.23 / 12.88 -> 9.07 /
+#: 10.48; k = 2 8192x4096 (``-mid.log``) 9.58 / 10.64 (M = 4) -> 7.78 / 7.89. k = 5 not measured there (72 bytes)
 ONE_TILE_CTAS = 3
-ONE_TILE_CTAS_K2 = 4
+ONE_TILE_CTAS_4 = 4
 #: k = 2, M <= 8, up to 16 * K2_SMALL_CTAS * SMs rows (beyond the routes above): kernel 1 with 4-warp CTAs, 6 an SM
 #: (``benchmarks/results/h100/m1-cfg-sweep-s16-wide.log``, us, M = 1 / 2 / 8: 10240x4096 10.79 / 12.28 / 13.33 ->
 #: 10.32 / 10.56 / 10.55, 12288x4096 13.37 / 15.27 / 15.83 -> 10.89 / 11.00 / 12.08; 10240x5120 12.91 / 14.02 /
@@ -424,8 +426,8 @@ def default_config(k, M, N, K, sm90=False, sms=None):
         cfg = (3, 8, 2, 2)
     elif sms and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS * sms and N * K < BIG:
         cfg = (1, 8, ONE_TILE_CTAS)
-    elif sms and k == 2 and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS_K2 * sms and N * K < BIG:
-        cfg = (1, 8, ONE_TILE_CTAS_K2)
+    elif sms and k <= 4 and M <= 8 and WIDE < N <= 16 * ONE_TILE_CTAS_4 * sms and N * K < BIG:
+        cfg = (1, 8, ONE_TILE_CTAS_4)
     elif sms and k == 2 and M <= 8 and WIDE < N <= 16 * K2_SMALL_CTAS * sms and N * K < BIG:
         cfg = (1, 4, K2_SMALL_CTAS)
     elif M == 1 and (N >= TALL or (k == 2 and N * K >= BIG)):  # k = 2 8192x28672: 39.4 vs 46.0 us (kernel 1)
