@@ -158,16 +158,17 @@ def sampling_table(path: Path) -> str:
     return "\n".join(out)
 
 
-def gemm_table(path: Path) -> str:
+def gemm_table(path: Path, ks=(4, 2)) -> str:
     """Dense M = 16..4096 from a ``kbit bench`` run with the dispatcher (``kbit-linear``) and dequantize + cuBLAS:
-    x faster than bf16 ``F.linear`` in the same run, k = 4 and 2."""
+    x faster than bf16 ``F.linear`` in the same run, at the two bit widths ``ks``."""
     d = json.loads(path.read_text())
     h = d["header"]
     rows = [r for r in d["rows"] if r.get("us") and r.get("E", 1) == 1]
     ms = sorted({r["M"] for r in rows})
     shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
     out = [f"Dense GEMM by M, {h['gpu_name']}, commit {h['commit']}, `{path.relative_to(ROOT)}`. Cells: x faster than "
-           "bf16 `F.linear` (same run) for kbit's dispatcher at k = 4 / k = 2, [dequantize + cuBLAS at k = 4].", "",
+           f"bf16 `F.linear` (same run) for kbit's dispatcher at k = {ks[0]} / k = {ks[1]}, [dequantize + cuBLAS at "
+           f"k = {ks[0]}].", "",
            "| N x K | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
 
     def sp(N, K, M, kernel, k):
@@ -177,8 +178,8 @@ def gemm_table(path: Path) -> str:
         return "-"
 
     for N, K in shapes:
-        cells = [f"{sp(N, K, m, 'kbit-linear', 4)} / {sp(N, K, m, 'kbit-linear', 2)} "
-                 f"[{sp(N, K, m, 'dequant+cublas', 4)}]" for m in ms]
+        cells = [f"{sp(N, K, m, 'kbit-linear', ks[0])} / {sp(N, K, m, 'kbit-linear', ks[1])} "
+                 f"[{sp(N, K, m, 'dequant+cublas', ks[0])}]" for m in ms]
         out.append(f"| {N}x{K} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -213,6 +214,11 @@ def main():
              "(`e2e-s16-k1pro-dropped.log`). After the change:",
              gemm_table(RES / "small-mid-s16-2026-11-22.json").replace(" [-]", "").replace(
                  "Dense GEMM by M", "Small batch by M").replace(", [dequantize + cuBLAS at k = 4]", ""),
+             "Then k = 3 and 4 also take kernel 1 at 4 CTAs an SM up to 16 x 4 x SMs rows (`m1-cfg-sweep-s16-k34.log`; "
+             "e.g. 8192x4096 k = 4 M = 8 13.78 -> 12.28 us, k = 3 12.88 -> 10.48):",
+             gemm_table(RES / "k34-s16-2026-11-22.json", ks=(4, 3)).replace(" [-]", "").replace(
+                 "Dense GEMM by M", "Small batch by M").replace(", [dequantize + cuBLAS at k = 4]", "").replace(
+                 "commit 0540e92+k34", "commit 0540e92+k34 (the tree committed as 518d129)"),
              "### Dense GEMM, M = 16..4096 (the dispatcher; kernel 7 with bulk-copied x above M = 64)",
              gemm_table(RES / "issue4-s6-2026-11-22.json"),
              "Session 16, M = 128 / 256 with the kernels of today (kernel 7 with stream-K, the vector split-K "
