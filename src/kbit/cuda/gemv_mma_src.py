@@ -187,12 +187,6 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
 struct LB { u32 a, b; };
-#ifndef K2HI
-#define K2HI 0
-#endif
-__device__ __forceinline__ u32 mulhi(u32 a, u32 b) {
-  u32 r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
-}
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -218,18 +212,9 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
      selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-#if K2HI >= 2 /* lab: the field shift as a multiply-high (FMA pipe) instead of SHF (ALU pipe) */
-    const u32 ws_ = s ? mulhi(w[u], 1u << (32 - 2 * s)) : w[u];
-#else
-    const u32 ws_ = w[u] >> (2 * s);
-#endif
-    const u32 v = (ws_ & 0x03030303u) * 0x22u + 0x10101010u;
+    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
-#if K2HI >= 1 /* lab: the upper selector half by a multiply-high instead of SHF */
-    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, mulhi(v, 0x10000u));
-#else
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
-#endif
   }
 #elif K_BITS == 3
 #pragma unroll
