@@ -82,6 +82,15 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
+/* the codes (K_BITS vectors) and scales (SV) a lane holds of (tile, segment) pair j, in memory order (kernel 3's
+   register ring, kbit_deq_mma) */
+__device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
+                                       const V4* __restrict__ scales, long long j, u32 lane, int g) {
+#pragma unroll
+  for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + (j * K_BITS + v) * 32 + lane);
+#pragma unroll
+  for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + (j * 8 + g) * SV + v);
+}
 #ifndef XS
 #define XS 0
 #endif
@@ -713,13 +722,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
    that lies wholly in the range is written directly, a part of one is added to the fp32 workspace (DET: goes
    to its own workspace slot) and the warp that completes the tile's segment count (counter) writes it (DET:
    adds the slots in a fixed order, finish_det: bit-identical outputs run to run). */
-__device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
-                                       const V4* __restrict__ scales, int j, u32 lane, int g) {
-#pragma unroll
-  for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + ((long long)j * K_BITS + v) * 32 + lane);
-#pragma unroll
-  for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + ((long long)j * 8 + g) * SV + v);
-}
 #if PRO || EPI
 __device__ __forceinline__ float rnd(float f) { return h2f(f2h(f)); }
 #endif
@@ -2202,13 +2204,6 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
 # (32u + 8t .. + 7) of rows g and g + 8 of each 32-column unit u: one 16-byte store each (VEC), else element
 # stores guarded by K. Defines: K_BITS, FP16_SCALES, BF16 (output bf16, else fp16), VEC.
 DEQ_SOURCE = HELPERS + r"""
-__device__ __forceinline__ void ld_item(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
-                                        const V4* __restrict__ scales, long long j, u32 lane, int g) {
-#pragma unroll
-  for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + (j * K_BITS + v) * 32 + lane);
-#pragma unroll
-  for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + (j * 8 + g) * SV + v);
-}
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 r;
 #if BF16
@@ -2263,7 +2258,7 @@ extern "C" __global__ void __launch_bounds__(256) kbit_deq_mma(
   const long long T = (long long)n_tiles * n_seg, stride = (long long)gridDim.x * W;
   long long j = (long long)blockIdx.x * W + (tid >> 5);
   V4 b[2][K_BITS + SV];
-  if (j < T) ld_item(b[0], codes, scales, j, lane, g);
+  if (j < T) ld_seg(b[0], codes, scales, j, lane, g);
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
   build_table<true>((u32*)(dsm + (tab - dsm_base)), cb, tid, blockDim.x);
@@ -2274,10 +2269,10 @@ extern "C" __global__ void __launch_bounds__(256) kbit_deq_mma(
   const LB lbb = lane_bits<true>(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   for (; j < T; j += 2 * stride) {  /* two items an iteration: the buffers' indices stay compile-time */
-    if (j + stride < T) ld_item(b[1], codes, scales, j + stride, lane, g);
+    if (j + stride < T) ld_seg(b[1], codes, scales, j + stride, lane, g);
     deq_item(b[0], j, n_seg, lbb, sc_base, s_cb, ts, out, N, K, g, t);
     if (j + stride >= T) break;
-    if (j + 2 * stride < T) ld_item(b[0], codes, scales, j + 2 * stride, lane, g);
+    if (j + 2 * stride < T) ld_seg(b[0], codes, scales, j + 2 * stride, lane, g);
     deq_item(b[1], j + stride, n_seg, lbb, sc_base, s_cb, ts, out, N, K, g, t);
   }
 }
