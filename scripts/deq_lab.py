@@ -38,37 +38,38 @@ COLS = ["bf16", "deq", "unrepack", "deq_rep", "dequant_mm", "before", "now"]
 SPLIT_COLS = ["bf16", "gemm_wd", "deq", "deq+gemm_wd", "deq_own", "deq_into"]
 
 
-def routes(x, w, wb, k, N, K):
-    """The timed calls of one weight copy: column -> callable."""
+def routes(x, w, wb, k, N, K, split):
+    """The timed calls of one weight copy: column -> callable (``split``: the SPLIT_COLS ones, which hold two more
+    [N, K] weights a copy)."""
     codes, scales, rc, rs, ts, cb, kw = w
-
-    def before():
-        c, s = MM.unrepack(rc, rs, k=k, blocksize=32, N=N, K=K)
-        return dequant_mm(x, c, s, ts, cb, **kw)
-
-    wd = dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8", shape=(N, K),
-                            dtype=x.dtype)
-
-    buf = torch.empty_like(wd)
 
     def deq(out=None):
         return dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8", shape=(N, K),
                                   dtype=x.dtype, out=out)
 
-    return {
-        "gemm_wd": lambda: F.linear(x, wd),
-        "deq+gemm_wd": lambda: (deq(), F.linear(x, wd)),
-        "deq_own": lambda: F.linear(x, deq()),
-        "deq_into": lambda: F.linear(x, deq(buf)),
+    def before():
+        c, s = MM.unrepack(rc, rs, k=k, blocksize=32, N=N, K=K)
+        return dequant_mm(x, c, s, ts, cb, **kw)
+
+    calls = {
         "bf16": lambda: F.linear(x, wb),
-        "deq": lambda: dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=32, scale_format="log8",
-                                          shape=(N, K), dtype=x.dtype),
+        "deq": deq,
         "unrepack": lambda: MM.unrepack(rc, rs, k=k, blocksize=32, N=N, K=K),
         "deq_rep": lambda: MM.dequant_repacked(rc, rs, ts, cb, dtype=x.dtype, **kw),
         "dequant_mm": lambda: dequant_mm(x, codes, scales, ts, cb, **kw),
         "before": before,
         "now": lambda: MM.linear_mma_v1(x, rc, rs, ts, cb, **kw),
     }
+    if split:
+        wd = deq()
+        buf = torch.empty_like(wd)
+        calls.update({
+            "gemm_wd": lambda: F.linear(x, wd),
+            "deq+gemm_wd": lambda: (deq(), F.linear(x, wd)),
+            "deq_own": lambda: F.linear(x, deq()),
+            "deq_into": lambda: F.linear(x, deq(buf)),
+        })
+    return calls
 
 
 def main():
@@ -89,7 +90,7 @@ def main():
             wb = [torch.randn(N, K, dtype=torch.bfloat16, device="cuda") / K**0.5 for _ in range(n)]
             for M in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(M, K, dtype=torch.bfloat16, device="cuda")
-                calls = [routes(x, w, b, k, N, K) for w, b in zip(ws, wb, strict=True)]
+                calls = [routes(x, w, b, k, N, K, args.split) for w, b in zip(ws, wb, strict=True)]
                 row = [f"{time_calls([c[col] for c in calls]).us:.1f}" for col in cols]
                 print(f"| {k} | {N}x{K} | {M} | " + " | ".join(row) + " |", flush=True)
             ws.clear()
