@@ -187,7 +187,8 @@ def test_cli_parses_bench():
                                       "--out", "x"])
     assert args.shapes == [(28672, 4096), (4096, 14336)]
     assert args.m == [1, 2, 4, 8] and args.k == [2, 4] and args.moe == []
-    assert args.peers == "humming,tinygemm" and args.out == "x"
+    assert args.peers == "humming,tinygemm" and args.out == "x" and not args.floor
+    assert build_parser().parse_args(["bench", "--floor"]).floor
     defaults = build_parser().parse_args(["bench"])
     assert len(defaults.shapes) == 5 and len(defaults.moe) == 2 and defaults.tokens == [1, 4]
     with pytest.raises(SystemExit):
@@ -199,3 +200,20 @@ def test_cli_table(tmp_path, capsys):
     path = report.write_results(tmp_path / "r.json", _header(), [_row()])
     assert main(["bench", "--table", str(path)]) == 0
     assert "4096x4096" in capsys.readouterr().out
+
+
+def test_read_floor_bad_input():
+    from kbit.bench.floor import measure_read_floor
+    with pytest.raises(ValueError, match="nbytes"):
+        measure_read_floor(8, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_read_floor_runs():
+    """Every variant runs and the fastest is kept (not a timed test: no speed is asserted)."""
+    from kbit.bench.floor import VARIANTS, measure_read_floor
+    f = measure_read_floor(3_000_016, reps=3)
+    assert f.nbytes == 3_000_016 and len(f.variants) == len(VARIANTS) + 1
+    assert f.us == min(f.variants.values()) or math.isclose(f.us, min(f.variants.values()), rel_tol=1e-3)
+    assert f.read_tbps > 0 and f.best in f.variants

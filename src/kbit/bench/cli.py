@@ -67,6 +67,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="humming,tinygemm,bitsandbytes,gemlite or 'all' (default: none)")
     p.add_argument("--reps", type=int, default=15, help="graph replays timed (median; >= 15)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-ceiling measurement")
+    p.add_argument("--floor", action="store_true",
+                   help="add a 'read' row per dense (shape, k): the fastest plain read of the kbit weight's bytes")
     p.add_argument("--budget-s", type=float, default=None, help="soft wall-clock budget; later units skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="commit to record (default: git, or $KBIT_COMMIT)")
@@ -85,7 +87,8 @@ def main(args: argparse.Namespace) -> int:
     from kbit.bench.run import BenchConfig, run_bench
     cfg = BenchConfig(shapes=args.shapes, ms=args.m, ks=args.k, blocksize=args.blocksize,
                       candidates=args.candidates, peers=args.peers, moe=args.moe, tokens=args.tokens,
-                      reps=args.reps, ceiling=not args.no_ceiling, budget_s=args.budget_s, seed=args.seed,
+                      reps=args.reps, ceiling=not args.no_ceiling, floor=args.floor, budget_s=args.budget_s,
+                      seed=args.seed,
                       commit=args.commit, command="kbit bench " + shlex.join(sys.argv[2:]))
     path = None
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kbit.bench import moe as moe_mod
 from kbit.bench.ceiling import measure_read_ceiling
+from kbit.bench.floor import measure_read_floor
 from kbit.bench.peers import select_peers
 from kbit.bench.registry import Unsupported, select
 from kbit.bench.report import git_commit, gpu_slug
@@ -56,6 +57,7 @@ class BenchConfig:
     tokens: Sequence[int] = (1, 4)
     reps: int = 15
     ceiling: bool = True
+    floor: bool = False
     budget_s: float | None = None
     seed: int = 0
     commit: str | None = None
@@ -327,6 +329,19 @@ class Runner:
                                  timing=t, nbytes=wbytes + _nb(x), err=err, stand_in=not real)
                 del fns
         del copies
+        if self.cfg.floor and not self.over_budget():
+            self.dense_floor(qw, wbytes, min(xs))
+
+    def dense_floor(self, qw, wbytes: int, M: int) -> None:
+        """A ``read`` row: the fastest plain read of the weight's bytes (:mod:`kbit.bench.floor`)."""
+        N, K = qw.shape[-2], qw.shape[-1]
+        try:
+            f = measure_read_floor(wbytes, reps=self.cfg.reps, device=str(self.device))
+        except Exception as e:  # noqa: BLE001
+            self.skip(f"read k={qw.k} {N}x{K}", f"failed: {type(e).__name__}: {str(e)[:300]}")
+            return
+        self.add_row(kernel="read", k=qw.k, blocksize=qw.blocksize, N=N, K=K, M=M, E=1, timing=f.timing,
+                     nbytes=f.nbytes, err=None, read_best=f.best, read_variants=f.variants)
 
     def _peer_ok(self, peer, k: int) -> bool:
         if k not in peer.bits:

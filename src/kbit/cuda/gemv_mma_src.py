@@ -32,7 +32,7 @@ struct __align__(8) V2 { u32 x, y; };
 #elif K_BITS == 4
 #define TAB_WORDS (256 * 32)
 #else
-#define TAB_WORDS (32 * 32 / 2)
+#define TAB_WORDS (32 * 32) /* k = 5: a 32-bit word (h, h) per (code, lane): lane l reads bank l */
 #endif
 
 /* the table lives in dynamic shared memory after the pipeline stages, aligned to TAB_ALIGN so that the
@@ -40,7 +40,7 @@ struct __align__(8) V2 { u32 x, y; };
 #if K_BITS == 3
 #define TAB_ALIGN 8192
 #elif K_BITS == 5
-#define TAB_ALIGN 2048
+#define TAB_ALIGN 4096
 #elif K_BITS == 4
 #define TAB_ALIGN 128 /* lane bits 2..6 are ORed in */
 #else
@@ -185,9 +185,6 @@ __device__ __forceinline__ u32 lds32(u32 a) {
 __device__ __forceinline__ V2 lds64(u32 a) {
   V2 v; asm("ld.shared.v2.b32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a)); return v;
 }
-__device__ __forceinline__ u32 lds16(u32 a) {
-  u16 v; asm("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(a)); return v;
-}
 __device__ __forceinline__ float ldsf(u32 a) {
   float v; asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a)); return v;
 }
@@ -236,9 +233,10 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     const int c = u * 16 + 2 * f;
-    u32 lo = lds16(lbb.a | fld(w, c * 5, 5, 6));
-    u32 hi = lds16(lbb.a | fld(w, (c + 1) * 5, 5, 6));
-    A[h][r + 2 * j] = lo | (hi << 16);
+    /* entries are (h, h) words at code * 128 + lane * 4: every lane its own bank, one wavefront a load */
+    const u32 lo = lds32(lbb.a | fld(w, c * 5, 5, 7));
+    const u32 hi = lds32(lbb.a | fld(w, (c + 1) * 5, 5, 7));
+    A[h][r + 2 * j] = prmt(lo, hi, 0x7610u);
   }
 #endif
 }
@@ -270,7 +268,10 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
-  for (u32 i = tid; i < 32 * 32; i += nt) ((u16*)s_tab)[i] = (u16)cbv<IDX>(cb, i >> 5);
+  for (u32 i = tid; i < 32 * 32; i += nt) {
+    const u32 v = cbv<IDX>(cb, i >> 5);
+    s_tab[i] = v | (v << 16);
+  }
 #endif
 }
 
@@ -279,7 +280,7 @@ __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restri
 #if K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
 #elif K_BITS == 5
-  return LB{tab | (lane << 1), 0u};
+  return LB{tab | (lane << 2), 0u};
 #else
   return LB{tab | (lane << 2), 0u};
 #endif
@@ -499,8 +500,8 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
-  for (u32 i = tid; i < 128; i += nt) {
-    const u32 h = cbh(c, i >> 2);
+  for (u32 i = tid; i < 256; i += nt) {
+    const u32 h = cbh(c, i >> 3);
     sts128(tab + i * 16, h | (h << 16), h | (h << 16));
   }
 #endif

@@ -536,8 +536,8 @@ def large_serves(M, N, K) -> bool:
 
 def _table_smem(k):
     """Dynamic shared bytes of the lookup table plus its alignment pad."""
-    tab = {2: 16, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 2}[k]  # k = 2: codebook in registers
-    return tab + {3: 8192, 4: 128, 5: 2048}.get(k, 16)
+    tab = {2: 16, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 4}[k]  # k = 2: codebook in registers
+    return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
 
 
 def _stage_bytes(k, scale_format):
