@@ -104,6 +104,9 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
                    BIG: faster there) or after it and the CTA barrier (0: 8192x28672 k = 3, 4 were 6-10% faster) */
 #define K1EARLY 0
 #endif
+#ifndef M1 /* kernels 1 and 3: 1 = M is 1 (the segment skips the accumulators of token 2t + 1) */
+#define M1 0
+#endif
 #ifndef DET /* kernels 1 and 3: 1 = split-K parts added in a fixed order (bit-identical runs), 0 = fp32 atomics */
 #define DET 0
 #endif
@@ -323,9 +326,13 @@ __device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* c
       mma0(d, A[0], xb[ng].x, xb[ng].y);
       mma(d, A[1], xb[ng].z, xb[ng].w, d);
       acc[ng][0] += d[0] * s0v;
+#if !M1 /* M1: one token; d[1], d[3] are token 2t + 1 >= 1, never stored */
       acc[ng][1] += d[1] * s0v;
+#endif
       acc[ng][2] += d[2] * s1v;
+#if !M1
       acc[ng][3] += d[3] * s1v;
+#endif
     }
   }
 }

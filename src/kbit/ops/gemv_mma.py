@@ -670,6 +670,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
     if kernel == 1 and ng == 1 and N * K < BIG:  # (``K1EARLY`` in the source; k1-prefetch-s16-ab.log)
         defines["K1EARLY"] = 1
+    if kernel in (1, 3) and M == 1:  # ``M1``: the segment skips token 2t + 1's accumulators (m1-fix-s17.log)
+        defines["M1"] = 1
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
