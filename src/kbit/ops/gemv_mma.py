@@ -670,7 +670,9 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         defines["L2PF"] = int(os.environ.get("KBIT_L2PF", pf))
     if kernel == 1 and ng == 1 and N * K < BIG:  # (``K1EARLY`` in the source; k1-prefetch-s16-ab.log)
         defines["K1EARLY"] = 1
-    if kernel in (1, 3) and M == 1:  # ``M1``: the segment skips token 2t + 1's accumulators (m1-fix-s17.log)
+    # ``M1``: the segment skips token 2t + 1's accumulators (m1-fix-s17.log); not for kernel 1 at 80 or 64 registers
+    # (3+ CTAs of 8 warps an SM), where ptxas then spills more (e.g. k = 4 (1, 8, 3): 8 -> 32 bytes of stack)
+    if M == 1 and (kernel == 3 or (kernel == 1 and W * X <= 16)):
         defines["M1"] = 1
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
