@@ -117,6 +117,24 @@ def test_mid_m_routes():
     assert MM.LARGE7_MIN_M == 17
 
 
+def test_small_m_x_staged_routes():
+    """M = 2..8 on kernel 3 (session 17, H100, m1-cfg-s17-m2-8.log): x staged in shared memory, a ring of 2, except
+    M = 5..8 on weights of >= BIG elements at k != 4; 8192x28672-like weights: kernel 1 (1, 8, 2) for k = 4 at M = 1
+    and k = 5 at M = 2..8."""
+    for k in (2, 3, 4, 5):
+        for M in (2, 4, 8):
+            assert MM.default_config(k, M, 28672, 4096, sm90=True, sms=132) == (3, 8, 2, 2, 1)
+            assert MM.default_config(k, M, 14336, 4096, sm90=True, sms=132) == (3, 8, 2, 2, 1)
+        assert MM.default_config(k, 4, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 2, 1)
+    assert MM.default_config(4, 8, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 2, 1)
+    assert MM.default_config(3, 8, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 3)
+    assert MM.default_config(4, 1, 8192, 28672, sm90=True, sms=132) == (1, 8, 2)
+    assert MM.default_config(4, 2, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
+    assert MM.default_config(5, 1, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
+    assert MM.default_config(5, 4, 8192, 28672, sm90=True, sms=132) == (1, 8, 2)
+    assert MM.default_config(3, 1, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
+
+
 def test_one_tile_cta_routes():
     """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (session 16, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
     up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""

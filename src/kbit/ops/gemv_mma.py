@@ -435,11 +435,16 @@ def default_config(k, M, N, K, sm90=False, sms=None):
     elif M == 1 and N > WIDE and N * K < BIG:  # more row tiles than 2-CTA slots: kernel 1 splits K badly
         cfg = (3, 8, 2, 2, 1)
     elif M <= 8 and N > WIDE and N * K < BIG and N < TALL:  # the same at M = 2..8: 6144x4096 k = 4 15.7 -> 11.0
-        cfg = (3, 8, 2, 2)  # us, 10240x5120 28.2 -> 16.5 (m1-cfg-sweep-s9-m2-8.log)
+        cfg = (3, 8, 2, 2, 1)  # us, 10240x5120 28.2 -> 16.5 (m1-cfg-sweep-s9-m2-8.log); x staged (XS): 14336x4096
+        # M = 2 / 8, k = 2 15.97 / 16.57 -> 13.97 / 15.32, k = 4 18.59 / 20.50 -> 17.10 / 19.23 (m1-cfg-s17-m2-8.log)
+    elif M <= 8 and N >= TALL and (M <= 4 or N * K < BIG or k == 4):  # x staged, ring 2 (m1-cfg-s17-m2-8.log):
+        cfg = (3, 8, 2, 2, 1)  # 28672x4096 M = 2 k = 2 25.31 -> 22.83, k = 5 39.69 -> 36.32; 57344x8192 k = 4 M = 4
+        # 103.65 -> 94.86 (was kernel 1), k = 5 M = 2 135.12 -> 120.77; M = 8 on 57344x8192: k = 2 / 5 tie, k = 3 lost
     elif M <= 8 and N >= TALL and (k != 4 or N * K < BIG):
         cfg = (3, 8, 2, PIPE[k])
-    elif N * K >= BIG:
-        cfg = (1, 4, 4)
+    elif N * K >= BIG:  # 8192x28672 (m1-cfg-s17-m2-8.log): (1, 8, 2) k = 4 M = 1 50.15 -> 47.87, k = 5 M = 2 / 8
+        # 73.34 / 79.40 -> 69.05 / 77.37; k = 3 and k = 5 M = 1 kept (1, 4, 4) (tie / 66.17 vs 68.41)
+        cfg = (1, 8, 2) if (k == 4 and M == 1) or (k == 5 and 2 <= M <= 8) else (1, 4, 4)
     else:
         cfg = (1, 8, 2)
     if os.environ.get("KBIT_MMA_CFG"):
