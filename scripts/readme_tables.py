@@ -44,6 +44,34 @@ def gemv_table(path: Path, kernel: str = "gemv") -> str:
     return "\n".join(out)
 
 
+def floor_table(path: Path) -> str:
+    """M = 1..8 from a ``kbit bench --floor`` results file: per k, the dispatcher's M = 1 time, its % of the read
+    ceiling, the % a plain read of the same bytes reaches (the ``read`` row: what no kernel of that size can beat),
+    and time(M) / time(1) for M = 2, 4, 8."""
+    d = json.loads(path.read_text())
+    h = d["header"]
+    get = {(r["kernel"], r["k"], r["N"], r["K"], r["M"]): r for r in d["rows"] if r.get("E", 1) == 1}
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in d["rows"] if r.get("E", 1) == 1))
+    out = [f"{h['gpu_name']}, commit {h['commit']}, `{path.relative_to(ROOT)}` (read ceiling "
+           f"{h['ceiling_tbps']:.2f} TB/s). Cells: M = 1 us / % of the ceiling / % of the ceiling that a plain read "
+           "of the same bytes reaches (`kbit bench --floor`) / time at M = 2, 4, 8 over M = 1.", "",
+           "| N x K | " + " | ".join(f"k={k}" for k in (2, 3, 4, 5)) + " |", "|---|" + "---|" * 4]
+    for N, K in shapes:
+        cells = []
+        for k in (2, 3, 4, 5):
+            r, f = get.get(("kbit-linear", k, N, K, 1)), get.get(("read", k, N, K, 1))
+            if not r:
+                cells.append("-")
+                continue
+            c = f"{r['us']:.1f} / {100 * r['tbps'] / r['ceiling_tbps']:.0f}%"
+            c += f" / {100 * f['tbps'] / f['ceiling_tbps']:.0f}%" if f else ""
+            ms = [get.get(("kbit-linear", k, N, K, M)) for M in (2, 4, 8)]
+            c += " / " + ", ".join(f"{m['us'] / r['us']:.2f}" for m in ms if m)
+            cells.append(c)
+        out.append(f"| {N}x{K} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def mid_table(path: Path) -> str:
     """Mid M (16..64): the old default (kernel 1) against kernel 4 from a scripts/mid_lab.py results file."""
     d = json.loads(path.read_text())
@@ -194,6 +222,11 @@ def main():
              "earlier first loads and faster table build (M <= 8 below 2e8 weights) and the one-tile-a-CTA routes on "
              "mid-size weights:",
              gemv_table(RES / "m1-s16-2026-11-22.json", "kbit-linear"),
+             "Session 17, the dispatcher with peers in the same run (k = 5 lookup table without bank conflicts, the "
+             "M = 1 accumulator trim, x staged in shared memory at M = 2..8 on kernel 3):",
+             gemv_table(RES / "issue3-s17b-2026-11-22.json", "kbit-linear"),
+             "The same run with the read floor of each size and the M = 2, 4, 8 ratios:",
+             floor_table(RES / "issue3-s17b-2026-11-22.json"),
              "### Mid M (kernel 4)", mid_table(RES / "mid-2026-11-21-run3.json"),
              S14_MID,
              "### Mid M, session 15 (split-K workspace, small weights on kernel 1)",
