@@ -156,6 +156,21 @@ def test_one_tile_cta_routes():
     assert fused_config(4, 1, 6144, 4096)[0] == 3
 
 
+@pytest.mark.parametrize("Nt,S,grid,W,epi", [(1792, 16, 264, 8, 0), (3584, 32, 264, 8, 0), (1792, 16, 264, 8, 1),
+                                            (4, 32, 264, 8, 0), (384, 16, 264, 8, 1), (100, 3, 7, 4, 0)])
+def test_local_fixup_slots(Nt, S, grid, W, epi):
+    """LFU / LFW of kernel 3's CTA-local fix-up: the most units (tiles; EPI: gate / up pairs) a CTA's range
+    [T b W / (G W), T (b + 1) W / (G W)) touches, and (EPI) the most tiles a warp's range touches."""
+    d = MM._lfx_defines(Nt, S, grid, W, epi)
+    T, TW, U = Nt * S, grid * W, S * (2 if epi else 1)
+    units = [(T * (b * W + W) // TW - 1) // U - (T * b * W // TW) // U + 1 for b in range(grid)
+             if T * (b * W + W) // TW > T * b * W // TW]
+    tiles = [(T * (w + 1) // TW - 1) // S - (T * w // TW) // S + 1 for w in range(TW)
+             if T * (w + 1) // TW > T * w // TW]
+    assert d == dict(LFX=1, LFU=max(units), LFW=max(tiles + [2]) if epi else 2)
+    assert MM._lfx_defines(100000, 2, 1, 8, 0) is None  # one CTA over 100000 tiles: too many units
+
+
 def test_x_slices_too_big_for_shared_memory():
     with pytest.raises(ValueError, match="x slices"):
         MM.plan(4, 64, 10000, 5120, config=(3, 16, 1, 3, 1, 20), device="cpu")
@@ -288,6 +303,27 @@ def test_mma_gpu_default_routes_m2_16(N, K_, k, M):
     a tile a CTA below 16 x 3 (k = 2: 4, 6) x SMs rows)."""
     check(N, K_, k, M, torch.bfloat16, seed=M)
     check(N, K_, k, M, torch.float16, bias=True, seed=M + 1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lfx", ["1", "0"])
+@pytest.mark.parametrize("config", [(3, 8, 2, 2), (3, 4, 4, 3), (3, 16, 1, 2, 1), (3, 8, 2, 2, 1)])
+def test_mma_gpu_local_fixup(monkeypatch, lfx, config):
+    """Kernel 3 with and without the CTA-local fix-up (``LFX``): ranges longer than a tile (28672x4096, the last
+    warp of a CTA starts at the CTA's last tile), shorter than one (tiles over several warps and CTAs: 64x8192),
+    N not a multiple of 16, M 1..8; each twice (shared slots and global counters must be left clean)."""
+    monkeypatch.setenv("KBIT_LFX", lfx)
+    MM._PLANS.clear()
+    try:
+        for _ in range(2):
+            check(28672, 4096, 4, 1, torch.bfloat16, config=config)
+            check(6144, 1024, 2, 3, torch.float16, bias=True, config=config)
+            check(1000, 4000, 5, 8, torch.bfloat16, config=config)
+            check(64, 8192, 3, 2, torch.float16, bias=True, config=config)
+            check(12288, 2880, 2, 1, torch.bfloat16, config=config)
+    finally:
+        MM._PLANS.clear()
 
 
 @pytest.mark.gpu

@@ -72,6 +72,31 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lfx", ["1", "0"])
+@pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (2, 2048, 512), (5, 6144, 2880)])
+def test_silu_epilogue_local_fixup(monkeypatch, lfx, M, N, K):
+    """The SiLU * up epilogue with and without kernel 3's CTA-local fix-up (``KBIT_LFX``; gate / up pairs whole in
+    a CTA are finished from shared memory, the others through the workspace), twice (clean counters)."""
+    dev, dtype = "cuda", torch.bfloat16
+    monkeypatch.setenv("KBIT_LFX", lfx)
+    gemv_mma._PLANS.clear()
+    try:
+        q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()
+        g = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        res = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
+        h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
+        z_ref = h_ref @ _w64(q).T.to(h_ref.device)
+        y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:]
+        for _ in range(2):
+            y, _ = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=True)
+            assert _rel(y, y_ref) < TOL[dtype]
+    finally:
+        gemv_mma._PLANS.clear()
+
+
+@pytest.mark.gpu
 def test_counters_reset_between_calls():
     """The epilogue's pair counters are back at zero after a call: repeated calls give identical outputs."""
     dev, dtype = "cuda", torch.bfloat16

@@ -48,6 +48,19 @@ struct __align__(8) V2 { u32 x, y; };
 #endif
 __shared__ float s_sc[256];
 
+/* Lab timeline (``TL`` define, ``KBIT_LAB_DEFINES=TL=1``; scripts/k3_timeline.py): lane 0 of each warp stamps
+   %globaltimer at event e (0..7) into kbit_tl[global warp * 8 + e]; the host reads the module global. */
+#ifdef TL
+__device__ unsigned long long kbit_tl[1 << 16];
+#define TLS(e) do { if ((threadIdx.x & 31) == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_) :: "memory"); \
+    kbit_tl[((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 + (e)] = t_; \
+    if ((e) == 0) { u32 sm_; asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_)); \
+      kbit_tl[((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 8 + 7] = sm_ + 1; } } } while (0)
+#else
+#define TLS(e) do {} while (0)
+#endif
+
 /* Programmatic dependent launch (sm_90+; no-ops when the launch did not ask for it, and compiled out below
    sm_90). A kernel launched with the attribute may start while the previous kernel of the stream still runs:
    everything before pdl_wait() may read only weights (codes, scales, codebook, tensor scale, bias); x, the
@@ -458,6 +471,9 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
                                        float* __restrict__ ws, int* __restrict__ cnt, int contrib, int total,
                                        int ws_stride) {
   const int g = lane >> 2, t = lane & 3;
+#ifdef LAB_NOFIX /* lab: every part stores its partial sums as the tile's output (wrong results): the fix-up's cost */
+  contrib = total;
+#endif
   if (contrib == total) {
     store_tile(acc, tile, lane, M, N, y, y_stride, bias, bias_kind, post);
     return;
@@ -552,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     int bias_kind, int ws_stride) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
+  TLS(0);
   if (tid == 0 && (int)blockIdx.x < n_tiles * splits) { /* the CTA's first item, codes then scales */
     const int it = blockIdx.x, tl_ = it / splits, sp_ = it - tl_ * splits;
     const int s0_ = sp_ * sps, s1_ = min(s0_ + sps, n_seg);
@@ -577,6 +594,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
 #endif
   __syncthreads();
+  TLS(1);
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   const u16* xr[NG];
@@ -591,6 +609,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   pdl_launch();
   pdl_wait();
+  TLS(2);
+#ifdef TL
+  bool tl_first = true;
+#endif
   for (; item < items; item += gridDim.x) {
     const int tile = item / splits, sp = item - tile * splits;
     const int s1 = min(sp * sps + sps, n_seg);
@@ -614,6 +636,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
         segment((const u32*)cw, sw, xs, lbb, sc_base, acc);
+#ifdef TL
+        if (tl_first) { TLS(4); tl_first = false; }
+#endif
 #pragma unroll
         for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
 #pragma unroll
@@ -639,6 +664,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #pragma unroll
       for (int c = 0; c < 4; ++c) s_red[warp * (NG * 128) + (ng * 4 + c) * 32 + lane] = acc[ng][c];
 #endif
+    TLS(5);
     __syncthreads();
     const bool last = splits == 1;
     /* split K across CTAs: the CTA's sums go to slot sp of the tile; the CTA that completes the tile's count adds
@@ -722,6 +748,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     }
     __syncthreads();
   }
+  TLS(6);
 }
 #elif KERNEL == 3
 /* stream-K over segments: the Nt x S (tile, segment) pairs, in memory order, are cut into equal contiguous
@@ -931,6 +958,123 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
   if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif
+#ifndef LFX
+#define LFX 0
+#endif
+#if LFX
+#if DET || XK
+#error "LFX: not with DET or XK"
+#endif
+/* LFX: the CTA-local fix-up. A warp's part of a tile (EPI: every part; the unit of a fix-up is a tile, EPI a gate /
+   up pair of tiles) goes to one of its LFW slots in shared memory, and the warp that completes the count of the
+   unit's segments in the CTA's range (a shared counter a unit, LFU of them) adds the unit's slots in warp order
+   and writes y (the unit lies wholly in the CTA) or adds the CTA's share to the fp32 workspace and counts it as
+   finish() does (the unit crosses a CTA edge). A warp that ends inside the CTA's last unit, when that unit
+   crosses the CTA's end, takes that part first (its range rotated), so that no warp ends on a global round trip.
+   EPI walks the tiles in pair order (virtual tile 2p: gate tile p, 2p + 1: up tile p), so a pair's two tiles are
+   neighbours in the warps' ranges. No fence between the slot stores and the counter: a warp's shared-memory
+   operations are performed in issue order (the relaxed atomic is asm volatile with a memory clobber, and the
+   reader loads the slots only after its atomic returned); a fence would wait for the ring's loads in flight. */
+__shared__ float4 s_slot[MAXW * LFW * NG * 32];
+__shared__ int s_stile[MAXW * LFW];
+__shared__ int s_ucnt[LFU];
+#define TPU (EPI ? 2 : 1) /* tiles a unit */
+struct Lfx { int half_t, cj0, cj1, u_lo; };
+__device__ __forceinline__ int vphys(int v, int half_t) { return EPI ? ((v & 1) ? (v >> 1) + half_t : v >> 1) : v; }
+__device__ __forceinline__ int atoms_add(int* p, int v) {
+  int r;
+  asm volatile("atom.shared.add.s32 %0, [%1], %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(v) : "memory");
+  return r;
+}
+__device__ __forceinline__ void add_only(const float (&acc)[NG][4], int tile, u32 lane, int M, int N,
+                                         float* __restrict__ ws, int ws_stride) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#if WS4
+    if (tile * 16 + g < N && ng * 8 + 2 * t < M)
+      red_add4(ws_at(ws, tile, ng, lane), acc[ng][0], acc[ng][1], acc[ng][2], acc[ng][3]);
+#else
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = tile * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (row < N && tok < M) atomicAdd(&ws[(long long)tok * ws_stride + row], acc[ng][c]);
+    }
+#endif
+}
+/* a warp's part: contrib segments of virtual tile v; ns segments a tile; nslot: the warp's slots used */
+__device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contrib, int ns, u32 lane, int M, int N,
+                                           u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
+                                           int bias_kind, float post, float* __restrict__ ws,
+                                           int* __restrict__ cnt, int ws_stride, const Lfx& lf, int& nslot) {
+  const int g = lane >> 2, t = lane & 3, u = EPI ? v >> 1 : v, U = TPU * ns;
+  const u32 warp = threadIdx.x >> 5;
+#if !EPI
+  if (contrib == ns) {
+    store_tile(acc, v, lane, M, N, y, y_stride, bias, bias_kind, post);
+    return;
+  }
+#endif
+  const int si = (int)warp * LFW + nslot++;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+    s_slot[(si * NG + ng) * 32 + lane] = make_float4(acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
+                                                     acc[ng][3] * post);
+  if (lane == 0) s_stile[si] = v;
+  __syncwarp();
+  const int loc = min(lf.cj1, (u + 1) * U) - max(lf.cj0, u * U);  /* the unit's segments in this CTA's range */
+  int last = 0;
+  if (lane == 0) last = atoms_add(&s_ucnt[u - lf.u_lo], contrib) + contrib == loc;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  float val[NG][4], uval[NG][4];
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) val[ng][c] = uval[ng][c] = 0.0f;
+  const int v0 = u * TPU;
+  for (int i = 0; i < (int)(blockDim.x >> 5) * LFW; ++i) {  /* warp order: the same sums every run */
+    const int tv = *(volatile int*)&s_stile[i];
+    if (tv == v0 || (EPI && tv == v0 + 1)) {
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        float4 q;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(q.x), "=f"(q.y), "=f"(q.z), "=f"(q.w)
+                     : "r"(smem_addr(&s_slot[(i * NG + ng) * 32 + lane])) : "memory");
+        float (&d)[4] = tv == v0 ? val[ng] : uval[ng];
+        d[0] += q.x; d[1] += q.y; d[2] += q.z; d[3] += q.w;
+      }
+    }
+  }
+#if EPI
+  if (loc == U) {
+    const int half = N >> 1;
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+        if (tok < M) {
+          const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
+          const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
+          y[(long long)tok * y_stride + row] = silu_up(gv, uv);
+        }
+      }
+    return;
+  }
+  add_only(val, u, lane, M, N, ws, ws_stride);  /* the gate tile's share; the up tile's share counts the pair */
+  finish_silu(uval, u + lf.half_t, lane, M, N, y, y_stride, bias, bias_kind, 1.0f, ws, cnt, loc, ns, ws_stride);
+#else
+  if (loc == U) {
+    store_tile(val, v, lane, M, N, y, y_stride, bias, bias_kind, 1.0f);
+    return;
+  }
+  finish(val, v, lane, M, N, y, y_stride, bias, bias_kind, 1.0f, ws, cnt, loc, ns, ws_stride);
+#endif
+}
+#else
+struct Lfx { int half_t, cj0, cj1, u_lo; };
+#endif
 /* a warp's range [j0, j1) of (tile, segment) pairs through the register ring buf (its first PD - 1 segments
    already loaded); x rows xr (segment 0 of each 8-token group); epi: the SiLU * up epilogue (EPI builds) */
 __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V4* __restrict__ codes,
@@ -939,10 +1083,10 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              int M, int N, u16* __restrict__ y, int y_stride,
                                              const void* __restrict__ bias, int bias_kind, float post,
                                              float* __restrict__ ws, int* __restrict__ cnt, int ws_stride, int L,
-                                             int spt, bool epi, int ns, int s_lo) {
+                                             int spt, bool epi, int ns, int s_lo, const Lfx& lf, int& nslot) {
   /* j counts (tile, segment) pairs of the warp's K slice [s_lo, s_lo + ns) (XK; else the whole K: ns = n_seg) */
   int tile = j0 / ns, seg = j0 - tile * ns, seg_first = seg;
-#if XK /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
+#if XK || (LFX && EPI) /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
   int pt = tile, ps = seg;
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)
@@ -960,6 +1104,9 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #if XK
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, pt * n_seg + s_lo + ps, lane, g);
           if (++ps == ns) { ps = 0; ++pt; }
+#elif LFX && EPI /* virtual tile pt */
+          ld_seg(buf[(p + PD - 1) % PD], codes, scales, vphys(pt, lf.half_t) * n_seg + ps, lane, g);
+          if (++ps == ns) { ps = 0; ++pt; }
 #else
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
 #endif
@@ -968,9 +1115,16 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
         segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
+#ifdef TL
+        if (j == j0) TLS(4);
+        if (j + 1 == j1) TLS(5);
+#endif
         ++seg;
         if (seg == ns || j + 1 == j1) {
-#if DET
+#if LFX
+          lfx_finish(acc, tile, seg - seg_first, ns, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
+                     ws_stride, lf, nslot);
+#elif DET
 #if EPI
           if (epi)
             finish_silu_det(acc, tile, seg_first, L, spt, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
@@ -1011,6 +1165,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
+  TLS(0);
 #if XK /* gridDim.x / n_sl CTAs a K slice, CTA-consecutive; a slice's pairs in memory order over its warps */
   const int n_sl = (n_seg + XK - 1) / XK, cps = (int)gridDim.x / n_sl, sl = (int)blockIdx.x / cps;
   if (sl >= n_sl) return;
@@ -1024,10 +1179,29 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   const int j0 = (int)(T * gw / TW), j1 = (int)(T * (gw + 1) / TW);
   V4 buf[PD][K_BITS + SV];
+#if LFX
+  /* the CTA's range [cj0, cj1) and units; a warp that ends inside the CTA's last unit, when that unit crosses the
+     CTA's end, starts at that unit (js): [js, j1) first, then [j0, js) */
+  Lfx lf;
+  lf.half_t = EPI ? n_tiles >> 1 : 0;
+  const int U = TPU * ns;
+  lf.cj0 = (int)(T * ((long long)blockIdx.x * W) / TW);
+  lf.cj1 = (int)(T * ((long long)blockIdx.x * W + W) / TW);
+  lf.u_lo = lf.cj0 / U;
+  const int u_hi = lf.cj1 > lf.cj0 ? (lf.cj1 - 1) / U : 0;
+  const int js = (lf.cj1 < (u_hi + 1) * U && j0 < u_hi * U && j1 > u_hi * U) ? u_hi * U : j0;
+  int nslot = 0;
+#pragma unroll
+  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+    if (js + p < j1) ld_seg(buf[p], codes, scales, vphys((js + p) / ns, lf.half_t) * ns + (js + p) % ns, lane, g);
+  for (int i = (int)tid; i < MAXW * LFW; i += (int)blockDim.x) s_stile[i] = -1;
+  for (int i = (int)tid; i < LFU; i += (int)blockDim.x) s_ucnt[i] = 0;
+#else
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
     if (j0 + p < j1) ld_seg(buf[p], codes, scales, XK ? (j0 + p) / ns * n_seg + s_lo + (j0 + p) % ns : j0 + p, lane, g);
-#if !XK
+#endif
+#if !XK && !LFX
   if (lane == 0 && j0 + PD - 1 < j1) { /* the rest of the warp's range, from its start */
     l2_prefetch(codes + (long long)(j0 + PD - 1) * K_BITS * 32, (long long)(j1 - j0 - PD + 1) * K_BITS * 512);
     l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
@@ -1049,8 +1223,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
 #endif
 #endif
+  TLS(1);
   pdl_launch();
   pdl_wait();
+  TLS(2);
 #if XS
 #if PRO
   stage_x_prologue((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
@@ -1067,6 +1243,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
 #endif
   __syncthreads();
+  TLS(3);
   if (j0 >= j1) return;
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
@@ -1083,8 +1260,30 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   }
   const long long Lq = T / TW;  /* the shortest warp range: parts of a tile start at least this far apart */
   const int L = Lq > 0 ? (int)Lq : 1, spt = (n_seg + L - 2) / L + 1;  /* slots a tile (see finish_det) */
+#if LFX
+  /* [js, j1), then (a rotated warp) [j0, js) through a fresh ring; one copy of the loop (not unrolled: two copies
+     in flight on an SM cost instruction-cache misses) */
+  int r0 = js, r1 = j1;
+#pragma unroll 1
+  for (int part = 0; part < 2; ++part) {
+    if (part) {
+      r0 = j0;
+      r1 = js;
+#pragma unroll
+      for (int p = 0; p < PD - 1; ++p)
+        if (r0 + p < r1) ld_seg(buf[p], codes, scales, vphys((r0 + p) / ns, lf.half_t) * ns + (r0 + p) % ns, lane, g);
+    }
+    if (r0 < r1)
+      stream_range(buf, codes, scales, r0, r1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
+                   bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+  }
+#else
+  Lfx lf;
+  int nslot = 0;
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo);
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+#endif
+  TLS(6);
 }
 #elif KERNEL == 4 || KERNEL == 5 || KERNEL == 6 || KERNEL == 7
 /* mid M (9..64 tokens): a CTA = MAXW warps x RT row tiles (16 rows each) x one K split. Every 256-column

@@ -193,6 +193,19 @@ class Kernel:
             _check_cu(_libcuda().cuFuncSetAttribute(self.func, 8, shared), "set shared memory")
             self._max_shared = shared
 
+    def global_bytes(self, name: str, zero: bool = False) -> bytes:
+        """Lab: the device bytes of module global ``name`` (e.g. the ``TL`` timeline), copied to the host after a
+        device synchronisation; ``zero=True`` clears them afterwards."""
+        lib, ptr, size = _libcuda(), ctypes.c_uint64(), ctypes.c_size_t()
+        torch.cuda.synchronize(self.device)
+        _check_cu(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.module, name.encode()),
+                  f"global {name}")
+        buf = ctypes.create_string_buffer(size.value)
+        _check_cu(lib.cuMemcpyDtoH_v2(buf, ptr, size), f"copy {name}")
+        if zero:
+            _check_cu(lib.cuMemsetD8_v2(ptr, 0, size), f"zero {name}")
+        return buf.raw
+
     def __call__(self, grid, block, fmt: str, *args, shared: int = 0, pdl: bool = False):
         """Launch; ``pdl=True`` asks for programmatic dependent launch (see :func:`pdl_enabled`): only for
         kernels that call ``pdl_wait()`` before they read anything an earlier kernel may still be writing."""

@@ -687,6 +687,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
     occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
+    lfx = False
     gi = {1: 3, 3: 5}.get(kernel)  # CTAs an SM in the grid below the occupancy (lab): leaves room for the next
     if gi is not None and len(cfg) > gi and cfg[gi]:  # kernel's CTAs to become resident (PDL) while this one runs
         slots = _sms(dev) * min(occ, cfg[gi])
@@ -697,6 +698,13 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
+        lfx_on = _lfx_enabled(xs) and not defines.get("DET")
+        lfx_defs = _lfx_defines(Nt, S, grid, W, epi) if lfx_on else None
+        if lfx_defs:  # the CTA-local fix-up: static shared slots; kept only at the same occupancy
+            kern_l = compile_kernel(SOURCE, "kbit_gemv_mma", {**defines, **lfx_defs}, dev)
+            if kern_l.occupancy(W * 32, shared) >= occ:
+                defines.update(lfx_defs)
+                kern, lfx = kern_l, True
     elif kernel == 6:
         splits, sps = 1, S
         grid = max(1, min(slots, -(-Nt // W) * S))
@@ -732,6 +740,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3 and defines["XK"]:
         n_sl = -(-S // defines["XK"])
         parts = n_sl * max(1.0, (grid // n_sl) * W / Nt)
+    elif kernel == 3 and lfx:
+        parts = 2.0  # at most a part from each CTA that a tile crosses into
     elif kernel == 3:
         parts = max(1.0, grid * W / Nt)
     else:
@@ -750,6 +760,40 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
                 regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt, ws_floats=ws_floats,
                 use_ws=kernel in (3, 4, 6) or splits > 1 or bool(defines.get("SK")))
+
+
+def _lfx_enabled(xs) -> bool:
+    """Kernel 3's CTA-local fix-up (``LFX``): ``KBIT_LFX=1`` everywhere, ``0`` nowhere; by default where x is not
+    staged in shared memory. H100, M = 1 (``benchmarks/results/h100/lfx-s18-*.log``), x from global memory, us:
+    28672x4096 k = 4 28.75 -> 28.12 and 28.17 -> 26.69 (two runs), k = 2 25.42 -> 22.44; 57344x8192 k = 4 94.26 ->
+    91.87, k = 2 81.65 -> 70.81; 12288x4096 k = 4 15.07 -> 13.93. With x staged (XS) the same builds streamed
+    4-10% slower (not understood) and lost: 57344x8192 k = 2 68.20 -> 73.68, Llama-3-8B decode step (k = 4, batch 1)
+    2.555 -> 2.627 ms."""
+    v = os.environ.get("KBIT_LFX")
+    return v == "1" if v in ("0", "1") else not xs
+
+
+#: kernel 3's CTA-local fix-up (``LFX``): at most this many units (tiles; EPI: gate / up pairs) a CTA's range
+LFX_MAX_UNITS = 64
+
+
+def _lfx_defines(Nt, S, grid, W, epi):
+    """Defines of kernel 3's CTA-local fix-up (``LFX`` in the source) for a grid of ``grid`` CTAs of ``W`` warps
+    over Nt x S (tile, segment) pairs, ranges as the kernel cuts them: ``LFU`` = the most units (tiles; EPI: gate /
+    up pairs) a CTA's range touches (its shared counters), ``LFW`` = shared slots a warp (a part of a tile each: 2;
+    EPI: the most tiles a warp's range touches); None where a CTA would touch more than LFX_MAX_UNITS units."""
+    T, TW, U = Nt * S, grid * W, (2 if epi else 1) * S
+    lfu, lfw = 1, 2
+    for b in range(grid):
+        c0, c1 = T * b * W // TW, T * (b * W + W) // TW
+        if c1 > c0:
+            lfu = max(lfu, (c1 - 1) // U - c0 // U + 1)
+    if epi:
+        for gw in range(TW):
+            j0, j1 = T * gw // TW, T * (gw + 1) // TW
+            if j1 > j0:
+                lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
+    return dict(LFX=1, LFU=lfu, LFW=lfw) if lfu <= LFX_MAX_UNITS else None
 
 
 _PLANS: dict = {}
