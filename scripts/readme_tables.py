@@ -304,6 +304,10 @@ def main():
              "After the session-15 mid-M changes (above). Session 14 had measured batch 64 below bf16 (k = 4 0.90x, "
              "k = 2 0.83x, `e2e-s14-b16-b64-2026-11-22.md`); batch 1..16 routes are unchanged:",
              e2e_table(RES / "e2e-s15-b32-b64-2026-11-22.json"),
+             "### End-to-end decode, session 18: batch 1 today",
+             "Batch 1 after the M = 1 changes of sessions 16-18 (the fused decode GEMVs stage x, so session 18's "
+             "CTA-local fix-up does not run in this step):",
+             e2e_table(RES / "e2e-s18-llama.json"), e2e_table(RES / "e2e-s18-qwen3.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
