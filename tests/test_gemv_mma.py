@@ -526,6 +526,24 @@ def test_launch_config_structs_match_the_driver_abi():
         R.set_pdl(prev)
 
 
+def test_prepared_launch_argument_offsets():
+    """``runtime.arg_offsets``: where the pointer arguments of a prepared launch sit in the packed buffer (native
+    alignment, as ``struct.pack`` lays them out), and a clear error for an argument that is not a pointer."""
+    import struct
+
+    from kbit.cuda import runtime as R
+
+    fmt = "QQQQQQQQQQiiiiiiiiii"
+    assert R.arg_offsets(fmt, (5, 6)) == (40, 48)
+    assert R.arg_offsets("iQiQ", (1, 3)) == (8, 24)
+    buf = bytearray(struct.pack("@iQiQ", 1, 2, 3, 4))
+    for off, v in zip(R.arg_offsets("iQiQ", (1, 3)), (77, 88), strict=True):
+        struct.pack_into("@Q", buf, off, v)
+    assert struct.unpack("@iQiQ", bytes(buf)) == (1, 77, 3, 88)
+    with pytest.raises(ValueError, match="indices"):
+        R.arg_offsets(fmt, (11,))
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("k,M", [(2, 1), (4, 1), (3, 8), (4, 16), (5, 40), (4, 100)])

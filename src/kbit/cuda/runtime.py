@@ -230,6 +230,69 @@ class Kernel:
                                             None, extra), f"launch {self.name}")
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def arg_offsets(fmt: str, indices) -> tuple:
+    """Byte offsets of the arguments ``indices`` (each a 64-bit 'Q') in a ``struct`` buffer of format ``fmt``
+    (native alignment, as ``Kernel.__call__`` packs it)."""
+    fmt = fmt if fmt.startswith("@") else "@" + fmt
+    if any(not 0 <= i < len(fmt) - 1 or fmt[i + 1] != "Q" for i in indices):
+        raise ValueError(f"indices: 64-bit pointer arguments ('Q') of {fmt!r} expected, got {tuple(indices)}")
+    return tuple(struct.calcsize(fmt[:i + 2]) - 8 for i in indices)
+
+
+class Prepared:
+    """One launch of ``kernel`` with its argument buffer packed once (``fmt``, ``args`` as for ``Kernel.__call__``);
+    ``launch(*ptrs)`` writes the 64-bit arguments at indices ``dynamic`` (e.g. the x and y pointers) and launches
+    on the current stream: the host cost of a call is a few struct writes and the driver call. The driver copies
+    the argument buffer at launch (graph capture included), so the buffer is reused."""
+
+    def __init__(self, kernel: Kernel, grid, block: int, fmt: str, args, dynamic, shared: int = 0,
+                 pdl: bool = False):
+        if shared > kernel._max_shared:
+            kernel.set_shared(shared)
+        fmt = "@" + fmt
+        self.kernel, self.device = kernel, kernel.device
+        self._offs = arg_offsets(fmt, dynamic)
+        self._buf = bytearray(struct.pack(fmt, *args))
+        self._cbuf = (ctypes.c_char * len(self._buf)).from_buffer(self._buf)
+        self._size = ctypes.c_size_t(len(self._buf))
+        self._extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(self._cbuf), 2, ctypes.addressof(self._size), 0)
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        self._grid, self._block, self._shared = (gx, gy, gz), block, shared
+        self._pdl = pdl and kernel._pdl_ok
+        self._attr = _LaunchAttribute()
+        self._attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value[0] = 1
+        self._cfg = _LaunchConfig()
+        self._cfg.attrs = ctypes.pointer(self._attr)
+        self._cfg.numAttrs = 1
+        self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = gx, gy, gz
+        self._cfg.blockDimX, self._cfg.blockDimY, self._cfg.blockDimZ = block, 1, 1
+        self._cfg.sharedMemBytes = shared
+        lib = _libcuda()
+        self._launch_ex, self._launch = lib.cuLaunchKernelEx, lib.cuLaunchKernel
+        self._lock = threading.Lock()
+        self._index = self.device.index or 0
+
+    def launch(self, *ptrs) -> None:
+        stream = _RAW_STREAM(self._index) if _RAW_STREAM is not None else \
+            torch.cuda.current_stream(self.device).cuda_stream
+        with self._lock:  # one buffer: a launch at a time
+            for off, p in zip(self._offs, ptrs, strict=True):
+                struct.pack_into("@Q", self._buf, off, p)
+            if self._pdl and _PDL[0]:
+                self._cfg.hStream = stream
+                res = self._launch_ex(ctypes.byref(self._cfg), self.kernel.func, None, self._extra)
+            else:
+                gx, gy, gz = self._grid
+                res = self._launch(self.kernel.func, gx, gy, gz, self._block, 1, 1, self._shared,
+                                   ctypes.c_void_p(stream), None, self._extra)
+        if res != 0:
+            _check_cu(res, f"launch {self.kernel.name}")
+
+
 def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
     """Compile (once) and load ``extern "C"`` kernel ``name`` of ``source`` with ``#define``s for ``device``."""
     device = torch.device(device)

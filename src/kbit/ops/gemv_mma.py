@@ -291,6 +291,7 @@ def repacked(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: in
 # ------------------------------------------------------------------------------------------------ launcher
 
 _WS: dict = {}
+_WS_OLD: list = []  # replaced workspaces, kept allocated (see _workspace)
 _ETAB: dict = {}
 
 
@@ -309,9 +310,15 @@ def _workspace(device, n_floats, n_tiles):
     if ws is None or ws[0].numel() < n_floats or ws[1].numel() < n_tiles:
         # each part only grows: a call that needs more counters must not shrink the partial sums (the size the
         # workspace settles at would depend on the order of the calls)
+        # the replaced buffers stay allocated: CUDA graphs captured before and prepared launches
+        # (prepare_repacked) hold their addresses; sizes double, so what is kept is at most the final size
         old = ws or (torch.empty(0), torch.empty(0))
-        ws = (torch.zeros(max(n_floats, 1 << 16, old[0].numel()), dtype=torch.float32, device=device),
-              torch.zeros(max(n_tiles, 4096, old[1].numel()), dtype=torch.int32, device=device))
+        if ws is not None:
+            _WS_OLD.append(ws)
+        ws = (torch.zeros(max(n_floats, 1 << 16, 2 * old[0].numel() if old[0].numel() < n_floats else
+                              old[0].numel()), dtype=torch.float32, device=device),
+              torch.zeros(max(n_tiles, 4096, 2 * old[1].numel() if old[1].numel() < n_tiles else old[1].numel()),
+                          dtype=torch.int32, device=device))
         _WS[key] = ws
     return ws
 
@@ -799,24 +806,30 @@ def _lfx_defines(Nt, S, grid, W, epi):
 _PLANS: dict = {}
 
 
-def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None,
-            pro=None, epi=0):
-    """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
-    :func:`plan`."""
+def _plan_cached(k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0):
+    """:func:`plan` with its compiled kernel (``p["kern"]``), cached per process."""
     from kbit.cuda import compile_kernel
     from kbit.cuda.gemv_mma_src import SOURCE
 
-    dev = x2.device
-    bf16 = x2.dtype == torch.bfloat16
-    kind = pro[0] if pro else 0
-    key = (k, _ng(M), M, N, rcodes.shape[1], scale_format, config, bf16, dev, kind, epi, deterministic())
+    key = (k, _ng(M), M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
     p = _PLANS.get(key)
     if p is None:
-        p = plan(k, M, N, rcodes.shape[1] * SEG, scale_format, config, dev, pro=kind, epi=epi)
+        p = plan(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
         p["kern"] = compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": int(bf16)}, dev)
         if len(_PLANS) > 4096:
             _PLANS.clear()
         _PLANS[key] = p
+    return p
+
+
+def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None,
+            pro=None, epi=0):
+    """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
+    :func:`plan`."""
+
+    dev = x2.device
+    kind = pro[0] if pro else 0
+    p = _plan_cached(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
     Nt, S, splits = p["Nt"], p["S"], p["splits"]
     x_stride = x2.stride(0)
     if p["defines"].get("XB"):
@@ -990,6 +1003,51 @@ def linear_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=
                     N=N, K=K, bias=bias)
     return _run(x, rcodes, rscales, tensor_scale, codebook, bias, k=k, blocksize=blocksize,
                 scale_format=scale_format, N=N, K=K, config=config)
+
+
+def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                     bias=None):
+    """A fast caller of :func:`linear_repacked` for inputs like ``x`` (same shape, strides, dtype, device; the
+    weights' storage unchanged): checks the arguments once, packs the launch arguments once, and returns
+    ``run(x) -> y`` (None from ``run`` where x's address is not 16-byte aligned: call :func:`linear_repacked`).
+    None where the call is not one small-M launch with x read in place (CPU, kernel 7, M > MAX_M, x not
+    contiguous or K not a multiple of 256). ``kbit.nn.KbitLinear`` keeps one a signature (host cost a call at
+    M = 1: ``benchmarks/results/h100/linear-overhead-s18.log``)."""
+    from kbit.cuda.runtime import Prepared
+
+    _check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if not (x.is_cuda and available(x.device) and serves(x, N, K, k)):
+        return None
+    M, S = x.numel() // K, rcodes.shape[1]
+    if M > MAX_M or uses_large(M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:
+        return None
+    if bias is not None and not bias.is_contiguous():
+        return None
+    dev, dtype, shape = x.device, x.dtype, (*x.shape[:-1], N)
+    p = _plan_cached(k, M, N, S, scale_format, None, dtype == torch.bfloat16, dev)
+    if p["defines"].get("XB") or p["defines"]["KERNEL"] in (6, 7):
+        return None
+    ws, cnt = _workspace(dev, max(p["ws_floats"], 1), p["n_cnt"])
+    etab = _etab(dev)
+    bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
+    Nt = p["Nt"]
+    args = (rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(), etab.data_ptr(),
+            0, 0, bias.data_ptr() if bias is not None else 0, ws.data_ptr(), cnt.data_ptr(),
+            M, N, K, N, S, Nt, p["splits"], p["sps"], bias_kind, Nt * 16)
+    prep = Prepared(p["kern"], (p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii", args, (5, 6), shared=p["shared"],
+                    pdl=True)
+    keep = (ws, cnt, etab)  # alive for as long as the launch may use them
+
+    def run(x):
+        xp = x.data_ptr()
+        if xp & 15:
+            return None
+        y = torch.empty(shape, dtype=dtype, device=dev)
+        prep.launch(xp, y.data_ptr())
+        return y
+
+    run.keep = keep
+    return run
 
 
 def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
