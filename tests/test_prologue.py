@@ -68,7 +68,8 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     monkeypatch.setenv("KBIT_FUSE_PROLOGUE", "0")
     y2, r2 = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     assert torch.equal(r2, r) and _rel(y, y2) < TOL[dtype] / 2
-    assert calls[1:] == [(0, 0)]
+    # no fused launch (KbitLinear's prepared launcher, when it runs the GEMV, does not pass through _launch)
+    assert all(c == (0, 0) for c in calls[1:])
 
 
 @pytest.mark.gpu
