@@ -79,21 +79,6 @@ def test_cpu_weight_cache_follows_loaded_state():
     assert not torch.equal(a(x), ya)
 
 
-def test_pickle_and_deepcopy_drop_prepared_launchers(tmp_path):
-    """The prepared launchers of the CUDA fast path (``_fast``: ctypes buffers, device addresses) are not state."""
-    import copy
-
-    _, q = _layer()
-    q.__dict__["_fast"] = {("sig",): lambda x: x}
-    torch.save(q, tmp_path / "q.pt")
-    q2 = torch.load(tmp_path / "q.pt", weights_only=False)
-    q3 = copy.deepcopy(q)
-    x = torch.randn(2, 200)
-    for other in (q2, q3):
-        assert "_fast" not in other.__dict__
-        assert torch.equal(other(x), q(x))
-
-
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -102,9 +87,10 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpu_fast_path_matches_general_path(dtype, bias):
-    """Layout "mma-v1" on CUDA runs a launcher prepared once a signature (``_fast``): the same outputs as the
-    general path and the float64 reference for M = 1, 3, 8 and leading dims; an x whose address is not 16-byte
-    aligned falls back; weights loaded in place and a new bias are read; a captured graph replays it exactly."""
+    """Layout "mma-v1" on CUDA runs a launcher prepared once a signature (``gemv_mma.fast_linear``): the same
+    outputs as the general path (``linear_repacked``) and the float64 reference for M = 1, 3, 8 and leading dims;
+    an x whose address is not 16-byte aligned falls back; weights loaded in place and a new bias are read; the
+    torch.library op takes the same launcher; a captured graph replays it."""
     from kbit.format.reference import dequantize_reference
     from kbit.ops import gemv_mma
 
@@ -114,9 +100,9 @@ def test_gpu_fast_path_matches_general_path(dtype, bias):
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
 
     def general(x):
-        return gemv_mma.linear_mma_v1(x, q.codes, q.scales, q.tensor_scale, q.codebook,
-                                      scale_format=q.scale_format, bias=q.bias, k=q.k, blocksize=q.blocksize,
-                                      N=300, K=1024)
+        return gemv_mma.linear_repacked(x, q.codes, q.scales, q.tensor_scale, q.codebook,
+                                        scale_format=q.scale_format, bias=q.bias, k=q.k, blocksize=q.blocksize,
+                                        N=300, K=1024)
 
     def reference(x):
         w = dequantize_reference(q.weight()).double()
@@ -129,7 +115,10 @@ def test_gpu_fast_path_matches_general_path(dtype, bias):
             y = q(x)
             assert y.shape == (*shape[:-1], 300) and y.dtype == dtype
             assert _rel(y, general(x)) < tol and _rel(y, reference(x)) < tol, shape
-    assert any(v for v in q.__dict__["_fast"].values()), "the fast path was not taken"
+    assert any(v for v in gemv_mma._PREPARED.values()), "the fast path was not taken"
+    y_op = torch.ops.kbit.linear_mma_v1(x, q.codes, q.scales, q.tensor_scale, q.codebook, q.k, q.blocksize,
+                                        q.scale_format, 300, 1024, q.bias)  # the torch.library op: same launcher
+    assert _rel(y_op, reference(x)) < tol
     buf = torch.randn(1, 1025, device="cuda", dtype=dtype)
     xm = buf[:, 1:]  # 2 bytes past a 16-byte boundary: the launcher declines, the general path runs
     assert _rel(q(xm), reference(xm)) < tol

@@ -18,8 +18,6 @@ the CPU reference) gets a canonical temporary (``kbit.ops.gemv_mma.unrepack``, f
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -32,11 +30,6 @@ __all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
 
 #: ``layout`` of a module holding the canonical tensors (``docs/format.md``)
 CANONICAL = "canonical"
-
-
-#: the CUDA fast path of layout "mma-v1" (a launcher prepared once a signature); ``KBIT_FAST_LINEAR=0`` (read at
-#: import) turns it off
-_FAST = os.environ.get("KBIT_FAST_LINEAR", "1") != "0"
 
 
 def _capturing() -> bool:
@@ -213,8 +206,10 @@ class KbitLinear(nn.Module):
                 return torch.ops.kbit.linear_mma_v1(*self._op_args(x))
             if x.is_cpu:
                 return self._cpu_forward(x)
-            if x.is_cuda and _FAST:
-                y = self._fast_forward(x)
+            if x.is_cuda and gemv_mma.FAST_LINEAR:  # a launcher prepared once a signature (host cost ~ a launch)
+                y = gemv_mma.fast_linear(x, self.codes, self.scales, self.tensor_scale, self.codebook,
+                                         scale_format=self.scale_format, bias=self.bias, k=self.k,
+                                         blocksize=self.blocksize, N=self.out_features, K=self.in_features)
                 if y is not None:
                     return y
             return gemv_mma.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
@@ -235,37 +230,6 @@ class KbitLinear(nn.Module):
     def _op_args(self, x: torch.Tensor) -> tuple:
         return (x, self.codes, self.scales, self.tensor_scale, self.codebook, self.k, self.blocksize,
                 self.scale_format, self.out_features, self.in_features, self.bias)
-
-    def _fast_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Layout "mma-v1", CUDA: a launcher prepared once per input signature (shape, strides, dtype, device, the
-        weights' addresses; :func:`kbit.ops.gemv_mma.prepare_repacked`), so that a call costs the host about as
-        much as a bare launch. None where it does not apply (the caller takes the general path)."""
-        b = self.bias
-        key = (x.shape, x.stride(), x.dtype, x.get_device(), self.codes.data_ptr(), self.scales.data_ptr(),
-               self.tensor_scale.data_ptr(), self.codebook.data_ptr(), 0 if b is None else b.data_ptr(),
-               gemv_mma.deterministic())
-        cache = self.__dict__.get("_fast")
-        if cache is None:
-            cache = self.__dict__["_fast"] = {}
-        run = cache.get(key)
-        if run is None:
-            if _capturing():  # building may allocate (workspace) and compile: not inside a capture
-                return None
-            run = gemv_mma.prepare_repacked(x, self.codes, self.scales, self.tensor_scale, self.codebook,
-                                            scale_format=self.scale_format, bias=b, **self._fmt()) or False
-            if len(cache) >= 16:
-                cache.clear()
-            cache[key] = run
-        return run(x) if run else None
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_fast", None)
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_fast", None)  # launchers hold device addresses and ctypes buffers
-        return state
 
     def _forward_no_mma(self, x: torch.Tensor) -> torch.Tensor:
         """Canonical layout, an M the small-M kernel would serve: the dispatcher's choice without that kernel

@@ -1011,7 +1011,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     weights' storage unchanged): checks the arguments once, packs the launch arguments once, and returns
     ``run(x) -> y`` (None from ``run`` where x's address is not 16-byte aligned: call :func:`linear_repacked`).
     None where the call is not one small-M launch with x read in place (CPU, kernel 7, M > MAX_M, x not
-    contiguous or K not a multiple of 256). ``kbit.nn.KbitLinear`` keeps one a signature (host cost a call at
+    contiguous or K not a multiple of 256). :func:`fast_linear` keeps one a signature (host cost a call at
     M = 1: ``benchmarks/results/h100/linear-overhead-s18.log``)."""
     from kbit.cuda.runtime import Prepared
 
@@ -1048,6 +1048,33 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
 
     run.keep = keep
     return run
+
+
+_PREPARED: dict = {}  # fast_linear's launchers by signature
+#: ``fast_linear`` (the prepared launchers of :func:`linear_mma_v1` and ``KbitLinear``); ``KBIT_FAST_LINEAR=0``
+#: (read at import) turns them off
+FAST_LINEAR = os.environ.get("KBIT_FAST_LINEAR", "1") != "0"
+
+
+def fast_linear(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize, scale_format, N, K, bias=None):
+    """:func:`linear_repacked` through a launcher prepared once per signature (x's shape, strides, dtype and
+    device, the weights' addresses and format, the deterministic mode; :func:`prepare_repacked`), or None where
+    that does not apply (the caller takes the general path). The weights are read through their addresses at each
+    launch, so tensors updated in place are seen; new tensors change the signature."""
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), rcodes.data_ptr(), rscales.data_ptr(),
+           tensor_scale.data_ptr(), codebook.data_ptr(), 0 if bias is None else bias.data_ptr(),
+           None if bias is None else bias.dtype, k, blocksize, scale_format, N, K, rcodes.shape, rscales.shape,
+           deterministic())
+    run = _PREPARED.get(key)
+    if run is None:
+        if torch.cuda.is_current_stream_capturing():  # building may allocate (workspace) and compile
+            return None
+        run = prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                               scale_format=scale_format, N=N, K=K, bias=bias) or False
+        if len(_PREPARED) >= 1024:
+            _PREPARED.clear()
+        _PREPARED[key] = run
+    return run(x) if run else None
 
 
 def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
@@ -1113,6 +1140,11 @@ def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
     dispatcher picks it (:func:`serves`); where it picks dequantize + cuBLAS, :func:`dequant_repacked` then
     ``F.linear``; else an unrepacked temporary (:func:`unrepack`, freed after the call) through
     ``kbit.ops.gemm.linear`` (fused GEMM, Triton GEMV; the float32 reference on the CPU)."""
+    if FAST_LINEAR and x.is_cuda:
+        y = fast_linear(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                        scale_format=scale_format, N=N, K=K, bias=bias)
+        if y is not None:
+            return y
     if serves(x, N, K, k):
         return linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                scale_format=scale_format, N=N, K=K, bias=bias)
