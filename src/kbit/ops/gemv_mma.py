@@ -942,11 +942,6 @@ def _linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize, s
     if x.numel() == 0:
         return x.new_empty(*x.shape[:-1], N)
     rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
-    if config is None and FAST_LINEAR and x.is_cuda:  # the launcher prepared for this signature, if any
-        y = fast_linear(x, rc, rs, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
-                        N=N, K=K, bias=bias)
-        if y is not None:
-            return y
     return _run(x, rc, rs, tensor_scale, codebook, bias, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
                 K=K, config=config)
 
