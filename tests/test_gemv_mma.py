@@ -526,6 +526,37 @@ def test_launch_config_structs_match_the_driver_abi():
         R.set_pdl(prev)
 
 
+def test_workspace_growth_keeps_replaced_buffers():
+    """A larger split-K workspace replaces the cached one, but the replaced buffers stay allocated (CUDA graphs
+    captured before and prepared launchers hold their addresses); each part only grows, at least doubling."""
+    dev = torch.device("cpu")
+    saved, saved_old = dict(MM._WS), list(MM._WS_OLD)
+    try:
+        MM._WS.pop(dev, None)
+        ws1, cnt1 = MM._workspace(dev, 10, 10)
+        assert ws1.numel() >= 1 << 16 and cnt1.numel() >= 4096 and not ws1.any() and not cnt1.any()
+        n_old = len(MM._WS_OLD)
+        ws2, cnt2 = MM._workspace(dev, ws1.numel() + 1, 5)
+        assert ws2.numel() >= 2 * ws1.numel() and cnt2.numel() == cnt1.numel()
+        assert len(MM._WS_OLD) == n_old + 1 and MM._WS_OLD[-1][0] is ws1 and MM._WS_OLD[-1][1] is cnt1
+        assert MM._workspace(dev, 100, 100)[0] is ws2  # smaller requests reuse the current buffers
+    finally:
+        MM._WS.clear()
+        MM._WS.update(saved)
+        MM._WS_OLD[:] = saved_old
+
+
+def test_prepare_repacked_declines_off_gpu():
+    """The prepared launcher is CUDA-only: on the CPU it checks the arguments and declines (None)."""
+    N, K = 64, 512
+    codes, scales, ts, cb = make_weight(N, K, 4, 32, "log8", device="cpu")
+    rc, rs = MM.repack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=K)
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    assert MM.prepare_repacked(x, rc, rs, ts, cb, k=4, scale_format="log8", N=N, K=K) is None
+    with pytest.raises(ValueError):
+        MM.prepare_repacked(x[:, :100], rc, rs, ts, cb, k=4, scale_format="log8", N=N, K=K)
+
+
 def test_prepared_launch_argument_offsets():
     """``runtime.arg_offsets``: where the pointer arguments of a prepared launch sit in the packed buffer (native
     alignment, as ``struct.pack`` lays them out), and a clear error for an argument that is not a pointer."""
