@@ -120,6 +120,19 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def _pdl_config() -> tuple[_LaunchAttribute, _LaunchConfig]:
+    """A ``cuLaunchKernelEx`` config with the programmatic-serialization attribute (its attribute returned too: the
+    config points at it, so the caller keeps both); 1-D blocks; grid, block x, shared bytes and stream unset."""
+    attr = _LaunchAttribute()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1
+    cfg = _LaunchConfig()
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.numAttrs = 1
+    cfg.blockDimY = cfg.blockDimZ = 1
+    return attr, cfg
+
+
 # Programmatic dependent launch for the kernels that allow it (``pdl=True`` at launch) on devices of compute
 # capability >= 9.0: the kernel may start while the previous kernel of the stream finishes; its code waits
 # (``griddepcontrol.wait``) before it reads what that kernel wrote. ``KBIT_PDL=0`` or ``set_pdl(False)`` turns it
@@ -160,14 +173,8 @@ class Kernel:
         self.module, self.func, self.device, self.cubin, self.name = module, func, device, cubin, name
         self._occ = {}
         self._pdl_ok = _cc_major(device.index or 0) >= 9
-        self._attr = _LaunchAttribute()
-        self._attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attr.value[0] = 1
-        self._cfg = _LaunchConfig()
-        self._cfg.attrs = ctypes.pointer(self._attr)
-        self._cfg.numAttrs = 1
+        self._attr, self._cfg = _pdl_config()
         self._cfg_lock = threading.Lock()
-        self._cfg.blockDimY = self._cfg.blockDimZ = 1
         self._max_shared = -1  # set the attribute on first use: static + dynamic may pass 48 KB below it
         attr = ctypes.c_int()
         _libcuda().cuFuncGetAttribute(ctypes.byref(attr), 4, func)  # CU_FUNC_ATTRIBUTE_NUM_REGS
@@ -250,8 +257,7 @@ class Prepared:
 
     def __init__(self, kernel: Kernel, grid, block: int, fmt: str, args, dynamic, shared: int = 0,
                  pdl: bool = False):
-        if shared > kernel._max_shared:
-            kernel.set_shared(shared)
+        kernel.set_shared(shared)
         fmt = "@" + fmt
         self.kernel, self.device = kernel, kernel.device
         self._offs = arg_offsets(fmt, dynamic)
@@ -262,15 +268,9 @@ class Prepared:
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         self._grid, self._block, self._shared = (gx, gy, gz), block, shared
         self._pdl = pdl and kernel._pdl_ok
-        self._attr = _LaunchAttribute()
-        self._attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-        self._attr.value[0] = 1
-        self._cfg = _LaunchConfig()
-        self._cfg.attrs = ctypes.pointer(self._attr)
-        self._cfg.numAttrs = 1
+        self._attr, self._cfg = _pdl_config()
         self._cfg.gridDimX, self._cfg.gridDimY, self._cfg.gridDimZ = gx, gy, gz
-        self._cfg.blockDimX, self._cfg.blockDimY, self._cfg.blockDimZ = block, 1, 1
-        self._cfg.sharedMemBytes = shared
+        self._cfg.blockDimX, self._cfg.sharedMemBytes = block, shared
         lib = _libcuda()
         self._launch_ex, self._launch = lib.cuLaunchKernelEx, lib.cuLaunchKernel
         self._lock = threading.Lock()

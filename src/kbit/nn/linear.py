@@ -206,12 +206,7 @@ class KbitLinear(nn.Module):
                 return torch.ops.kbit.linear_mma_v1(*self._op_args(x))
             if x.is_cpu:
                 return self._cpu_forward(x)
-            if x.is_cuda and gemv_mma.FAST_LINEAR:  # a launcher prepared once a signature (host cost ~ a launch)
-                y = gemv_mma.fast_linear(x, self.codes, self.scales, self.tensor_scale, self.codebook,
-                                         scale_format=self.scale_format, bias=self.bias, k=self.k,
-                                         blocksize=self.blocksize, N=self.out_features, K=self.in_features)
-                if y is not None:
-                    return y
+            # on CUDA through a launcher prepared once a signature (gemv_mma.fast_linear; host cost ~ a launch)
             return gemv_mma.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
                                           scale_format=self.scale_format, bias=self.bias, **self._fmt())
         args = self._op_args(x)

@@ -312,15 +312,18 @@ def _workspace(device, n_floats, n_tiles):
         # workspace settles at would depend on the order of the calls)
         # the replaced buffers stay allocated: CUDA graphs captured before and prepared launches
         # (prepare_repacked) hold their addresses; sizes double, so what is kept is at most the final size
-        old = ws or (torch.empty(0), torch.empty(0))
+        have = (0, 0) if ws is None else (ws[0].numel(), ws[1].numel())
         if ws is not None:
             _WS_OLD.append(ws)
-        ws = (torch.zeros(max(n_floats, 1 << 16, 2 * old[0].numel() if old[0].numel() < n_floats else
-                              old[0].numel()), dtype=torch.float32, device=device),
-              torch.zeros(max(n_tiles, 4096, 2 * old[1].numel() if old[1].numel() < n_tiles else old[1].numel()),
-                          dtype=torch.int32, device=device))
+        ws = (torch.zeros(_grown(have[0], n_floats, 1 << 16), dtype=torch.float32, device=device),
+              torch.zeros(_grown(have[1], n_tiles, 4096), dtype=torch.int32, device=device))
         _WS[key] = ws
     return ws
+
+
+def _grown(have, need, floor):
+    """A workspace part's new size: kept if it holds ``need``, else at least doubled (and at least ``floor``)."""
+    return have if have >= need else max(need, floor, 2 * have)
 
 
 def _etab(device):
@@ -822,6 +825,21 @@ def _plan_cached(k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0):
     return p
 
 
+#: the kernels' argument list (``kbit_gemv_mma``): pointers, then ints; ``_ARG_X`` / ``_ARG_Y``: x's and y's places
+_ARGS_FMT = "QQQQQQQQQQiiiiiiiiii"
+_ARG_X, _ARG_Y = 5, 6
+_BIAS_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def _kernel_args(p, rcodes, rscales, tensor_scale, codebook, x_ptr, y_ptr, bias, ws, cnt, M, N, x_stride, y_stride):
+    """The arguments of plan ``p``'s launch, in ``_ARGS_FMT`` order."""
+    Nt = p["Nt"]
+    return (rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
+            _etab(rcodes.device).data_ptr(), x_ptr, y_ptr, bias.data_ptr() if bias is not None else 0,
+            ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y_stride, p["S"], Nt, p["splits"], p["sps"],
+            0 if bias is None else _BIAS_KIND[bias.dtype], Nt * 16)
+
+
 def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, Kp, config=None,
             pro=None, epi=0):
     """One launch; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
@@ -830,7 +848,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
     dev = x2.device
     kind = pro[0] if pro else 0
     p = _plan_cached(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
-    Nt, S, splits = p["Nt"], p["S"], p["splits"]
+    S = p["S"]
     x_stride = x2.stride(0)
     if p["defines"].get("XB"):
         bt = 8 * p["defines"]["NG"]
@@ -840,18 +858,15 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
         x2 = _permute_x(x2)
         x_stride = x2.stride(0)
     ws, cnt = _workspace(dev, p["ws_floats"], p["n_cnt"]) if p["use_ws"] else (y, y)
-    bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
     fmt, extra = "", ()
     if kind:
         _, res, res_out, nw, eps = pro
         fmt, extra = "QQQfii", (res.data_ptr() if res is not None else 0,
                                 res_out.data_ptr() if res_out is not None else 0,
                                 nw.data_ptr(), float(eps), K, res.stride(0) if res is not None else 0)
-    p["kern"]((p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii" + fmt,
-              rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
-              _etab(dev).data_ptr(), x2.data_ptr(), y.data_ptr(), bias.data_ptr() if bias is not None else 0,
-              ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y.stride(0), S, Nt, splits, p["sps"], bias_kind,
-              Nt * 16, *extra, shared=p["shared"], pdl=True)
+    args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, x2.data_ptr(), y.data_ptr(), bias, ws, cnt, M,
+                        N, x_stride, y.stride(0))
+    p["kern"]((p["grid"],), p["W"] * 32, _ARGS_FMT + fmt, *args, *extra, shared=p["shared"], pdl=True)
 
 
 _XT_KERNELS: dict = {}
@@ -1028,15 +1043,10 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     if p["defines"].get("XB") or p["defines"]["KERNEL"] in (6, 7):
         return None
     ws, cnt = _workspace(dev, max(p["ws_floats"], 1), p["n_cnt"])
-    etab = _etab(dev)
-    bias_kind = 0 if bias is None else {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}[bias.dtype]
-    Nt = p["Nt"]
-    args = (rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(), etab.data_ptr(),
-            0, 0, bias.data_ptr() if bias is not None else 0, ws.data_ptr(), cnt.data_ptr(),
-            M, N, K, N, S, Nt, p["splits"], p["sps"], bias_kind, Nt * 16)
-    prep = Prepared(p["kern"], (p["grid"],), p["W"] * 32, "QQQQQQQQQQiiiiiiiiii", args, (5, 6), shared=p["shared"],
+    args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, 0, 0, bias, ws, cnt, M, N, K, N)
+    prep = Prepared(p["kern"], (p["grid"],), p["W"] * 32, _ARGS_FMT, args, (_ARG_X, _ARG_Y), shared=p["shared"],
                     pdl=True)
-    keep = (ws, cnt, etab)  # alive for as long as the launch may use them
+    keep = (ws, cnt)  # alive for as long as the launch may use them (the e-table is cached per device for good)
 
     def run(x):
         xp = x.data_ptr()
