@@ -471,7 +471,8 @@ __device__ __forceinline__ void finish(float (&acc)[NG][4], int tile, u32 lane, 
                                        float* __restrict__ ws, int* __restrict__ cnt, int contrib, int total,
                                        int ws_stride) {
   const int g = lane >> 2, t = lane & 3;
-#ifdef LAB_NOFIX /* lab: every part stores its partial sums as the tile's output (wrong results): the fix-up's cost */
+#if defined(LAB_NOFIX) && (LAB_NOFIX & (XS ? 1 : 2)) /* lab: every part stores its partial sums as the tile's
+  output (wrong results): the fix-up's cost; LAB_NOFIX bit 0: builds with x staged (XS), bit 1: the others */
   contrib = total;
 #endif
   if (contrib == total) {
@@ -851,6 +852,10 @@ __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 l
                                             int bias_kind, float post, float* __restrict__ ws,
                                             int* __restrict__ cnt, int contrib, int total, int ws_stride) {
   const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
+#if defined(LAB_NOFIX) && (LAB_NOFIX & (XS ? 1 : 2)) /* lab: the part's sums stored as y rows (wrong results) */
+  store_tile(acc, pair, lane, M, half, y, y_stride, bias, bias_kind, post);
+  return;
+#endif
   if (!add_partials(acc, tile, lane, M, N, post, ws, cnt, pair, contrib, 2 * total, ws_stride)) return;
 #if WS4
 #pragma unroll
