@@ -171,6 +171,41 @@ def test_local_fixup_slots(Nt, S, grid, W, epi):
     assert MM._lfx_defines(100000, 2, 1, 8, 0) is None  # one CTA over 100000 tiles: too many units
 
 
+@pytest.mark.parametrize("Nt,S,W,occ,sms,epi", [(1792, 16, 8, 2, 132, 1), (384, 16, 8, 2, 132, 0),
+                                                (3584, 32, 8, 2, 132, 0), (320, 8, 8, 2, 132, 0),
+                                                (63, 7, 8, 2, 132, 0), (1000, 3, 4, 4, 100, 1), (64, 40, 8, 1, 16, 0)])
+def test_cta_units_plan(Nt, S, W, occ, sms, epi):
+    """CAU's plan: of the configured CTAs and half as many of twice the warps, the one with the fewest idle SM
+    slots (the busiest CTA's units against an even share), None below CAU_MIN_EFF; LFW = the most tiles a warp's
+    range touches (not EPI: at most its two partial tiles), by brute force over every warp."""
+    r = MM._cau_plan(Nt, S, W, occ, sms, epi)
+    tpu = 2 if epi else 1
+    n_u, U = Nt // tpu, tpu * S
+    opts = [(n_u / (sms * o * -(-n_u // (sms * o))), w, o) for w, o in ((W, occ), (2 * W, occ // 2)) if o >= 1]
+    eff, w, o = max(opts, key=lambda t: (t[0], -t[1]))
+    if eff < MM.CAU_MIN_EFF:
+        assert r is None
+        return
+    upc = -(-n_u // (sms * o))
+    grid = -(-n_u // upc)
+    lfw = 1
+    for b in range(grid):
+        c0, cn = b * upc * U, (min(n_u, (b + 1) * upc) - b * upc) * U
+        for wi in range(w):
+            j0, j1 = c0 + cn * wi // w, c0 + cn * (wi + 1) // w
+            if j1 > j0:
+                lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
+    assert r == (w, o, dict(CAU=1, LFW=lfw if epi else min(lfw, 2)), upc, grid)
+    assert grid * upc >= n_u > (grid - 1) * upc
+
+
+def test_cta_units_llama_shapes():
+    """Llama-3-8B's fused q/k/v (6144 rows) and gate / up (28672, EPI) at K = 4096 on 132 SMs: 128 CTAs of 16
+    warps, 3 tiles / 7 pairs each (2 CTAs of 8 warps an SM would leave 27% / 15% of the slots idle)."""
+    assert MM._cau_plan(384, 16, 8, 2, 132, 0) == (16, 1, dict(CAU=1, LFW=2), 3, 128)
+    assert MM._cau_plan(1792, 16, 8, 2, 132, 1) == (16, 1, dict(CAU=1, LFW=2), 7, 128)
+
+
 def test_x_slices_too_big_for_shared_memory():
     with pytest.raises(ValueError, match="x slices"):
         MM.plan(4, 64, 10000, 5120, config=(3, 16, 1, 3, 1, 20), device="cpu")
@@ -322,6 +357,34 @@ def test_mma_gpu_local_fixup(monkeypatch, lfx, config):
             check(1000, 4000, 5, 8, torch.bfloat16, config=config)
             check(64, 8192, 3, 2, torch.float16, bias=True, config=config)
             check(12288, 2880, 2, 1, torch.bfloat16, config=config)
+    finally:
+        MM._PLANS.clear()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", [(3, 8, 2, 2), (3, 4, 4, 3), (3, 16, 1, 2, 1), (3, 8, 2, 2, 1)])
+def test_mma_gpu_cta_units(monkeypatch, config):
+    """Kernel 3 with CTA-aligned units (``CAU``), forced on every shape (no efficiency floor): CTAs of many tiles
+    with ranges longer than a tile, tiles over many warps of one CTA (64x8192: 4 CTAs), N not a multiple of 16,
+    M 1..8, bias, fp16 / bf16; each twice, and bit-identical run to run (the parts are added in warp order)."""
+    monkeypatch.setenv("KBIT_CAU", "1")
+    monkeypatch.setattr(MM, "CAU_MIN_EFF", 0.0)
+    MM._PLANS.clear()
+    try:
+        for N, K_, k, M, dtype, bias in [(28672, 4096, 4, 1, torch.bfloat16, False),
+                                         (6144, 1024, 2, 3, torch.float16, True),
+                                         (1000, 4000, 5, 8, torch.bfloat16, False),
+                                         (64, 8192, 3, 2, torch.float16, True),
+                                         (12288, 2880, 2, 1, torch.bfloat16, False)]:
+            assert MM.plan(k, M, N, K_, config=config)["defines"].get("CAU") == 1
+            for _ in range(2):
+                check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
+            codes, scales, ts, cb = make_weight(N, K_, k, 32, "log8", device="cuda", seed=1)
+            x = torch.randn(M, K_, dtype=dtype, device="cuda")
+            kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
+            y1 = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+            assert torch.equal(y1, MM.linear_small_m(x, codes, scales, ts, cb, **kw))
     finally:
         MM._PLANS.clear()
 

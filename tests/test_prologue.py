@@ -98,6 +98,35 @@ def test_silu_epilogue_local_fixup(monkeypatch, lfx, M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (1, 6144, 4096), (2, 2048, 512), (5, 6144, 2880)])
+@pytest.mark.parametrize("silu", [True, False])
+def test_prologue_cta_units(monkeypatch, M, N, K, silu):
+    """The residual add + RMSNorm prologue, with and without the SiLU * up epilogue, on kernel 3's CTA-aligned
+    units (``CAU``, forced on every shape): against the float64 reference, twice, bit-identical run to run."""
+    dev, dtype = "cuda", torch.bfloat16
+    monkeypatch.setenv("KBIT_CAU", "1")
+    monkeypatch.setattr(gemv_mma, "CAU_MIN_EFF", 0.0)
+    gemv_mma._PLANS.clear()
+    try:
+        q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()
+        g = torch.Generator().manual_seed(M)
+        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        res = torch.randn(M, K, generator=g).to(dtype).to(dev)
+        w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
+        h_ref, r_ref = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
+        z_ref = h_ref @ _w64(q).T.to(h_ref.device)
+        y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
+        ys = []
+        for _ in range(2):
+            y, _ = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
+            assert _rel(y, y_ref) < TOL[dtype]
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1])
+    finally:
+        gemv_mma._PLANS.clear()
+
+
+@pytest.mark.gpu
 def test_counters_reset_between_calls():
     """The epilogue's pair counters are back at zero after a call: repeated calls give identical outputs."""
     dev, dtype = "cuda", torch.bfloat16

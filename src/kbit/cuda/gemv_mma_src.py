@@ -966,6 +966,12 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
 #ifndef LFX
 #define LFX 0
 #endif
+#ifndef CAU /* kernel 3: CTA-aligned units, the split-K sums in shared memory only (see cau_part) */
+#define CAU 0
+#endif
+#if LFX && CAU
+#error "LFX and CAU exclude each other"
+#endif
 #if LFX
 #if DET || XK
 #error "LFX: not with DET or XK"
@@ -1077,6 +1083,83 @@ __device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contr
   finish(val, v, lane, M, N, y, y_stride, bias, bias_kind, 1.0f, ws, cnt, loc, ns, ws_stride);
 #endif
 }
+#elif CAU
+#if DET || XK
+#error "CAU: not with DET or XK"
+#endif
+/* CAU: CTA-aligned units. CTA b owns the units [b * sps, (b + 1) * sps) (tiles; EPI: gate / up pairs, walked in
+   pair order as LFX does) and its warps split their segments evenly. A warp's full tile is written out at once
+   (not EPI); every other part goes to one of the warp's LFW slots in shared memory, and after one CTA barrier at
+   the end each unit's slots are added in warp order (run-to-run identical sums) and written out. No workspace, no
+   counters, no global round trip. */
+__shared__ float4 s_slot[MAXW * LFW * NG * 32];
+__shared__ int s_stile[MAXW * LFW];
+#define TPU (EPI ? 2 : 1) /* tiles a unit */
+struct Lfx { int half_t, cj0, cj1, u_lo; };
+__device__ __forceinline__ int vphys(int v, int half_t) { return EPI ? ((v & 1) ? (v >> 1) + half_t : v >> 1) : v; }
+/* a warp's part: contrib segments of virtual tile v */
+__device__ __forceinline__ void cau_part(const float (&acc)[NG][4], int v, int contrib, int ns, u32 lane, int M,
+                                         int N, u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
+                                         int bias_kind, float post, int& nslot) {
+#if !EPI
+  if (contrib == ns) {
+    store_tile(acc, v, lane, M, N, y, y_stride, bias, bias_kind, post);
+    return;
+  }
+#endif
+  const int si = (int)(threadIdx.x >> 5) * LFW + nslot++;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+    s_slot[(si * NG + ng) * 32 + lane] = make_float4(acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
+                                                     acc[ng][3] * post);
+  if (lane == 0) s_stile[si] = v;
+}
+/* after the CTA barrier: warp w adds up and writes units u_lo + w, + W, ... of [u_lo, u_hi) */
+__device__ __forceinline__ void cau_reduce(int u_lo, int u_hi, u32 lane, int M, int N, u16* __restrict__ y,
+                                           int y_stride, const void* __restrict__ bias, int bias_kind) {
+  const int g = lane >> 2, t = lane & 3, W = (int)(blockDim.x >> 5);
+  for (int u = u_lo + (int)(threadIdx.x >> 5); u < u_hi; u += W) {
+    const int v0 = u * TPU;
+    float val[NG][4], uval[NG][4];
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) val[ng][c] = uval[ng][c] = 0.0f;
+    bool any = false;
+    for (int i = 0; i < W * LFW; ++i) {  /* warp order */
+      const int tv = s_stile[i];
+      if (tv == v0 || (EPI && tv == v0 + 1)) {
+        any = true;
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) {
+          const float4 q = s_slot[(i * NG + ng) * 32 + lane];
+          if (tv == v0) {
+            val[ng][0] += q.x; val[ng][1] += q.y; val[ng][2] += q.z; val[ng][3] += q.w;
+          } else {
+            uval[ng][0] += q.x; uval[ng][1] += q.y; uval[ng][2] += q.z; uval[ng][3] += q.w;
+          }
+        }
+      }
+    }
+#if EPI
+    (void)any;
+    const int half = N >> 1;
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+        if (tok < M) {
+          const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
+          const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
+          y[(long long)tok * y_stride + row] = silu_up(gv, uv);
+        }
+      }
+#else
+    if (any) store_tile(val, v0, lane, M, N, y, y_stride, bias, bias_kind, 1.0f);
+#endif
+  }
+}
 #else
 struct Lfx { int half_t, cj0, cj1, u_lo; };
 #endif
@@ -1091,7 +1174,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              int spt, bool epi, int ns, int s_lo, const Lfx& lf, int& nslot) {
   /* j counts (tile, segment) pairs of the warp's K slice [s_lo, s_lo + ns) (XK; else the whole K: ns = n_seg) */
   int tile = j0 / ns, seg = j0 - tile * ns, seg_first = seg;
-#if XK || (LFX && EPI) /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
+#if XK || ((LFX || CAU) && EPI) /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
   int pt = tile, ps = seg;
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)
@@ -1109,7 +1192,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #if XK
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, pt * n_seg + s_lo + ps, lane, g);
           if (++ps == ns) { ps = 0; ++pt; }
-#elif LFX && EPI /* virtual tile pt */
+#elif (LFX || CAU) && EPI /* virtual tile pt */
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, vphys(pt, lf.half_t) * n_seg + ps, lane, g);
           if (++ps == ns) { ps = 0; ++pt; }
 #else
@@ -1129,6 +1212,8 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
 #if LFX
           lfx_finish(acc, tile, seg - seg_first, ns, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
                      ws_stride, lf, nslot);
+#elif CAU
+          cau_part(acc, tile, seg - seg_first, ns, lane, M, N, y, y_stride, bias, bias_kind, post, nslot);
 #elif DET
 #if EPI
           if (epi)
@@ -1182,7 +1267,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
   const long long T = (long long)n_tiles * n_seg, TW = (long long)gridDim.x * W;
   const long long gw = (long long)blockIdx.x * W + warp;
 #endif
+#if CAU /* the CTA's units [u_lo, u_hi) (sps a CTA), their segments split evenly over its warps */
+  const int cu_lo = (int)blockIdx.x * sps, cu_hi = min(cu_lo + sps, n_tiles / TPU);
+  const int cc0 = cu_lo * TPU * ns, cn = max(cu_hi - cu_lo, 0) * TPU * ns;
+  const int j0 = cc0 + (int)((long long)cn * warp / W), j1 = cc0 + (int)((long long)cn * (warp + 1) / W);
+#else
   const int j0 = (int)(T * gw / TW), j1 = (int)(T * (gw + 1) / TW);
+#endif
   V4 buf[PD][K_BITS + SV];
 #if LFX
   /* the CTA's range [cj0, cj1) and units; a warp that ends inside the CTA's last unit, when that unit crosses the
@@ -1201,12 +1292,20 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     if (js + p < j1) ld_seg(buf[p], codes, scales, vphys((js + p) / ns, lf.half_t) * ns + (js + p) % ns, lane, g);
   for (int i = (int)tid; i < MAXW * LFW; i += (int)blockDim.x) s_stile[i] = -1;
   for (int i = (int)tid; i < LFU; i += (int)blockDim.x) s_ucnt[i] = 0;
+#elif CAU
+  Lfx lf;
+  lf.half_t = EPI ? n_tiles >> 1 : 0;
+  int nslot = 0;
+#pragma unroll
+  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+    if (j0 + p < j1) ld_seg(buf[p], codes, scales, vphys((j0 + p) / ns, lf.half_t) * ns + (j0 + p) % ns, lane, g);
+  for (int i = (int)tid; i < MAXW * LFW; i += (int)blockDim.x) s_stile[i] = -1;
 #else
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
     if (j0 + p < j1) ld_seg(buf[p], codes, scales, XK ? (j0 + p) / ns * n_seg + s_lo + (j0 + p) % ns : j0 + p, lane, g);
 #endif
-#if !XK && !LFX
+#if !XK && !LFX && !CAU
   if (lane == 0 && j0 + PD - 1 < j1) { /* the rest of the warp's range, from its start */
     l2_prefetch(codes + (long long)(j0 + PD - 1) * K_BITS * 32, (long long)(j1 - j0 - PD + 1) * K_BITS * 512);
     l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
@@ -1249,7 +1348,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   __syncthreads();
   TLS(3);
+#if !CAU /* (CAU: every warp meets the CTA barrier at the end) */
   if (j0 >= j1) return;
+#endif
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
   const u16* xr[NG];
@@ -1282,6 +1383,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       stream_range(buf, codes, scales, r0, r1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
                    bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
   }
+#elif CAU
+  if (j0 < j1)
+    stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
+                 bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+  __syncthreads();
+  cau_reduce(cu_lo, cu_hi, lane, M, N, y, y_stride, bias, bias_kind);
 #else
   Lfx lf;
   int nslot = 0;

@@ -708,7 +708,16 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
-        lfx_on = _lfx_enabled(xs) and not defines.get("DET")
+        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng) if _cau_enabled(xs) and not defines.get("DET") else None
+        if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed
+            W_c, occ_c, cau_defs, sps_c, grid_c = cau
+            defs_c = {**defines, **cau_defs, "MAXW": W_c, "MINB": occ_c}
+            kern_c = compile_kernel(SOURCE, "kbit_gemv_mma", defs_c, dev)
+            if kern_c.occupancy(W_c * 32, shared) >= occ_c:
+                defines, kern, W, occ, sps, grid = defs_c, kern_c, W_c, occ_c, sps_c, grid_c
+            else:
+                cau = None
+        lfx_on = _lfx_enabled(xs) and not defines.get("DET") and not cau
         lfx_defs = _lfx_defines(Nt, S, grid, W, epi) if lfx_on else None
         if lfx_defs:  # the CTA-local fix-up: static shared slots; kept only at the same occupancy
             kern_l = compile_kernel(SOURCE, "kbit_gemv_mma", {**defines, **lfx_defs}, dev)
@@ -750,8 +759,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3 and defines["XK"]:
         n_sl = -(-S // defines["XK"])
         parts = n_sl * max(1.0, (grid // n_sl) * W / Nt)
-    elif kernel == 3 and lfx:
-        parts = 2.0  # at most a part from each CTA that a tile crosses into
+    elif kernel == 3 and (lfx or defines.get("CAU")):
+        parts = 2.0  # LFX: at most a part from each CTA that a tile crosses into; CAU: no workspace
     elif kernel == 3:
         parts = max(1.0, grid * W / Nt)
     else:
@@ -781,6 +790,56 @@ def _lfx_enabled(xs) -> bool:
     2.555 -> 2.627 ms."""
     v = os.environ.get("KBIT_LFX")
     return v == "1" if v in ("0", "1") else not xs
+
+
+def _cau_enabled(xs) -> bool:
+    """Kernel 3's CTA-aligned units (``CAU``): ``KBIT_CAU=1`` everywhere it fits, ``0`` nowhere; by default where
+    x is staged in shared memory (XS)."""
+    v = os.environ.get("KBIT_CAU")
+    return v == "1" if v in ("0", "1") else bool(xs)
+
+
+#: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs
+CAU_MIN_EFF = 0.9
+#: CAU's shared slots: at most this many bytes a CTA
+CAU_MAX_SLOT_BYTES = 32768
+
+
+def _cau_plan(Nt, S, W, occ, sms, epi, ng=1):
+    """Kernel 3 with CTA-aligned units (``CAU`` in the source): whole units (tiles; EPI: gate / up pairs) a CTA,
+    their split-K parts summed in shared memory. Tries the configured CTAs (``W`` warps, ``occ`` an SM) and, where
+    ``occ`` is even, half as many CTAs of twice the warps; returns ``(W, CTAs an SM, defines, units a CTA, grid)`` of
+    the one that leaves the fewest SM slots idle, or None where the busiest CTA carries more than 1 / CAU_MIN_EFF
+    of an even share, or the slots would not fit."""
+    tpu = 2 if epi else 1
+    if Nt % tpu:
+        return None
+    n_u, U = Nt // tpu, tpu * S
+    best = None
+    for w, o in ((W, occ), (2 * W, occ // 2)):
+        if o < 1 or w > 32:
+            continue
+        slots = sms * o
+        upc = -(-n_u // slots)
+        eff = n_u / (slots * upc)
+        if best is None or eff > best[0] + 1e-9:
+            best = (eff, w, o, upc)
+    eff, w, o, upc = best
+    if eff < CAU_MIN_EFF:
+        return None
+    grid = -(-n_u // upc)
+    lfw = 1  # slots a warp: the tiles its range touches (not EPI: a part of a tile each end at most)
+    for b in (0, grid - 1):
+        c0, cn = b * upc * U, (min(n_u, (b + 1) * upc) - b * upc) * U
+        for wi in range(w):
+            j0, j1 = c0 + cn * wi // w, c0 + cn * (wi + 1) // w
+            if j1 > j0:
+                lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
+    if not epi:
+        lfw = min(lfw, 2)
+    if w * lfw * ng * 512 > CAU_MAX_SLOT_BYTES:
+        return None
+    return w, o, dict(CAU=1, LFW=lfw), upc, grid
 
 
 #: kernel 3's CTA-local fix-up (``LFX``): at most this many units (tiles; EPI: gate / up pairs) a CTA's range
