@@ -1174,7 +1174,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              int spt, bool epi, int ns, int s_lo, const Lfx& lf, int& nslot) {
   /* j counts (tile, segment) pairs of the warp's K slice [s_lo, s_lo + ns) (XK; else the whole K: ns = n_seg) */
   int tile = j0 / ns, seg = j0 - tile * ns, seg_first = seg;
-#if XK || ((LFX || CAU) && EPI) /* the next segment the ring loads (local j0 + PD - 1), as (tile, segment of the slice) */
+#if XK || ((LFX || CAU) && EPI) /* the next segment the ring loads (j0 + PD - 1), as (tile, segment of the slice) */
   int pt = tile, ps = seg;
 #pragma unroll
   for (int p = 0; p < PD - 1; ++p)
