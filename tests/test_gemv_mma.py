@@ -204,6 +204,9 @@ def test_cta_units_llama_shapes():
     warps, 3 tiles / 7 pairs each (2 CTAs of 8 warps an SM would leave 27% / 15% of the slots idle)."""
     assert MM._cau_plan(384, 16, 8, 2, 132, 0) == (16, 1, dict(CAU=1, LFW=2), 3, 128)
     assert MM._cau_plan(1792, 16, 8, 2, 132, 1) == (16, 1, dict(CAU=1, LFW=2), 7, 128)
+    # 57344x8192: whole tiles leave 3% of ~90 us idle, more than the fix-up costs
+    assert MM._cau_plan(3584, 32, 8, 2, 132, 0, est_us=100.0) is None
+    assert MM._cau_plan(3584, 32, 8, 2, 132, 0, est_us=25.0) is not None
 
 
 def test_x_slices_too_big_for_shared_memory():
@@ -370,6 +373,7 @@ def test_mma_gpu_cta_units(monkeypatch, config):
     M 1..8, bias, fp16 / bf16; each twice, and bit-identical run to run (the parts are added in warp order)."""
     monkeypatch.setenv("KBIT_CAU", "1")
     monkeypatch.setattr(MM, "CAU_MIN_EFF", 0.0)
+    monkeypatch.setattr(MM, "CAU_IDLE_US", float("inf"))
     MM._PLANS.clear()
     try:
         for N, K_, k, M, dtype, bias in [(28672, 4096, 4, 1, torch.bfloat16, False),

@@ -106,6 +106,7 @@ def test_prologue_cta_units(monkeypatch, M, N, K, silu):
     dev, dtype = "cuda", torch.bfloat16
     monkeypatch.setenv("KBIT_CAU", "1")
     monkeypatch.setattr(gemv_mma, "CAU_MIN_EFF", 0.0)
+    monkeypatch.setattr(gemv_mma, "CAU_IDLE_US", float("inf"))
     gemv_mma._PLANS.clear()
     try:
         q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()

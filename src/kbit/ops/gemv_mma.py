@@ -708,7 +708,9 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
-        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng) if _cau_enabled(xs) and not defines.get("DET") else None
+        est_us = N * K * (k + 0.25) / 8 / 2.5e6  # the weights' read time at 2.5 TB/s
+        cau = (_cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled(xs) and not defines.get("DET")
+               else None)
         if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed
             W_c, occ_c, cau_defs, sps_c, grid_c = cau
             defs_c = {**defines, **cau_defs, "MAXW": W_c, "MINB": occ_c}
@@ -799,18 +801,22 @@ def _cau_enabled(xs) -> bool:
     return v == "1" if v in ("0", "1") else bool(xs)
 
 
-#: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs
+#: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs, and the SM
+#: time left idle by whole units a CTA, (1 - eff) x the weights' read time, is at most CAU_IDLE_US: the split-K
+#: fix-up it saves costs ~2-4 us a call (H100, ``benchmarks/results/h100/cau-s19-sweep.log``: 57344x8192 k = 4,
+#: eff 0.97 of ~90 us, was 3% slower with CAU)
 CAU_MIN_EFF = 0.9
+CAU_IDLE_US = 1.5
 #: CAU's shared slots: at most this many bytes a CTA
 CAU_MAX_SLOT_BYTES = 32768
 
 
-def _cau_plan(Nt, S, W, occ, sms, epi, ng=1):
+def _cau_plan(Nt, S, W, occ, sms, epi, ng=1, est_us=0.0):
     """Kernel 3 with CTA-aligned units (``CAU`` in the source): whole units (tiles; EPI: gate / up pairs) a CTA,
     their split-K parts summed in shared memory. Tries the configured CTAs (``W`` warps, ``occ`` an SM) and, where
     ``occ`` is even, half as many CTAs of twice the warps; returns ``(W, CTAs an SM, defines, units a CTA, grid)`` of
     the one that leaves the fewest SM slots idle, or None where the busiest CTA carries more than 1 / CAU_MIN_EFF
-    of an even share, or the slots would not fit."""
+    of an even share (or leaves more than CAU_IDLE_US of ``est_us`` idle), or the slots would not fit."""
     tpu = 2 if epi else 1
     if Nt % tpu:
         return None
@@ -825,7 +831,7 @@ def _cau_plan(Nt, S, W, occ, sms, epi, ng=1):
         if best is None or eff > best[0] + 1e-9:
             best = (eff, w, o, upc)
     eff, w, o, upc = best
-    if eff < CAU_MIN_EFF:
+    if eff < CAU_MIN_EFF or (1 - eff) * est_us > CAU_IDLE_US:
         return None
     grid = -(-n_u // upc)
     lfw = 1  # slots a warp: the tiles its range touches (not EPI: a part of a tile each end at most)
