@@ -445,7 +445,8 @@ def test_mma_gpu_cuda_graph():
 @gpu
 @pytest.mark.parametrize("N,K_,k,M,config", [
     (64, 8192, 4, 1, (3, 8, 2, 2)),        # kernel 3: 4 tiles x 32 segments over thousands of warps (32 parts a tile)
-    (6144, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory, 8 parts a tile (q/k/v of Llama-3-8B)
+    (6144, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory: CTA-aligned units (q/k/v of Llama-3-8B)
+    (5000, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory, DET slots (whole tiles a CTA: 79% busy)
     (4096, 4096, 2, 2, None),              # the default route (kernel 1) at M = 2
     (64, 8192, 2, 3, (1, 2, 3)),           # kernel 1, split K over many CTAs
     (2048, 14336, 5, 8, (1, 4, 4)),        # kernel 1, 4-warp CTAs
@@ -457,6 +458,8 @@ def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
     default fp32 atomics in arrival order need not)."""
     monkeypatch.setenv("KBIT_DETERMINISTIC", "1")
     assert MM.deterministic()
+    if N in (6144, 5000):
+        assert ("CAU" in MM.plan(k, M, N, K_, config=config)["defines"]) == (N == 6144)
     codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=N + k)
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
     x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")

@@ -709,11 +709,11 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
         est_us = N * K * (k + 0.25) / 8 / 2.5e6  # the weights' read time at 2.5 TB/s
-        cau = (_cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled(xs) and not defines.get("DET")
-               else None)
-        if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed
+        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled(xs) else None
+        if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed; they add a
+            # tile's parts in warp order, so they also serve deterministic mode (in place of DET's slots)
             W_c, occ_c, cau_defs, sps_c, grid_c = cau
-            defs_c = {**defines, **cau_defs, "MAXW": W_c, "MINB": occ_c}
+            defs_c = {**{d: v for d, v in defines.items() if d != "DET"}, **cau_defs, "MAXW": W_c, "MINB": occ_c}
             kern_c = compile_kernel(SOURCE, "kbit_gemv_mma", defs_c, dev)
             if kern_c.occupancy(W_c * 32, shared) >= occ_c:
                 defines, kern, W, occ, sps, grid = defs_c, kern_c, W_c, occ_c, sps_c, grid_c
