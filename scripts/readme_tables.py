@@ -308,6 +308,13 @@ def main():
              "Batch 1 after the M = 1 changes of sessions 16-18 (the fused decode GEMVs stage x, so session 18's "
              "CTA-local fix-up does not run in this step):",
              e2e_table(RES / "e2e-s18-llama.json"), e2e_table(RES / "e2e-s18-qwen3.json"),
+             "### End-to-end decode, session 19: split-K sums in shared memory (CTA-aligned units)",
+             "Kernel 3 builds that stage x (the fused q/k/v and gate/up GEMVs of the decode step) now give each CTA "
+             "whole tiles and add the split-K parts in shared memory (`CAU`, docs/notes/gemv.md); the same step "
+             "without it: k = 4 2.567 ms, k = 2 2.237 at batch 1 (`e2e-s19-nocau.md`), k = 4 3.001, k = 2 2.688 at "
+             "batch 4 (`e2e-s19-b4-nocau.md`):",
+             e2e_table(RES / "e2e-s19-cau.json"), e2e_table(RES / "e2e-s19-b4-16.json"),
+             e2e_table(RES / "e2e-s19-qwen3.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
