@@ -352,6 +352,7 @@ def test_mma_gpu_local_fixup(monkeypatch, lfx, config):
     warp of a CTA starts at the CTA's last tile), shorter than one (tiles over several warps and CTAs: 64x8192),
     N not a multiple of 16, M 1..8; each twice (shared slots and global counters must be left clean)."""
     monkeypatch.setenv("KBIT_LFX", lfx)
+    monkeypatch.setenv("KBIT_CAU", "0")
     MM._PLANS.clear()
     try:
         for _ in range(2):

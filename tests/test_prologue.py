@@ -80,6 +80,7 @@ def test_silu_epilogue_local_fixup(monkeypatch, lfx, M, N, K):
     a CTA are finished from shared memory, the others through the workspace), twice (clean counters)."""
     dev, dtype = "cuda", torch.bfloat16
     monkeypatch.setenv("KBIT_LFX", lfx)
+    monkeypatch.setenv("KBIT_CAU", "0")
     gemv_mma._PLANS.clear()
     try:
         q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()

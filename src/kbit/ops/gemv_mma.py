@@ -709,7 +709,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
         est_us = N * K * (k + 0.25) / 8 / 2.5e6  # the weights' read time at 2.5 TB/s
-        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled(xs) else None
+        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled() else None
         if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed; they add a
             # tile's parts in warp order, so they also serve deterministic mode (in place of DET's slots)
             W_c, occ_c, cau_defs, sps_c, grid_c = cau
@@ -794,11 +794,16 @@ def _lfx_enabled(xs) -> bool:
     return v == "1" if v in ("0", "1") else not xs
 
 
-def _cau_enabled(xs) -> bool:
-    """Kernel 3's CTA-aligned units (``CAU``): ``KBIT_CAU=1`` everywhere it fits, ``0`` nowhere; by default where
-    x is staged in shared memory (XS)."""
+def _cau_enabled() -> bool:
+    """Kernel 3's CTA-aligned units (``CAU``, where :func:`_cau_plan` accepts the shape): ``KBIT_CAU=1`` / ``0``
+    forces them on / off; by default on, except where ``KBIT_LFX=1`` asks for the CTA-local fix-up. H100: x staged
+    (``benchmarks/results/h100/cau-s19-sweep.log``) M = 1 28672x4096 k = 4 27.21 -> 25.13 us, M = 4 29.38 -> 25.40;
+    x from global memory at M = 16 (``cau-s19-m16.log``, against LFX) 6144x4096 k = 4 15.16 -> 11.99, 4096x14336
+    k = 4 (3, 8, 2, 2) 26.99 -> 20.93; it lost nowhere that the plan takes it."""
     v = os.environ.get("KBIT_CAU")
-    return v == "1" if v in ("0", "1") else bool(xs)
+    if v in ("0", "1"):
+        return v == "1"
+    return os.environ.get("KBIT_LFX") != "1"
 
 
 #: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs, and the SM
