@@ -298,8 +298,9 @@ _ETAB: dict = {}
 def deterministic() -> bool:
     """Whether kernels 1 and 3 add the parts of a split tile in a fixed order (bit-identical outputs run to run and
     replay to replay) instead of with fp32 atomics in arrival order: when ``torch.use_deterministic_algorithms(True)``
-    is on, or ``KBIT_DETERMINISTIC=1``. Off by default: it costs ~95 us of a 2.54 ms Llama-3-8B decode step at
-    k = 4 on an H100 (``benchmarks/results/h100/step-timeline-s10-det.txt``)."""
+    is on, or ``KBIT_DETERMINISTIC=1``. Off by default: it cost ~95 us of a 2.54 ms Llama-3-8B decode step at
+    k = 4 on an H100 (``benchmarks/results/h100/step-timeline-s10-det.txt``, session 10). Kernel-3 builds with
+    CTA-aligned units (``CAU``, session 19) are deterministic either way and take no DET slots."""
     return torch.are_deterministic_algorithms_enabled() or os.environ.get("KBIT_DETERMINISTIC") == "1"
 
 
