@@ -421,7 +421,13 @@ def default_config(k, M, N, K, sm90=False, sms=None):
     its own cp.async pipeline. ``KBIT_MMA_CFG="kernel,W,X"`` overrides (lab).
     """
     ng = _ng(M)
-    if sm90 and ng == 2 and N >= XK_MIN_N and N * K >= XK_MIN_NK:
+    if sm90 and ng == 2 and N >= XK_MIN_N and N * K >= XK_MIN_NK and _cau_mid(k, N, K, sms):
+        cfg = (3, 8, 2, 2)  # CTA-aligned units, x from global memory (cau-s19-m12-16.log, M = 12 / 16, us):
+        # 14336x4096 k = 4 23.62 / 22.84 -> 19.43 / 20.59, k = 2 18.39 / 18.39 -> 15.62 / 16.55; 28672x4096 k = 2
+        # 31.58 / 31.64 -> 26.72 / 28.56 (the K slices before)
+    elif sm90 and ng == 2 and k == 2 and N >= TALL and N * K >= BIG:  # 57344x8192 M = 12 / 16 103.07 / 103.74 ->
+        cfg = (3, 16, 1, 2)  # 91.06 / 98.23 us (K slices before; cau-s19-m12-16.log)
+    elif sm90 and ng == 2 and N >= XK_MIN_N and N * K >= XK_MIN_NK:
         cfg = XK_CFG
     elif sm90 and ng in (4, 8) and N * K < LARGE7_SMALL_NK:
         cfg = SMALL_MID_CFG
@@ -793,6 +799,15 @@ def _lfx_enabled(xs) -> bool:
     2.555 -> 2.627 ms."""
     v = os.environ.get("KBIT_LFX")
     return v == "1" if v in ("0", "1") else not xs
+
+
+def _cau_mid(k, N, K, sms) -> bool:
+    """M = 9..16 (sm_90): kernel 3 (3, 8, 2, 2) with CTA-aligned units instead of K slices, below BIG weights
+    (k = 5: below 1e8; 28672x4096 k = 5 M = 16 46.74 -> 48.57 us lost) where the plan would take CAU."""
+    if not sms or N * K >= BIG or (k == 5 and N * K >= 10**8) or not _cau_enabled():
+        return False
+    S = -(-K // SEG)
+    return _cau_plan(-(-N // 16), S, 8, 2, sms, 0, 2, N * K * (k + 0.25) / 8 / 2.5e6) is not None
 
 
 def _cau_enabled() -> bool:
