@@ -415,13 +415,18 @@ def test_mma_gpu_x_slices(config):
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 @pytest.mark.parametrize("M", [9, 16, 17, 24, 32, 48, 64])
 def test_mma_gpu_default_routes_m9_64(k, M):
-    """The default routes of 9 <= M <= 64 on a weight of >= 5e7 elements with N >= 8192: on sm_90 kernel 3 with x
-    slices (M <= 16) and kernel 7 (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
+    """The default routes of 9 <= M <= 64 on a weight of >= 5e7 elements with N >= 8192: on sm_90 kernel 3 (M <=
+    16: CTA-aligned units where the plan takes them (this shape, below BIG weights), else x slices) and kernel 7
+    (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
     N, K_ = 10000, 5120
     if torch.cuda.get_device_capability() == (9, 0):
         assert MM.uses_large(M, N, K_, "cuda") == (M > 16)
         if M <= 16:
-            assert MM.plan(k, M, N, K_)["defines"]["XK"] == 8
+            d = MM.plan(k, M, N, K_)["defines"]
+            if MM._cau_mid(k, N, K_, MM._sms(torch.device("cuda"))):
+                assert d.get("CAU") == 1 and d["XK"] == 0
+            else:
+                assert d["XK"] == 8
     check(N, K_, k, M, torch.bfloat16, bias=True, seed=M)
     check(N, K_, k, M, torch.float16, seed=M + 1)
 
