@@ -742,3 +742,12 @@ def test_linear_mma_v1_dequant_route(N, K_, M):
     assert not MM.serves(x, N, K_, 4) and _choice(M, N, K_, 4, x.device).kernel == "dequant_mm"
     y = MM.linear_mma_v1(x, rc, rs, ts, cb, bias=b, **kw)
     assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, bias=b, **kw)) < tol(torch.bfloat16)
+
+
+def test_plan_cache_clear_drops_prepared_launchers():
+    """Clearing the plan cache (as labs and tests do after changing a routing variable) also drops fast_linear's
+    prepared launchers, which were built from the old plans."""
+    MM._PREPARED["probe"] = False
+    MM._PLANS["probe"] = None
+    MM._PLANS.clear()
+    assert "probe" not in MM._PREPARED and not MM._PLANS

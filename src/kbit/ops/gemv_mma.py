@@ -892,7 +892,16 @@ def _lfx_defines(Nt, S, grid, W, epi):
     return dict(LFX=1, LFU=lfu, LFW=lfw) if lfu <= LFX_MAX_UNITS else None
 
 
-_PLANS: dict = {}
+class _PlanCache(dict):
+    """The per-process plan cache; clearing it (labs and tests that change a routing environment variable do)
+    also drops :func:`fast_linear`'s prepared launchers, which hold plans."""
+
+    def clear(self):
+        super().clear()
+        _PREPARED.clear()
+
+
+_PLANS: dict = _PlanCache()
 
 
 def _plan_cached(k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0):
@@ -1043,6 +1052,11 @@ def _linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize, s
     if x.numel() == 0:
         return x.new_empty(*x.shape[:-1], N)
     rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+    if config is None and FAST_LINEAR and x.is_cuda:  # the launcher prepared for this signature, if any
+        y = fast_linear(x, rc, rs, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                        N=N, K=K, bias=bias)
+        if y is not None:
+            return y
     return _run(x, rc, rs, tensor_scale, codebook, bias, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
                 K=K, config=config)
 
