@@ -79,14 +79,14 @@ def one(N, K, k, dt):
     eager = [q(xs[i]).clone() for i in range(3)]
     static_x = xs[0].clone()
     graph, static_y = capture(lambda: q(static_x))
-    same = True
+    diff = 0.0  # kernel 1's in-CTA sums are not bit-stable run to run (det-probe-s19.log): a difference, not a bool
     for i in range(3):
         static_x.copy_(xs[i])
         graph.replay()
         torch.cuda.synchronize()
-        same &= torch.equal(static_y, eager[i])
+        diff = max(diff, (static_y.float() - eager[i].float()).abs().max().item())
     log(f"| {N}x{K} | {dev:.2f} | " + " | ".join(f"{v:.2f}" for v in res.values())
-        + f" | {res['module'] - res['bare']:.2f} | {same} |")
+        + f" | {res['module'] - res['bare']:.2f} | {diff:.2g} |")
 
 
 def main():
@@ -99,7 +99,7 @@ def main():
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call (median of 7 x 3000), k = "
         f"{args.k}, M = 1, {dt}")
     log("| N x K | device us (graph) | torch.add | bare launch | prepared | repacked | op | module | module - bare | "
-        "graph == eager |")
+        "max abs(graph - eager) |")
     log("|---|--:|--:|--:|--:|--:|--:|--:|--:|---|")
     for s in args.shapes.split(","):
         N, K = (int(v) for v in s.split("x"))
