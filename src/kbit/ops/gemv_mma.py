@@ -794,8 +794,9 @@ def _lfx_enabled(xs) -> bool:
     """Kernel 3's CTA-local fix-up (``LFX``): ``KBIT_LFX=1`` everywhere (and CTA-aligned units off unless
     ``KBIT_CAU=1``), ``0`` nowhere; by default where x is not staged in shared memory and the plan did not take
     CTA-aligned units (``CAU``, which come first since session 19). H100, M = 1
-    (``benchmarks/results/h100/lfx-s18-*.log``), x from global memory, us: 28672x4096 k = 4 28.75 -> 28.12 and 28.17 -> 26.69 (two runs), k = 2 25.42 -> 22.44; 57344x8192 k = 4 94.26 ->
-    91.87, k = 2 81.65 -> 70.81; 12288x4096 k = 4 15.07 -> 13.93. With x staged (XS) the same builds streamed
+    (``benchmarks/results/h100/lfx-s18-*.log``), x from global memory, us: 28672x4096 k = 4 28.75 -> 28.12 and
+    28.17 -> 26.69 (two runs), k = 2 25.42 -> 22.44; 57344x8192 k = 4 94.26 -> 91.87, k = 2 81.65 -> 70.81;
+    12288x4096 k = 4 15.07 -> 13.93. With x staged (XS) the same builds streamed
     4-10% slower (not understood) and lost: 57344x8192 k = 2 68.20 -> 73.68, Llama-3-8B decode step (k = 4, batch 1)
     2.555 -> 2.627 ms."""
     v = os.environ.get("KBIT_LFX")
