@@ -72,6 +72,19 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     assert all(c == (0, 0) for c in calls[1:])
 
 
+def _norm_case(M, N, K, silu, dtype=torch.bfloat16, dev="cuda"):
+    """A fused-norm GEMV case on fresh random data: (weight, x, residual, norm weight, float64 reference of y)."""
+    q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(dtype).to(dev)
+    res = torch.randn(M, K, generator=g).to(dtype).to(dev)
+    w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
+    h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
+    z_ref = h_ref @ _w64(q).T.to(h_ref.device)
+    y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
+    return q, x, res, w, y_ref
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lfx", ["1", "0"])
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (2, 2048, 512), (5, 6144, 2880)])
@@ -83,14 +96,7 @@ def test_silu_epilogue_local_fixup(monkeypatch, lfx, M, N, K):
     monkeypatch.setenv("KBIT_CAU", "0")
     gemv_mma._PLANS.clear()
     try:
-        q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()
-        g = torch.Generator().manual_seed(M)
-        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
-        res = torch.randn(M, K, generator=g).to(dtype).to(dev)
-        w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
-        h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
-        z_ref = h_ref @ _w64(q).T.to(h_ref.device)
-        y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:]
+        q, x, res, w, y_ref = _norm_case(M, N, K, True, dtype, dev)
         for _ in range(2):
             y, _ = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=True)
             assert _rel(y, y_ref) < TOL[dtype]
@@ -110,14 +116,7 @@ def test_prologue_cta_units(monkeypatch, M, N, K, silu):
     monkeypatch.setattr(gemv_mma, "CAU_IDLE_US", float("inf"))
     gemv_mma._PLANS.clear()
     try:
-        q = _lin(N, K, 4, dtype, dev, seed=N + M).repack_for_kernels()
-        g = torch.Generator().manual_seed(M)
-        x = torch.randn(M, K, generator=g).to(dtype).to(dev)
-        res = torch.randn(M, K, generator=g).to(dtype).to(dev)
-        w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).to(dev)
-        h_ref, r_ref = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
-        z_ref = h_ref @ _w64(q).T.to(h_ref.device)
-        y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
+        q, x, res, w, y_ref = _norm_case(M, N, K, silu, dtype, dev)
         ys = []
         for _ in range(2):
             y, _ = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)

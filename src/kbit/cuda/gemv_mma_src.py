@@ -972,10 +972,47 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
 #if LFX && CAU
 #error "LFX and CAU exclude each other"
 #endif
-#if LFX
+struct Lfx { int half_t, cj0, cj1, u_lo; };
+#if LFX || CAU
 #if DET || XK
-#error "LFX: not with DET or XK"
+#error "LFX, CAU: not with DET or XK"
 #endif
+/* What LFX and CAU share: LFW shared-memory slots a warp, each a part of a tile's sums tagged with its (virtual)
+   tile; units of TPU tiles (EPI: a gate / up pair, walked in pair order: virtual tile 2p is gate tile p, 2p + 1
+   up tile p). */
+__shared__ float4 s_slot[MAXW * LFW * NG * 32];
+__shared__ int s_stile[MAXW * LFW];
+#define TPU (EPI ? 2 : 1) /* tiles a unit */
+__device__ __forceinline__ int vphys(int v, int half_t) { return EPI ? ((v & 1) ? (v >> 1) + half_t : v >> 1) : v; }
+/* slot si of the CTA <- this lane's part (acc * post) of virtual tile v */
+__device__ __forceinline__ void put_slot(const float (&acc)[NG][4], int v, float post, int si, u32 lane) {
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+    s_slot[(si * NG + ng) * 32 + lane] = make_float4(acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
+                                                     acc[ng][3] * post);
+  if (lane == 0) s_stile[si] = v;
+}
+#if EPI
+/* y of unit (pair) u from its gate (val) and up (uval) sums, rounded as transformers rounds */
+__device__ __forceinline__ void store_pair(const float (&val)[NG][4], const float (&uval)[NG][4], int u, u32 lane,
+                                           int M, int N, u16* __restrict__ y, int y_stride,
+                                           const void* __restrict__ bias, int bias_kind) {
+  const int g = lane >> 2, t = lane & 3, half = N >> 1;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (tok < M) {
+        const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
+        const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
+        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
+      }
+    }
+}
+#endif
+#endif
+#if LFX
 /* LFX: the CTA-local fix-up. A warp's part of a tile (EPI: every part; the unit of a fix-up is a tile, EPI a gate /
    up pair of tiles) goes to one of its LFW slots in shared memory, and the warp that completes the count of the
    unit's segments in the CTA's range (a shared counter a unit, LFU of them) adds the unit's slots in warp order
@@ -986,12 +1023,7 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
    neighbours in the warps' ranges. No fence between the slot stores and the counter: a warp's shared-memory
    operations are performed in issue order (the relaxed atomic is asm volatile with a memory clobber, and the
    reader loads the slots only after its atomic returned); a fence would wait for the ring's loads in flight. */
-__shared__ float4 s_slot[MAXW * LFW * NG * 32];
-__shared__ int s_stile[MAXW * LFW];
 __shared__ int s_ucnt[LFU];
-#define TPU (EPI ? 2 : 1) /* tiles a unit */
-struct Lfx { int half_t, cj0, cj1, u_lo; };
-__device__ __forceinline__ int vphys(int v, int half_t) { return EPI ? ((v & 1) ? (v >> 1) + half_t : v >> 1) : v; }
 __device__ __forceinline__ int atoms_add(int* p, int v) {
   int r;
   asm volatile("atom.shared.add.s32 %0, [%1], %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(v) : "memory");
@@ -1018,7 +1050,7 @@ __device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contr
                                            u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
                                            int bias_kind, float post, float* __restrict__ ws,
                                            int* __restrict__ cnt, int ws_stride, const Lfx& lf, int& nslot) {
-  const int g = lane >> 2, t = lane & 3, u = EPI ? v >> 1 : v, U = TPU * ns;
+  const int u = EPI ? v >> 1 : v, U = TPU * ns;
   const u32 warp = threadIdx.x >> 5;
 #if !EPI
   if (contrib == ns) {
@@ -1026,12 +1058,7 @@ __device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contr
     return;
   }
 #endif
-  const int si = (int)warp * LFW + nslot++;
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-    s_slot[(si * NG + ng) * 32 + lane] = make_float4(acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
-                                                     acc[ng][3] * post);
-  if (lane == 0) s_stile[si] = v;
+  put_slot(acc, v, post, (int)warp * LFW + nslot++, lane);
   __syncwarp();
   const int loc = min(lf.cj1, (u + 1) * U) - max(lf.cj0, u * U);  /* the unit's segments in this CTA's range */
   int last = 0;
@@ -1059,18 +1086,7 @@ __device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contr
   }
 #if EPI
   if (loc == U) {
-    const int half = N >> 1;
-#pragma unroll
-    for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-        if (tok < M) {
-          const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
-          const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
-          y[(long long)tok * y_stride + row] = silu_up(gv, uv);
-        }
-      }
+    store_pair(val, uval, u, lane, M, N, y, y_stride, bias, bias_kind);
     return;
   }
   add_only(val, u, lane, M, N, ws, ws_stride);  /* the gate tile's share; the up tile's share counts the pair */
@@ -1084,19 +1100,11 @@ __device__ __forceinline__ void lfx_finish(float (&acc)[NG][4], int v, int contr
 #endif
 }
 #elif CAU
-#if DET || XK
-#error "CAU: not with DET or XK"
-#endif
 /* CAU: CTA-aligned units. CTA b owns the units [b * sps, (b + 1) * sps) (tiles; EPI: gate / up pairs, walked in
    pair order as LFX does) and its warps split their segments evenly. A warp's full tile is written out at once
    (not EPI); every other part goes to one of the warp's LFW slots in shared memory, and after one CTA barrier at
    the end each unit's slots are added in warp order (run-to-run identical sums) and written out. No workspace, no
    counters, no global round trip. */
-__shared__ float4 s_slot[MAXW * LFW * NG * 32];
-__shared__ int s_stile[MAXW * LFW];
-#define TPU (EPI ? 2 : 1) /* tiles a unit */
-struct Lfx { int half_t, cj0, cj1, u_lo; };
-__device__ __forceinline__ int vphys(int v, int half_t) { return EPI ? ((v & 1) ? (v >> 1) + half_t : v >> 1) : v; }
 /* a warp's part: contrib segments of virtual tile v */
 __device__ __forceinline__ void cau_part(const float (&acc)[NG][4], int v, int contrib, int ns, u32 lane, int M,
                                          int N, u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
@@ -1107,17 +1115,12 @@ __device__ __forceinline__ void cau_part(const float (&acc)[NG][4], int v, int c
     return;
   }
 #endif
-  const int si = (int)(threadIdx.x >> 5) * LFW + nslot++;
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-    s_slot[(si * NG + ng) * 32 + lane] = make_float4(acc[ng][0] * post, acc[ng][1] * post, acc[ng][2] * post,
-                                                     acc[ng][3] * post);
-  if (lane == 0) s_stile[si] = v;
+  put_slot(acc, v, post, (int)(threadIdx.x >> 5) * LFW + nslot++, lane);
 }
 /* after the CTA barrier: warp w adds up and writes units u_lo + w, + W, ... of [u_lo, u_hi) */
 __device__ __forceinline__ void cau_reduce(int u_lo, int u_hi, u32 lane, int M, int N, u16* __restrict__ y,
                                            int y_stride, const void* __restrict__ bias, int bias_kind) {
-  const int g = lane >> 2, t = lane & 3, W = (int)(blockDim.x >> 5);
+  const int W = (int)(blockDim.x >> 5);
   for (int u = u_lo + (int)(threadIdx.x >> 5); u < u_hi; u += W) {
     const int v0 = u * TPU;
     float val[NG][4], uval[NG][4];
@@ -1143,25 +1146,12 @@ __device__ __forceinline__ void cau_reduce(int u_lo, int u_hi, u32 lane, int M, 
     }
 #if EPI
     (void)any;
-    const int half = N >> 1;
-#pragma unroll
-    for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-        if (tok < M) {
-          const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
-          const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
-          y[(long long)tok * y_stride + row] = silu_up(gv, uv);
-        }
-      }
+    store_pair(val, uval, u, lane, M, N, y, y_stride, bias, bias_kind);
 #else
     if (any) store_tile(val, v0, lane, M, N, y, y_stride, bias, bias_kind, 1.0f);
 #endif
   }
 }
-#else
-struct Lfx { int half_t, cj0, cj1, u_lo; };
 #endif
 /* a warp's range [j0, j1) of (tile, segment) pairs through the register ring buf (its first PD - 1 segments
    already loaded); x rows xr (segment 0 of each 8-token group); epi: the SiLU * up epilogue (EPI builds) */

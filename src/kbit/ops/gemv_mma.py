@@ -715,8 +715,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     elif kernel == 3:
         splits, sps = 1, S  # not used by kernel 3 (it always takes the workspace)
         grid = max(1, min(slots, -(-(Nt * S) // W)))
-        est_us = N * K * (k + 0.25) / 8 / 2.5e6  # the weights' read time at 2.5 TB/s
-        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, est_us) if _cau_enabled() else None
+        cau = _cau_plan(Nt, S, W, occ, _sms(dev), epi, ng, _read_us(k, N, K)) if _cau_enabled() else None
         if cau:  # CTA-aligned units: kept only where the build reaches the occupancy the plan assumed; they add a
             # tile's parts in warp order, so they also serve deterministic mode (in place of DET's slots)
             W_c, occ_c, cau_defs, sps_c, grid_c = cau
@@ -803,13 +802,18 @@ def _lfx_enabled(xs) -> bool:
     return v == "1" if v in ("0", "1") else not xs
 
 
+def _read_us(k, N, K) -> float:
+    """A k-bit N x K weight's read time at 2.5 TB/s, in us (CAU's idle-time rule)."""
+    return N * K * (k + 0.25) / 8 / 2.5e6
+
+
 def _cau_mid(k, N, K, sms) -> bool:
     """M = 9..16 (sm_90): kernel 3 (3, 8, 2, 2) with CTA-aligned units instead of K slices, below BIG weights
     (k = 5: below 1e8; 28672x4096 k = 5 M = 16 46.74 -> 48.57 us lost) where the plan would take CAU."""
     if not sms or N * K >= BIG or (k == 5 and N * K >= 10**8) or not _cau_enabled():
         return False
     S = -(-K // SEG)
-    return _cau_plan(-(-N // 16), S, 8, 2, sms, 0, 2, N * K * (k + 0.25) / 8 / 2.5e6) is not None
+    return _cau_plan(-(-N // 16), S, 8, 2, sms, 0, 2, _read_us(k, N, K)) is not None
 
 
 def _cau_enabled() -> bool:
