@@ -104,6 +104,18 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + (j * 8 + g) * SV + v);
 }
+#ifndef L2AH /* lab: kernels 1 and 3 prefetch into L2 the (tile, segment) pair L2AH pairs (kernel 1: L2AH rounds)
+                 ahead of their register loads (0: off) */
+#define L2AH 0
+#endif
+/* pair j's code lines (lanes 0 .. 4 K_BITS - 1) and scale lines (the next SV lanes) into L2, 128 bytes a lane */
+__device__ __forceinline__ void l2_pair(const V4* __restrict__ codes, const V4* __restrict__ scales, long long j,
+                                        u32 lane) {
+  if (lane < 4 * K_BITS)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(codes + j * K_BITS * 32 + lane * 8));
+  else if (lane < 4 * K_BITS + SV)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(scales + j * 8 * SV + (lane - 4 * K_BITS) * 8));
+}
 #ifndef XS
 #define XS 0
 #endif
@@ -228,6 +240,9 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
     A[h][r + 2 * j] = lds32(lbb.a + (byte_of(w[2 * u + (f >> 2)], f & 3) << 7));
 #endif
   }
+#elif K_BITS == 2 && defined(LAB_K2NOLUT) /* lab: the code word as every A register (wrong results) */
+#pragma unroll
+  for (int s = 0; s < 4; ++s) A[0][s] = A[1][s] = w[u];
 #elif K_BITS == 2
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
      slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
@@ -624,6 +639,10 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       while (true) {
         /* next load: the next segment of this item, else the first one of the warp's next item */
         int n_item = item, n_seg_ = seg + (int)W;
+#if L2AH
+        if (seg + (1 + L2AH) * (int)W < s1)
+          l2_pair(codes, scales, (long long)tile * n_seg + seg + (1 + L2AH) * (int)W, lane);
+#endif
         if (n_seg_ >= s1) { n_item = item + gridDim.x; first(n_item, n_seg_); }
         V4 nw[K_BITS], ns[SV];
         if (n_seg_ >= 0) {
@@ -1170,6 +1189,11 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
   for (int p = 0; p < PD - 1; ++p)
     if (++ps == ns) { ps = 0; ++pt; }
 #endif
+#if L2AH /* (qt, qs): the pair L2AH after the ring's next load */
+  int qt = tile, qs = seg;
+  for (int p = 0; p < PD - 1 + L2AH; ++p)
+    if (++qs == ns) { qs = 0; ++qt; }
+#endif
   float acc[NG][4];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
@@ -1187,6 +1211,18 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
           if (++ps == ns) { ps = 0; ++pt; }
 #else
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
+#endif
+#if L2AH
+          if (j + PD - 1 + L2AH < j1) {
+#if XK
+            l2_pair(codes, scales, (long long)qt * n_seg + s_lo + qs, lane);
+#elif (LFX || CAU) && EPI
+            l2_pair(codes, scales, (long long)vphys(qt, lf.half_t) * n_seg + qs, lane);
+#else
+            l2_pair(codes, scales, (long long)qt * ns + qs, lane);
+#endif
+          }
+          if (++qs == ns) { qs = 0; ++qt; }
 #endif
         }
         const u16* xs[NG];
