@@ -247,12 +247,26 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
      slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
      selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
+#ifdef K2SHF /* the selectors of A[1] by a shift of A[0]'s (the source before session 20) */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
   }
+#else
+  /* one 32 x 32 -> 64-bit multiply-add makes both selectors: with m the four masked codes (bytes m_i <= 3, so every
+     byte of m * 0x22 is <= 0x66 and no sum below carries), m * 0x00220022 + 0x1010101010101010 has in its low word
+     bytes 0, 1 the selector of bytes 0, 1 of m, and in its high word bytes 0, 1 that of bytes 2, 3 (PRMT reads a
+     selector's low 16 bits only) */
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32 m = (w[u] >> (2 * s)) & 0x03030303u;
+    const unsigned long long v = (unsigned long long)m * 0x00220022u + 0x1010101010101010ull;
+    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)v);
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(v >> 32));
+  }
+#endif
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
