@@ -91,6 +91,11 @@ __device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
 }
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
   V4 r;
+#ifdef LAB_L2_256 /* lab: with the L2 256-byte prefetch-size hint */
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+#endif
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
@@ -103,18 +108,6 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
   for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + (j * K_BITS + v) * 32 + lane);
 #pragma unroll
   for (int v = 0; v < SV; ++v) b[K_BITS + v] = ld_stream(scales + (j * 8 + g) * SV + v);
-}
-#ifndef L2AH /* lab: kernels 1 and 3 prefetch into L2 the (tile, segment) pair L2AH pairs (kernel 1: L2AH rounds)
-                 ahead of their register loads (0: off) */
-#define L2AH 0
-#endif
-/* pair j's code lines (lanes 0 .. 4 K_BITS - 1) and scale lines (the next SV lanes) into L2, 128 bytes a lane */
-__device__ __forceinline__ void l2_pair(const V4* __restrict__ codes, const V4* __restrict__ scales, long long j,
-                                        u32 lane) {
-  if (lane < 4 * K_BITS)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(codes + j * K_BITS * 32 + lane * 8));
-  else if (lane < 4 * K_BITS + SV)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(scales + j * 8 * SV + (lane - 4 * K_BITS) * 8));
 }
 #ifndef XS
 #define XS 0
@@ -246,19 +239,12 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
 #elif K_BITS == 2
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
      slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
-     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). */
-#ifdef K2SHF /* the selectors of A[1] by a shift of A[0]'s (the source before session 20) */
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
-    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
-    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
-  }
-#else
-  /* one 32 x 32 -> 64-bit multiply-add makes both selectors: with m the four masked codes (bytes m_i <= 3, so every
-     byte of m * 0x22 is <= 0x66 and no sum below carries), m * 0x00220022 + 0x1010101010101010 has in its low word
-     bytes 0, 1 the selector of bytes 0, 1 of m, and in its high word bytes 0, 1 that of bytes 2, 3 (PRMT reads a
-     selector's low 16 bits only) */
+     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). One 32 x 32
+     -> 64-bit multiply-add makes the selectors of both A registers: with m the four masked codes (bytes <= 3, so
+     every byte of m * 0x22 is <= 0x66 and no sum below carries), m * 0x00220022 + 0x1010101010101010 holds in its
+     low word's bytes 0, 1 the selector of bytes 0, 1 of m, and in its high word's those of bytes 2, 3 (PRMT reads
+     a selector's low 16 bits only). (Session 20: 9% fewer instructions in kernel 3's k = 2 loop than IMAD + SHF
+     of the high half, same speed, k2wide-s20-ab.log.) */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const u32 m = (w[u] >> (2 * s)) & 0x03030303u;
@@ -266,7 +252,6 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(v >> 32));
   }
-#endif
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
@@ -587,8 +572,13 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
   int item = blockIdx.x, seg; \
   first(item, seg); \
   if (seg >= 0) load(item, seg);
-/* DET: a warp's partial sums each, added in warp order; else one set, shared-memory atomics */
-__shared__ float s_red[(DET ? MAXW : 1) * NG * 128];
+/* WO (DET, and K1WO where the workspace takes a value an atomic): a warp's partial sums each, added in warp order
+   (the CTA's sums are the same run to run); else one set, shared-memory atomics */
+#ifndef K1WO
+#define K1WO 0
+#endif
+#define WO (DET || (K1WO && !WS4))
+__shared__ float s_red[(WO ? MAXW : 1) * NG * 128];
 __shared__ int s_flag;
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
@@ -620,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
 #endif
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if !DET
+#if !WO
   for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
 #endif
   __syncthreads();
@@ -653,10 +643,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       while (true) {
         /* next load: the next segment of this item, else the first one of the warp's next item */
         int n_item = item, n_seg_ = seg + (int)W;
-#if L2AH
-        if (seg + (1 + L2AH) * (int)W < s1)
-          l2_pair(codes, scales, (long long)tile * n_seg + seg + (1 + L2AH) * (int)W, lane);
-#endif
         if (n_seg_ >= s1) { n_item = item + gridDim.x; first(n_item, n_seg_); }
         V4 nw[K_BITS], ns[SV];
         if (n_seg_ >= 0) {
@@ -681,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         seg = n_seg_;
         if (done) break;
       }
-#if !DET
+#if !WO
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
@@ -692,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
       first(n_item, seg);
       if (seg >= 0) load(n_item, seg);
     }
-#if DET
+#if WO
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
@@ -719,8 +705,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma(
         y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
       }
 #else
+#if WO
+      float v = 0.0f;
+      for (u32 w = 0; w < W; ++w) v += s_red[w * (NG * 128) + e];
+      v *= post;
+#else
       const float v = s_red[e] * post;
       s_red[e] = 0.0f;
+#endif
       if (row < N && tok < M) {
         if (last) y[(long long)tok * y_stride + row] = f2h(v + bias_of(bias, bias_kind, row));
         else atomicAdd(&ws[(long long)tok * ws_stride + row], v);
@@ -1203,11 +1195,6 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
   for (int p = 0; p < PD - 1; ++p)
     if (++ps == ns) { ps = 0; ++pt; }
 #endif
-#if L2AH /* (qt, qs): the pair L2AH after the ring's next load */
-  int qt = tile, qs = seg;
-  for (int p = 0; p < PD - 1 + L2AH; ++p)
-    if (++qs == ns) { qs = 0; ++qt; }
-#endif
   float acc[NG][4];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
@@ -1225,18 +1212,6 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
           if (++ps == ns) { ps = 0; ++pt; }
 #else
           ld_seg(buf[(p + PD - 1) % PD], codes, scales, j + PD - 1, lane, g);
-#endif
-#if L2AH
-          if (j + PD - 1 + L2AH < j1) {
-#if XK
-            l2_pair(codes, scales, (long long)qt * n_seg + s_lo + qs, lane);
-#elif (LFX || CAU) && EPI
-            l2_pair(codes, scales, (long long)vphys(qt, lf.half_t) * n_seg + qs, lane);
-#else
-            l2_pair(codes, scales, (long long)qt * ns + qs, lane);
-#endif
-          }
-          if (++qs == ns) { qs = 0; ++qt; }
 #endif
         }
         const u16* xs[NG];

@@ -350,6 +350,9 @@ def _permute_x(x2):
 
 #: kernel 3: register pipeline depth (segments) per k
 PIPE = {2: 2, 3: 3, 4: 2, 5: 2}
+#: kernel 1 adds its warps' partial sums in warp order (``K1WO`` in the source) instead of shared-memory float atomics,
+#: so a CTA's sums are the same run to run (kernel 1's outputs too where K is not split across CTAs)
+K1WO = 1
 #: kernel 3 is the default from this many rows (M <= 8): it won on 28672 / 57344 rows, lost on 4096 / 8192
 TALL = 16384
 #: M = 1 on more rows than this (16-row tiles > 2 CTAs x 132 SMs) goes to kernel 3 with x in shared memory below
@@ -696,6 +699,8 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     # (3+ CTAs of 8 warps an SM), where ptxas then spills more (e.g. k = 4 (1, 8, 3): 8 -> 32 bytes of stack)
     if M == 1 and (kernel == 3 or (kernel == 1 and W * X <= 16)):
         defines["M1"] = 1
+    if kernel == 1:  # a CTA's warps summed in warp order (bit-stable run to run where K is not split across CTAs)
+        defines["K1WO"] = K1WO
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
