@@ -91,11 +91,6 @@ __device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
 }
 __device__ __forceinline__ V4 ld_stream(const V4* p) {
   V4 r;
-#ifdef LAB_L2_256 /* lab: with the L2 256-byte prefetch-size hint */
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-#endif
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
