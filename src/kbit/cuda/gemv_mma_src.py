@@ -240,6 +240,14 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
      low word's bytes 0, 1 the selector of bytes 0, 1 of m, and in its high word's those of bytes 2, 3 (PRMT reads
      a selector's low 16 bits only). (Session 20: 9% fewer instructions in kernel 3's k = 2 loop than IMAD + SHF
      of the high half, same speed, k2wide-s20-ab.log.) */
+#ifdef K2SHF /* lab: the selectors of A[1] by a shift of A[0]'s (the source before session 20) */
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
+    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
+  }
+#else
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const u32 m = (w[u] >> (2 * s)) & 0x03030303u;
@@ -247,6 +255,7 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(v >> 32));
   }
+#endif
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
