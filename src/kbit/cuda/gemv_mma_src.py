@@ -234,28 +234,16 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
 #elif K_BITS == 2
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
      slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
-     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). One 32 x 32
-     -> 64-bit multiply-add makes the selectors of both A registers: with m the four masked codes (bytes <= 3, so
-     every byte of m * 0x22 is <= 0x66 and no sum below carries), m * 0x00220022 + 0x1010101010101010 holds in its
-     low word's bytes 0, 1 the selector of bytes 0, 1 of m, and in its high word's those of bytes 2, 3 (PRMT reads
-     a selector's low 16 bits only). (Session 20: 9% fewer instructions in kernel 3's k = 2 loop than IMAD + SHF
-     of the high half, same speed, k2wide-s20-ab.log.) */
-#ifdef K2SHF /* lab: the selectors of A[1] by a shift of A[0]'s (the source before session 20) */
+     selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). (Session 20
+     tried both registers' selectors from one IMAD.WIDE, m * 0x00220022 + 0x1010101010101010: 9% fewer
+     instructions in kernel 3's loop, same GEMV speed, but kernel 1 grew from 94 to 128 registers and the
+     Llama-3-8B k = 2 decode step was ~40 us slower; docs/notes/gemv.md, session 20.) */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
   }
-#else
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const u32 m = (w[u] >> (2 * s)) & 0x03030303u;
-    const unsigned long long v = (unsigned long long)m * 0x00220022u + 0x1010101010101010ull;
-    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)v);
-    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(v >> 32));
-  }
-#endif
 #elif K_BITS == 3
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
