@@ -350,9 +350,12 @@ def _permute_x(x2):
 
 #: kernel 3: register pipeline depth (segments) per k
 PIPE = {2: 2, 3: 3, 4: 2, 5: 2}
-#: kernel 1 adds its warps' partial sums in warp order (``K1WO`` in the source) instead of shared-memory float atomics,
-#: so a CTA's sums are the same run to run (kernel 1's outputs too where K is not split across CTAs)
-K1WO = 1
+#: k values for which kernel 1 adds its warps' partial sums in warp order (``K1WO`` in the source) instead of with
+#: shared-memory float atomics: a CTA's sums are then the same run to run (kernel 1's outputs too where K is not split
+#: across CTAs). H100 (``benchmarks/results/h100/k1wo-s20-ab.log``, ``e2e-s20-k1wo*.md``): k = 4 4096x14336 M = 1
+#: 14.1 -> 13.3 us, Llama-3-8B decode step 2.434 / 2.415 -> 2.402 / 2.384 ms; k = 2 GEMVs unchanged but its step
+#: 2.079 / 2.059 -> 2.105 / 2.085 ms (not understood), so k = 2 keeps the atomics
+K1WO_K = (3, 4, 5)
 #: kernel 3 is the default from this many rows (M <= 8): it won on 28672 / 57344 rows, lost on 4096 / 8192
 TALL = 16384
 #: M = 1 on more rows than this (16-row tiles > 2 CTAs x 132 SMs) goes to kernel 3 with x in shared memory below
@@ -700,7 +703,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     if M == 1 and (kernel == 3 or (kernel == 1 and W * X <= 16)):
         defines["M1"] = 1
     if kernel == 1:  # a CTA's warps summed in warp order (bit-stable run to run where K is not split across CTAs)
-        defines["K1WO"] = K1WO
+        defines["K1WO"] = int(k in K1WO_K)
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
