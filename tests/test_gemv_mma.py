@@ -396,6 +396,30 @@ def test_mma_gpu_cta_units(monkeypatch, config):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("k", [3, 4, 5])
+@pytest.mark.parametrize("config", [(1, 8, 2), (1, 4, 4), (1, 8, 3)])
+def test_mma_gpu_kernel1_warp_order(k, config):
+    """Kernel 1 at k in ``K1WO_K`` adds its warps' sums in warp order: correct (M 1..16, bias, N not a multiple of
+    16), and where K is not split across CTAs (splits == 1) 40 repeated calls are bit-identical (with the earlier
+    shared-memory atomics 1-2 of 50 differed on 4096x4096, det-probe-s19.log)."""
+    assert k in MM.K1WO_K
+    for N, K_, M, dtype, bias in [(4096, 4096, 1, torch.bfloat16, False), (1000, 4000, 3, torch.float16, True),
+                                  (4096, 2048, 16, torch.bfloat16, False)]:
+        p = MM.plan(k, M, N, K_, config=config)
+        assert p["defines"]["K1WO"] == 1
+        check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
+        if p["splits"] != 1:
+            continue
+        codes, scales, ts, cb = make_weight(N, K_, k, 32, "log8", device="cuda", seed=1)
+        x = torch.randn(M, K_, dtype=dtype, device="cuda")
+        kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
+        y1 = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+        for _ in range(40):
+            assert torch.equal(y1, MM.linear_small_m(x, codes, scales, ts, cb, **kw))
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("config", [(3, 16, 1, 3, 1, 8), (3, 8, 2, 2, 1, 4), (3, 4, 2, 4, 1, 2), (3, 16, 1, 2, 1, 8)])
 def test_mma_gpu_x_slices(config):
     """Kernel 3 with K slices of x in shared memory (config[5]): a last slice shorter than the others (K = 5120:
