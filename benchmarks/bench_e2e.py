@@ -419,10 +419,12 @@ def run(args) -> list:
     import transformers
     import triton
 
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KBIT_") and k != "KBIT_COMMIT")
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "date": datetime.date.today().isoformat(), "commit": git_commit(), "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
-            "command": "python benchmarks/bench_e2e.py " + " ".join(args.argv), "ctx": args.ctx,
+            "command": (env + " " if env else "") + "python benchmarks/bench_e2e.py " + " ".join(args.argv),
+            "ctx": args.ctx,
             "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse, "fuse_proj": args.fuse_proj,
             "lm_head_k": args.lm_head_k, "decode_attn": os.environ.get("KBIT_DECODE_ATTN", "auto"),
             "fast_decode": not args.no_fast}

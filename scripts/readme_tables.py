@@ -315,6 +315,13 @@ def main():
              "batch 4 (`e2e-s19-b4-nocau.md`):",
              e2e_table(RES / "e2e-s19-cau.json"), e2e_table(RES / "e2e-s19-b4-16.json"),
              e2e_table(RES / "e2e-s19-qwen3.json"),
+             "### End-to-end decode, session 20: kernel 1's warp-order sums",
+             "Kernel 1 (the o_proj and down GEMVs of this step) adds its warps' sums in warp order at k = 3, 4, 5 "
+             "instead of with shared-memory float atomics: bit-identical run to run where K is not split, and faster "
+             "(interleaved A/B of the same step at k = 4: 2.434 / 2.415 -> 2.402 / 2.384 ms, `e2e-s20-k1wo0.md`, "
+             "`e2e-s20-k1wo1.md`). With the lm_head at k = 2 as well (not the default), k = 2 ran 1.756 ms "
+             "(`e2e-s20-k2-lmh2.md`, commit a98e1a7):",
+             e2e_table(RES / "e2e-s20-final.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
     readme = ROOT / "README.md"
