@@ -320,7 +320,7 @@ def main():
              "instead of with shared-memory float atomics: bit-identical run to run where K is not split, and faster "
              "(interleaved A/B of the same step at k = 4: 2.434 / 2.415 -> 2.402 / 2.384 ms, `e2e-s20-k1wo0.md`, "
              "`e2e-s20-k1wo1.md`). With the lm_head at k = 2 as well (not the default), k = 2 ran 1.756 ms "
-             "(`e2e-s20-k2-lmh2.md`, commit a98e1a7):",
+             "(`e2e-s20-k2-lmh2.md`, commit a98e1a7) and 1.832 ms in another call (`e2e-s20-llama-k2-lmh2.md`):",
              e2e_table(RES / "e2e-s20-final.json"),
              "### Sampling", sampling_table(RES / "sampling_v5.json"),
              "### Quantizer", quantize_table(RES / "quantize-2026-11-21.json")]
