@@ -354,7 +354,8 @@ PIPE = {2: 2, 3: 3, 4: 2, 5: 2}
 #: shared-memory float atomics: a CTA's sums are then the same run to run (kernel 1's outputs too where K is not split
 #: across CTAs). H100 (``benchmarks/results/h100/k1wo-s20-ab.log``, ``e2e-s20-k1wo*.md``): k = 4 4096x14336 M = 1
 #: 14.1 -> 13.3 us, Llama-3-8B decode step 2.434 / 2.415 -> 2.402 / 2.384 ms; k = 2 GEMVs unchanged but its step
-#: 2.079 / 2.059 -> 2.105 / 2.085 ms (not understood), so k = 2 keeps the atomics
+#: 2.079 / 2.059 -> 2.105 / 2.085 ms (not understood), so k = 2 keeps the atomics. Only at M <= 8 (one 8-token
+#: group): with more groups the build spilled more (k = 4 M = 64: 16 -> 48 bytes of stack) and was not measured
 K1WO_K = (3, 4, 5)
 #: kernel 3 is the default from this many rows (M <= 8): it won on 28672 / 57344 rows, lost on 4096 / 8192
 TALL = 16384
@@ -703,7 +704,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     if M == 1 and (kernel == 3 or (kernel == 1 and W * X <= 16)):
         defines["M1"] = 1
     if kernel == 1:  # a CTA's warps summed in warp order (bit-stable run to run where K is not split across CTAs)
-        defines["K1WO"] = int(k in K1WO_K)
+        defines["K1WO"] = int(k in K1WO_K and ng == 1)  # M <= 8: measured there; at M >= 9 it spills more
     if kernel in (1, 3) and deterministic():
         defines["DET"] = 1
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
