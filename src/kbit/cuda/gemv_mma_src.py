@@ -864,6 +864,23 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
    (counter of the gate tile) writes y. */
 /* silu(gate) * up of the rounded gate and up values, rounded as transformers rounds */
 __device__ __forceinline__ u16 silu_up(float gv, float uv) { return f2h(rnd(gv / (1.0f + __expf(-gv))) * uv); }
+/* y of unit (pair) u from its gate (val) and up (uval) sums, rounded as transformers rounds */
+__device__ __forceinline__ void store_pair(const float (&val)[NG][4], const float (&uval)[NG][4], int u, u32 lane,
+                                           int M, int N, u16* __restrict__ y, int y_stride,
+                                           const void* __restrict__ bias, int bias_kind) {
+  const int g = lane >> 2, t = lane & 3, half = N >> 1;
+#pragma unroll
+  for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
+      if (tok < M) {
+        const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
+        const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
+        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
+      }
+    }
+}
 __device__ __forceinline__ void finish_silu(float (&acc)[NG][4], int tile, u32 lane, int M, int N,
                                             u16* __restrict__ y, int y_stride, const void* __restrict__ bias,
                                             int bias_kind, float post, float* __restrict__ ws,
@@ -959,24 +976,14 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
                                                 const void* __restrict__ bias, int bias_kind, float post,
                                                 float* __restrict__ ws, int* __restrict__ cnt, int contrib,
                                                 int total) {
-  const int g = lane >> 2, t = lane & 3, half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
+  const int half = N >> 1, pair = tile < (half >> 4) ? tile : tile - (half >> 4);
   float* own = ws + (long long)tile * spt * (NG * 128);
   if (!slot_arrive(acc, own + ((seg_first + L - 1) / L) * (NG * 128), lane, post, cnt, pair, contrib, 2 * total))
     return;
   float (&gs)[NG][4] = acc, us[NG][4];  /* the gate tile's sums in place of this part's */
   slot_sum(ws + (long long)pair * spt * (NG * 128), spt, lane, gs);
   slot_sum(ws + (long long)(pair + (half >> 4)) * spt * (NG * 128), spt, lane, us);
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = pair * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (tok < M) {
-        const float gv = rnd(gs[ng][c] + bias_of(bias, bias_kind, row));
-        const float uv = rnd(us[ng][c] + bias_of(bias, bias_kind, half + row));
-        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
-      }
-    }
+  store_pair(gs, us, pair, lane, M, N, y, y_stride, bias, bias_kind);
   if (lane == 0) atomicExch(&cnt[pair], 0);
 }
 #endif
@@ -1009,25 +1016,6 @@ __device__ __forceinline__ void put_slot(const float (&acc)[NG][4], int v, float
                                                      acc[ng][3] * post);
   if (lane == 0) s_stile[si] = v;
 }
-#if EPI
-/* y of unit (pair) u from its gate (val) and up (uval) sums, rounded as transformers rounds */
-__device__ __forceinline__ void store_pair(const float (&val)[NG][4], const float (&uval)[NG][4], int u, u32 lane,
-                                           int M, int N, u16* __restrict__ y, int y_stride,
-                                           const void* __restrict__ bias, int bias_kind) {
-  const int g = lane >> 2, t = lane & 3, half = N >> 1;
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int row = u * 16 + g + 8 * (c >> 1), tok = ng * 8 + 2 * t + (c & 1);
-      if (tok < M) {
-        const float gv = rnd(val[ng][c] + bias_of(bias, bias_kind, row));
-        const float uv = rnd(uval[ng][c] + bias_of(bias, bias_kind, half + row));
-        y[(long long)tok * y_stride + row] = silu_up(gv, uv);
-      }
-    }
-}
-#endif
 #endif
 #if LFX
 /* LFX: the CTA-local fix-up. A warp's part of a tile (EPI: every part; the unit of a fix-up is a tile, EPI a gate /
