@@ -1998,7 +1998,9 @@ __device__ __forceinline__ V4 ldg_nc(const V4* p) {
 #if MAXW % 4
 #error "WSP: MAXW must be a multiple of 4"
 #endif
-__device__ __forceinline__ void sts32(u32 a, u32 v) { asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(v) : "memory"); }
+__device__ __forceinline__ void sts32(u32 a, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
+}
 extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
