@@ -207,8 +207,18 @@ __device__ __forceinline__ float ldsf(u32 a) {
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
 }
+#ifndef LUT4R
+#define LUT4R 0
+#endif
+#if K_BITS == 4 && LUT4R
+/* LUT4R (k = 4, no shared table; the warp-specialized kernel 7's producers): the codebook's 16 halves split into
+   bytes, four a register: t[0], t[1] the low bytes of entries 0-7, t[2], t[3] their high bytes, t[4..7] the same
+   for entries 8-15 */
+struct LB { u32 t[8]; };
+#else
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
 struct LB { u32 a, b; };
+#endif
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -218,7 +228,26 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
 __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
-#if K_BITS == 4
+#if K_BITS == 4 && LUT4R
+  /* register lookup: byte b of word 2u + h holds the codes (low nibble e = 0, high e = 1) of A[h][b]. Two A
+     registers at a time: one PRMT per byte table picks the byte of each of their four codes (selector nibbles =
+     the codes' low three bits), the codes' bit 3 (as byte masks: PRMT sign replication) chooses entries 0-7 or
+     8-15, and two PRMTs interleave the low and high bytes into halves: ~5 ALU instructions a register. (As the
+     consumer's lookup in kernels 1-7 it lost to the shared table: docs/notes/gemm.md, session 13.) */
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 x = w[2 * u + h], s = x & 0x77777777u, x4 = x << 4;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const u32 sp = p ? s >> 16 : s;
+      const u32 m = prmt(x4, x, p ? 0xFBEAu : 0xD9C8u);
+      const u32 lo = (prmt(lbb.t[0], lbb.t[1], sp) & ~m) | (prmt(lbb.t[4], lbb.t[5], sp) & m);
+      const u32 hi = (prmt(lbb.t[2], lbb.t[3], sp) & ~m) | (prmt(lbb.t[6], lbb.t[7], sp) & m);
+      A[h][2 * p] = prmt(lo, hi, 0x5140u);
+      A[h][2 * p + 1] = prmt(lo, hi, 0x7362u);
+    }
+  }
+#elif K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
@@ -277,7 +306,9 @@ template <bool IDX>
 __device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
 template <bool IDX = false>
 __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict__ cb, u32 tid, u32 nt) {
-#if K_BITS == 4
+#if K_BITS == 4 && LUT4R
+  /* no table: lookup() reads the codebook's bytes from registers (lane_bits) */
+#elif K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
     const u32 e = i >> 5;
     s_tab[i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);
@@ -299,7 +330,17 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 
 template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
-#if K_BITS == 2
+#if K_BITS == 4 && LUT4R
+  LB r;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  /* entries 4q .. 4q + 3 */
+    const u32 h01 = cbv<IDX>(cb, 4 * q) | (cbv<IDX>(cb, 4 * q + 1) << 16);
+    const u32 h23 = cbv<IDX>(cb, 4 * q + 2) | (cbv<IDX>(cb, 4 * q + 3) << 16);
+    r.t[(q >> 1) * 4 + (q & 1)] = prmt(h01, h23, 0x6420u);     /* low bytes */
+    r.t[(q >> 1) * 4 + 2 + (q & 1)] = prmt(h01, h23, 0x7531u); /* high bytes */
+  }
+  return r;
+#elif K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
 #elif K_BITS == 5
   return LB{tab | (lane << 2), 0u};
@@ -515,7 +556,9 @@ __device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xff
 __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
   const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
   (void)c;
-#if K_BITS == 4
+#if K_BITS == 4 && LUT4R
+  /* no table: lookup() reads the codebook's bytes from registers (lane_bits) */
+#elif K_BITS == 4
   for (u32 i = tid; i < 2048; i += nt) {
     const u32 e = i >> 3;
     const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
@@ -2136,8 +2179,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
           for (int ul = 0; ul < 2; ++ul) {
             const int u = 2 * cc + ul;
             u32 T[2][4];
+#if defined(LAB_WSPX) && LAB_WSPX >= 1 /* lab: the code words as A (wrong results): what the lookups cost */
+#pragma unroll
+            for (int i = 0; i < 8; ++i) Aq[tt][ul][i >> 2][i & 3] = w[tt][(2 * u + (i >> 2)) % NW];
+            (void)T;
+#else
             lookup(w[tt], u, lbb, T);
             fold_scales(Aq[tt][ul], T, scale2(sw[tt], u, 0, sc2_base), scale2(sw[tt], u, 1, sc2_base));
+#endif
           }
         if (q >= D) { /* chunk q - D, the stage's last reader, retired in every consumer warp */
           mbar_wait(smem_addr(&s_empty[slot]), (ephase >> slot) & 1);
@@ -2147,6 +2196,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
           bulk_load(dsm_base + slot * XC, x + ((long long)ct.tb * x_stride + c_s * 4 + cc) * (XC / 2), XC,
                     smem_addr(&s_full[slot]));
         const u32 sa = a_base + slot * AC;
+#if defined(LAB_WSPX) && LAB_WSPX >= 2 /* lab: no A stores either (stale A): the SS pipeline alone */
+        if (sa == 0xFFFFFFFFu)
+#else
+        if (true)
+#endif
 #pragma unroll
         for (int tt = 0; tt < TPW; ++tt)
 #pragma unroll

@@ -610,11 +610,15 @@ def large_defines(k, cfg, grouped=False):
         raise ValueError(f"config: the warp-specialized kernel 7 needs x pre-tiled and warps a multiple of 4, "
                          f"got {cfg}")
     stage = xc + (W * 16 * 128 if wsp else 0)
-    D = max(2 if wsp else 3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // stage))
+    # k = 4 producers look up from registers (LUT4R), not a 32 KB shared table: the table's loads compete with the
+    # wgmmas' shared-memory reads (``KBIT_LAB_DEFINES=LUT4R=0`` keeps the table, lab)
+    lut4r = int(bool(wsp) and k == 4 and lab_defines().get("LUT4R", 1))
+    tab = 32 if lut4r else _table_smem(k)
+    D = max(2 if wsp else 3, min(D, 8, (SMEM_MAX - 2048 - 1024 - tab) // stage))
     defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
                    XB=xb, WS4=0)
     if wsp:
-        defines["WSP"] = 1
+        defines.update(WSP=1, LUT4R=lut4r)
     if xb == 2 and len(cfg) > 7 and cfg[7]:
         defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
     if len(cfg) > 8 and cfg[8] and not grouped:
@@ -622,7 +626,7 @@ def large_defines(k, cfg, grouped=False):
     if grouped:
         defines["GRP"] = 1
     defines.update(lab_defines())
-    return defines, D * stage + _table_smem(k) + 1024
+    return defines, D * stage + tab + 1024
 
 
 def large_threads(defines) -> int:
