@@ -2179,10 +2179,15 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
           for (int ul = 0; ul < 2; ++ul) {
             const int u = 2 * cc + ul;
             u32 T[2][4];
-#if defined(LAB_WSPX) && LAB_WSPX >= 1 /* lab: the code words as A (wrong results): what the lookups cost */
+#if defined(LAB_WSPX) && LAB_WSPX >= 1 /* lab: the code words as A (wrong results): what the lookups cost; 3: in
+            tiles tt >= 1 only (half the lookups) */
+            if (LAB_WSPX != 3 || tt >= 1) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) Aq[tt][ul][i >> 2][i & 3] = w[tt][(2 * u + (i >> 2)) % NW];
-            (void)T;
+              for (int i = 0; i < 8; ++i) Aq[tt][ul][i >> 2][i & 3] = w[tt][(2 * u + (i >> 2)) % NW];
+            } else {
+              lookup(w[tt], u, lbb, T);
+              fold_scales(Aq[tt][ul], T, scale2(sw[tt], u, 0, sc2_base), scale2(sw[tt], u, 1, sc2_base));
+            }
 #else
             lookup(w[tt], u, lbb, T);
             fold_scales(Aq[tt][ul], T, scale2(sw[tt], u, 0, sc2_base), scale2(sw[tt], u, 1, sc2_base));
@@ -2196,7 +2201,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
           bulk_load(dsm_base + slot * XC, x + ((long long)ct.tb * x_stride + c_s * 4 + cc) * (XC / 2), XC,
                     smem_addr(&s_full[slot]));
         const u32 sa = a_base + slot * AC;
-#if defined(LAB_WSPX) && LAB_WSPX >= 2 /* lab: no A stores either (stale A): the SS pipeline alone */
+#if defined(LAB_WSPX) && LAB_WSPX == 2 /* lab: no A stores either (stale A): the SS pipeline alone */
         if (sa == 0xFFFFFFFFu)
 #else
         if (true)
