@@ -95,19 +95,6 @@ def test_large_defines_x_loader(cfg, xb):
     assert MM.large_defines(4, cfg)[0]["XB"] == xb
 
 
-def test_large_defines_wsp():
-    """config[9] = 1: the warp-specialized kernel 7 (a producer warpgroup on top of the consumer warps); it needs the
-    bulk-copied x and whole warpgroups of consumers."""
-    d, shared = MM.large_defines(4, (7, 8, 32, 4, 8, 1, 1, 0, 0, 1))
-    assert d["WSP"] == 1 and MM.large_threads(d) == 12 * 32 and shared <= MM.SMEM_MAX
-    assert "WSP" not in MM.large_defines(4, (7, 8, 32, 4, 8, 1, 1))[0]
-    assert MM.large_threads(MM.large_defines(4, (7, 8, 32, 4, 8, 1, 1))[0]) == 8 * 32
-    with pytest.raises(ValueError, match="warp-specialized"):
-        MM.large_defines(4, (7, 8, 32, 4, 8, 1, 0, 0, 0, 1))
-    with pytest.raises(ValueError, match="warp-specialized"):
-        MM.large_defines(4, (7, 6, 32, 4, 8, 1, 1, 0, 0, 1))
-
-
 def test_large_defines_rejects_bad_x_loader():
     with pytest.raises(ValueError, match="x loader"):
         MM.large_defines(4, (7, 8, 32, 4, 8, 1, 3))
@@ -571,28 +558,6 @@ def test_large_gpu_configs_split_k_formats(config):
     check(1000, 4000, 3, 300, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
     check(17, 300, 5, 129, torch.float16, B=128, config=config)
     check(28672, 1024, 2, 520, torch.bfloat16, config=config)
-
-
-#: warp-specialized kernel 7 (config[9] = WSP): 256- and 128-token tiles, whole tasks and stream-K, 1 or 2 consumer
-#: warpgroups
-WSP_CONFIGS = [(7, 8, 32, 4, 8, 1, 1, 0, 0, 1), (7, 8, 32, 4, 8, 1, 1, 0, 1, 1), (7, 8, 16, 4, 8, 1, 1, 0, 1, 1),
-               (7, 4, 32, 4, 8, 1, 1, 0, 0, 1)]
-
-
-@pytest.mark.gpu
-@gpu
-@sm90
-@pytest.mark.parametrize("config", WSP_CONFIGS)
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
-def test_large_gpu_wsp(config, k):
-    """The warp-specialized kernel 7 (producer warpgroup looks the weights up into shared memory, consumers run
-    wgmma on both operands there): every k, both dtypes and scale formats, bias, odd N and K, partial token tiles,
-    one row block (split K / stream-K; twice: the workspace must be left clean), many tasks a CTA."""
-    for _ in range(2):
-        check(64, 8192, k, 100, torch.float16, bias=True, config=config)
-    check(1000, 4000, k, 300, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
-    check(17, 300, k, 129, torch.float16, B=128, config=config)
-    check(2880, 5120, k, 1000, torch.bfloat16, seed=k, config=config)
 
 
 @pytest.mark.gpu

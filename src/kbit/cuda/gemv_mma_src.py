@@ -207,18 +207,8 @@ __device__ __forceinline__ float ldsf(u32 a) {
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
 }
-#ifndef LUT4R
-#define LUT4R 0
-#endif
-#if K_BITS == 4 && LUT4R
-/* LUT4R (k = 4, no shared table; the warp-specialized kernel 7's producers): the codebook's 16 halves split into
-   bytes, four a register: t[0], t[1] the low bytes of entries 0-7, t[2], t[3] their high bytes, t[4..7] the same
-   for entries 8-15 */
-struct LB { u32 t[8]; };
-#else
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
 struct LB { u32 a, b; };
-#endif
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -228,26 +218,7 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
 __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
-#if K_BITS == 4 && LUT4R
-  /* register lookup: byte b of word 2u + h holds the codes (low nibble e = 0, high e = 1) of A[h][b]. Two A
-     registers at a time: one PRMT per byte table picks the byte of each of their four codes (selector nibbles =
-     the codes' low three bits), the codes' bit 3 (as byte masks: PRMT sign replication) chooses entries 0-7 or
-     8-15, and two PRMTs interleave the low and high bytes into halves: ~5 ALU instructions a register. (As the
-     consumer's lookup in kernels 1-7 it lost to the shared table: docs/notes/gemm.md, session 13.) */
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const u32 x = w[2 * u + h], s = x & 0x77777777u, x4 = x << 4;
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const u32 sp = p ? s >> 16 : s;
-      const u32 m = prmt(x4, x, p ? 0xFBEAu : 0xD9C8u);
-      const u32 lo = (prmt(lbb.t[0], lbb.t[1], sp) & ~m) | (prmt(lbb.t[4], lbb.t[5], sp) & m);
-      const u32 hi = (prmt(lbb.t[2], lbb.t[3], sp) & ~m) | (prmt(lbb.t[6], lbb.t[7], sp) & m);
-      A[h][2 * p] = prmt(lo, hi, 0x5140u);
-      A[h][2 * p + 1] = prmt(lo, hi, 0x7362u);
-    }
-  }
-#elif K_BITS == 4
+#if K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
@@ -306,9 +277,7 @@ template <bool IDX>
 __device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
 template <bool IDX = false>
 __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict__ cb, u32 tid, u32 nt) {
-#if K_BITS == 4 && LUT4R
-  /* no table: lookup() reads the codebook's bytes from registers (lane_bits) */
-#elif K_BITS == 4
+#if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
     const u32 e = i >> 5;
     s_tab[i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);
@@ -330,17 +299,7 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 
 template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
-#if K_BITS == 4 && LUT4R
-  LB r;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {  /* entries 4q .. 4q + 3 */
-    const u32 h01 = cbv<IDX>(cb, 4 * q) | (cbv<IDX>(cb, 4 * q + 1) << 16);
-    const u32 h23 = cbv<IDX>(cb, 4 * q + 2) | (cbv<IDX>(cb, 4 * q + 3) << 16);
-    r.t[(q >> 1) * 4 + (q & 1)] = prmt(h01, h23, 0x6420u);     /* low bytes */
-    r.t[(q >> 1) * 4 + 2 + (q & 1)] = prmt(h01, h23, 0x7531u); /* high bytes */
-  }
-  return r;
-#elif K_BITS == 2
+#if K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
 #elif K_BITS == 5
   return LB{tab | (lane << 2), 0u};
@@ -556,9 +515,7 @@ __device__ __forceinline__ u32 cbh(float c, u32 e) { return f2h(__shfl_sync(0xff
 __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restrict__ cb, u32 tid, u32 nt) {
   const float c = cb[(tid & 31) & ((1u << K_BITS) - 1u)];
   (void)c;
-#if K_BITS == 4 && LUT4R
-  /* no table: lookup() reads the codebook's bytes from registers (lane_bits) */
-#elif K_BITS == 4
+#if K_BITS == 4
   for (u32 i = tid; i < 2048; i += nt) {
     const u32 e = i >> 3;
     const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
@@ -2022,270 +1979,6 @@ __device__ __forceinline__ V4 ldg_nc(const V4* p) {
   asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
-#ifndef WSP
-#define WSP 0 /* 1: warp-specialized (see below) */
-#endif
-#if WSP
-#if !XB || !XSW
-#error "WSP: x must be pre-tiled (XB) and swizzled (XSW)"
-#endif
-/* kernel 7, warp-specialized (WSP = 1): warpgroup 0 (4 warps) produces, warps 4 .. 4 + MAXW - 1 consume. A stage
-   holds one 64-column chunk of the CTA's MAXW x 16 weight rows, looked up and scaled by the producers and stored
-   as bf16 / f16 in wgmma's 128-byte swizzled K-major layout (the weights' "mma-v1" K order, which the x tiles
-   share), plus the chunk's x tile (one bulk copy). Consumer warpgroups issue m64n(8 NG)k16 wgmmas with both
-   operands from shared memory: no lookup, no CTA barrier between the x landing and the tensor cores. s_full[s]:
-   the 128 producer threads' stores and the bulk copy's bytes; s_empty[s]: every consumer warp's wgmmas that read
-   stage s retired. */
-#define AC (MAXW * 16 * 128) /* one stage's A: MAXW x 16 rows of 128 bytes */
-#define TPW (MAXW / 4)       /* 16-row tiles a producer warp looks up */
-#if MAXW % 4
-#error "WSP: MAXW must be a multiple of 4"
-#endif
-__device__ __forceinline__ void sts32(u32 a, u32 v) {
-  asm volatile("st.shared.b32 [%0], %1;" :: "r"(a), "r"(v) : "memory");
-}
-extern "C" __global__ void __launch_bounds__(MAXW * 32 + 128, 1) kbit_gemv_mma(
-    const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
-    const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
-    u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
-    int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride
-#if GRP
-    , const int* __restrict__ blk, const int* __restrict__ nblk, const int* __restrict__ eid
-#endif
-    ) {
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int BT = 8 * NG;
-#if GRP
-  pdl_launch();
-  pdl_wait();
-  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = min(*nblk, M);
-#else
-  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = (M + BT - 1) / BT;
-#endif
-  const int n_tasks = n_rb * n_tb * splits;
-#if SK
-  const long long Tw = (long long)n_rb * n_tb * n_seg;
-  const long long sj0 = Tw * blockIdx.x / gridDim.x, sj1 = Tw * (blockIdx.x + 1) / gridDim.x;
-  const int p_first = (int)(sj0 / n_seg), p_end = sj1 > sj0 ? (int)((sj1 - 1) / n_seg) + 1 : p_first;
-  const int p_step = 1;
-  auto get_task = [&](int p) {
-    Task t = task_of(p, n_rb, n_tb, 1, n_seg, n_seg);
-    if (p == p_first) t.s0 = (int)(sj0 - (long long)p_first * n_seg);
-    if (p == p_end - 1) t.s1 = (int)(sj1 - (long long)(p_end - 1) * n_seg);
-    return t;
-  };
-#else
-  const int p_first = blockIdx.x, p_end = n_tasks, p_step = gridDim.x;
-  auto get_task = [&](int p) {
-    Task t = task_of(p, n_rb, n_tb, splits, sps, n_seg);
-#if GRP
-    t.r0 = blk[t.tb];
-    t.mb = blk[t.tb + 1] - t.r0;
-    t.e = eid[t.r0];
-#endif
-    return t;
-  };
-#endif
-  if (p_first >= p_end) return;
-  extern __shared__ __align__(128) unsigned char dsm[];
-  const u32 dsm_base = (smem_addr(dsm) + 1023) & ~1023u;  /* swizzle atoms are 1024-byte aligned */
-  const u32 a_base = dsm_base + D * XC;
-  const u32 tab = (a_base + D * AC + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
-  /* producer: codes / scales of segment f_s of task f_p, a segment ahead */
-  int f_p = p_first;
-  Task ft = get_task(f_p);
-  int f_s = ft.s0;
-  u32 wn[TPW][NW], swn[TPW][4 * SV];
-  auto fetch = [&]() {
-    if (f_p < p_end) {
-#pragma unroll
-      for (int tt = 0; tt < TPW; ++tt) {
-        const int tile = ft.rb * MAXW + (int)warp * TPW + tt;
-        if (tile < n_tiles) {
-#if GRP
-          const long long ts_ = ((long long)ft.e * n_tiles + tile) * n_seg + f_s;
-#else
-          const long long ts_ = (long long)tile * n_seg + f_s;
-#endif
-#pragma unroll
-          for (int v = 0; v < K_BITS; ++v) {
-            V4 q = ldg_nc(codes + (ts_ * K_BITS + v) * 32 + lane);
-            wn[tt][4 * v] = q.x; wn[tt][4 * v + 1] = q.y; wn[tt][4 * v + 2] = q.z; wn[tt][4 * v + 3] = q.w;
-          }
-#pragma unroll
-          for (int v = 0; v < SV; ++v) {
-            V4 q = ldg_nc(scales + ts_ * 8 * SV + g * SV + v);
-            swn[tt][4 * v] = q.x; swn[tt][4 * v + 1] = q.y; swn[tt][4 * v + 2] = q.z; swn[tt][4 * v + 3] = q.w;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < NW; ++i) wn[tt][i] = 0u;
-#pragma unroll
-          for (int i = 0; i < 4 * SV; ++i) swn[tt][i] = 0u;
-        }
-      }
-      if (++f_s == ft.s1) {
-        f_p += p_step;
-        if (f_p < p_end) {
-          ft = get_task(f_p);
-          f_s = ft.s0;
-        }
-      }
-    }
-  };
-  if (warp < 4) fetch();
-  build_tables(tab, cb, e_tab, tid);
-  if (tid == 0) {
-#pragma unroll
-    for (int s = 0; s < D; ++s) {
-      mbar_init(smem_addr(&s_full[s]), 129);
-      mbar_init(smem_addr(&s_empty[s]), MAXW);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-#if !GRP
-  pdl_launch();
-  pdl_wait();
-#endif
-  int c_p = p_first;
-  Task ct = get_task(c_p);
-  int c_s = ct.s0, slot = 0;
-  /* the role from a shuffle: provably warp-uniform, so ptxas keeps the consumers' wgmmas unserialized */
-  if (__shfl_sync(0xffffffffu, (int)warp >> 2, 0) == 0) {
-    /* producer warpgroup: warp w looks up tiles w TPW .. w TPW + TPW - 1 of the CTA's row block */
-    const LB lbb = lane_bits(tab, lane, cb);
-    const u32 sc2_base = smem_addr(s_sc2);
-    u32 ephase = 0;
-    int q = 0;
-    while (c_p < p_end) {
-      u32 w[TPW][NW], sw[TPW][4 * SV];
-#pragma unroll
-      for (int tt = 0; tt < TPW; ++tt) {
-#pragma unroll
-        for (int i = 0; i < NW; ++i) w[tt][i] = wn[tt][i];
-#pragma unroll
-        for (int i = 0; i < 4 * SV; ++i) sw[tt][i] = swn[tt][i];
-      }
-      fetch();
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        u32 Aq[TPW][2][2][4];
-#pragma unroll
-        for (int tt = 0; tt < TPW; ++tt)
-#pragma unroll
-          for (int ul = 0; ul < 2; ++ul) {
-            const int u = 2 * cc + ul;
-            u32 T[2][4];
-#if defined(LAB_WSPX) && LAB_WSPX >= 1 /* lab: the code words as A (wrong results): what the lookups cost; 3: in
-            tiles tt >= 1 only (half the lookups) */
-            if (LAB_WSPX != 3 || tt >= 1) {
-#pragma unroll
-              for (int i = 0; i < 8; ++i) Aq[tt][ul][i >> 2][i & 3] = w[tt][(2 * u + (i >> 2)) % NW];
-            } else {
-              lookup(w[tt], u, lbb, T);
-              fold_scales(Aq[tt][ul], T, scale2(sw[tt], u, 0, sc2_base), scale2(sw[tt], u, 1, sc2_base));
-            }
-#else
-            lookup(w[tt], u, lbb, T);
-            fold_scales(Aq[tt][ul], T, scale2(sw[tt], u, 0, sc2_base), scale2(sw[tt], u, 1, sc2_base));
-#endif
-          }
-        if (q >= D) { /* chunk q - D, the stage's last reader, retired in every consumer warp */
-          mbar_wait(smem_addr(&s_empty[slot]), (ephase >> slot) & 1);
-          ephase ^= 1u << slot;
-        }
-        if (tid == 0)
-          bulk_load(dsm_base + slot * XC, x + ((long long)ct.tb * x_stride + c_s * 4 + cc) * (XC / 2), XC,
-                    smem_addr(&s_full[slot]));
-        const u32 sa = a_base + slot * AC;
-#if defined(LAB_WSPX) && LAB_WSPX == 2 /* lab: no A stores either (stale A): the SS pipeline alone */
-        if (sa == 0xFFFFFFFFu)
-#else
-        if (true)
-#endif
-#pragma unroll
-        for (int tt = 0; tt < TPW; ++tt)
-#pragma unroll
-          for (int ul = 0; ul < 2; ++ul)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                /* A[h][r + 2j]: row g + 8r, k step 2 ul + h, columns 8j + 2t, + 1 of it */
-                const u32 row = 16 * ((int)warp * TPW + tt) + g + 8 * (i & 1);
-                const u32 c16 = 2 * (2 * ul + h) + (i >> 1);
-                sts32(sa + row * 128 + ((c16 ^ (u32)g) << 4) + 4 * t, Aq[tt][ul][h][i]);
-              }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        mbar_arrive(smem_addr(&s_full[slot]));
-        slot = slot + 1 == D ? 0 : slot + 1;
-        ++q;
-      }
-      if (++c_s == ct.s1) {
-        c_p += p_step;
-        if (c_p < p_end) {
-          ct = get_task(c_p);
-          c_s = ct.s0;
-        }
-      }
-    }
-    return;
-  }
-  /* consumer warps: cw = 0 .. MAXW - 1, warpgroup cw / 4 owns A rows 64 (cw / 4) .. + 63 */
-  const int cw = (int)warp - 4;
-  const u32 wg_off = __shfl_sync(0xffffffffu, (u32)(cw >> 2) * (64 * 128), 0); /* warp-uniform: one R2UR */
-  const float post = FP16_SCALES ? *ts_ptr : *ts_ptr * (1.0f / SPRE);
-  float acc[NG][4];
-#pragma unroll
-  for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-  u32 phase = 0;
-  int pend = -1;
-  while (c_p < p_end) {
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      mbar_wait(smem_addr(&s_full[slot]), (phase >> slot) & 1);
-      phase ^= 1u << slot;
-      const u32 sa = a_base + slot * AC + wg_off, sb = dsm_base + slot * XC;
-      wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wg_mma_ss(acc, x_desc(sa, kk), x_desc(sb, kk));
-      wg_commit();
-      wg_wait<1>();
-      if (pend >= 0 && lane == 0) mbar_arrive(smem_addr(&s_empty[pend]));
-      pend = slot;
-      slot = slot + 1 == D ? 0 : slot + 1;
-    }
-    if (++c_s == ct.s1) {
-      wg_wait<0>();
-      if (lane == 0) mbar_arrive(smem_addr(&s_empty[pend]));
-      pend = -1;
-      const int tile = ct.rb * MAXW + cw;
-#if GRP
-      const int tok0 = ct.r0, mb = ct.mb;
-      const float post_t = ts_ptr[ct.e] * (FP16_SCALES ? 1.0f : 1.0f / SPRE);
-#else
-      const int tok0 = ct.tb * BT;
-      const int mb = min(BT, M - tok0);
-      const float post_t = post;
-#endif
-      if (__shfl_sync(0xffffffffu, tile < n_tiles, 0)) /* warp-uniform (ptxas: no serialized wgmmas) */
-        finish(acc, tile, lane, mb, N, y + (long long)tok0 * y_stride, y_stride, bias, bias_kind, post_t,
-               ws + (long long)tok0 * ws_stride, cnt + ct.tb * n_tiles, SK ? c_s - ct.s0 : 1, SK ? n_seg : splits,
-               ws_stride);
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng) acc[ng][0] = acc[ng][1] = acc[ng][2] = acc[ng][3] = 0.0f;
-      c_p += p_step;
-      if (c_p < p_end) {
-        ct = get_task(c_p);
-        c_s = ct.s0;
-      }
-    }
-  }
-}
-#else
 extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
     const V4* __restrict__ codes, const V4* __restrict__ scales, const float* __restrict__ ts_ptr,
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
@@ -2566,7 +2259,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_gemv_mma(
   wg_wait<0>();
   cp_wait_all();
 }
-#endif /* WSP */
 #endif
 #endif
 #else
@@ -2696,12 +2388,6 @@ def _wgmma_funcs() -> str:
                        f'%{nacc + 4}, 1, 1, 1, 0;"\n'
                        f"               : {cons_o}\n"
                        f'               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");\n'
-                       "}\n"
-                       "__device__ __forceinline__ void wg_mma_ss(float (&acc)[NG][4], u64 da, u64 db) {\n"
-                       f'  asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dt}.{dt} {{{regs}}}, '
-                       f'%{nacc}, %{nacc + 1}, 1, 1, 1, 0, 0;"\n'
-                       f"               : {cons_o}\n"
-                       f'               : "l"(da), "l"(db) : "memory");\n'
                        "}\n#endif\n")
     return "".join(out)
 

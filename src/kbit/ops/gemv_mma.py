@@ -605,20 +605,9 @@ def large_defines(k, cfg, grouped=False):
         raise ValueError(f"config: x loader (config[6]) must be 0, 1 or 2, got {cfg}")
     if grouped and not xb:
         raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (XB = 1 or 2), got {cfg}")
-    wsp = cfg[9] if len(cfg) > 9 else 0  # warp-specialized: a producer warpgroup looks the weights up into shared
-    if wsp and (not xb or W % 4):  # memory, the W consumer warps run wgmma with both operands there
-        raise ValueError(f"config: the warp-specialized kernel 7 needs x pre-tiled and warps a multiple of 4, "
-                         f"got {cfg}")
-    stage = xc + (W * 16 * 128 if wsp else 0)
-    # k = 4 producers look up from registers (LUT4R), not a 32 KB shared table: the table's loads compete with the
-    # wgmmas' shared-memory reads (``KBIT_LAB_DEFINES=LUT4R=0`` keeps the table, lab)
-    lut4r = int(bool(wsp) and k == 4 and lab_defines().get("LUT4R", 1))
-    tab = 32 if lut4r else _table_smem(k)
-    D = max(2 if wsp else 3, min(D, 8, (SMEM_MAX - 2048 - 1024 - tab) // stage))
+    D = max(3, min(D, 8, (SMEM_MAX - 2048 - 1024 - _table_smem(k)) // xc))
     defines = dict(KERNEL=7, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=gm, XSW=xsw,
                    XB=xb, WS4=0)
-    if wsp:
-        defines.update(WSP=1, LUT4R=lut4r)
     if xb == 2 and len(cfg) > 7 and cfg[7]:
         defines["XLAG"] = cfg[7]  # chunks between a stage's last read and its refill
     if len(cfg) > 8 and cfg[8] and not grouped:
@@ -626,12 +615,7 @@ def large_defines(k, cfg, grouped=False):
     if grouped:
         defines["GRP"] = 1
     defines.update(lab_defines())
-    return defines, D * stage + tab + 1024
-
-
-def large_threads(defines) -> int:
-    """Threads of a kernel 7 CTA: its MAXW warps, plus the producer warpgroup where ``WSP``."""
-    return (defines["MAXW"] + (4 if defines.get("WSP") else 0)) * 32
+    return defines, D * xc + _table_smem(k) + 1024
 
 
 def lab_defines() -> dict:
@@ -727,8 +711,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     if kernel != 7:
         defines.update(lab_defines())
     kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
-    threads = large_threads(defines) if kernel == 7 else W * 32
-    occ = kern.occupancy(threads, shared)
+    occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
     lfx = False
     gi = {1: 3, 3: 5}.get(kernel)  # CTAs an SM in the grid below the occupancy (lab): leaves room for the next
@@ -810,7 +793,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         ws_floats = Nt * splits * 128 * ng if splits > 1 else 0
     else:  # fp32 partial sums: NG * 128 floats a 16-row tile a token block (``ws_at`` in the kernel source)
         ws_floats = -(-M // (8 * ng)) * 8 * ng * Nt * 16
-    return dict(defines=defines, W=W, threads=threads, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
+    return dict(defines=defines, W=W, grid=grid, shared=shared, splits=splits, sps=sps, Nt=Nt, S=S,
                 regs=kern.num_regs, ctas_per_sm=occ, n_cnt=n_cnt, ws_floats=ws_floats,
                 use_ws=kernel in (3, 4, 6) or splits > 1 or bool(defines.get("SK")))
 
@@ -993,7 +976,7 @@ def _launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_fo
                                 nw.data_ptr(), float(eps), K, res.stride(0) if res is not None else 0)
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, x2.data_ptr(), y.data_ptr(), bias, ws, cnt, M,
                         N, x_stride, y.stride(0))
-    p["kern"]((p["grid"],), p["threads"], _ARGS_FMT + fmt, *args, *extra, shared=p["shared"], pdl=True)
+    p["kern"]((p["grid"],), p["W"] * 32, _ARGS_FMT + fmt, *args, *extra, shared=p["shared"], pdl=True)
 
 
 _XT_KERNELS: dict = {}
@@ -1176,7 +1159,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
         return None
     ws, cnt = _workspace(dev, max(p["ws_floats"], 1), p["n_cnt"])
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, 0, 0, bias, ws, cnt, M, N, K, N)
-    prep = Prepared(p["kern"], (p["grid"],), p["threads"], _ARGS_FMT, args, (_ARG_X, _ARG_Y), shared=p["shared"],
+    prep = Prepared(p["kern"], (p["grid"],), p["W"] * 32, _ARGS_FMT, args, (_ARG_X, _ARG_Y), shared=p["shared"],
                     pdl=True)
     keep = (ws, cnt)  # alive for as long as the launch may use them (the e-table is cached per device for good)
 
