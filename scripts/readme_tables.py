@@ -260,6 +260,10 @@ def main():
                  ", [dequantize + cuBLAS at k = 4]", ""),
              "After this run the dispatcher sends weights under 2e7 elements (4096x4096 here) at M 33..256 to "
              "dequantize + cuBLAS (the bracketed column), where kernel 7 measured 0.40-0.46x.",
+             "Session 21, the dispatcher at every M of issue 4 in one run (the kernels of session 20; a "
+             "warp-specialized kernel 7 measured slower this session and was dropped, docs/notes/gemm.md):",
+             gemm_table(RES / "issue4-s21-2026-11-23.json").replace(" [-]", "").replace(
+                 ", [dequantize + cuBLAS at k = 4]", ""),
              "### Dequantize", dequant_table(RES / "dequant-2026-11-21.json"),
              "### MoE layer", moe_table(RES / "moe-2026-11-21-kernel4.json"),
              "Session 11: with the grouped wgmma kernel (kernel 7 over 64-256-row blocks of one expert, sm_90) "
