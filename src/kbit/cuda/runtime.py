@@ -6,6 +6,10 @@ captured by CUDA graphs like any torch kernel.
 
 ``KBIT_NVRTC_LIB`` may name the NVRTC shared library (a CPU machine can then compile CUBINs to read SASS);
 otherwise the one torch loads (``torch.cuda._utils._get_gpu_rtc_library``) is used.
+
+Compiled CUBINs are also kept on disk (:func:`compile_cached`), so a new process loads a kernel it has compiled
+before instead of compiling it again (a kernel 7 build takes tens of seconds of CPU): under ``$KBIT_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/kbit/cubin`` or ``~/.cache/kbit/cubin``; ``KBIT_CACHE_DIR=0`` (or empty) turns it off.
 """
 
 from __future__ import annotations
@@ -104,6 +108,58 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> 
     _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, buf), "get cubin")
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return buf.raw, log_s
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC in use."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(_nvrtc(), _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
+    return major.value, minor.value
+
+
+def cache_dir() -> str | None:
+    """The on-disk CUBIN cache's folder, or None where it is off (``KBIT_CACHE_DIR=0`` or empty)."""
+    v = os.environ.get("KBIT_CACHE_DIR")
+    if v is not None:
+        return v if v not in ("", "0") else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kbit", "cubin")
+
+
+def _cache_path(source: str, arch: str, options) -> str | None:
+    d = cache_dir()
+    if d is None:
+        return None
+    major, minor = nvrtc_version()
+    key = hashlib.sha256("\0".join([source, arch, *options, f"nvrtc {major}.{minor}"]).encode()).hexdigest()
+    return os.path.join(d, key[:2], key + ".cubin")
+
+
+def compile_cached(source: str, arch: str, options=(), *, refresh: bool = False) -> bytes:
+    """:func:`nvrtc_compile`'s CUBIN, read from the on-disk cache where an earlier process wrote it (the key: the
+    whole source, ``arch``, ``options`` and the NVRTC version); ``refresh`` compiles and rewrites it. A cache that
+    cannot be read or written is skipped (the CUBIN is compiled as without one)."""
+    path = _cache_path(source, arch, options)
+    if path is not None and not refresh:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if data[:4] == b"\x7fELF":
+                return data
+        except OSError:
+            pass
+    cubin, _ = nvrtc_compile(source, arch, options)
+    if path is not None:
+        try:  # a private temporary, then an atomic rename: readers never see a partial file
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return cubin
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -311,12 +367,15 @@ def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
         arch = _arch(device)
         if defines.get("ARCH_SPECIFIC"):  # wgmma & co.: sm_90a (arch-specific features, that GPU only)
             arch += "a"
-        cubin, _ = nvrtc_compile(full, arch)
+        cubin = compile_cached(full, arch)
         with torch.cuda.device(device):
             torch.cuda.current_stream()  # make sure the primary context exists and is current
             lib = _libcuda()
             mod = ctypes.c_void_p()
-            _check_cu(lib.cuModuleLoadData(ctypes.byref(mod), cubin), "module load")
+            res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
+            if res != 0:  # a cached CUBIN this driver cannot load: compile it afresh
+                res = lib.cuModuleLoadData(ctypes.byref(mod), compile_cached(full, arch, refresh=True))
+            _check_cu(res, "module load")
             func = ctypes.c_void_p()
             _check_cu(lib.cuModuleGetFunction(ctypes.byref(func), mod, name.encode()), f"get function {name}")
         k = Kernel(mod, func, device, cubin, name)
