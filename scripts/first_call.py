@@ -31,6 +31,7 @@ def main():
     N, K = (int(v) for v in a.shape.split("x"))
     lin = torch.nn.Linear(K, N, bias=False, dtype=torch.bfloat16, device="cuda")
     mod = KbitLinear.from_linear(lin, k=a.k)
+    mod.repack_for_kernels()
     torch.cuda.synchronize()
     out = []
     for M in [int(v) for v in a.ms.split(",")]:
