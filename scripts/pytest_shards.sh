@@ -1,8 +1,8 @@
 #!/bin/bash
 # Run the tests that `pytest ARGS` selects in SHARDS (default 8) parallel pytest processes. The GPU tests are
-# compile-bound (NVRTC compiles each kernel variant on the CPU the first time any process needs it; later
-# processes read it from the on-disk cache, kbit.cuda.runtime.compile_cached), so shards cut the wall time on a
-# many-core device machine. Writes one log a shard under ${LOGDIR:-$OUT} and prints each shard's summary.
+# compile-bound (a process compiles each kernel variant it needs with NVRTC on the CPU, unless an earlier process
+# left it in the on-disk cache, kbit.cuda.runtime.compile_cached), so shards cut the wall time on a many-core
+# device machine. Writes one log a shard under ${LOGDIR:-$OUT} and prints each shard's summary.
 # The shards share the GPU's memory: a test that allocates ~10 GB can fail with OutOfMemoryError beside 13 others
 # (H100, 14 shards, test_grouped_mma); re-run such a failure on its own before reading it as a kernel bug.
 #   bash scripts/pytest_shards.sh tests/test_gemv_mma.py -m gpu
