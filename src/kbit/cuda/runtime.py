@@ -113,8 +113,8 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> 
 @functools.cache
 def nvrtc_version() -> tuple[int, int]:
     """(major, minor) of the NVRTC in use."""
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    _check_nvrtc(_nvrtc(), _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
+    lib, major, minor = _nvrtc(), ctypes.c_int(), ctypes.c_int()
+    _check_nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
     return major.value, minor.value
 
 
@@ -140,13 +140,18 @@ def compile_cached(source: str, arch: str, options=(), *, refresh: bool = False)
     """:func:`nvrtc_compile`'s CUBIN, read from the on-disk cache where an earlier process wrote it (the key: the
     whole source, ``arch``, ``options`` and the NVRTC version); ``refresh`` compiles and rewrites it. A cache that
     cannot be read or written is skipped (the CUBIN is compiled as without one)."""
+    return _compile_cached(source, arch, options, refresh)[0]
+
+
+def _compile_cached(source: str, arch: str, options, refresh: bool) -> tuple[bytes, bool]:
+    """:func:`compile_cached`, and whether the CUBIN came from the cache."""
     path = _cache_path(source, arch, options)
     if path is not None and not refresh:
         try:
             with open(path, "rb") as f:
                 data = f.read()
             if data[:4] == b"\x7fELF":
-                return data
+                return data, True
         except OSError:
             pass
     cubin, _ = nvrtc_compile(source, arch, options)
@@ -159,7 +164,7 @@ def compile_cached(source: str, arch: str, options=(), *, refresh: bool = False)
             os.replace(tmp, path)
         except OSError:
             pass
-    return cubin
+    return cubin, False
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union
@@ -367,14 +372,15 @@ def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
         arch = _arch(device)
         if defines.get("ARCH_SPECIFIC"):  # wgmma & co.: sm_90a (arch-specific features, that GPU only)
             arch += "a"
-        cubin = compile_cached(full, arch)
+        cubin, cached = _compile_cached(full, arch, (), False)
         with torch.cuda.device(device):
             torch.cuda.current_stream()  # make sure the primary context exists and is current
             lib = _libcuda()
             mod = ctypes.c_void_p()
             res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
-            if res != 0:  # a cached CUBIN this driver cannot load: compile it afresh
-                res = lib.cuModuleLoadData(ctypes.byref(mod), compile_cached(full, arch, refresh=True))
+            if res != 0 and cached:  # a cached CUBIN this driver cannot load: compile it afresh
+                cubin = compile_cached(full, arch, refresh=True)
+                res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
             _check_cu(res, "module load")
             func = ctypes.c_void_p()
             _check_cu(lib.cuModuleGetFunction(ctypes.byref(func), mod, name.encode()), f"get function {name}")
