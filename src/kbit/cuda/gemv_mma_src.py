@@ -2423,43 +2423,83 @@ __device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_st
   }
   return v;
 }
-/* thread o's place in the tiles: 16-byte piece pos of row r of 64-column chunk ch of token block tb */
-struct Loc { int pos, r, ch, tb; };
-__device__ __forceinline__ Loc locate(long long o, int bt, int n_ch) {
-  Loc l;
-  l.pos = (int)(o & 7);
-  long long rest = o >> 3;
-  l.r = (int)(rest % bt);
-  rest /= bt;
-  l.ch = (int)(rest % n_ch);
-  l.tb = (int)(rest / n_ch);
-  return l;
+/* 16-byte loads: the 4 threads t = 0..3 of one row and 32-column group qq each load columns 32 qq + 8t .. + 7
+   (a[j] = the column pair 2j, 2j + 1 of them); piece c = 4 qq + j holds component t' = pair j of thread t', so
+   the 4 threads transpose their a[] by shuffles (round k: thread t sends a[(t + k) & 3] and receives from thread
+   (t - k) & 3), and thread t stores piece 4 qq + t at position (4 qq + t) ^ (r & 7). The 4 threads are active
+   together (same row). */
+__device__ __forceinline__ V4 transpose4(const u32 (&a)[4], int lane) {
+  const int t = lane & 3;
+  const unsigned mask = 0xfu << (lane & ~3);
+  u32 v0 = 0u, v1 = 0u, v2 = 0u, v3 = 0u;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int sj = (t + k) & 3, src = (t - k) & 3;
+    const u32 send = sj == 0 ? a[0] : sj == 1 ? a[1] : sj == 2 ? a[2] : a[3];
+    const u32 got = __shfl_sync(mask, send, (lane & ~3) | src);
+    v0 = src == 0 ? got : v0;
+    v1 = src == 1 ? got : v1;
+    v2 = src == 2 ? got : v2;
+    v3 = src == 3 ? got : v3;
+  }
+  V4 r = {v0, v1, v2, v3};
+  return r;
+}
+__device__ __forceinline__ V4 ld16(const u16* p) {
+  const uint4 q = __ldg((const uint4*)p);
+  V4 v = {q.x, q.y, q.z, q.w};
+  return v;
+}
+/* the first column of the 8 a thread loads, and where its piece goes: i = the thread's index among the row's 8 */
+__device__ __forceinline__ int load_col(int ch, int i) { return ch * 64 + 32 * (i >> 2) + 8 * (i & 3); }
+__device__ __forceinline__ int store_pos(int r, int i) { return i ^ (r & 7); }
+__device__ __forceinline__ V4 piece16(const u16* __restrict__ x, int row, int x_stride, int ch, int i, int lane) {
+  const V4 q = ld16(x + (long long)row * x_stride + load_col(ch, i));
+  const u32 a[4] = {q.x, q.y, q.z, q.w};
+  return transpose4(a, lane);
+}
+/* the thread's place in the tiles (grid: x = token block, y = 256-thread groups of its pieces): 16-byte piece
+   pos of row r of 64-column chunk ch of token block tb, element o of the tiles; false past the block's pieces.
+   32-bit index math (a 64-bit division costs ~70 instructions, which made these copies ALU-bound). */
+struct Loc { int pos, r, ch, tb; long long o; };
+__device__ __forceinline__ bool locate(Loc& l, int bt, int n_ch) {
+  const int per = n_ch * bt * 8;
+  const int q = blockIdx.y * blockDim.x + threadIdx.x;
+  if (q >= per) return false;
+  l.tb = blockIdx.x;
+  l.pos = q & 7;
+  l.r = (q >> 3) % bt;
+  l.ch = (q >> 3) / bt;
+  l.o = (long long)l.tb * per + q;
+  return true;
 }
 extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
-                                         int n_ch, int bt, long long total) {
-  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                         int n_ch, int bt) {
   pdl();
-  if (o >= total) return;
-  const Loc l = locate(o, bt, n_ch);
+  Loc l;
+  if (!locate(l, bt, n_ch)) return;
   const int row = l.tb * bt + l.r;
-  xt[o] = piece(x, row < M ? row : -1, x_stride, l.ch, l.r, l.pos);
+  if (row < M) /* rows 16-byte aligned (kbit.ops.gemv_mma._prep_x) */
+    xt[l.o - l.pos + store_pos(l.r, l.pos)] = piece16(x, row, x_stride, l.ch, l.pos, threadIdx.x & 31);
+  else
+    xt[l.o] = piece(x, -1, x_stride, l.ch, l.r, l.pos);
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
-   rows[i] of row i (rows == 0: row i itself), rows past the block's end zero (-1 here) */
+   rows[i] of row i (rows == 0: row i itself); -1 past the block's end: those tile rows are not written (left
+   as they were: each output row of kernel 7 depends on its own x row only, and finish() stores none of them) */
 __device__ __forceinline__ int grouped_row(const Loc& l, const int* __restrict__ rows, const int* __restrict__ blk) {
   const int i = blk[l.tb] + l.r;
   return i < blk[l.tb + 1] ? (rows ? rows[i] : i) : -1;
 }
 extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restrict__ xt,
                                            const int* __restrict__ rows, const int* __restrict__ blk,
-                                           const int* __restrict__ nblk, int x_stride, int n_ch, int bt,
-                                           long long total) {
-  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                           const int* __restrict__ nblk, int x_stride, int n_ch, int bt) {
   pdl();
-  if (o >= total) return;
-  const Loc l = locate(o, bt, n_ch);
-  if (l.tb >= *nblk) return;
-  xt[o] = piece(x, grouped_row(l, rows, blk), x_stride, l.ch, l.r, l.pos);
+  Loc l;
+  if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
+  const int row = grouped_row(l, rows, blk);
+  if (row < 0) return; /* past the block's end: not written (the kernel stores no output row for it) */
+  xt[l.o - l.pos + store_pos(l.r, l.pos)] = piece16(x, row, x_stride, l.ch, l.pos, threadIdx.x & 31);
 }
 /* SiLU * up of a gate_up product into the tiles: value (row, col) = silu(g) * u with g = gu[row][col],
    u = gu[row][I + col] (float32, rounded once to gu's dtype: kbit.ops.moe.silu_mul), zero at col >= I */
@@ -2475,37 +2515,52 @@ __device__ __forceinline__ u32 f2h_(float f, int bf16) {
   else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 }
+__device__ __forceinline__ u32 silu_one(u32 gh, u32 uh, int bf16) {
+  const float gv = h2f_(gh, bf16), uv = h2f_(uh, bf16);
+  return f2h_(gv * (1.0f / (1.0f + __expf(-gv))) * uv, bf16);
+}
+/* columns col, col + 1 (col even); g's rows 4-byte aligned when I is even (one load of each pair) */
 __device__ __forceinline__ u32 silu_pair(const u16* __restrict__ g, int I, int col, int bf16) {
+  if ((I & 1) == 0 && col + 1 < I) {
+    const u32 gp = __ldg((const unsigned int*)(g + col)), up = __ldg((const unsigned int*)(g + I + col));
+    return silu_one(gp & 0xffffu, up & 0xffffu, bf16) | (silu_one(gp >> 16, up >> 16, bf16) << 16);
+  }
   u32 out = 0u;
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (col + e < I) {
-      const float gv = h2f_(g[col + e], bf16), uv = h2f_(g[I + col + e], bf16);
-      out |= f2h_(gv * (1.0f / (1.0f + __expf(-gv))) * uv, bf16) << (16 * e);
-    }
-  }
+  for (int e = 0; e < 2; ++e)
+    if (col + e < I) out |= silu_one(g[col + e], g[I + col + e], bf16) << (16 * e);
   return out;
 }
 extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* __restrict__ xt,
                                                 const int* __restrict__ rows, const int* __restrict__ blk,
                                                 const int* __restrict__ nblk, int gu_stride, int I, int bf16,
-                                                int n_ch, int bt, long long total) {
-  const long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+                                                int n_ch, int bt, int vec) {
   pdl();
-  if (o >= total) return;
-  const Loc l = locate(o, bt, n_ch);
-  if (l.tb >= *nblk) return;
+  Loc l;
+  if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
-  V4 v = {0u, 0u, 0u, 0u};
-  if (row >= 0) {
-    const int col = piece_col(l.ch, l.r, l.pos);
-    const u16* g = gu + (long long)row * gu_stride;
-    v.x = silu_pair(g, I, col, bf16);
-    v.y = silu_pair(g, I, col + 8, bf16);
-    v.z = silu_pair(g, I, col + 16, bf16);
-    v.w = silu_pair(g, I, col + 24, bf16);
+  if (row < 0) return; /* past the block's end: not written */
+  const u16* g = gu + (long long)row * gu_stride;
+  if (vec) { /* gu rows and I 16-byte aligned: 16-byte loads of gate and up, then transpose4 */
+    const int c0 = load_col(l.ch, l.pos);
+    u32 a[4] = {0u, 0u, 0u, 0u};
+    if (c0 < I) { /* I % 8 == 0: the 8 columns are all < I or all >= I */
+      const V4 gq = ld16(g + c0), uq = ld16(g + I + c0);
+      const u32 gw[4] = {gq.x, gq.y, gq.z, gq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        a[j] = silu_one(gw[j] & 0xffffu, uw[j] & 0xffffu, bf16) | (silu_one(gw[j] >> 16, uw[j] >> 16, bf16) << 16);
+    }
+    xt[l.o - l.pos + store_pos(l.r, l.pos)] = transpose4(a, threadIdx.x & 31);
+    return;
   }
-  xt[o] = v;
+  const int col = piece_col(l.ch, l.r, l.pos);
+  V4 v;
+  v.x = silu_pair(g, I, col, bf16);
+  v.y = silu_pair(g, I, col + 8, bf16);
+  v.z = silu_pair(g, I, col + 16, bf16);
+  v.w = silu_pair(g, I, col + 24, bf16);
+  xt[l.o] = v;
 }
 """
 

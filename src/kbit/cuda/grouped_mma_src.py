@@ -4,7 +4,7 @@ The grouped form of ``kbit.cuda.gemv_mma_src`` (the dense small-M kernel, layout
 (``HELPERS``: code lookups and tables, the mma wrappers, scale reads), then these kernels:
 
 - ``kbit_moe_blocks`` (no defines needed besides the helpers'): the block table of rows sorted (grouped) by
-  expert, on the device, one CTA.
+  expert, on the device, one CTA (coalesced warp scans).
 - ``kbit_grouped_mma`` (defines K_BITS, NG, MAXW, MINB, BF16, FP16_SCALES): ``y[r] = x[rows[r]] @ W[e(r)].T``
   over the blocks of that table, persistent CTAs, no split K across CTAs (deterministic).
 """
@@ -15,51 +15,126 @@ SOURCE = HELPERS + r"""
 /* ---------------------------------------------------------------------------------------------- block table
    Rows [0, P) in groups of equal expert id (runs; sorted rows: one run an expert). A block is at most BM
    consecutive rows of one run, cut from the run's start: blk[b] = first row of block b (b < nblk[0]),
-   blk[nblk[0]] = P; block b is rows [blk[b], blk[b + 1]). One CTA of NT threads, each a contiguous chunk;
-   two scans in shared memory (max: the run start entering each chunk; sum: block starts before it). */
+   blk[nblk[0]] = P; block b is rows [blk[b], blk[b + 1]). Row r starts a run when r == 0 or
+   eid[r] != eid[r - 1], and a block when (r - its run's start) % BM == 0.
+   One CTA of NT_BLK threads; warp w owns rows [r0, r1) = [w CW, (w + 1) CW), read 32 a step (coalesced), BLK_B
+   steps' loads in flight. Pass 1: per warp, its first and last run starts and the block starts from its first
+   run start on (those do not depend on earlier warps). Then lane j of every warp derives warp j's entering run
+   (the last start of warps < j), the block starts of its rows before its first run start (arithmetic), and an
+   exclusive sum gives each warp its first slot. Pass 2 writes the block starts. */
 #define NT_BLK 1024
+#define BLK_B 8
+__device__ __forceinline__ int run_start_of(const int* __restrict__ eid, int r, int r1) {
+  return (r < r1 && (r == 0 || __ldg(eid + r) != __ldg(eid + r - 1))) ? r : -1;
+}
+/* block starts in rows [a, e) of a run starting at rs <= a */
+__device__ __forceinline__ int starts_between(int rs, int a, int e, int BM) {
+  return e > a ? (e - rs + BM - 1) / BM - (a - rs + BM - 1) / BM : 0;
+}
 extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks(const int* __restrict__ eid, int P, int BM,
                                                                      int* __restrict__ blk, int* __restrict__ nblk) {
-  __shared__ int s_a[NT_BLK];
-  const int tid = threadIdx.x;
-  const int C = (P + NT_BLK - 1) / NT_BLK;
-  const int r0 = min(P, tid * C), r1 = min(P, r0 + C);
-  int lastb = -1;
-  for (int r = r0; r < r1; ++r)
-    if (r == 0 || eid[r] != eid[r - 1]) lastb = r;
-  s_a[tid] = lastb;
-  __syncthreads();
-  for (int off = 1; off < NT_BLK; off <<= 1) {
-    const int v = tid >= off ? s_a[tid - off] : -1;
+  __shared__ int s_first[NT_BLK / 32], s_last[NT_BLK / 32], s_cnt[NT_BLK / 32];
+  const unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int CW = (P + NT_BLK - 1) / NT_BLK * 32;
+  const int r0 = min(P, w * CW), r1 = min(P, r0 + CW);
+  int run_in = -1, slot = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    int run = run_in, cnt = 0, first = r1;
+    for (int b0 = r0; b0 < r1; b0 += 32 * BLK_B) {
+      int s[BLK_B];
+#pragma unroll
+      for (int j = 0; j < BLK_B; ++j) s[j] = run_start_of(eid, b0 + 32 * j + lane, r1);
+#pragma unroll
+      for (int j = 0; j < BLK_B; ++j) {
+        const int r = b0 + 32 * j + lane;
+        int sc = s[j];
+        if (sc >= 0) first = min(first, sc);
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int v = __shfl_up_sync(FULL, sc, o);
+          if (lane >= o) sc = max(sc, v);
+        }
+        const int rr = max(run, sc); /* pass 0: -1 before the warp's first run start (counted later) */
+        const bool st = r < r1 && rr >= 0 && (r - rr) % BM == 0;
+        const unsigned m = __ballot_sync(FULL, st);
+        if (pass == 1 && st) blk[slot + cnt + __popc(m & ((1u << lane) - 1u))] = r;
+        cnt += __popc(m);
+        run = __shfl_sync(FULL, rr, 31);
+      }
+    }
+    if (pass == 1) break;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(FULL, first, o));
+    if (lane == 0) {
+      s_first[w] = first;
+      s_last[w] = run;
+      s_cnt[w] = cnt;
+    }
     __syncthreads();
-    s_a[tid] = max(s_a[tid], v);
+    /* lane j: warp j */
+    const int j0 = min(P, lane * CW), j1 = min(P, j0 + CW);
+    int in = lane > 0 ? s_last[lane - 1] : -1; /* inclusive max-scan of the previous warps' last starts */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(FULL, in, o);
+      if (lane >= o) in = max(in, v);
+    }
+    const int c = s_cnt[lane] + (in >= 0 ? starts_between(in, j0, min(s_first[lane], j1), BM) : 0);
+    int before = c; /* inclusive sum-scan, then exclusive */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(FULL, before, o);
+      if (lane >= o) before += v;
+    }
+    const int total = __shfl_sync(FULL, before, 31);
+    before -= c;
+    run_in = __shfl_sync(FULL, in, w);
+    slot = __shfl_sync(FULL, before, w);
+    if (threadIdx.x == 0) {
+      blk[total] = P;
+      nblk[0] = total;
+    }
+  }
+}
+
+/* The same table from the group ends of rows sorted by expert (offsets[e] = end row of expert e's group,
+   kbit.ops.moe_align.align): work a group, not a row. One CTA of NT_BLK threads, experts NT_BLK at a time:
+   thread e's group makes ceil(count / BM) blocks; an exclusive sum over the CTA (carried from chunk to chunk)
+   gives its first slot. */
+extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks_off(const int* __restrict__ offsets, int E,
+                                                                         int P, int BM, int* __restrict__ blk,
+                                                                         int* __restrict__ nblk) {
+  __shared__ int s_sum[NT_BLK / 32];
+  const unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  int base = 0;
+  for (int e0 = 0; e0 < E; e0 += NT_BLK) {
+    const int e = e0 + (int)threadIdx.x;
+    const int end = e < E ? offsets[e] : 0, start = e < E ? (e > 0 ? offsets[e - 1] : 0) : 0;
+    const int nb = (end - start + BM - 1) / BM;
+    int inc = nb;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(FULL, inc, o);
+      if (lane >= o) inc += v;
+    }
+    if (lane == 31) s_sum[w] = inc;
     __syncthreads();
+    int wsum = lane < w ? s_sum[lane] : 0, all = s_sum[lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      wsum += __shfl_xor_sync(FULL, wsum, o);
+      all += __shfl_xor_sync(FULL, all, o);
+    }
+    const int first = base + wsum + inc - nb;
+    for (int i = 0; i < nb; ++i) blk[first + i] = start + i * BM;
+    base += all;
+    __syncthreads(); /* s_sum is reused by the next chunk */
   }
-  const int rs = tid > 0 ? s_a[tid - 1] : -1;
-  __syncthreads();
-  int cnt = 0, run = rs;
-  for (int r = r0; r < r1; ++r) {
-    if (r == 0 || eid[r] != eid[r - 1]) run = r;
-    if ((r - run) % BM == 0) ++cnt;
-  }
-  s_a[tid] = cnt;
-  __syncthreads();
-  for (int off = 1; off < NT_BLK; off <<= 1) {
-    const int v = tid >= off ? s_a[tid - off] : 0;
-    __syncthreads();
-    s_a[tid] += v;
-    __syncthreads();
-  }
-  int b = tid > 0 ? s_a[tid - 1] : 0;
-  const int total = s_a[NT_BLK - 1];
-  run = rs;
-  for (int r = r0; r < r1; ++r) {
-    if (r == 0 || eid[r] != eid[r - 1]) run = r;
-    if ((r - run) % BM == 0) blk[b++] = r;
-  }
-  if (tid == 0) {
-    blk[total] = P;
-    nblk[0] = total;
+  if (threadIdx.x == 0) {
+    blk[base] = P;
+    nblk[0] = base;
   }
 }
 

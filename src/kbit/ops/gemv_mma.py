@@ -1001,9 +1001,8 @@ def _x_tiles(x2, bt, S):
     M = x2.shape[0]
     n_tb, n_ch = -(-M // bt), S * 4
     xt = torch.empty(n_tb * n_ch * bt * 64, dtype=x2.dtype, device=x2.device)
-    total = xt.numel() // 8
     kern = _x_tiles_kernel("kbit_x_tiles", x2.device)
-    kern((-(-total // 256),), 256, "QQiiiiq", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt, total,
+    kern((n_tb, -(-n_ch * bt * 8 // 256)), 256, "QQiiii", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt,
          pdl=True)
     return xt
 

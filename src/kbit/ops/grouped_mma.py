@@ -164,10 +164,18 @@ def block_table_torch(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, 
     return blk, start.sum(dtype=torch.int32).reshape(1)
 
 
-def block_table(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block table of :func:`block_table_torch`, one CUDA launch (``kbit_moe_blocks``) where the kernel is
-    available, else :func:`block_table_torch`. Entries past ``blk[nblk]`` are unspecified."""
+def block_table(expert_ids: torch.Tensor, bm: int, offsets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table of :func:`block_table_torch`, one CUDA launch where the kernel is available, else
+    :func:`block_table_torch`. Entries past ``blk[nblk]`` are unspecified. ``offsets``: the int32 ``[E]`` group
+    ends of rows sorted by expert (``MoeRouting.offsets``); given, the table is made a group at a time
+    (``kbit_moe_blocks_off``, work ~E) instead of a row at a time (``kbit_moe_blocks``, work ~P)."""
     _check_ids(expert_ids, bm)
+    if offsets is not None and (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32
+                                or offsets.dim() != 1 or offsets.device != expert_ids.device):
+        got = (offsets.dtype, tuple(offsets.shape), offsets.device) if isinstance(offsets, torch.Tensor) \
+            else type(offsets)
+        raise ValueError(f"offsets: expected an int32 1-D tensor on {expert_ids.device}, got {got}")
     if not available(expert_ids.device):
         return block_table_torch(expert_ids, bm)
     from kbit.cuda import compile_kernel
@@ -176,7 +184,13 @@ def block_table(expert_ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.
     P = expert_ids.shape[0]
     blk = torch.empty(P + 1, dtype=torch.int32, device=expert_ids.device)
     nblk = torch.empty(1, dtype=torch.int32, device=expert_ids.device)
-    kern = compile_kernel(SOURCE, "kbit_moe_blocks", dict(K_BITS=4, BF16=0, FP16_SCALES=0), expert_ids.device)
+    defines = dict(K_BITS=4, BF16=0, FP16_SCALES=0)
+    if offsets is not None and offsets.shape[0] > 0:
+        kern = compile_kernel(SOURCE, "kbit_moe_blocks_off", defines, expert_ids.device)
+        off = offsets.contiguous()
+        kern((1,), 1024, "QiiiQQ", off.data_ptr(), off.shape[0], P, bm, blk.data_ptr(), nblk.data_ptr())
+        return blk, nblk
+    kern = compile_kernel(SOURCE, "kbit_moe_blocks", defines, expert_ids.device)
     ids = expert_ids.contiguous()
     kern((1,), 1024, "QiiQQ", ids.data_ptr(), P, bm, blk.data_ptr(), nblk.data_ptr())
     return blk, nblk
@@ -224,26 +238,29 @@ def max_blocks(P: int, E: int, bt: int) -> int:
 
 def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
     """x rows gathered per block of a block table into kernel 7's bulk-copy tiles: ``[n_max, S * 4, bt, 64]``,
-    block ``b`` holding rows ``x[rows[blk[b] + r]]`` (zero past the block's end); blocks from ``nblk`` on are
-    not written (``kbit_x_tiles_g``). ``silu``: xp is a gate_up product ``[P, 2I]`` (stride 1 in columns, even
+    block ``b`` holding rows ``x[rows[blk[b] + r]]``; tile rows past the block's end and blocks from ``nblk``
+    on are not written (``kbit_x_tiles_g``): kernel 7 stores no output row for them, and each output row
+    depends on its own x row only. ``silu``: xp is a gate_up product ``[P, 2I]`` (stride 1 in columns, even
     row stride) and the tiles hold ``silu(xp[:, :I]) * xp[:, I:]`` (``kbit.ops.moe.silu_mul``), computed while
     tiling (``kbit_x_tiles_silu_g``): the down projection's x without a separate SwiGLU pass."""
     n_ch = S * 4
     xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
-    total = xt.numel() // 8
-    grid, ptrs = (-(-total // 256),), (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(), nblk.data_ptr())
+    grid, ptrs = (n_max, -(-n_ch * bt * 8 // 256)), (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
+                                                     nblk.data_ptr())
     if silu:
         kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
-        kern(grid, 256, "QQQQQiiiiiq", *ptrs, xp.stride(0), xp.shape[1] // 2, int(xp.dtype == torch.bfloat16),
-             n_ch, bt, total, pdl=True)
+        I = xp.shape[1] // 2
+        vec = int(I % 8 == 0 and xp.stride(0) % 8 == 0 and xp.data_ptr() % 16 == 0)  # 16-byte loads
+        kern(grid, 256, "QQQQQiiiiii", *ptrs, xp.stride(0), I, int(xp.dtype == torch.bfloat16), n_ch, bt, vec,
+             pdl=True)
     else:
         kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
-        kern(grid, 256, "QQQQQiiiq", *ptrs, xp.stride(0), n_ch, bt, total, pdl=True)
+        kern(grid, 256, "QQQQQiii", *ptrs, xp.stride(0), n_ch, bt, pdl=True)
     return xt
 
 
 def _x_tiles_grouped_reference(xp, rows, blk, nblk, n_max, bt, S):
-    """The definition of :func:`_x_tiles_grouped` in torch (host loop; unwritten blocks zero)."""
+    """The definition of :func:`_x_tiles_grouped` in torch (host loop; what it leaves unwritten is zero here)."""
     from kbit.ops.gemv_mma import _x_tiles
 
     n_ch = S * 4

@@ -364,7 +364,8 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
         from kbit.ops.grouped_mma import block_table, choose_ng
 
         ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
-        blocks = block_table(routing.expert_ids, 8 * ng)  # one table for both GEMMs
+        # one table for both GEMMs; from the group ends where align made them (a group, not a row, at a time)
+        blocks = block_table(routing.expert_ids, 8 * ng, routing.offsets if routing.sorted else None)
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
     return combine(y, routing, hidden.dtype)
