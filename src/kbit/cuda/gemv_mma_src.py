@@ -2423,41 +2423,6 @@ __device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_st
   }
   return v;
 }
-/* 16-byte loads: the 4 threads t = 0..3 of one row and 32-column group qq each load columns 32 qq + 8t .. + 7
-   (a[j] = the column pair 2j, 2j + 1 of them); piece c = 4 qq + j holds component t' = pair j of thread t', so
-   the 4 threads transpose their a[] by shuffles (round k: thread t sends a[(t + k) & 3] and receives from thread
-   (t - k) & 3), and thread t stores piece 4 qq + t at position (4 qq + t) ^ (r & 7). The 4 threads are active
-   together (same row). */
-__device__ __forceinline__ V4 transpose4(const u32 (&a)[4], int lane) {
-  const int t = lane & 3;
-  const unsigned mask = 0xfu << (lane & ~3);
-  u32 v0 = 0u, v1 = 0u, v2 = 0u, v3 = 0u;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int sj = (t + k) & 3, src = (t - k) & 3;
-    const u32 send = sj == 0 ? a[0] : sj == 1 ? a[1] : sj == 2 ? a[2] : a[3];
-    const u32 got = __shfl_sync(mask, send, (lane & ~3) | src);
-    v0 = src == 0 ? got : v0;
-    v1 = src == 1 ? got : v1;
-    v2 = src == 2 ? got : v2;
-    v3 = src == 3 ? got : v3;
-  }
-  V4 r = {v0, v1, v2, v3};
-  return r;
-}
-__device__ __forceinline__ V4 ld16(const u16* p) {
-  const uint4 q = __ldg((const uint4*)p);
-  V4 v = {q.x, q.y, q.z, q.w};
-  return v;
-}
-/* the first column of the 8 a thread loads, and where its piece goes: i = the thread's index among the row's 8 */
-__device__ __forceinline__ int load_col(int ch, int i) { return ch * 64 + 32 * (i >> 2) + 8 * (i & 3); }
-__device__ __forceinline__ int store_pos(int r, int i) { return i ^ (r & 7); }
-__device__ __forceinline__ V4 piece16(const u16* __restrict__ x, int row, int x_stride, int ch, int i, int lane) {
-  const V4 q = ld16(x + (long long)row * x_stride + load_col(ch, i));
-  const u32 a[4] = {q.x, q.y, q.z, q.w};
-  return transpose4(a, lane);
-}
 /* the thread's place in the tiles (grid: x = token block, y = 256-thread groups of its pieces): 16-byte piece
    pos of row r of 64-column chunk ch of token block tb, element o of the tiles; false past the block's pieces.
    32-bit index math (a 64-bit division costs ~70 instructions, which made these copies ALU-bound). */
@@ -2479,10 +2444,7 @@ extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restric
   Loc l;
   if (!locate(l, bt, n_ch)) return;
   const int row = l.tb * bt + l.r;
-  if (row < M) /* rows 16-byte aligned (kbit.ops.gemv_mma._prep_x) */
-    xt[l.o - l.pos + store_pos(l.r, l.pos)] = piece16(x, row, x_stride, l.ch, l.pos, threadIdx.x & 31);
-  else
-    xt[l.o] = piece(x, -1, x_stride, l.ch, l.r, l.pos);
+  xt[l.o] = piece(x, row < M ? row : -1, x_stride, l.ch, l.r, l.pos);
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
    rows[i] of row i (rows == 0: row i itself); -1 past the block's end: those tile rows are not written (left
@@ -2499,7 +2461,7 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written (the kernel stores no output row for it) */
-  xt[l.o - l.pos + store_pos(l.r, l.pos)] = piece16(x, row, x_stride, l.ch, l.pos, threadIdx.x & 31);
+  xt[l.o] = piece(x, row, x_stride, l.ch, l.r, l.pos);
 }
 /* SiLU * up of a gate_up product into the tiles: value (row, col) = silu(g) * u with g = gu[row][col],
    u = gu[row][I + col] (float32, rounded once to gu's dtype: kbit.ops.moe.silu_mul), zero at col >= I */
@@ -2534,26 +2496,13 @@ __device__ __forceinline__ u32 silu_pair(const u16* __restrict__ g, int I, int c
 extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* __restrict__ xt,
                                                 const int* __restrict__ rows, const int* __restrict__ blk,
                                                 const int* __restrict__ nblk, int gu_stride, int I, int bf16,
-                                                int n_ch, int bt, int vec) {
+                                                int n_ch, int bt) {
   pdl();
   Loc l;
   if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written */
   const u16* g = gu + (long long)row * gu_stride;
-  if (vec) { /* gu rows and I 16-byte aligned: 16-byte loads of gate and up, then transpose4 */
-    const int c0 = load_col(l.ch, l.pos);
-    u32 a[4] = {0u, 0u, 0u, 0u};
-    if (c0 < I) { /* I % 8 == 0: the 8 columns are all < I or all >= I */
-      const V4 gq = ld16(g + c0), uq = ld16(g + I + c0);
-      const u32 gw[4] = {gq.x, gq.y, gq.z, gq.w}, uw[4] = {uq.x, uq.y, uq.z, uq.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        a[j] = silu_one(gw[j] & 0xffffu, uw[j] & 0xffffu, bf16) | (silu_one(gw[j] >> 16, uw[j] >> 16, bf16) << 16);
-    }
-    xt[l.o - l.pos + store_pos(l.r, l.pos)] = transpose4(a, threadIdx.x & 31);
-    return;
-  }
   const int col = piece_col(l.ch, l.r, l.pos);
   V4 v;
   v.x = silu_pair(g, I, col, bf16);

@@ -249,10 +249,8 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
                                                      nblk.data_ptr())
     if silu:
         kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
-        I = xp.shape[1] // 2
-        vec = int(I % 8 == 0 and xp.stride(0) % 8 == 0 and xp.data_ptr() % 16 == 0)  # 16-byte loads
-        kern(grid, 256, "QQQQQiiiiii", *ptrs, xp.stride(0), I, int(xp.dtype == torch.bfloat16), n_ch, bt, vec,
-             pdl=True)
+        kern(grid, 256, "QQQQQiiiii", *ptrs, xp.stride(0), xp.shape[1] // 2, int(xp.dtype == torch.bfloat16),
+             n_ch, bt, pdl=True)
     else:
         kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
         kern(grid, 256, "QQQQQiii", *ptrs, xp.stride(0), n_ch, bt, pdl=True)
