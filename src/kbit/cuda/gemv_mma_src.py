@@ -2423,19 +2423,21 @@ __device__ __forceinline__ V4 piece(const u16* __restrict__ x, int row, int x_st
   }
   return v;
 }
-/* the thread's place in the tiles (grid: x = token block, y = 256-thread groups of its pieces): 16-byte piece
-   pos of row r of 64-column chunk ch of token block tb, element o of the tiles; false past the block's pieces.
-   32-bit index math (a 64-bit division costs ~70 instructions, which made these copies ALU-bound). */
-struct Loc { int pos, r, ch, tb; long long o; };
+/* the thread's place in the tiles (grid: x = token block, y = 256-thread groups of its threads): 16-byte piece
+   pos of row r of the XT_CPT 64-column chunks ch0 .. ch0 + XT_CPT - 1 of token block tb (n_ch is a multiple of
+   4), o0 = the element of the first; false past the block. A thread copies XT_CPT pieces (loads in flight
+   together, the row lookup paid once); 32-bit index math (a 64-bit division costs ~70 instructions, which
+   made these copies ALU-bound). */
+#define XT_CPT 4
+struct Loc { int pos, r, ch0, tb; long long o0; };
 __device__ __forceinline__ bool locate(Loc& l, int bt, int n_ch) {
-  const int per = n_ch * bt * 8;
   const int q = blockIdx.y * blockDim.x + threadIdx.x;
-  if (q >= per) return false;
+  if (q >= n_ch / XT_CPT * bt * 8) return false;
   l.tb = blockIdx.x;
   l.pos = q & 7;
   l.r = (q >> 3) % bt;
-  l.ch = (q >> 3) / bt;
-  l.o = (long long)l.tb * per + q;
+  l.ch0 = (q >> 3) / bt * XT_CPT;
+  l.o0 = (long long)l.tb * n_ch * bt * 8 + ((long long)l.ch0 * bt + l.r) * 8 + l.pos;
   return true;
 }
 extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restrict__ xt, int M, int x_stride,
@@ -2444,7 +2446,11 @@ extern "C" __global__ void kbit_x_tiles(const u16* __restrict__ x, V4* __restric
   Loc l;
   if (!locate(l, bt, n_ch)) return;
   const int row = l.tb * bt + l.r;
-  xt[l.o] = piece(x, row < M ? row : -1, x_stride, l.ch, l.r, l.pos);
+  V4 v[XT_CPT];
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) v[j] = piece(x, row < M ? row : -1, x_stride, l.ch0 + j, l.r, l.pos);
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) xt[l.o0 + (long long)j * bt * 8] = v[j];
 }
 /* grouped: token block b = rows [blk[b], blk[b + 1]) (b < nblk[0]; later blocks are not written), x row
    rows[i] of row i (rows == 0: row i itself); -1 past the block's end: those tile rows are not written (left
@@ -2461,7 +2467,11 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
   if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written (the kernel stores no output row for it) */
-  xt[l.o] = piece(x, row, x_stride, l.ch, l.r, l.pos);
+  V4 v[XT_CPT];
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) v[j] = piece(x, row, x_stride, l.ch0 + j, l.r, l.pos);
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) xt[l.o0 + (long long)j * bt * 8] = v[j];
 }
 /* SiLU * up of a gate_up product into the tiles: value (row, col) = silu(g) * u with g = gu[row][col],
    u = gu[row][I + col] (float32, rounded once to gu's dtype: kbit.ops.moe.silu_mul), zero at col >= I */
@@ -2503,13 +2513,17 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written */
   const u16* g = gu + (long long)row * gu_stride;
-  const int col = piece_col(l.ch, l.r, l.pos);
-  V4 v;
-  v.x = silu_pair(g, I, col, bf16);
-  v.y = silu_pair(g, I, col + 8, bf16);
-  v.z = silu_pair(g, I, col + 16, bf16);
-  v.w = silu_pair(g, I, col + 24, bf16);
-  xt[l.o] = v;
+  V4 v[XT_CPT];
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) {
+    const int col = piece_col(l.ch0 + j, l.r, l.pos);
+    v[j].x = silu_pair(g, I, col, bf16);
+    v[j].y = silu_pair(g, I, col + 8, bf16);
+    v[j].z = silu_pair(g, I, col + 16, bf16);
+    v[j].w = silu_pair(g, I, col + 24, bf16);
+  }
+#pragma unroll
+  for (int j = 0; j < XT_CPT; ++j) xt[l.o0 + (long long)j * bt * 8] = v[j];
 }
 """
 

@@ -1002,7 +1002,7 @@ def _x_tiles(x2, bt, S):
     n_tb, n_ch = -(-M // bt), S * 4
     xt = torch.empty(n_tb * n_ch * bt * 64, dtype=x2.dtype, device=x2.device)
     kern = _x_tiles_kernel("kbit_x_tiles", x2.device)
-    kern((n_tb, -(-n_ch * bt * 8 // 256)), 256, "QQiiii", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt,
+    kern((n_tb, -(-n_ch // 4 * bt * 8 // 256)), 256, "QQiiii", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt,
          pdl=True)
     return xt
 
