@@ -2506,13 +2506,46 @@ __device__ __forceinline__ u32 silu_pair(const u16* __restrict__ g, int I, int c
 extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* __restrict__ xt,
                                                 const int* __restrict__ rows, const int* __restrict__ blk,
                                                 const int* __restrict__ nblk, int gu_stride, int I, int bf16,
-                                                int n_ch, int bt) {
+                                                int n_ch, int bt, int vec) {
   pdl();
   Loc l;
   if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written */
   const u16* g = gu + (long long)row * gu_stride;
+  if (vec) {
+    /* gu rows and I 16-byte aligned: the thread's index m = l.pos among the row's 8 loads 16 bytes of gate and
+       of up, columns 8m .. 8m + 7 of each chunk (= component m & 3 of pieces 4 (m >> 2) .. + 3; I % 8 == 0, so
+       the 8 are all < I or all >= I), and stores each column pair as a 4-byte component */
+    const int m = l.pos;
+    V4 gq[XT_CPT], uq[XT_CPT];
+#pragma unroll
+    for (int j = 0; j < XT_CPT; ++j) {
+      const int c0 = (l.ch0 + j) * 64 + 8 * m;
+      if (c0 < I) {
+        const uint4 a = __ldg((const uint4*)(g + c0)), b = __ldg((const uint4*)(g + I + c0));
+        gq[j].x = a.x; gq[j].y = a.y; gq[j].z = a.z; gq[j].w = a.w;
+        uq[j].x = b.x; uq[j].y = b.y; uq[j].z = b.z; uq[j].w = b.w;
+      } else {
+        gq[j].x = gq[j].y = gq[j].z = gq[j].w = 0u;
+        uq[j] = gq[j];
+      }
+    }
+    u32* out = (u32*)xt;
+#pragma unroll
+    for (int j = 0; j < XT_CPT; ++j) {
+      const u32 gw[4] = {gq[j].x, gq[j].y, gq[j].z, gq[j].w}, uw[4] = {uq[j].x, uq[j].y, uq[j].z, uq[j].w};
+      const long long row_base = (l.o0 - l.pos + (long long)j * bt * 8) * 4; /* u32 index of piece 0 of the row */
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const u32 val = silu_one(gw[p] & 0xffffu, uw[p] & 0xffffu, bf16) |
+                        (silu_one(gw[p] >> 16, uw[p] >> 16, bf16) << 16);
+        const int pos = (4 * (m >> 2) + p) ^ (l.r & 7);
+        out[row_base + 4 * pos + (m & 3)] = val;
+      }
+    }
+    return;
+  }
   V4 v[XT_CPT];
 #pragma unroll
   for (int j = 0; j < XT_CPT; ++j) {

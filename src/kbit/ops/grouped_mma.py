@@ -236,6 +236,10 @@ def max_blocks(P: int, E: int, bt: int) -> int:
     return min(P, P // bt + min(E, P))
 
 
+#: SiLU tiles from 16-byte loads of gate and up where rows and I allow it (else 4-byte loads); lab switch
+SILU_TILES_VEC = os.environ.get("KBIT_SILU_TILES_VEC", "1") != "0"
+
+
 def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
     """x rows gathered per block of a block table into kernel 7's bulk-copy tiles: ``[n_max, S * 4, bt, 64]``,
     block ``b`` holding rows ``x[rows[blk[b] + r]]``; tile rows past the block's end and blocks from ``nblk``
@@ -249,8 +253,10 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
                                                      nblk.data_ptr())
     if silu:
         kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
-        kern(grid, 256, "QQQQQiiiii", *ptrs, xp.stride(0), xp.shape[1] // 2, int(xp.dtype == torch.bfloat16),
-             n_ch, bt, pdl=True)
+        I = xp.shape[1] // 2
+        vec = int(SILU_TILES_VEC and I % 8 == 0 and xp.stride(0) % 8 == 0 and xp.data_ptr() % 16 == 0)
+        kern(grid, 256, "QQQQQiiiiii", *ptrs, xp.stride(0), I, int(xp.dtype == torch.bfloat16), n_ch, bt, vec,
+             pdl=True)
     else:
         kern = _x_tiles_kernel("kbit_x_tiles_g", xp.device)
         kern(grid, 256, "QQQQQiii", *ptrs, xp.stride(0), n_ch, bt, pdl=True)
