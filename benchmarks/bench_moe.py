@@ -49,7 +49,7 @@ from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
 from kbit.format.spec import KbitWeight  # noqa: E402
 from kbit.nn.moe import KbitMoE  # noqa: E402
 from kbit.ops.dequant import dequantize_triton  # noqa: E402
-from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_P, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
+from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
 from kbit.ops.moe_align import MoeRouting  # noqa: E402
 
 
@@ -162,9 +162,9 @@ def time_side(make_layers, call, touched: int, full: int) -> dict:
     return {"us": t.us, "us_min": t.us_min, "us_max": t.us_max, "copies": t.calls, "mode": t.mode, "cold": cold}
 
 
-def routing_kind(plan: MoePlan, T: int, top_k: int) -> str:
+def routing_kind(plan: MoePlan, T: int) -> str:
     """How ``KbitMoE.route`` sorts the pairs for ``plan`` (mirrors it; a label for the table)."""
-    if plan.needs_groups or T * top_k > SORT_PAIRS_MAX_P:
+    if plan.needs_groups or T > SORT_PAIRS_MAX_T:
         return "align"
     if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
         return "pairs"
@@ -180,7 +180,7 @@ def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_d
     per_expert_bf16 = (stack_bytes(w_gu) + stack_bytes(w_dn)) / m.E
     row = {"model": m.name, "k": k, "T": T, "pairs": T * m.top_k, "touched_experts": touched_experts,
            "plan": plan_name, "kernels": f"{plan.gate_up}/{plan.down}",
-           "routing": routing_kind(plan, T, m.top_k)}
+           "routing": routing_kind(plan, T)}
     bf16 = Bf16MoE(w_gu, w_dn, layer)
     with torch.no_grad():
         out = layer(x, logits, plan=plan)

@@ -40,7 +40,7 @@ from kbit.format.spec import (
 )
 from kbit.nn.linear import CANONICAL, _capturing, _release
 from kbit.ops import gemv_mma
-from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_P, MoePlan, choose_plan, gemm_supported, moe_experts
+from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, gemm_supported, moe_experts
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_router import ROUTERS, fusable, route_pairs, select_experts
 
@@ -268,10 +268,9 @@ class KbitMoE(nn.Module):
         for ``plan``. None (or a plan with ``grouped_mm``): torch ops, sorted by expert with the group tables
         (any kernel). A GEMV-only plan (and a router :func:`~kbit.ops.moe_router.route_pairs` covers): one
         fused launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens (a plan with the grouped GEMM:
-        only at T = 1), else sorted in one more (up to ``SORT_PAIRS_MAX_P`` pairs; above, torch ops)."""
+        only at T = 1), else sorted in one more."""
         T = router_logits.shape[0]
-        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group) or \
-                T * self.top_k > SORT_PAIRS_MAX_P:
+        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group) or T > SORT_PAIRS_MAX_T:
             w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
                                     correction_bias=self.correction_bias, n_group=self.n_group,
                                     topk_group=self.topk_group, scaling=self.routed_scaling_factor)

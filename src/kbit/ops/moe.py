@@ -38,7 +38,7 @@ from kbit.format.spec import KbitWeight
 from kbit.ops.moe_align import MoeRouting
 
 __all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "MOE_KERNELS", "PAIR_ORDER_MAX_T",
-           "SORT_PAIRS_MAX_P", "GEMV_T1_MAX_WEIGHTS", "MoePlan", "choose_plan", "combine",
+           "SORT_PAIRS_MAX_T", "GEMV_T1_MAX_WEIGHTS", "MoePlan", "choose_plan", "combine",
            "combine_reference", "expert_matmul", "grouped_mm_supported", "moe_experts", "moe_reference", "silu_mul",
            "silu_mul_reference"]
 
@@ -57,12 +57,9 @@ PAIR_ORDER_MAX_T = 16
 #: moe-lab-2026-11-21-run1.log: "gemm" beat "grouped_mm" at 256 rows an expert (Qwen3-30B T = 4096 0.55x vs
 #: 0.48x bf16; Mixtral T = 1024 ~0.5x vs 0.38x) and lost at 1024 (Mixtral T = 4096: 0.42x vs 0.69x).
 GEMM_MAX_ROWS_PER_EXPERT = 256
-#: Steps of a fused-routing plan above this many pairs (T * top_k) sort with ``align`` (torch's radix sort, ~30
-#: launches) instead of the one-launch ``sort_pairs`` (O(P^2) compares). H100, in the whole layer
-#: (scripts/moe_profile.py, benchmarks/results/h100/moe-profile-s22-*.log): sort_pairs took 23 us at P = 2048
-#: (Mixtral T = 1024) and 85 us at P = 8192 (Qwen3-30B T = 1024), where the torch routing and align of the same
-#: step took ~50 us together.
-SORT_PAIRS_MAX_P = 4096
+#: Steps of a fused-routing plan above this many tokens sort with ``align`` (torch's radix sort, ~30 launches)
+#: instead of the one-launch ``sort_pairs`` (O(P^2) compares: ~P^2 / 64 / 2M per us, a guess).
+SORT_PAIRS_MAX_T = 1024
 #: At T = 1 the Triton GEMV beats the grouped GEMM on experts up to this many weights (H100, k = 4, commit
 #: b471a6b: Qwen3-30B 27.1 vs 33.0 us, Qwen3-Next 29.2 vs 37.3 us; Mixtral, 58.7M and 117M weights: 151.1 vs
 #: 92.0 us).
