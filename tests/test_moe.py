@@ -581,3 +581,108 @@ def test_gpu_hf_qwen3_bf16():
     r = m.route(torch.nn.functional.linear(x.view(-1, 2048), m.router_weight))
     assert torch.equal(r.topk_ids.long(), ids_hf)
     assert relative_error(out, ref) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ tail split
+
+
+def _skewed_inputs(T, E, H, seed=5):
+    """Inputs whose routing leaves some experts with only a few rows (all-tail experts) besides ~256-row ones."""
+    x, logits = _inputs(T, E, H, seed=seed)
+    logits = logits.float()
+    logits[:, -1] -= 3.0  # the last expert: a handful of rows
+    return x, logits.bfloat16()
+
+
+@pytest.mark.parametrize("bt,tail", [(256, 32), (64, 8), (16, 16)])
+def test_tail_split_reference_invariants(bt, tail):
+    """The split's definition: a permutation of the rows; the main part and the tail part each sorted by expert;
+    every main block one expert's and at most bt rows, every tail block one expert's whole tail (1..tail rows)."""
+    from kbit.ops.grouped_mma import tail_split_reference
+
+    T, E, top_k = 300, 6, 2
+    g = torch.Generator().manual_seed(bt)
+    ids = torch.multinomial(torch.tensor([8.0, 8, 8, 8, 1, 0.2]), T * top_k, replacement=True, generator=g)
+    ids = ids.view(T, top_k).to(torch.int32)
+    ref = align_reference(ids, E)
+    eid2, tok2, pr2, rows_t, blk_m, blk_t = tail_split_reference(ref["expert_ids"], ref["offsets"],
+                                                                 ref["pair_rows"], top_k, bt, tail)
+    P = T * top_k
+    assert sorted(pr2) == list(range(P))
+    p_main = blk_m[-1]
+    assert eid2[:p_main] == sorted(eid2[:p_main]) and eid2[p_main:] == sorted(eid2[p_main:])
+    flat = ids.view(-1).tolist()
+    for p in range(P):
+        assert eid2[pr2[p]] == flat[p] and tok2[pr2[p]] == p // top_k
+    for a, b in zip(blk_m[:-1], blk_m[1:], strict=True):
+        assert 0 < b - a <= bt and len(set(eid2[a:b])) == 1
+    for a, b in zip(blk_t[:-1], blk_t[1:], strict=True):
+        assert 0 < b - a <= tail and len(set(eid2[a:b])) == 1
+        assert eid2.count(eid2[a]) % bt == b - a  # the expert's whole short last block
+    assert blk_t[-1] == P and P - min(P, tail * E) <= p_main
+    assert all(rows_t[n] == n - (P - min(P, tail * E)) for n in range(p_main, P))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,T,top_k", [(8, 1100, 2), (128, 4096, 8), (16, 2500, 2)])
+def test_gpu_tail_split_vs_reference(E, T, top_k):
+    """kbit_moe_split + kbit_moe_split_rows equal their Python definition, entry for entry."""
+    from kbit.ops import grouped_mma as GR
+
+    if not GR.available(torch.device("cuda")):
+        pytest.skip("needs the CUDA kernels")
+    _, logits = _skewed_inputs(T, E, 64)
+    w, ids = select_experts(logits, top_k)
+    r = align(ids, E, w)
+    sp = GR.tail_split(r, 256)
+    eid2, tok2, pr2, rows_t, blk_m, blk_t = GR.tail_split_reference(r.expert_ids.cpu(), r.offsets.cpu(),
+                                                                   r.pair_rows.cpu(), top_k, 256)
+    assert sp.expert_ids.tolist() == eid2 and sp.token_ids.tolist() == tok2
+    assert sp.pair_rows.tolist() == pr2 and sp.tail_rows.tolist() == rows_t
+    nm, nt = int(sp.main_blocks[1]), int(sp.tail_blocks[1])
+    assert sp.main_blocks[0][: nm + 1].tolist() == blk_m and sp.tail_blocks[0][: nt + 1].tolist() == blk_t
+    assert nt > 0  # the skewed routing makes tails
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [(dict(E=8, top_k=2, H=512, I=256), 1100), (QWEN3_30B, 4096)],
+                         ids=["small", "qwen3-30b-a3b"])
+def test_gpu_tail_split_layer(shape, T, monkeypatch):
+    """The layer with the tail split (kernel 4 on each expert's short last block) against the float64 reference
+    and against the layer without it; no host sync; a graph replay equals eager."""
+    from kbit.ops import moe as MOE
+    from kbit.ops.grouped_mma import _large_rows
+
+    m = _gpu_layer(**shape)
+    x, logits = _skewed_inputs(T, shape["E"], shape["H"])
+    r = m.route(logits)
+    if not r.has_groups or _large_rows(r.P, r.E, x.device) != MOE.TAIL_SPLIT_BT:
+        pytest.skip("needs sm_90 (the grouped kernel 7 with 256-row blocks)")
+    assert MOE._tail_split_rows(x, r, m.gate_up_weight(), m.down_weight()) == MOE.TAIL_SPLIT_BT
+    out = _check_layer(m, x, logits)
+    monkeypatch.setenv("KBIT_MOE_TAIL", "0")
+    plain = _check_layer(m, x, logits)
+    monkeypatch.delenv("KBIT_MOE_TAIL")
+    assert relative_error(out, plain) < 1e-2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out2 = m(x, logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out, out2)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(x, logits)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = m(x, logits)
+    x2, l2 = _skewed_inputs(T, shape["E"], shape["H"], seed=9)
+    x.copy_(x2)
+    logits.copy_(l2)
+    graph.replay()
+    eager = m(x2, l2)
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)

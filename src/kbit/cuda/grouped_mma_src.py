@@ -138,6 +138,122 @@ extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks_off(const i
   }
 }
 
+/* ---------------------------------------------------------------------------------------------- tail split
+   Rows sorted by expert (group ends offsets[E]) reordered so that each expert's short last block goes to a
+   second kernel: an expert of c rows keeps m = c - t rows in the main part and t = c % BT rows in the tail part
+   when 0 < c % BT <= TAIL (else t = 0). New order: the main parts of all experts (expert order), then the tail
+   parts (expert order), so that both parts are plain sorted row ranges: [0, P_main) and [P_main, P).
+   kbit_moe_split (one CTA): blk_m / nblk_m = the block table of the main part (BT rows a block, ends with
+   P_main), blk_t / nblk_t = that of the tail part (one block an expert with a tail, t <= TAIL <= the tail
+   kernel's rows a block; ends with P); base_m[e], base_t[e] = first new row of e's main / tail part, m_cnt[e] = m.
+   Two passes over the experts (NT_BLK at a time): totals, then exclusive sums and the writes. */
+__device__ __forceinline__ void split_counts(const int* __restrict__ offsets, int e, int E, int BT, int TAIL,
+                                             int& start, int& m, int& t) {
+  const int end = e < E ? offsets[e] : 0;
+  start = e < E ? (e > 0 ? offsets[e - 1] : 0) : 0;
+  const int c = end - start;
+  t = c % BT;
+  if (t > TAIL) t = 0;
+  m = c - t;
+}
+/* exclusive sums over the CTA of three ints (v[0..2]) -> ex[0..2]; totals -> tot[0..2] */
+__device__ __forceinline__ void cta_scan3(const int (&v)[3], int (&ex)[3], int (&tot)[3], int* s_sum) {
+  const unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < 3; ++q) {
+    int inc = v[q];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL, inc, o);
+      if (lane >= o) inc += y;
+    }
+    if (lane == 31) s_sum[q * 32 + w] = inc;
+    ex[q] = inc - v[q];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < 3; ++q) {
+    int before = lane < w ? s_sum[q * 32 + lane] : 0, all = s_sum[q * 32 + lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      before += __shfl_xor_sync(FULL, before, o);
+      all += __shfl_xor_sync(FULL, all, o);
+    }
+    ex[q] += before;
+    tot[q] = all;
+  }
+  __syncthreads(); /* s_sum is reused by the next call */
+}
+extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_split(
+    const int* __restrict__ offsets, int E, int P, int BT, int TAIL, int* __restrict__ blk_m,
+    int* __restrict__ nblk_m, int* __restrict__ blk_t, int* __restrict__ nblk_t, int* __restrict__ base_m,
+    int* __restrict__ base_t, int* __restrict__ m_cnt) {
+  __shared__ int s_sum[3 * 32];
+  /* pass 1: P_main */
+  int p_main = 0;
+  for (int e0 = 0; e0 < E; e0 += NT_BLK) {
+    int start, m, t;
+    split_counts(offsets, e0 + (int)threadIdx.x, E, BT, TAIL, start, m, t);
+    const int v[3] = {m, 0, 0};
+    int ex[3], tot[3];
+    cta_scan3(v, ex, tot, s_sum);
+    p_main += tot[0];
+  }
+  /* pass 2: exclusive sums of m, t and main blocks, and the writes */
+  int rm = 0, rt = 0, bm = 0, bt = 0;
+  for (int e0 = 0; e0 < E; e0 += NT_BLK) {
+    const int e = e0 + (int)threadIdx.x;
+    int start, m, t;
+    split_counts(offsets, e, E, BT, TAIL, start, m, t);
+    const int nbm = (m + BT - 1) / BT;
+    const int v[3] = {m, t, nbm};
+    int ex[3], tot[3];
+    cta_scan3(v, ex, tot, s_sum);
+    /* tail blocks: one per expert with t > 0, in expert order: its slot = bt + (experts with a tail before e) */
+    const int has_t = t > 0 ? 1 : 0;
+    const int v2[3] = {has_t, 0, 0};
+    int ex2[3], tot2[3];
+    cta_scan3(v2, ex2, tot2, s_sum);
+    if (e < E) {
+      base_m[e] = rm + ex[0];
+      base_t[e] = p_main + rt + ex[1];
+      m_cnt[e] = m;
+      for (int i = 0; i < nbm; ++i) blk_m[bm + ex[2] + i] = rm + ex[0] + i * BT;
+      if (has_t) blk_t[bt + ex2[0]] = p_main + rt + ex[1];
+    }
+    rm += tot[0];
+    rt += tot[1];
+    bm += tot[2];
+    bt += tot2[0];
+  }
+  if (threadIdx.x == 0) {
+    blk_m[bm] = p_main;
+    nblk_m[0] = bm;
+    blk_t[bt] = P;
+    nblk_t[0] = bt;
+  }
+}
+/* the new order's row lists, one thread a pair p: its old row i = pair_rows[p] (expert e, rank j in e's group)
+   goes to new row n = base_m[e] + j (j < m_cnt[e]) or base_t[e] + j - m_cnt[e]; eid2[n] = e, tok2[n] = p / top_k,
+   pair_rows2[p] = n, and rows_t[n] = n - (P - R) (clamped to 0): the row of a tail row in a buffer holding the
+   last R rows. */
+extern "C" __global__ void kbit_moe_split_rows(const int* __restrict__ pair_rows, const int* __restrict__ eid,
+                                               const int* __restrict__ offsets, const int* __restrict__ base_m,
+                                               const int* __restrict__ base_t, const int* __restrict__ m_cnt, int P,
+                                               int top_k, int R, int* __restrict__ eid2, int* __restrict__ tok2,
+                                               int* __restrict__ pair_rows2, int* __restrict__ rows_t) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= P) return;
+  const int i = pair_rows[p], e = eid[i];
+  const int j = i - (e > 0 ? offsets[e - 1] : 0), m = m_cnt[e];
+  const int n = j < m ? base_m[e] + j : base_t[e] + (j - m);
+  eid2[n] = e;
+  tok2[n] = p / top_k;
+  pair_rows2[p] = n;
+  rows_t[n] = max(0, n - (P - R));
+}
+
 #ifdef NG
 /* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc */
 __device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,

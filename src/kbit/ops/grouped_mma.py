@@ -23,6 +23,7 @@ Where the CUDA kernel is not available (no GPU / NVRTC, Triton interpreter) :fun
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -194,6 +195,92 @@ def block_table(expert_ids: torch.Tensor, bm: int, offsets: torch.Tensor | None 
     ids = expert_ids.contiguous()
     kern((1,), 1024, "QiiQQ", ids.data_ptr(), P, bm, blk.data_ptr(), nblk.data_ptr())
     return blk, nblk
+
+
+# ------------------------------------------------------------------------------------------------ tail split
+
+#: an expert's last block goes to the tail kernel (kernel 4, 32-row blocks) when it has at most this many rows
+TAIL_ROWS = 32
+
+
+class TailSplit(NamedTuple):
+    """Rows of a sorted MoE step reordered into a main part (each expert's rows but a short last block; the
+    grouped kernel 7's blocks of ``bt`` rows) and a tail part (those last blocks; one kernel-4 block each): see
+    :func:`tail_split`. All on the device; sizes depend on ``P`` and ``E`` only."""
+
+    #: int32 ``[P]``: expert / token of each new row; the combine's row of each pair
+    expert_ids: torch.Tensor
+    token_ids: torch.Tensor
+    pair_rows: torch.Tensor
+    #: int32 ``[P]``: a tail row's row in a buffer of the step's last ``R`` rows (0 for main rows)
+    tail_rows: torch.Tensor
+    #: the block tables (``blk``, ``nblk``) of the main part (``bt`` rows a block) and of the tail part
+    main_blocks: tuple
+    tail_blocks: tuple
+    #: rows of the tail buffer: the tail part lies in the last ``R = min(P, TAIL_ROWS * E)`` rows
+    R: int
+
+
+def tail_split_reference(expert_ids, offsets, pair_rows, top_k: int, bt: int, tail: int = TAIL_ROWS):
+    """Python definition of :func:`tail_split` (host lists): (expert_ids, token_ids, pair_rows, tail_rows,
+    main block starts + [P_main], tail block starts + [P])."""
+    eid, off, pr = expert_ids.tolist(), offsets.tolist(), pair_rows.tolist()
+    E, P = len(off), len(eid)
+    starts = [0] + off[:-1]
+    cnt = [off[e] - starts[e] for e in range(E)]
+    t = [c % bt if 0 < c % bt <= tail else 0 for c in cnt]
+    m = [c - tt for c, tt in zip(cnt, t, strict=True)]
+    p_main = sum(m)
+    base_m = [sum(m[:e]) for e in range(E)]
+    base_t = [p_main + sum(t[:e]) for e in range(E)]
+    R = min(P, tail * E)
+    n_of = [0] * P
+    for i in range(P):
+        e = eid[i]
+        j = i - starts[e]
+        n_of[i] = base_m[e] + j if j < m[e] else base_t[e] + j - m[e]
+    eid2, tok2, rows_t = [0] * P, [0] * P, [0] * P
+    for p in range(P):
+        n = n_of[pr[p]]
+        eid2[n], tok2[n] = eid[pr[p]], p // top_k
+        rows_t[n] = max(0, n - (P - R))
+    pr2 = [n_of[pr[p]] for p in range(P)]
+    blk_m = [base_m[e] + i * bt for e in range(E) for i in range(-(-m[e] // bt))] + [p_main]
+    blk_t = [base_t[e] for e in range(E) if t[e]] + [P]
+    return eid2, tok2, pr2, rows_t, blk_m, blk_t
+
+
+def tail_split(routing, bt: int, tail: int = TAIL_ROWS) -> TailSplit:
+    """The step's rows (``kbit.ops.moe_align.MoeRouting`` from ``align``: sorted, with group ends) reordered so
+    that each expert's last block, when it has ``1..tail`` rows, leaves the grouped kernel 7 (whose cost a block
+    is that of a full block: the weight tile's lookups) for kernel 4. Two CUDA launches (``kbit_moe_split``,
+    ``kbit_moe_split_rows``), no host sync; :func:`tail_split_reference` is the definition."""
+    from kbit.cuda import compile_kernel
+    from kbit.cuda.grouped_mma_src import SOURCE
+
+    if not routing.sorted or routing.offsets is None:
+        raise ValueError("routing: expected rows sorted by expert with group ends (kbit.ops.moe_align.align)")
+    if not 1 <= tail <= 32 or bt < tail:
+        raise ValueError(f"tail: expected 1..32 and at most bt={bt}, got {tail}")
+    dev = routing.expert_ids.device
+    P, E = routing.expert_ids.shape[0], routing.offsets.shape[0]
+    R = min(P, tail * E)
+    i32 = dict(dtype=torch.int32, device=dev)
+    blk_m, blk_t = torch.empty(P + 1, **i32), torch.empty(P + 1, **i32)
+    nblk = torch.empty(2, **i32)
+    per_e = torch.empty(3, E, **i32)  # base_m, base_t, m_cnt
+    out = torch.empty(4, P, **i32)  # expert_ids, token_ids, pair_rows, tail_rows
+    defines = dict(K_BITS=4, BF16=0, FP16_SCALES=0)
+    off = routing.offsets.contiguous()
+    compile_kernel(SOURCE, "kbit_moe_split", defines, dev)(
+        (1,), 1024, "QiiiiQQQQQQQ", off.data_ptr(), E, P, bt, tail, blk_m.data_ptr(), nblk[0:].data_ptr(),
+        blk_t.data_ptr(), nblk[1:].data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(), per_e[2].data_ptr())
+    compile_kernel(SOURCE, "kbit_moe_split_rows", defines, dev)(
+        (-(-P // 256),), 256, "QQQQQQiiiQQQQ", routing.pair_rows.contiguous().data_ptr(),
+        routing.expert_ids.contiguous().data_ptr(), off.data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(),
+        per_e[2].data_ptr(), P, routing.top_k, R, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+        out[3].data_ptr(), pdl=False)
+    return TailSplit(out[0], out[1], out[2], out[3], (blk_m, nblk[0:1]), (blk_t, nblk[1:2]), R)
 
 
 # ------------------------------------------------------------------------------------------------ kernel 7

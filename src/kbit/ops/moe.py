@@ -330,6 +330,53 @@ def triton_cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------------------------------------ layer
 
 
+#: The tail split (:func:`_experts_tail_split`) where the grouped kernel 7 runs blocks of this many rows (H100,
+#: k = 4, Qwen3-30B-A3B T = 4096, scripts/moe_tail_lab.py, benchmarks/results/h100/moe-tail-s22-2026-11-23.log:
+#: gate_up 602.7 -> 458.3 + 77.5 us, down 394.0 -> 311.9 + 44.8 us). ``KBIT_MOE_TAIL=0`` turns it off.
+TAIL_SPLIT_BT = 256
+
+
+def _tail_split_rows(hidden, routing: MoeRouting, gate_up, down) -> int:
+    """The grouped kernel 7's rows a block if this step takes the tail split, else 0: both stacks held in layout
+    "mma-v1", rows sorted with group ends (``align``), kernel 7 with ``TAIL_SPLIT_BT``-row blocks."""
+    import os
+
+    from kbit.ops.grouped_mma import _large_rows
+
+    if os.environ.get("KBIT_MOE_TAIL", "1") == "0" or not (routing.sorted and routing.has_groups):
+        return 0
+    if not (_repacked(gate_up) and _repacked(down)) or routing.P == 0:
+        return 0
+    bt = _large_rows(routing.P, routing.E, hidden.device)
+    return bt if bt == TAIL_SPLIT_BT else 0
+
+
+def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> torch.Tensor:
+    """``moe_experts`` with each expert's last block of at most ``TAIL_ROWS`` rows served by kernel 4 (32-row
+    blocks) instead of the grouped kernel 7 (``kbit.ops.grouped_mma.tail_split``): the rows are reordered into
+    a main part and a tail part, each GEMM runs twice into one output (kernel 7 on the main part's blocks,
+    kernel 4 on the tail's), the tail's SiLU * up from ``silu_mul`` over the step's last ``R`` rows (the main
+    part's is made in kernel 7's x gather), and the combine reads the new rows."""
+    from dataclasses import replace
+
+    from kbit.ops.grouped_mma import _grouped_run, tail_split
+
+    sp = tail_split(routing, bt)
+    P = routing.P
+
+    def run(x, rows, w, y, ng, blocks, main, silu=False):
+        _grouped_run(x, rows, sp.expert_ids, w.codes, w.scales, w.tensor_scale, w.codebook, y, k=w.k,
+                     scale_format=w.scale_format, N=w.N, ng=ng, blocks=blocks, sorted_rows=main, silu=silu)
+
+    gu = hidden.new_empty(P, gate_up.N)
+    run(hidden, sp.token_ids, gate_up, gu, bt // 8, sp.main_blocks, True)
+    run(hidden, sp.token_ids, gate_up, gu, 4, sp.tail_blocks, False)
+    y = hidden.new_empty(P, down.N)
+    run(gu, routing.row_ids, down, y, bt // 8, sp.main_blocks, True, silu=True)
+    run(silu_mul(gu[P - sp.R:]), sp.tail_rows, down, y, 4, sp.tail_blocks, False)
+    return combine(y, replace(routing, pair_rows=sp.pair_rows), hidden.dtype)
+
+
 def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, down: KbitWeight,
                 plan: MoePlan | None = None) -> torch.Tensor:
     """The routed experts of an MoE layer: ``[T, H]`` -> ``[T, H]`` in hidden's dtype (module docstring).
@@ -362,6 +409,10 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     blocks = None
     if plan.gate_up == plan.down == "gemm" and gemm_supported(hidden.device, hidden.dtype):
         from kbit.ops.grouped_mma import block_table, choose_ng
+
+        bt = _tail_split_rows(hidden, routing, gate_up, down)
+        if bt:
+            return _experts_tail_split(hidden, routing, gate_up, down, bt)
 
         ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
         # one table for both GEMMs; from the group ends where align made them (a group, not a row, at a time)
