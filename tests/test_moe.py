@@ -654,13 +654,14 @@ def test_gpu_tail_split_layer(shape, T, monkeypatch):
     from kbit.ops import moe as MOE
     from kbit.ops.grouped_mma import _large_rows
 
+    monkeypatch.setattr(MOE, "TAIL_SPLIT_MIN_E", 8)
     m = _gpu_layer(**shape)
     x, logits = _skewed_inputs(T, shape["E"], shape["H"])
     r = m.route(logits)
     if not r.has_groups or _large_rows(r.P, r.E, x.device) != MOE.TAIL_SPLIT_BT:
         pytest.skip("needs sm_90 (the grouped kernel 7 with 256-row blocks)")
-    assert MOE._tail_split_rows(x, r, m.gate_up_weight(), m.down_weight()) == MOE.TAIL_SPLIT_BT
     out = _check_layer(m, x, logits)
+    assert MOE._tail_split_rows(x, r, *m.kernel_weights()) == MOE.TAIL_SPLIT_BT  # the forward took the split
     monkeypatch.setenv("KBIT_MOE_TAIL", "0")
     plain = _check_layer(m, x, logits)
     monkeypatch.delenv("KBIT_MOE_TAIL")

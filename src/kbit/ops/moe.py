@@ -332,20 +332,25 @@ def triton_cdiv(a: int, b: int) -> int:
 
 #: The tail split (:func:`_experts_tail_split`) where the grouped kernel 7 runs blocks of this many rows (H100,
 #: k = 4, Qwen3-30B-A3B T = 4096, scripts/moe_tail_lab.py, benchmarks/results/h100/moe-tail-s22-2026-11-23.log:
-#: gate_up 602.7 -> 458.3 + 77.5 us, down 394.0 -> 311.9 + 44.8 us). ``KBIT_MOE_TAIL=0`` turns it off.
+#: gate_up 602.7 -> 458.3 + 77.5 us, down 394.0 -> 311.9 + 44.8 us; whole layer 1129.8 -> 1056.6 us,
+#: benchmarks/results/h100/moe-s22-tail-2026-11-23.md), on stacks of at least ``TAIL_SPLIT_MIN_E`` experts (Mixtral,
+#: 8 experts at T = 4096: 5367.1 -> 5397.6 us, a few tails do not pay for the extra launches). ``KBIT_MOE_TAIL=0``
+#: turns it off.
 TAIL_SPLIT_BT = 256
+TAIL_SPLIT_MIN_E = 64
 
 
 def _tail_split_rows(hidden, routing: MoeRouting, gate_up, down) -> int:
     """The grouped kernel 7's rows a block if this step takes the tail split, else 0: both stacks held in layout
-    "mma-v1", rows sorted with group ends (``align``), kernel 7 with ``TAIL_SPLIT_BT``-row blocks."""
+    "mma-v1", rows sorted with group ends (``align``), at least ``TAIL_SPLIT_MIN_E`` experts, kernel 7 with
+    ``TAIL_SPLIT_BT``-row blocks."""
     import os
 
     from kbit.ops.grouped_mma import _large_rows
 
     if os.environ.get("KBIT_MOE_TAIL", "1") == "0" or not (routing.sorted and routing.has_groups):
         return 0
-    if not (_repacked(gate_up) and _repacked(down)) or routing.P == 0:
+    if not (_repacked(gate_up) and _repacked(down)) or routing.P == 0 or routing.E < TAIL_SPLIT_MIN_E:
         return 0
     bt = _large_rows(routing.P, routing.E, hidden.device)
     return bt if bt == TAIL_SPLIT_BT else 0
