@@ -273,6 +273,11 @@ def main():
              "Sessions 12-13: SiLU * up computed while gathering the down projection's x tiles for kernel 7 (no "
              "separate SwiGLU pass), and kernel 7 doing a chunk's first lookups before its barrier, T = 256..4096:",
              moe_table(RES / "moe-s13-lkh-2026-11-22.json"),
+             "Session 22, every T: cheaper copies around kernel 7 at T = 4096 (block table from the group ends, "
+             "x gathers without 64-bit index math or padding rows) and the tail split (each expert's last block "
+             "of <= 32 rows on kernel 4; stacks of >= 64 experts) for Qwen3-30B-A3B at T = 4096. The A/B of the "
+             "split alone is `moe-s22-tail-ab-2026-11-23.md` (1129.8 -> 1056.6 us); runs differ by ~2%:",
+             moe_table(RES / "moe-s22-tail-2026-11-23.json"),
              "### End-to-end decode (graphs only)", e2e_table(RES / "e2e-2026-11-21.json"),
              "### End-to-end decode (glue fused by torch.compile, fused q/k/v and gate/up, both sides)",
              e2e_table(RES / "e2e-session3.json"),
