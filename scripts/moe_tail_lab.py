@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--tails", default="32,64")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--more", action="store_true", help="also time kernel 1 (ng 4) and kernel 4 (ng 2) on the tails")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     out = Path(a.out)
@@ -101,6 +102,10 @@ def main():
                     t4 = t_k("4", tr, te, ng=4)
                     t8 = t_k("4", tr, te, ng=8)
                     t7 = t_k("7:7.16.8.4.8.1.1", tr, te, ng=8)
+                    if a.more:  # other tail kernels: kernel 1 with 32-row blocks, kernel 4 with 16-row blocks
+                        t1 = t_k("1", tr, te, ng=4)
+                        t42 = t_k("4", tr, te, ng=2)
+                        log(f"    tail kernel 1 ng=4 {t1:.1f} us, kernel 4 ng=2 {t42:.1f} us")
                     GM.LARGE_MIN_ROWS = 48
                     ntail = int((te.numel() > 0) and torch.unique(te).numel())
                     r = (name, which, T, bt, tail, P, tr.shape[0], ntail, bf, k7, main_us, t4, t8, t7)
