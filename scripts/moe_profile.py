@@ -21,8 +21,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from bench_moe import MODELS, Bf16MoE, inputs, kbit_copy, make_model  # noqa: E402
 
-from kbit.ops import grouped_mma as GR  # noqa: E402
-
 LOG = []
 
 
@@ -55,6 +53,14 @@ def profile(calls, reps):
     return rows, sum(r[0] for r in rows)
 
 
+def report(title, layers, x, logits, reps):
+    """Profile ``reps`` forwards of every layer in turn (weight copies: a cold L2) and log the top kernels."""
+    rows, total = profile([(lambda lay=lay: lay(x, logits)) for lay in layers], reps)
+    log(f"{title}: kernel sum {total:.1f} us / forward")
+    for us, c, k in rows[:14]:
+        log(f"  {us:8.1f} us  x{c:4.1f}  {k[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen3-30b-a3b,mixtral-8x7b")
@@ -70,37 +76,15 @@ def main():
         for T in (int(t) for t in a.tokens.split(",")):
             x, logits = inputs(m, T)
             with torch.no_grad():
-                kl = [layer] + [kbit_copy(layer) for _ in range(a.copies - 1)]
-                rows, s = profile([(lambda lay=lay, x=x, logits=logits: lay(x, logits)) for lay in kl], a.reps)
-                log(f"\n== {name} T={T} kbit k={a.k}: kernel sum {s:.1f} us / forward")
-                for us, c, k in rows[:14]:
-                    log(f"  {us:8.1f} us  x{c:4.1f}  {k[:110]}")
-                del kl
+                kbit = [layer] + [kbit_copy(layer) for _ in range(a.copies - 1)]
+                report(f"\n== {name} T={T} kbit k={a.k}", kbit, x, logits, a.reps)
+                del kbit
                 torch.cuda.empty_cache()
-                bl = [Bf16MoE(w_gu, w_dn, layer)] + [Bf16MoE(w_gu.clone(), w_dn.clone(), layer)
-                                                      for _ in range(min(a.copies, 3) - 1)]
-                rows, s = profile([(lambda lay=lay, x=x, logits=logits: lay(x, logits)) for lay in bl], a.reps)
-                log(f"== {name} T={T} bf16: kernel sum {s:.1f} us / forward")
-                for us, c, k in rows[:14]:
-                    log(f"  {us:8.1f} us  x{c:4.1f}  {k[:110]}")
-                del bl
+                bf16 = [Bf16MoE(w_gu, w_dn, layer)] + [Bf16MoE(w_gu.clone(), w_dn.clone(), layer)
+                                                        for _ in range(min(a.copies, 3) - 1)]
+                report(f"== {name} T={T} bf16", bf16, x, logits, a.reps)
+                del bf16
                 torch.cuda.empty_cache()
-                r = layer.route(logits)
-                bt = 8 * GR.choose_ng(r.P, m.E, x.device, r.sorted)
-                for label, fn in (("rows (kbit_moe_blocks)", lambda r=r, bt=bt: GR.block_table(r.expert_ids, bt)),
-                                  ("groups (kbit_moe_blocks_off)",
-                                   lambda r=r, bt=bt: GR.block_table(r.expert_ids, bt, r.offsets)),
-                                  ("torch", lambda r=r, bt=bt: GR.block_table_torch(r.expert_ids, bt))):
-                    if label.startswith("groups") and r.offsets is None:
-                        continue
-                    fn()
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    for _ in range(50):
-                        fn()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    log(f"  block table by {label}: {e0.elapsed_time(e1) * 1e3 / 50:.1f} us a call (eager, P={r.P})")
         del layer, w_gu, w_dn
         torch.cuda.empty_cache()
     (out / "moe_profile.log").write_text("\n".join(LOG) + "\n")

@@ -2491,12 +2491,14 @@ __device__ __forceinline__ u32 silu_one(u32 gh, u32 uh, int bf16) {
   const float gv = h2f_(gh, bf16), uv = h2f_(uh, bf16);
   return f2h_(gv * (1.0f / (1.0f + __expf(-gv))) * uv, bf16);
 }
+/* two columns: gate pair gp, up pair up (low half first) -> their silu(g) * u pair */
+__device__ __forceinline__ u32 silu_word(u32 gp, u32 up, int bf16) {
+  return silu_one(gp & 0xffffu, up & 0xffffu, bf16) | (silu_one(gp >> 16, up >> 16, bf16) << 16);
+}
 /* columns col, col + 1 (col even); g's rows 4-byte aligned when I is even (one load of each pair) */
 __device__ __forceinline__ u32 silu_pair(const u16* __restrict__ g, int I, int col, int bf16) {
-  if ((I & 1) == 0 && col + 1 < I) {
-    const u32 gp = __ldg((const unsigned int*)(g + col)), up = __ldg((const unsigned int*)(g + I + col));
-    return silu_one(gp & 0xffffu, up & 0xffffu, bf16) | (silu_one(gp >> 16, up >> 16, bf16) << 16);
-  }
+  if ((I & 1) == 0 && col + 1 < I)
+    return silu_word(__ldg((const unsigned int*)(g + col)), __ldg((const unsigned int*)(g + I + col)), bf16);
   u32 out = 0u;
 #pragma unroll
   for (int e = 0; e < 2; ++e)
@@ -2538,10 +2540,8 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
       const long long row_base = (l.o0 - l.pos + (long long)j * bt * 8) * 4; /* u32 index of piece 0 of the row */
 #pragma unroll
       for (int p = 0; p < 4; ++p) {
-        const u32 val = silu_one(gw[p] & 0xffffu, uw[p] & 0xffffu, bf16) |
-                        (silu_one(gw[p] >> 16, uw[p] >> 16, bf16) << 16);
         const int pos = (4 * (m >> 2) + p) ^ (l.r & 7);
-        out[row_base + 4 * pos + (m & 3)] = val;
+        out[row_base + 4 * pos + (m & 3)] = silu_word(gw[p], uw[p], bf16);
       }
     }
     return;

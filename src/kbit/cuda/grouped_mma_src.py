@@ -98,6 +98,42 @@ extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks(const int* 
   }
 }
 
+/* rows [start, end) of expert e's group (group ends offsets[E]; e >= E: an empty group) */
+__device__ __forceinline__ void group_of(const int* __restrict__ offsets, int e, int E, int& start, int& end) {
+  end = e < E ? offsets[e] : 0;
+  start = e < E ? (e > 0 ? offsets[e - 1] : 0) : 0;
+}
+/* exclusive sums over the CTA (NT_BLK threads) of Q ints v[q] -> ex[q], totals -> tot[q]; s_sum: Q * 32 ints of
+   shared memory, free again on return */
+template <int Q>
+__device__ __forceinline__ void cta_scan(const int (&v)[Q], int (&ex)[Q], int (&tot)[Q], int* s_sum) {
+  const unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    int inc = v[q];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL, inc, o);
+      if (lane >= o) inc += y;
+    }
+    if (lane == 31) s_sum[q * 32 + w] = inc;
+    ex[q] = inc - v[q];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < Q; ++q) {
+    int before = lane < w ? s_sum[q * 32 + lane] : 0, all = s_sum[q * 32 + lane];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      before += __shfl_xor_sync(FULL, before, o);
+      all += __shfl_xor_sync(FULL, all, o);
+    }
+    ex[q] += before;
+    tot[q] = all;
+  }
+  __syncthreads();
+}
 /* The same table from the group ends of rows sorted by expert (offsets[e] = end row of expert e's group,
    kbit.ops.moe_align.align): work a group, not a row. One CTA of NT_BLK threads, experts NT_BLK at a time:
    thread e's group makes ceil(count / BM) blocks; an exclusive sum over the CTA (carried from chunk to chunk)
@@ -105,32 +141,16 @@ extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks(const int* 
 extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks_off(const int* __restrict__ offsets, int E,
                                                                          int P, int BM, int* __restrict__ blk,
                                                                          int* __restrict__ nblk) {
-  __shared__ int s_sum[NT_BLK / 32];
-  const unsigned FULL = 0xffffffffu;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  __shared__ int s_sum[32];
   int base = 0;
   for (int e0 = 0; e0 < E; e0 += NT_BLK) {
-    const int e = e0 + (int)threadIdx.x;
-    const int end = e < E ? offsets[e] : 0, start = e < E ? (e > 0 ? offsets[e - 1] : 0) : 0;
-    const int nb = (end - start + BM - 1) / BM;
-    int inc = nb;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(FULL, inc, o);
-      if (lane >= o) inc += v;
-    }
-    if (lane == 31) s_sum[w] = inc;
-    __syncthreads();
-    int wsum = lane < w ? s_sum[lane] : 0, all = s_sum[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      wsum += __shfl_xor_sync(FULL, wsum, o);
-      all += __shfl_xor_sync(FULL, all, o);
-    }
-    const int first = base + wsum + inc - nb;
-    for (int i = 0; i < nb; ++i) blk[first + i] = start + i * BM;
-    base += all;
-    __syncthreads(); /* s_sum is reused by the next chunk */
+    int start, end;
+    group_of(offsets, e0 + (int)threadIdx.x, E, start, end);
+    const int nb[1] = {(end - start + BM - 1) / BM};
+    int ex[1], tot[1];
+    cta_scan<1>(nb, ex, tot, s_sum);
+    for (int i = 0; i < nb[0]; ++i) blk[base + ex[0] + i] = start + i * BM;
+    base += tot[0];
   }
   if (threadIdx.x == 0) {
     blk[base] = P;
@@ -148,84 +168,48 @@ extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_blocks_off(const i
    kernel's rows a block; ends with P); base_m[e], base_t[e] = first new row of e's main / tail part, m_cnt[e] = m.
    Two passes over the experts (NT_BLK at a time): totals, then exclusive sums and the writes. */
 __device__ __forceinline__ void split_counts(const int* __restrict__ offsets, int e, int E, int BT, int TAIL,
-                                             int& start, int& m, int& t) {
-  const int end = e < E ? offsets[e] : 0;
-  start = e < E ? (e > 0 ? offsets[e - 1] : 0) : 0;
+                                             int& m, int& t) {
+  int start, end;
+  group_of(offsets, e, E, start, end);
   const int c = end - start;
   t = c % BT;
   if (t > TAIL) t = 0;
   m = c - t;
 }
-/* exclusive sums over the CTA of three ints (v[0..2]) -> ex[0..2]; totals -> tot[0..2] */
-__device__ __forceinline__ void cta_scan3(const int (&v)[3], int (&ex)[3], int (&tot)[3], int* s_sum) {
-  const unsigned FULL = 0xffffffffu;
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-#pragma unroll
-  for (int q = 0; q < 3; ++q) {
-    int inc = v[q];
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL, inc, o);
-      if (lane >= o) inc += y;
-    }
-    if (lane == 31) s_sum[q * 32 + w] = inc;
-    ex[q] = inc - v[q];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < 3; ++q) {
-    int before = lane < w ? s_sum[q * 32 + lane] : 0, all = s_sum[q * 32 + lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      before += __shfl_xor_sync(FULL, before, o);
-      all += __shfl_xor_sync(FULL, all, o);
-    }
-    ex[q] += before;
-    tot[q] = all;
-  }
-  __syncthreads(); /* s_sum is reused by the next call */
-}
 extern "C" __global__ void __launch_bounds__(NT_BLK) kbit_moe_split(
     const int* __restrict__ offsets, int E, int P, int BT, int TAIL, int* __restrict__ blk_m,
     int* __restrict__ nblk_m, int* __restrict__ blk_t, int* __restrict__ nblk_t, int* __restrict__ base_m,
     int* __restrict__ base_t, int* __restrict__ m_cnt) {
-  __shared__ int s_sum[3 * 32];
+  __shared__ int s_sum[4 * 32];
   /* pass 1: P_main */
   int p_main = 0;
   for (int e0 = 0; e0 < E; e0 += NT_BLK) {
-    int start, m, t;
-    split_counts(offsets, e0 + (int)threadIdx.x, E, BT, TAIL, start, m, t);
-    const int v[3] = {m, 0, 0};
-    int ex[3], tot[3];
-    cta_scan3(v, ex, tot, s_sum);
+    int m[1], t, ex[1], tot[1];
+    split_counts(offsets, e0 + (int)threadIdx.x, E, BT, TAIL, m[0], t);
+    cta_scan<1>(m, ex, tot, s_sum);
     p_main += tot[0];
   }
-  /* pass 2: exclusive sums of m, t and main blocks, and the writes */
+  /* pass 2: exclusive sums of m, t, main blocks and tail blocks (one an expert with t > 0), and the writes */
   int rm = 0, rt = 0, bm = 0, bt = 0;
   for (int e0 = 0; e0 < E; e0 += NT_BLK) {
     const int e = e0 + (int)threadIdx.x;
-    int start, m, t;
-    split_counts(offsets, e, E, BT, TAIL, start, m, t);
+    int m, t;
+    split_counts(offsets, e, E, BT, TAIL, m, t);
     const int nbm = (m + BT - 1) / BT;
-    const int v[3] = {m, t, nbm};
-    int ex[3], tot[3];
-    cta_scan3(v, ex, tot, s_sum);
-    /* tail blocks: one per expert with t > 0, in expert order: its slot = bt + (experts with a tail before e) */
-    const int has_t = t > 0 ? 1 : 0;
-    const int v2[3] = {has_t, 0, 0};
-    int ex2[3], tot2[3];
-    cta_scan3(v2, ex2, tot2, s_sum);
+    const int v[4] = {m, t, nbm, t > 0 ? 1 : 0};
+    int ex[4], tot[4];
+    cta_scan<4>(v, ex, tot, s_sum);
     if (e < E) {
       base_m[e] = rm + ex[0];
       base_t[e] = p_main + rt + ex[1];
       m_cnt[e] = m;
       for (int i = 0; i < nbm; ++i) blk_m[bm + ex[2] + i] = rm + ex[0] + i * BT;
-      if (has_t) blk_t[bt + ex2[0]] = p_main + rt + ex[1];
+      if (t > 0) blk_t[bt + ex[3]] = p_main + rt + ex[1];
     }
     rm += tot[0];
     rt += tot[1];
     bm += tot[2];
-    bt += tot2[0];
+    bt += tot[3];
   }
   if (threadIdx.x == 0) {
     blk_m[bm] = p_main;

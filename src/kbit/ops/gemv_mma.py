@@ -994,6 +994,12 @@ def _x_tiles_kernel(name, device):
     return kern
 
 
+def _x_tiles_groups(n_ch: int, bt: int) -> int:
+    """The x gathers' grid y: 256-thread groups a token block (a thread copies 4 of the block's ``n_ch * bt * 8``
+    16-byte pieces: ``XT_CPT`` of ``X_TILES_SOURCE``; ``n_ch`` is a multiple of 4)."""
+    return -(-(n_ch // 4) * bt * 8 // 256)
+
+
 def _x_tiles(x2, bt, S):
     """x ``[M, S * 256]`` (rows 16-byte aligned) as kernel 7's bulk-copy tiles: ``[ceil(M / bt), S * 4, bt, 64]``
     in the "mma-v1" K order, each ``[bt, 64]`` tile in wgmma's 128-byte swizzle, rows past M zero
@@ -1002,7 +1008,7 @@ def _x_tiles(x2, bt, S):
     n_tb, n_ch = -(-M // bt), S * 4
     xt = torch.empty(n_tb * n_ch * bt * 64, dtype=x2.dtype, device=x2.device)
     kern = _x_tiles_kernel("kbit_x_tiles", x2.device)
-    kern((n_tb, -(-n_ch // 4 * bt * 8 // 256)), 256, "QQiiii", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt,
+    kern((n_tb, _x_tiles_groups(n_ch, bt)), 256, "QQiiii", x2.data_ptr(), xt.data_ptr(), M, x2.stride(0), n_ch, bt,
          pdl=True)
     return xt
 

@@ -32,6 +32,7 @@ from kbit.ops.gemv_mma import (
     _prep_x,
     _sms,
     _table_smem,
+    _x_tiles_groups,
     _x_tiles_kernel,
     available,
     cache_get,
@@ -336,8 +337,8 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
     tiling (``kbit_x_tiles_silu_g``): the down projection's x without a separate SwiGLU pass."""
     n_ch = S * 4
     xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
-    grid, ptrs = (n_max, -(-n_ch // 4 * bt * 8 // 256)), (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(),
-                                                     nblk.data_ptr())
+    grid = (n_max, _x_tiles_groups(n_ch, bt))
+    ptrs = (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(), nblk.data_ptr())
     if silu:
         kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
         I = xp.shape[1] // 2

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -344,8 +345,6 @@ def _tail_split_rows(hidden, routing: MoeRouting, gate_up, down) -> int:
     """The grouped kernel 7's rows a block if this step takes the tail split, else 0: both stacks held in layout
     "mma-v1", rows sorted with group ends (``align``), at least ``TAIL_SPLIT_MIN_E`` experts, kernel 7 with
     ``TAIL_SPLIT_BT``-row blocks."""
-    import os
-
     from kbit.ops.grouped_mma import _large_rows
 
     if os.environ.get("KBIT_MOE_TAIL", "1") == "0" or not (routing.sorted and routing.has_groups):
@@ -364,10 +363,10 @@ def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> 
     part's is made in kernel 7's x gather), and the combine reads the new rows."""
     from dataclasses import replace
 
-    from kbit.ops.grouped_mma import _grouped_run, tail_split
+    from kbit.ops.grouped_mma import TAIL_ROWS, _grouped_run, tail_split
 
     sp = tail_split(routing, bt)
-    P = routing.P
+    P, ng_tail = routing.P, TAIL_ROWS // 8  # kernel 4: one block a tail
 
     def run(x, rows, w, y, ng, blocks, main, silu=False):
         _grouped_run(x, rows, sp.expert_ids, w.codes, w.scales, w.tensor_scale, w.codebook, y, k=w.k,
@@ -375,10 +374,10 @@ def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> 
 
     gu = hidden.new_empty(P, gate_up.N)
     run(hidden, sp.token_ids, gate_up, gu, bt // 8, sp.main_blocks, True)
-    run(hidden, sp.token_ids, gate_up, gu, 4, sp.tail_blocks, False)
+    run(hidden, sp.token_ids, gate_up, gu, ng_tail, sp.tail_blocks, False)
     y = hidden.new_empty(P, down.N)
     run(gu, routing.row_ids, down, y, bt // 8, sp.main_blocks, True, silu=True)
-    run(silu_mul(gu[P - sp.R:]), sp.tail_rows, down, y, 4, sp.tail_blocks, False)
+    run(silu_mul(gu[P - sp.R:]), sp.tail_rows, down, y, ng_tail, sp.tail_blocks, False)
     return combine(y, replace(routing, pair_rows=sp.pair_rows), hidden.dtype)
 
 
