@@ -68,7 +68,7 @@ def measure_read_floor(nbytes: int, reps: int = 15, device: str = "cuda") -> Rea
     """Times plain reads of ``nbytes`` bytes (rounded up to 16) over cold-L2 copies; returns the fastest."""
     if nbytes < 16:
         raise ValueError(f"nbytes must be >= 16, got {nbytes}")
-    from kbit.cuda import compile_kernel
+    from kbit.cuda.runtime import compile_kernel  # TRANSITIONAL: READ_SOURCE moves to csrc/read.cu
 
     dev = torch.device(device)
     if dev.index is None:

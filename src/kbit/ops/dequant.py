@@ -103,7 +103,6 @@ _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scale_format, R, N, K, kp):
     from kbit.cuda import compile_kernel
-    from kbit.cuda.dequant_src import SOURCE
 
     gpr = -(-K // 8)  # 8-column groups per row
     if R >= 2**31:
@@ -117,7 +116,7 @@ def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scal
     kern = _KERNELS.get(key)
     if kern is None:  # compile_kernel hashes the whole source: keep that off the per-call path
         kern = _KERNELS[key] = compile_kernel(
-            SOURCE, "kbit_dequant", dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
+            "dequant.cu", "kbit_dequant", dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
                                          OUT=_OUT_CODE[o.dtype], VEC=int(vec), U=_UNITS), o.device)
     sc = scales.contiguous()
     ts = tensor_scale.reshape(-1).contiguous()

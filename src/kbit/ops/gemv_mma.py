@@ -44,6 +44,12 @@ MAX_M = 64
 SEG = 256
 
 
+#: kernel number of the swap-AB family -> (source file, kernel name) in kbit.cuda
+MMA_KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 2: ("dead.cu", "kbit_kernel2"),
+               3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"), 4: ("mma_pipe.cu", "kbit_mma_pipe"),
+               6: ("dead.cu", "kbit_kernel6"), 7: ("wgmma.cu", "kbit_wgmma")}
+
+
 def available(device=None) -> bool:
     """True when the CUDA kernel can run on ``device`` (CUDA, NVRTC found, sm_80 or newer)."""
     from kbit.cuda import available as cuda_available
@@ -631,8 +637,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     prologue (1: RMSNorm, 2: residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the
     SiLU * up epilogue of a fused gate/up weight (kernel 3 only); see :mod:`kbit.ops.prologue`."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import SOURCE
-
+    
     dev = torch.device(device or "cuda")
     Nt, S = -(-N // 16), -(-K // SEG)
     n_cnt = Nt  # split-K counters (kernel 7: one set a token block)
@@ -710,7 +715,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
     if kernel != 7:
         defines.update(lab_defines())
-    kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
+    kern = compile_kernel(*MMA_KERNELS[defines["KERNEL"]], defines, dev)
     occ = kern.occupancy(W * 32, shared)
     slots = _sms(dev) * occ
     lfx = False
@@ -729,7 +734,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
             # tile's parts in warp order, so they also serve deterministic mode (in place of DET's slots)
             W_c, occ_c, cau_defs, sps_c, grid_c = cau
             defs_c = {**{d: v for d, v in defines.items() if d != "DET"}, **cau_defs, "MAXW": W_c, "MINB": occ_c}
-            kern_c = compile_kernel(SOURCE, "kbit_gemv_mma", defs_c, dev)
+            kern_c = compile_kernel(*MMA_KERNELS[defs_c["KERNEL"]], defs_c, dev)
             if kern_c.occupancy(W_c * 32, shared) >= occ_c:
                 defines, kern, W, occ, sps, grid = defs_c, kern_c, W_c, occ_c, sps_c, grid_c
             else:
@@ -737,7 +742,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
         lfx_on = _lfx_enabled(xs) and not defines.get("DET") and not cau
         lfx_defs = _lfx_defines(Nt, S, grid, W, epi) if lfx_on else None
         if lfx_defs:  # the CTA-local fix-up: static shared slots; kept only at the same occupancy
-            kern_l = compile_kernel(SOURCE, "kbit_gemv_mma", {**defines, **lfx_defs}, dev)
+            kern_l = compile_kernel(*MMA_KERNELS[defines["KERNEL"]], {**defines, **lfx_defs}, dev)
             if kern_l.occupancy(W * 32, shared) >= occ:
                 defines.update(lfx_defs)
                 kern, lfx = kern_l, True
@@ -785,7 +790,7 @@ def plan(k, M, N, K, scale_format="log8", config=None, device=None, pro=0, epi=0
     ws4 = int(ng > 1 and not defines.get("DET") and parts > WS4_PARTS)
     if "WS4" not in lab_defines() and ws4 != defines.get("WS4", 0):
         defines["WS4"] = ws4
-        kern = compile_kernel(SOURCE, "kbit_gemv_mma", defines, dev)
+        kern = compile_kernel(*MMA_KERNELS[defines["KERNEL"]], defines, dev)
     if kernel == 3 and defines.get("DET"):  # a slot a part of a tile (finish_det): parts start >= L segments apart
         L = max(Nt * S // (grid * W), 1)
         ws_floats = Nt * ((S + L - 2) // L + 1) * 128 * ng
@@ -922,13 +927,12 @@ _PLANS: dict = _PlanCache()
 def _plan_cached(k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0):
     """:func:`plan` with its compiled kernel (``p["kern"]``), cached per process."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import SOURCE
-
+    
     key = (k, _ng(M), M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
     p = _PLANS.get(key)
     if p is None:
         p = plan(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
-        p["kern"] = compile_kernel(SOURCE, "kbit_gemv_mma", {**p["defines"], "BF16": int(bf16)}, dev)
+        p["kern"] = compile_kernel(*MMA_KERNELS[p["defines"]["KERNEL"]], {**p["defines"], "BF16": int(bf16)}, dev)
         if len(_PLANS) > 4096:
             _PLANS.clear()
         _PLANS[key] = p
@@ -988,9 +992,8 @@ def _x_tiles_kernel(name, device):
     kern = _XT_KERNELS.get((name, device))
     if kern is None:
         from kbit.cuda import compile_kernel
-        from kbit.cuda.gemv_mma_src import X_TILES_SOURCE
 
-        kern = _XT_KERNELS[(name, device)] = compile_kernel(X_TILES_SOURCE, name, {}, device)
+        kern = _XT_KERNELS[(name, device)] = compile_kernel("x_tiles.cu", name, {}, device)
     return kern
 
 
@@ -1230,7 +1233,6 @@ def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
     (``kbit_deq_mma``; bit-exact with ``kbit.ops.dequant`` of the canonical tensors) instead of :func:`unrepack`
     plus the canonical dequantize. ``out``: a contiguous ``[N, K]`` tensor of ``dtype`` to write into."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import DEQ_SOURCE
     from kbit.ops.gemv import _fail
 
     if dtype not in (torch.float16, torch.bfloat16):
@@ -1254,7 +1256,7 @@ def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
     key = (k, scale_format, dtype, vec, dev)
     hit = _DEQ_KERNELS.get(key)
     if hit is None:
-        kern = compile_kernel(DEQ_SOURCE, "kbit_deq_mma", dict(K_BITS=k, FP16_SCALES=int(scale_format == "fp16"),
+        kern = compile_kernel("dequant_mma.cu", "kbit_deq_mma", dict(K_BITS=k, FP16_SCALES=int(scale_format == "fp16"),
                                                                BF16=int(dtype == torch.bfloat16), VEC=vec), dev)
         hit = _DEQ_KERNELS[key] = (kern, _sms(dev) * kern.occupancy(256, _table_smem(k)))
     kern, slots = hit

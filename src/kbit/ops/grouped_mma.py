@@ -181,18 +181,17 @@ def block_table(expert_ids: torch.Tensor, bm: int, offsets: torch.Tensor | None 
     if not available(expert_ids.device):
         return block_table_torch(expert_ids, bm)
     from kbit.cuda import compile_kernel
-    from kbit.cuda.grouped_mma_src import SOURCE
 
     P = expert_ids.shape[0]
     blk = torch.empty(P + 1, dtype=torch.int32, device=expert_ids.device)
     nblk = torch.empty(1, dtype=torch.int32, device=expert_ids.device)
     defines = dict(K_BITS=4, BF16=0, FP16_SCALES=0)
     if offsets is not None and offsets.shape[0] > 0:
-        kern = compile_kernel(SOURCE, "kbit_moe_blocks_off", defines, expert_ids.device)
+        kern = compile_kernel("moe_blocks.cu", "kbit_moe_blocks_off", defines, expert_ids.device)
         off = offsets.contiguous()
         kern((1,), 1024, "QiiiQQ", off.data_ptr(), off.shape[0], P, bm, blk.data_ptr(), nblk.data_ptr())
         return blk, nblk
-    kern = compile_kernel(SOURCE, "kbit_moe_blocks", defines, expert_ids.device)
+    kern = compile_kernel("moe_blocks.cu", "kbit_moe_blocks", defines, expert_ids.device)
     ids = expert_ids.contiguous()
     kern((1,), 1024, "QiiQQ", ids.data_ptr(), P, bm, blk.data_ptr(), nblk.data_ptr())
     return blk, nblk
@@ -257,7 +256,6 @@ def tail_split(routing, bt: int, tail: int = TAIL_ROWS) -> TailSplit:
     is that of a full block: the weight tile's lookups) for kernel 4. Two CUDA launches (``kbit_moe_split``,
     ``kbit_moe_split_rows``), no host sync; :func:`tail_split_reference` is the definition."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.grouped_mma_src import SOURCE
 
     if not routing.sorted or routing.offsets is None:
         raise ValueError("routing: expected rows sorted by expert with group ends (kbit.ops.moe_align.align)")
@@ -273,10 +271,10 @@ def tail_split(routing, bt: int, tail: int = TAIL_ROWS) -> TailSplit:
     out = torch.empty(4, P, **i32)  # expert_ids, token_ids, pair_rows, tail_rows
     defines = dict(K_BITS=4, BF16=0, FP16_SCALES=0)
     off = routing.offsets.contiguous()
-    compile_kernel(SOURCE, "kbit_moe_split", defines, dev)(
+    compile_kernel("moe_blocks.cu", "kbit_moe_split", defines, dev)(
         (1,), 1024, "QiiiiQQQQQQQ", off.data_ptr(), E, P, bt, tail, blk_m.data_ptr(), nblk[0:].data_ptr(),
         blk_t.data_ptr(), nblk[1:].data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(), per_e[2].data_ptr())
-    compile_kernel(SOURCE, "kbit_moe_split_rows", defines, dev)(
+    compile_kernel("moe_blocks.cu", "kbit_moe_split_rows", defines, dev)(
         (-(-P // 256),), 256, "QQQQQQiiiQQQQ", routing.pair_rows.contiguous().data_ptr(),
         routing.expert_ids.contiguous().data_ptr(), off.data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(),
         per_e[2].data_ptr(), P, routing.top_k, R, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
@@ -372,7 +370,6 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     rows a block, or fewer). ``silu``: xp is a gate_up product ``[P, 2K]``, x = SiLU(gate) * up, made while
     gathering."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import SOURCE as DENSE
     from kbit.ops.gemv_mma import large_defines
 
     P = rows.shape[0]
@@ -385,7 +382,7 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     if p is None:
         defines, shared = large_defines(k, cfg, grouped=True)
         defines.update(BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
-        kern = compile_kernel(DENSE, "kbit_gemv_mma", defines, dev)
+        kern = compile_kernel("wgmma.cu", "kbit_wgmma", defines, dev)
         p = _LPLANS[key] = (kern, defines, shared, kern.occupancy(cfg[1] * 32, shared))
     kern, defines, shared, occ = p
     W, bt = defines["MAXW"], 8 * defines["NG"]
@@ -429,7 +426,6 @@ GROUPED4_MAX_SEG_NG1 = 4
 
 def _plan4(k, ng, scale_format, bf16, dev):
     from kbit.cuda import compile_kernel
-    from kbit.cuda.gemv_mma_src import SOURCE as DENSE
 
     key = (4, k, ng, scale_format, bf16, dev, os.environ.get("KBIT_GROUPED4_W"))
     p = _PLANS.get(key)
@@ -441,7 +437,7 @@ def _plan4(k, ng, scale_format, bf16, dev):
         D = 2
         defines = dict(KERNEL=5, K_BITS=k, NG=ng, D=D, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
                        FP16_SCALES=int(scale_format == "fp16"))
-        kern = compile_kernel(DENSE, "kbit_grouped_mma4", defines, dev)
+        kern = compile_kernel("mma_pipe.cu", "kbit_grouped_mma_pipe", defines, dev)
         shared = D * stage + _table_smem(k)
         occ = kern.occupancy(W * 32, shared)
         p = _PLANS[key] = (kern, W, shared, occ, defines)
@@ -451,7 +447,6 @@ def _plan4(k, ng, scale_format, bf16, dev):
 def _plan(k, ng, S, scale_format, bf16, dev):
     """(kernel, warps, dynamic shared bytes, CTAs an SM) for one define set."""
     from kbit.cuda import compile_kernel
-    from kbit.cuda.grouped_mma_src import SOURCE
 
     if _kernel(ng, S) == 4:
         return _plan4(k, ng, scale_format, bf16, dev)
@@ -461,7 +456,7 @@ def _plan(k, ng, S, scale_format, bf16, dev):
         W = max(1, min(MAX_WARPS, S))
         minb = max(1, (512 if ng <= 2 else 256) // (32 * W))
         defines = dict(K_BITS=k, NG=ng, MAXW=W, MINB=minb, BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"))
-        kern = compile_kernel(SOURCE, "kbit_grouped_mma", defines, dev)
+        kern = compile_kernel("grouped_mma.cu", "kbit_grouped_mma", defines, dev)
         shared = _table_smem(k) + W * ng * 128 * 4
         occ = kern.occupancy(W * 32, shared)
         p = _PLANS[key] = (kern, W, shared, occ, defines)
