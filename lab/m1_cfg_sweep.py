@@ -1,7 +1,7 @@
 """GPU lab: small-M configs of the tensor-core kernels (``KBIT_MMA_CFG`` per column), timed as ``pdl_lab`` times
 (one CUDA graph over weight copies > 8x L2, median of 15 replays, bf16 activations, log8 B = 32).
 
-    PYTHONUNBUFFERED=1 python scripts/m1_cfg_sweep.py [--shapes 6144x4096,...] [--ks 4,2] [--ms 1]
+    PYTHONUNBUFFERED=1 python lab/m1_cfg_sweep.py [--shapes 6144x4096,...] [--ks 4,2] [--ms 1]
         [--cfgs "1,4,4;1,8,2;3,8,2,2;@KBIT_L2PF=8192"] [--between] [--out DIR]
 
 ``--between`` puts a small torch kernel between consecutive calls (as in a decoder layer, where the neighbours of

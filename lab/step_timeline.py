@@ -4,7 +4,7 @@ Builds the random-initialised models of ``benchmarks/bench_e2e.py`` (same option
 times graph replays, profiles one eager step with the torch profiler (kernel durations; CUPTI records no kernels
 inside graph replays here) and prints, per kernel family, the count and the summed duration, beside the graph step.
 
-    python scripts/step_timeline.py --models llama3-8b --k bf16,4,2 --fuse --fuse-proj [--out DIR]
+    python lab/step_timeline.py --models llama3-8b --k bf16,4,2 --fuse --fuse-proj [--out DIR]
 
 ``--env "KBIT_FUSE_PROLOGUE=0;..."``: also time the graph step captured with those environment variables.
 ``--ablate norm,rope,attn,silu,glue``: also time the graph step with that part of the fast step replaced by no

@@ -4,7 +4,7 @@ Checks the CUDA kernel (kbit.cuda.dequant_src) and the Triton one bit-exact agai
 both on the benchmark shapes (bf16 out, weight copies rotated for a cold L2, CUDA graphs, median), with the
 read ceiling and a plain bf16 copy (read + write of the output size) in the same run.
 
-    PYTHONPATH=src KBIT_COMMIT=<sha> python benchmarks/dequant_lab.py [--out DIR]
+    PYTHONPATH=src KBIT_COMMIT=<sha> python lab/dequant_lab.py [--out DIR]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def main() -> int:
             del ws
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 commit=os.environ.get("KBIT_COMMIT", "unknown"), torch=torch.__version__,
-                command="python benchmarks/dequant_lab.py", ceiling_tbps=ceil, bit_exact_failures=bad)
+                command="python lab/dequant_lab.py", ceiling_tbps=ceil, bit_exact_failures=bad)
     with open(os.path.join(args.out, "dequant-lab.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{meta['gpu']} commit {meta['commit']} ceiling {ceil:.3f} TB/s (bytes = codes + scales read + bf16 written)")

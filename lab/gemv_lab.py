@@ -1,6 +1,6 @@
 """GPU lab for the GEMV kernels: correctness against float64, then cold-L2 timings of many configs in one call.
 
-    PYTHONUNBUFFERED=1 python scripts/gemv_lab.py [--quick] [--budget SECONDS] [--out DIR]
+    PYTHONUNBUFFERED=1 python lab/gemv_lab.py [--quick] [--budget SECONDS] [--out DIR]
 
 Writes ``lab.log`` and ``lab.json`` under ``--out`` (default ``$OUT`` or ``.``) and prints a short table last.
 Timing: ``kbit.bench.timing.time_calls`` (CUDA graph over weight copies that together exceed 8x L2).

@@ -1,7 +1,7 @@
 """GPU lab: are repeated M = 1 calls bit-identical? KbitLinear, linear_small_m and the bare launcher on one weight;
 prints the route (kernel, CAU, splits) and, per path, how many of R repeats differ from the first and by how much.
 
-    python scripts/det_probe.py [--shape 4096x4096] [--k 4] [--reps 50]
+    python lab/det_probe.py [--shape 4096x4096] [--k 4] [--reps 50]
 """
 import argparse
 import os

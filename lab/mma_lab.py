@@ -1,7 +1,7 @@
 """GPU lab for the tensor-core small-M kernel (kbit.ops.gemv_mma): correctness against float64, a config sweep,
 then cold-L2 timings of every k on the issue's shapes at M = 1..64 next to bf16 F.linear, in one call.
 
-    PYTHONUNBUFFERED=1 python scripts/mma_lab.py [--budget SECONDS] [--out DIR] [--sweep] [--tag TAG]
+    PYTHONUNBUFFERED=1 python lab/mma_lab.py [--budget SECONDS] [--out DIR] [--sweep] [--tag TAG]
 
 Writes ``mma.json``, ``mma.md`` and ``mma.log`` under ``--out`` (default ``$OUT`` or ``.``), prints a short table
 last. Timing: ``kbit.bench.timing.time_calls`` (CUDA graph over weight copies that together exceed 8x L2,

@@ -1,6 +1,6 @@
 """GPU lab: programmatic dependent launch (PDL) for the tensor-core kernels (kbit.ops.gemv_mma), on and off.
 
-    PYTHONUNBUFFERED=1 python scripts/pdl_lab.py [--ks 4,2,3,5] [--ms 1,4,8,16,32,64,128] [--budget S] [--out DIR]
+    PYTHONUNBUFFERED=1 python lab/pdl_lab.py [--ks 4,2,3,5] [--ms 1,4,8,16,32,64,128] [--budget S] [--out DIR]
 
 1. Correctness of chained calls: y1 = lin_a(x), y2 = lin_b(y1), y3 = lin_a'(y2 * 2) (a torch kernel between),
    eager and in a CUDA graph, PDL on, each against float64 references built from the same chain.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 import mma_lab as L  # noqa: E402
 import torch  # noqa: E402

@@ -3,7 +3,7 @@
 For each model / T: one KbitMoE and one Bf16MoE (bench_moe's), several weight copies rotated so the L2 is cold,
 N forwards of each profiled; prints the CUDA kernels' summed time per forward, largest first.
 
-    PYTHONUNBUFFERED=1 python scripts/moe_profile.py [--models qwen3-30b-a3b,mixtral-8x7b] [--tokens 4096]
+    PYTHONUNBUFFERED=1 python lab/moe_profile.py [--models qwen3-30b-a3b,mixtral-8x7b] [--tokens 4096]
 """
 
 from __future__ import annotations

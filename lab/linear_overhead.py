@@ -11,7 +11,7 @@ output preallocated: argument packing + ``cuLaunchKernelEx``); ``prepared`` = th
 output allocation); ``op`` = ``torch.ops.kbit.linear_mma_v1`` (the torch.library op, as torch.compile calls it);
 ``module`` = ``KbitLinear.__call__``.
 
-    PYTHONUNBUFFERED=1 python scripts/linear_overhead.py [--shapes 512x512,...] [--out DIR]
+    PYTHONUNBUFFERED=1 python lab/linear_overhead.py [--shapes 512x512,...] [--out DIR]
 """
 import argparse
 import os

@@ -2,7 +2,7 @@
 operand, x chunks read by the tensor cores from shared memory) against bf16 ``F.linear`` and dequantize + cuBLAS
 (the large-M default before it), in one call.
 
-    PYTHONUNBUFFERED=1 python scripts/large7_lab.py [--cfgs "7,8,16,4;7,8,32,4"] [--ms 128,256,1024,4096]
+    PYTHONUNBUFFERED=1 python lab/large7_lab.py [--cfgs "7,8,16,4;7,8,32,4"] [--ms 128,256,1024,4096]
         [--ks 4] [--shapes 28672x4096,...] [--no-check] [--budget S]
 
 Correctness first (float64 reference: every k, both dtypes, M 65..1000, odd N, bias, fp16 scales, blocksizes,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "lab"))
 
 import mma_lab as L  # noqa: E402
 import torch  # noqa: E402

@@ -5,7 +5,7 @@
 # device machine. Writes one log a shard under ${LOGDIR:-$OUT} and prints each shard's summary.
 # The shards share the GPU's memory: a test that allocates ~10 GB can fail with OutOfMemoryError beside 13 others
 # (H100, 14 shards, test_grouped_mma); re-run such a failure on its own before reading it as a kernel bug.
-#   bash scripts/pytest_shards.sh tests/test_gemv_mma.py -m gpu
+#   bash lab/pytest_shards.sh tests/test_gemv_mma.py -m gpu
 N=${SHARDS:-8}
 D=${LOGDIR:-${OUT:-.}}
 T=$(mktemp -d)

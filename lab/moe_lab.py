@@ -2,7 +2,7 @@
 against kernel 4 (``kbit_grouped_mma4``), one expert GEMM at a time, next to bf16 ``torch._grouped_mm`` on the same
 routing (x rows gathered, as a layer does), in one call.
 
-    PYTHONUNBUFFERED=1 python scripts/moe_lab.py [--models ...] [--tokens 16,64,256,1024] [--kernels 1,4]
+    PYTHONUNBUFFERED=1 python lab/moe_lab.py [--models ...] [--tokens 16,64,256,1024] [--kernels 1,4]
 
 Correctness first (float64 reference on small stacks: every k, both dtypes, fp16 scales, ragged expert runs),
 then cold-L2 CUDA-graph timings (``kbit.bench.timing.time_calls``). Writes ``moe_lab.json`` / ``moe_lab.log``

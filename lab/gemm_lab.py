@@ -1,7 +1,7 @@
 # ruff: noqa: B023  (closures are called at once, inside the loop iteration)
 """GPU lab for the GEMM work (issue 4): correctness, dequant bandwidth, fused-config sweep, KbitLinear overhead.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src python benchmarks/gemm_lab.py --out $OUT [--quick]
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src python lab/gemm_lab.py --out $OUT [--quick]
 
 Correctness first (fresh random data every check, float64 references, outputs poisoned), then timings with
 the harness method (``kbit.bench.timing.time_calls``: cold L2 by weight copies, CUDA-graph replay, median of
@@ -196,7 +196,7 @@ def sweep(rows, ks, ms, full_k=4, t0=0.0, budget=1e9):
 
 
 def table_json(best):
-    out = {"_source": "benchmarks/gemm_lab.py sweep on H100 (cold L2, graph replay, median of 15)", "dense": {}}
+    out = {"_source": "lab/gemm_lab.py sweep on H100 (cold L2, graph replay, median of 15)", "dense": {}}
     for (N, K, k, M), (kernel, cfg, us) in best.items():
         entry = {"kernel": kernel, "_us": round(us, 2)}
         if cfg:

@@ -1,5 +1,5 @@
 """Summarise an ncu source page (``ncu -i R --page source --csv --print-source sass``): the SASS lines with the
-most warp-stall samples and their leading stall reasons. ``python scripts/ncu_top.py FILE.csv [N]``."""
+most warp-stall samples and their leading stall reasons. ``python lab/ncu_top.py FILE.csv [N]``."""
 
 import csv
 import sys

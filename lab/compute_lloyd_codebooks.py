@@ -4,7 +4,7 @@ For each k in 2..5 and blocksize in 32, 64, 128: draw N(0, 1) blocks, divide eac
 (the format's normalisation), and run Lloyd-Max (1-D k-means) on the normalised values. ``lloyd0`` pins
 -1, 0 and +1 and moves the other levels. Deterministic (fixed seed); takes about a minute on a CPU.
 
-    python scripts/compute_lloyd_codebooks.py
+    python lab/compute_lloyd_codebooks.py
 """
 
 import json

@@ -4,7 +4,7 @@ SQNR (dB) of kbit.quantize on N(0, 1) and Student-t(5) weights (2048 x 4096, fix
 named codebook, comparing blocksize 32 with 8-bit log scales against blocksize 64 with fp16 scales (both
 k + 0.25 bits per weight), plus the k + 0.125 configurations. Prints a markdown table.
 
-    python scripts/scale_format_study.py > docs/quality-scales.md
+    python lab/scale_format_study.py > docs/quality-scales.md
 """
 
 import torch

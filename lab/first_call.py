@@ -1,6 +1,6 @@
 """Wall time of a process's first ``KbitLinear`` calls (NVRTC compiles on first use), for the on-disk CUBIN cache.
 
-    python scripts/first_call.py [--shape 28672x4096] [--ms 1,16,1024] [--k 4]
+    python lab/first_call.py [--shape 28672x4096] [--ms 1,16,1024] [--k 4]
 
 Run it twice with the same ``KBIT_CACHE_DIR`` (cold, then warm), and with ``KBIT_CACHE_DIR=0`` (no cache). Prints
 one line: the seconds of each M's first call (the weight is quantized and moved to the kernels' layout before

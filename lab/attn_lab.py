@@ -1,6 +1,6 @@
 """GPU lab (issue 6): the split-KV decode-attention kernel against static_attention's SDPA path.
 
-    PYTHONUNBUFFERED=1 python scripts/attn_lab.py [--batch 1,4,16,64] [--lengths 528,2048,8192] [--budget 110]
+    PYTHONUNBUFFERED=1 python lab/attn_lab.py [--batch 1,4,16,64] [--lengths 528,2048,8192] [--budget 110]
         [--out DIR]
 
 Shapes: Llama-3-8B (Hq 32, Hkv 8, D 128) and Qwen3-30B-A3B (Hq 32, Hkv 4, D 128), bf16, at every batch and
