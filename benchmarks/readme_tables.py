@@ -108,9 +108,12 @@ def e2e_table(paths: list[Path], ks=(4, 2)) -> str:
             cells = [f"{tps[k]:.0f} ({tps[k] / tps['bf16']:.2f}x)" if k in tps else "-" for k in ks]
             out.append(f"| {model} | {b} | {tps['bf16']:.0f} | " + " | ".join(cells) +
                        f" | `{path.name}` ({d['meta']['commit']}) |")
-    head = ["H100 80GB HBM3, one CUDA graph a decode step on both sides, context 512, `StaticDecoder`'s fast decode "
-            "step, q/k/v and gate/up fused on both sides (`--fuse --fuse-proj`). Cells: tokens/s (x bf16); files "
-            "under `benchmarks/results/h100/`.", "",
+    meta = [_load(path)["meta"] for path in paths]
+    devices = ", ".join(dict.fromkeys(m["device"] for m in meta))
+    contexts = ", ".join(dict.fromkeys(str(m["ctx"]) for m in meta))
+    head = [f"{devices}, one CUDA graph a decode step on both sides, context {contexts}, `StaticDecoder`'s fast "
+            "decode step, q/k/v and gate/up fused on both sides (`--fuse --fuse-proj`). Cells: tokens/s (x bf16); "
+            f"files under `{paths[0].parent.relative_to(ROOT)}/`.", "",
             "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in ks) + " | file (commit) |",
             "|---|--:|--:|" + "--:|" * len(ks) + "---|"]
     return "\n".join(head + out)
@@ -119,7 +122,7 @@ def e2e_table(paths: list[Path], ks=(4, 2)) -> str:
 def quality_table(path: Path) -> str:
     """Perplexity of a small real model at equal bits per weight (``kbit eval``)."""
     d = _load(path)
-    out = [f"{d['model']} (from the PyPI package {d['package']}), every Linear but embeddings and lm_head "
+    out = [f"{d['model']}, from the PyPI package {d['package']}; every Linear but embeddings and lm_head "
            f"quantized, perplexity on {d['tokens']} tokens of `{d['text']}` (float model: "
            f"{d['baseline']['ppl']:.2f}), CPU, {d['date']}, "
            f"{_name(path)}. `kbit/<codebook>`: kbit's format; `rtn-g128`, `nf-b64`: common formats at the same "
