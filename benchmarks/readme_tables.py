@@ -1,0 +1,158 @@
+"""Regenerate the README's result tables from committed results files (between the markers
+``<!-- tables:begin -->`` and ``<!-- tables:end -->``). Only numbers from those files appear, each table names its
+file. To show a newer run, point the constants below at its file and run::
+
+    python benchmarks/readme_tables.py
+"""
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RES = ROOT / "benchmarks" / "results"
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+
+#: the newest results file of each area (H100 unless the folder says otherwise)
+DENSE_M1 = RES / "h100" / "issue3-s17b-2026-11-22.json"
+DENSE_BY_M = RES / "h100" / "issue4-s21-2026-11-23.json"
+MOE = RES / "h100" / "moe-s22-tail-2026-11-23.json"
+#: end to end: (model, batch) rows from the newest file that has them
+E2E = [RES / "h100" / name for name in ("e2e-s20-final.json", "e2e-s19-b4-16.json",
+                                        "e2e-s15-b32-b64-2026-11-22.json", "e2e-s19-qwen3.json")]
+QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
+KS = (2, 3, 4, 5)
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _name(path: Path) -> str:
+    return f"`{path.relative_to(ROOT)}`"
+
+
+def dense_m1_table(path: Path) -> str:
+    """M = 1 from a ``kbit bench --peers`` file: the dispatcher (``kbit-linear``) per k, with humming at the same k
+    and tinygemm (int4), all timed in the same run."""
+    d = _load(path)
+    h = d["header"]
+    rows = {(r["kernel"], r["k"], r["N"], r["K"]): r for r in d["rows"]
+            if r["M"] == 1 and r.get("E", 1) == 1 and r.get("us")}
+    shapes = list(dict.fromkeys((n, kk) for (_, _, n, kk) in rows))
+    out = [f"{h['gpu_name']}, commit {h['commit']}, {_name(path)}; read ceiling {h['ceiling_tbps']:.2f} TB/s. "
+           "Cells: kbit us / % of the read ceiling / x faster than bf16 `F.linear`, [h: humming at the same k, "
+           "t: tinygemm int4], same run.", "",
+           "| N x K | bf16 us | " + " | ".join(f"k={k}" for k in KS) + " |", "|---|--:|" + "---|" * len(KS)]
+    for n, kk in shapes:
+        bf = rows[("bf16", 16, n, kk)]["us"]
+        cells = []
+        for k in KS:
+            r = rows.get(("kbit-linear", k, n, kk))
+            c = f"{r['us']:.1f} / {100 * r['tbps'] / r['ceiling_tbps']:.0f}% / {bf / r['us']:.2f}x" if r else "-"
+            peers = [(tag, rows.get((kernel, k, n, kk))) for tag, kernel in (("h", "humming"), ("t", "tinygemm"))]
+            c += "".join(f" [{tag} {p['us']:.1f}]" for tag, p in peers if p)
+            cells.append(c)
+        out.append(f"| {n}x{kk} | {bf:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def dense_by_m_table(path: Path, ks=(4, 2)) -> str:
+    """Dense M = 16..4096 from a ``kbit bench`` file: x faster than bf16 ``F.linear`` (same run) at two k."""
+    d = _load(path)
+    h = d["header"]
+    speedup = {(r["N"], r["K"], r["M"], r["k"]): r["bf16_us"] / r["us"] for r in d["rows"]
+               if r["kernel"] == "kbit-linear" and r.get("E", 1) == 1 and r.get("us")}
+    ms = sorted({m for (_, _, m, _) in speedup})
+    shapes = list(dict.fromkeys((n, kk) for (n, kk, _, _) in speedup))
+    out = [f"{h['gpu_name']}, commit {h['commit']}, {_name(path)}. Cells: x faster than bf16 `F.linear` (same run) at "
+           f"k = {ks[0]} / k = {ks[1]}.", "",
+           "| N x K | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "--:|" * len(ms)]
+    for n, kk in shapes:
+        cells = [" / ".join(f"{speedup[(n, kk, m, k)]:.2f}" if (n, kk, m, k) in speedup else "-" for k in ks)
+                 for m in ms]
+        out.append(f"| {n}x{kk} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def moe_table(path: Path) -> str:
+    """The whole MoE layer (``benchmarks/bench_moe.py``): kbit us and x faster than the bf16 layer, by tokens T."""
+    d = _load(path)
+    m = d["meta"]
+    rows = [r for r in d["rows"] if r.get("kbit_us") and r.get("bf16_us") and r.get("plan", "auto") == "auto"]
+    ts = sorted({r["T"] for r in rows})
+    get = {(r["model"], r["T"]): r for r in rows}
+    out = [f"Router logits in, hidden out, k = 4, {m['device']}, commit {m['commit']}, {_name(path)}. Cells: kbit us "
+           "(x faster than bf16 experts on `torch._grouped_mm` with the same routing).", "",
+           "| model (E, top-k, H, I) | " + " | ".join(f"T={t}" for t in ts) + " |", "|---|" + "--:|" * len(ts)]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        c = m["models"][model]
+        cells = [f"{get[(model, t)]['kbit_us']:.0f} ({get[(model, t)]['bf16_us'] / get[(model, t)]['kbit_us']:.2f}x)"
+                 if (model, t) in get else "-" for t in ts]
+        out.append(f"| {model} ({c['E']}, {c['top_k']}, {c['H']}, {c['I']}) | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def e2e_table(paths: list[Path], ks=(4, 2)) -> str:
+    """Decode tokens/s (``benchmarks/bench_e2e.py``), each (model, batch) from the first file in ``paths`` that has
+    it; bf16 and kbit from the same run."""
+    seen, out = set(), []
+    for path in paths:
+        d = _load(path)
+        rows = [r for r in d["rows"] if r.get("tokens_per_s")]
+        for model, b in dict.fromkeys((r["model"], r["batch"]) for r in rows):
+            if (model, b) in seen:
+                continue
+            seen.add((model, b))
+            tps = {r["k"] if r["variant"] == "kbit" else "bf16": r["tokens_per_s"] for r in rows
+                   if (r["model"], r["batch"]) == (model, b) and r["variant"] in ("kbit", "bf16")}
+            cells = [f"{tps[k]:.0f} ({tps[k] / tps['bf16']:.2f}x)" if k in tps else "-" for k in ks]
+            out.append(f"| {model} | {b} | {tps['bf16']:.0f} | " + " | ".join(cells) +
+                       f" | `{path.name}` ({d['meta']['commit']}) |")
+    meta = [_load(path)["meta"] for path in paths]
+    devices = ", ".join(dict.fromkeys(m["device"] for m in meta))
+    contexts = ", ".join(dict.fromkeys(str(m["ctx"]) for m in meta))
+    head = [f"{devices}, one CUDA graph a decode step on both sides, context {contexts}, `StaticDecoder`'s fast "
+            "decode step, q/k/v and gate/up fused on both sides (`--fuse --fuse-proj`). Cells: tokens/s (x bf16); "
+            f"files under `{paths[0].parent.relative_to(ROOT)}/`.", "",
+            "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in ks) + " | file (commit) |",
+            "|---|--:|--:|" + "--:|" * len(ks) + "---|"]
+    return "\n".join(head + out)
+
+
+def quality_table(path: Path) -> str:
+    """Perplexity of a small real model at equal bits per weight (``kbit eval``)."""
+    d = _load(path)
+    out = [f"{d['model']}, from the PyPI package {d['package']}; every Linear but embeddings and lm_head "
+           f"quantized, perplexity on {d['tokens']} tokens of `{d['text']}` (float model: "
+           f"{d['baseline']['ppl']:.2f}), CPU, {d['date']}, "
+           f"{_name(path)}. `kbit/<codebook>`: kbit's format; `rtn-g128`, `nf-b64`: common formats at the same "
+           "bits (docs/quality.md).", "",
+           "| method | k=3: bits | ppl | top-1 | k=4: bits | ppl | top-1 |", "|---|--:|--:|--:|--:|--:|--:|"]
+    by = {(r["method"], r["k"]): r for r in d["rows"]}
+    for method in dict.fromkeys(r["method"] for r in d["rows"]):
+        cells = []
+        for k in (3, 4):
+            r = by.get((method, k))
+            cells += [f"{r['bits']:.2f}", f"{r['ppl']:.1f}", f"{r['top1']:.2f}"] if r else ["-"] * 3
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def tables() -> str:
+    return "\n\n".join([
+        "### Dense decode kernels (M = 1)", dense_m1_table(DENSE_M1),
+        "### Dense, M = 16..4096", dense_by_m_table(DENSE_BY_M),
+        "### MoE layer", moe_table(MOE),
+        "### End-to-end decode", e2e_table(E2E),
+        "### Quality", quality_table(QUALITY)])
+
+
+def main():
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    a, b = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:a] + "\n" + tables() + "\n" + text[b:])
+
+
+if __name__ == "__main__":
+    main()
