@@ -141,7 +141,7 @@ def test_second_bound_and_few_slots():
 def _pass1(x, cfg, top_k):
     """Pass 1 alone: (candidate vector bases (B, S * KC), stats (6, B, S), candidate vector maxima
     (B, S * KC)) as the launcher makes them."""
-    from kbit.kernels import sampling as kern
+    from kbit.kernels import sampling_chunks as kern
     from kbit.ops.sampling import _tile
 
     B, V = x.shape

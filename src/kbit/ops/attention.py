@@ -12,15 +12,14 @@ so the grid is fixed under a CUDA graph), and a program whose keys are all inval
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kbit.kernels import attention as _k
-from kbit.ops.glue import _launch_kw
+from kbit.ops.pdl import launch_kw
+from kbit.utils.device import interpreting, sm_count
 
 __all__ = [
     "DecodeAttentionConfig",
@@ -35,29 +34,19 @@ _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 MASKED = -65504.0  # additive mask values <= this exclude the key (see kbit.kernels.attention.MASKED)
 MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16)
-PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (issue 6: 2-4)
+PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (2-4 do well)
 DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
 COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
 FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def device_sms(device: torch.device) -> int:
+    """SMs of ``device``, or DEFAULT_SMS off CUDA (the interpreter): the split count depends on it."""
+    return sm_count(device) if device.type == "cuda" else DEFAULT_SMS
 
 
 # --------------------------------------------------------------------------------------- config
@@ -99,14 +88,12 @@ class DecodeAttentionConfig:
 def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
     """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
     ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
-    chunk would be that short). Swept in the decode step only at Llama-3-8B batch 1 (scripts/step_timeline.py
-    --attn)."""
+    chunk would be that short). Tuned in the decode step at Llama-3-8B batch 1 only."""
     splits = max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads))
     chunk = -(-length // splits)
     block_n = 32 if head_dim > 128 or chunk <= 32 else 64
     chunk = max(block_n, -(-chunk // block_n) * block_n)
-    if chunk == block_n == 32:  # one block a program: 2 warps, no pipeline (Llama-3-8B batch 1, 576 keys, in the
-        # decode step: 2545 vs 2636 us with 4 warps / 2 stages, benchmarks/results/h100/step-timeline-s8-attn.txt)
+    if chunk == block_n == 32:  # one block a program: 2 warps and no pipeline are faster than 4 warps, 2 stages
         return DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=1)
     return DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
@@ -123,7 +110,7 @@ def _check_inputs(query, key, value, length, mask, scale):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     device = query.device
-    if not (device.type == "cuda" or (_interpreting() and device.type == "cpu")):
+    if not (device.type == "cuda" or (interpreting() and device.type == "cpu")):
         raise ValueError(f"query must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
     B, H, G, D = query.shape
     if D < 16 or D > 256 or D & (D - 1):
@@ -201,20 +188,20 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
     B, H, G, D = query.shape
     L = key.shape[2]
     out_dtype = query.dtype
-    if _interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
+    if interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
         query, key, value = query.float(), key.float(), value.float()
     out = torch.empty(B, H, G, D, dtype=query.dtype, device=query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
-        elif _interpreting() and mask.dtype == torch.bfloat16:
+        elif interpreting() and mask.dtype == torch.bfloat16:
             mask = mask.float()
         stride_mb = mask.stride(0) if mask.shape[0] > 1 else 0
         stride_mn = mask.stride(3)
     else:
         stride_mb = stride_mn = 0
     S = -(-L // chunk)
-    pdl = _launch_kw(query.device)  # programmatic dependent launch on sm_90 (kbit.ops.glue)
+    pdl = launch_kw(query.device)  # programmatic dependent launch on sm_90
     if S > 1:
         part_o = torch.empty(B * H, S, G, D, dtype=torch.float32, device=query.device)
         part_m = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
@@ -327,7 +314,7 @@ def decode_attention(
     B, H, G, D = query.shape
     L = key.shape[2]
     if config is None:
-        config = pick_config(B * H, L, D, sm_count(query.device))
+        config = pick_config(B * H, L, D, device_sms(query.device))
     elif not isinstance(config, DecodeAttentionConfig):
         raise TypeError(f"config must be a DecodeAttentionConfig, got {type(config).__name__}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

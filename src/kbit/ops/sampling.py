@@ -2,18 +2,19 @@
 
 ``sample`` is the op (validate -> allocate -> pick config -> launch, registered as ``kbit::sample``);
 ``filtered_probs_reference`` and ``sample_reference`` are its sort-based plain-torch specification.
-Kernels: ``kbit.kernels.sampling``.
+Kernels: ``kbit.kernels.sampling`` (pass 2, penalties) and ``kbit.kernels.sampling_chunks`` (pass 1).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kbit.kernels import sampling as _k
+from kbit.kernels.sampling_chunks import chunk_summary_kernel
+from kbit.utils.device import interpreting
 
 __all__ = [
     "SamplingConfig",
@@ -33,10 +34,6 @@ _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
 _FAST_ENTRIES = 128  # pass-2 fast path: entries >= the top-k lower bound (~k expected), ranked all-pairs
 _PASS1_MAXNREG = 64  # pass-1 register cap: the common path needs ~72, its general branch (a call) ~150
 _PASS1_CAP_BATCH = 16  # cap only from this batch size: below it the grid fits the GPU uncapped anyway
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -85,7 +82,7 @@ class SamplingConfig:
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Launch config (to be re-swept on the H100 for v5): 4096-entry pass-1 chunks of 4 warps and 16 warps
+    """Launch config: 4096-entry pass-1 chunks of 4 warps and 16 warps
     in pass 2 at every batch size. Pass 2's fast path works on all ~S * 32 candidate slots and the
     2S chunk values at once, so fewer, larger chunks keep its tiles small (2048-entry chunks double them
     and spill); pass 1 keeps ``{x >= min of the tile-row maxima}`` per chunk either way.
@@ -112,7 +109,7 @@ def _check_logits(logits) -> None:
         raise TypeError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
     if logits.shape[1] < 1:
         raise ValueError(f"logits must have V >= 1 columns, got shape {tuple(logits.shape)}")
-    if not (logits.is_cuda or (_interpreting() and logits.device.type == "cpu")):
+    if not (logits.is_cuda or (interpreting() and logits.device.type == "cpu")):
         raise ValueError(
             f"logits must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {logits.device}"
         )
@@ -213,7 +210,7 @@ def _sample_op(
     if B == 0:
         return tokens, logprobs
     x = logits if logits.stride(1) == 1 else logits.contiguous()
-    if _interpreting() and x.dtype == torch.bfloat16:
+    if interpreting() and x.dtype == torch.bfloat16:
         x = x.float()  # the interpreter's bfloat16 arithmetic is wrong
     penalised = token_history is not None and (
         rep_t is not None or pres_t is not None or freq_t is not None
@@ -234,7 +231,7 @@ def _sample_op(
 
     G, T = _tile(chunk, warps_chunk)
     cap = {"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}
-    _k.chunk_summary_kernel[(B, S)](
+    chunk_summary_kernel[(B, S)](
         x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
@@ -259,7 +256,7 @@ def _sample_op(
         SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
         CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
-        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not _interpreting(),
+        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not interpreting(),
         num_warps=warps_select,
     )
     return tokens, logprobs
