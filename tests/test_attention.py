@@ -305,15 +305,17 @@ def test_supports():
         assert supports(q, k, v, torch.zeros(1, 1, 1, 16, device=DEV))
 
 
-def test_env_switch(monkeypatch):
-    from kbit.hf.decode import _decode_kernel_choice
+def test_decode_attention_argument():
+    """StaticDecoder(decode_attention=...) / static_attention(kernel=...): each choice has its own registered
+    attention name; anything else is refused, naming the argument."""
+    from kbit.hf.decode import DECODE_ATTENTION, STATIC_ATTENTION, attention_name
 
-    for value, want in (("", "auto"), ("auto", "auto"), ("kbit", "kbit"), ("SDPA", "sdpa"), ("sdpa", "sdpa")):
-        monkeypatch.setenv("KBIT_DECODE_ATTN", value)
-        assert _decode_kernel_choice() == want
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "flash")
-    with pytest.raises(ValueError, match="KBIT_DECODE_ATTN"):
-        _decode_kernel_choice()
+    names = [attention_name(c) for c in ("auto", "kbit", "sdpa")]
+    assert tuple(DECODE_ATTENTION) == ("auto", "kbit", "sdpa")
+    assert names[0] == STATIC_ATTENTION and len(set(names)) == 3
+    assert all(n.startswith(STATIC_ATTENTION) and "sdpa" not in n for n in names)
+    with pytest.raises(ValueError, match="decode_attention"):
+        attention_name("flash")
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -386,7 +388,7 @@ def test_gpu_torch_compile():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_gpu_static_attention_matches_sdpa(monkeypatch, dtype, model):
+def test_gpu_static_attention_matches_sdpa(dtype, model):
     from kbit.hf.decode import static_attention
 
     H, G = SHAPES[model]
@@ -397,21 +399,19 @@ def test_gpu_static_attention_matches_sdpa(monkeypatch, dtype, model):
     value = torch.randn(B, H, L, 128, generator=g).to(dtype).to(DEV)
     mask = _static_mask(pos, L, B, dtype)
     out, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
-    want, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
+    want, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5, kernel="sdpa")
     assert out.shape == want.shape == (B, 1, H * G, 128)
     torch.testing.assert_close(out, want, rtol=2 * TOL[dtype], atol=2 * TOL[dtype])
 
 
 @pytest.mark.gpu
-def test_gpu_decoder_kernel_vs_sdpa(monkeypatch):
+def test_gpu_decoder_kernel_vs_sdpa():
     """A tiny Llama (D = 16) decoded under a CUDA graph with each attention: the same greedy tokens."""
     from test_decode import PROMPT, llama, static_greedy
 
     model = llama(vocab=256).to(device="cuda", dtype=torch.float16)
     ids = torch.tensor(PROMPT, device="cuda")
     t_kbit, l_kbit = static_greedy(model, ids, 8, graph=True)
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
-    t_sdpa, l_sdpa = static_greedy(model, ids, 8, graph=True)
+    t_sdpa, l_sdpa = static_greedy(model, ids, 8, graph=True, decode_attention="sdpa")
     assert torch.equal(t_kbit, t_sdpa)
     torch.testing.assert_close(l_kbit, l_sdpa, atol=2e-2, rtol=2e-2)

@@ -13,6 +13,7 @@ MARKERS = {2: "o", 3: "^", 4: "s", 5: "D"}
 
 
 def _plt():
+    # matplotlib is optional (the plot extra): imported only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

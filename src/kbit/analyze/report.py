@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 
+from kbit.ops.gemv_mma import default_config
+
 # kbit kernels from the kbit-bench file (gemv-*.json): candidates for "best kbit" at M = 1..8.
 # kbit-linear (the dispatching module) is left out: it runs one of these plus Python overhead.
 GEMV_KBIT_KERNELS = ("gemv", "gemm-fused", "dequant+cublas")
@@ -87,16 +89,6 @@ def source_info(path: str | Path, data: dict, role: str = "") -> dict:
 
 def short(path) -> str:
     return Path(str(path)).name
-
-
-def mma_default_config():
-    """Today's default launch config of the small-M kernel (``kbit.ops.gemv_mma.default_config``), or None
-    when it cannot be imported (then every mma cell comes from a file's rows without the default check)."""
-    try:
-        from kbit.ops.gemv_mma import default_config
-    except Exception:  # noqa: BLE001 - torch missing or broken: degrade, the report says so
-        return None
-    return default_config
 
 
 def mma_cells(mma_files: Iterable[tuple[str, dict]], default_cfg=None) -> dict:
@@ -416,7 +408,7 @@ def build(gemv_path=DEFAULT_GEMV, lab_path=DEFAULT_LAB, moe_path=DEFAULT_MOE, di
     gemv, lab, moe, deq = (load_opt(p) for p in (gemv_path, lab_path, moe_path, dequant_path))
     mma_files = [(p, d) for p in (mma_paths or ()) if (d := load_opt(p))]
     if default_cfg == "auto":
-        default_cfg = mma_default_config() if mma_files else None
+        default_cfg = default_config if mma_files else None
     dists = token_distributions(dists_path)
     cells = mma_cells(mma_files, default_cfg)
     b_mma = mma_bf16(mma_files)
@@ -497,6 +489,23 @@ def render_markdown(rep: dict, plots: Iterable[str] = ()) -> str:
 
     L += _best_section(rep)
 
+    L += _workload_section(rep)
+    if rep.get("moe"):
+        L += _moe_section(rep)
+    if rep.get("dequant"):
+        L += _dequant_section(rep)
+
+    plots = list(plots)
+    if plots:
+        L += ["## Plots", ""]
+        for p in plots:
+            L += [f"![{Path(p).stem}](plots/{Path(p).name})", ""]
+    return "\n".join(L).rstrip() + "\n"
+
+
+def _workload_section(rep: dict) -> list[str]:
+    """(b): the workload-weighted kbit / bf16 time by concurrent users."""
+    L: list[str] = []
     w = rep["workload"]
     L += ["## (b) Workload-weighted kbit / bf16 time by concurrent users", "",
           f"Weighted by `token_distributions.json` (~24k turns of a coding-assistant workload): mean "
@@ -539,32 +548,27 @@ def render_markdown(rep: dict, plots: Iterable[str] = ()) -> str:
           "KV-cache, norm or sampling time, bucketed (power-of-two) token counts, k/v projections omitted, "
           "kbit and bf16 times come from separate runs (see the method notes above), the dequant + cuBLAS "
           "times carry the older dequantize (see (d)), and the 256 -> 1024 gap is interpolated.", ""]
+    return L
 
-    if rep.get("moe"):
-        L += ["## (c) Whole MoE layer (routing + experts), as measured", "",
-              "Every plan the file measured per (model, k, T); **bold** = the lowest kbit time of that "
-              "(model, k, T), the option the report counts. kbit and bf16 times of a row come from that row "
-              "(each row timed its own bf16 grouped_mm).", "",
-              "| model | k | T (tokens) | plan | kernels | kbit µs | bf16 µs | speedup |",
-              "|---|--:|--:|---|---|--:|--:|--:|"]
-        for r in rep["moe"]:
-            b = "**" if r.get("best") else ""
-            L.append(f"| {r['model']} | {r['k']} | {r['T']} | {r.get('plan') or ''} | {r['kernels']} | "
-                     f"{b}{r['kbit_us']:.1f}{b} | {r['bf16_us']:.1f} | {b}{r['speedup']:.2f}x{b} |")
-        L += ["", _src_line(rep["sources"], ("moe",)) +
-              " Its `.md` says `auto` there is the plan choice of the commit it was measured at (the grouped "
-              "tensor-core GEMM `gemm` up to 64 rows per touched expert, T = 1 included) and that T = 1 on "
-              "small experts went back to the GEMV after that run: the `gemv` rows at T = 1 are that plan.", ""]
 
-    if rep.get("dequant"):
-        L += _dequant_section(rep)
-
-    plots = list(plots)
-    if plots:
-        L += ["## Plots", ""]
-        for p in plots:
-            L += [f"![{Path(p).stem}](plots/{Path(p).name})", ""]
-    return "\n".join(L).rstrip() + "\n"
+def _moe_section(rep: dict) -> list[str]:
+    """(c): the whole MoE layer rows as measured."""
+    L: list[str] = []
+    L += ["## (c) Whole MoE layer (routing + experts), as measured", "",
+          "Every plan the file measured per (model, k, T); **bold** = the lowest kbit time of that "
+          "(model, k, T), the option the report counts. kbit and bf16 times of a row come from that row "
+          "(each row timed its own bf16 grouped_mm).", "",
+          "| model | k | T (tokens) | plan | kernels | kbit µs | bf16 µs | speedup |",
+          "|---|--:|--:|---|---|--:|--:|--:|"]
+    for r in rep["moe"]:
+        b = "**" if r.get("best") else ""
+        L.append(f"| {r['model']} | {r['k']} | {r['T']} | {r.get('plan') or ''} | {r['kernels']} | "
+                 f"{b}{r['kbit_us']:.1f}{b} | {r['bf16_us']:.1f} | {b}{r['speedup']:.2f}x{b} |")
+    L += ["", _src_line(rep["sources"], ("moe",)) +
+          " Its `.md` says `auto` there is the plan choice of the commit it was measured at (the grouped "
+          "tensor-core GEMM `gemm` up to 64 rows per touched expert, T = 1 included) and that T = 1 on "
+          "small experts went back to the GEMV after that run: the `gemv` rows at T = 1 are that plan.", ""]
+    return L
 
 
 def _mma_notes(rep: dict, mma: dict) -> list[str]:
