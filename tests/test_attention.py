@@ -245,29 +245,29 @@ def test_config_validation():
 _Q, _K, _V = _qkv(2, 2, 4, 64, 32)
 _N = torch.tensor([5], device=DEV)
 BAD = {
-    "query dtype": (dict(query=_Q.float()), TypeError, "query must be float16 or bfloat16"),
-    "query type": (dict(query=_Q.tolist()), TypeError, "query must be a torch.Tensor"),
-    "key dtype": (dict(key=_K.to(torch.bfloat16)), TypeError, "key must have query's dtype"),
-    "dims": (dict(query=_Q[0]), ValueError, "query must have 4 dimensions"),
+    "query dtype": (dict(query=_Q.float()), TypeError, "query: expected float16 or bfloat16"),
+    "query type": (dict(query=_Q.tolist()), TypeError, "query: expected a torch.Tensor"),
+    "key dtype": (dict(key=_K.to(torch.bfloat16)), TypeError, "key: expected query's dtype"),
+    "dims": (dict(query=_Q[0]), ValueError, "query: expected 4 dimensions"),
     "D": (dict(query=_Q[..., :48], key=_K[..., :48], value=_V[..., :48]), ValueError, "power of two"),
     "G": (dict(query=torch.zeros(2, 2, 65, 64, dtype=torch.float16, device=DEV)), ValueError, "G <= 64"),
-    "key shape": (dict(key=_K[:1], value=_V[:1]), ValueError, "key must have shape"),
-    "value shape": (dict(value=_V[:, :, :16]), ValueError, "value must have"),
+    "key shape": (dict(key=_K[:1], value=_V[:1]), ValueError, "key: expected shape"),
+    "value shape": (dict(value=_V[:, :, :16]), ValueError, "value: expected"),
     "stride": (dict(key=_K.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "last dimension"),
-    "length dtype": (dict(length=_N.float()), TypeError, "length must be an int32 or int64"),
-    "length shape": (dict(length=torch.tensor([1, 2, 3], device=DEV)), ValueError, "length must have shape"),
-    "length type": (dict(length=5), TypeError, "length must be"),
+    "length dtype": (dict(length=_N.float()), TypeError, "length: expected an int32 or int64"),
+    "length shape": (dict(length=torch.tensor([1, 2, 3], device=DEV)), ValueError, "length: expected shape"),
+    "length type": (dict(length=5), TypeError, "length: expected"),
     "mask dtype": (dict(mask=torch.zeros(2, 1, 1, 32, dtype=torch.int32, device=DEV)), TypeError,
-                   "mask must be bool"),
-    "mask heads": (dict(mask=torch.zeros(2, 2, 1, 32, device=DEV)), ValueError, "mask must have shape"),
-    "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask must have shape"),
-    "scale": (dict(scale=math.nan), TypeError, "scale must be"),
-    "config": (dict(config=(32, 16)), TypeError, "config must be"),
-    "new_from dtype": (dict(length=_N, new_from=_N.float()), TypeError, "new_from must be an int32"),
-    "new_from alone": (dict(new_from=_N), ValueError, "new_from must come with length"),
+                   "mask: expected bool"),
+    "mask heads": (dict(mask=torch.zeros(2, 2, 1, 32, device=DEV)), ValueError, "mask: expected shape"),
+    "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask: expected shape"),
+    "scale": (dict(scale=math.nan), TypeError, "scale: expected"),
+    "config": (dict(config=(32, 16)), TypeError, "config: expected"),
+    "new_from dtype": (dict(length=_N, new_from=_N.float()), TypeError, "new_from: expected an int32"),
+    "new_from alone": (dict(new_from=_N), ValueError, "new_from: expected to come with length"),
     "new_from shape": (dict(length=_N, new_from=torch.tensor([1, 2], device=DEV)), ValueError,
-                       "new_from must come with length"),
-    "counters dtype": (dict(counters=torch.zeros(4, device=DEV)), TypeError, "counters must be an int32"),
+                       "new_from: expected to come with length"),
+    "counters dtype": (dict(counters=torch.zeros(4, device=DEV)), TypeError, "counters: expected an int32"),
     "counters size": (dict(counters=torch.zeros(3, dtype=torch.int32, device=DEV)), ValueError,
                       "at least B \\* Hkv = 4"),
 }
@@ -291,9 +291,9 @@ def test_bad_input_device():
         return
     with pytest.raises(ValueError, match="CUDA device"):
         decode_attention(q, k, v)
-    with pytest.raises(ValueError, match="key must be on"):
+    with pytest.raises(ValueError, match="key: expected on"):
         decode_attention(q.cuda(), k, v.cuda())
-    with pytest.raises(ValueError, match="length must be on"):
+    with pytest.raises(ValueError, match="length: expected on"):
         decode_attention(q.cuda(), k.cuda(), v.cuda(), length=torch.tensor([3]))
 
 

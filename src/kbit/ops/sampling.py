@@ -14,6 +14,7 @@ import torch
 
 from kbit.kernels import sampling as _k
 from kbit.kernels.sampling_chunks import chunk_summary_kernel
+from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
 
 __all__ = [
@@ -72,13 +73,11 @@ class SamplingConfig:
         for name in ("chunk", "candidates", "select_slots"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
-                raise ValueError(f"SamplingConfig.{name} must be a power of two, got {value}")
+                fail(ValueError, f"SamplingConfig.{name}", "a power of two", value)
         if self.chunk < 16:
-            raise ValueError(f"SamplingConfig.chunk must be >= 16, got {self.chunk}")
+            fail(ValueError, "SamplingConfig.chunk", ">= 16", self.chunk)
         if not 2 <= self.candidates <= self.chunk:
-            raise ValueError(
-                f"SamplingConfig.candidates must be in [2, chunk = {self.chunk}], got {self.candidates}"
-            )
+            fail(ValueError, "SamplingConfig.candidates", f"in [2, chunk = {self.chunk}]", self.candidates)
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
@@ -102,45 +101,43 @@ def _tile(chunk: int, warps: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------- validation
 def _check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        fail(TypeError, "logits", "a torch.Tensor", type(logits).__name__)
     if logits.dim() != 2:
-        raise ValueError(f"logits must have shape (B, V), got shape {tuple(logits.shape)}")
+        fail(ValueError, "logits", "shape (B, V)", f"shape {tuple(logits.shape)}")
     if logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
+        fail(TypeError, "logits", "float16, bfloat16 or float32", logits.dtype)
     if logits.shape[1] < 1:
-        raise ValueError(f"logits must have V >= 1 columns, got shape {tuple(logits.shape)}")
+        fail(ValueError, "logits", "V >= 1 columns", f"shape {tuple(logits.shape)}")
     if not (logits.is_cuda or (interpreting() and logits.device.type == "cpu")):
-        raise ValueError(
-            f"logits must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {logits.device}"
-        )
+        fail(ValueError, "logits", "on a CUDA device (or the CPU under TRITON_INTERPRET=1)", logits.device)
 
 
 def _row_param(name, value, batch, device, integer, ok, expected):
     """Validate a per-request parameter; returns (tensor or None, python scalar)."""
     if isinstance(value, torch.Tensor):
         if tuple(value.shape) != (batch,):
-            raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(value.shape)}")
+            fail(ValueError, name, f"shape (B,) = ({batch},)", tuple(value.shape))
         if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
+            fail(ValueError, name, f"on {device}", value.device)
         if integer and value.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+            fail(TypeError, name, "an int32 or int64 tensor", value.dtype)
         if not integer and not value.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+            fail(TypeError, name, "a floating-point tensor", value.dtype)
         if value.device.type == "cpu":  # reading CUDA values would synchronise
             bad = ~ok(value)
             if bool(bad.any()):
                 got = value[bad][0].item()
-                raise ValueError(f"{name} must be {expected}, got {got} at index {int(bad.nonzero()[0])}")
+                fail(ValueError, name, expected, f"{got} at index {int(bad.nonzero()[0])}")
         if not integer and value.dtype != torch.float32:
             value = value.float()
         return value.contiguous(), 0 if integer else 0.0
     if integer:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int or an integer tensor of shape (B,), got {value!r}")
+            fail(TypeError, name, "an int or an integer tensor of shape (B,)", repr(value))
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or a float tensor of shape (B,), got {value!r}")
+        fail(TypeError, name, "a float or a float tensor of shape (B,)", repr(value))
     if not ok(value):
-        raise ValueError(f"{name} must be {expected}, got {value}")
+        fail(ValueError, name, expected, value)
     return None, int(value) if integer else float(value)
 
 
@@ -149,18 +146,16 @@ def _rng_param(name, value, batch, device):
         return None, 0
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+            fail(TypeError, name, "an int32 or int64 tensor", value.dtype)
         if value.numel() not in (1, batch) or value.dim() > 1:
-            raise ValueError(
-                f"{name} must have shape (), (1,) or (B,) = ({batch},), got {tuple(value.shape)}"
-            )
+            fail(ValueError, name, f"shape (), (1,) or (B,) = ({batch},)", tuple(value.shape))
         if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
+            fail(ValueError, name, f"on {device}", value.device)
         return value.reshape(-1).contiguous(), 0
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or an integer tensor, got {value!r}")
+        fail(TypeError, name, "an int or an integer tensor", repr(value))
     if not 0 <= value < 2**63:
-        raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+        fail(ValueError, name, "in [0, 2**63)", value)
     return None, value
 
 
@@ -368,15 +363,13 @@ def sample(
     if token_history is not None:
         if not isinstance(token_history, torch.Tensor) or token_history.dtype not in _INT_DTYPES:
             got = token_history.dtype if isinstance(token_history, torch.Tensor) else type(token_history)
-            raise TypeError(f"token_history must be an int32 or int64 tensor, got {got}")
+            fail(TypeError, "token_history", "an int32 or int64 tensor", got)
         if token_history.dim() != 2 or token_history.shape[0] != B:
-            raise ValueError(
-                f"token_history must have shape (B, L) with B = {B}, got {tuple(token_history.shape)}"
-            )
+            fail(ValueError, "token_history", f"shape (B, L) with B = {B}", tuple(token_history.shape))
         if token_history.device != dev:
-            raise ValueError(f"token_history must be on {dev}, got {token_history.device}")
+            fail(ValueError, "token_history", f"on {dev}", token_history.device)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        fail(TypeError, "generator", "a torch.Generator", type(generator).__name__)
     seed_t, seed_v = _rng_param("seed", seed, B, dev)
     offset_t, offset_v = _rng_param("offset", offset, B, dev)
     if seed is None:
@@ -384,7 +377,7 @@ def sample(
     if config is None:
         config = pick_config(B, V)
     elif not isinstance(config, SamplingConfig):
-        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}")
+        fail(TypeError, "config", "a SamplingConfig", type(config).__name__)
     tokens, logprobs = torch.ops.kbit.sample(
         logits, *temp, *tk, *tp, *mp, *rp, *pp, *fp, token_history,
         seed_t, seed_v, offset_t, offset_v,
