@@ -235,7 +235,7 @@ def test_best_option_over_all_sources(tmp_path):
     assert moe[(1, "gemv")]["best"] and not moe[(1, "auto")]["best"] and moe[(1024, "grouped_mm")]["best"]
     deq = {(r["N"], r["K"], r["k"]): r for r in rep["dequant"]}
     assert deq[(28672, 4096, 4)]["new_us"] == 50.0 and deq[(28672, 4096, 4)]["triton_us"] == 70.0
-    assert deq[(28672, 4096, 4)]["lab_dequant_us"] is None  # the synthetic lab file has no dequant rows
+    assert deq[(28672, 4096, 4)]["sweep_dequant_us"] is None  # the synthetic lab file has no dequant rows
     roles = [s["role"] for s in rep["sources"]]
     assert roles == ["gemv", "lab", "mma", "mma", "moe", "dequant"]
     md = report.render_markdown(rep)

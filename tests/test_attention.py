@@ -245,29 +245,29 @@ def test_config_validation():
 _Q, _K, _V = _qkv(2, 2, 4, 64, 32)
 _N = torch.tensor([5], device=DEV)
 BAD = {
-    "query dtype": (dict(query=_Q.float()), TypeError, "query must be float16 or bfloat16"),
-    "query type": (dict(query=_Q.tolist()), TypeError, "query must be a torch.Tensor"),
-    "key dtype": (dict(key=_K.to(torch.bfloat16)), TypeError, "key must have query's dtype"),
-    "dims": (dict(query=_Q[0]), ValueError, "query must have 4 dimensions"),
+    "query dtype": (dict(query=_Q.float()), TypeError, "query: expected float16 or bfloat16"),
+    "query type": (dict(query=_Q.tolist()), TypeError, "query: expected a torch.Tensor"),
+    "key dtype": (dict(key=_K.to(torch.bfloat16)), TypeError, "key: expected query's dtype"),
+    "dims": (dict(query=_Q[0]), ValueError, "query: expected 4 dimensions"),
     "D": (dict(query=_Q[..., :48], key=_K[..., :48], value=_V[..., :48]), ValueError, "power of two"),
     "G": (dict(query=torch.zeros(2, 2, 65, 64, dtype=torch.float16, device=DEV)), ValueError, "G <= 64"),
-    "key shape": (dict(key=_K[:1], value=_V[:1]), ValueError, "key must have shape"),
-    "value shape": (dict(value=_V[:, :, :16]), ValueError, "value must have"),
+    "key shape": (dict(key=_K[:1], value=_V[:1]), ValueError, "key: expected shape"),
+    "value shape": (dict(value=_V[:, :, :16]), ValueError, "value: expected"),
     "stride": (dict(key=_K.transpose(2, 3).contiguous().transpose(2, 3)), ValueError, "last dimension"),
-    "length dtype": (dict(length=_N.float()), TypeError, "length must be an int32 or int64"),
-    "length shape": (dict(length=torch.tensor([1, 2, 3], device=DEV)), ValueError, "length must have shape"),
-    "length type": (dict(length=5), TypeError, "length must be"),
+    "length dtype": (dict(length=_N.float()), TypeError, "length: expected an int32 or int64"),
+    "length shape": (dict(length=torch.tensor([1, 2, 3], device=DEV)), ValueError, "length: expected shape"),
+    "length type": (dict(length=5), TypeError, "length: expected"),
     "mask dtype": (dict(mask=torch.zeros(2, 1, 1, 32, dtype=torch.int32, device=DEV)), TypeError,
-                   "mask must be bool"),
-    "mask heads": (dict(mask=torch.zeros(2, 2, 1, 32, device=DEV)), ValueError, "mask must have shape"),
-    "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask must have shape"),
-    "scale": (dict(scale=math.nan), TypeError, "scale must be"),
-    "config": (dict(config=(32, 16)), TypeError, "config must be"),
-    "new_from dtype": (dict(length=_N, new_from=_N.float()), TypeError, "new_from must be an int32"),
-    "new_from alone": (dict(new_from=_N), ValueError, "new_from must come with length"),
+                   "mask: expected bool"),
+    "mask heads": (dict(mask=torch.zeros(2, 2, 1, 32, device=DEV)), ValueError, "mask: expected shape"),
+    "mask len": (dict(mask=torch.zeros(2, 1, 1, 31, device=DEV)), ValueError, "mask: expected shape"),
+    "scale": (dict(scale=math.nan), TypeError, "scale: expected"),
+    "config": (dict(config=(32, 16)), TypeError, "config: expected"),
+    "new_from dtype": (dict(length=_N, new_from=_N.float()), TypeError, "new_from: expected an int32"),
+    "new_from alone": (dict(new_from=_N), ValueError, "new_from: expected to come with length"),
     "new_from shape": (dict(length=_N, new_from=torch.tensor([1, 2], device=DEV)), ValueError,
-                       "new_from must come with length"),
-    "counters dtype": (dict(counters=torch.zeros(4, device=DEV)), TypeError, "counters must be an int32"),
+                       "new_from: expected to come with length"),
+    "counters dtype": (dict(counters=torch.zeros(4, device=DEV)), TypeError, "counters: expected an int32"),
     "counters size": (dict(counters=torch.zeros(3, dtype=torch.int32, device=DEV)), ValueError,
                       "at least B \\* Hkv = 4"),
 }
@@ -291,9 +291,9 @@ def test_bad_input_device():
         return
     with pytest.raises(ValueError, match="CUDA device"):
         decode_attention(q, k, v)
-    with pytest.raises(ValueError, match="key must be on"):
+    with pytest.raises(ValueError, match="key: expected on"):
         decode_attention(q.cuda(), k, v.cuda())
-    with pytest.raises(ValueError, match="length must be on"):
+    with pytest.raises(ValueError, match="length: expected on"):
         decode_attention(q.cuda(), k.cuda(), v.cuda(), length=torch.tensor([3]))
 
 
@@ -305,15 +305,17 @@ def test_supports():
         assert supports(q, k, v, torch.zeros(1, 1, 1, 16, device=DEV))
 
 
-def test_env_switch(monkeypatch):
-    from kbit.hf.decode import _decode_kernel_choice
+def test_decode_attention_argument():
+    """StaticDecoder(decode_attention=...) / static_attention(kernel=...): each choice has its own registered
+    attention name; anything else is refused, naming the argument."""
+    from kbit.hf.decode import DECODE_ATTENTION, STATIC_ATTENTION, attention_name
 
-    for value, want in (("", "auto"), ("auto", "auto"), ("kbit", "kbit"), ("SDPA", "sdpa"), ("sdpa", "sdpa")):
-        monkeypatch.setenv("KBIT_DECODE_ATTN", value)
-        assert _decode_kernel_choice() == want
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "flash")
-    with pytest.raises(ValueError, match="KBIT_DECODE_ATTN"):
-        _decode_kernel_choice()
+    names = [attention_name(c) for c in ("auto", "kbit", "sdpa")]
+    assert tuple(DECODE_ATTENTION) == ("auto", "kbit", "sdpa")
+    assert names[0] == STATIC_ATTENTION and len(set(names)) == 3
+    assert all(n.startswith(STATIC_ATTENTION) and "sdpa" not in n for n in names)
+    with pytest.raises(ValueError, match="decode_attention"):
+        attention_name("flash")
 
 
 # ------------------------------------------------------------------------------------------------ GPU
@@ -386,7 +388,7 @@ def test_gpu_torch_compile():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("model", list(SHAPES))
-def test_gpu_static_attention_matches_sdpa(monkeypatch, dtype, model):
+def test_gpu_static_attention_matches_sdpa(dtype, model):
     from kbit.hf.decode import static_attention
 
     H, G = SHAPES[model]
@@ -397,21 +399,19 @@ def test_gpu_static_attention_matches_sdpa(monkeypatch, dtype, model):
     value = torch.randn(B, H, L, 128, generator=g).to(dtype).to(DEV)
     mask = _static_mask(pos, L, B, dtype)
     out, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
-    want, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5)
+    want, _ = static_attention(None, query, key, value, mask, scaling=128 ** -0.5, kernel="sdpa")
     assert out.shape == want.shape == (B, 1, H * G, 128)
     torch.testing.assert_close(out, want, rtol=2 * TOL[dtype], atol=2 * TOL[dtype])
 
 
 @pytest.mark.gpu
-def test_gpu_decoder_kernel_vs_sdpa(monkeypatch):
+def test_gpu_decoder_kernel_vs_sdpa():
     """A tiny Llama (D = 16) decoded under a CUDA graph with each attention: the same greedy tokens."""
     from test_decode import PROMPT, llama, static_greedy
 
     model = llama(vocab=256).to(device="cuda", dtype=torch.float16)
     ids = torch.tensor(PROMPT, device="cuda")
     t_kbit, l_kbit = static_greedy(model, ids, 8, graph=True)
-    monkeypatch.setenv("KBIT_DECODE_ATTN", "sdpa")
-    t_sdpa, l_sdpa = static_greedy(model, ids, 8, graph=True)
+    t_sdpa, l_sdpa = static_greedy(model, ids, 8, graph=True, decode_attention="sdpa")
     assert torch.equal(t_kbit, t_sdpa)
     torch.testing.assert_close(l_kbit, l_sdpa, atol=2e-2, rtol=2e-2)

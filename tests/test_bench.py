@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from kbit.bench import moe, report
+from kbit.bench import candidates, moe, report
 from kbit.bench.registry import CANDIDATES, Unsupported, register, select
-from kbit.bench.run import clone_weight, kbit_bytes, stand_in_weight
 from kbit.bench.timing import copies_for_cold_l2, tbps
+from kbit.bench.weights import clone_weight, kbit_bytes, stand_in_weight
 from kbit.cli import build_parser
 
 L2 = 50 * 1000 * 1000
@@ -161,6 +161,7 @@ def test_kbit_bytes_and_clone():
 
 
 def test_registry():
+    assert candidates.register is register  # the built-ins register in the one registry
     assert {"gemv", "dequant+bf16", "dummy-linear", "grouped_gemv"} <= set(CANDIDATES)
     assert [c.name for c in select("dense")] == [c.name for c in CANDIDATES.values()
                                                  if c.kind == "dense" and c.default]

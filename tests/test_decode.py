@@ -335,6 +335,20 @@ def test_fast_step_unsupported():
     assert StaticDecoder(model, 1, 16)._fast is None  # auto: transformers' forward
 
 
+def test_decode_attention_argument():
+    """``decode_attention`` picks the one-token attention (on the CPU every choice runs SDPA: same tokens and
+    logits); an unknown choice is refused before anything is built."""
+    model = llama()
+    with pytest.raises(ValueError, match="decode_attention"):
+        StaticDecoder(model, 1, 16, decode_attention="flash")
+    ids = torch.tensor(PROMPT)
+    want_t, want_l = static_greedy(model, ids, 4)
+    for choice in ("kbit", "sdpa"):
+        t, lg = static_greedy(model, ids, 4, decode_attention=choice)
+        assert torch.equal(t, want_t)
+        assert torch.equal(lg, want_l)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_gpu_fast_step_matches_transformers(arch):

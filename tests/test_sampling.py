@@ -141,7 +141,7 @@ def test_second_bound_and_few_slots():
 def _pass1(x, cfg, top_k):
     """Pass 1 alone: (candidate vector bases (B, S * KC), stats (6, B, S), candidate vector maxima
     (B, S * KC)) as the launcher makes them."""
-    from kbit.kernels import sampling as kern
+    from kbit.kernels import sampling_chunks as kern
     from kbit.ops.sampling import _tile
 
     B, V = x.shape
@@ -424,23 +424,23 @@ def test_pick_config():
 X = torch.zeros(2, 10, device=DEV)
 I64 = dict(dtype=torch.int64, device=DEV)
 BAD = [
-    (dict(logits=[[1.0]]), TypeError, "logits must be a torch.Tensor"),
-    (dict(logits=torch.zeros(10, device=DEV)), ValueError, r"logits must have shape \(B, V\)"),
+    (dict(logits=[[1.0]]), TypeError, "logits: expected a torch.Tensor"),
+    (dict(logits=torch.zeros(10, device=DEV)), ValueError, r"logits: expected shape \(B, V\)"),
     (dict(logits=torch.zeros(2, 10, **I64)), TypeError, "float16, bfloat16 or float32, got torch.int64"),
-    (dict(temperature=-0.5), ValueError, r"temperature must be .*>= 0.*got -0.5"),
-    (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_k=-1), ValueError, "top_k must be >= 0, got -1"),
-    (dict(top_k=2.5), TypeError, "top_k must be an int"),
-    (dict(min_p=2.0), ValueError, r"min_p must be in \[0, 1\], got 2.0"),
-    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a finite value > 0"),
-    (dict(top_k=torch.zeros(3, **I64)), ValueError, r"top_k must have shape \(B,\) = \(2,\), got \(3,\)"),
-    (dict(top_p=torch.zeros(2, **I64)), TypeError, "top_p must be a floating-point tensor"),
-    (dict(token_history=torch.zeros(2, 3, device=DEV)), TypeError, "token_history must be an int32 or int64"),
-    (dict(token_history=torch.zeros(3, 3, **I64)), ValueError, r"token_history must have shape \(B, L\)"),
-    (dict(seed=-1), ValueError, r"seed must be in \[0, 2\*\*63\)"),
-    (dict(seed=torch.zeros(3, **I64)), ValueError, "seed must have shape"),
-    (dict(offset=1.0), TypeError, "offset must be an int"),
+    (dict(temperature=-0.5), ValueError, r"temperature: expected .*>= 0.*got -0.5"),
+    (dict(top_p=0.0), ValueError, r"top_p: expected in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), ValueError, r"top_p: expected in \(0, 1\], got 1.5"),
+    (dict(top_k=-1), ValueError, "top_k: expected >= 0, got -1"),
+    (dict(top_k=2.5), TypeError, "top_k: expected an int"),
+    (dict(min_p=2.0), ValueError, r"min_p: expected in \[0, 1\], got 2.0"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty: expected a finite value > 0"),
+    (dict(top_k=torch.zeros(3, **I64)), ValueError, r"top_k: expected shape \(B,\) = \(2,\), got \(3,\)"),
+    (dict(top_p=torch.zeros(2, **I64)), TypeError, "top_p: expected a floating-point tensor"),
+    (dict(token_history=torch.zeros(2, 3, device=DEV)), TypeError, "token_history: expected an int32 or int64"),
+    (dict(token_history=torch.zeros(3, 3, **I64)), ValueError, r"token_history: expected shape \(B, L\)"),
+    (dict(seed=-1), ValueError, r"seed: expected in \[0, 2\*\*63\)"),
+    (dict(seed=torch.zeros(3, **I64)), ValueError, "seed: expected shape"),
+    (dict(offset=1.0), TypeError, "offset: expected an int"),
 ]
 
 
@@ -453,11 +453,11 @@ def test_bad_input(kwargs, exc, msg):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="chunk must be a power of two, got 100"):
+    with pytest.raises(ValueError, match="chunk: expected a power of two, got 100"):
         SamplingConfig(chunk=100, candidates=4)
-    with pytest.raises(ValueError, match=r"candidates must be in \[2, chunk = 16\], got 32"):
+    with pytest.raises(ValueError, match=r"candidates: expected in \[2, chunk = 16\], got 32"):
         SamplingConfig(chunk=16, candidates=32)
-    with pytest.raises(ValueError, match="chunk must be >= 16, got 8"):
+    with pytest.raises(ValueError, match="chunk: expected >= 16, got 8"):
         SamplingConfig(chunk=8, candidates=4)
 
 

@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from kbit.analyze import plots as P
 from kbit.analyze import report
 
 
@@ -34,9 +36,7 @@ def main(args: argparse.Namespace) -> int:
                        dequant_path=args.dequant)
     plots: list[str] = []
     if args.plots:
-        try:
-            from kbit.analyze import plots as P
-        except ImportError:  # pragma: no cover
+        if importlib.util.find_spec("matplotlib") is None:  # pragma: no cover
             print("kbit analyze --plots needs matplotlib: pip install 'kbit[plot]'", file=sys.stderr)
             return 2
         gemv = report.load_json(args.gemv) if Path(args.gemv).exists() else None

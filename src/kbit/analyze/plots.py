@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kbit.analyze.report import GEMV_KBIT_KERNELS, LAB_KBIT_KERNELS, MMA_KERNEL
+from kbit.analyze.report import GEMV_KBIT_KERNELS, MMA_KERNEL, SWEEP_KBIT_KERNELS
 
 COLORS = {MMA_KERNEL: "C5", "gemv": "C0", "gemm-fused": "C1", "dequant+cublas": "C2", "kbit-linear": "C3",
           "gemm-fused(cfg0)": "C1", "gemm-fused(cfg1)": "C4"}
@@ -13,6 +13,7 @@ MARKERS = {2: "o", 3: "^", 4: "s", 5: "D"}
 
 
 def _plt():
+    # matplotlib is optional (the plot extra): imported only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,8 +40,8 @@ def _finish(plt, fig, axes, used: int, ylabel: str, title: str, path) -> Path:
     axes[0][0].set_ylabel(ylabel, fontsize=8)
     handles: dict = {}
     for ax in axes.flat:
-        for h, lab_ in zip(*ax.get_legend_handles_labels(), strict=True):
-            handles.setdefault(lab_, h)
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, h)
     labels = sorted(handles)
     fig.legend([handles[x] for x in labels], labels, loc="lower right", fontsize=6, ncol=2, frameon=False)
     fig.suptitle(title, fontsize=9)
@@ -68,7 +69,7 @@ def speedup_series(gemv: dict | None, lab: dict | None, mma: list[dict] | None =
         for r in data["rows"]:
             if r.get("E", 1) != 1 or not r.get("us") or not r.get("bf16_us"):
                 continue
-            name = LAB_KBIT_KERNELS.get(r.get("what")) if is_lab else r.get("kernel")
+            name = SWEEP_KBIT_KERNELS.get(r.get("what")) if is_lab else r.get("kernel")
             if not name or (not is_lab and name not in (*GEMV_KBIT_KERNELS, "kbit-linear")):
                 continue
             out.setdefault((int(r["N"]), int(r["K"])), {}).setdefault((name, int(r["k"])), {})[int(r["M"])] = \

@@ -5,10 +5,12 @@ Layers, bottom up:
 ``timing``    cold-L2 CUDA-graph timing: weight copies exceeding 8 x L2, one graph call per copy, median of
               >= 15 replays / calls (events around a loop if capture fails).
 ``ceiling``   the read ceiling: ``x.sum()`` over 2 GiB, timed the same way.
-``registry``  kbit kernels by name (``@register("name")`` on a factory ``(qw, M) -> call``).
+``registry``  kbit kernels by name (``@register("name")`` on a factory ``(qw, M) -> call``); nothing else.
+``candidates`` the built-in kbit kernels, registered on import.
+``weights``   kbit's quantize / dequantize for the harness, stand-in weights, copies, bytes read.
 ``peers``     humming, tinygemm, bitsandbytes, gemlite adapters (skipped, with the reason, when missing).
 ``moe``       routing for the grouped benchmarks and the bf16 ``torch._grouped_mm`` baseline.
-``run``       the driver (``BenchConfig`` -> header and rows).
+``run``       the driver (``BenchConfig`` -> header and rows); imports ``candidates``.
 ``report``    the JSON row schema, ``benchmarks/results/<gpu>/<name>-<date>.json``, the markdown table.
 ``cli``       ``kbit bench`` (and ``kbit bench --table FILE`` to render a results file).
 """

@@ -14,6 +14,8 @@ import shlex
 import sys
 
 from kbit.bench import report
+from kbit.bench.moe import MOE_PRESETS
+from kbit.bench.run import DENSE_SHAPES, BenchConfig, run_bench
 
 
 def _ints(text: str) -> list[int]:
@@ -25,7 +27,6 @@ def _ints(text: str) -> list[int]:
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``"llama"``, ``"none"``, or a comma list of ``NxK`` -> [(N, K), ...]."""
-    from kbit.bench.run import DENSE_SHAPES
     text = text.strip().lower()
     if text in ("llama", "default", "all"):
         return list(DENSE_SHAPES)
@@ -42,7 +43,6 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def parse_moe(text: str):
-    from kbit.bench.moe import MOE_PRESETS
     out = []
     for name in (n.strip().lower() for n in text.split(",") if n.strip()):
         if name == "none":
@@ -71,7 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="add a 'read' row per dense (shape, k): the fastest plain read of the kbit weight's bytes")
     p.add_argument("--budget-s", type=float, default=None, help="soft wall-clock budget; later units skipped")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit", default=None, help="commit to record (default: git, or $KBIT_COMMIT)")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
     p.add_argument("--out", default="benchmarks/results",
                    help="results folder (a <gpu>/ folder is made in it)")
     p.add_argument("--name", default="bench", help="results file stem: <out>/<gpu>/<name>-<date>.json")
@@ -84,7 +84,6 @@ def main(args: argparse.Namespace) -> int:
         return report.main(args.table)
     if args.reps < 15:
         print(f"note: --reps {args.reps} is below the 15 replays the method asks for", file=sys.stderr)
-    from kbit.bench.run import BenchConfig, run_bench
     cfg = BenchConfig(shapes=args.shapes, ms=args.m, ks=args.k, blocksize=args.blocksize,
                       candidates=args.candidates, peers=args.peers, moe=args.moe, tokens=args.tokens,
                       reps=args.reps, ceiling=not args.no_ceiling, floor=args.floor, budget_s=args.budget_s,

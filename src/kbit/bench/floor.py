@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
+from kbit.utils.device import sm_count
 
 READ_SOURCE = r"""
 typedef unsigned int u32;
@@ -77,7 +78,7 @@ def measure_read_floor(nbytes: int, reps: int = 15, device: str = "cuda") -> Rea
     n = copies_for_cold_l2(n16 * 16, l2_bytes(dev))
     bufs = [torch.randint(-2**31, 2**31 - 1, (n16 * 4,), dtype=torch.int32, device=dev) for _ in range(n)]
     out = torch.zeros(4, dtype=torch.int32, device=dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = sm_count(dev)
     results: dict[str, Timing] = {}
     for ctas, threads, u, pdl in VARIANTS:
         kern = compile_kernel(READ_SOURCE, "kbit_read", {"U": u, "PDL": pdl}, dev)

@@ -109,6 +109,7 @@ class Bitsandbytes:
         return _import_reason("bitsandbytes")
 
     def build(self, W: torch.Tensor, bits: int) -> PeerWeight:
+        # an optional peer library: imported only when this peer runs
         import bitsandbytes.functional as bnbf
         qw, qs = bnbf.quantize_4bit(W, blocksize=self.group, quant_type="nf4", compress_statistics=False)
         ref = bnbf.dequantize_4bit(qw, qs).float()
@@ -121,6 +122,7 @@ class Bitsandbytes:
         return qw.clone(), qs2
 
     def bind(self, state, x) -> Callable[[], torch.Tensor]:
+        # an optional peer library: imported only when this peer runs
         import bitsandbytes as bnb
         qw, qs = state
         return lambda: bnb.matmul_4bit(x, qw.t(), qs)
@@ -133,6 +135,7 @@ class Gemlite:
         return _import_reason("gemlite")
 
     def build(self, W: torch.Tensor, bits: int) -> PeerWeight:
+        # an optional peer library: imported only when this peer runs
         from gemlite.helper import A16Wn
         N, K = W.shape
         g = self.group
@@ -161,6 +164,7 @@ class Humming:
         return _import_reason("humming")
 
     def build(self, W: torch.Tensor, bits: int) -> PeerWeight:
+        # an optional peer library: imported only when this peer runs
         from humming.layer import HummingLayer
         from humming.ops.utils import init_humming_launcher
         from humming.schema import HummingWeightSchema
@@ -183,6 +187,7 @@ class Humming:
         return cfg, w.clone(), cl(s), cl(z), torch.zeros_like(locks)
 
     def bind(self, state, x) -> Callable[[], torch.Tensor]:
+        # an optional peer library: imported only when this peer runs
         from humming.forward import humming_forward
         from humming.tune import get_heuristics_config
         cfg, w, s, z, locks = state

@@ -12,10 +12,7 @@ their packed weight, scales and zeros + activations. Outputs written are not cou
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
-import importlib
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import triton
 
+from kbit.bench import candidates as _candidates  # noqa: F401  (registers the built-in candidates)
 from kbit.bench import moe as moe_mod
 from kbit.bench.ceiling import measure_read_ceiling
 from kbit.bench.floor import measure_read_floor
@@ -31,6 +30,8 @@ from kbit.bench.peers import select_peers
 from kbit.bench.registry import Unsupported, select
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
+from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes, stand_in_weight, tensor_bytes
+from kbit.utils.device import sm_count
 
 BF16 = torch.bfloat16
 
@@ -65,73 +66,6 @@ class BenchConfig:
     extra_header: dict = field(default_factory=dict)
 
 
-# ------------------------------------------------------------------------------------------ kbit access
-def kbit_api() -> tuple[Callable, Callable] | None:
-    """(kbit.quantize, kbit.dequantize), or None while the library does not provide them yet."""
-    for modname in ("kbit", "kbit.format"):
-        try:
-            mod = importlib.import_module(modname)
-        except Exception:  # noqa: BLE001 - a half-landed package is "not available"
-            continue
-        q, dq = getattr(mod, "quantize", None), getattr(mod, "dequantize", None)
-        if q is not None and dq is not None:
-            return q, dq
-    return None
-
-
-@dataclass
-class StandInWeight:
-    """Random tensors with the sizes of the kbit format, for running the harness (``dummy-linear``)
-    before ``kbit.quantize`` exists. Real candidates skip it."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    tensor_scale: torch.Tensor
-    codebook: torch.Tensor
-    shape: tuple[int, ...]
-    k: int
-    blocksize: int
-    scale_format: str = "log8"
-    stand_in: bool = True
-
-
-def stand_in_weight(shape: Sequence[int], k: int, blocksize: int, device) -> StandInWeight:
-    *lead, N, K = shape
-    kp = -(-K // blocksize) * blocksize
-    codes = torch.randint(-2**31, 2**31 - 1, (*lead, N, kp * k // 32), dtype=torch.int32, device=device)
-    scales = torch.randint(0, 255, (*lead, N, kp // blocksize), dtype=torch.uint8, device=device)
-    codebook = torch.linspace(-1, 1, 2**k, device=device)
-    return StandInWeight(codes, scales, torch.ones(lead, device=device), codebook, tuple(shape), k, blocksize)
-
-
-def _nb(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def kbit_bytes(qw, experts: Sequence[int] | None = None) -> int:
-    """Bytes of the canonical format that a call reads: codes + scales + tensor_scale + codebook; for an
-    expert stack with ``experts`` given, only those experts' codes, scales and tensor scales."""
-    parts = (qw.codes, qw.scales, qw.tensor_scale)
-    if experts is None:
-        return sum(_nb(t) for t in parts) + _nb(qw.codebook)
-    per_expert = sum(_nb(t[0]) for t in parts)
-    return len(experts) * per_expert + _nb(qw.codebook)
-
-
-def clone_weight(qw):
-    """An independent copy of a KbitWeight (every tensor attribute cloned, the rest shared)."""
-    if dataclasses.is_dataclass(qw) and not isinstance(qw, type):
-        changes = {f.name: getattr(qw, f.name).clone() for f in dataclasses.fields(qw)
-                   if f.init and isinstance(getattr(qw, f.name), torch.Tensor)}
-        return dataclasses.replace(qw, **changes)
-    import copy
-    out = copy.copy(qw)
-    for name, value in vars(qw).items():
-        if isinstance(value, torch.Tensor):
-            setattr(out, name, value.clone())
-    return out
-
-
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     """||y - ref|| / ||ref|| in float32 (Frobenius)."""
     y = y.float().reshape(ref.shape)
@@ -159,7 +93,7 @@ class Runner:
         self.gpu_name = torch.cuda.get_device_name(self.device)
         self.gpu = gpu_slug(self.gpu_name)
         self.l2 = l2_bytes(self.device)
-        self.commit = cfg.commit or os.environ.get("KBIT_COMMIT") or git_commit()
+        self.commit = cfg.commit or git_commit()
         self.ceiling_tbps: float | None = None
         self.ceiling_bytes = 0
         self.bf16_us: dict[tuple, float] = {}
@@ -230,17 +164,11 @@ class Runner:
         return self.header(), self.rows
 
     def header(self) -> dict:
-        try:
-            import triton
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = None
         cfg = self.cfg
-        props = torch.cuda.get_device_properties(self.device)
         return dict(gpu=self.gpu, gpu_name=self.gpu_name, date=_dt.date.today().isoformat(),
-                    commit=self.commit, command=cfg.command, torch=torch.__version__, triton=triton_version,
+                    commit=self.commit, command=cfg.command, torch=torch.__version__, triton=triton.__version__,
                     l2_bytes=self.l2,
-                    sms=props.multi_processor_count, ceiling_tbps=self.ceiling_tbps,
+                    sms=sm_count(self.device), ceiling_tbps=self.ceiling_tbps,
                     ceiling_bytes=self.ceiling_bytes, reps=cfg.reps, l2_factor=8,
                     kbit_quantize=self.api is not None, elapsed_s=round(time.time() - self.t0, 1),
                     skipped=self.skipped, **cfg.extra_header)
@@ -287,13 +215,13 @@ class Runner:
 
     def dense_bf16(self, Wb: torch.Tensor, xs: dict) -> None:
         N, K = Wb.shape
-        n = copies_for_cold_l2(_nb(Wb), self.l2)
+        n = copies_for_cold_l2(tensor_bytes(Wb), self.l2)
         copies = [Wb] + [Wb.clone() for _ in range(n - 1)]
         for M, x in xs.items():
             t = self.time(f"bf16 {N}x{K} M={M}", [lambda w=w, x=x: F.linear(x, w) for w in copies])
             if t:
                 self.add_row(kernel="bf16", k=16, blocksize=0, N=N, K=K, M=M, E=1, timing=t,
-                             nbytes=_nb(Wb) + _nb(x), err=None)
+                             nbytes=tensor_bytes(Wb) + tensor_bytes(x), err=None)
         del copies
 
     def dense_kbit(self, qw, real: bool, wdq, xs: dict) -> None:
@@ -326,7 +254,7 @@ class Runner:
                 t = self.time(f"{what} M={M}", [lambda f=f, x=x: f(x) for f in fns])
                 if t:
                     self.add_row(kernel=cand.name, k=qw.k, blocksize=qw.blocksize, N=N, K=K, M=M, E=1,
-                                 timing=t, nbytes=wbytes + _nb(x), err=err, stand_in=not real)
+                                 timing=t, nbytes=wbytes + tensor_bytes(x), err=err, stand_in=not real)
                 del fns
         del copies
         if self.cfg.floor and not self.over_budget():
@@ -380,7 +308,7 @@ class Runner:
             t = self.time(f"{what} M={M}", thunks)
             if t:
                 self.add_row(kernel=peer.name, k=k, blocksize=pw.group, N=N, K=K, M=M, E=1, timing=t,
-                             nbytes=pw.nbytes + _nb(x), err=err, note=pw.note)
+                             nbytes=pw.nbytes + tensor_bytes(x), err=err, note=pw.note)
         del states, pw
 
     # -- MoE
@@ -430,7 +358,7 @@ class Runner:
             if t:
                 # the row's kernel is "bf16" so that kbit rows find their baseline; "impl" says which
                 self.add_row(kernel="bf16", k=16, blocksize=0, N=N, K=K, M=T, E=E, timing=t,
-                             nbytes=wbytes + _nb(a), err=None, impl=name, topk=shape.topk,
+                             nbytes=wbytes + tensor_bytes(a), err=None, impl=name, topk=shape.topk,
                              touched=len(r.touched), layer=shape.name)
             del copies, fns
 
@@ -463,7 +391,7 @@ class Runner:
                 t = self.time(f"{what} T={T}", [lambda f=f, a=a: f(a) for f in fns])
                 if t:
                     self.add_row(kernel=cand.name, k=qw.k, blocksize=qw.blocksize, N=N, K=K, M=T, E=E,
-                                 timing=t, nbytes=wbytes + _nb(a), err=err, topk=shape.topk,
+                                 timing=t, nbytes=wbytes + tensor_bytes(a), err=err, topk=shape.topk,
                                  touched=len(r.touched), layer=shape.name)
                 del copies, fns
 

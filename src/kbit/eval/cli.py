@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from kbit.eval.judges import JUDGES, run
+from kbit.eval.methods import methods
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
 
 METRICS = {
@@ -56,9 +58,6 @@ def main(args) -> int:
     if args.table is not None:
         print(render(json.loads(args.table.read_text())))
         return 0
-    from kbit.eval.judges import JUDGES, run
-    from kbit.eval.methods import methods
-
     for name in args.model:
         if name not in JUDGES:
             print(f"kbit eval: --model: expected one of {sorted(JUDGES)}, got {name!r}", file=sys.stderr)

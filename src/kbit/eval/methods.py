@@ -19,7 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kbit.format import codebooks as cbs
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
+from kbit.format.reference import block_scales, blocks, nearest_codes, normalise
+from kbit.ops.quantize import fit_codebook
 
 
 @dataclass(frozen=True)
@@ -57,16 +60,12 @@ def fake_quant(W: torch.Tensor, k: int, blocksize: int = 32, codebook=None, scal
                ) -> torch.Tensor:
     """``dequantize(quantize(W, ...), float32)`` without packing the codes: the format's own block, scale and
     nearest-code steps (:mod:`kbit.format.reference`), bit-exact with it and several times faster on the CPU."""
-    from kbit.format import codebooks as cbs
-    from kbit.format.reference import block_scales, blocks, nearest_codes, normalise
-    from kbit.ops.quantize import _fit_codebook
-
     cb, name = cbs.resolve(codebook, k, blocksize)
     b = blocks(W.detach(), blocksize)
     absmax = b.abs().amax(-1)
     matrix_max = absmax.amax(dim=(-2, -1))
     if name == "fit":
-        cb = _fit_codebook(W.detach(), matrix_max, blocksize, scale_format, cb)
+        cb = fit_codebook(W.detach(), matrix_max, blocksize, scale_format, cb)
     _, scale, _ = block_scales(absmax, matrix_max, scale_format)
     codes = nearest_codes(normalise(b, scale), cb)
     out = (cb[codes] * scale[..., None]).reshape(*W.shape[:-1], -1)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kbit.format.pack import words_per_row
+from kbit.utils.checks import fail
 
 FORMAT_VERSION = 1
 K_VALUES = (2, 3, 4, 5)
@@ -44,24 +45,27 @@ def log8_values(device=None) -> torch.Tensor:
 
 
 def check_k(k) -> int:
+    """``k`` is one of K_VALUES; returns it."""
     if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k: expected an int in {K_VALUES}, got {type(k).__name__}")
+        fail(TypeError, "k", f"an int in {K_VALUES}", type(k).__name__)
     if k not in K_VALUES:
-        raise ValueError(f"k: expected one of {K_VALUES}, got {k}")
+        fail(ValueError, "k", f"one of {K_VALUES}", k)
     return k
 
 
 def check_blocksize(blocksize) -> int:
+    """``blocksize`` is one of BLOCKSIZES; returns it."""
     if isinstance(blocksize, bool) or not isinstance(blocksize, int):
-        raise TypeError(f"blocksize: expected an int in {BLOCKSIZES}, got {type(blocksize).__name__}")
+        fail(TypeError, "blocksize", f"an int in {BLOCKSIZES}", type(blocksize).__name__)
     if blocksize not in BLOCKSIZES:
-        raise ValueError(f"blocksize: expected one of {BLOCKSIZES}, got {blocksize}")
+        fail(ValueError, "blocksize", f"one of {BLOCKSIZES}", blocksize)
     return blocksize
 
 
 def check_scale_format(scale_format) -> str:
+    """``scale_format`` is one of SCALE_FORMATS; returns it."""
     if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+        fail(ValueError, "scale_format", f"one of {SCALE_FORMATS}", repr(scale_format))
     return scale_format
 
 
@@ -178,7 +182,7 @@ class KbitWeight:
         check_blocksize(self.blocksize)
         check_scale_format(self.scale_format)
         if len(self.shape) < 2 or min(self.shape) < 1:
-            raise ValueError(f"shape: expected (..., N, K) with every dimension >= 1, got {self.shape}")
+            fail(ValueError, "shape", "(..., N, K) with every dimension >= 1", self.shape)
         lead = self.shape[:-2]
         kp = self.padded_k
         expect = {
@@ -190,12 +194,12 @@ class KbitWeight:
         }
         for name, t in self.tensors().items():
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+                fail(TypeError, name, "a torch.Tensor", type(t).__name__)
             dtype, shape = expect[name]
             if t.dtype != dtype:
-                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+                fail(ValueError, name, f"dtype {dtype}", t.dtype)
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected shape {shape} for weight shape {self.shape}, k={self.k}, "
                                  f"blocksize={self.blocksize}, got {tuple(t.shape)}")
             if t.device != self.codes.device:
-                raise ValueError(f"{name}: expected device {self.codes.device} (that of codes), got {t.device}")
+                fail(ValueError, name, f"device {self.codes.device} (that of codes)", t.device)

@@ -14,6 +14,7 @@ import argparse
 import json
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
+from kbit.hf.quantize_model import quantize_model, save_quantized
 
 
 def _override(text: str) -> tuple[str, dict]:
@@ -38,9 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import transformers
-
-    from kbit.hf.quantize_model import quantize_model, save_quantized
+    import transformers  # transformers is optional (kbit[hf]): imported when the command runs
 
     cls = transformers.AutoModel if args.encoder else transformers.AutoModelForCausalLM
     model = cls.from_pretrained(args.model, local_files_only=True)

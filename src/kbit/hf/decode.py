@@ -12,7 +12,7 @@ and the position ids are made here (a 4-D additive mask over the whole static ca
 the position tensor, once per step), so the step depends on no transformers mask or position logic that reads
 the host. The attention of a one-token step is transformers' SDPA with the query heads of each KV group as
 the query rows (``[B, Hkv, G, D]`` against the cache's ``[B, Hkv, L, D]``; on CUDA the split-KV kernel of
-:mod:`kbit.ops.attention`, ``KBIT_DECODE_ATTN=sdpa`` for SDPA): transformers' own SDPA path
+:mod:`kbit.ops.attention`, ``StaticDecoder(decode_attention="sdpa")`` for SDPA): transformers' own SDPA path
 repeats the whole static cache G times whenever a mask is given (``repeat_kv``: at batch 64 and 600
 positions, ~20 GB of copies a step on Llama-3-8B). The prefill uses transformers' SDPA as is.
 
@@ -27,45 +27,62 @@ Graph capture needs a sync-free forward: quantized MoE models should use :class:
 
 from __future__ import annotations
 
-import os
+import functools
+import sys
+import types
 
 import torch
 from torch import nn
 
-__all__ = ["STATIC_ATTENTION", "StaticDecoder", "static_attention", "use_kbit_moe"]
+from kbit.hf.experts import KbitExperts
+from kbit.hf.fast_decode import FastDecodeStep, unsupported_reason
+from kbit.nn import KbitMoE
+from kbit.ops import attention as _attn
+from kbit.ops.glue import argmax
+from kbit.ops.sampling import sample, sample_reference
+from kbit.utils.checks import check_choice
 
-#: the name under which :func:`static_attention` is registered in transformers' ``AttentionInterface``
+__all__ = ["DECODE_ATTENTION", "STATIC_ATTENTION", "StaticDecoder", "static_attention", "use_kbit_moe"]
+
+#: the name under which :func:`static_attention` (``kernel="auto"``) is registered in transformers'
+#: ``AttentionInterface``
 STATIC_ATTENTION = "kbit_static"
+#: choices of ``StaticDecoder(decode_attention=...)`` / ``static_attention(kernel=...)`` for one-token steps
+DECODE_ATTENTION = ("auto", "kbit", "sdpa")
+#: the registered name of each choice (no "sdpa" in a name: transformers reads that word in implementation names)
+_ATTENTION_NAMES = {"auto": STATIC_ATTENTION, "kbit": f"{STATIC_ATTENTION}_kbit", "sdpa": f"{STATIC_ATTENTION}_torch"}
 _PAD = 16  # the cache length is rounded up to this (aligned mask rows for the SDPA kernels)
 
 
 def _static_cache(model, max_len: int):
-    from transformers import StaticCache
+    from transformers import StaticCache  # transformers is optional (kbit[hf]): imported when a decoder is made
 
     return StaticCache(config=model.config, max_cache_len=max_len)
 
 
-def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, *,
+                     kernel: str = "auto", **kwargs):
     """Attention for the static cache: ``query [B, Hq, q, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (the whole
     cache), ``attention_mask`` additive ``[B, 1, q, L]``. A one-token step runs one SDPA on ``[B, Hkv, G, D]``
     queries (the G = Hq / Hkv heads sharing a KV head as rows: no copy of the cache); longer ones (prefill)
     go to transformers' ``sdpa`` forward. On CUDA the one-token step is :func:`kbit.ops.attention.decode_attention`
     (split over the cache length, the same additive mask; keys past the position are not read) unless
-    ``KBIT_DECODE_ATTN=sdpa`` or the tensors are outside its support (fp32, odd head dims, other mask shapes).
-    Returns ``([B, q, Hq, D], None)`` as transformers' functions do."""
+    the tensors are outside its support (fp32, odd head dims, other mask shapes). ``kernel`` (one of
+    :data:`DECODE_ATTENTION`): ``auto`` runs that kernel when batch x KV heads <= DECODE_KERNEL_MAX_HEADS, else
+    SDPA; ``kbit`` the kernel always; ``sdpa`` SDPA always. Returns ``([B, q, Hq, D], None)`` as transformers'
+    functions do."""
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or Hq % Hkv or dropout:
+        # transformers is optional (kbit[hf]); a prefill only runs inside a transformers model anyway
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     qg = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * G + g, the order of transformers' repeat_kv
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
-    choice = _decode_kernel_choice() if query.is_cuda else "sdpa"
+    choice = kernel if query.is_cuda else "sdpa"
     if choice == "kbit" or (choice == "auto" and B * Hkv <= DECODE_KERNEL_MAX_HEADS):
-        from kbit.ops import attention as _attn
-
         if _attn.supports(qg, key, value, mask):
             out = _attn.decode_attention(qg, key, value, mask=mask, scale=scaling)
             return out.reshape(B, 1, Hq, D), None
@@ -73,27 +90,23 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     return out.reshape(B, 1, Hq, D), None
 
 
-#: ``auto`` runs the decode kernel up to this many (batch row, KV head) pairs: H100, scripts/attn_lab.py
-#: (benchmarks/results/h100/attn-lab-s6.log; mask path): 2.5x faster than SDPA at 8 pairs and 528 keys, still
-#: faster at 64 (Qwen3 B = 16: 14.1 vs 19.8 us), slower at 128 from 2048 keys (Llama B = 16: 62.7 vs 58.4 us).
+#: ``auto`` runs the decode kernel up to this many (batch row, KV head) pairs: on the H100 (mask path) it beats
+#: SDPA up to 64 pairs and loses at 128 pairs from 2048 keys on.
 DECODE_KERNEL_MAX_HEADS = 64
 
 
-def _decode_kernel_choice() -> str:
-    """``KBIT_DECODE_ATTN``: unset or ``auto`` = :func:`kbit.ops.attention.decode_attention` for one-token steps
-    on CUDA (fp16/bf16, head dim a power of two <= 256) when batch x KV heads <= DECODE_KERNEL_MAX_HEADS, else
-    SDPA; ``kbit`` = the kernel always; ``sdpa`` = SDPA always (A/B runs). Read at every call, so it takes
-    effect at the next capture or eager step."""
-    choice = os.environ.get("KBIT_DECODE_ATTN", "auto").strip().lower() or "auto"
-    if choice not in ("auto", "kbit", "sdpa"):
-        raise ValueError(f"KBIT_DECODE_ATTN: expected 'auto', 'kbit' or 'sdpa', got {choice!r}")
-    return choice
+def attention_name(kernel: str) -> str:
+    """The ``AttentionInterface`` name of :func:`static_attention` with ``kernel`` (one of DECODE_ATTENTION)."""
+    check_choice("decode_attention", kernel, DECODE_ATTENTION)
+    return _ATTENTION_NAMES[kernel]
 
 
 def _register() -> None:
+    # transformers is optional (kbit[hf]): imported when a decoder is made
     from transformers import AttentionInterface
 
-    AttentionInterface.register(STATIC_ATTENTION, static_attention)
+    for kernel in DECODE_ATTENTION:
+        AttentionInterface.register(attention_name(kernel), functools.partial(static_attention, kernel=kernel))
 
 
 class _AttnImpl:
@@ -133,13 +146,15 @@ class StaticDecoder:
         per step, as :func:`kbit.hf.generate.generate_tokens` draws them.
     fast : decode steps through :class:`kbit.hf.fast_decode.FastDecodeStep` (kbit's fused glue kernels around
         the model's own projections) instead of transformers' forward. ``None`` (default): on CUDA when the model
-        is supported and ``KBIT_FAST_DECODE`` is not ``0``; ``True`` requires it (ValueError naming why not).
+        is supported; ``True`` requires it (ValueError naming why not); ``False``: transformers' forward.
         The prefill always runs transformers' forward.
+    decode_attention : the attention of one-token steps through transformers' forward (see
+        :func:`static_attention`): ``"auto"`` (default), ``"kbit"`` (the split-KV kernel) or ``"sdpa"``.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, graph: bool | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 fast: bool | None = None):
+                 fast: bool | None = None, decode_attention: str = "auto"):
         if not (isinstance(batch_size, int) and batch_size >= 1):
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if not (isinstance(max_len, int) and max_len >= 2):
@@ -153,12 +168,13 @@ class StaticDecoder:
             graph = self.device.type == "cuda"
         if graph and self.device.type != "cuda":
             raise ValueError(f"graph: CUDA graphs need the model on a CUDA device, got {self.device}")
+        attn_name = attention_name(decode_attention)
         attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if attn not in ("sdpa", "eager", STATIC_ATTENTION):
+        if attn not in ("sdpa", "eager") and not attn.startswith(STATIC_ATTENTION):
             raise ValueError(f"model.config._attn_implementation: expected 'sdpa' or 'eager' (the decoder brings "
                              f"its own attention and mask), got {attn!r}")
         _register()
-        self._attn = _AttnImpl(model, STATIC_ATTENTION)
+        self._attn = _AttnImpl(model, attn_name)
         max_len = -(-max_len // _PAD) * _PAD
         self.model, self.B, self.L, self.graph = model, batch_size, max_len, bool(graph)
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
@@ -180,11 +196,8 @@ class StaticDecoder:
         self._fast = self._fast_step(model, fast)
 
     def _fast_step(self, model, fast):
-        from kbit.hf.fast_decode import FastDecodeStep, unsupported_reason
-
         if fast is None:
-            fast = self.device.type == "cuda" and os.environ.get("KBIT_FAST_DECODE", "1") != "0" and \
-                unsupported_reason(model, self.L) is None
+            fast = self.device.type == "cuda" and unsupported_reason(model, self.L) is None
         return FastDecodeStep(model, self.cache, self.L) if fast else None
 
     # -- pieces ---------------------------------------------------------------------------------------------
@@ -192,8 +205,6 @@ class StaticDecoder:
         """A decode step writes its K/V at ``pos`` with two ``index_copy_`` (transformers' static layer spends
         five launches: ``arange``, add, the length counter, two copies). Only for plain ``StaticLayer``s
         (no sliding windows); the prefill keeps transformers' update (it allocates the tensors)."""
-        import types
-
         if not all(type(layer).__name__ == "StaticLayer" for layer in self.cache.layers):
             return
         dec = self
@@ -226,16 +237,10 @@ class StaticDecoder:
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0.0:
             if logits.is_cuda:
-                from kbit.ops.glue import argmax
-
                 return argmax(logits)
             return logits.argmax(dim=-1)
         if logits.is_cuda:
-            from kbit.ops.sampling import sample
-
             return sample(logits, self.temperature, self.top_k, self.top_p, seed=self.seed, offset=self.offset)
-        from kbit.ops.sampling import sample_reference
-
         return sample_reference(logits, self.temperature, self.top_k, self.top_p, generator=self._gen)
 
     def _step_body(self) -> torch.Tensor:
@@ -367,9 +372,6 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
     checkpoint) are rebuilt around the same k-bit tensors (no re-quantization; ``k`` must be None). Blocks with
     float experts are quantized with ``KbitMoE.from_hf(block, k=k, **quantize_kw)`` (``k`` required).
     """
-    from kbit.hf.experts import KbitExperts
-    from kbit.nn import KbitMoE
-
     done = 0
     for name, block in list(_sparse_blocks(model)):
         if isinstance(block, KbitMoE):
@@ -436,9 +438,6 @@ def compile_glue(model: nn.Module) -> list[str]:
     Returns the names of what was patched. Compilation happens at the first call of each shape: run a step
     before capturing a CUDA graph (:meth:`StaticDecoder.capture` does).
     """
-    import sys
-    import types
-
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     done, rotary_modules = [], set()
     for name, m in model.named_modules():
@@ -467,8 +466,6 @@ def compile_glue(model: nn.Module) -> list[str]:
 
 def uncompile_glue(model: nn.Module) -> None:
     """Undo :func:`compile_glue` (instance forwards removed, the modeling modules' rotary function restored)."""
-    import sys
-
     for m in model.modules():
         if "forward" in m.__dict__ and getattr(m.forward, "__func__", None) in (_norm_forward, _mlp_forward):
             del m.forward

@@ -14,6 +14,7 @@ from torch import nn
 
 from kbit.format.spec import KbitWeight
 from kbit.ops.gemm import linear as _linear_impl
+from kbit.ops.quantize import quantize
 
 PARTS = ("codes", "scales", "tensor_scale", "codebook")
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -49,8 +50,6 @@ class KbitExperts(nn.Module):
     def from_experts(cls, module: nn.Module, k: int, blocksize: int, codebook=None, scale_format: str = "log8"
                      ) -> KbitExperts:
         """Quantize a fused expert module (``kbit.quantize`` on each stacked weight, on its device)."""
-        from kbit.ops.quantize import quantize
-
         if any(n.endswith("_bias") and getattr(module, n) is not None for n, _ in module.named_parameters()):
             raise NotImplementedError(f"{type(module).__name__}: expert biases are not supported")
         w = module.gate_up_proj.detach()

@@ -2,8 +2,7 @@
 
 transformers' forward spends about 14 kernels a dense decoder layer on a one-token step besides its four (fused)
 projections: two RMSNorms, two rotary kernels, two KV-cache copies, the attention, two residual adds, SiLU * up
-(H100, Llama-3-8B shapes: ~24 us a layer, ~0.8 ms of a 3.7 ms k = 4 step,
-``benchmarks/results/h100/step-timeline-s7-before.txt``). This step walks the same modules' weights with
+(on an H100 at Llama-3-8B shapes, about a fifth of a k = 4 step). This step walks the same modules' weights with
 :mod:`kbit.ops.glue`: residual add + RMSNorm in one kernel, rotary + (Qwen3) q/k norms + KV append in one, the
 split-KV attention of :mod:`kbit.ops.attention` over the valid length, SiLU * up in one; each launched with
 programmatic dependent launch on sm_90, so the next k-bit GEMV starts loading its weights while it runs. The
@@ -19,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.nn import KbitLinear
 from kbit.ops import attention as A
+from kbit.ops import gemv_mma
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
 from kbit.ops.prologue import add_rms_norm_linear
+from kbit.utils.device import interpreting
 
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
 
@@ -71,9 +73,6 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
     Their codes and scales are concatenated (repacked for the small-M kernel first where it runs) and the members
     are re-pointed at row views of the result, so the model keeps working unchanged and no memory is added.
     Returns ``(fused, [rows of each member])``."""
-    from kbit.nn import KbitLinear
-    from kbit.ops import gemv_mma
-
     if len(mods) < 2 or not all(type(m) is KbitLinear for m in mods):
         return None
     m0 = mods[0]
@@ -148,7 +147,7 @@ class FastDecodeStep:
     def _attend(self, q, kc, vc, length, scale, pos):
         B, Hkv = kc.shape[:2]
         qg = q.view(B, Hkv, -1, self.D)
-        if (q.is_cuda or A._interpreting()) and A.supports(qg, kc, vc):
+        if (q.is_cuda or interpreting()) and A.supports(qg, kc, vc):
             if self.counters is None or self.counters.numel() < B * Hkv or self.counters.device != q.device:
                 self.counters = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
             # keys before pos are earlier steps' (settled): loaded before the PDL wait; one launch (counters)

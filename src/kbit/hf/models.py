@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -89,8 +92,6 @@ def select(model, include=None) -> tuple[list[str], list[str]]:
 
     ``include``: patterns of ``nn.Linear`` names to use instead of the table row of ``config.model_type``.
     """
-    from torch import nn
-
     if include is not None:
         spec = ModelSpec(linear=tuple(include))
     else:
@@ -106,7 +107,5 @@ def select(model, include=None) -> tuple[list[str], list[str]]:
 
 
 def _is_fused_experts(module) -> bool:
-    import torch
-
     gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3

@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from kbit.format.serialize import load_file, save_file
-from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT
+from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
 from kbit.hf.models import compile_patterns, select
 from kbit.nn import KbitLinear
+from kbit.ops.quantize import quantize
+from kbit.utils.checks import fail
 
 CONFIG_NAME = "kbit_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -29,21 +31,20 @@ CHECKPOINT_VERSION = 1
 OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "skip")
 
 
-def _check_overrides(overrides) -> list[tuple[str, dict]]:
+def _overrides(overrides) -> list[tuple[str, dict]]:
     if overrides is None:
         return []
     if not isinstance(overrides, dict):
-        raise TypeError(f"overrides: expected a dict {{pattern: {{'k': ..., ...}} or None}}, "
-                        f"got {type(overrides).__name__}")
+        fail(TypeError, "overrides", "a dict {pattern: {'k': ..., ...} or None}", type(overrides).__name__)
     out = []
     for pattern, opts in overrides.items():
         if opts is None:
             opts = {"skip": True}
         if not isinstance(opts, dict):
-            raise TypeError(f"overrides[{pattern!r}]: expected a dict or None, got {type(opts).__name__}")
+            fail(TypeError, f"overrides[{pattern!r}]", "a dict or None", type(opts).__name__)
         bad = set(opts) - set(OVERRIDE_KEYS)
         if bad:
-            raise ValueError(f"overrides[{pattern!r}]: expected keys among {OVERRIDE_KEYS}, got {sorted(bad)}")
+            fail(ValueError, f"overrides[{pattern!r}]", f"keys among {OVERRIDE_KEYS}", sorted(bad))
         out.append((pattern, dict(opts)))
     return out
 
@@ -53,7 +54,7 @@ def plan(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZ
     """What :func:`quantize_model` would do: module name -> ``{"kind", "k", "blocksize", "codebook",
     "scale_format"}`` (``kind`` is ``"linear"`` or ``"experts"``), in module order. Changes nothing."""
     linear, experts = select(model, include)
-    rules = _check_overrides(overrides)
+    rules = _overrides(overrides)
     chosen = dict.fromkeys(linear, "linear") | dict.fromkeys(experts, "experts")
     modules = dict(model.named_modules())
     for pattern, opts in rules:  # an override can add Linear modules the table leaves out (lm_head)
@@ -175,9 +176,6 @@ def _same(a, b) -> bool:
 
 def _quantize_joint(mods: list[nn.Linear], kw: dict) -> list[KbitLinear]:
     """Quantize the row-concatenation of ``mods``' weights once; one KbitLinear per module (its rows)."""
-    from kbit.format.spec import KbitWeight
-    from kbit.ops.quantize import quantize
-
     w = torch.cat([m.weight.detach() for m in mods])
     qw = quantize(w, **kw)
     del w
@@ -197,7 +195,7 @@ def _quantize_joint(mods: list[nn.Linear], kw: dict) -> list[KbitLinear]:
 def _progress(total: int, enabled: bool):
     if not enabled or total == 0:
         return None
-    try:
+    try:  # tqdm is optional: no progress bar without it
         from tqdm.auto import tqdm
     except ImportError:
         return None
@@ -279,7 +277,7 @@ def load_quantized(directory: str | os.PathLike, device: str | torch.device = "c
     model_class : the transformers class to build (default: the one recorded in ``kbit_config.json``).
     Returns the model in eval mode on ``device``.
     """
-    import transformers
+    import transformers  # transformers is optional (kbit[hf]): needed only to load a checkpoint
 
     directory = Path(directory)
     meta_path = directory / CONFIG_NAME

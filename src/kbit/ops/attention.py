@@ -12,15 +12,15 @@ so the grid is fixed under a CUDA graph), and a program whose keys are all inval
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kbit.kernels import attention as _k
-from kbit.ops.glue import _launch_kw
+from kbit.ops.pdl import launch_kw
+from kbit.utils.checks import fail
+from kbit.utils.device import interpreting, sm_count
 
 __all__ = [
     "DecodeAttentionConfig",
@@ -35,29 +35,19 @@ _MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 MASKED = -65504.0  # additive mask values <= this exclude the key (see kbit.kernels.attention.MASKED)
 MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16)
-PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (issue 6: 2-4)
+PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (2-4 do well)
 DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
 COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
 FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def device_sms(device: torch.device) -> int:
+    """SMs of ``device``, or DEFAULT_SMS off CUDA (the interpreter): the split count depends on it."""
+    return sm_count(device) if device.type == "cuda" else DEFAULT_SMS
 
 
 # --------------------------------------------------------------------------------------- config
@@ -86,27 +76,25 @@ class DecodeAttentionConfig:
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"DecodeAttentionConfig.block_n must be a power of two >= 16, got {self.block_n}")
+            fail(ValueError, "DecodeAttentionConfig.block_n", "a power of two >= 16", self.block_n)
         if self.chunk < self.block_n or self.chunk % self.block_n:
-            raise ValueError(f"DecodeAttentionConfig.chunk must be a positive multiple of block_n = "
-                             f"{self.block_n}, got {self.chunk}")
+            fail(ValueError, "DecodeAttentionConfig.chunk", f"a positive multiple of block_n = {self.block_n}",
+                 self.chunk)
         if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"DecodeAttentionConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+            fail(ValueError, "DecodeAttentionConfig.num_warps", "1, 2, 4, 8 or 16", self.num_warps)
         if not 1 <= self.num_stages <= 6:
-            raise ValueError(f"DecodeAttentionConfig.num_stages must be in [1, 6], got {self.num_stages}")
+            fail(ValueError, "DecodeAttentionConfig.num_stages", "in [1, 6]", self.num_stages)
 
 
 def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
     """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
     ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
-    chunk would be that short). Swept in the decode step only at Llama-3-8B batch 1 (scripts/step_timeline.py
-    --attn)."""
+    chunk would be that short). Tuned in the decode step at Llama-3-8B batch 1 only."""
     splits = max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads))
     chunk = -(-length // splits)
     block_n = 32 if head_dim > 128 or chunk <= 32 else 64
     chunk = max(block_n, -(-chunk // block_n) * block_n)
-    if chunk == block_n == 32:  # one block a program: 2 warps, no pipeline (Llama-3-8B batch 1, 576 keys, in the
-        # decode step: 2545 vs 2636 us with 4 warps / 2 stages, benchmarks/results/h100/step-timeline-s8-attn.txt)
+    if chunk == block_n == 32:  # one block a program: 2 warps and no pipeline are faster than 4 warps, 2 stages
         return DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=1)
     return DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
@@ -115,56 +103,56 @@ def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT
 def _check_inputs(query, key, value, length, mask, scale):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            fail(TypeError, name, "a torch.Tensor", type(t).__name__)
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(t.shape)}")
+            fail(ValueError, name, "4 dimensions", f"shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+            fail(TypeError, name, "float16 or bfloat16", t.dtype)
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+            fail(ValueError, name, "contiguous in its last dimension", f"strides {t.stride()}")
     device = query.device
-    if not (device.type == "cuda" or (_interpreting() and device.type == "cpu")):
-        raise ValueError(f"query must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
+    if not (device.type == "cuda" or (interpreting() and device.type == "cpu")):
+        fail(ValueError, "query", "on a CUDA device (or the CPU under TRITON_INTERPRET=1)", device)
     B, H, G, D = query.shape
     if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(f"query's head dim must be a power of two in [16, 256], got {D}")
+        fail(ValueError, "query", "a head dim that is a power of two in [16, 256]", D)
     if not 1 <= G <= MAX_G:
-        raise ValueError(f"query must have 1 <= G <= {MAX_G} rows per KV head (dim 2), got {G}")
+        fail(ValueError, "query", f"1 <= G <= {MAX_G} rows per KV head (dim 2)", G)
     L = key.shape[2]
     if L < 1:
-        raise ValueError(f"key must have at least one position (dim 2), got shape {tuple(key.shape)}")
+        fail(ValueError, "key", "at least one position (dim 2)", f"shape {tuple(key.shape)}")
     for name, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
-            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {t.dtype}")
+            fail(TypeError, name, f"query's dtype {query.dtype}", t.dtype)
         if t.device != device:
-            raise ValueError(f"{name} must be on {device}, got {t.device}")
+            fail(ValueError, name, f"on {device}", t.device)
         if tuple(t.shape) != (B, H, L, D):
-            raise ValueError(f"{name} must have shape (B, Hkv, L, D) = ({B}, {H}, L, {D}) "
-                             f"(query {tuple(query.shape)}), got {tuple(t.shape)}")
+            fail(ValueError, name, f"shape (B, Hkv, L, D) = ({B}, {H}, L, {D}) (query {tuple(query.shape)})",
+                 tuple(t.shape))
     if tuple(value.shape) != tuple(key.shape):
-        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+        fail(ValueError, "value", f"key's shape {tuple(key.shape)}", tuple(value.shape))
     if length is not None:
         if not isinstance(length, torch.Tensor):
-            raise TypeError(f"length must be an int32/int64 tensor or None, got {type(length).__name__}")
+            fail(TypeError, "length", "an int32/int64 tensor or None", type(length).__name__)
         if length.dtype not in _INT_DTYPES:
-            raise TypeError(f"length must be an int32 or int64 tensor, got {length.dtype}")
+            fail(TypeError, "length", "an int32 or int64 tensor", length.dtype)
         if length.dim() > 1 or length.numel() not in (1, B):
-            raise ValueError(f"length must have shape (), (1,) or (B,) = ({B},), got {tuple(length.shape)}")
+            fail(ValueError, "length", f"shape (), (1,) or (B,) = ({B},)", tuple(length.shape))
         if length.device != device:
-            raise ValueError(f"length must be on {device}, got {length.device}")
+            fail(ValueError, "length", f"on {device}", length.device)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
+            fail(TypeError, "mask", "a tensor or None", type(mask).__name__)
         if mask.dtype not in _MASK_DTYPES:
-            raise TypeError(f"mask must be bool, float16, bfloat16 or float32, got {mask.dtype}")
+            fail(TypeError, "mask", "bool, float16, bfloat16 or float32", mask.dtype)
         if mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] != 1 or mask.shape[2] != 1 \
                 or mask.shape[3] != L:
-            raise ValueError(f"mask must have shape (B or 1, 1, 1, L) = ({B}, 1, 1, {L}), got {tuple(mask.shape)}")
+            fail(ValueError, "mask", f"shape (B or 1, 1, 1, L) = ({B}, 1, 1, {L})", tuple(mask.shape))
         if mask.device != device:
-            raise ValueError(f"mask must be on {device}, got {mask.device}")
+            fail(ValueError, "mask", f"on {device}", mask.device)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+            fail(TypeError, "scale", "a finite float or None", repr(scale))
 
 
 def supports(query, key, value, mask=None) -> bool:
@@ -201,20 +189,20 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
     B, H, G, D = query.shape
     L = key.shape[2]
     out_dtype = query.dtype
-    if _interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
+    if interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
         query, key, value = query.float(), key.float(), value.float()
     out = torch.empty(B, H, G, D, dtype=query.dtype, device=query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = mask.view(torch.uint8)
-        elif _interpreting() and mask.dtype == torch.bfloat16:
+        elif interpreting() and mask.dtype == torch.bfloat16:
             mask = mask.float()
         stride_mb = mask.stride(0) if mask.shape[0] > 1 else 0
         stride_mn = mask.stride(3)
     else:
         stride_mb = stride_mn = 0
     S = -(-L // chunk)
-    pdl = _launch_kw(query.device)  # programmatic dependent launch on sm_90 (kbit.ops.glue)
+    pdl = launch_kw(query.device)  # programmatic dependent launch on sm_90
     if S > 1:
         part_o = torch.empty(B * H, S, G, D, dtype=torch.float32, device=query.device)
         part_m = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
@@ -327,25 +315,25 @@ def decode_attention(
     B, H, G, D = query.shape
     L = key.shape[2]
     if config is None:
-        config = pick_config(B * H, L, D, sm_count(query.device))
+        config = pick_config(B * H, L, D, device_sms(query.device))
     elif not isinstance(config, DecodeAttentionConfig):
-        raise TypeError(f"config must be a DecodeAttentionConfig, got {type(config).__name__}")
+        fail(TypeError, "config", "a DecodeAttentionConfig", type(config).__name__)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if new_from is not None:
         if not isinstance(new_from, torch.Tensor) or new_from.dtype not in _INT_DTYPES:
-            raise TypeError(f"new_from must be an int32/int64 tensor or None, got "
-                            f"{new_from.dtype if isinstance(new_from, torch.Tensor) else type(new_from).__name__}")
+            fail(TypeError, "new_from", "an int32/int64 tensor or None",
+                 new_from.dtype if isinstance(new_from, torch.Tensor) else type(new_from).__name__)
         if length is None or new_from.shape != length.shape or new_from.device != query.device:
-            raise ValueError(f"new_from must come with length and have its shape and device "
-                             f"({None if length is None else tuple(length.shape)}, {query.device}), got "
-                             f"{tuple(new_from.shape)} on {new_from.device}")
+            fail(ValueError, "new_from", f"to come with length and have its shape and device "
+                 f"({None if length is None else tuple(length.shape)}, {query.device})",
+                 f"{tuple(new_from.shape)} on {new_from.device}")
     if counters is not None:
         if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
-            raise TypeError(f"counters must be an int32 tensor or None, got "
-                            f"{counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__}")
+            fail(TypeError, "counters", "an int32 tensor or None",
+                 counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__)
         if counters.device != query.device or not counters.is_contiguous() or counters.numel() < B * H:
-            raise ValueError(f"counters must be a contiguous tensor of at least B * Hkv = {B * H} elements on "
-                             f"{query.device}, got {tuple(counters.shape)} on {counters.device}")
+            fail(ValueError, "counters", f"a contiguous tensor of at least B * Hkv = {B * H} elements on "
+                 f"{query.device}", f"{tuple(counters.shape)} on {counters.device}")
     cfg = (scale, config.chunk, config.block_n, config.num_warps, config.num_stages)
     if counters is None:
         return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, *cfg)

@@ -3,64 +3,45 @@
 Torch ops ``kbit::rms_norm``, ``kbit::add_rms_norm``, ``kbit::rope_append`` (writes the caches) and
 ``kbit::silu_mul``, each with a plain-torch reference beside it that follows transformers' eager code (Llama,
 Qwen2/3, Mistral). CUDA tensors run the Triton kernels of :mod:`kbit.kernels.glue`, launched with programmatic
-dependent launch on sm_90 (:func:`kbit.cuda.runtime.pdl_enabled`) so that the next k-bit GEMV starts streaming its
+dependent launch on sm_90 (:mod:`kbit.ops.pdl`) so that the next k-bit GEMV starts streaming its
 weights while they run; CPU tensors run the Triton kernels under ``TRITON_INTERPRET=1`` and the references
 otherwise.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from kbit.cuda.runtime import pdl_enabled
 from kbit.kernels import glue as _k
+from kbit.ops.pdl import launch_kw
+from kbit.utils.checks import check_tensor, fail
+from kbit.utils.device import interpreting
 
-__all__ = ["add_rms_norm", "argmax", "rms_norm", "rms_norm_reference", "rope_append", "rope_append_reference",
-           "silu_mul", "silu_mul_reference"]
+__all__ = ["add_rms_norm", "argmax", "check_norm", "rms_norm", "rms_norm_reference", "rope_append",
+           "rope_append_reference", "silu_mul", "silu_mul_reference"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or _interpreting()
-
-
-def _pdl(device) -> bool:
-    if device.type != "cuda":
-        return False
-    return _k.gdc_wait is not None and pdl_enabled(device)
-
-
-def _launch_kw(device) -> dict:
-    return {"PDL": True, "launch_pdl": True} if _pdl(device) else {"PDL": False}
+    return t.is_cuda or interpreting()
 
 
 def _up(t):
     """The interpreter's bfloat16 arithmetic is wrong: compute in float32 there."""
-    return t.float() if _interpreting() and t is not None and t.dtype == torch.bfloat16 else t
+    return t.float() if interpreting() and t is not None and t.dtype == torch.bfloat16 else t
 
 
 def _check_rows(name, t, dtype=None, device=None, width=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
-    if dtype is not None and t.dtype != dtype:
-        raise TypeError(f"{name}: expected {dtype} (the dtype of the other inputs), got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    """``t`` is a [rows, features] float16/bfloat16/float32 tensor with a contiguous last dim, of ``dtype``,
+    on ``device`` and ``width`` features where given."""
+    check_tensor(name, t, dtype if dtype is not None else _DTYPES, device=device)
     if t.dim() != 2:
-        raise ValueError(f"{name}: expected 2 dims [rows, features], got shape {tuple(t.shape)}")
+        fail(ValueError, name, "2 dims [rows, features]", f"shape {tuple(t.shape)}")
     if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {t.stride()}")
+        fail(ValueError, name, "a contiguous last dim (stride 1)", f"strides {t.stride()}")
     if width is not None and t.shape[-1] != width:
-        raise ValueError(f"{name}: expected {width} features, got shape {tuple(t.shape)}")
+        fail(ValueError, name, f"{width} features", f"shape {tuple(t.shape)}")
 
 
 # ------------------------------------------------------------------------------------------ RMSNorm
@@ -72,21 +53,25 @@ def rms_norm_reference(x, weight, eps, residual=None):
     return weight * h.to(r.dtype), r
 
 
-def _check_norm(x, weight, eps, residual):
+def check_norm(x, weight, eps, residual):
+    """The arguments of :func:`add_rms_norm` (``residual`` may be None: :func:`rms_norm`)."""
     _check_rows("x", x)
     if residual is not None:
         _check_rows("residual", residual, x.dtype, x.device, x.shape[1])
         if residual.shape != x.shape:
-            raise ValueError(f"residual: expected shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+            fail(ValueError, "residual", f"shape {tuple(x.shape)}", tuple(residual.shape))
     if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],):
-        raise ValueError(f"weight: expected shape ({x.shape[1]},), got "
-                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        fail(ValueError, "weight", f"shape ({x.shape[1]},)",
+             tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__)
     if weight.device != x.device:
-        raise ValueError(f"weight: expected a tensor on {x.device}, got {weight.device}")
+        fail(ValueError, "weight", f"a tensor on {x.device}", weight.device)
     if not weight.is_contiguous():
-        raise ValueError("weight: expected a contiguous tensor")
+        fail(ValueError, "weight", "a contiguous tensor", f"strides {weight.stride()}")
     if not eps > 0:
-        raise ValueError(f"eps: expected > 0, got {eps}")
+        fail(ValueError, "eps", "> 0", eps)
+
+
+_check_norm = check_norm  # transitional: kbit.ops.prologue imports this name; drop it when prologue uses check_norm
 
 
 def _norm_launch(x, residual, weight, eps):
@@ -99,7 +84,7 @@ def _norm_launch(x, residual, weight, eps):
     _k.add_rms_norm_kernel[(R,)](
         xd, rd if rd is not None else xd, _up(weight), y, r_out,
         xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **_launch_kw(x.device))
+        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **launch_kw(x.device))
     return y.to(x.dtype), r_out.to(x.dtype)
 
 
@@ -130,14 +115,14 @@ def _(x, residual, weight, eps):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the rows of ``x [R, H]`` (transformers' rounding); see :func:`rms_norm_reference`."""
-    _check_norm(x, weight, eps, None)
+    check_norm(x, weight, eps, None)
     return torch.ops.kbit.rms_norm(x, weight, float(eps))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = residual + x`` then RMSNorm of ``r``, in one kernel: returns ``(rms_norm(r), r)``."""
-    _check_norm(x, weight, eps, residual)
+    check_norm(x, weight, eps, residual)
     return torch.ops.kbit.add_rms_norm(x, residual, weight, float(eps))
 
 
@@ -177,7 +162,7 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     B, Hkv, _, D = k_cache.shape
     Hq = q.shape[1] // D
     qd, kd, vd, cd, sd = _up(q), _up(k), _up(v), _up(cos), _up(sin)
-    interp_cache = _interpreting() and k_cache.dtype == torch.bfloat16
+    interp_cache = interpreting() and k_cache.dtype == torch.bfloat16
     kc, vc = (k_cache.float(), v_cache.float()) if interp_cache else (k_cache, v_cache)
     q_out = torch.empty(B, Hq, D, dtype=qd.dtype, device=q.device)
     qn = _up(q_norm) if q_norm is not None else cd
@@ -186,7 +171,7 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         qd, kd, vd, cd, sd, pos, qn, kn, q_out, kc, vc,
         qd.stride(0), kd.stride(0), vd.stride(0), cd.stride(0), q_out.stride(0), q_out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        Hq, float(eps), D=D, QK_NORM=q_norm is not None, num_warps=1, **_launch_kw(q.device))
+        Hq, float(eps), D=D, QK_NORM=q_norm is not None, num_warps=1, **launch_kw(q.device))
     if interp_cache:
         k_cache.copy_(kc)
         v_cache.copy_(vc)
@@ -251,7 +236,7 @@ def _silu_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g, u = _up(gate), _up(up)
     y = torch.empty(R, I, dtype=g.dtype, device=gate.device)
     _k.silu_mul_kernel[(R, triton.cdiv(I, SILU_BLOCK))](
-        g, u, y, g.stride(0), u.stride(0), y.stride(0), I, BLOCK=SILU_BLOCK, num_warps=4, **_launch_kw(gate.device))
+        g, u, y, g.stride(0), u.stride(0), y.stride(0), I, BLOCK=SILU_BLOCK, num_warps=4, **launch_kw(gate.device))
     return y.to(gate.dtype)
 
 
@@ -283,7 +268,7 @@ def _argmax_op(x: torch.Tensor) -> torch.Tensor:
     pv = torch.empty(R, nb, dtype=torch.float32, device=x.device)
     pi = torch.empty(R, nb, dtype=torch.int32, device=x.device)
     out = torch.empty(R, dtype=torch.int64, device=x.device)
-    kw = _launch_kw(x.device)
+    kw = launch_kw(x.device)
     _k.argmax_partial_kernel[(R, nb)](_up(x), pv, pi, x.stride(0), V, nb, BLOCK=ARGMAX_BLOCK, num_warps=8, **kw)
     _k.argmax_final_kernel[(R,)](pv, pi, out, 1, nb, V, NB_PAD=triton.next_power_of_2(nb), num_warps=1, **kw)
     return out
@@ -296,8 +281,8 @@ def _(x):
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the largest value of each row of ``x [R, V]`` (the first one on ties; NaN counts as the largest),
-    as ``torch.argmax(x, -1)``; two small kernels instead of torch's one-block-a-row reduction (27 us on a
-    128256-entry row on an H100, ``benchmarks/results/h100/step-timeline-s7-before.txt``)."""
+    as ``torch.argmax(x, -1)``; two small kernels instead of torch's one-block-a-row reduction, which is slow on
+    a vocabulary-sized row."""
     _check_rows("x", x)
     if x.shape[1] == 0:
         raise ValueError("x: expected at least one column")

@@ -3,11 +3,11 @@ reference, wrap the result in a :class:`~kbit.format.KbitWeight`."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
 
 from kbit.format import codebooks as cbs
+from kbit.format.pack import PLANES, words_per_row
 from kbit.format.reference import (
     FP16_MAX,
     block_scales,
@@ -28,6 +28,9 @@ from kbit.format.spec import (
     log8_values,
     padded_k,
 )
+from kbit.kernels.quantize import quantize_kernel
+from kbit.ops.dequant import dequantize_triton
+from kbit.utils.checks import check_choice, fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
@@ -35,23 +38,20 @@ FIT_SAMPLE = 1 << 22  # values used to fit a codebook to a tensor
 FIT_ITERS = 40
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def check_weight(W, name: str = "W") -> torch.Tensor:
+    """``W`` is a non-empty floating-point tensor ``[..., N, K]``; returns it."""
     if not isinstance(W, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(W).__name__}")
+        fail(TypeError, name, "a torch.Tensor", type(W).__name__)
     if W.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}: expected a floating-point tensor {FLOAT_DTYPES}, got {W.dtype}")
+        fail(TypeError, name, f"a floating-point tensor {FLOAT_DTYPES}", W.dtype)
     if W.dim() < 2:
-        raise ValueError(f"{name}: expected at least 2 dimensions [..., N, K], got shape {tuple(W.shape)}")
+        fail(ValueError, name, "at least 2 dimensions [..., N, K]", f"shape {tuple(W.shape)}")
     if W.numel() == 0:
-        raise ValueError(f"{name}: expected a non-empty tensor, got shape {tuple(W.shape)}")
+        fail(ValueError, name, "a non-empty tensor", f"shape {tuple(W.shape)}")
     return W
 
 
-def _fit_codebook(W: torch.Tensor, matrix_max: torch.Tensor, blocksize: int, scale_format: str,
+def fit_codebook(W: torch.Tensor, matrix_max: torch.Tensor, blocksize: int, scale_format: str,
                   init: torch.Tensor) -> torch.Tensor:
     """Lloyd-Max on the tensor's own block-normalised values (evenly spaced rows, deterministic)."""
     N, K = W.shape[-2:]
@@ -105,8 +105,7 @@ def quantize(
     k = check_k(k)
     blocksize = check_blocksize(blocksize)
     scale_format = check_scale_format(scale_format)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     cb, name = cbs.resolve(codebook, k, blocksize)
 
     W = W.detach()
@@ -114,12 +113,12 @@ def quantize(
     matrix_max = torch.linalg.vector_norm(W.reshape(*lead, -1), ord=float("inf"), dim=-1).to(torch.float32)
     if not bool(torch.isfinite(matrix_max).all()):
         bad = int((~torch.isfinite(W)).sum())
-        raise ValueError(f"W: expected finite values, got {bad} NaN/Inf entries")
+        fail(ValueError, "W", "finite values", f"{bad} NaN/Inf entries")
     if scale_format == "fp16" and float(matrix_max.max()) > FP16_MAX:
         raise ValueError(f"W: |w| up to {float(matrix_max.max()):g} overflows fp16 scales (max {FP16_MAX:g}); "
                          "use scale_format='log8'")
     if name == "fit":
-        cb = _fit_codebook(W, matrix_max, blocksize, scale_format, cb)
+        cb = fit_codebook(W, matrix_max, blocksize, scale_format, cb)
 
     use_triton = backend == "triton" or (backend == "auto" and W.is_cuda)
     if use_triton:
@@ -131,11 +130,6 @@ def quantize(
 
 
 def _quantize_triton(W, k, blocksize, codebook, scale_format, matrix_max):
-    import triton
-
-    from kbit.format.pack import PLANES, words_per_row
-    from kbit.kernels.quantize import quantize_kernel
-
     *lead, N, K = W.shape
     kp = padded_k(K, blocksize)
     rows = W.reshape(-1, K)
@@ -168,11 +162,10 @@ def _quantize_triton(W, k, blocksize, codebook, scale_format, matrix_max):
 def dequantize(qw: KbitWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The float weight ``[..., N, K]`` that ``qw`` stands for, as ``dtype`` (math in float32)."""
     if not isinstance(qw, KbitWeight):
-        raise TypeError(f"qw: expected a KbitWeight, got {type(qw).__name__}")
+        fail(TypeError, "qw", "a KbitWeight", type(qw).__name__)
     if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype: expected one of {FLOAT_DTYPES}, got {dtype}")
+        fail(TypeError, "dtype", f"one of {FLOAT_DTYPES}", dtype)
     if qw.codes.is_cuda:  # the Triton kernel (kbit.ops.dequant), bit-exact with the reference
-        from kbit.ops.dequant import dequantize_triton
         return dequantize_triton(qw, dtype)
     return dequantize_reference(qw, dtype)
 

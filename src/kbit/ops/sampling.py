@@ -2,18 +2,20 @@
 
 ``sample`` is the op (validate -> allocate -> pick config -> launch, registered as ``kbit::sample``);
 ``filtered_probs_reference`` and ``sample_reference`` are its sort-based plain-torch specification.
-Kernels: ``kbit.kernels.sampling``.
+Kernels: ``kbit.kernels.sampling`` (pass 2, penalties) and ``kbit.kernels.sampling_chunks`` (pass 1).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kbit.kernels import sampling as _k
+from kbit.kernels.sampling_chunks import chunk_summary_kernel
+from kbit.utils.checks import fail
+from kbit.utils.device import interpreting
 
 __all__ = [
     "SamplingConfig",
@@ -33,10 +35,6 @@ _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
 _FAST_ENTRIES = 128  # pass-2 fast path: entries >= the top-k lower bound (~k expected), ranked all-pairs
 _PASS1_MAXNREG = 64  # pass-1 register cap: the common path needs ~72, its general branch (a call) ~150
 _PASS1_CAP_BATCH = 16  # cap only from this batch size: below it the grid fits the GPU uncapped anyway
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -75,17 +73,15 @@ class SamplingConfig:
         for name in ("chunk", "candidates", "select_slots"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
-                raise ValueError(f"SamplingConfig.{name} must be a power of two, got {value}")
+                fail(ValueError, f"SamplingConfig.{name}", "a power of two", value)
         if self.chunk < 16:
-            raise ValueError(f"SamplingConfig.chunk must be >= 16, got {self.chunk}")
+            fail(ValueError, "SamplingConfig.chunk", ">= 16", self.chunk)
         if not 2 <= self.candidates <= self.chunk:
-            raise ValueError(
-                f"SamplingConfig.candidates must be in [2, chunk = {self.chunk}], got {self.candidates}"
-            )
+            fail(ValueError, "SamplingConfig.candidates", f"in [2, chunk = {self.chunk}]", self.candidates)
 
 
 def pick_config(batch: int, vocab: int) -> SamplingConfig:
-    """Launch config (to be re-swept on the H100 for v5): 4096-entry pass-1 chunks of 4 warps and 16 warps
+    """Launch config: 4096-entry pass-1 chunks of 4 warps and 16 warps
     in pass 2 at every batch size. Pass 2's fast path works on all ~S * 32 candidate slots and the
     2S chunk values at once, so fewer, larger chunks keep its tiles small (2048-entry chunks double them
     and spill); pass 1 keeps ``{x >= min of the tile-row maxima}`` per chunk either way.
@@ -105,45 +101,43 @@ def _tile(chunk: int, warps: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------- validation
 def _check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        fail(TypeError, "logits", "a torch.Tensor", type(logits).__name__)
     if logits.dim() != 2:
-        raise ValueError(f"logits must have shape (B, V), got shape {tuple(logits.shape)}")
+        fail(ValueError, "logits", "shape (B, V)", f"shape {tuple(logits.shape)}")
     if logits.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"logits must be float16, bfloat16 or float32, got {logits.dtype}")
+        fail(TypeError, "logits", "float16, bfloat16 or float32", logits.dtype)
     if logits.shape[1] < 1:
-        raise ValueError(f"logits must have V >= 1 columns, got shape {tuple(logits.shape)}")
-    if not (logits.is_cuda or (_interpreting() and logits.device.type == "cpu")):
-        raise ValueError(
-            f"logits must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {logits.device}"
-        )
+        fail(ValueError, "logits", "V >= 1 columns", f"shape {tuple(logits.shape)}")
+    if not (logits.is_cuda or (interpreting() and logits.device.type == "cpu")):
+        fail(ValueError, "logits", "on a CUDA device (or the CPU under TRITON_INTERPRET=1)", logits.device)
 
 
 def _row_param(name, value, batch, device, integer, ok, expected):
     """Validate a per-request parameter; returns (tensor or None, python scalar)."""
     if isinstance(value, torch.Tensor):
         if tuple(value.shape) != (batch,):
-            raise ValueError(f"{name} must have shape (B,) = ({batch},), got {tuple(value.shape)}")
+            fail(ValueError, name, f"shape (B,) = ({batch},)", tuple(value.shape))
         if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
+            fail(ValueError, name, f"on {device}", value.device)
         if integer and value.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+            fail(TypeError, name, "an int32 or int64 tensor", value.dtype)
         if not integer and not value.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+            fail(TypeError, name, "a floating-point tensor", value.dtype)
         if value.device.type == "cpu":  # reading CUDA values would synchronise
             bad = ~ok(value)
             if bool(bad.any()):
                 got = value[bad][0].item()
-                raise ValueError(f"{name} must be {expected}, got {got} at index {int(bad.nonzero()[0])}")
+                fail(ValueError, name, expected, f"{got} at index {int(bad.nonzero()[0])}")
         if not integer and value.dtype != torch.float32:
             value = value.float()
         return value.contiguous(), 0 if integer else 0.0
     if integer:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int or an integer tensor of shape (B,), got {value!r}")
+            fail(TypeError, name, "an int or an integer tensor of shape (B,)", repr(value))
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or a float tensor of shape (B,), got {value!r}")
+        fail(TypeError, name, "a float or a float tensor of shape (B,)", repr(value))
     if not ok(value):
-        raise ValueError(f"{name} must be {expected}, got {value}")
+        fail(ValueError, name, expected, value)
     return None, int(value) if integer else float(value)
 
 
@@ -152,18 +146,16 @@ def _rng_param(name, value, batch, device):
         return None, 0
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INT_DTYPES:
-            raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+            fail(TypeError, name, "an int32 or int64 tensor", value.dtype)
         if value.numel() not in (1, batch) or value.dim() > 1:
-            raise ValueError(
-                f"{name} must have shape (), (1,) or (B,) = ({batch},), got {tuple(value.shape)}"
-            )
+            fail(ValueError, name, f"shape (), (1,) or (B,) = ({batch},)", tuple(value.shape))
         if value.device != device:
-            raise ValueError(f"{name} must be on {device}, got {value.device}")
+            fail(ValueError, name, f"on {device}", value.device)
         return value.reshape(-1).contiguous(), 0
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or an integer tensor, got {value!r}")
+        fail(TypeError, name, "an int or an integer tensor", repr(value))
     if not 0 <= value < 2**63:
-        raise ValueError(f"{name} must be in [0, 2**63), got {value}")
+        fail(ValueError, name, "in [0, 2**63)", value)
     return None, value
 
 
@@ -213,7 +205,7 @@ def _sample_op(
     if B == 0:
         return tokens, logprobs
     x = logits if logits.stride(1) == 1 else logits.contiguous()
-    if _interpreting() and x.dtype == torch.bfloat16:
+    if interpreting() and x.dtype == torch.bfloat16:
         x = x.float()  # the interpreter's bfloat16 arithmetic is wrong
     penalised = token_history is not None and (
         rep_t is not None or pres_t is not None or freq_t is not None
@@ -234,7 +226,7 @@ def _sample_op(
 
     G, T = _tile(chunk, warps_chunk)
     cap = {"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}
-    _k.chunk_summary_kernel[(B, S)](
+    chunk_summary_kernel[(B, S)](
         x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
@@ -259,7 +251,7 @@ def _sample_op(
         SEED_MODE=0 if seed_t is None else (2 if seed_t.numel() == B and B > 1 else 1),
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
         CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
-        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not _interpreting(),
+        BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not interpreting(),
         num_warps=warps_select,
     )
     return tokens, logprobs
@@ -371,15 +363,13 @@ def sample(
     if token_history is not None:
         if not isinstance(token_history, torch.Tensor) or token_history.dtype not in _INT_DTYPES:
             got = token_history.dtype if isinstance(token_history, torch.Tensor) else type(token_history)
-            raise TypeError(f"token_history must be an int32 or int64 tensor, got {got}")
+            fail(TypeError, "token_history", "an int32 or int64 tensor", got)
         if token_history.dim() != 2 or token_history.shape[0] != B:
-            raise ValueError(
-                f"token_history must have shape (B, L) with B = {B}, got {tuple(token_history.shape)}"
-            )
+            fail(ValueError, "token_history", f"shape (B, L) with B = {B}", tuple(token_history.shape))
         if token_history.device != dev:
-            raise ValueError(f"token_history must be on {dev}, got {token_history.device}")
+            fail(ValueError, "token_history", f"on {dev}", token_history.device)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        fail(TypeError, "generator", "a torch.Generator", type(generator).__name__)
     seed_t, seed_v = _rng_param("seed", seed, B, dev)
     offset_t, offset_v = _rng_param("offset", offset, B, dev)
     if seed is None:
@@ -387,7 +377,7 @@ def sample(
     if config is None:
         config = pick_config(B, V)
     elif not isinstance(config, SamplingConfig):
-        raise TypeError(f"config must be a SamplingConfig, got {type(config).__name__}")
+        fail(TypeError, "config", "a SamplingConfig", type(config).__name__)
     tokens, logprobs = torch.ops.kbit.sample(
         logits, *temp, *tk, *tp, *mp, *rp, *pp, *fp, token_history,
         seed_t, seed_v, offset_t, offset_v,

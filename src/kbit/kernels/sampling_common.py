@@ -1,0 +1,66 @@
+"""Triton helpers both passes of the fused sampler share (:mod:`kbit.kernels.sampling_chunks`,
+:mod:`kbit.kernels.sampling`): order-preserving float keys, per-row parameters, Philox uniforms, tempered loads."""
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
+INT32_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _ordered_key(z):
+    """float32 -> int32 key with the same order (for non-NaN input; -0.0 must be canonicalised)."""
+    bits = z.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_to_float(k):
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _param(ptr, val, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    """A per-request parameter: element ``row`` of a tensor, or one scalar for every row."""
+    if PER_ROW:
+        return tl.load(ptr + row).to(DTYPE)
+    else:
+        return tl.full([], val, DTYPE)
+
+
+@triton.jit
+def _rng_word(ptr, val, row, MODE: tl.constexpr):
+    """MODE 0: a scalar argument; 1: element 0 of a tensor; 2: element ``row`` of a tensor."""
+    if MODE == 0:
+        return tl.full([], val, tl.int64)
+    elif MODE == 1:
+        return tl.load(ptr).to(tl.int64)
+    else:
+        return tl.load(ptr + row).to(tl.int64)
+
+
+@triton.jit
+def _load_tempered(x_ptr, offs, mask, scale):
+    """Tempered logits in float32; -inf where masked, -inf or NaN; -0.0 canonicalised to +0.0."""
+    x = tl.load(x_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
+    z = x * scale + 0.0
+    fin = z > NEG_INF
+    return tl.where(fin, z, NEG_INF), fin
+
+
+@triton.jit
+def _uniform(seed, off, row):
+    """One Philox draw per row: counter (row, offset), key seed; a float in [0, 1)."""
+    r0, _r1, _r2, _r3 = tl.philox(seed, row.to(tl.uint32), (off & 0xFFFFFFFF).to(tl.uint32),
+                                  ((off >> 32) & 0xFFFFFFFF).to(tl.uint32), (row * 0).to(tl.uint32))
+    return tl.uint_to_uniform_float(r0)
+
+
+@triton.jit
+def _row_scale(temp):
+    """1/T for T > 0 (IEEE division, as torch computes it); 1 for greedy rows (T <= 0)."""
+    greedy = temp <= 0.0
+    safe = tl.where(greedy, 1.0, temp)
+    return tl.where(greedy, 1.0, tl.math.div_rn(1.0, safe)), greedy
