@@ -2,9 +2,8 @@
 
 A one-token decode step runs a small kernel around most of its projections (the residual add + RMSNorm before q/k/v
 and gate/up, SiLU * up between gate/up and down). Each costs a launch and a dependency hop on the critical path
-(H100, ``benchmarks/results/h100/step-timeline-s8-ablate.txt``: the norms 102 us and SiLU * up 31 us of a 2648 us
-Llama-3-8B step). The small-M kernel 3 of :mod:`kbit.ops.gemv_mma` can do that glue itself
-(``kbit.cuda.gemv_mma_src``, transformers' rounding throughout):
+(on an H100 the norms took ~4% and SiLU * up ~1% of a Llama-3-8B step). The small-M kernel 3 of
+:mod:`kbit.ops.gemv_mma` can do that glue itself (transformers' rounding throughout):
 
 - ``PRO`` (x prologue): while it stages x in shared memory, ``r = x + residual`` (the first CTA writes ``r``) and
   ``RMSNorm(r) * weight``; the norm weight is staged before the PDL wait;
@@ -15,20 +14,20 @@ Llama-3-8B step). The small-M kernel 3 of :mod:`kbit.ops.gemv_mma` can do that g
 rows, 16-bit activations with 16-byte aligned rows and x staged in shared memory fitting (:func:`fused_config`).
 Anything else runs the same computation as separate steps (the torch ops of :mod:`kbit.ops.glue` and the module),
 so it works for any module and device, and under ``torch.compile`` (traced as those steps).
-``KBIT_FUSE_PROLOGUE=0`` turns the fused launches off (``norm`` / ``silu``: only that one on; lab).
 
-Measured and dropped: SiLU * up as the down GEMV's x prologue. Every CTA recomputes the whole activation (14336
-values at Llama-3-8B shapes), and that cost 150 us a step more than the separate kernel
-(``benchmarks/results/h100/step-timeline-s9-prologue-a.txt``).
+Not done: SiLU * up as the down GEMV's x prologue. Every CTA would recompute the whole activation (14336 values at
+Llama-3-8B shapes), which cost more than the separate kernel.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from kbit.ops import gemv_mma
 from kbit.ops.glue import _check_norm, add_rms_norm, silu_mul
+from kbit.ops.mma.common import available
+from kbit.ops.mma.layout import LAYOUT, SEG
+from kbit.tuning.mma import PIPE, MmaConfig, default_config
+from kbit.tuning.mma_plan import XS_MAX, table_smem
 
 __all__ = ["EPI_SILU", "PRO_ADD_NORM", "add_rms_norm_linear", "fused_config"]
 
@@ -38,24 +37,18 @@ PRO_ADD_NORM = 2
 EPI_SILU = 1
 
 
-def _enabled(what: str) -> bool:
-    """``KBIT_FUSE_PROLOGUE`` (lab): ``1`` (default) fuses both, ``0`` neither, ``norm`` or ``silu`` only that."""
-    v = os.environ.get("KBIT_FUSE_PROLOGUE", "1")
-    return v == "1" or what in v.split(",")
-
-
-def fused_config(k: int, M: int, N: int, K: int):
+def fused_config(k: int, M: int, N: int, K: int) -> MmaConfig | None:
     """The kernel-3 config (x in shared memory) of a prologue launch, or None when it does not apply (M > 8, or
     x [M, K] and the norm weight do not fit in shared memory beside the lookup table)."""
     if not 1 <= M <= 8:
         return None
-    S = -(-K // gemv_mma.SEG)
-    if gemv_mma._table_smem(k) + (M + 1) * S * gemv_mma.SEG * 2 > gemv_mma.XS_MAX:
+    S = -(-K // SEG)
+    if table_smem(k) + (M + 1) * S * SEG * 2 > XS_MAX:
         return None
-    cfg = gemv_mma.default_config(k, M, N, K)
-    if cfg[0] == 3 and len(cfg) > 4 and cfg[4]:
+    cfg = default_config(k, M, N, K)
+    if cfg.kernel == 3 and cfg.x_smem:
         return cfg
-    return (3, 8, 2, gemv_mma.PIPE[k], 1)
+    return MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -67,9 +60,9 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     """``r = residual + x``; ``z = lin(rms_norm(r) * weight)``; returns ``(z, r)``, or with ``silu_mul``
     ``(silu(z[:, :N/2]) * z[:, N/2:], r)`` (``lin`` a fused gate/up projection, gate rows first): the
     :func:`kbit.ops.glue.add_rms_norm`, the module and :func:`kbit.ops.glue.silu_mul` in one kernel where it can
-    (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``."""
-    from kbit.nn import KbitLinear
-
+    (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``.
+    The fused launch needs ``lin`` to be exactly a ``kbit.nn.KbitLinear`` in layout "mma-v1" (its class says so
+    with ``fuses_prologue``; a subclass may change the forward)."""
     _check_norm(x, weight, eps, residual)
     K = x.shape[1]
     N = getattr(lin, "out_features", None)
@@ -79,23 +72,22 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         raise ValueError(f"lin: silu_mul needs an even out_features (gate and up halves), got {N}")
     M = x.shape[0]
     cfg = None
-    if (_enabled("norm") and type(lin) is KbitLinear and lin.layout == gemv_mma.LAYOUT and x.is_cuda
+    if (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
             and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual)
-            and gemv_mma.available(x.device) and not torch.compiler.is_compiling()):
+            and available(x.device) and not torch.compiler.is_compiling()):
         cfg = fused_config(lin.k, M, N, K)
     if cfg is None:
         h, r = add_rms_norm(x, residual, weight, eps)
         z = lin(h)
         return (_silu_halves(z, N) if silu_mul else z), r
-    epi = EPI_SILU if silu_mul and _enabled("silu") and N % 32 == 0 else 0
+    epi = EPI_SILU if silu_mul and N % 32 == 0 else 0
     y = torch.empty(M, N // 2 if epi else N, dtype=x.dtype, device=x.device)
     r = torch.empty_like(residual)
-    Kp = -(-K // lin.blocksize) * lin.blocksize
     bias = lin.bias.contiguous() if lin.bias is not None else None
-    gemv_mma._launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
-                     scale_format=lin.scale_format, N=N, K=K, M=M, Kp=Kp, config=cfg,
-                     pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi)
+    gemv_mma.launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
+                    scale_format=lin.scale_format, N=N, K=K, M=M, config=cfg,
+                    pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi)
     return (_silu_halves(y, N) if silu_mul and not epi else y), r
 
 
