@@ -13,7 +13,7 @@ if not CUDA:  # kernels run under the Triton interpreter; it must be chosen befo
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kbit.dispatch import linear as D  # noqa: E402
-from kbit.kernels import gemv as K  # noqa: E402
+from kbit.kernels import gemv_ptx as K  # noqa: E402
 from kbit.ops import gemv as G  # noqa: E402
 from kbit.ops.reference import dequantize_tensors_reference  # noqa: E402
 from kbit.tuning.gemv import GemvConfig, gemv_config  # noqa: E402

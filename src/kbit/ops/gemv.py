@@ -15,6 +15,7 @@ import math
 import torch
 
 from kbit.kernels import gemv as _k
+from kbit.kernels import gemv_ptx as _ptx
 from kbit.ops._checks import check_dense, check_grouped
 from kbit.ops.reference import gemv_reference, grouped_gemv_reference
 from kbit.tuning.gemv import GemvConfig, gemv_config
@@ -84,7 +85,7 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     tab = lookup_table(codebook, y.dtype) if use_asm else codebook
     Kp = math.ceil(K / blocksize) * blocksize
     ng = Kp // 32
-    np_ = _k.n_pairs(k)
+    np_ = _ptx.n_pairs(k)
     sms = _sms(dev)
     n_rb = triton_cdiv(N, cfg.BN)
     splits, gs = _splits(cfg, n_rb * P, ng, grouped, sms)
@@ -96,8 +97,8 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     lead_b = bias.stride(0) if (grouped and bias is not None) else 0
     common = dict(K_BITS=k, LOG8=scale_format == "log8", M=M, BN=cfg.BN, G=cfg.G, BF16=bf16, USE_ASM=use_asm,
                   GROUPED=grouped, HAS_BIAS=bias is not None, XTAIL=xtail, SPLIT=splits > 1,
-                  LASM=_k.LOOKUP_ASM[k], LCONS=_k.LOOKUP_CONS[k], DASM=_k.DOT_ASM[(np_, bf16)],
-                  DCONS=_k.DOT_CONS[(np_, bf16)], num_warps=cfg.num_warps)
+                  LASM=_ptx.LOOKUP_ASM[k], LCONS=_ptx.LOOKUP_CONS[k], DASM=_ptx.DOT_ASM[(np_, bf16)],
+                  DCONS=_ptx.DOT_CONS[(np_, bf16)], num_warps=cfg.num_warps)
     ids = (tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale)
     if not cfg.pipelined:  # v2: a program per (row block, K split), plain loop
         even_k = K == Kp and ng % cfg.G == 0
