@@ -134,7 +134,7 @@ def test_gemm_choices_and_backends(fake_gpu, monkeypatch, gpu):
             continue
         k, N, K = int(k), int(N), int(K)
         for M, i in zip(MS, row, strict=True):
-            monkeypatch.setattr(D, "available", lambda device=None, _v=mma == "1": _v)
+            monkeypatch.setattr(D, "kernels_available", lambda device=None, _v=mma == "1": _v)
             D._choice.cache_clear()
             ch = D.choice(M, N, K, k, dev)
             got = [ch.kernel, ch.config.as_dict(), TG.split_k(ch.config, M, N, -(-K // 32) * 32, sms)]
@@ -147,7 +147,7 @@ def test_gemm_choices_and_backends(fake_gpu, monkeypatch, gpu):
         for M, i in zip(MS, row, strict=True):
             got = []
             for mma in (True, False):
-                monkeypatch.setattr(D, "available", lambda device=None, _v=mma: _v)
+                monkeypatch.setattr(D, "kernels_available", lambda device=None, _v=mma: _v)
                 D._choice.cache_clear()
                 kern = D.choice(M, N, K, k, dev).kernel
                 if kern == "gemv" and mma:
@@ -163,7 +163,7 @@ def enc(d: dict) -> str:
 @pytest.mark.parametrize("gpu", ["h100", "a100", "h20"])
 def test_launch_plans(fake_gpu, gpu):
     """Every launch of ``linear_small_m`` / ``linear_repacked`` (kernel 7, or chunks of <= 64 rows with the default
-    config) and of the prologue / epilogue, planned through ``kbit.ops.gemv_mma.plan``."""
+    config) and of the prologue / epilogue, planned through ``kbit.ops.gemv_mma.plan_launch``."""
     dev = fake_gpu(gpu)
     n = 0
     for key, launches in DATA["plan"].items():
@@ -188,7 +188,7 @@ def test_launch_plans(fake_gpu, gpu):
                         assert cfg == T.large_config(k, M, N, K)
                 else:
                     cfg, m = None, first
-                p = gemv_mma.plan(k, m, N, S * 256, sf, cfg, dev, pro=pro, epi=epi)
+                p = gemv_mma.plan_launch(k, m, N, S * 256, sf, cfg, dev, pro=pro, epi=epi)
                 file, kname = p.source
                 wsrc, wdefs = PAL[want[0]].split("|")
                 wdefs = ",".join(d for d in wdefs.split(",") if not d.startswith("KERNEL="))
@@ -199,3 +199,14 @@ def test_launch_plans(fake_gpu, gpu):
         finally:
             torch.use_deterministic_algorithms(False)
     assert n > 2000
+
+
+def test_rule_tables_are_checked_and_fall_back():
+    """A rule with an unknown condition is an error naming it; a GPU without its own table takes default.json's."""
+    with pytest.raises(ValueError, match="rule condition"):
+        T._matches({"N_minimum": 1}, 4, 1, 4096, 4096, False, None)
+    from kbit.tuning import tables
+
+    assert tables.section("no-such-gpu", "mma") == tables.section("generic", "mma") != {}
+    assert tables.section("h100", "gemm") and not tables.section("generic", "gemm")
+    assert T.default_config(4, 1, 4096, 4096, gpu="no-such-gpu") == T.default_config(4, 1, 4096, 4096)

@@ -238,7 +238,7 @@ def test_cta_units_llama_shapes():
 
 def test_x_slices_too_big_for_shared_memory():
     with pytest.raises(ValueError, match="x slices"):
-        MM.plan(4, 64, 10000, 5120, config=Mma(3, warps=16, ring=3, x_smem=True, x_slice=20), device="cpu")
+        MM.plan_launch(4, 64, 10000, 5120, config=Mma(3, warps=16, ring=3, x_smem=True, x_slice=20), device="cpu")
 
 
 def test_validation_errors():
@@ -301,7 +301,7 @@ def check(N, K_, k, M, dtype, B=32, sf="log8", bias=False, x=None, seed=0, confi
     assert err_r < tol(x.dtype) / 2 and err < 2 * tol(x.dtype), msg
 
 
-gpu = pytest.mark.skipif(not (CUDA and MC.available()), reason="needs the CUDA kernel (GPU + NVRTC)")
+gpu = pytest.mark.skipif(not (CUDA and MC.kernels_available()), reason="needs the CUDA kernel (GPU + NVRTC)")
 
 
 @pytest.mark.gpu
@@ -401,7 +401,7 @@ def test_mma_gpu_cta_units(monkeypatch, config):
                                          (1000, 4000, 5, 8, torch.bfloat16, False),
                                          (64, 8192, 3, 2, torch.float16, True),
                                          (12288, 2880, 2, 1, torch.bfloat16, False)]:
-            assert MM.plan(k, M, N, K_, config=config).defines.get("CAU") == 1
+            assert MM.plan_launch(k, M, N, K_, config=config).defines.get("CAU") == 1
             for _ in range(2):
                 check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
             codes, scales, ts, cb = make_weight(N, K_, k, 32, "log8", device="cuda", seed=1)
@@ -426,10 +426,10 @@ def test_mma_gpu_kernel1_warp_order(k, config):
     of 16), and where K is not split across CTAs (splits == 1) 40 repeated calls are bit-identical (with the
     earlier shared-memory atomics 1-2 of 50 differed on 4096x4096, det-probe-s19.log)."""
     assert k in TP.K1WO_K
-    assert MM.plan(k, 16, 4096, 4096, config=config).defines["K1WO"] == 0
+    assert MM.plan_launch(k, 16, 4096, 4096, config=config).defines["K1WO"] == 0
     for N, K_, M, dtype, bias in [(4096, 4096, 1, torch.bfloat16, False), (1000, 4000, 3, torch.float16, True),
                                   (4096, 2048, 8, torch.bfloat16, False)]:
-        p = MM.plan(k, M, N, K_, config=config)
+        p = MM.plan_launch(k, M, N, K_, config=config)
         assert p.defines["K1WO"] == 1
         check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
         if p.splits != 1:
@@ -475,7 +475,7 @@ def test_mma_gpu_default_routes_m9_64(k, M):
     if torch.cuda.get_device_capability() == (9, 0):
         assert T.uses_large(M, N, K_, "cuda") == (M > 16)
         if M <= 16:
-            d = MM.plan(k, M, N, K_).defines
+            d = MM.plan_launch(k, M, N, K_).defines
             if T.cau_mid(k, N, K_, torch.cuda.get_device_properties(0).multi_processor_count):
                 assert d.get("CAU") == 1 and d["XK"] == 0
             else:
@@ -523,7 +523,7 @@ def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
     monkeypatch.setattr(options, "get", lambda: on)
     assert MC.deterministic()
     if N in (6144, 5000):
-        assert ("CAU" in MM.plan(k, M, N, K_, config=config).defines) == (N == 6144)
+        assert ("CAU" in MM.plan_launch(k, M, N, K_, config=config).defines) == (N == 6144)
     codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=N + k)
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
     x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
@@ -543,7 +543,7 @@ def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
     assert rel_err(y0, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
 
 
-sm90 = pytest.mark.skipif(not (CUDA and MC.available() and torch.cuda.get_device_capability() == (9, 0)),
+sm90 = pytest.mark.skipif(not (CUDA and MC.kernels_available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="kernel 7 (wgmma) is sm_90a only")
 
 
@@ -555,7 +555,7 @@ def test_mma_gpu_small_weight_m17_64(M):
     """Small weights at M 17..64 take kernel 1 (SMALL_MID_CFG), not kernel 7; M 65..256 on them goes to
     dequantize + cuBLAS (test_large_gpu_cuda_graph_and_dispatch)."""
     assert not T.uses_large(M, 1024, 4096, "cuda") and T.large_serves(M, 1024, 4096)
-    assert MM.plan(4, M, 1024, 4096, device="cuda").kernel == 1
+    assert MM.plan_launch(4, M, 1024, 4096, device="cuda").kernel == 1
     check(1024, 4096, 4, M, torch.bfloat16, seed=5)
     check(4000, 4096, 3, M, torch.float16, bias=True, seed=6)
 

@@ -389,7 +389,7 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
 
     linear = D.linear
 
-    assert MC.available("cuda")
+    assert MC.kernels_available("cuda")
     N, K = 8192, 4096
     torch.manual_seed(k)
     qw = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k=k)

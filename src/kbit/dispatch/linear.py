@@ -26,7 +26,7 @@ from kbit import options
 from kbit.ops import gemm, gemv, gemv_mma
 from kbit.ops._checks import check_dense, check_linear
 from kbit.ops.dequant import dequantize_tensors
-from kbit.ops.mma.common import available, check_repacked, deterministic, usable
+from kbit.ops.mma.common import check_repacked, deterministic, kernels_available, usable
 from kbit.ops.mma.layout import repacked, unrepack
 from kbit.ops.reference import linear_tensors_reference
 from kbit.tuning.gemm import MMA_MAX_M, Choice, gemm_choice
@@ -49,7 +49,7 @@ def choice(M: int, N: int, K: int, k: int, device) -> Choice:
 
 @functools.lru_cache(maxsize=4096)
 def _choice(M, N, K, k, device, opts) -> Choice:
-    mma = opts.backend in ("auto", "cuda") and available(device)
+    mma = opts.backend in ("auto", "cuda") and kernels_available(device)
     return pick(M, N, K, k, device, mma=mma, large=mma and large_ok(device))
 
 
@@ -124,8 +124,9 @@ def small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_
                 return y
         return gemv_mma.run_repacked(x, rc, rs, tensor_scale, codebook, k=k, blocksize=blocksize,
                                      scale_format=scale_format, N=N, K=K, bias=bias, config=config)
+    triton_config = config if isinstance(config, gemv.GemvConfig) else None  # a CUDA config does not apply here
     return gemv.gemv(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
-                     N=N, K=K, bias=bias, config=config)
+                     N=N, K=K, bias=bias, config=triton_config)
 
 
 # ------------------------------------------------------------------------------------------------ layout "mma-v1"
@@ -174,7 +175,7 @@ def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
         return gemv_mma.linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                         scale_format=scale_format, N=N, K=K, bias=bias)
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
-    if (x.is_cuda and x.dtype in _X16 and available(x.device)
+    if (x.is_cuda and x.dtype in _X16 and kernels_available(x.device)
             and choice(x.numel() // K if K else 0, N, K, k, x.device).kernel == "dequant_mm"):
         w = gemv_mma.dequant_repacked(rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                       scale_format=scale_format, N=N, K=K, dtype=x.dtype)

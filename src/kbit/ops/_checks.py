@@ -8,7 +8,7 @@ import torch
 
 from kbit.utils.checks import check_tensor, fail
 
-__all__ = ["SCALE_FORMATS", "check_dense", "check_grouped", "check_linear", "check_params", "check_weight"]
+__all__ = ["SCALE_FORMATS", "check_dense", "check_grouped", "check_linear", "check_params", "check_weight_tensors"]
 
 SCALE_FORMATS = ("log8", "fp16")
 
@@ -27,7 +27,7 @@ def check_params(k, blocksize, scale_format, N, K) -> None:
         fail(ValueError, "K", "a positive int", K)
 
 
-def check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, lead, device) -> None:
+def check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, lead, device) -> None:
     """Canonical weight tensors of ``lead + [N, K]`` on ``device``."""
     Kp = math.ceil(K / blocksize) * blocksize
     check_tensor("codes", codes, (torch.int32,), (*lead, N, Kp * k // 32), device)
@@ -47,7 +47,7 @@ def check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_fo
     check_tensor("x", x, (torch.float16, torch.bfloat16))
     if x.dim() < 1 or x.shape[-1] != K:
         fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
+    check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
     if bias is not None:
         check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
 
@@ -62,7 +62,7 @@ def check_grouped(x, rows_name, rows, expert_ids, codes, scales, tensor_scale, c
     if codes.dim() != 3:
         fail(ValueError, "codes", "a 3-D stack [E, N, words]", tuple(codes.shape))
     E = codes.shape[0]
-    check_weight(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
+    check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (E,), x.device)
     check_tensor(rows_name, rows, (torch.int32,), None, x.device)
     check_tensor("expert_ids", expert_ids, (torch.int32,), None, x.device)
     if rows.dim() != 1 or expert_ids.shape != rows.shape:

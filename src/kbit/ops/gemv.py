@@ -87,7 +87,7 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
     ng = Kp // 32
     np_ = _ptx.n_pairs(k)
     sms = _sms(dev)
-    n_rb = triton_cdiv(N, cfg.BN)
+    n_rb = _cdiv(N, cfg.BN)
     splits, gs = _splits(cfg, n_rb * P, ng, grouped, sms)
     xtail = x32.shape[-1] % np_ != 0
     out = y
@@ -149,7 +149,7 @@ def _programs(cfg, nt, P, sms):
     return -(-nt // rounds)
 
 
-def triton_cdiv(a, b):
+def _cdiv(a, b):
     return (a + b - 1) // b
 
 

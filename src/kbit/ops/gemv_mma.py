@@ -10,7 +10,7 @@ tensors and caches their repacked copy per weight (the weight is then held twice
 weight held in layout "mma-v1" only (what ``kbit.nn.KbitLinear`` holds after ``repack_for_kernels``);
 :func:`dequant_repacked` dequantizes such a weight. Kernels 1, 3, 4 take up to 64 rows a launch (more in chunks);
 kernel 7 (wgmma, sm_90) any M in one launch. The configs and launch plans come from ``kbit.tuning.mma`` and
-``kbit.tuning.mma_plan``. These ops need the CUDA kernels (:func:`kbit.ops.mma.common.available`); choosing them or
+``kbit.tuning.mma_plan``. These ops need the CUDA kernels (``kbit.ops.mma.common.kernels_available``); choosing them or
 another backend is ``kbit.dispatch``'s job.
 """
 
@@ -26,10 +26,10 @@ from kbit.ops._checks import check_dense
 from kbit.ops.mma import common as _common
 from kbit.ops.mma import layout as _layout
 from kbit.ops.mma.common import (
-    available,
     check_repacked,
     deterministic,
     e_table,
+    kernels_available,
     permute_x,
     prep_x,
     workspace,
@@ -39,14 +39,13 @@ from kbit.ops.mma.layout import SEG, geometry, repacked
 from kbit.tuning import mma as _tmma
 from kbit.tuning import mma_plan as _tplan
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, default_config, large_config, uses_large
-from kbit.tuning.mma_plan import KERNELS, MmaPlan, table_smem
-from kbit.tuning.mma_plan import plan as plan_launch
+from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
 from kbit.tuning.tables import gpu_key
 from kbit.utils.checks import fail
 from kbit.utils.device import sm_count
 
 __all__ = ["PLANS", "PlanCache", "dequant_repacked", "launch", "launch_config", "linear_repacked", "linear_small_m",
-           "plan", "prepare_repacked", "run_repacked"]
+           "plan_launch", "prepare_repacked", "run_repacked"]
 
 
 # ------------------------------------------------------------------------------------------------ plans
@@ -60,9 +59,9 @@ def launch_config(k: int, M: int, N: int, K: int, device) -> MmaConfig:
     return default_config(k, M, N, K, sm90=sm90, sms=sm_count(dev) if cuda_dev else None, gpu=gpu_key(dev))
 
 
-def plan(k: int, M: int, N: int, K: int, scale_format: str = "log8", config: MmaConfig | LargeConfig | None = None,
-         device=None, pro: int = 0, epi: int = 0) -> MmaPlan:
-    """The launch plan (``kbit.tuning.mma_plan.plan``) of ``M`` rows on a k-bit ``[N, K]`` weight on ``device``
+def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
+                config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0) -> MmaPlan:
+    """The launch plan (``kbit.tuning.mma_plan.make_plan``) of ``M`` rows on a k-bit ``[N, K]`` weight on ``device``
     (default: the current CUDA device), built with NVRTC; ``config``: pin one (default :func:`launch_config`).
     ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.ops.prologue``)."""
     dev = torch.device(device or "cuda")
@@ -73,7 +72,7 @@ def plan(k: int, M: int, N: int, K: int, scale_format: str = "log8", config: Mma
         return cuda.compile_kernel(*KERNELS[kernel], defines, dev)
 
     sms = sm_count(dev) if dev.type == "cuda" else 0
-    return plan_launch(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(),
+    return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(),
                        pro=pro, epi=epi)
 
 
@@ -92,7 +91,7 @@ class PlanCache:
         key = (k, M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
         hit = self._d.get(key)
         if hit is None:
-            p = plan(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
+            p = plan_launch(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
             kern = cuda.compile_kernel(*p.source, {**p.defines, "BF16": int(bf16)}, dev)
             if len(self._d) >= self.max_entries:
                 self._d.clear()
@@ -137,7 +136,7 @@ def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_for
            epi=0) -> None:
     """One launch on x rows ``x2 [M, S * 256]`` (16-byte aligned rows: :func:`kbit.ops.mma.common.prep_x`) into
     ``y``; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
-    :func:`plan`."""
+    :func:`plan_launch`."""
     dev = x2.device
     kind = pro[0] if pro else 0
     p, kern = PLANS.get(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
@@ -161,7 +160,7 @@ def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_for
 
 
 def _need_kernels(device) -> None:
-    if not available(device):
+    if not kernels_available(device):
         fail(ValueError, "x", "a tensor on a CUDA device where the kernels run (sm_80+, NVRTC found; elsewhere "
              "kbit.dispatch chooses another backend)", device)
 
@@ -240,7 +239,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     kernel 7, x not contiguous or K not a multiple of 256). ``kbit.dispatch`` keeps one a signature: the host cost
     of a call is then about that of the launch itself."""
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
-    if not (x.is_cuda and available(x.device)):
+    if not (x.is_cuda and kernels_available(x.device)):
         return None
     M, S = x.numel() // K, rcodes.shape[1]
     if M > MAX_M or uses_large(M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:
@@ -284,7 +283,7 @@ def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
                             or out.device != rcodes.device):
         fail(ValueError, "out", f"a contiguous {dtype} tensor of shape {(N, K)} on {rcodes.device}",
              f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})")
-    if not available(rcodes.device):
+    if not kernels_available(rcodes.device):
         fail(ValueError, "rcodes", "tensors on a CUDA device where the kernel runs (sm_80+, NVRTC found); "
              "elsewhere use unrepack and kbit.ops.dequant", rcodes.device)
     if out is None:
@@ -319,6 +318,7 @@ _x_tiles = x_tiles
 _x_tiles_groups = _common.x_tiles_groups
 _x_tiles_kernel = _common.x_tiles_kernel
 _check_repacked = check_repacked
+available = kernels_available
 LAYOUT = _layout.LAYOUT
 RepackedWeight = _layout.RepackedWeight
 repack = _layout.repack

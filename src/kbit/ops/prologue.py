@@ -24,7 +24,7 @@ import torch
 
 from kbit.ops import gemv_mma
 from kbit.ops.glue import _check_norm, add_rms_norm, silu_mul
-from kbit.ops.mma.common import available
+from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT, SEG
 from kbit.tuning.mma import PIPE, MmaConfig, default_config
 from kbit.tuning.mma_plan import XS_MAX, table_smem
@@ -75,7 +75,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
             and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual)
-            and available(x.device) and not torch.compiler.is_compiling()):
+            and kernels_available(x.device) and not torch.compiler.is_compiling()):
         cfg = fused_config(lin.k, M, N, K)
     if cfg is None:
         h, r = add_rms_norm(x, residual, weight, eps)

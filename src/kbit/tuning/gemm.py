@@ -13,7 +13,7 @@ Section ``"gemm"`` of ``configs/<gpu>.json`` (``kbit.tuning.tables``)::
                        "<N>x<K>": {"<M bucket>": {...}}}}}
 
 A ``"<N>x<K>"`` entry (measured on that shape) wins over the k-wide entry; missing entries fall back to
-:func:`heuristic`.
+:func:`gemm_heuristic`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 
 from kbit.tuning.tables import gpu_key, m_bucket, section
 
-__all__ = ["KERNELS", "MMA_MAX_M", "Choice", "GemmConfig", "fused_heuristic", "gemm_choice", "heuristic", "split_k"]
+__all__ = ["KERNELS", "MMA_MAX_M", "Choice", "GemmConfig", "fused_heuristic", "gemm_choice", "gemm_heuristic",
+           "split_k"]
 
 KERNELS = ("gemv", "fused", "dequant_mm")
 #: up to this M the CUDA small-M kernels (``kbit.ops.gemv_mma``) beat the fused entries of the GEMM table on an
@@ -70,7 +71,7 @@ def fused_heuristic(M: int, N: int, K: int, k: int) -> GemmConfig:
     return GemmConfig(BM=128, BN=128, BK=64, SWAP=False, num_warps=8, num_stages=3)
 
 
-def heuristic(M: int, N: int, K: int, k: int, has_gemv: bool = True) -> Choice:
+def gemm_heuristic(M: int, N: int, K: int, k: int, has_gemv: bool = True) -> Choice:
     """The GEMV up to M = 8, dequantize + cuBLAS above M = 128 (it beat the fused kernel at every M >= 256 on an
     H100), the fused kernel between."""
     if M <= 8 and has_gemv:
@@ -89,7 +90,7 @@ def gemm_choice(M: int, N: int, K: int, k: int, device=None, grouped: bool = Fal
     entry = kt.get(f"{N}x{K}", {}).get(b) or kt.get(b)
     if entry:
         return _from_entry(entry)
-    return heuristic(M, N, K, k)
+    return gemm_heuristic(M, N, K, k)
 
 
 def split_k(cfg: GemmConfig, M: int, N: int, kp: int, sms: int) -> int:

@@ -1,5 +1,5 @@
 """Launch configs of the Triton GEMV kernels (``kbit.ops.gemv``): a frozen dataclass, the section ``"gemv"`` of the
-per-GPU tables (``kbit.tuning.tables``) keyed by M bucket, a heuristic fallback.
+per-GPU tables (``kbit.tuning.tables``) keyed by M bucket, a heuristic fallback (:func:`gemv_heuristic`).
 
 Section format: ``{"dense" | "grouped": {"<k>": {"<M bucket>": {"BN": .., "G": .., "num_warps": ..,
 "num_stages": ..}}}}``.
@@ -13,7 +13,7 @@ import torch
 
 from kbit.tuning.tables import gpu_key, m_bucket, section
 
-__all__ = ["GemvConfig", "gemv_config", "heuristic"]
+__all__ = ["GemvConfig", "gemv_config", "gemv_heuristic"]
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class GemvConfig:
         return asdict(self)
 
 
-def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False, P: int = 1) -> GemvConfig:
+def gemv_heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = False, P: int = 1) -> GemvConfig:
     """Few row blocks (N <= 8192) and M <= 4: the pipelined, persistent v3 kernel with thin tiles (4 rows x 64
     groups). Many row blocks, M = 8 and grouped: v2 (plain loop; 8 rows x 16 groups for k = 2, 4, 16 x 8 for
     k = 3, 5 and grouped), where v3 was 10-45% slower on an H100 (docs/notes/gemv.md)."""
@@ -45,7 +45,7 @@ def heuristic(k: int, M: int, N: int, K: int, sms: int = 132, grouped: bool = Fa
 
 
 def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = False, P: int = 1) -> GemvConfig:
-    """The config of a launch of ``M`` (<= 8) rows: the table's entry for M's bucket, else :func:`heuristic`."""
+    """The config of a launch of ``M`` (<= 8) rows: the table's entry for M's bucket, else :func:`gemv_heuristic`."""
     key = gpu_key(device) if device is not None else "generic"
     entry = section(key, "gemv").get("grouped" if grouped else "dense", {}).get(str(k), {}).get(
         str(m_bucket(min(M, 8))))
@@ -54,4 +54,4 @@ def gemv_config(k: int, M: int, N: int, K: int, device=None, grouped: bool = Fal
     sms = 132
     if key != "generic":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return heuristic(k, M, N, K, sms, grouped, P)
+    return gemv_heuristic(k, M, N, K, sms, grouped, P)

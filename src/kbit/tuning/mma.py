@@ -4,7 +4,7 @@ gets.
 Kernels 1, 3 and 4 serve up to :data:`MAX_M` rows a launch (sm_80 and up); kernel 7 (wgmma, sm_90) serves larger M
 in one launch. A config is a frozen dataclass: :class:`MmaConfig` (kernels 1, 3, 4) or :class:`LargeConfig`
 (kernel 7). The default for a shape comes from an ordered rule table (``configs/<gpu>.json``, section ``"mma"`` /
-``"large"``, else ``configs/default.json``; first match wins), with :func:`heuristic` where no rule matches.
+``"large"``, else ``configs/default.json``; first match wins), with :func:`mma_heuristic` where no rule matches.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kbit.tuning.mma_units import cau_plan, read_us
 from kbit.tuning.tables import section
 
 __all__ = ["BIG", "LARGE7_BIG_NK", "LARGE7_MAX_M", "LARGE7_MIN_M", "LARGE7_SMALL_NK", "MAX_M", "PIPE", "SEG",
-           "LargeConfig", "MmaConfig", "default_config", "heuristic", "large_config", "large_ok", "large_serves",
+           "LargeConfig", "MmaConfig", "default_config", "large_config", "large_ok", "large_serves", "mma_heuristic",
            "n_groups", "uses_large"]
 
 #: rows a launch of kernels 1, 3, 4 (larger M runs in chunks of this many)
@@ -151,7 +151,7 @@ def _first_rule(family: str, gpu: str, k, M, N, K, sm90, sms) -> dict | None:
     return None
 
 
-def heuristic(k: int, M: int, N: int, K: int) -> MmaConfig:
+def mma_heuristic(k: int, M: int, N: int, K: int) -> MmaConfig:
     """Where no rule matches: kernel 1, 8 warps a CTA, 2 CTAs an SM (every tile its CTAs, K split to fill the
     GPU)."""
     return MmaConfig(kernel=1, warps=8, min_ctas=2)
@@ -163,7 +163,7 @@ def default_config(k: int, M: int, N: int, K: int, sm90: bool = False, sms: int 
     ``sm90``: an H100-class GPU (some rules were measured there only); ``sms``: its SM count (rules that count CTA
     slots need it; None: those rules are not taken); ``gpu``: the table key (``kbit.tuning.tables.gpu_key``)."""
     entry = _first_rule("mma", gpu, k, M, N, K, sm90, sms)
-    return MmaConfig(**entry) if entry is not None else heuristic(k, M, N, K)
+    return MmaConfig(**entry) if entry is not None else mma_heuristic(k, M, N, K)
 
 
 def large_config(k: int, M: int, N: int, K: int, gpu: str = "generic") -> LargeConfig:

@@ -1,7 +1,7 @@
 """The launch plan of the swap-AB kernels: a config (:mod:`kbit.tuning.mma`) -> ``#define`` options, dynamic shared
 bytes, grid, K splits and workspace size.
 
-Pure arithmetic on the shape, the SM count and the built kernel's occupancy: :func:`plan` receives a ``build``
+Pure arithmetic on the shape, the SM count and the built kernel's occupancy: :func:`make_plan` receives a ``build``
 callback (``kbit.ops.gemv_mma`` passes NVRTC's ``compile_kernel``), so this module imports no kernel runtime and
 tests can run it with a fake build.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "plan", "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "make_plan", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -36,7 +36,7 @@ WS4_PARTS = 4
 
 @dataclass(frozen=True)
 class MmaPlan:
-    """One launch of a swap-AB kernel: what :func:`plan` decided."""
+    """One launch of a swap-AB kernel: what :func:`make_plan` decided."""
 
     kernel: int  #: 1, 3, 4 or 7
     defines: dict = field(repr=False)  #: ``#define`` options of the build (BF16 = 0; the launcher sets it)
@@ -248,7 +248,7 @@ def _ws_floats(st, kernel, M, ng) -> int:
     return -(-M // (8 * ng)) * 8 * ng * Nt * 16  # NG * 128 floats a 16-row tile a token block (``ws_at``)
 
 
-def plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
+def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
          deterministic: bool = False, pro: int = 0, epi: int = 0) -> MmaPlan:
     """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs.
 

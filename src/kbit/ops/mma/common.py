@@ -13,11 +13,11 @@ from kbit.ops.mma.layout import SEG, geometry
 from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
 
-__all__ = ["available", "check_repacked", "deterministic", "e_table", "permute_x", "prep_x", "usable", "workspace",
-           "x_tiles", "x_tiles_groups", "x_tiles_kernel", "x_tiles_reference"]
+__all__ = ["check_repacked", "deterministic", "e_table", "kernels_available", "permute_x", "prep_x", "usable",
+           "workspace", "x_tiles", "x_tiles_groups", "x_tiles_kernel", "x_tiles_reference"]
 
 
-def available(device=None) -> bool:
+def kernels_available(device=None) -> bool:
     """True when the CUDA kernels can run on ``device`` (CUDA, NVRTC found, sm_80 or newer)."""
     if not cuda.available():
         return False
@@ -28,10 +28,10 @@ def available(device=None) -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether a call on ``x`` may run the CUDA kernels: ``x`` on a GPU where they are :func:`available`, Triton not
-    interpreting, and ``kbit.options`` not forcing another backend."""
+    """Whether a call on ``x`` may run the CUDA kernels: ``x`` on a GPU where they are :func:`kernels_available`,
+    Triton not interpreting, and ``kbit.options`` not forcing another backend."""
     return (x.is_cuda and not interpreting() and options.get().backend in ("auto", "cuda")
-            and available(x.device))
+            and kernels_available(x.device))
 
 
 def deterministic() -> bool:
