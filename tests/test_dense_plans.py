@@ -90,8 +90,9 @@ def test_default_configs():
         k, N, K, sm90, sms = key.split(",")
         k, N, K, sm90, sms = int(k), int(N), int(K), bool(int(sm90)), None if sms == "None" else int(sms)
         for M, i in zip(MS, row, strict=True):
-            got = T.default_config(k, M, N, K, sm90=sm90, sms=sms)
-            assert same_config(mma_config(json.loads(PAL[i])), got, k), (key, M, got)
+            got, want = T.default_config(k, M, N, K, sm90=sm90, sms=sms), json.loads(PAL[i])
+            assert same_config(mma_config(want), got, k), (key, M, got)
+            assert same_config(T.MmaConfig.of(want), got, k) and got.legacy(k) == tuple(want), (key, M, got)
 
 
 def test_large_configs_and_routes():

@@ -38,7 +38,7 @@ from kbit.ops.mma.common import (
 from kbit.ops.mma.layout import SEG, geometry, repacked
 from kbit.tuning import mma as _tmma
 from kbit.tuning import mma_plan as _tplan
-from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, default_config, large_config, uses_large
+from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
 from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
 from kbit.tuning.tables import gpu_key
 from kbit.utils.checks import fail
@@ -56,7 +56,7 @@ def launch_config(k: int, M: int, N: int, K: int, device) -> MmaConfig:
     dev = torch.device(device)
     cuda_dev = dev.type == "cuda"
     sm90 = cuda_dev and torch.cuda.get_device_capability(dev) == (9, 0)
-    return default_config(k, M, N, K, sm90=sm90, sms=sm_count(dev) if cuda_dev else None, gpu=gpu_key(dev))
+    return _tmma.default_config(k, M, N, K, sm90=sm90, sms=sm_count(dev) if cuda_dev else None, gpu=gpu_key(dev))
 
 
 def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
@@ -325,6 +325,12 @@ repack = _layout.repack
 unrepack = _layout.unrepack
 large_ok = _tmma.large_ok
 large_defines = _tplan.large_defines
+
+
+def default_config(k, M, N, K, sm90=False, sms=None) -> tuple:
+    """``kbit.tuning.mma.default_config`` in the positional form (transitional: ``kbit.analyze.report`` matches it
+    against result files)."""
+    return _tmma.default_config(k, M, N, K, sm90=sm90, sms=sms).legacy(k)
 
 
 def cache_get(cache: dict, codes: torch.Tensor, scales: torch.Tensor):

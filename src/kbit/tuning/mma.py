@@ -69,6 +69,32 @@ class MmaConfig:
         if self.kernel not in (1, 3, 4):
             raise ValueError(f"config: kernel expected 1, 3 or 4 (7: LargeConfig), got {self.kernel}")
 
+    @classmethod
+    def of(cls, t: tuple) -> MmaConfig:
+        """From the positional form that result files of earlier runs record: ``(1, warps, min_ctas[, grid_ctas])``,
+        ``(3, warps, min_ctas[, ring[, x_smem[, x_slice]]])``, ``(4, warps, rows_per_warp[, stages[, min_ctas]])``."""
+        t = tuple(int(v) for v in t)
+        if len(t) < 3:
+            raise ValueError(f"config: expected (kernel, warps, X, ...), got {t}")
+        if t[0] == 1:
+            return cls(1, t[1], min_ctas=t[2], grid_ctas=t[3] if len(t) > 3 else 0)
+        if t[0] == 4:
+            return cls(4, t[1], rows_per_warp=t[2], stages=t[3] if len(t) > 3 else 3,
+                       min_ctas=t[4] if len(t) > 4 else 1)
+        return cls(t[0], t[1], min_ctas=t[2], ring=t[3] if len(t) > 3 else 0, x_smem=len(t) > 4 and bool(t[4]),
+                   x_slice=t[5] if len(t) > 5 else 0)
+
+    def legacy(self, k: int) -> tuple:
+        """The positional form of :meth:`of` (kernel 3's ring resolved for ``k``), to match result files."""
+        if self.kernel == 1:
+            return (1, self.warps, self.min_ctas) + ((self.grid_ctas,) if self.grid_ctas else ())
+        if self.kernel == 4:
+            return (4, self.warps, self.rows_per_warp, self.stages) + ((self.min_ctas,) if self.min_ctas != 1 else ())
+        t = (3, self.warps, self.min_ctas, self.ring or PIPE[k])
+        if self.x_smem or self.x_slice:
+            t += (int(self.x_smem),)
+        return t + ((self.x_slice,) if self.x_slice else ())
+
 
 @dataclass(frozen=True)
 class LargeConfig:
