@@ -211,3 +211,28 @@ def test_rule_tables_are_checked_and_fall_back():
     assert tables.section("no-such-gpu", "mma") == tables.section("generic", "mma") != {}
     assert tables.section("h100", "gemm") and not tables.section("generic", "gemm")
     assert T.default_config(4, 1, 4096, 4096, gpu="no-such-gpu") == T.default_config(4, 1, 4096, 4096)
+
+
+def test_backend_option_steers_the_choice(fake_gpu, monkeypatch):
+    """``kbit.options`` backend: "triton" keeps the CUDA small-M kernels out of the choice (the table decides);
+    "auto" and "cuda" let them serve; the choice is cached per options, so an override takes effect at once."""
+    from kbit import options
+
+    dev = fake_gpu("h100")
+    monkeypatch.setattr(D, "kernels_available", lambda device=None: True)
+    assert D.choice(16, 4096, 4096, 4, dev).kernel == "gemv"
+    with options.override(backend="triton"):
+        assert D.choice(16, 4096, 4096, 4, dev) == TG.gemm_choice(16, 4096, 4096, 4, dev)
+    with options.override(backend="cuda"):
+        assert D.choice(16, 4096, 4096, 4, dev).kernel == "gemv"
+    x = torch.randn(2, 64, dtype=torch.float16)
+    w = torch.randn(8, 64)
+    from kbit.ops.quantize import quantize
+
+    q = quantize(w, k=4)
+    kw = dict(k=4, blocksize=q.blocksize, scale_format=q.scale_format, N=8, K=64)
+    with options.override(backend="torch"):  # the float32 reference (on the CPU it is that anyway)
+        y = D.linear(x, q.codes, q.scales, q.tensor_scale, q.codebook, **kw)
+    from kbit.ops.reference import linear_tensors_reference
+
+    assert torch.equal(y, linear_tensors_reference(x, q.codes, q.scales, q.tensor_scale, q.codebook, **kw))
