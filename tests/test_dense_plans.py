@@ -16,10 +16,10 @@ import torch
 
 from kbit.dispatch import linear as D
 from kbit.ops import gemv_mma
-from kbit.ops import prologue as P
 from kbit.tuning import gemm as TG
 from kbit.tuning import gemv as TV
 from kbit.tuning import mma as T
+from kbit.tuning import mma_plan as TP
 
 DATA = json.loads((Path(__file__).parent / "data" / "dense_plans.json").read_text())
 PAL, MS = DATA["palette"], DATA["ms"]
@@ -110,7 +110,7 @@ def test_prologue_configs():
     for key, row in DATA["fused_config"].items():
         k, N, K = map(int, key.split(","))
         for M, i in zip(MS, row, strict=True):
-            want, got = json.loads(PAL[i]), P.fused_config(k, M, N, K)
+            want, got = json.loads(PAL[i]), TP.prologue_config(k, M, N, K)
             assert (want is None) == (got is None), (key, M)
             if want is not None:
                 assert same_config(mma_config(want), got, k), (key, M, got)
@@ -184,7 +184,7 @@ def test_launch_plans(fake_gpu, gpu):
                 if isinstance(first, list):
                     cfg, m = mma_config(first), M
                     if pro or epi:
-                        assert same_config(cfg, P.fused_config(k, M, N, K), k)
+                        assert same_config(cfg, TP.prologue_config(k, M, N, K), k)
                     else:
                         assert cfg == T.large_config(k, M, N, K)
                 else:

@@ -165,7 +165,7 @@ def test_small_m_x_staged_routes():
 def test_one_tile_cta_routes():
     """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (session 16, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
     up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""
-    from kbit.ops.prologue import fused_config
+    fused_config = TP.prologue_config
 
     assert same(T.default_config(4, 1, 6144, 4096, sms=132), (1, 8, 3), 4)
     assert same(T.default_config(3, 8, 5120, 2048, sms=132), (1, 8, 3), 3)

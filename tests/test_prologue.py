@@ -1,16 +1,17 @@
-"""Glue folded into the next k-bit GEMV (kbit.ops.prologue): the fused kernel-3 launches (``-m gpu``) and the
+"""Glue folded into the next k-bit GEMV (kbit.dispatch.prologue): the fused kernel-3 launches (``-m gpu``) and the
 two-step fallback (CPU), against float64 references."""
 import pytest
 import torch
 from torch import nn
 
 from kbit.bench.timing import capture
+from kbit.dispatch import prologue as P
 from kbit.format.reference import dequantize_reference
 from kbit.nn import KbitLinear
 from kbit.ops import gemv_mma, glue
-from kbit.ops import prologue as P
 from kbit.tuning import mma_units
 from kbit.tuning.mma import PIPE, MmaConfig
+from kbit.tuning.mma_plan import prologue_config
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -57,7 +58,7 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     calls = _spy(monkeypatch)
     y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     torch.cuda.synchronize()
-    assert calls == [(P.PRO_ADD_NORM, P.EPI_SILU if silu else 0)]  # one launch, fused
+    assert calls == [(gemv_mma.PRO_ADD_NORM, gemv_mma.EPI_SILU if silu else 0)]  # one launch, fused
     assert y.shape == (M, N // 2 if silu else N) and y.dtype == dtype and r.dtype == dtype
     assert torch.equal(r, res + x)
     h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
@@ -160,10 +161,10 @@ def test_prologue_graph_replay():
 
 
 def test_fused_config():
-    assert P.fused_config(4, 1, 28672, 4096).kernel == 3
-    assert P.fused_config(4, 1, 4096, 4096) == MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[4], x_smem=True)
-    assert P.fused_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
-    assert P.fused_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
+    assert prologue_config(4, 1, 28672, 4096).kernel == 3
+    assert prologue_config(4, 1, 4096, 4096) == MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[4], x_smem=True)
+    assert prologue_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
+    assert prologue_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

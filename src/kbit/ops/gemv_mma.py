@@ -44,8 +44,8 @@ from kbit.tuning.tables import gpu_key
 from kbit.utils.checks import fail
 from kbit.utils.device import sm_count
 
-__all__ = ["PLANS", "PlanCache", "dequant_repacked", "launch", "launch_config", "linear_repacked", "linear_small_m",
-           "plan_launch", "prepare_repacked", "run_repacked"]
+__all__ = ["EPI_SILU", "PRO_ADD_NORM", "PLANS", "PlanCache", "dequant_repacked", "launch", "launch_config",
+           "linear_repacked", "linear_small_m", "plan_launch", "prepare_repacked", "run_repacked"]
 
 
 # ------------------------------------------------------------------------------------------------ plans
@@ -116,6 +116,11 @@ PLANS = PlanCache()
 
 
 # ------------------------------------------------------------------------------------------------ launch
+
+#: ``PRO`` value of kernel 3: residual add + RMSNorm x prologue (1, RMSNorm alone, is not used from Python)
+PRO_ADD_NORM = 2
+#: ``EPI`` value of kernel 3: SiLU * up of a fused gate/up weight (gate rows first; y is ``[M, N / 2]``)
+EPI_SILU = 1
 
 #: the kernels' argument list: pointers, then ints; ``_ARG_X`` / ``_ARG_Y``: x's and y's places
 _ARGS_FMT = "QQQQQQQQQQiiiiiiiiii"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, n_groups
+from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "make_plan", "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "make_plan", "prologue_config",
+           "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -274,3 +275,18 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
                    splits=st["splits"], sps=st["sps"], Nt=Nt, S=S, regs=st["kern"].num_regs,
                    ctas_per_sm=st["occ"], n_cnt=st["n_cnt"], ws_floats=_ws_floats(st, kernel, M, ng),
                    use_ws=kernel in (3, 4) or st["splits"] > 1 or bool(defines.get("SK")))
+
+
+def prologue_config(k: int, M: int, N: int, K: int) -> MmaConfig | None:
+    """The kernel-3 config (x in shared memory) of a launch with an x prologue (``kbit.dispatch.prologue``), or None
+    when it does not apply (M > 8, or x [M, K] and the norm weight do not fit in shared memory beside the lookup
+    table)."""
+    if not 1 <= M <= 8:
+        return None
+    S = -(-K // SEG)
+    if table_smem(k) + (M + 1) * S * SEG * 2 > XS_MAX:
+        return None
+    cfg = default_config(k, M, N, K)
+    if cfg.kernel == 3 and cfg.x_smem:
+        return cfg
+    return MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)
