@@ -94,7 +94,7 @@ class KbitLinear(nn.Module):
 
     #: repack on the first CUDA forward that runs the small-M kernel (see the module docstring)
     auto_repack: bool = True
-    #: this class's forward is exactly the kernel's, so ``kbit.ops.prologue`` may fuse glue into its launch (not
+    #: this class's forward is exactly the kernel's, so ``kbit.dispatch.prologue`` may fuse glue into its launch (not
     #: inherited: read from the class's own ``__dict__``)
     fuses_prologue: bool = True
 

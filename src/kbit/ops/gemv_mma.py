@@ -63,7 +63,7 @@ def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
                 config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0) -> MmaPlan:
     """The launch plan (``kbit.tuning.mma_plan.make_plan``) of ``M`` rows on a k-bit ``[N, K]`` weight on ``device``
     (default: the current CUDA device), built with NVRTC; ``config``: pin one (default :func:`launch_config`).
-    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.ops.prologue``)."""
+    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.dispatch.prologue``)."""
     dev = torch.device(device or "cuda")
     if config is None:
         config = launch_config(k, M, N, K, dev)
@@ -72,8 +72,8 @@ def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
         return cuda.compile_kernel(*KERNELS[kernel], defines, dev)
 
     sms = sm_count(dev) if dev.type == "cuda" else 0
-    return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(),
-                       pro=pro, epi=epi)
+    return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(), pro=pro,
+                     epi=epi)
 
 
 class PlanCache:

@@ -256,7 +256,7 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
-    gate/up weight (kernel 3 only); see ``kbit.ops.prologue``.
+    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``.
     """
     Nt, S = -(-N // 16), -(-K // SEG)
     kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi)
