@@ -1,4 +1,5 @@
-"""kbit.ops.gemm (fused tensor-core GEMM, dequant + cuBLAS, the dispatcher) against the float64 reference.
+"""kbit.ops.gemm (fused tensor-core GEMM), dequant + cuBLAS and the dispatcher (kbit.dispatch.linear) against the
+float64 reference.
 
 CPU: the interpreter, small shapes, fp16 activations. GPU (``-m gpu``): every k, M in {1..8, 9, 17, 100, 1000,
 4096}, odd N and K.
@@ -7,8 +8,11 @@ import pytest
 import torch
 
 import kbit
-from kbit.ops.gemm import dequant_mm, gemm_fused, gemm_reference, linear, linear_reference
-from kbit.tuning.dispatch import Choice, GemmConfig, choose, m_bucket, split_k
+from kbit.dispatch.linear import dequant_mm, linear, pick
+from kbit.ops.gemm import gemm_fused, gemm_reference
+from kbit.ops.reference import linear_tensors_reference
+from kbit.tuning.gemm import Choice, GemmConfig, gemm_choice, split_k
+from kbit.tuning.tables import m_bucket
 
 GPU = torch.cuda.is_available()
 
@@ -57,7 +61,7 @@ def test_linear_cpu_reference_and_leading_dims():
     assert y.shape == (2, 3, 33)
     r = gemm_reference(x, *_args(qw), **_kw(qw))
     assert _rel(y, r) < 1e-5
-    assert torch.equal(y, linear_reference(x, *_args(qw), **_kw(qw)))
+    assert torch.equal(y, linear_tensors_reference(x, *_args(qw), **_kw(qw)))
 
 
 def test_validation_messages():
@@ -70,29 +74,29 @@ def test_validation_messages():
 
 def test_dispatch_table_and_heuristic():
     assert m_bucket(1) == 1 and m_bucket(9) == 16 and m_bucket(5000) == 4096
-    assert choose(1, 4096, 4096, 4).kernel == "gemv"
-    c = choose(16, 4096, 4096, 4)
+    assert pick(1, 4096, 4096, 4).kernel == "gemv"
+    c = pick(16, 4096, 4096, 4)
     assert isinstance(c, Choice) and c.kernel == "fused" and c.config.SWAP
-    assert choose(4096, 4096, 4096, 4).kernel in ("fused", "dequant_mm")
+    assert pick(4096, 4096, 4096, 4).kernel in ("fused", "dequant_mm")
     cfg = GemmConfig(BM=16, BN=128, BK=128)
     assert split_k(cfg, 16, 4096, 14336, 132) > 1
     assert split_k(cfg, 16, 57344, 8192, 132) == 1
     # the CUDA small-M kernel (reached through "gemv") takes every dense M <= MMA_MAX_M where it can run
-    assert choose(32, 4096, 4096, 4, mma=True).kernel == "gemv"
-    assert choose(16, 4096, 4096, 4, mma=False).kernel == "fused"
-    assert choose(64, 4096, 4096, 4, mma=True).kernel == "gemv"
-    assert choose(65, 4096, 4096, 4, mma=True).kernel != "gemv"
+    assert pick(32, 4096, 4096, 4, mma=True).kernel == "gemv"
+    assert pick(16, 4096, 4096, 4, mma=False).kernel == "fused"
+    assert pick(64, 4096, 4096, 4, mma=True).kernel == "gemv"
+    assert pick(65, 4096, 4096, 4, mma=True).kernel != "gemv"
     # with its sm_90 kernel 7 up to 2048 rows, and beyond on weights of >= 2e8 elements
-    assert choose(65, 8192, 4096, 4, mma=True, large=True).kernel == "gemv"
-    assert choose(256, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"  # small weight: dequant + cuBLAS
-    assert choose(64, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"  # small weight, M <= 64: kernel 1
-    assert choose(65, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
-    assert choose(32, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
-    assert choose(2048, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
-    assert choose(2049, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
-    assert choose(4096, 57344, 8192, 4, mma=True, large=True).kernel == "gemv"
-    assert choose(100, 4096, 4096, 4, mma=False, large=True).kernel != "gemv"
-    assert choose(16, 4096, 4096, 4, grouped=True, mma=True).kernel != "gemv"
+    assert pick(65, 8192, 4096, 4, mma=True, large=True).kernel == "gemv"
+    assert pick(256, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"  # small weight: dequant + cuBLAS
+    assert pick(64, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"  # small weight, M <= 64: kernel 1
+    assert pick(65, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
+    assert pick(32, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
+    assert pick(2048, 4096, 4096, 4, mma=True, large=True).kernel == "gemv"
+    assert pick(2049, 4096, 4096, 4, mma=True, large=True).kernel != "gemv"
+    assert pick(4096, 57344, 8192, 4, mma=True, large=True).kernel == "gemv"
+    assert pick(100, 4096, 4096, 4, mma=False, large=True).kernel != "gemv"
+    assert gemm_choice(16, 4096, 4096, 4, grouped=True).kernel != "gemv"
 
 
 def test_fake_impls():

@@ -1,4 +1,5 @@
-"""GEMV (kbit.ops.gemv): the PTX lookup programs bit-exactly (numpy emulation), the kernels against a float64
+"""GEMV (kbit.ops.gemv, and the small-M dispatch kbit.dispatch.linear.small_m): the PTX lookup programs bit-exactly
+(numpy emulation), the kernels against a float64
 reference under the Triton interpreter (CPU, small shapes) and on the GPU (marked ``gpu``)."""
 
 import os
@@ -11,8 +12,10 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # kernels run under the Triton interpreter; it must be chosen before the kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kbit.kernels import gemv as K  # noqa: E402
+from kbit.dispatch import linear as D  # noqa: E402
+from kbit.kernels import gemv_ptx as K  # noqa: E402
 from kbit.ops import gemv as G  # noqa: E402
+from kbit.ops.reference import dequantize_tensors_reference  # noqa: E402
 from kbit.tuning.gemv import GemvConfig, gemv_config  # noqa: E402
 
 
@@ -125,7 +128,7 @@ def check_gemv(N, K_, k, M, dtype, B=32, sf="log8", device="cpu", bias=False, x=
         x = torch.randn(M, K_, dtype=dtype, device=device, generator=gen)
     b = torch.randn(N, dtype=dtype, device=device) if bias else None
     kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K_, bias=b)
-    y = G.gemv(x, codes, scales, ts, cb, config=config, **kw)
+    y = D.small_m(x, codes, scales, ts, cb, config=config, **kw)  # config None on CUDA: the CUDA kernels
     ref = G.gemv_reference(x, codes, scales, ts, cb, **kw)
     assert y.shape == (*x.shape[:-1], N) and y.dtype == x.dtype
     err = rel_err(y, ref)
@@ -307,9 +310,9 @@ def test_matches_kbit_format():
     w = torch.randn(24, 96, device=DEV)
     for k in (2, 3, 4, 5):
         q = kbit.quantize(w, k=k)
-        ref_w = G.dequantize_reference(q.codes, q.scales, q.tensor_scale, q.codebook, k=k, blocksize=q.blocksize,
-                                       scale_format=q.scale_format, K=96)
+        ref_w = dequantize_tensors_reference(q.codes, q.scales, q.tensor_scale, q.codebook, k=k,
+                                             blocksize=q.blocksize, scale_format=q.scale_format, K=96)
         torch.testing.assert_close(kbit.dequantize(q, dtype=torch.float64), ref_w, rtol=1e-6, atol=1e-6)
         x = torch.randn(2, 96, dtype=torch.float16, device=DEV)
         ref = x.double() @ ref_w.T
-        assert rel_err(G.kbit_gemv(x, q), ref) < tol(torch.float16)
+        assert rel_err(D.kbit_gemv(x, q), ref) < tol(torch.float16)

@@ -1,12 +1,23 @@
-"""kbit.ops.gemv_mma: repack round trip and validation (CPU); the CUDA kernel against the float64 reference
-(GPU, marked ``gpu``)."""
+"""kbit.ops.gemv_mma and its layout / configs (kbit.ops.mma, kbit.tuning.mma*): repack round trip and validation
+(CPU); the CUDA kernels against the float64 reference (GPU, marked ``gpu``)."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from kbit import options
+from kbit.dispatch import linear as D
 from kbit.format.pack import pack
-from kbit.ops import gemv as G
 from kbit.ops import gemv_mma as MM
+from kbit.ops.mma import common as MC
+from kbit.ops.mma import layout as LY
+from kbit.ops.reference import gemv_reference
+from kbit.tuning import mma as T
+from kbit.tuning import mma_plan as TP
+from kbit.tuning import mma_units as TU
+from kbit.tuning.mma import LargeConfig as Large
+from kbit.tuning.mma import MmaConfig as Mma
 
 CUDA = torch.cuda.is_available()
 
@@ -42,11 +53,11 @@ def tol(dtype):
                                        (1, 2880, 128, "log8"), (33, 64, 32, "fp16"), (5, 1, 32, "log8")])
 def test_repack_round_trip(k, N, K_, B, sf):
     codes, scales, _, _ = make_weight(N, K_, k, B, sf, seed=k + N)
-    rc, rs = MM.repack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+    rc, rs = LY.repack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
     nt, s = -(-N // 16), -(-(-(-K_ // B) * B) // 256)
     assert rc.shape == (nt, s, k, 32, 4) and rc.dtype == torch.int32
     assert rs.shape == (nt, s, 8, 16) and rs.dtype == scales.dtype
-    c2, s2 = MM.unrepack(rc, rs, k=k, blocksize=B, N=N, K=K_)
+    c2, s2 = LY.unrepack(rc, rs, k=k, blocksize=B, N=N, K=K_)
     assert torch.equal(c2, codes) and torch.equal(s2, scales)
 
 
@@ -57,7 +68,7 @@ def test_repack_layout_definition(k):
     lookups assume)."""
     N, K_ = 32, 512
     c = torch.randint(0, 2**k, (N, K_))
-    rc, _ = MM.repack(pack(c, k), torch.zeros(N, K_ // 32, dtype=torch.uint8), k=k, blocksize=32,
+    rc, _ = LY.repack(pack(c, k), torch.zeros(N, K_ // 32, dtype=torch.uint8), k=k, blocksize=32,
                       scale_format="log8", N=N, K=K_)
     lanes = rc.permute(0, 1, 3, 2, 4).reshape(2, 2, 32, 4 * k).to(torch.int64) & 0xFFFFFFFF  # [tile, seg, lane, word]
     gen = torch.Generator().manual_seed(k)
@@ -74,47 +85,63 @@ def test_repack_layout_definition(k):
 def test_repack_padding_is_zero_weight():
     N, K_ = 20, 40
     codes, scales, _, _ = make_weight(N, K_, 3)
-    _, rs = MM.repack(codes, scales, k=3, blocksize=32, scale_format="log8", N=N, K=K_)
+    _, rs = LY.repack(codes, scales, k=3, blocksize=32, scale_format="log8", N=N, K=K_)
     full = rs.view(2, 1, 8, 8, 2).permute(0, 4, 2, 1, 3).reshape(32, 8)
     assert (full[N:] == 255).all() and (full[:, 2:] == 255).all()
 
 
 def test_repacked_cache_follows_tensor():
     codes, scales, _, _ = make_weight(16, 64, 4)
-    a = MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
-    assert MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64) is a
+    a = LY.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
+    assert LY.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64) is a
     codes.add_(1)  # in-place change -> version bump -> repacked again
-    b = MM.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
+    b = LY.repacked(codes, scales, k=4, blocksize=32, scale_format="log8", N=16, K=64)
     assert b is not a and not torch.equal(a[0], b[0])
 
 
-@pytest.mark.parametrize("cfg,xb", [((7, 8, 32, 4, 8, 1), 0), ((7, 8, 32, 4, 8, 1, 1), 1), ((7, 8, 32, 4, 8, 1, 2), 2),
-                                    ((7, 8, 32, 4, 8, 1, 2, 1, 1), 2), ((7, 8, 32, 4, 8, 0, 2), 0)])
+@pytest.mark.parametrize("cfg,xb", [(Large(8, 32), 0), (Large(8, 32, x_bulk=1), 1), (Large(8, 32, x_bulk=2), 2),
+                                    (Large(8, 32, x_bulk=2, refill_lag=1, stream_k=True), 2),
+                                    (Large(8, 32, x_swizzle=False, x_bulk=2), 0)])
 def test_large_defines_x_loader(cfg, xb):
-    """config[6] picks the x loader (it used to read as 1 whenever set); it needs the swizzled x (config[5])."""
-    assert MM.large_defines(4, cfg)[0]["XB"] == xb
+    """x_bulk picks the x loader; it needs the swizzled x (x_swizzle)."""
+    assert TP.large_defines(4, cfg)[0]["XB"] == xb
 
 
 def test_large_defines_rejects_bad_x_loader():
-    with pytest.raises(ValueError, match="x loader"):
-        MM.large_defines(4, (7, 8, 32, 4, 8, 1, 3))
+    with pytest.raises(ValueError, match="x_bulk"):
+        TP.large_defines(4, Large(8, 32, x_bulk=3))
     with pytest.raises(ValueError, match="pre-tiled"):
-        MM.large_defines(4, (7, 8, 32, 4, 8, 1, 0), grouped=True)
+        TP.large_defines(4, Large(8, 32), grouped=True)
+
+
+#: kernel 3 with K slices of x in shared memory (9 <= M <= 16 on tall, big weights, sm_90)
+XK = Mma(3, warps=16, ring=3, x_smem=True, x_slice=8)
+
+
+def same(cfg, t, k) -> bool:
+    """``cfg`` is the config written positionally as ``t`` (kernel, warps, X, ...; kernel 3's ring 0 = PIPE[k])."""
+    want = {1: lambda: Mma(1, t[1], min_ctas=t[2]), 4: lambda: Mma(4, t[1], rows_per_warp=t[2], stages=t[3]),
+            3: lambda: Mma(3, t[1], min_ctas=t[2], ring=t[3] if len(t) > 3 else 0, x_smem=len(t) > 4 and bool(t[4]))}
+    w = want[t[0]]()
+    if t[0] == 3:
+        return cfg.kernel == 3 and (cfg.warps, cfg.min_ctas, cfg.ring or T.PIPE[k], cfg.x_smem, cfg.x_slice) == (
+            w.warps, w.min_ctas, w.ring or T.PIPE[k], w.x_smem, 0)
+    return cfg == w
 
 
 def test_mid_m_routes():
     """9 <= M <= 64 (session 14, H100): x slices at M <= 16 on tall, big weights (sm_90 only); kernel 7's 32- and
     64-token tiles with stream-K; 16 warps on big weights except k = 5."""
-    assert MM.default_config(4, 16, 10000, 5120, sm90=True) == MM.XK_CFG
-    assert MM.default_config(4, 16, 10000, 5120) != MM.XK_CFG  # other GPUs: not measured there
-    assert MM.default_config(4, 16, 4096, 14336, sm90=True) != MM.XK_CFG  # N < 8192
-    assert MM.default_config(4, 16, 8192, 4096, sm90=True) != MM.XK_CFG  # N * K < 5e7
-    assert MM.default_config(4, 8, 10000, 5120, sm90=True) != MM.XK_CFG  # M <= 8
-    assert MM.large_config(4, 24, 28672, 4096) == (7, 8, 4, 6, 8, 1, 1, 0, 1)
-    assert MM.large_config(4, 64, 57344, 8192)[:3] == (7, 16, 8)
-    assert MM.large_config(5, 64, 57344, 8192)[:3] == (7, 12, 8)
-    assert MM.large_config(4, 48, 4096, 14336)[:3] == (7, 12, 8)
-    assert MM.LARGE7_MIN_M == 17
+    assert T.default_config(4, 16, 10000, 5120, sm90=True) == XK
+    assert T.default_config(4, 16, 10000, 5120) != XK  # other GPUs: not measured there
+    assert T.default_config(4, 16, 4096, 14336, sm90=True) != XK  # N < 8192
+    assert T.default_config(4, 16, 8192, 4096, sm90=True) != XK  # N * K < 5e7
+    assert T.default_config(4, 8, 10000, 5120, sm90=True) != XK  # M <= 8
+    assert T.large_config(4, 24, 28672, 4096) == Large(8, 4, stages=6, x_bulk=1, stream_k=True)
+    assert (T.large_config(4, 64, 57344, 8192).warps, T.large_config(4, 64, 57344, 8192).groups) == (16, 8)
+    assert (T.large_config(5, 64, 57344, 8192).warps, T.large_config(5, 64, 57344, 8192).groups) == (12, 8)
+    assert (T.large_config(4, 48, 4096, 14336).warps, T.large_config(4, 48, 4096, 14336).groups) == (12, 8)
+    assert T.LARGE7_MIN_M == 17
 
 
 def test_small_m_x_staged_routes():
@@ -123,37 +150,37 @@ def test_small_m_x_staged_routes():
     and k = 5 at M = 2..8."""
     for k in (2, 3, 4, 5):
         for M in (2, 4, 8):
-            assert MM.default_config(k, M, 28672, 4096, sm90=True, sms=132) == (3, 8, 2, 2, 1)
-            assert MM.default_config(k, M, 14336, 4096, sm90=True, sms=132) == (3, 8, 2, 2, 1)
-        assert MM.default_config(k, 4, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 2, 1)
-    assert MM.default_config(4, 8, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 2, 1)
-    assert MM.default_config(3, 8, 57344, 8192, sm90=True, sms=132) == (3, 8, 2, 3)
-    assert MM.default_config(4, 1, 8192, 28672, sm90=True, sms=132) == (1, 8, 2)
-    assert MM.default_config(4, 2, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
-    assert MM.default_config(5, 1, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
-    assert MM.default_config(5, 4, 8192, 28672, sm90=True, sms=132) == (1, 8, 2)
-    assert MM.default_config(3, 1, 8192, 28672, sm90=True, sms=132) == (1, 4, 4)
+            assert same(T.default_config(k, M, 28672, 4096, sm90=True, sms=132), (3, 8, 2, 2, 1), k)
+            assert same(T.default_config(k, M, 14336, 4096, sm90=True, sms=132), (3, 8, 2, 2, 1), k)
+        assert same(T.default_config(k, 4, 57344, 8192, sm90=True, sms=132), (3, 8, 2, 2, 1), k)
+    assert same(T.default_config(4, 8, 57344, 8192, sm90=True, sms=132), (3, 8, 2, 2, 1), 4)
+    assert same(T.default_config(3, 8, 57344, 8192, sm90=True, sms=132), (3, 8, 2, 3), 3)
+    assert same(T.default_config(4, 1, 8192, 28672, sm90=True, sms=132), (1, 8, 2), 4)
+    assert same(T.default_config(4, 2, 8192, 28672, sm90=True, sms=132), (1, 4, 4), 4)
+    assert same(T.default_config(5, 1, 8192, 28672, sm90=True, sms=132), (1, 4, 4), 5)
+    assert same(T.default_config(5, 4, 8192, 28672, sm90=True, sms=132), (1, 8, 2), 5)
+    assert same(T.default_config(3, 1, 8192, 28672, sm90=True, sms=132), (1, 4, 4), 3)
 
 
 def test_one_tile_cta_routes():
     """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (session 16, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
     up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""
-    from kbit.ops.prologue import fused_config
+    fused_config = TP.prologue_config
 
-    assert MM.default_config(4, 1, 6144, 4096, sms=132) == (1, 8, 3)
-    assert MM.default_config(3, 8, 5120, 2048, sms=132) == (1, 8, 3)
-    assert MM.default_config(2, 4, 8192, 4096, sms=132) == (1, 8, 4)
-    assert MM.default_config(2, 1, 12288, 4096, sms=132) == (1, 4, 6)
-    assert MM.default_config(2, 1, 14336, 4096, sms=132)[0] == 3  # more tiles than 6 CTAs x SMs
-    assert MM.default_config(4, 2, 12288, 4096, sms=132)[0] == 3  # k = 2 only
-    assert MM.default_config(4, 1, 8192, 4096, sms=132) == (1, 8, 4)
-    assert MM.default_config(3, 8, 7168, 5120, sms=132) == (1, 8, 4)
-    assert MM.default_config(5, 1, 8192, 4096, sms=132)[0] == 3  # k = 5 at 4 CTAs an SM: not measured (spills)
-    assert MM.default_config(4, 1, 6144, 4096, sms=100) == (1, 8, 4)  # more tiles than 3 CTAs x SMs
-    assert MM.default_config(4, 1, 6144, 4096, sms=90)[0] == 3  # more tiles than 4 CTAs x SMs
-    assert MM.default_config(4, 1, 4096, 4096, sms=132) == (1, 8, 2)  # N <= WIDE: as before
-    assert MM.default_config(4, 1, 6144, 4096)[0] == 3  # SM count unknown
-    assert fused_config(4, 1, 6144, 4096)[0] == 3
+    assert same(T.default_config(4, 1, 6144, 4096, sms=132), (1, 8, 3), 4)
+    assert same(T.default_config(3, 8, 5120, 2048, sms=132), (1, 8, 3), 3)
+    assert same(T.default_config(2, 4, 8192, 4096, sms=132), (1, 8, 4), 2)
+    assert same(T.default_config(2, 1, 12288, 4096, sms=132), (1, 4, 6), 2)
+    assert T.default_config(2, 1, 14336, 4096, sms=132).kernel == 3  # more tiles than 6 CTAs x SMs
+    assert T.default_config(4, 2, 12288, 4096, sms=132).kernel == 3  # k = 2 only
+    assert same(T.default_config(4, 1, 8192, 4096, sms=132), (1, 8, 4), 4)
+    assert same(T.default_config(3, 8, 7168, 5120, sms=132), (1, 8, 4), 3)
+    assert T.default_config(5, 1, 8192, 4096, sms=132).kernel == 3  # k = 5 at 4 CTAs an SM: not measured (spills)
+    assert same(T.default_config(4, 1, 6144, 4096, sms=100), (1, 8, 4), 4)  # more tiles than 3 CTAs x SMs
+    assert T.default_config(4, 1, 6144, 4096, sms=90).kernel == 3  # more tiles than 4 CTAs x SMs
+    assert same(T.default_config(4, 1, 4096, 4096, sms=132), (1, 8, 2), 4)  # N <= WIDE: as before
+    assert T.default_config(4, 1, 6144, 4096).kernel == 3  # SM count unknown
+    assert fused_config(4, 1, 6144, 4096).kernel == 3
 
 
 @pytest.mark.parametrize("Nt,S,grid,W,epi", [(1792, 16, 264, 8, 0), (3584, 32, 264, 8, 0), (1792, 16, 264, 8, 1),
@@ -161,14 +188,14 @@ def test_one_tile_cta_routes():
 def test_local_fixup_slots(Nt, S, grid, W, epi):
     """LFU / LFW of kernel 3's CTA-local fix-up: the most units (tiles; EPI: gate / up pairs) a CTA's range
     [T b W / (G W), T (b + 1) W / (G W)) touches, and (EPI) the most tiles a warp's range touches."""
-    d = MM._lfx_defines(Nt, S, grid, W, epi)
+    d = TU.lfx_defines(Nt, S, grid, W, epi)
     T, TW, U = Nt * S, grid * W, S * (2 if epi else 1)
     units = [(T * (b * W + W) // TW - 1) // U - (T * b * W // TW) // U + 1 for b in range(grid)
              if T * (b * W + W) // TW > T * b * W // TW]
     tiles = [(T * (w + 1) // TW - 1) // S - (T * w // TW) // S + 1 for w in range(TW)
              if T * (w + 1) // TW > T * w // TW]
     assert d == dict(LFX=1, LFU=max(units), LFW=max(tiles + [2]) if epi else 2)
-    assert MM._lfx_defines(100000, 2, 1, 8, 0) is None  # one CTA over 100000 tiles: too many units
+    assert TU.lfx_defines(100000, 2, 1, 8, 0) is None  # one CTA over 100000 tiles: too many units
 
 
 @pytest.mark.parametrize("Nt,S,W,occ,sms,epi", [(1792, 16, 8, 2, 132, 1), (384, 16, 8, 2, 132, 0),
@@ -178,12 +205,12 @@ def test_cta_units_plan(Nt, S, W, occ, sms, epi):
     """CAU's plan: of the configured CTAs and half as many of twice the warps, the one with the fewest idle SM
     slots (the busiest CTA's units against an even share), None below CAU_MIN_EFF; LFW = the most tiles a warp's
     range touches (not EPI: at most its two partial tiles), by brute force over every warp."""
-    r = MM._cau_plan(Nt, S, W, occ, sms, epi)
+    r = TU.cau_plan(Nt, S, W, occ, sms, epi)
     tpu = 2 if epi else 1
     n_u, U = Nt // tpu, tpu * S
     opts = [(n_u / (sms * o * -(-n_u // (sms * o))), w, o) for w, o in ((W, occ), (2 * W, occ // 2)) if o >= 1]
     eff, w, o = max(opts, key=lambda t: (t[0], -t[1]))
-    if eff < MM.CAU_MIN_EFF:
+    if eff < TU.CAU_MIN_EFF:
         assert r is None
         return
     upc = -(-n_u // (sms * o))
@@ -202,16 +229,16 @@ def test_cta_units_plan(Nt, S, W, occ, sms, epi):
 def test_cta_units_llama_shapes():
     """Llama-3-8B's fused q/k/v (6144 rows) and gate / up (28672, EPI) at K = 4096 on 132 SMs: 128 CTAs of 16
     warps, 3 tiles / 7 pairs each (2 CTAs of 8 warps an SM would leave 27% / 15% of the slots idle)."""
-    assert MM._cau_plan(384, 16, 8, 2, 132, 0) == (16, 1, dict(CAU=1, LFW=2), 3, 128)
-    assert MM._cau_plan(1792, 16, 8, 2, 132, 1) == (16, 1, dict(CAU=1, LFW=2), 7, 128)
+    assert TU.cau_plan(384, 16, 8, 2, 132, 0) == (16, 1, dict(CAU=1, LFW=2), 3, 128)
+    assert TU.cau_plan(1792, 16, 8, 2, 132, 1) == (16, 1, dict(CAU=1, LFW=2), 7, 128)
     # 57344x8192: whole tiles leave 3% of ~90 us idle, more than the fix-up costs
-    assert MM._cau_plan(3584, 32, 8, 2, 132, 0, est_us=100.0) is None
-    assert MM._cau_plan(3584, 32, 8, 2, 132, 0, est_us=25.0) is not None
+    assert TU.cau_plan(3584, 32, 8, 2, 132, 0, est_us=100.0) is None
+    assert TU.cau_plan(3584, 32, 8, 2, 132, 0, est_us=25.0) is not None
 
 
 def test_x_slices_too_big_for_shared_memory():
     with pytest.raises(ValueError, match="x slices"):
-        MM.plan(4, 64, 10000, 5120, config=(3, 16, 1, 3, 1, 20), device="cpu")
+        MM.plan_launch(4, 64, 10000, 5120, config=Mma(3, warps=16, ring=3, x_smem=True, x_slice=20), device="cpu")
 
 
 def test_validation_errors():
@@ -228,14 +255,17 @@ def test_validation_errors():
 
 
 def test_fallback_matches_reference_on_cpu():
-    """Without the CUDA kernel (CPU), linear_small_m is the Triton GEMV: same answer as the reference."""
+    """Without the CUDA kernels (CPU), the dispatcher's small-M call is the Triton GEMV: same answer as the reference;
+    the CUDA op itself says it cannot run here."""
     if CUDA:
         pytest.skip("CPU fallback only")
     codes, scales, ts, cb = make_weight(9, 96, 4)
     x = torch.randn(3, 96, dtype=torch.float16)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=9, K=96)
-    y = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
-    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
+    with pytest.raises(ValueError, match="CUDA device"):
+        MM.linear_small_m(x, codes, scales, ts, cb, **kw)
+    y = D.small_m(x, codes, scales, ts, cb, **kw)
+    assert rel_err(y, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
 
 
 def test_fake_impl():
@@ -259,19 +289,19 @@ def check(N, K_, k, M, dtype, B=32, sf="log8", bias=False, x=None, seed=0, confi
     lead = x.shape[:-1]
     torch.full((*lead, N), float("nan"), dtype=x.dtype, device="cuda")  # poison the allocator's next block
     y = MM.linear_small_m(x, codes, scales, ts, cb, config=config, **kw)
-    ref = G.gemv_reference(x, codes, scales, ts, cb, **kw)
+    ref = gemv_reference(x, codes, scales, ts, cb, **kw)
     assert y.shape == (*lead, N) and y.dtype == x.dtype
     err = rel_err(y, ref)
     # the kernel multiplies by the codebook rounded to x's dtype: against that reference only the output
     # rounding is left (tight); against the exact one the codebook rounding adds up to ~2**-9 (bf16) a weight,
     # which with few outputs (N = 1) can exceed the usual tolerance by chance
-    ref_r = G.gemv_reference(x, codes, scales, ts, cb.to(x.dtype).float(), **kw)
+    ref_r = gemv_reference(x, codes, scales, ts, cb.to(x.dtype).float(), **kw)
     err_r = rel_err(y, ref_r)
     msg = f"k={k} N={N} K={K_} M={M} {x.dtype} B={B} {sf}: rel err {err:.2e} / {err_r:.2e} (rounded codebook)"
     assert err_r < tol(x.dtype) / 2 and err < 2 * tol(x.dtype), msg
 
 
-gpu = pytest.mark.skipif(not (CUDA and MM.available()), reason="needs the CUDA kernel (GPU + NVRTC)")
+gpu = pytest.mark.skipif(not (CUDA and MC.kernels_available()), reason="needs the CUDA kernel (GPU + NVRTC)")
 
 
 @pytest.mark.gpu
@@ -312,18 +342,24 @@ def test_mma_gpu_3d_noncontiguous_bias_dtypes():
         b = torch.randn(64, dtype=bdt, device="cuda")
         kw = dict(k=4, blocksize=32, scale_format="log8", N=64, K=512, bias=b)
         y = torch.ops.kbit.linear_small_m(x, codes, scales, ts, cb, 4, 32, "log8", 64, 512, b)
-        assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+        assert rel_err(y, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config", [(1, 8, 2), (1, 2, 3), (1, 8, 1), (2, 16, 4), (2, 8, 2), (2, 4, 8), (3, 8, 2, 2),
-                                    (3, 8, 2, 3, 1), (3, 4, 4, 4), (4, 8, 1, 2), (4, 4, 2, 3), (4, 16, 1, 2),
-                                    (6, 8, 1, 3, 4), (6, 12, 1, 3, 2)])
+@pytest.mark.parametrize("config", [
+    Mma(1, warps=8, min_ctas=2),
+    Mma(1, warps=2, min_ctas=3),
+    Mma(1, warps=8),
+    Mma(3, warps=8, min_ctas=2, ring=2),
+    Mma(3, warps=8, min_ctas=2, ring=3, x_smem=True),
+    Mma(3, warps=4, min_ctas=4, ring=4),
+    Mma(4, warps=8, stages=2),
+    Mma(4, warps=4, rows_per_warp=2),
+    Mma(4, warps=16, stages=2),
+])
 def test_mma_gpu_configs_split_k(config):
-    if config[0] == 6 and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("kernel 6 (wgmma) is sm_90a only")
-    """Both kernels, several warps / depths: small N forces split K (workspace + last-arriver fix-up), twice in
+    """Kernels 1, 3, 4, several warps / depths: small N forces split K (workspace + last-arriver fix-up), twice in
     a row (the workspace and counters must be left clean); many tiles make CTAs / warps loop over items."""
     for _ in range(2):
         check(64, 8192, 4, 2, torch.float16, bias=True, config=config)
@@ -346,44 +382,26 @@ def test_mma_gpu_default_routes_m2_16(N, K_, k, M):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("lfx", ["1", "0"])
-@pytest.mark.parametrize("config", [(3, 8, 2, 2), (3, 4, 4, 3), (3, 16, 1, 2, 1), (3, 8, 2, 2, 1)])
-def test_mma_gpu_local_fixup(monkeypatch, lfx, config):
-    """Kernel 3 with and without the CTA-local fix-up (``LFX``): ranges longer than a tile (28672x4096, the last
-    warp of a CTA starts at the CTA's last tile), shorter than one (tiles over several warps and CTAs: 64x8192),
-    N not a multiple of 16, M 1..8; each twice (shared slots and global counters must be left clean)."""
-    monkeypatch.setenv("KBIT_LFX", lfx)
-    monkeypatch.setenv("KBIT_CAU", "0")
-    MM._PLANS.clear()
-    try:
-        for _ in range(2):
-            check(28672, 4096, 4, 1, torch.bfloat16, config=config)
-            check(6144, 1024, 2, 3, torch.float16, bias=True, config=config)
-            check(1000, 4000, 5, 8, torch.bfloat16, config=config)
-            check(64, 8192, 3, 2, torch.float16, bias=True, config=config)
-            check(12288, 2880, 2, 1, torch.bfloat16, config=config)
-    finally:
-        MM._PLANS.clear()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("config", [(3, 8, 2, 2), (3, 4, 4, 3), (3, 16, 1, 2, 1), (3, 8, 2, 2, 1)])
+@pytest.mark.parametrize("config", [
+    Mma(3, warps=8, min_ctas=2, ring=2),
+    Mma(3, warps=4, min_ctas=4, ring=3),
+    Mma(3, warps=16, ring=2, x_smem=True),
+    Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True),
+])
 def test_mma_gpu_cta_units(monkeypatch, config):
     """Kernel 3 with CTA-aligned units (``CAU``), forced on every shape (no efficiency floor): CTAs of many tiles
     with ranges longer than a tile, tiles over many warps of one CTA (64x8192: 4 CTAs), N not a multiple of 16,
     M 1..8, bias, fp16 / bf16; each twice, and bit-identical run to run (the parts are added in warp order)."""
-    monkeypatch.setenv("KBIT_CAU", "1")
-    monkeypatch.setattr(MM, "CAU_MIN_EFF", 0.0)
-    monkeypatch.setattr(MM, "CAU_IDLE_US", float("inf"))
-    MM._PLANS.clear()
+    monkeypatch.setattr(TU, "CAU_MIN_EFF", 0.0)
+    monkeypatch.setattr(TU, "CAU_IDLE_US", float("inf"))
+    MM.PLANS.clear()
     try:
         for N, K_, k, M, dtype, bias in [(28672, 4096, 4, 1, torch.bfloat16, False),
                                          (6144, 1024, 2, 3, torch.float16, True),
                                          (1000, 4000, 5, 8, torch.bfloat16, False),
                                          (64, 8192, 3, 2, torch.float16, True),
                                          (12288, 2880, 2, 1, torch.bfloat16, False)]:
-            assert MM.plan(k, M, N, K_, config=config)["defines"].get("CAU") == 1
+            assert MM.plan_launch(k, M, N, K_, config=config).defines.get("CAU") == 1
             for _ in range(2):
                 check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
             codes, scales, ts, cb = make_weight(N, K_, k, 32, "log8", device="cuda", seed=1)
@@ -392,25 +410,29 @@ def test_mma_gpu_cta_units(monkeypatch, config):
             y1 = MM.linear_small_m(x, codes, scales, ts, cb, **kw)
             assert torch.equal(y1, MM.linear_small_m(x, codes, scales, ts, cb, **kw))
     finally:
-        MM._PLANS.clear()
+        MM.PLANS.clear()
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("k", [3, 4, 5])
-@pytest.mark.parametrize("config", [(1, 8, 2), (1, 4, 4), (1, 8, 3)])
+@pytest.mark.parametrize("config", [
+    Mma(1, warps=8, min_ctas=2),
+    Mma(1, warps=4, min_ctas=4),
+    Mma(1, warps=8, min_ctas=3),
+])
 def test_mma_gpu_kernel1_warp_order(k, config):
     """Kernel 1 at k in ``K1WO_K`` and M <= 8 adds its warps' sums in warp order: correct (bias, N not a multiple
     of 16), and where K is not split across CTAs (splits == 1) 40 repeated calls are bit-identical (with the
     earlier shared-memory atomics 1-2 of 50 differed on 4096x4096, det-probe-s19.log)."""
-    assert k in MM.K1WO_K
-    assert MM.plan(k, 16, 4096, 4096, config=config)["defines"]["K1WO"] == 0
+    assert k in TP.K1WO_K
+    assert MM.plan_launch(k, 16, 4096, 4096, config=config).defines["K1WO"] == 0
     for N, K_, M, dtype, bias in [(4096, 4096, 1, torch.bfloat16, False), (1000, 4000, 3, torch.float16, True),
                                   (4096, 2048, 8, torch.bfloat16, False)]:
-        p = MM.plan(k, M, N, K_, config=config)
-        assert p["defines"]["K1WO"] == 1
+        p = MM.plan_launch(k, M, N, K_, config=config)
+        assert p.defines["K1WO"] == 1
         check(N, K_, k, M, dtype, bias=bias, config=config, seed=N)
-        if p["splits"] != 1:
+        if p.splits != 1:
             continue
         codes, scales, ts, cb = make_weight(N, K_, k, 32, "log8", device="cuda", seed=1)
         x = torch.randn(M, K_, dtype=dtype, device="cuda")
@@ -422,7 +444,12 @@ def test_mma_gpu_kernel1_warp_order(k, config):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("config", [(3, 16, 1, 3, 1, 8), (3, 8, 2, 2, 1, 4), (3, 4, 2, 4, 1, 2), (3, 16, 1, 2, 1, 8)])
+@pytest.mark.parametrize("config", [
+    Mma(3, warps=16, ring=3, x_smem=True, x_slice=8),
+    Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True, x_slice=4),
+    Mma(3, warps=4, min_ctas=2, ring=4, x_smem=True, x_slice=2),
+    Mma(3, warps=16, ring=2, x_smem=True, x_slice=8),
+])
 def test_mma_gpu_x_slices(config):
     """Kernel 3 with K slices of x in shared memory (config[5]): a last slice shorter than the others (K = 5120:
     20 segments), one slice wider than K (K = 300), K not a multiple of 256, many slices with split tiles added
@@ -446,10 +473,10 @@ def test_mma_gpu_default_routes_m9_64(k, M):
     (32- and 64-token tiles, stream-K); kernel 4 elsewhere."""
     N, K_ = 10000, 5120
     if torch.cuda.get_device_capability() == (9, 0):
-        assert MM.uses_large(M, N, K_, "cuda") == (M > 16)
+        assert T.uses_large(M, N, K_, "cuda") == (M > 16)
         if M <= 16:
-            d = MM.plan(k, M, N, K_)["defines"]
-            if MM._cau_mid(k, N, K_, MM._sms(torch.device("cuda"))):
+            d = MM.plan_launch(k, M, N, K_).defines
+            if T.cau_mid(k, N, K_, torch.cuda.get_device_properties(0).multi_processor_count):
                 assert d.get("CAU") == 1 and d["XK"] == 0
             else:
                 assert d["XK"] == 8
@@ -470,28 +497,33 @@ def test_mma_gpu_cuda_graph():
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
+    assert rel_err(y, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.float16)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("N,K_,k,M,config", [
-    (64, 8192, 4, 1, (3, 8, 2, 2)),        # kernel 3: 4 tiles x 32 segments over thousands of warps (32 parts a tile)
-    (6144, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory: CTA-aligned units (q/k/v of Llama-3-8B)
-    (5000, 4096, 4, 1, (3, 8, 2, 2, 1)),   # kernel 3, x in shared memory, DET slots (whole tiles a CTA: 79% busy)
-    (4096, 4096, 2, 2, None),              # the default route (kernel 1) at M = 2
-    (64, 8192, 2, 3, (1, 2, 3)),           # kernel 1, split K over many CTAs
-    (2048, 14336, 5, 8, (1, 4, 4)),        # kernel 1, 4-warp CTAs
-    (2880, 5120, 4, 16, (3, 16, 1, 3, 1, 8)),  # x slices asked for: dropped (their parts are not in memory order)
+    # kernel 3: 4 tiles x 32 segments over thousands of warps (32 parts a tile)
+    (64, 8192, 4, 1, Mma(3, warps=8, min_ctas=2, ring=2)),
+    # kernel 3, x in shared memory: CTA-aligned units (q/k/v of Llama-3-8B)
+    (6144, 4096, 4, 1, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)),
+    # kernel 3, x in shared memory, DET slots (whole tiles a CTA: 79% busy)
+    (5000, 4096, 4, 1, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)),
+    (4096, 4096, 2, 2, None),  # the default route (kernel 1) at M = 2
+    (64, 8192, 2, 3, Mma(1, warps=2, min_ctas=3)),  # kernel 1, split K over many CTAs
+    (2048, 14336, 5, 8, Mma(1, warps=4, min_ctas=4)),  # kernel 1, 4-warp CTAs
+    # x slices asked for: dropped (their parts are not in memory order)
+    (2880, 5120, 4, 16, Mma(3, warps=16, ring=3, x_smem=True, x_slice=8)),
 ])
 def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
-    """With deterministic algorithms on (torch's flag or KBIT_DETERMINISTIC=1), tiles split over several warps /
+    """With deterministic algorithms on (torch's flag or kbit.options' deterministic), tiles split over several warps /
     CTAs add their parts in a fixed order: repeated calls and graph replays give bit-identical outputs (the
     default fp32 atomics in arrival order need not)."""
-    monkeypatch.setenv("KBIT_DETERMINISTIC", "1")
-    assert MM.deterministic()
+    on = dataclasses.replace(options.get(), deterministic=True)
+    monkeypatch.setattr(options, "get", lambda: on)
+    assert MC.deterministic()
     if N in (6144, 5000):
-        assert ("CAU" in MM.plan(k, M, N, K_, config=config)["defines"]) == (N == 6144)
+        assert ("CAU" in MM.plan_launch(k, M, N, K_, config=config).defines) == (N == 6144)
     codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=N + k)
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_, config=config)
     x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
@@ -508,10 +540,10 @@ def test_mma_gpu_deterministic(monkeypatch, N, K_, k, M, config):
         torch.cuda.synchronize()
         assert torch.equal(y, y0), i
     kw.pop("config")
-    assert rel_err(y0, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+    assert rel_err(y0, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
 
 
-sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device_capability() == (9, 0)),
+sm90 = pytest.mark.skipif(not (CUDA and MC.kernels_available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="kernel 7 (wgmma) is sm_90a only")
 
 
@@ -522,8 +554,8 @@ sm90 = pytest.mark.skipif(not (CUDA and MM.available() and torch.cuda.get_device
 def test_mma_gpu_small_weight_m17_64(M):
     """Small weights at M 17..64 take kernel 1 (SMALL_MID_CFG), not kernel 7; M 65..256 on them goes to
     dequantize + cuBLAS (test_large_gpu_cuda_graph_and_dispatch)."""
-    assert not MM.uses_large(M, 1024, 4096, "cuda") and MM.large_serves(M, 1024, 4096)
-    assert MM.plan(4, M, 1024, 4096, device="cuda")["defines"]["KERNEL"] == 1
+    assert not T.uses_large(M, 1024, 4096, "cuda") and T.large_serves(M, 1024, 4096)
+    assert MM.plan_launch(4, M, 1024, 4096, device="cuda").kernel == 1
     check(1024, 4096, 4, M, torch.bfloat16, seed=5)
     check(4000, 4096, 3, M, torch.float16, bias=True, seed=6)
 
@@ -537,19 +569,28 @@ def test_mma_gpu_small_weight_m17_64(M):
 def test_large_gpu_m(k, dtype, M):
     """Kernel 7 through the default route (M 33..64 on weights of >= 2e7 elements, every M > 64): partial token
     tiles."""
-    N = 2880 if M > MM.MAX_M else 4000
-    assert MM.uses_large(M, N, 5120, "cuda")
+    N = 2880 if M > T.MAX_M else 4000
+    assert T.uses_large(M, N, 5120, "cuda")
     check(N, 5120, k, M, dtype, seed=M)
 
 
 @pytest.mark.gpu
 @gpu
 @sm90
-@pytest.mark.parametrize("config", [(7, 16, 8, 4, 8, 1), (7, 12, 16, 4, 8, 1), (7, 8, 32, 3, 8, 1), (7, 8, 16, 6, 2, 0),
-                                    (7, 4, 16, 3, 8, 1), (7, 8, 32, 4, 8, 1, 1), (7, 12, 16, 4, 8, 1, 2, 0, 1),
-                                    (7, 8, 32, 4, 8, 1, 2, 1, 1), (7, 16, 8, 5, 2, 1, 2, 2),
-                                    (7, 8, 4, 6, 8, 1, 1, 0, 1), (7, 12, 8, 6, 8, 1, 1, 0, 1),
-                                    (7, 8, 2, 6, 8, 1, 1, 0, 1)])
+@pytest.mark.parametrize("config", [
+    Large(warps=16, groups=8),
+    Large(warps=12, groups=16),
+    Large(warps=8, groups=32, stages=3),
+    Large(warps=8, groups=16, stages=6, raster=2, x_swizzle=False),
+    Large(warps=4, groups=16, stages=3),
+    Large(warps=8, groups=32, x_bulk=1),
+    Large(warps=12, groups=16, x_bulk=2, stream_k=True),
+    Large(warps=8, groups=32, x_bulk=2, refill_lag=1, stream_k=True),
+    Large(warps=16, groups=8, stages=5, raster=2, x_bulk=2, refill_lag=2),
+    Large(warps=8, groups=4, stages=6, x_bulk=1, stream_k=True),
+    Large(warps=12, groups=8, stages=6, x_bulk=1, stream_k=True),
+    Large(warps=8, groups=2, stages=6, x_bulk=1, stream_k=True),
+])
 def test_large_gpu_configs_split_k_formats(config):
     """Every tile shape, both x layouts, both x loaders (cp.async; bulk copies with the CTA barrier or empty
     mbarriers), split K and stream-K: one row block (twice: the workspace must be left clean), odd N and K with
@@ -570,7 +611,7 @@ def test_large_gpu_x_tiles():
     for M, Kw, bt, dt in [(1, 256, 128, torch.float16), (100, 512, 128, torch.bfloat16),
                           (300, 4096, 256, torch.bfloat16), (257, 768, 64, torch.float16)]:
         x = torch.randn(M, Kw + 64, dtype=dt, device="cuda")[:, :Kw]
-        assert torch.equal(MM._x_tiles(x, bt, Kw // 256), MM._x_tiles_reference(x, bt, Kw // 256))
+        assert torch.equal(MC.x_tiles(x, bt, Kw // 256), MC.x_tiles_reference(x, bt, Kw // 256))
 
 
 @pytest.mark.gpu
@@ -580,7 +621,7 @@ def test_large_gpu_x_tiles():
 def test_large_gpu_default_route_large_m(M):
     """The default kernel 7 configs above 256 rows (256-token tiles, bulk-copied x, no stream-K), a big weight
     beyond LARGE7_MAX_M."""
-    assert MM.large_serves(M, 2880, 5120) == (M <= MM.LARGE7_MAX_M)
+    assert T.large_serves(M, 2880, 5120) == (M <= T.LARGE7_MAX_M)
     check(2880, 5120, 4, M, torch.bfloat16, seed=M)
     check(1000, 700, 3, M, torch.float16, seed=M + 1)
 
@@ -589,25 +630,23 @@ def test_large_gpu_default_route_large_m(M):
 @gpu
 @sm90
 def test_large_gpu_cuda_graph_and_dispatch():
-    from kbit.ops.gemm import _choice, linear
-
     codes, scales, ts, cb = make_weight(512, 1024, 4, device="cuda")
     kw = dict(k=4, blocksize=32, scale_format="log8", N=512, K=1024)
     x = torch.randn(300, 1024, dtype=torch.bfloat16, device="cuda")
-    assert _choice(300, 512, 1024, 4, x.device).kernel == "gemv" and MM.serves(x, 512, 1024, 4)  # kernel 7
-    assert _choice(200, 512, 1024, 4, x.device).kernel != "gemv"  # small weight, 65..256 rows: dequant + cuBLAS
-    assert _choice(3000, 512, 1024, 4, x.device).kernel != "gemv"  # beyond LARGE7_MAX_M on small weights
-    y0 = linear(x, codes, scales, ts, cb, **kw)
+    assert D.choice(300, 512, 1024, 4, x.device).kernel == "gemv" and D.serves(x, 512, 1024, 4)  # kernel 7
+    assert D.choice(200, 512, 1024, 4, x.device).kernel != "gemv"  # small weight, 65..256 rows: dequant + cuBLAS
+    assert D.choice(3000, 512, 1024, 4, x.device).kernel != "gemv"  # beyond LARGE7_MAX_M on small weights
+    y0 = D.linear(x, codes, scales, ts, cb, **kw)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = linear(x, codes, scales, ts, cb, **kw)
+        y = D.linear(x, codes, scales, ts, cb, **kw)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, y0)
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
+    assert rel_err(y, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
 
 
 def test_launch_config_structs_match_the_driver_abi():
@@ -632,27 +671,27 @@ def test_workspace_growth_keeps_replaced_buffers():
     """A larger split-K workspace replaces the cached one, but the replaced buffers stay allocated (CUDA graphs
     captured before and prepared launchers hold their addresses); each part only grows, at least doubling."""
     dev = torch.device("cpu")
-    saved, saved_old = dict(MM._WS), list(MM._WS_OLD)
+    saved, saved_old = dict(MC._WS), list(MC._WS_OLD)
     try:
-        MM._WS.pop(dev, None)
-        ws1, cnt1 = MM._workspace(dev, 10, 10)
+        MC._WS.pop(dev, None)
+        ws1, cnt1 = MC.workspace(dev, 10, 10)
         assert ws1.numel() >= 1 << 16 and cnt1.numel() >= 4096 and not ws1.any() and not cnt1.any()
-        n_old = len(MM._WS_OLD)
-        ws2, cnt2 = MM._workspace(dev, ws1.numel() + 1, 5)
+        n_old = len(MC._WS_OLD)
+        ws2, cnt2 = MC.workspace(dev, ws1.numel() + 1, 5)
         assert ws2.numel() >= 2 * ws1.numel() and cnt2.numel() == cnt1.numel()
-        assert len(MM._WS_OLD) == n_old + 1 and MM._WS_OLD[-1][0] is ws1 and MM._WS_OLD[-1][1] is cnt1
-        assert MM._workspace(dev, 100, 100)[0] is ws2  # smaller requests reuse the current buffers
+        assert len(MC._WS_OLD) == n_old + 1 and MC._WS_OLD[-1][0] is ws1 and MC._WS_OLD[-1][1] is cnt1
+        assert MC.workspace(dev, 100, 100)[0] is ws2  # smaller requests reuse the current buffers
     finally:
-        MM._WS.clear()
-        MM._WS.update(saved)
-        MM._WS_OLD[:] = saved_old
+        MC._WS.clear()
+        MC._WS.update(saved)
+        MC._WS_OLD[:] = saved_old
 
 
 def test_prepare_repacked_declines_off_gpu():
     """The prepared launcher is CUDA-only: on the CPU it checks the arguments and declines (None)."""
     N, K = 64, 512
     codes, scales, ts, cb = make_weight(N, K, 4, 32, "log8", device="cpu")
-    rc, rs = MM.repack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=K)
+    rc, rs = LY.repack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=K)
     x = torch.randn(1, K, dtype=torch.bfloat16)
     assert MM.prepare_repacked(x, rc, rs, ts, cb, k=4, scale_format="log8", N=N, K=K) is None
     with pytest.raises(ValueError):
@@ -701,8 +740,8 @@ def test_gpu_pdl_dependent_chain(k, M):
         return y1, y2, MM.linear_small_m(y2 * 2, *wa, **ka)
 
     def check_chain(ys):
-        refs = (G.gemv_reference(x, *wa, **ka), G.gemv_reference(ys[0], *wb, **kb),
-                G.gemv_reference(ys[1] * 2, *wa, **ka))
+        refs = (gemv_reference(x, *wa, **ka), gemv_reference(ys[0], *wb, **kb),
+                gemv_reference(ys[1] * 2, *wa, **ka))
         for y, r in zip(ys, refs, strict=True):
             assert rel_err(y, r) < tol(torch.bfloat16)
 
@@ -721,7 +760,7 @@ def test_gpu_pdl_dependent_chain(k, M):
 def test_dequant_repacked_validation():
     codes, scales, ts, cb = make_weight(32, 256, 4)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=32, K=256)
-    rc, rs = MM.repack(codes, scales, **kw)
+    rc, rs = LY.repack(codes, scales, **kw)
     with pytest.raises(TypeError, match="dtype"):
         MM.dequant_repacked(rc, rs, ts, cb, dtype=torch.float32, **kw)
     with pytest.raises(ValueError, match="rcodes"):
@@ -743,7 +782,7 @@ def test_dequant_repacked_bit_exact(k, N, K_, B, sf, dtype):
 
     codes, scales, ts, cb = make_weight(N, K_, k, B, sf, device="cuda", seed=N + k)
     kw = dict(k=k, blocksize=B, scale_format=sf, N=N, K=K_)
-    rc, rs = MM.repack(codes, scales, **kw)
+    rc, rs = LY.repack(codes, scales, **kw)
     ref = dequantize_tensors(codes, scales, ts, cb, k=k, blocksize=B, scale_format=sf, shape=(N, K_), dtype=dtype)
     torch.full((N, K_), float("nan"), dtype=dtype, device="cuda")  # poison the allocator's next block
     w = MM.dequant_repacked(rc, rs, ts, cb, dtype=dtype, **kw)
@@ -758,22 +797,21 @@ def test_dequant_repacked_bit_exact(k, N, K_, B, sf, dtype):
 @pytest.mark.parametrize("N,K_,M", [(4096, 4096, 4096), (1000, 4000, 200), (37, 300, 3000)])
 def test_linear_mma_v1_dequant_route(N, K_, M):
     """Where the dispatcher picks dequantize + cuBLAS, linear_mma_v1 dequantizes from the repacked layout."""
-    from kbit.ops.gemm import _choice
-
     codes, scales, ts, cb = make_weight(N, K_, 4, device="cuda", seed=3)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=N, K=K_)
-    rc, rs = MM.repack(codes, scales, **kw)
+    rc, rs = LY.repack(codes, scales, **kw)
     x = torch.randn(M, K_, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(N, dtype=torch.bfloat16, device="cuda")
-    assert not MM.serves(x, N, K_, 4) and _choice(M, N, K_, 4, x.device).kernel == "dequant_mm"
-    y = MM.linear_mma_v1(x, rc, rs, ts, cb, bias=b, **kw)
-    assert rel_err(y, G.gemv_reference(x, codes, scales, ts, cb, bias=b, **kw)) < tol(torch.bfloat16)
+    assert not D.serves(x, N, K_, 4) and D.choice(M, N, K_, 4, x.device).kernel == "dequant_mm"
+    y = D.linear_mma_v1(x, rc, rs, ts, cb, bias=b, **kw)
+    assert rel_err(y, gemv_reference(x, codes, scales, ts, cb, bias=b, **kw)) < tol(torch.bfloat16)
 
 
 def test_plan_cache_clear_drops_prepared_launchers():
-    """Clearing the plan cache (as labs and tests do after changing a routing variable) also drops fast_linear's
-    prepared launchers, which were built from the old plans."""
-    MM._PREPARED["probe"] = False
-    MM._PLANS["probe"] = None
-    MM._PLANS.clear()
-    assert "probe" not in MM._PREPARED and not MM._PLANS
+    """Clearing the plan cache (as labs and tests do after changing options that plans depend on) also drops the
+    dispatcher's prepared launchers, which were built from the old plans."""
+    D._PREPARED["probe"] = False
+    MM.PLANS._d["probe"] = None
+    assert len(MM.PLANS) >= 1
+    MM.PLANS.clear()
+    assert "probe" not in D._PREPARED and len(MM.PLANS) == 0

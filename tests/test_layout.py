@@ -19,11 +19,14 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # kernels run under the Triton interpreter; it must be chosen before the kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kbit.dispatch import linear as D  # noqa: E402
 from kbit.format.pack import unpack  # noqa: E402
 from kbit.nn import KbitLinear, KbitMoE, repack_for_kernels  # noqa: E402
-from kbit.ops import gemv_mma as MM  # noqa: E402
 from kbit.ops import grouped_mma as GM  # noqa: E402
+from kbit.ops.mma import common as MC  # noqa: E402
+from kbit.ops.mma import layout as LY  # noqa: E402
 from kbit.ops.moe import MoePlan  # noqa: E402
+from kbit.tuning import mma as TM  # noqa: E402
 
 GEMV, GROUPED_MM, GEMM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm"), MoePlan("gemm", "gemm")
 
@@ -57,7 +60,7 @@ def _assert_same_state(a: dict, b: dict):
 def _repack_bits(codes, k, blocksize, N, K):
     """The layout's bit-level definition (the first implementation of ``repack``): codes of lane 4g + t in the
     order (u, h, j, r, e) (k = 2: (u, h, e, j, r)), a k-bit little-endian stream over 4k words."""
-    Kp, Nt, S = MM._geometry(N, K, blocksize)
+    Kp, Nt, S = LY.geometry(N, K, blocksize)
     c = torch.zeros(Nt * 16, S * 256, dtype=torch.int32)
     c[:N, :Kp] = unpack(codes, k, Kp)
     order = (0, 3, 2, 5, 4, 6, 8, 7, 1) if k == 2 else (0, 3, 2, 5, 4, 6, 7, 1, 8)  # [T, r, g, S, u, t, h, j, e] ->
@@ -74,24 +77,24 @@ def test_repack_unrepack_bytes_match_bit_definition(k, chunk, monkeypatch):
     """The byte-level repack / unrepack (fast paths at k = 2, 4; chunks of row tiles, padded or not) against the
     bit-level definition, and the general path (k = 3, 5) run at k = 2, 4 too."""
     if chunk:
-        monkeypatch.setattr(MM, "_chunk_tiles", lambda S, k, device: chunk)
+        monkeypatch.setattr(LY, "_chunk_tiles", lambda S, k, device: chunk)
     g = torch.Generator().manual_seed(k)
     for N, K, B, sf in [(37, 100, 32, "log8"), (50, 300, 64, "fp16"), (1, 2880, 128, "log8"), (96, 512, 32, "log8"),
                         (100, 512, 32, "fp16"), (5, 1, 32, "log8")]:
-        Kp, Nt, S = MM._geometry(N, K, B)
+        Kp, Nt, S = LY.geometry(N, K, B)
         codes = torch.randint(-(2**31), 2**31 - 1, (N, Kp * k // 32), generator=g, dtype=torch.int32)
         scales = torch.randint(0, 255, (N, Kp // B), generator=g, dtype=torch.uint8) if sf == "log8" else \
             (torch.rand(N, Kp // B, generator=g) + 0.1).half()
-        rc, rs = MM.repack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K)
+        rc, rs = LY.repack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K)
         assert torch.equal(rc, _repack_bits(codes, k, B, N, K)), (N, K, B)
-        c2, s2 = MM.unrepack(rc, rs, k=k, blocksize=B, N=N, K=K)
+        c2, s2 = LY.unrepack(rc, rs, k=k, blocksize=B, N=N, K=K)
         assert torch.equal(c2, codes) and torch.equal(s2, scales), (N, K, B)
         if k in (2, 4):
             gen = torch.empty_like(rc)
-            MM._to_mma(MM._pad_rows(codes, Nt, S, k), gen, k, general=True)
+            LY._to_mma(LY._pad_rows(codes, Nt, S, k), gen, k, general=True)
             assert torch.equal(gen, rc)
             full = torch.empty(16 * Nt, S * 256 * k // 32, dtype=torch.int32)
-            MM._from_mma(rc, full, k, general=True)
+            LY._from_mma(rc, full, k, general=True)
             assert torch.equal(full[:N, : Kp * k // 32], codes)
 
 
@@ -105,7 +108,7 @@ def test_unrepack_stack_round_trip(N):
     c2, s2 = GM.unrepack_stack(rc, rs, k=k, blocksize=32, N=N, K=K)
     assert torch.equal(c2, codes) and torch.equal(s2, scales)
     sel = torch.tensor([2, 0])
-    w = MM.RepackedWeight(rc, rs, torch.ones(E), torch.linspace(-1, 1, 8), (E, N, K), k, 32)
+    w = LY.RepackedWeight(rc, rs, torch.ones(E), torch.linspace(-1, 1, 8), (E, N, K), k, 32)
     c3, s3 = w.canonical_tensors(sel)
     assert torch.equal(c3, codes[sel]) and torch.equal(s3, scales[sel])
 
@@ -126,7 +129,7 @@ def test_linear_repacked_holds_one_copy_same_outputs_and_state(k, B, sf):
     assert q.repack_for_kernels() is q and q.layout == "mma-v1" and "layout='mma-v1'" in repr(q)
     gc.collect()
     assert all(r() is None for r in canonical)  # the canonical tensors are gone, not kept beside the repacked
-    _, Nt, S = MM._geometry(48, 300, B)
+    _, Nt, S = LY.geometry(48, 300, B)
     assert q.codes.shape == (Nt, S, k, 32, 4) and q.scales.shape == (Nt, S, 8, 16)
     assert not any(t.shape == sd0["codes"].shape for t in q.buffers())
     assert torch.equal(q(x), y0)
@@ -187,20 +190,21 @@ def test_linear_repacked_torch_compile_cpu():
 @pytest.mark.skipif(CUDA, reason="CPU: the Triton interpreter")
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_functional_repacked_ops_equal_canonical_interpreter(k):
-    """Without the CUDA kernel the repacked ops run the Triton GEMV on an unrepacked temporary: bit-equal to
-    the canonical call."""
-    from kbit.ops.gemm import linear
-    from kbit.ops.gemv import gemv, grouped_gemv
+    """Without the CUDA kernels the dispatcher runs a weight held in layout "mma-v1" on an unrepacked temporary:
+    bit-equal to the canonical call."""
+    from kbit.ops.gemv import grouped_gemv
+
+    linear = D.linear
 
     qw = _lin(k, N=40, K=96, bias=False).weight()
-    rw = MM.RepackedWeight.from_canonical(qw)
+    rw = LY.RepackedWeight.from_canonical(qw)
     x = torch.randn(3, 96).half()
     kw = dict(k=k, blocksize=32, scale_format="log8", N=40, K=96)
     parts = (qw.tensor_scale, qw.codebook)
-    assert torch.equal(MM.linear_repacked(x, rw.codes, rw.scales, *parts, **kw),
-                       gemv(x, qw.codes, qw.scales, *parts, **kw))
+    assert torch.equal(D.linear_mma_v1(x, rw.codes, rw.scales, *parts, **kw),
+                       linear(x, qw.codes, qw.scales, *parts, **kw))
     x32 = x.float()
-    assert torch.equal(MM.linear_mma_v1(x32, rw.codes, rw.scales, *parts, **kw),
+    assert torch.equal(D.linear_mma_v1(x32, rw.codes, rw.scales, *parts, **kw),
                        linear(x32, qw.codes, qw.scales, *parts, **kw))
     assert torch.equal(torch.ops.kbit.linear_mma_v1(x32, rw.codes, rw.scales, *parts, k, 32, "log8", 40, 96),
                        linear(x32, qw.codes, qw.scales, *parts, **kw))
@@ -209,7 +213,7 @@ def test_functional_repacked_ops_equal_canonical_interpreter(k):
     from kbit.ops.quantize import quantize
 
     st = quantize(torch.randn(3, 40, 96), k=k)
-    rst = MM.RepackedWeight.from_canonical(st)
+    rst = LY.RepackedWeight.from_canonical(st)
     rows = torch.tensor([0, 2, 1, 1], dtype=torch.int32)
     ids = torch.tensor([2, 0, 0, 1], dtype=torch.int32)
     assert torch.equal(GM.grouped_linear_repacked(x, rows, ids, rst.codes, rst.scales, st.tensor_scale, st.codebook,
@@ -380,11 +384,12 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     that cache held, and its outputs match that functional op's for the small-M kernel and the large-M paths
     (to the last bits only: the stream-K / split-K kernels add fp32 partial sums in the workspace in no fixed
     order, so two calls of the same op can differ in the last bit)."""
-    from kbit.ops.gemm import linear
     from kbit.ops.quantize import quantize
-    from kbit.tuning.dispatch import MMA_MAX_M
+    from kbit.tuning.gemm import MMA_MAX_M
 
-    assert MM.available("cuda")
+    linear = D.linear
+
+    assert MC.kernels_available("cuda")
     N, K = 8192, 4096
     torch.manual_seed(k)
     qw = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k=k)
@@ -399,11 +404,11 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
 
     for _ in range(2):  # warm-up: kernels built, workspaces and the cuBLAS workspaces allocated
         functional(qw)
-    MM._CACHE.clear()
+    LY._REPACKED.clear()
     base = _alloc()
     before = functional(qw)
     assert _alloc() - base - _nbytes(before.values()) >= 0.95 * wbytes  # the cached repacked copy: 2x
-    MM._CACHE.clear()
+    LY._REPACKED.clear()
     # the copy is gone (an H100 run once kept 8.3 MB of unexplained allocator state here after one warm-up: less
     # than half the copy, so not it)
     assert _alloc() - base - _nbytes(before.values()) < 0.5 * wbytes
@@ -425,7 +430,7 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     torch.cuda.reset_peak_memory_stats()
     outs = {M: q(xs[M]) for M in small}  # compared after the peak is read: the comparison makes float64 copies
     # no weight-sized temporaries; kernel 7 (sm_90, M 33..64 here) reads x from a permuted copy (M x K)
-    x_tmp = max([_nbytes([xs[M]]) for M in small if MM.uses_large(M, N, K, "cuda")], default=0)
+    x_tmp = max([_nbytes([xs[M]]) for M in small if TM.uses_large(M, N, K, "cuda")], default=0)
     assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values()) + x_tmp
     for M in small:
         _assert_matches(outs[M], before[M], M)
@@ -433,9 +438,9 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     for M in large:  # an unrepacked temporary, freed after the call
         _assert_matches(q(xs[M]), before[M], M)
     assert _alloc() - held < 0.01 * wbytes
-    assert not MM._CACHE
+    assert not LY._REPACKED
     w = q.weight()  # the layout held is the cache's: repack of the canonical tensors, bit for bit
-    rc, rs = MM.repack(w.codes, w.scales, k=k, blocksize=32, scale_format="log8", N=N, K=K)
+    rc, rs = LY.repack(w.codes, w.scales, k=k, blocksize=32, scale_format="log8", N=N, K=K)
     assert torch.equal(rc, q.codes) and torch.equal(rs, q.scales)
 
 
@@ -457,7 +462,7 @@ def test_gpu_model_of_linears_peak_near_1x():
     assert all(q.layout == "mma-v1" for q in layers)
     assert torch.cuda.max_memory_allocated() - held < 0.1 * wbytes
     assert _nbytes(model.buffers()) == wbytes and _alloc() - held - _nbytes([y]) < 0.01 * wbytes
-    assert not MM._CACHE
+    assert not LY._REPACKED
 
 
 @pytest.mark.gpu
@@ -524,16 +529,16 @@ def test_gpu_static_decoder_holds_weights_once():
     eager = run(False)
     mods = [m for m in model.modules() if isinstance(m, (KbitLinear, KbitMoE))]
     assert len(mods) == 10 and all(m.layout == "mma-v1" for m in mods)
-    assert not MM._CACHE and not GM._CACHE
+    assert not LY._REPACKED and not GM._CACHE
     assert torch.equal(run(True), eager)
-    assert not MM._CACHE and not GM._CACHE
+    assert not LY._REPACKED and not GM._CACHE
 
 
 @pytest.mark.gpu
 def test_gpu_auto_repack_off_keeps_canonical_and_no_cache():
     """``auto_repack = False``: the module stays canonical, small M runs the Triton GEMV (no repacked copy
     cached anywhere), large M the dispatcher's kernels; results match the float64 reference."""
-    from kbit.ops.gemv import gemv_reference
+    from kbit.ops.reference import gemv_reference
 
     q = _lin(4, N=4096, K=4096, bias=False, dtype=torch.bfloat16, device="cuda")
     q.auto_repack = False
@@ -550,4 +555,4 @@ def test_gpu_auto_repack_off_keeps_canonical_and_no_cache():
         assert torch.isfinite(m(h, torch.randn(M, 8, device="cuda").bfloat16()).float()).all()
         assert "gemm" not in (m.plan_for(M).gate_up, m.plan_for(M).down)
     assert q.layout == m.layout == "canonical"
-    assert not MM._CACHE and not GM._CACHE
+    assert not LY._REPACKED and not GM._CACHE

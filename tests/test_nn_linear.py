@@ -87,10 +87,11 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_gpu_fast_path_matches_general_path(dtype, bias):
-    """Layout "mma-v1" on CUDA runs a launcher prepared once a signature (``gemv_mma.fast_linear``): the same
-    outputs as the general path (``linear_repacked``) and the float64 reference for M = 1, 3, 8 and leading dims;
+    """Layout "mma-v1" on CUDA runs a launcher prepared once a signature (``kbit.dispatch.linear.fast_linear``): the
+    same outputs as the general path (``linear_repacked``) and the float64 reference for M = 1, 3, 8 and leading dims;
     an x whose address is not 16-byte aligned falls back; weights loaded in place and a new bias are read; the
     torch.library op takes the same launcher; a captured graph replays it."""
+    from kbit.dispatch import linear as D
     from kbit.format.reference import dequantize_reference
     from kbit.ops import gemv_mma
 
@@ -115,7 +116,7 @@ def test_gpu_fast_path_matches_general_path(dtype, bias):
             y = q(x)
             assert y.shape == (*shape[:-1], 300) and y.dtype == dtype
             assert _rel(y, general(x)) < tol and _rel(y, reference(x)) < tol, shape
-    assert any(v for v in gemv_mma._PREPARED.values()), "the fast path was not taken"
+    assert any(v for v in D._PREPARED.values()), "the fast path was not taken"
     y_op = torch.ops.kbit.linear_mma_v1(x, q.codes, q.scales, q.tensor_scale, q.codebook, q.k, q.blocksize,
                                         q.scale_format, 300, 1024, q.bias)  # the torch.library op: same launcher
     assert _rel(y_op, reference(x)) < tol

@@ -1,14 +1,17 @@
-"""Glue folded into the next k-bit GEMV (kbit.ops.prologue): the fused kernel-3 launches (``-m gpu``) and the
+"""Glue folded into the next k-bit GEMV (kbit.dispatch.prologue): the fused kernel-3 launches (``-m gpu``) and the
 two-step fallback (CPU), against float64 references."""
 import pytest
 import torch
 from torch import nn
 
 from kbit.bench.timing import capture
+from kbit.dispatch import prologue as P
 from kbit.format.reference import dequantize_reference
 from kbit.nn import KbitLinear
 from kbit.ops import gemv_mma, glue
-from kbit.ops import prologue as P
+from kbit.tuning import mma_units
+from kbit.tuning.mma import PIPE, MmaConfig
+from kbit.tuning.mma_plan import prologue_config
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -30,13 +33,13 @@ def _w64(q):
 def _spy(monkeypatch):
     """Record (prologue kind, epilogue) of every small-M launch."""
     calls = []
-    real = gemv_mma._launch
+    real = gemv_mma.launch
 
     def spy(*a, pro=None, epi=0, **kw):
         calls.append((pro[0] if pro else 0, epi))
         return real(*a, pro=pro, epi=epi, **kw)
 
-    monkeypatch.setattr(gemv_mma, "_launch", spy)
+    monkeypatch.setattr(gemv_mma, "launch", spy)
     return calls
 
 
@@ -55,7 +58,7 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     calls = _spy(monkeypatch)
     y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     torch.cuda.synchronize()
-    assert calls == [(P.PRO_ADD_NORM, P.EPI_SILU if silu else 0)]  # one launch, fused
+    assert calls == [(gemv_mma.PRO_ADD_NORM, gemv_mma.EPI_SILU if silu else 0)]  # one launch, fused
     assert y.shape == (M, N // 2 if silu else N) and y.dtype == dtype and r.dtype == dtype
     assert torch.equal(r, res + x)
     h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
@@ -64,11 +67,12 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
         z_ref = z_ref + q.bias.double()
     y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
     assert _rel(y, y_ref) < TOL[dtype]
-    # the separate steps give the same numbers up to roundings
-    monkeypatch.setenv("KBIT_FUSE_PROLOGUE", "0")
+    # the separate steps give the same numbers up to roundings (a subclass of KbitLinear is not fused: its forward
+    # may differ)
+    q.__class__ = type("NotFused", (KbitLinear,), {})
     y2, r2 = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
     assert torch.equal(r2, r) and _rel(y, y2) < TOL[dtype] / 2
-    # no fused launch (KbitLinear's prepared launcher, when it runs the GEMV, does not pass through _launch)
+    # no fused launch (KbitLinear's prepared launcher, when it runs the GEMV, does not pass through launch)
     assert all(c == (0, 0) for c in calls[1:])
 
 
@@ -86,22 +90,19 @@ def _norm_case(M, N, K, silu, dtype=torch.bfloat16, dev="cuda"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lfx", ["1", "0"])
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (2, 2048, 512), (5, 6144, 2880)])
-def test_silu_epilogue_local_fixup(monkeypatch, lfx, M, N, K):
-    """The SiLU * up epilogue with and without kernel 3's CTA-local fix-up (``KBIT_LFX``; gate / up pairs whole in
-    a CTA are finished from shared memory, the others through the workspace), twice (clean counters)."""
+def test_silu_epilogue_default_plans(M, N, K):
+    """The SiLU * up epilogue on the default plans (gate / up pairs whole in a CTA are finished from shared memory,
+    the others through the workspace), twice (clean counters)."""
     dev, dtype = "cuda", torch.bfloat16
-    monkeypatch.setenv("KBIT_LFX", lfx)
-    monkeypatch.setenv("KBIT_CAU", "0")
-    gemv_mma._PLANS.clear()
+    gemv_mma.PLANS.clear()
     try:
         q, x, res, w, y_ref = _norm_case(M, N, K, True, dtype, dev)
         for _ in range(2):
             y, _ = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=True)
             assert _rel(y, y_ref) < TOL[dtype]
     finally:
-        gemv_mma._PLANS.clear()
+        gemv_mma.PLANS.clear()
 
 
 @pytest.mark.gpu
@@ -111,10 +112,9 @@ def test_prologue_cta_units(monkeypatch, M, N, K, silu):
     """The residual add + RMSNorm prologue, with and without the SiLU * up epilogue, on kernel 3's CTA-aligned
     units (``CAU``, forced on every shape): against the float64 reference, twice, bit-identical run to run."""
     dev, dtype = "cuda", torch.bfloat16
-    monkeypatch.setenv("KBIT_CAU", "1")
-    monkeypatch.setattr(gemv_mma, "CAU_MIN_EFF", 0.0)
-    monkeypatch.setattr(gemv_mma, "CAU_IDLE_US", float("inf"))
-    gemv_mma._PLANS.clear()
+    monkeypatch.setattr(mma_units, "CAU_MIN_EFF", 0.0)
+    monkeypatch.setattr(mma_units, "CAU_IDLE_US", float("inf"))
+    gemv_mma.PLANS.clear()
     try:
         q, x, res, w, y_ref = _norm_case(M, N, K, silu, dtype, dev)
         ys = []
@@ -124,7 +124,7 @@ def test_prologue_cta_units(monkeypatch, M, N, K, silu):
             ys.append(y)
         assert torch.equal(ys[0], ys[1])
     finally:
-        gemv_mma._PLANS.clear()
+        gemv_mma.PLANS.clear()
 
 
 @pytest.mark.gpu
@@ -161,10 +161,10 @@ def test_prologue_graph_replay():
 
 
 def test_fused_config():
-    assert P.fused_config(4, 1, 28672, 4096)[0] == 3
-    assert P.fused_config(4, 1, 4096, 4096) == (3, 8, 2, gemv_mma.PIPE[4], 1)
-    assert P.fused_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
-    assert P.fused_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
+    assert prologue_config(4, 1, 28672, 4096).kernel == 3
+    assert prologue_config(4, 1, 4096, 4096) == MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[4], x_smem=True)
+    assert prologue_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
+    assert prologue_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,13 +3,13 @@
 Public API (re-exported here; nothing else lives in this file).
 """
 
+from kbit.dispatch.linear import kbit_gemv as gemv
+from kbit.dispatch.linear import kbit_linear as linear
 from kbit.format import FORMAT_VERSION, KbitWeight
 from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.serialize import load_file, save_file
 from kbit.hf import load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear, KbitMoE
-from kbit.ops.gemm import kbit_linear as linear
-from kbit.ops.gemv import kbit_gemv as gemv
 from kbit.ops.gemv import kbit_grouped_gemv as grouped_gemv
 from kbit.ops.quantize import dequantize, quantize
 from kbit.ops.reference import grouped_linear_reference, linear_reference

@@ -1,18 +1,18 @@
 """``KbitLinear``: an ``nn.Linear`` whose weight is stored in k bits (format version 1).
 
-The forward pass is ``torch.ops.kbit.linear`` (``kbit.ops.gemm``): on CUDA it dispatches by the number of
+The forward pass is ``torch.ops.kbit.linear`` (``kbit.dispatch.linear``): on CUDA it dispatches by the number of
 activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the CPU it is the float32
 reference, so models run (slowly) anywhere. Outside ``torch.compile`` the op's implementation is called
 directly: going through the dispatcher of ``torch.library`` costs several microseconds a call, which at
 M = 1 is a sizeable part of a ~10-50 us kernel. Under ``torch.compile`` the op (with its fake impl) is traced.
 
 Layouts: the weight is held once, either in the canonical layout of ``docs/format.md`` (``layout ==
-"canonical"``) or in the small-M kernel's layout "mma-v1" (``kbit.ops.gemv_mma``): :meth:`KbitLinear.
+"canonical"``) or in the small-M kernel's layout "mma-v1" (``kbit.ops.mma.layout``): :meth:`KbitLinear.
 repack_for_kernels` replaces ``codes`` / ``scales`` by their repacked form (the canonical tensors are freed),
 :meth:`KbitLinear.to_canonical` goes back. By default (``auto_repack``) the first CUDA forward that runs the
 small-M kernel repacks (outside CUDA-graph capture; run one eager step before capturing). Repacked, the
 small-M kernel reads the buffers directly, every other kernel (fused GEMM, dequantize + cuBLAS, Triton GEMV;
-the CPU reference) gets a canonical temporary (``kbit.ops.gemv_mma.unrepack``, freed after the call), and
+the CPU reference) gets a canonical temporary (``kbit.ops.mma.layout.unrepack``, freed after the call), and
 ``state_dict`` / ``weight()`` / ``kbit.save_quantized`` see the canonical layout (files are unchanged).
 """
 
@@ -21,10 +21,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.dispatch import linear as dispatch
+from kbit.format.pack import words_per_row
 from kbit.format.reference import dequantize_reference
-from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
-from kbit.ops import gemv_mma
-from kbit.ops.gemm import linear as _linear_impl
+from kbit.format.spec import (
+    DEFAULT_BLOCKSIZE,
+    DEFAULT_K,
+    DEFAULT_SCALE_FORMAT,
+    KbitWeight,
+    check_blocksize,
+    check_k,
+    check_scale_format,
+    padded_k,
+)
+from kbit.ops.mma.layout import LAYOUT, RepackedWeight, repack, unrepack
+from kbit.ops.quantize import quantize
 
 __all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
 
@@ -63,7 +74,7 @@ class KbitLinear(nn.Module):
     scale_format, shape) are saved in the module's extra state and checked on load.
 
     ``layout``: ``"canonical"`` (``codes [N, Kp*k/32]``, ``scales [N, Kp/B]``) or ``"mma-v1"`` (``codes``,
-    ``scales`` in the small-M kernel's layout, ``kbit.ops.gemv_mma``; the state dict still holds the
+    ``scales`` in the small-M kernel's layout, ``kbit.ops.mma.layout``; the state dict still holds the
     canonical tensors). ``auto_repack`` (default True): repack on the first CUDA forward that runs the small-M
     kernel; False keeps the canonical layout (small M then runs the Triton GEMV, which reads it as it is).
 
@@ -83,14 +94,14 @@ class KbitLinear(nn.Module):
 
     #: repack on the first CUDA forward that runs the small-M kernel (see the module docstring)
     auto_repack: bool = True
+    #: this class's forward is exactly the kernel's, so ``kbit.dispatch.prologue`` may fuse glue into its launch (not
+    #: inherited: read from the class's own ``__dict__``)
+    fuses_prologue: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k: int = DEFAULT_K,
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
                  dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
         super().__init__()
-        from kbit.format.pack import words_per_row
-        from kbit.format.spec import check_blocksize, check_k, check_scale_format, padded_k
-
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.k = check_k(k)
@@ -132,8 +143,6 @@ class KbitLinear(nn.Module):
                     ) -> KbitLinear:
         """Quantize ``linear.weight`` (``kbit.quantize``, on the weight's device); the bias is kept in
         ``dtype`` (default: the weight's dtype, or bfloat16 for a float32/float64 weight on CUDA)."""
-        from kbit.ops.quantize import quantize
-
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
@@ -150,11 +159,11 @@ class KbitLinear(nn.Module):
                           (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format,
                           self.codebook_name)
 
-    def kernel_weight(self) -> KbitWeight | gemv_mma.RepackedWeight:
-        """The weight as held (sharing the buffers): a ``KbitWeight`` or a ``kbit.ops.gemv_mma.RepackedWeight``."""
+    def kernel_weight(self) -> KbitWeight | RepackedWeight:
+        """The weight as held (sharing the buffers): a ``KbitWeight`` or a ``kbit.ops.mma.layout.RepackedWeight``."""
         if self.layout == CANONICAL:
             return self.weight()
-        return gemv_mma.RepackedWeight(self.codes, self.scales, self.tensor_scale, self.codebook,
+        return RepackedWeight(self.codes, self.scales, self.tensor_scale, self.codebook,
                                        (self.out_features, self.in_features), self.k, self.blocksize,
                                        self.scale_format, self.codebook_name)
 
@@ -165,7 +174,7 @@ class KbitLinear(nn.Module):
     def _canonical_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layout == CANONICAL:
             return self.codes, self.scales
-        return gemv_mma.unrepack(self.codes, self.scales, **self._fmt())
+        return unrepack(self.codes, self.scales, **self._fmt())
 
     def canonical_buffers(self) -> dict[str, torch.Tensor]:
         """The module's buffers (``self._buffers``, same names and order) with codes and scales in the canonical
@@ -180,10 +189,10 @@ class KbitLinear(nn.Module):
         if self.layout != CANONICAL:
             return self
         old = [self.codes, self.scales]
-        rc, rs = gemv_mma.repack(self.codes, self.scales, scale_format=self.scale_format, **self._fmt())
+        rc, rs = repack(self.codes, self.scales, scale_format=self.scale_format, **self._fmt())
         _release(old)
         self.codes, self.scales = rc, rs
-        self.layout = gemv_mma.LAYOUT
+        self.layout = LAYOUT
         self.__dict__.pop("_cpu_weight", None)
         return self
 
@@ -206,19 +215,20 @@ class KbitLinear(nn.Module):
                 return torch.ops.kbit.linear_mma_v1(*self._op_args(x))
             if x.is_cpu:
                 return self._cpu_forward(x)
-            # on CUDA through a launcher prepared once a signature (gemv_mma.fast_linear; host cost ~ a launch)
-            return gemv_mma.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
+            # on CUDA through a launcher prepared once a signature (dispatch.fast_linear; host cost ~ a launch)
+            return dispatch.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
                                           scale_format=self.scale_format, bias=self.bias, **self._fmt())
         args = self._op_args(x)
         if torch.compiler.is_compiling():
             return torch.ops.kbit.linear(*args)
         if x.device.type == "cpu":
             return self._cpu_forward(x)
-        if gemv_mma.serves(x, self.out_features, self.in_features, self.k):
+        if dispatch.serves(x, self.out_features, self.in_features, self.k):
             if self.auto_repack and not _capturing():
                 return self.repack_for_kernels().forward(x)
-            return self._forward_no_mma(x)  # the small-M kernel would cache a repacked copy beside ours
-        return _linear_impl(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
+            # the small-M kernel would cache a repacked copy beside ours: the choice without it
+            return dispatch.linear(*self._parts(x), mma=False, **self._kw())
+        return dispatch.linear(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
                             blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
                             K=self.in_features, bias=self.bias)
 
@@ -226,24 +236,12 @@ class KbitLinear(nn.Module):
         return (x, self.codes, self.scales, self.tensor_scale, self.codebook, self.k, self.blocksize,
                 self.scale_format, self.out_features, self.in_features, self.bias)
 
-    def _forward_no_mma(self, x: torch.Tensor) -> torch.Tensor:
-        """Canonical layout, an M the small-M kernel would serve: the dispatcher's choice without that kernel
-        (Triton GEMV up to M = 8, the per-GPU table above)."""
-        from kbit.ops.gemm import dequant_mm, gemm_fused
-        from kbit.ops.gemv import gemv
-        from kbit.tuning.dispatch import choose
-        from kbit.tuning.gemv import gemv_config
+    def _parts(self, x: torch.Tensor) -> tuple:
+        return (x, self.codes, self.scales, self.tensor_scale, self.codebook)
 
-        N, K = self.out_features, self.in_features
-        M = x.numel() // K
-        kw = dict(k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=N, K=K, bias=self.bias)
-        parts = (x, self.codes, self.scales, self.tensor_scale, self.codebook)
-        ch = choose(M, N, K, self.k, x.device, mma=False)
-        if ch.kernel == "gemv":
-            return gemv(*parts, config=gemv_config(self.k, min(M, 8), N, K, x.device), **kw)
-        if ch.kernel == "dequant_mm":
-            return dequant_mm(*parts, **kw)
-        return gemm_fused(*parts, config=ch.config, **kw)
+    def _kw(self) -> dict:
+        return dict(k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
+                    K=self.in_features, bias=self.bias)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU path (reference numbers: float32 weight, float32 product, result in x's dtype), with the

@@ -7,25 +7,17 @@ plain-torch reference (:func:`kbit.format.reference.dequantize_reference`, bit-e
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kbit import cuda, options
 from kbit.format.reference import dequantize_reference
-from kbit.format.spec import KbitWeight, log8_values, padded_k
+from kbit.format.spec import KbitWeight, padded_k
+from kbit.kernels.dequant import dequant_kernel
+from kbit.ops._common import e_table
 
-__all__ = ["dequantize_tensors", "dequantize_triton", "dequantize_reference", "OUT_DTYPES"]
+__all__ = ["dequantize_tensors", "dequantize_triton", "OUT_DTYPES"]
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_E_CACHE: dict = {}
-
-
-def _e_table(device) -> torch.Tensor:
-    key = str(device)
-    t = _E_CACHE.get(key)
-    if t is None:
-        t = _E_CACHE[key] = log8_values(device).contiguous()
-    return t
 
 
 def _config(k: int, R: int, kp: int) -> tuple[int, int, int]:
@@ -70,8 +62,6 @@ def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksi
         _launch_cuda(codes, scales, tensor_scale, codebook, o, k=k, blocksize=blocksize,
                      scale_format=scale_format, R=R, N=N, K=K, kp=kp)
         return o if o.dtype == dtype else o.to(dtype)
-    from kbit.kernels.dequant import dequant_kernel
-
     BR, BK, nw = _config(k, R, kp)
     grid = (-(-R // BR), -(-kp // BK))
     ts = tensor_scale.reshape(-1).contiguous()
@@ -80,7 +70,7 @@ def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksi
     else:
         s_or, s_ok = K, 1
     dequant_kernel[grid](
-        codes.contiguous(), scales.contiguous(), ts, codebook.contiguous(), _e_table(dev), o,
+        codes.contiguous(), scales.contiguous(), ts, codebook.contiguous(), e_table(dev), o,
         R, N, K, kp, codes.shape[-1], scales.shape[-1], s_or, s_ok, N * K,
         K_BITS=k, BLOCKSIZE=blocksize, LOG8=scale_format == "log8", BR=BR, BK=BK, num_warps=nw,
     )
@@ -88,22 +78,17 @@ def dequantize_tensors(codes, scales, tensor_scale, codebook, *, k: int, blocksi
 
 
 def _use_cuda(device) -> bool:
-    """The CUDA kernel (kbit.cuda.dequant_src) serves CUDA tensors unless KBIT_DEQUANT_BACKEND=triton."""
-    if device.type != "cuda" or os.environ.get("KBIT_DEQUANT_BACKEND", "auto") == "triton":
-        return False
-    from kbit.cuda import available
-
-    return available()
+    """The CUDA kernel (``dequant.cu``) serves CUDA tensors (not transposed) unless ``kbit.options`` forces the
+    Triton kernels (``backend='triton'``)."""
+    return device.type == "cuda" and options.get().backend != "triton" and cuda.available()
 
 
-_UNITS = int(os.environ.get("KBIT_DEQUANT_UNITS", "4"))  # 8-weight groups a thread (loads in flight)
+_UNITS = 4  # 8-weight groups a thread (loads in flight)
 _KERNELS: dict = {}  # (k, blocksize, scale_format, dtype, vec, units, device) -> loaded CUDA kernel
 _OUT_CODE = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scale_format, R, N, K, kp):
-    from kbit.cuda import compile_kernel
-
     gpr = -(-K // 8)  # 8-column groups per row
     if R >= 2**31:
         raise ValueError(f"codes: at most 2**31 - 1 rows per call, got {R}")
@@ -115,13 +100,13 @@ def _launch_cuda(codes, scales, tensor_scale, codebook, o, *, k, blocksize, scal
     key = (k, blocksize, scale_format, o.dtype, vec, _UNITS, o.device)
     kern = _KERNELS.get(key)
     if kern is None:  # compile_kernel hashes the whole source: keep that off the per-call path
-        kern = _KERNELS[key] = compile_kernel(
+        kern = _KERNELS[key] = cuda.compile_kernel(
             "dequant.cu", "kbit_dequant", dict(K_BITS=k, BLOCKSIZE=blocksize, FP16_SCALES=int(scale_format == "fp16"),
                                          OUT=_OUT_CODE[o.dtype], VEC=int(vec), U=_UNITS), o.device)
     sc = scales.contiguous()
     ts = tensor_scale.reshape(-1).contiguous()
     cb = codebook.contiguous()
-    e = _e_table(o.device)
+    e = e_table(o.device)
     kern((R, -(-gpr // (threads * _UNITS))), threads, "QQQQQQIiiiiI", codes.data_ptr(), sc.data_ptr(),
          ts.data_ptr(), cb.data_ptr(), e.data_ptr(), o.data_ptr(), N, K, kp, codes.shape[-1], sc.shape[-1], gpr)
 
@@ -145,7 +130,7 @@ def _dequantize_op(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torc
                    codebook: torch.Tensor, k: int, blocksize: int, scale_format: str, shape: list[int],
                    dtype_code: int, transpose: bool) -> torch.Tensor:
     dtype = _CODE_DTYPE[dtype_code]
-    if not codes.is_cuda:
+    if not codes.is_cuda or options.get().backend == "torch":
         qw = KbitWeight(codes, scales, tensor_scale, codebook, tuple(shape), k, blocksize, scale_format)
         w = dequantize_reference(qw, dtype)
         return w.transpose(-1, -2).contiguous() if transpose else w

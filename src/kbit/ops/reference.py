@@ -1,11 +1,22 @@
-"""Plain-torch reference ops: the executable spec for every linear kernel (float64 math by default)."""
+"""Plain-torch reference ops: the executable spec for every linear kernel (float64 math by default).
+
+Two kinds: on a :class:`~kbit.format.KbitWeight` (:func:`linear_reference`, :func:`grouped_linear_reference`, the
+public ones), and on the weight's tensors with the format parameters as keywords, the way the kernels' launchers
+take them (:func:`dequantize_tensors_reference`, :func:`gemv_reference`, :func:`grouped_gemv_reference`,
+:func:`linear_tensors_reference`). Imports no op, so every op may import it.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kbit.format.pack import unpack
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
+
+__all__ = ["dequantize_tensors_reference", "gemm_reference", "gemv_reference", "grouped_gemv_reference",
+           "grouped_linear_reference", "linear_reference", "linear_tensors_reference"]
 
 
 def _check_pair(x, qw: KbitWeight, stacked: bool):
@@ -81,3 +92,51 @@ def grouped_linear_reference(x: torch.Tensor, weight: KbitWeight, token_ids: tor
         rows = e_ids == e
         y[rows] = xs[rows] @ W[e].T
     return y if bias is None else y + bias.to(compute_dtype)[expert_ids.long()]
+
+
+def dequantize_tensors_reference(codes, scales, tensor_scale, codebook, *, k, blocksize, scale_format, K):
+    """float64 ``W [..., N, K]`` from the canonical tensors (the format's definition, nothing else)."""
+    Kp = codes.shape[-1] * 32 // k
+    c = unpack(codes, k, Kp).long()
+    v = codebook.to(torch.float64)[c]
+    if scale_format == "log8":
+        q = scales.to(torch.float64)
+        s = torch.where(q < 255, torch.exp2(-q / 16), torch.zeros_like(q))
+        s = s * tensor_scale.to(torch.float64)[..., None, None]
+    else:
+        s = scales.to(torch.float64)
+    w = v * s.repeat_interleave(blocksize, dim=-1)
+    return w[..., :K]
+
+
+def gemv_reference(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                   bias=None):
+    """float64 ``x @ W.T (+ bias)``, shape ``[..., N]``: the oracle of every dense kernel."""
+    w = dequantize_tensors_reference(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                     scale_format=scale_format, K=K)
+    y = x.to(torch.float64) @ w.T
+    return y + bias.to(torch.float64) if bias is not None else y
+
+
+#: float64 ``x @ W.T (+ bias)`` of the fused GEMM: the same oracle as the GEMV's
+gemm_reference = gemv_reference
+
+
+def grouped_gemv_reference(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook, *, k,
+                           blocksize=32, scale_format="log8", N, K, bias=None):
+    """float64 ``y[p] = x[token_ids[p]] @ W[expert_ids[p]].T (+ bias[expert_ids[p]])``, ``[P, N]``."""
+    w = dequantize_tensors_reference(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                     scale_format=scale_format, K=K)  # [E, N, K]
+    e = expert_ids.long()
+    y = torch.einsum("pk,pnk->pn", x.to(torch.float64)[token_ids.long()], w[e])
+    return y + bias.to(torch.float64)[e] if bias is not None else y
+
+
+def linear_tensors_reference(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N,
+                             K, bias=None) -> torch.Tensor:
+    """The CPU path of ``kbit.dispatch.linear.linear``: W dequantized in float32 (bit-exact reference), product in
+    float32, result in x's dtype."""
+    qw = KbitWeight(codes, scales, tensor_scale, codebook, (N, K), k, blocksize, scale_format)
+    w = dequantize_reference(qw, torch.float32)
+    y = F.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
+    return y.to(x.dtype)

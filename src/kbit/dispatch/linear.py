@@ -1,0 +1,233 @@
+"""Dense ``y = x @ W.T (+ bias)`` on a k-bit weight: the only place that chooses its kernel.
+
+By M (``x.numel() / K``) and the GPU: the CUDA small-M kernels (``kbit.ops.gemv_mma``; kernels 1, 3, 4 up to
+M = 64, with kernel 7 on sm_90 up to :data:`~kbit.tuning.mma.LARGE7_MAX_M` and on big weights beyond), else the
+per-GPU table of ``kbit.tuning.gemm``: the Triton GEMV (``kbit.ops.gemv``, M <= 8), the fused Triton GEMM
+(``kbit.ops.gemm``) or dequantize + cuBLAS. Without the CUDA kernels (no NVRTC, the Triton interpreter,
+``kbit.options`` backend ``"triton"``) the Triton kernels serve; on the CPU (or backend ``"torch"``) the plain-torch
+reference in float32.
+
+Weights in layout "mma-v1" (``kbit.nn.KbitLinear`` after ``repack_for_kernels``) go through :func:`linear_mma_v1`,
+whose small-M calls reuse a launch prepared once per signature (:func:`fast_linear`): the host cost of a decode call
+is then about that of the launch itself.
+
+Torch ops (with fake implementations, so they trace under ``torch.compile`` and run in CUDA graphs):
+``kbit::linear``, ``kbit::linear_mma_v1``, ``kbit::gemv`` (small M), ``kbit::linear_small_m``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kbit import options
+from kbit.ops import gemm, gemv, gemv_mma
+from kbit.ops._checks import check_dense, check_linear
+from kbit.ops.dequant import dequantize_tensors
+from kbit.ops.mma.common import check_repacked, deterministic, kernels_available, usable
+from kbit.ops.mma.layout import repacked, unrepack
+from kbit.ops.reference import linear_tensors_reference
+from kbit.tuning.gemm import MMA_MAX_M, Choice, gemm_choice
+from kbit.tuning.mma import large_ok, large_serves
+
+__all__ = ["choice", "pick", "dequant_mm", "fast_linear", "kbit_gemv", "kbit_linear", "kbit_linear_small_m", "linear",
+           "linear_mma_v1", "serves", "small_m"]
+
+_X16 = (torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+
+
+def choice(M: int, N: int, K: int, k: int, device) -> Choice:
+    """The kernel for ``M`` rows on a k-bit ``[N, K]`` weight on ``device``: ``"gemv"`` (a small-M kernel),
+    ``"fused"`` (with its config) or ``"dequant_mm"``. Cached per shape, device and ``kbit.options``."""
+    return _choice(M, N, K, k, device, options.get())
+
+
+@functools.lru_cache(maxsize=4096)
+def _choice(M, N, K, k, device, opts) -> Choice:
+    mma = opts.backend in ("auto", "cuda") and kernels_available(device)
+    return pick(M, N, K, k, device, mma=mma, large=mma and large_ok(device))
+
+
+def pick(M: int, N: int, K: int, k: int, device=None, *, mma: bool = False, large: bool = False) -> Choice:
+    """:func:`choice` given the facts: ``mma``, the CUDA small-M kernels run (then they serve every M up to
+    ``MMA_MAX_M``); ``large``, kernel 7 too (then they serve where ``kbit.tuning.mma.large_serves``); else the
+    per-GPU table (``kbit.tuning.gemm.gemm_choice``)."""
+    if mma and (large_serves(M, N, K) if large else M <= MMA_MAX_M):
+        return Choice("gemv")
+    return gemm_choice(M, N, K, k, device)
+
+
+def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
+    """Whether :func:`linear` runs this call (``x [..., K]`` on a ``[N, K]`` weight) on the CUDA small-M kernels:
+    they can run here (``kbit.ops.mma.common.usable``) and the choice for M is ``"gemv"``."""
+    if not x.is_cuda or not K or not usable(x):
+        return False
+    M = x.numel() // K
+    return M > 0 and choice(M, N, K, k, x.device).kernel == "gemv"
+
+
+# ------------------------------------------------------------------------------------------------ canonical
+
+
+def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
+           mma: bool = True) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` on canonical weight tensors through the kernel :func:`choice` picks for x's GPU; the
+    float32 reference on the CPU. ``mma=False``: choose as if the CUDA small-M kernels did not exist (the table's
+    choice; ``kbit.nn.KbitLinear`` in the canonical layout uses it rather than caching a repacked copy)."""
+    if not x.is_cuda or options.get().backend == "torch":
+        return linear_tensors_reference(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                        scale_format=scale_format, N=N, K=K, bias=bias)
+    M = x.numel() // K if K else 0
+    ch = choice(M, N, K, k, x.device) if mma else gemm_choice(M, N, K, k, x.device)
+    kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, bias=bias)
+    if ch.kernel == "gemv":
+        if mma:
+            return small_m(x, codes, scales, tensor_scale, codebook, **kw)
+        return gemv.gemv(x, codes, scales, tensor_scale, codebook, **kw)
+    if ch.kernel == "dequant_mm":
+        return dequant_mm(x, codes, scales, tensor_scale, codebook, **kw)
+    return gemm.gemm_fused(x, codes, scales, tensor_scale, codebook, config=ch.config, **kw)
+
+
+def dequant_mm(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+               bias=None):
+    """Dequantize W to x's dtype (``kbit.ops.dequant``, one pass), then cuBLAS ``F.linear``: for large M, where
+    decoding once per weight beats decoding once per M tile."""
+    check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    w = dequantize_tensors(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                           scale_format=scale_format, shape=(N, K), dtype=x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
+            config=None):
+    """Small-M ``x @ W.T (+ bias)`` on canonical weight tensors (``kbit.gemv``): the CUDA kernels where they can
+    run (on a repacked copy cached per weight, ``kbit.ops.mma.layout.repacked``), else the Triton GEMV.
+    ``config``: a ``kbit.tuning.gemv.GemvConfig`` pins the Triton GEMV; an ``MmaConfig`` / ``LargeConfig`` the
+    CUDA kernels."""
+    check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if bias is not None:
+        bias = bias.contiguous()
+    if (config is None or not isinstance(config, gemv.GemvConfig)) and usable(x):
+        if x.numel() == 0:
+            return x.new_empty(*x.shape[:-1], N)
+        rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
+        if config is None:
+            y = fast_linear(x, rc, rs, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                            N=N, K=K, bias=bias)
+            if y is not None:
+                return y
+        return gemv_mma.run_repacked(x, rc, rs, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                     scale_format=scale_format, N=N, K=K, bias=bias, config=config)
+    triton_config = config if isinstance(config, gemv.GemvConfig) else None  # a CUDA config does not apply here
+    return gemv.gemv(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                     N=N, K=K, bias=bias, config=triton_config)
+
+
+# ------------------------------------------------------------------------------------------------ layout "mma-v1"
+
+_PREPARED: dict = {}  # fast_linear's launchers by signature
+gemv_mma.PLANS.on_clear(_PREPARED.clear)  # they hold plans
+
+
+def fast_linear(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize, scale_format, N, K, bias=None):
+    """``kbit.ops.gemv_mma.linear_repacked`` through a launcher prepared once per signature (x's shape, strides,
+    dtype and device, the weights' addresses and format, the deterministic mode; ``prepare_repacked``) where
+    :func:`serves` says the small-M kernels serve it, else None (the caller takes the general path). The weights are
+    read through their addresses at each launch, so tensors updated in place are seen; new tensors change the
+    signature."""
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), rcodes.data_ptr(), rscales.data_ptr(),
+           tensor_scale.data_ptr(), codebook.data_ptr(), 0 if bias is None else bias.data_ptr(),
+           None if bias is None else bias.dtype, k, blocksize, scale_format, N, K, rcodes.shape, rscales.shape,
+           deterministic())
+    run = _PREPARED.get(key)
+    if run is None:
+        if torch.cuda.is_current_stream_capturing():  # building may allocate (workspace) and compile
+            return None
+        check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+        run = serves(x, N, K, k) and gemv_mma.prepare_repacked(
+            x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
+            K=K, bias=bias)
+        run = run or False
+        if len(_PREPARED) >= 1024:
+            _PREPARED.clear()
+        _PREPARED[key] = run
+    return run(x) if run else None
+
+
+def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                  bias=None):
+    """:func:`linear` (any M) on a weight held in layout "mma-v1": the small-M kernels where :func:`serves`
+    (prepared launches first: :func:`fast_linear`); where the choice is dequantize + cuBLAS,
+    ``kbit.ops.gemv_mma.dequant_repacked`` then ``F.linear``; else an unrepacked temporary (freed after the call)
+    through :func:`linear` (fused GEMM, Triton GEMV; the float32 reference on the CPU)."""
+    if x.is_cuda:
+        y = fast_linear(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                        scale_format=scale_format, N=N, K=K, bias=bias)
+        if y is not None:
+            return y
+    if serves(x, N, K, k):
+        return gemv_mma.linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                        scale_format=scale_format, N=N, K=K, bias=bias)
+    check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if (x.is_cuda and x.dtype in _X16 and kernels_available(x.device)
+            and choice(x.numel() // K if K else 0, N, K, k, x.device).kernel == "dequant_mm"):
+        w = gemv_mma.dequant_repacked(rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                                      scale_format=scale_format, N=N, K=K, dtype=x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+    codes, scales = unrepack(rcodes, rscales, k=k, blocksize=blocksize, N=N, K=K)
+    return linear(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                  N=N, K=K, bias=bias)
+
+
+# ------------------------------------------------------------------------------------------------ torch ops
+
+
+def _fake(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias=None):
+    return x.new_empty(*x.shape[:-1], N)
+
+
+def _register(name: str, fn):
+    """``torch.ops.kbit.<name>(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)``
+    calling ``fn`` with keywords, and its fake implementation."""
+
+    def impl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
+             codebook: torch.Tensor, k: int, blocksize: int, scale_format: str, N: int, K: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        return fn(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format,
+                  N=N, K=K, bias=bias)
+
+    op = torch.library.custom_op(f"kbit::{name}", impl, mutates_args=())
+    op.register_fake(_fake)
+    return op
+
+
+_register("linear", linear)
+_register("linear_mma_v1", linear_mma_v1)
+_register("gemv", small_m)
+_register("linear_small_m", small_m)
+
+
+def _wargs(weight) -> tuple:
+    return (weight.codes, weight.scales, weight.tensor_scale, weight.codebook, weight.k, weight.blocksize,
+            weight.scale_format, weight.shape[-2], weight.shape[-1])
+
+
+def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``)."""
+    return torch.ops.kbit.linear(x, *_wargs(weight), bias)
+
+
+def kbit_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Small-M ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.gemv``)."""
+    return torch.ops.kbit.gemv(x, *_wargs(weight), bias)
+
+
+def kbit_linear_small_m(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a 2-D ``KbitWeight`` through ``torch.ops.kbit.linear_small_m``."""
+    return torch.ops.kbit.linear_small_m(x, *_wargs(weight), bias)

@@ -1,0 +1,292 @@
+"""The launch plan of the swap-AB kernels: a config (:mod:`kbit.tuning.mma`) -> ``#define`` options, dynamic shared
+bytes, grid, K splits and workspace size.
+
+Pure arithmetic on the shape, the SM count and the built kernel's occupancy: :func:`make_plan` receives a ``build``
+callback (``kbit.ops.gemv_mma`` passes NVRTC's ``compile_kernel``), so this module imports no kernel runtime and
+tests can run it with a fake build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
+from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
+
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "make_plan", "prologue_config",
+           "table_smem"]
+
+#: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
+KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
+           4: ("mma_pipe.cu", "kbit_mma_pipe"), 7: ("wgmma.cu", "kbit_wgmma")}
+#: dynamic shared memory a CTA may use on sm_90
+SMEM_MAX = 227 * 1024
+#: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
+XS_MAX = 110 * 1024
+#: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
+#: weights under BIG elements (kernel 3 and big weights were only slower with it)
+L2PF = {1: 16384, 3: 0}
+#: k values for which kernel 1 adds its warps' partial sums in warp order (``K1WO``: a CTA's sums the same run to
+#: run) instead of with shared-memory atomics; k = 2 keeps the atomics (its decode step was slower), and only at
+#: M <= 8 (with more token groups the build spills more)
+K1WO_K = (3, 4, 5)
+#: split-K workspace: a lane's four partial sums by one ``red.global.add.v4.f32`` (``WS4``) where a tile has more
+#: parts than this (with fewer parts the read-back waits for one 16-byte load at a time and was slower)
+WS4_PARTS = 4
+
+
+@dataclass(frozen=True)
+class MmaPlan:
+    """One launch of a swap-AB kernel: what :func:`make_plan` decided."""
+
+    kernel: int  #: 1, 3, 4 or 7
+    defines: dict = field(repr=False)  #: ``#define`` options of the build (BF16 = 0; the launcher sets it)
+    warps: int  #: warps a CTA
+    grid: int  #: CTAs
+    shared: int  #: dynamic shared bytes
+    splits: int  #: K splits (kernels 1, 7 without stream-K)
+    sps: int  #: segments a split (kernel 3 with CTA-aligned units: units a CTA)
+    Nt: int  #: 16-row tiles
+    S: int  #: 256-column segments
+    regs: int  #: registers a thread of the build
+    ctas_per_sm: int  #: the build's occupancy
+    n_cnt: int  #: split-K counters
+    ws_floats: int  #: fp32 partial sums of the workspace
+    use_ws: bool  #: whether the launch uses the workspace
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(source file, kernel name) of the build."""
+        return KERNELS[self.kernel]
+
+
+def table_smem(k: int) -> int:
+    """Dynamic shared bytes of the codebook lookup table plus its alignment pad (k = 2: codebook in registers)."""
+    tab = {2: 16, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 4}[k]
+    return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
+
+
+def large_defines(k: int, cfg: LargeConfig | tuple, grouped: bool = False) -> tuple[dict, int]:
+    """(defines, dynamic shared bytes) of kernel 7 with ``cfg``; ``grouped``: the MoE form (``GRP``: x pre-tiled per
+    block of a block table, no split K; ``kbit.ops.grouped_mma``)."""
+    if isinstance(cfg, tuple):  # transitional: kbit.ops.grouped_mma still builds positional configs
+        cfg = LargeConfig.of(cfg)
+    xc = 8 * cfg.groups * 128  # x bytes a 64-column chunk
+    xsw = int(cfg.x_swizzle)
+    xb = cfg.x_bulk if xsw else 0
+    if xb not in (0, 1, 2):
+        raise ValueError(f"config: x_bulk must be 0, 1 or 2, got {cfg}")
+    if grouped and not xb:
+        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (x_bulk 1 or 2), got {cfg}")
+    D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - table_smem(k)) // xc))
+    defines = dict(K_BITS=k, NG=cfg.groups, D=D, MAXW=cfg.warps, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=cfg.raster,
+                   XSW=xsw, XB=xb, WS4=0)
+    if xb == 2 and cfg.refill_lag:
+        defines["XLAG"] = cfg.refill_lag
+    if cfg.stream_k and not grouped:
+        defines["SK"] = 1
+    if grouped:
+        defines["GRP"] = 1
+    return defines, D * xc + table_smem(k) + 1024
+
+
+def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
+    """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
+    xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
+    if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
+        xs = 1
+        shared = table_smem(k) + M * (xk * SEG + 32) * 2
+        if shared > SMEM_MAX:
+            raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
+                             f"more than {SMEM_MAX}")
+    else:
+        xs = int(cfg.x_smem and table_smem(k) + M * S * SEG * 2 <= XS_MAX)
+        shared = table_smem(k) + xs * M * S * SEG * 2
+    defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
+    if pro:
+        if not xs:
+            raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
+        defines["PRO"] = pro
+        shared += S * SEG * 2  # the norm weight
+    if epi:
+        defines["EPI"] = epi
+    return defines, shared
+
+
+def _k4_defines(k, ng, cfg: MmaConfig, scale_format):
+    sv = 2 if scale_format == "fp16" else 1
+    stage = 8 * ng * 576 + cfg.warps * cfg.rows_per_warp * (k * 512 + sv * 128)
+    D = max(2, min(cfg.stages, (SMEM_MAX - 2048 - table_smem(k)) // stage))
+    defines = dict(K_BITS=k, NG=ng, D=D, MAXW=cfg.warps, MINB=cfg.min_ctas, RT=cfg.rows_per_warp)
+    return defines, D * stage + table_smem(k)
+
+
+def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi):
+    """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
+    ng = n_groups(M)
+    if isinstance(cfg, LargeConfig):
+        defines, shared = large_defines(k, cfg)
+        kernel, W, ng = 7, cfg.warps, cfg.groups
+    elif cfg.kernel == 3:
+        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det)
+        kernel, W = 3, cfg.warps
+    elif cfg.kernel == 1:
+        kernel, W = 1, max(1, min(cfg.warps, S))
+        defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
+    else:
+        defines, shared = _k4_defines(k, ng, cfg, scale_format)
+        kernel, W = 4, cfg.warps
+    if (pro or epi) and kernel != 3:
+        raise ValueError(f"pro, epi: a prologue or epilogue needs kernel 3, got config {cfg}")
+    if kernel in (1, 3):
+        defines["L2PF"] = L2PF[kernel] if N * K < BIG else 0
+    if kernel == 1 and ng == 1 and N * K < BIG:  # kernel 1 issues its first loads before the PDL wait
+        defines["K1EARLY"] = 1
+    # M1: the segment skips token 2t + 1's accumulators; not for kernel 1 at 3+ CTAs of 8 warps an SM (80 or 64
+    # registers), where ptxas then spills more
+    if M == 1 and (kernel == 3 or (kernel == 1 and W * cfg.min_ctas <= 16)):
+        defines["M1"] = 1
+    if kernel == 1:  # a CTA's warps summed in warp order (bit-stable run to run where K is not split across CTAs)
+        defines["K1WO"] = int(k in K1WO_K and ng == 1)
+    if kernel in (1, 3) and det:
+        defines["DET"] = 1
+    defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
+    return kernel, defines, shared, W, ng
+
+
+def _splits(n_tiles, nsteps, slots, max_split, divide):
+    """K splits: the fewest (within 5% of the best) that fill ``slots`` evenly; at most ``max_split``."""
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, max_split) + 1):
+        if divide and nsteps % s:
+            continue
+        items = n_tiles * s
+        eff = items / (-(-items // slots) * slots)
+        if eff > best_eff * 1.05:
+            best, best_eff = s, eff
+        if items >= 8 * slots:
+            break
+    return best
+
+
+def _grid_k3(st, build, k, N, K, epi, ng):
+    """Kernel 3's grid; CTA-aligned units or the CTA-local fix-up where their build keeps the occupancy."""
+    Nt, S, W, occ, slots, sms = st["Nt"], st["S"], st["W"], st["occ"], st["slots"], st["sms"]
+    defines = st["defines"]
+    st.update(splits=1, sps=S, lfx=False)
+    if defines["XK"]:  # the same CTAs for every K slice (the kernel reads cps = grid / n_sl)
+        n_sl = -(-S // defines["XK"])
+        st["grid"] = n_sl * max(1, min(slots // n_sl, -(-(Nt * defines["XK"]) // W)))
+        return
+    st["grid"] = max(1, min(slots, -(-(Nt * S) // W)))
+    cau = cau_plan(Nt, S, W, occ, sms, epi, ng, read_us(k, N, K))
+    if cau:  # CTA-aligned units add a tile's parts in warp order: deterministic too (in place of DET's slots)
+        W_c, occ_c, cau_defs, sps_c, grid_c = cau
+        defs_c = {**{d: v for d, v in defines.items() if d != "DET"}, **cau_defs, "MAXW": W_c, "MINB": occ_c}
+        kern_c = build(3, defs_c)
+        if kern_c.occupancy(W_c * 32, st["shared"]) >= occ_c:
+            st.update(defines=defs_c, kern=kern_c, W=W_c, occ=occ_c, sps=sps_c, grid=grid_c)
+            return
+    # the CTA-local fix-up: where x is not staged (with XS it streamed slower) and not in deterministic mode
+    if defines["XS"] or defines.get("DET"):
+        return
+    lfx = lfx_defines(Nt, S, st["grid"], W, epi)
+    if lfx:  # static shared slots; kept only at the same occupancy
+        kern_l = build(3, {**defines, **lfx})
+        if kern_l.occupancy(W * 32, st["shared"]) >= occ:
+            defines.update(lfx)
+            st.update(kern=kern_l, lfx=True)
+
+
+def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
+    """Grid, K splits and segments a split of ``kernel`` (written into ``st``)."""
+    Nt, S, W, slots = st["Nt"], st["S"], st["W"], st["slots"]
+    if kernel == 3:
+        _grid_k3(st, build, k, N, K, epi, ng)
+    elif kernel == 7:
+        n_tb = -(-M // (8 * ng))  # token blocks: each has its own split-K counters
+        st["tiles"] = tiles = -(-Nt // W) * n_tb
+        if st["defines"].get("SK"):
+            st.update(splits=1, sps=S, grid=max(1, min(slots, tiles * S)))
+        else:
+            splits = _splits(tiles, S, slots, max(1, S // 4), divide=False) if tiles < 2 * slots else 1
+            sps = -(-S // splits)
+            splits = -(-S // sps)
+            st.update(splits=splits, sps=sps, grid=max(1, min(slots, tiles * splits)))
+        st["n_cnt"] = n_tb * Nt
+    elif kernel == 4:  # stream-K over (row block, segment) pairs; K splits not used
+        st.update(splits=1, sps=S, grid=max(1, min(slots, -(-Nt // (W * cfg.rows_per_warp)) * S)))
+    else:
+        splits = _splits(Nt, S, slots, S // W, divide=False)
+        sps = -(-S // splits)
+        splits = -(-S // sps)
+        items = Nt * splits
+        st.update(splits=splits, sps=sps, grid=-(-items // -(-items // slots)))
+
+
+def _parts(st, kernel) -> float:
+    """Partial sums a tile gets from different warps / CTAs (the split-K workspace's traffic)."""
+    defines, grid, W, Nt, S = st["defines"], st["grid"], st["W"], st["Nt"], st["S"]
+    if kernel == 7:
+        return grid / st["tiles"] if defines.get("SK") else st["splits"]
+    if kernel == 3 and defines["XK"]:
+        n_sl = -(-S // defines["XK"])
+        return n_sl * max(1.0, (grid // n_sl) * W / Nt)
+    if kernel == 3 and (st["lfx"] or defines.get("CAU")):
+        return 2.0  # LFX: at most a part from each CTA that a tile crosses into; CAU: no workspace
+    if kernel == 3:
+        return max(1.0, grid * W / Nt)
+    return st["splits"] if kernel == 1 else 0
+
+
+def _ws_floats(st, kernel, M, ng) -> int:
+    defines, Nt, S = st["defines"], st["Nt"], st["S"]
+    if kernel == 3 and defines.get("DET"):  # a slot a part of a tile (finish_det): parts start >= L segments apart
+        L = max(Nt * S // (st["grid"] * st["W"]), 1)
+        return Nt * ((S + L - 2) // L + 1) * 128 * ng
+    if kernel == 1 and defines.get("DET"):  # a slot a K split of a tile
+        return Nt * st["splits"] * 128 * ng if st["splits"] > 1 else 0
+    return -(-M // (8 * ng)) * 8 * ng * Nt * 16  # NG * 128 floats a 16-row tile a token block (``ws_at``)
+
+
+def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
+         deterministic: bool = False, pro: int = 0, epi: int = 0) -> MmaPlan:
+    """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs.
+
+    ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
+    ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
+    residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
+    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``.
+    """
+    Nt, S = -(-N // 16), -(-K // SEG)
+    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi)
+    kern = build(kernel, defines)
+    occ = kern.occupancy(W * 32, shared)
+    cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0
+    slots = sms * (min(occ, cap) if cap else occ)  # fewer CTAs leave room for the next kernel's (PDL)
+    st = dict(Nt=Nt, S=S, W=W, occ=occ, slots=slots, sms=sms, defines=defines, kern=kern, shared=shared, n_cnt=Nt)
+    _grid(st, kernel, build, config, k, M, N, K, epi, ng)
+    defines = st["defines"]
+    ws4 = int(ng > 1 and not defines.get("DET") and _parts(st, kernel) > WS4_PARTS)
+    if ws4 != defines.get("WS4", 0):
+        defines["WS4"] = ws4
+        st["kern"] = build(kernel, defines)
+    return MmaPlan(kernel=kernel, defines=defines, warps=st["W"], grid=st["grid"], shared=shared,
+                   splits=st["splits"], sps=st["sps"], Nt=Nt, S=S, regs=st["kern"].num_regs,
+                   ctas_per_sm=st["occ"], n_cnt=st["n_cnt"], ws_floats=_ws_floats(st, kernel, M, ng),
+                   use_ws=kernel in (3, 4) or st["splits"] > 1 or bool(defines.get("SK")))
+
+
+def prologue_config(k: int, M: int, N: int, K: int) -> MmaConfig | None:
+    """The kernel-3 config (x in shared memory) of a launch with an x prologue (``kbit.dispatch.prologue``), or None
+    when it does not apply (M > 8, or x [M, K] and the norm weight do not fit in shared memory beside the lookup
+    table)."""
+    if not 1 <= M <= 8:
+        return None
+    S = -(-K // SEG)
+    if table_smem(k) + (M + 1) * S * SEG * 2 > XS_MAX:
+        return None
+    cfg = default_config(k, M, N, K)
+    if cfg.kernel == 3 and cfg.x_smem:
+        return cfg
+    return MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)

@@ -1,0 +1,83 @@
+"""Kernel 3's ways of adding the split-K parts of a tile without the global workspace's fix-up pass.
+
+CTA-aligned units (``CAU`` in the kernel source): each CTA takes whole units (16-row tiles; with the SiLU epilogue
+gate / up tile pairs) and sums their parts in shared memory, in warp order (so deterministic too). The CTA-local
+fix-up (``LFX``): the parts a CTA holds of the tiles its range touches are summed in shared memory first. Pure
+arithmetic on the launch geometry, shared by the rule tables (:mod:`kbit.tuning.mma`) and the plan
+(:mod:`kbit.tuning.mma_plan`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["CAU_IDLE_US", "CAU_MAX_SLOT_BYTES", "CAU_MIN_EFF", "LFX_MAX_UNITS", "cau_plan", "lfx_defines", "read_us"]
+
+#: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs, and the SM time
+#: left idle by whole units a CTA, (1 - eff) x the weights' read time, is at most CAU_IDLE_US: the split-K fix-up it
+#: saves costs ~2-4 us a call on an H100 (57344x8192 k = 4 at eff 0.97 of ~90 us was 3% slower with CAU)
+CAU_MIN_EFF = 0.9
+CAU_IDLE_US = 1.5
+#: CAU's shared slots: at most this many bytes a CTA
+CAU_MAX_SLOT_BYTES = 32768
+#: LFX: at most this many units (tiles; EPI: gate / up pairs) a CTA's range
+LFX_MAX_UNITS = 64
+
+
+def read_us(k: int, N: int, K: int) -> float:
+    """A k-bit N x K weight's read time at 2.5 TB/s, in us (CAU's idle-time rule)."""
+    return N * K * (k + 0.25) / 8 / 2.5e6
+
+
+def cau_plan(Nt, S, W, occ, sms, epi, ng=1, est_us=0.0):
+    """Kernel 3 with CTA-aligned units over ``Nt`` tiles of ``S`` segments. Tries the configured CTAs (``W`` warps,
+    ``occ`` an SM) and, where ``occ`` is even, half as many CTAs of twice the warps; returns ``(W, CTAs an SM,
+    defines, units a CTA, grid)`` of the one that leaves the fewest SM slots idle, or None where the busiest CTA
+    carries more than 1 / CAU_MIN_EFF of an even share (or leaves more than CAU_IDLE_US of ``est_us`` idle), or
+    the shared slots would not fit."""
+    tpu = 2 if epi else 1
+    if Nt % tpu:
+        return None
+    n_u, U = Nt // tpu, tpu * S
+    best = None
+    for w, o in ((W, occ), (2 * W, occ // 2)):
+        if o < 1 or w > 32:
+            continue
+        slots = sms * o
+        upc = -(-n_u // slots)
+        eff = n_u / (slots * upc)
+        if best is None or eff > best[0] + 1e-9:
+            best = (eff, w, o, upc)
+    eff, w, o, upc = best
+    if eff < CAU_MIN_EFF or (1 - eff) * est_us > CAU_IDLE_US:
+        return None
+    grid = -(-n_u // upc)
+    lfw = 1  # slots a warp: the tiles its range touches (not EPI: a part of a tile each end at most)
+    for b in (0, grid - 1):
+        c0, cn = b * upc * U, (min(n_u, (b + 1) * upc) - b * upc) * U
+        for wi in range(w):
+            j0, j1 = c0 + cn * wi // w, c0 + cn * (wi + 1) // w
+            if j1 > j0:
+                lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
+    if not epi:
+        lfw = min(lfw, 2)
+    if w * lfw * ng * 512 > CAU_MAX_SLOT_BYTES:
+        return None
+    return w, o, dict(CAU=1, LFW=lfw), upc, grid
+
+
+def lfx_defines(Nt, S, grid, W, epi):
+    """Defines of the CTA-local fix-up for a grid of ``grid`` CTAs of ``W`` warps over Nt x S (tile, segment) pairs,
+    ranges as the kernel cuts them: ``LFU`` = the most units a CTA's range touches (its shared counters), ``LFW`` =
+    shared slots a warp (a part of a tile each: 2; EPI: the most tiles a warp's range touches); None where a CTA
+    would touch more than LFX_MAX_UNITS units."""
+    T, TW, U = Nt * S, grid * W, (2 if epi else 1) * S
+    lfu, lfw = 1, 2
+    for b in range(grid):
+        c0, c1 = T * b * W // TW, T * (b * W + W) // TW
+        if c1 > c0:
+            lfu = max(lfu, (c1 - 1) // U - c0 // U + 1)
+    if epi:
+        for gw in range(TW):
+            j0, j1 = T * gw // TW, T * (gw + 1) // TW
+            if j1 > j0:
+                lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
+    return dict(LFX=1, LFU=lfu, LFW=lfw) if lfu <= LFX_MAX_UNITS else None
