@@ -83,9 +83,9 @@ def load_old(commit: str, root: str):
     for name in [m for m in sys.modules if m == "kbit" or m.startswith("kbit.")]:
         del sys.modules[name]
     sys.path.insert(0, os.path.join(root, "src"))
-    mods = SimpleNamespace(cuda=importlib.import_module("kbit.cuda"), mma=importlib.import_module("kbit.ops.gemv_mma"),
-                           gr=importlib.import_module("kbit.ops.grouped_mma"), moe=importlib.import_module("kbit.ops.moe"),
-                           nn=importlib.import_module("kbit.nn.moe"))
+    names = dict(cuda="kbit.cuda", mma="kbit.ops.gemv_mma", gr="kbit.ops.grouped_mma", moe="kbit.ops.moe",
+                 nn="kbit.nn.moe")
+    mods = SimpleNamespace(**{k: importlib.import_module(v) for k, v in names.items()})
     assert mods.gr.__file__.startswith(root), mods.gr.__file__
     return mods
 
@@ -101,9 +101,9 @@ def patch_profile(m, profile: str):
     m.cuda.compile_kernel = fake_compile
 
 
-def _plan_str(fn) -> str:
+def _plan_str(fn, *args, **kwargs) -> str:
     try:
-        p = fn()
+        p = fn(*args, **kwargs)
     except ValueError:
         return "error"
     return f"{p.gate_up},{p.down}"
@@ -135,14 +135,14 @@ def plan_entries(m, profile: str) -> dict:
     for sname, (E, top_k, H, I) in SHAPES.items():
         for T in TOKENS:
             for dname, dt in DTYPES.items():
-                auto = _plan_str(lambda: m.moe.choose_plan(T, top_k, E, H, I, dt, dev))
-                nogemm = _plan_str(lambda: m.moe.choose_plan(T, top_k, E, H, I, dt, dev, gemm=False))
+                auto = _plan_str(m.moe.choose_plan, T, top_k, E, H, I, dt, dev)
+                nogemm = _plan_str(m.moe.choose_plan, T, top_k, E, H, I, dt, dev, gemm=False)
                 me = SimpleNamespace(plan=None, dtype=dt, gate_up_codes=SimpleNamespace(device=torch.device(dev)),
                                      layout="mma-v1", auto_repack=True, top_k=top_k, num_experts=E,
                                      hidden_size=H, intermediate_size=I)
-                repacked = _plan_str(lambda me=me: m.nn.KbitMoE.plan_for(me, T))
+                repacked = _plan_str(m.nn.KbitMoE.plan_for, me, T)
                 me.layout, me.auto_repack = "canonical", False
-                canonical = _plan_str(lambda me=me: m.nn.KbitMoE.plan_for(me, T))
+                canonical = _plan_str(m.nn.KbitMoE.plan_for, me, T)
                 out[f"{profile}|{sname}|{T}|{dname}"] = ";".join((auto, nogemm, repacked, canonical))
     return out
 
