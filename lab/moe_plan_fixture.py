@@ -26,6 +26,7 @@ import torch
 PROFILES = {
     "h100": ("cuda", True, (9, 0), True),
     "a100": ("cuda", True, (8, 0), True),
+    "b200": ("cuda", True, (10, 0), True),
     "cpu": ("cpu", False, None, True),
     "cpu-nomm": ("cpu", False, None, False),
 }
