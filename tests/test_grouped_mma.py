@@ -288,9 +288,9 @@ LARGE_CFGS = ["7,16,8,4,8,1,2", "7,12,16,4,8,1,2", "7,8,32,4,8,1,2", "7,8,32,4,8
 
 
 def wgmma_cfg(s: str) -> WgmmaGroupedConfig:
-    """A grouped kernel 7 config from its old positional form "7,warps,ng,stages,raster,swizzle,bulk"."""
+    """A grouped kernel 7 config from its old positional form "7,warps,groups,stages,raster,x_swizzle,x_bulk"."""
     _, W, ng, D_, gm, xsw, xb = (int(v) for v in s.split(","))
-    return WgmmaGroupedConfig(warps=W, ng=ng, stages=D_, raster=gm, swizzle=xsw, bulk=xb)
+    return WgmmaGroupedConfig(warps=W, groups=ng, stages=D_, raster=gm, x_swizzle=bool(xsw), x_bulk=xb)
 
 
 def _sm90():

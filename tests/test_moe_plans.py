@@ -74,8 +74,8 @@ def test_grouped_choices_as_before(monkeypatch, profile):
             P = T * top_k
             large = G.large_rows(P, E, dev)
             c = wgmma_config(rows_per_expert(P, E))
-            cfg = [7, c.warps, c.ng, c.stages, c.raster, c.swizzle, c.bulk] if large else None
-            assert not large or large == c.rows
+            cfg = [7, c.warps, c.groups, c.stages, c.raster, int(c.x_swizzle), c.x_bulk] if large else None
+            assert not large or large == 8 * c.groups
             rec = {"large": large, "cfg": cfg}
             for sort in (False, True):
                 ng = G.choose_ng(P, E, dev, sort)
@@ -120,8 +120,8 @@ def test_launch_builds_as_before():
                         if got != DATA["launch"][key]:
                             diff.append((key, DATA["launch"][key], got))
                 for cfg in DATA["wgmma_cfgs"]:
-                    c = WgmmaGroupedConfig(warps=cfg[1], ng=cfg[2], stages=cfg[3], raster=cfg[4], swizzle=cfg[5],
-                                           bulk=cfg[6])
+                    c = WgmmaGroupedConfig(warps=cfg[1], groups=cfg[2], stages=cfg[3], raster=cfg[4],
+                                           x_swizzle=bool(cfg[5]), x_bulk=cfg[6])
                     b = G.wgmma_build(k, c, sf, bf16)
                     key = f"{k}|{sf}|{int(bf16)}|" + ",".join(map(str, cfg))
                     got = [b.file, b.name, b.warps, b.shared, dict(sorted(b.defines.items()))]

@@ -44,7 +44,6 @@ from kbit.ops.grouped_mma import (
     grouped_linear_repacked,
     large_rows,
     run_blocks,
-    unrepack_stack,
 )
 from kbit.ops.moe import combine, silu_mul_gate_up
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
@@ -62,6 +61,12 @@ from kbit.tuning.moe import (
     rows_per_expert,
 )
 from kbit.utils.checks import fail
+
+# isort: split
+# --- layout "mma-v1" (the dense path moves it to kbit.ops.mma.layout): remap at merge ---
+from kbit.ops.grouped_mma import unrepack_stack
+
+# --- end of the layout block ---
 
 __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
            "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]

@@ -39,7 +39,6 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.ops.grouped_mma import repack_stack, unrepack_stack
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.moe_router import ROUTERS, select_experts_reference
@@ -47,11 +46,12 @@ from kbit.ops.quantize import quantize
 from kbit.utils.device import interpreting
 
 # isort: split
-# --- the dense path's repacked weight (kbit.ops.gemv_mma, owned by the dense path): remap at merge ---
+# --- layout "mma-v1" (the dense path moves these to kbit.ops.mma.layout): remap at merge ---
 from kbit.ops.gemv_mma import LAYOUT as MMA_LAYOUT  # "mma-v1"
 from kbit.ops.gemv_mma import RepackedWeight  # a weight or stack held in layout "mma-v1"
+from kbit.ops.grouped_mma import repack_stack, unrepack_stack
 
-# --- end of the gemv_mma block ---
+# --- end of the layout block ---
 
 __all__ = ["KbitMoE"]
 

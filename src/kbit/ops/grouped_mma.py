@@ -59,8 +59,10 @@ from kbit.ops.gemv_mma import (
 
 def _wgmma_defines(k: int, cfg: WgmmaGroupedConfig) -> tuple[dict, int]:
     """(defines, dynamic shared bytes) of the grouped kernel 7 through the dense launcher's ``large_defines``,
-    which still takes kernel 7's config as a positional tuple (kernel, warps, ng, stages, raster, swizzle, bulk)."""
-    return large_defines(k, (7, cfg.warps, cfg.ng, cfg.stages, cfg.raster, cfg.swizzle, cfg.bulk), grouped=True)
+    which still takes kernel 7's config as a positional tuple (kernel, warps, groups, stages, raster, x_swizzle,
+    x_bulk)."""
+    return large_defines(k, (7, cfg.warps, cfg.groups, cfg.stages, cfg.raster, int(cfg.x_swizzle), cfg.x_bulk),
+                         grouped=True)
 # --- end of the gemv_mma block ---
 
 
@@ -72,6 +74,9 @@ GroupedConfig = GroupedMmaConfig | WgmmaGroupedConfig
 
 
 # ------------------------------------------------------------------------------------------------ repack
+
+# --- repack_stack / unrepack_stack: the dense branch moves them to kbit.ops.mma.layout (beside RepackedWeight);
+# --- at merge delete them here and import them from there (they are the same code)
 
 
 def repack_stack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
@@ -110,6 +115,8 @@ def unrepack_stack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, block
     parts = [unrepack(rcodes[e], rscales[e], k=k, blocksize=blocksize, N=N, K=K) for e in range(E)]
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
+# --- end of repack_stack / unrepack_stack
+
 
 #: repacked copies of canonical stacks, per (codes, scales) tensor object and version
 _CACHE = TensorCache()
@@ -147,7 +154,7 @@ def large_rows(P: int, E: int, device) -> int:
     rpe = rows_per_expert(P, E)
     if rpe < WGMMA_MIN_ROWS or not large_ok(dev):
         return 0
-    return wgmma_config(rpe).rows
+    return 8 * wgmma_config(rpe).groups
 
 
 def choose_ng(P: int, E: int, device=None, sorted_rows: bool = False) -> int:
@@ -195,7 +202,7 @@ class KernelBuild:
 def grouped_mma_build(k: int, cfg: GroupedMmaConfig, scale_format: str, bf16: bool) -> KernelBuild:
     """The build of kernel 1 or 4 (``cfg``) for ``k``-bit weights with ``scale_format`` scales, bf16 or fp16 x."""
     fp16_scales = int(scale_format == "fp16")
-    W, ng = cfg.warps, cfg.ng
+    W, ng = cfg.warps, cfg.groups
     if cfg.kernel == 4:
         stage = 8 * ng * 576 + W * (k * 512 + (2 if fp16_scales else 1) * 128)  # x rows, codes, scales a stage
         defines = dict(KERNEL=5, K_BITS=k, NG=ng, D=cfg.stages, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
@@ -457,7 +464,7 @@ def _blocks(expert_ids, E, ng, blocks, sorted_rows, config):
     """(8-row groups a block: ``config``'s, else ``ng``, else :func:`choose_ng`; the block table, built for them
     unless given)."""
     if config is not None:
-        ng = config.ng
+        ng = config.groups
     ng = ng or choose_ng(expert_ids.shape[0], E, expert_ids.device, sorted_rows)
     if blocks is None:
         blocks = block_table(expert_ids.contiguous(), 8 * ng)

@@ -15,6 +15,7 @@ experts (:func:`rows_per_expert`). The thresholds were measured on an H100 at k 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS", "GROUPED4_MAX_SEG_NG1",
@@ -90,7 +91,7 @@ class GroupedMmaConfig:
     #: 1 (``kbit_grouped_mma``) or 4 (``kbit_grouped_mma_pipe``)
     kernel: int
     #: 8-row groups a block
-    ng: int
+    groups: int
     #: warps a CTA (kernel 1: one a 256-column segment; kernel 4: one a 16-row weight tile of a work item)
     warps: int
     #: kernel 1: CTAs an SM asked of the compiler (``__launch_bounds__`` minimum blocks); kernel 4: 1
@@ -101,10 +102,11 @@ class GroupedMmaConfig:
     def __post_init__(self):
         if self.kernel not in (1, 4):
             raise ValueError(f"GroupedMmaConfig.kernel: expected 1 or 4, got {self.kernel}")
-        if self.ng not in (1, 2, 4, 8):
-            raise ValueError(f"GroupedMmaConfig.ng: expected one of 1, 2, 4, 8, got {self.ng}")
+        if self.groups not in (1, 2, 4, 8):
+            raise ValueError(f"GroupedMmaConfig.groups: expected one of 1, 2, 4, 8, got {self.groups}")
 
 
+@functools.cache  # called on every launch: one object a (ng, S, kernel)
 def grouped_mma_config(ng: int, S: int, kernel: int | None = None) -> GroupedMmaConfig:
     """The config of kernel ``kernel`` (default :func:`grouped_kernel`) for blocks of ``8 ng`` rows on ``S``
     segments. Kernel 4: 4 warps on single-group blocks (decode: more CTAs), 16 on 64-row blocks, else 8.
@@ -124,33 +126,31 @@ WGMMA_MIN_ROWS = 48
 
 @dataclass(frozen=True)
 class WgmmaGroupedConfig:
-    """Launch config of the grouped kernel 7 (sm_90 wgmma, x pre-tiled per block of a block table)."""
+    """Launch config of the grouped kernel 7 (sm_90 wgmma, x pre-tiled per block of a block table). Its fields are
+    those of the dense kernel 7's config (``kbit.tuning.mma.LargeConfig`` on the dense path) that the grouped
+    form uses."""
 
     #: warps a CTA
     warps: int
     #: 8-row groups a block: 8, 16 or 32 (64-, 128- or 256-row blocks)
-    ng: int
-    #: x pipeline stages (clamped to what shared memory holds)
+    groups: int
+    #: x pipeline stages (``D``; clamped to what shared memory holds)
     stages: int = 4
-    #: token blocks a raster group
+    #: token blocks a raster group (``GM``)
     raster: int = 8
-    #: x tiles in wgmma's 128-byte swizzle
-    swizzle: int = 1
-    #: x tiles by bulk copy, completion by a CTA barrier (1) or by mbarriers (2)
-    bulk: int = 1
+    #: x tiles in wgmma's 128-byte swizzle (``XSW``)
+    x_swizzle: bool = True
+    #: x tiles by bulk copy (``XB``), completion by a CTA barrier (1) or by mbarriers (2): the grouped form needs it
+    x_bulk: int = 1
 
-    @property
-    def rows(self) -> int:
-        """Rows a block."""
-        return 8 * self.ng
+
+_WGMMA_64 = WgmmaGroupedConfig(warps=16, groups=8, x_bulk=1)
+_WGMMA_128 = WgmmaGroupedConfig(warps=12, groups=16, x_bulk=1)
+_WGMMA_256 = WgmmaGroupedConfig(warps=8, groups=32, x_bulk=1)
 
 
 def wgmma_config(rpe: float) -> WgmmaGroupedConfig:
     """Kernel 7's blocks for ``rpe`` rows per touched expert: 64 rows (16 warps) below 48, 128 rows (12 warps)
     below 192, else 256 rows (8 warps): 64 won at 20 rows an expert, 128 at 64-80, 256 at 256 (Mixtral; tied on
     Qwen3-30B-A3B)."""
-    if rpe < 48:
-        return WgmmaGroupedConfig(warps=16, ng=8)
-    if rpe < 192:
-        return WgmmaGroupedConfig(warps=12, ng=16)
-    return WgmmaGroupedConfig(warps=8, ng=32)
+    return _WGMMA_64 if rpe < 48 else _WGMMA_128 if rpe < 192 else _WGMMA_256
