@@ -7,6 +7,8 @@ grouped kernels (``kbit.ops.grouped_mma``) run over its blocks and read ``nblk``
 
 A **tail split** (:func:`tail_split`) reorders the rows of a sorted step so that each expert's short last block
 (at most ``TAIL_ROWS`` rows) leaves the grouped kernel 7 for kernel 4: two block tables, main and tail.
+
+A helper module of the grouped kernels: it imports no op.
 """
 
 from __future__ import annotations
