@@ -1,14 +1,18 @@
-"""kbit.ops.grouped_mma: block table and stack repack (CPU); the grouped CUDA kernel against the float64
-reference, the CUDA block table, sync-freedom (GPU, marked ``gpu``)."""
+"""kbit.ops.grouped_mma and kbit.ops.moe_blocks: block table and stack repack (CPU), the grouped GEMM's fallbacks in
+kbit.dispatch.moe; the grouped CUDA kernels against the float64 reference, the CUDA block table, sync-freedom (GPU,
+marked ``gpu``)."""
 
 import pytest
 import torch
 
 from kbit.bench.timing import capture
-from kbit.ops import gemm as GM
+from kbit.dispatch import moe as D
 from kbit.ops import gemv as G
 from kbit.ops import gemv_mma as MM
 from kbit.ops import grouped_mma as GR
+from kbit.ops import moe_blocks as MB
+from kbit.ops.moe import silu_mul_gate_up, silu_mul_gate_up_reference
+from kbit.tuning.moe import WgmmaGroupedConfig, grouped_mma_config
 
 CUDA = torch.cuda.is_available()
 
@@ -72,8 +76,8 @@ def test_block_table_torch_vs_reference(P, E, bm, sort):
     ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
     if sort:
         ids = torch.sort(ids).values
-    ref = GR.block_table_reference(ids, bm)
-    blk, nblk = GR.block_table_torch(ids, bm)
+    ref = MB.block_table_reference(ids, bm)
+    blk, nblk = MB.block_table_torch(ids, bm)
     nb = int(nblk)
     assert nb == len(ref) - 1 and blk.tolist()[: nb + 1] == ref
     assert (blk[nb:] == P).all()
@@ -87,11 +91,11 @@ def test_block_table_torch_vs_reference(P, E, bm, sort):
 
 def test_block_table_errors():
     with pytest.raises(ValueError, match="expert_ids"):
-        GR.block_table_torch(torch.zeros(4, dtype=torch.int64), 8)
+        MB.block_table_torch(torch.zeros(4, dtype=torch.int64), 8)
     with pytest.raises(ValueError, match="bm"):
-        GR.block_table_torch(torch.zeros(4, dtype=torch.int32), 0)
+        MB.block_table_torch(torch.zeros(4, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="offsets"):
-        GR.block_table(torch.zeros(4, dtype=torch.int32), 8, torch.zeros(2, dtype=torch.int64))
+        MB.block_table(torch.zeros(4, dtype=torch.int32), 8, torch.zeros(2, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
@@ -122,7 +126,8 @@ def test_choose_ng():
 
 
 def test_grouped_gemm_fallback_matches_reference():
-    """Without the CUDA kernel (CPU / interpreter) kbit_grouped_gemm is the grouped GEMV: same semantics."""
+    """Without the CUDA kernel (CPU / interpreter) kbit.dispatch.moe.grouped_gemm is the grouped GEMV: same
+    semantics; the CUDA launcher itself refuses such a device."""
     from kbit.format.spec import KbitWeight
 
     E, N, K_, k = 4, 24, 64, 4
@@ -130,9 +135,11 @@ def test_grouped_gemm_fallback_matches_reference():
     w = KbitWeight(codes, scales, ts, cb, (E, N, K_), k, 32, "log8", "custom")
     tok, ids = routing_ids(5, 2, E)
     x = torch.randn(5, K_).to(torch.float16)
-    y = GM.kbit_grouped_gemm(x, tok, ids, w)
-    ref = GM.grouped_gemm_reference(x, tok, ids, w)
+    y = D.grouped_gemm(x, tok, ids, w)
+    ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, k=k, N=N, K=K_)
     assert y.shape == (10, N) and rel_err(y, ref) < 2e-3
+    with pytest.raises(ValueError, match="CUDA"):
+        GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, k=k, N=N, K=K_)
 
 
 def test_grouped_linear_errors():
@@ -150,28 +157,29 @@ def test_grouped_linear_errors():
         GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, ng=3, **kw)
 
 
-def test_grouped_linear_repacked_act_silu_fallback_and_errors():
-    """``act="silu"`` off the CUDA kernel: silu_mul first, then the plain path (same result); bad act / x shape."""
-    from kbit.ops.moe import silu_mul
-
+def test_grouped_gemm_repacked_act_silu_fallback_and_errors():
+    """``act="silu"`` off the CUDA kernel: silu_mul_gate_up first, then the plain path (same result); bad act / x
+    shape, in the dispatcher and in the CUDA launcher."""
     E, N, K_, k = 3, 24, 64, 4
     codes, scales, ts, cb = make_stack(E, N, K_, k)
     rc, rs = GR.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    rw = MM.RepackedWeight(rc, rs, ts, cb, (E, N, K_), k, 32)
     tok, ids = routing_ids(5, 2, E)
     rows = torch.arange(10, dtype=torch.int32)
     gu = torch.randn(10, 2 * K_).to(torch.float16)
+    y = D.grouped_gemm_repacked(gu, rows, ids, rw, sorted_rows=True, act="silu")
+    assert torch.equal(y, D.grouped_gemm_repacked(silu_mul_gate_up(gu), rows, ids, rw, sorted_rows=True))
     kw = dict(k=k, N=N, K=K_, sorted_rows=True)
-    y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)
-    assert torch.equal(y, GR.grouped_linear_repacked(silu_mul(gu), rows, ids, rc, rs, ts, cb, **kw))
-    with pytest.raises(ValueError, match="act"):
-        GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="gelu", **kw)
-    with pytest.raises(ValueError, match="x"):
-        GR.grouped_linear_repacked(gu[:, :K_], rows, ids, rc, rs, ts, cb, act="silu", **kw)
+    for fn in (lambda x, act: D.grouped_gemm_repacked(x, rows, ids, rw, sorted_rows=True, act=act),
+               lambda x, act: GR.grouped_linear_repacked(x, rows, ids, rc, rs, ts, cb, act=act, **kw)):
+        with pytest.raises(ValueError, match="act"):
+            fn(gu, "gelu")
+        with pytest.raises(ValueError, match="x"):
+            fn(gu[:, :K_], "silu")
 
 
 def test_choose_plan_picks_gemm_when_available(monkeypatch):
-    from kbit.ops import moe
-
+    moe = D
     monkeypatch.setattr(moe, "gemm_supported", lambda device, dtype: True)
     monkeypatch.setattr(moe, "grouped_mm_supported", lambda device, dtype, N, K: True)
     bf = torch.bfloat16
@@ -198,13 +206,13 @@ def test_gpu_block_table_cuda(P, E, bm, sort):
     ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
     if sort:
         ids = torch.sort(ids).values
-    blk, nblk = GR.block_table(ids.cuda(), bm)
-    ref = GR.block_table_reference(ids, bm)
+    blk, nblk = MB.block_table(ids.cuda(), bm)
+    ref = MB.block_table_reference(ids, bm)
     nb = int(nblk)
     assert nb == len(ref) - 1 and blk[: nb + 1].tolist() == ref
     if sort:  # from the group ends (kbit_moe_blocks_off), as align makes them
         offsets = torch.searchsorted(ids, torch.arange(E, dtype=torch.int32), right=True).to(torch.int32)
-        blk, nblk = GR.block_table(ids.cuda(), bm, offsets.cuda())
+        blk, nblk = MB.block_table(ids.cuda(), bm, offsets.cuda())
         nb = int(nblk)
         assert nb == len(ref) - 1 and blk[: nb + 1].tolist() == ref
 
@@ -248,7 +256,6 @@ def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
     """Kernels 1 and 4 forced (the default picks by block rows and K), blocks of 8..64 rows, long and short K."""
     if not GR.available("cuda"):
         pytest.skip("CUDA kernel not available")
-    monkeypatch.setenv("KBIT_GROUPED_KERNEL", kernel)
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     E, top_k, N = 16, 4, 336
     codes, scales, ts, cb = make_stack(E, N, K_, k, 32, "log8", device="cuda", seed=T + K_)
@@ -257,7 +264,8 @@ def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
     ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
     for ng in (1, 2, 4, 8) if kernel == "4" else (1, 2, 4):
-        y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, ng=ng, **kw)
+        cfg = grouped_mma_config(ng, -(-K_ // 256), kernel=int(kernel))
+        y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, config=cfg, **kw)
         assert rel_err(y, ref) < tol(dtype), ng
 
 
@@ -279,6 +287,12 @@ def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
 LARGE_CFGS = ["7,16,8,4,8,1,2", "7,12,16,4,8,1,2", "7,8,32,4,8,1,2", "7,8,32,4,8,1,1"]
 
 
+def wgmma_cfg(s: str) -> WgmmaGroupedConfig:
+    """A grouped kernel 7 config from its old positional form "7,warps,groups,stages,raster,x_swizzle,x_bulk"."""
+    _, W, ng, D_, gm, xsw, xb = (int(v) for v in s.split(","))
+    return WgmmaGroupedConfig(warps=W, groups=ng, stages=D_, raster=gm, x_swizzle=bool(xsw), x_bulk=xb)
+
+
 def _sm90():
     return CUDA and GR.available("cuda") and MM.large_ok("cuda")
 
@@ -294,18 +308,17 @@ def test_gpu_grouped_large_vs_reference(monkeypatch, cfg, k, dt, sf, sort):
     (gate_up) and no gather (down); unsorted rows (``sorted_rows=False``) take the other kernels."""
     if not _sm90():
         pytest.skip("needs sm_90 and the CUDA kernels")
-    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
-    monkeypatch.setenv("KBIT_GROUPED_LARGE_CFG", cfg)
+    monkeypatch.setattr(GR, "WGMMA_MIN_ROWS", 0)
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     E, T, top_k = 8, 600, 2
     for N, K_ in ((1000, 1100), (512, 256)):
         codes, scales, ts, cb = make_stack(E, N, K_, k, 32, sf, device="cuda", seed=k + N)
         tok, ids = routing_ids(T, top_k, E, seed=N, sort=sort, device="cuda")
         x = torch.randn(T, K_, device="cuda").to(dtype)
-        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_, sorted_rows=sort)
-        assert GR._large_rows(T * top_k, E, "cuda") == 8 * int(cfg.split(",")[2])
+        kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_, sorted_rows=sort,
+                  config=wgmma_cfg(cfg) if sort else None)
         y = GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)
-        kr = {a: b for a, b in kw.items() if a != "sorted_rows"}
+        kr = {a: b for a, b in kw.items() if a not in ("sorted_rows", "config")}
         ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kr)
         assert rel_err(y, ref) < tol(dtype), (N, K_)
         xs = torch.randn(T * top_k, K_, device="cuda").to(dtype)
@@ -330,13 +343,13 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
     graph replay equals eager bit for bit."""
     if not _sm90():
         pytest.skip("needs sm_90 and the CUDA kernels")
-    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
+    monkeypatch.setattr(GR, "WGMMA_MIN_ROWS", 0)
     for E, T, top_k, K_, bt in ((16, 40, 4, 512, 64), (8, 300, 2, 768, 128), (4, 700, 2, 256, 256)):
         tok, ids = routing_ids(T, top_k, E, seed=T, device="cuda")
         x = torch.randn(T, K_, device="cuda").bfloat16()
-        blk, nblk = GR.block_table(ids, bt)
+        blk, nblk = MB.block_table(ids, bt)
         P, S = T * top_k, K_ // 256
-        n_max = GR.max_blocks(P, E, bt)
+        n_max = MB.max_blocks(P, E, bt)
         a = GR._x_tiles_grouped(x, tok, blk, nblk, n_max, bt, S)
         b = GR._x_tiles_grouped_reference(x, tok, blk, nblk, n_max, bt, S)
         keep = tile_rows_written(blk, nblk, n_max, bt, S)
@@ -360,14 +373,12 @@ def test_gpu_grouped_large_x_tiles_no_sync_and_graph(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
-    """SiLU * up computed while gathering the grouped kernel 7's x tiles: the tiles match those of silu_mul's
-    output (to an ulp: exp and division may round differently), and ``act="silu"`` matches silu_mul + the plain
+    """SiLU * up computed while gathering the grouped kernel 7's x tiles: the tiles match those of silu_mul_gate_up's
+    output (to an ulp: exp and division may round differently), and ``act="silu"`` matches it + the plain
     call and the float64 reference; I not a multiple of 256; no host sync; graph replay equals eager."""
     if not _sm90():
         pytest.skip("needs sm_90 and the CUDA kernels")
-    from kbit.ops.moe import silu_mul, silu_mul_reference
-
-    monkeypatch.setattr(GR, "LARGE_MIN_ROWS", 0)
+    monkeypatch.setattr(GR, "WGMMA_MIN_ROWS", 0)
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     close = dict(rtol=1e-2, atol=1e-3) if dt == "bf16" else dict(rtol=2e-3, atol=1e-4)
     for E, T, top_k, I, bt in ((16, 40, 4, 512, 64), (8, 300, 2, 300, 128), (4, 700, 2, 768, 256)):
@@ -375,12 +386,12 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
         P, S = T * top_k, -(-I // 256)
         gu = (torch.randn(P, 2 * I, device="cuda") * 2).to(dtype)
         rows = torch.arange(P, device="cuda", dtype=torch.int32)
-        blk, nblk = GR.block_table(ids, bt)
-        n_max = GR.max_blocks(P, E, bt)
+        blk, nblk = MB.block_table(ids, bt)
+        n_max = MB.max_blocks(P, E, bt)
         nb = int(nblk)
         a = GR._x_tiles_grouped(gu, rows, blk, nblk, n_max, bt, S, silu=True)
         act = torch.zeros(P, S * 256, device="cuda", dtype=dtype)
-        act[:, :I] = silu_mul(gu)
+        act[:, :I] = silu_mul_gate_up(gu)
         b = GR._x_tiles_grouped_reference(act, rows, blk, nblk, n_max, bt, S)
         keep = tile_rows_written(blk, nblk, n_max, bt, S)
         a, b = a.view(keep.shape)[keep], b.view(keep.shape)[keep]
@@ -391,12 +402,11 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
         N = 520
         codes, scales, ts, cb = make_stack(E, N, I, 4, 32, "log8", device="cuda", seed=I)
         rc, rs = GR.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=I)
-        kw = dict(k=4, N=N, K=I, sorted_rows=True)
-        monkeypatch.setenv("KBIT_GROUPED_LARGE_CFG", {64: "7,16,8,4,8,1,2", 128: "7,12,16,4,8,1,2",
-                                                      256: "7,8,32,4,8,1,2"}[bt])
+        kw = dict(k=4, N=N, K=I, sorted_rows=True,
+                  config=wgmma_cfg({64: "7,16,8,4,8,1,2", 128: "7,12,16,4,8,1,2", 256: "7,8,32,4,8,1,2"}[bt]))
         y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)
-        y0 = GR.grouped_linear_repacked(silu_mul(gu), rows, ids, rc, rs, ts, cb, **kw)
-        ref = G.grouped_gemv_reference(silu_mul_reference(gu).to(dtype), rows, ids, codes, scales, ts, cb, k=4,
+        y0 = GR.grouped_linear_repacked(silu_mul_gate_up(gu), rows, ids, rc, rs, ts, cb, **kw)
+        ref = G.grouped_gemv_reference(silu_mul_gate_up_reference(gu).to(dtype), rows, ids, codes, scales, ts, cb, k=4,
                                        N=N, K=I)
         assert rel_err(y, ref) < tol(dtype) and rel_err(y, y0) < tol(dtype), (E, T, I)
 

@@ -13,17 +13,17 @@ CUDA = torch.cuda.is_available()
 if not CUDA:  # kernels run under the Triton interpreter; it must be chosen before the kernels are defined
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kbit import options  # noqa: E402
+from kbit.dispatch.moe import MoePlan, choose_plan, moe_experts  # noqa: E402
 from kbit.format.reference import dequantize_reference  # noqa: E402
 from kbit.nn.moe import KbitMoE, hf_parts  # noqa: E402
 from kbit.ops.moe import (  # noqa: E402
-    MoePlan,
-    choose_plan,
     combine,
     combine_reference,
     moe_reference,
     relative_error,
-    silu_mul,
-    silu_mul_reference,
+    silu_mul_gate_up,
+    silu_mul_gate_up_reference,
 )
 from kbit.ops.moe_align import align, align_reference, pair_order, sort_pairs  # noqa: E402
 from kbit.ops.moe_router import route_pairs, select_experts, select_experts_reference  # noqa: E402
@@ -206,12 +206,12 @@ def test_pair_order_routing():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("P,I", [(0, 8), (3, 37), (5, 128)])
-def test_silu_mul(dtype, P, I):
+def test_silu_mul_gate_up(dtype, P, I):
     gu = (torch.randn(P, 2 * I) * 3).to(dtype).to(DEV)
-    out = silu_mul(gu)
+    out = silu_mul_gate_up(gu)
     assert out.shape == (P, I) and out.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(out.double(), silu_mul_reference(gu), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), silu_mul_gate_up_reference(gu), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -258,8 +258,6 @@ def test_layer_fused_routing_vs_align(T, router):
     fused = m.route(logits, GEMV)
     assert fused.sorted == (T > 16) and not fused.has_groups
     out = _check_layer(m, x, logits, GEMV)
-    from kbit.ops.moe import moe_experts
-
     slow = moe_experts(x, m.route(logits), m.gate_up_weight(), m.down_weight(), GEMV)
     torch.testing.assert_close(out, slow, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="group tables"):
@@ -299,11 +297,10 @@ def test_cpu_tensors_without_the_interpreter(monkeypatch):
     m = KbitMoE.from_float(gu, dn, top_k=top_k, k=4, shared_expert=shared, dtype=torch.float32)
     x = torch.randn(2, 5, H)
     logits = torch.randn(10, E)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     import kbit.nn.moe as nn_moe
 
     monkeypatch.setattr(nn_moe, "moe_experts", None)  # the kernel path would fail here
-    with torch.no_grad():
+    with torch.no_grad(), options.override(interpret=False):
         out = m(x, logits)
         w, ids = select_experts_reference(logits, top_k)
         ref = moe_reference(x.reshape(-1, H), w, ids, dequantize_reference(m.gate_up_weight()),
@@ -598,7 +595,7 @@ def _skewed_inputs(T, E, H, seed=5):
 def test_tail_split_reference_invariants(bt, tail):
     """The split's definition: a permutation of the rows; the main part and the tail part each sorted by expert;
     every main block one expert's and at most bt rows, every tail block one expert's whole tail (1..tail rows)."""
-    from kbit.ops.grouped_mma import tail_split_reference
+    from kbit.ops.moe_blocks import tail_split_reference
 
     T, E, top_k = 300, 6, 2
     g = torch.Generator().manual_seed(bt)
@@ -628,14 +625,15 @@ def test_tail_split_reference_invariants(bt, tail):
 def test_gpu_tail_split_vs_reference(E, T, top_k):
     """kbit_moe_split + kbit_moe_split_rows equal their Python definition, entry for entry."""
     from kbit.ops import grouped_mma as GR
+    from kbit.ops import moe_blocks as MB
 
     if not GR.available(torch.device("cuda")):
         pytest.skip("needs the CUDA kernels")
     _, logits = _skewed_inputs(T, E, 64)
     w, ids = select_experts(logits, top_k)
     r = align(ids, E, w)
-    sp = GR.tail_split(r, 256)
-    eid2, tok2, pr2, rows_t, blk_m, blk_t = GR.tail_split_reference(r.expert_ids.cpu(), r.offsets.cpu(),
+    sp = MB.tail_split(r, 256)
+    eid2, tok2, pr2, rows_t, blk_m, blk_t = MB.tail_split_reference(r.expert_ids.cpu(), r.offsets.cpu(),
                                                                    r.pair_rows.cpu(), top_k, 256)
     assert sp.expert_ids.tolist() == eid2 and sp.token_ids.tolist() == tok2
     assert sp.pair_rows.tolist() == pr2 and sp.tail_rows.tolist() == rows_t
@@ -651,20 +649,20 @@ def test_gpu_tail_split_vs_reference(E, T, top_k):
 def test_gpu_tail_split_layer(shape, T, monkeypatch):
     """The layer with the tail split (kernel 4 on each expert's short last block) against the float64 reference
     and against the layer without it; no host sync; a graph replay equals eager."""
-    from kbit.ops import moe as MOE
-    from kbit.ops.grouped_mma import _large_rows
+    from kbit.dispatch import moe as MOE
+    from kbit.ops.grouped_mma import large_rows
 
     monkeypatch.setattr(MOE, "TAIL_SPLIT_MIN_E", 8)
     m = _gpu_layer(**shape)
     x, logits = _skewed_inputs(T, shape["E"], shape["H"])
     r = m.route(logits)
-    if not r.has_groups or _large_rows(r.P, r.E, x.device) != MOE.TAIL_SPLIT_BT:
+    if not r.has_groups or large_rows(r.P, r.E, x.device) != MOE.TAIL_SPLIT_BT:
         pytest.skip("needs sm_90 (the grouped kernel 7 with 256-row blocks)")
     out = _check_layer(m, x, logits)
     assert MOE._tail_split_rows(x, r, *m.kernel_weights()) == MOE.TAIL_SPLIT_BT  # the forward took the split
-    monkeypatch.setenv("KBIT_MOE_TAIL", "0")
+    monkeypatch.setattr(MOE, "TAIL_SPLIT_MIN_E", 1 << 30)  # no stack has that many experts: no split
     plain = _check_layer(m, x, logits)
-    monkeypatch.delenv("KBIT_MOE_TAIL")
+    monkeypatch.setattr(MOE, "TAIL_SPLIT_MIN_E", 8)
     assert relative_error(out, plain) < 1e-2
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

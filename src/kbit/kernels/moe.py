@@ -2,7 +2,8 @@
 expert, the fused SwiGLU activation and the weighted combine back to token order.
 
 Only @triton.jit code lives here; launchers are in ``kbit.ops.moe_router``, ``kbit.ops.moe_align`` and
-``kbit.ops.moe``. The element-wise kernels read and write the activation dtype and compute in float32.
+``kbit.ops.moe`` (``silu_mul_gate_up``, ``combine``). The element-wise kernels read and write the activation
+dtype and compute in float32.
 """
 
 import triton

@@ -4,7 +4,7 @@
 pairs as rows (``kbit.ops.moe_align``: sorted with group tables for ``torch._grouped_mm``; for a GEMV-only
 step one fused routing launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens, else sorted in one
 more launch), grouped gate_up, fused SiLU(gate) * up, grouped down, router weights and the combine back to
-token order (``kbit.ops.moe``). Decode (T = 1) is 5 launches. No host sync: a
+token order (``kbit.dispatch.moe``). Decode (T = 1) is 5 launches. No host sync: a
 step of fixed T is capturable in a CUDA graph (run one eager forward first: Triton compiles, lookup tables
 are built and cached).
 
@@ -22,12 +22,13 @@ a pinned ``"gemv"`` unrepacks the whole stack into a temporary each call; ``stat
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, route
+from kbit.format.pack import words_per_row
+from kbit.format.reference import dequantize_reference
 from kbit.format.spec import (
     DEFAULT_BLOCKSIZE,
     DEFAULT_K,
@@ -38,16 +39,37 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.nn.linear import CANONICAL, _capturing, _release
-from kbit.ops import gemv_mma
-from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, gemm_supported, moe_experts
-from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
-from kbit.ops.moe_router import ROUTERS, fusable, route_pairs, select_experts
+from kbit.ops.moe import moe_reference
+from kbit.ops.moe_align import MoeRouting
+from kbit.ops.moe_router import ROUTERS, select_experts_reference
+from kbit.ops.quantize import quantize
+from kbit.utils.device import interpreting
+
+# isort: split
+# --- layout "mma-v1" (the dense path moves these to kbit.ops.mma.layout): remap at merge ---
+from kbit.ops.gemv_mma import LAYOUT as MMA_LAYOUT  # "mma-v1"
+from kbit.ops.gemv_mma import RepackedWeight  # a weight or stack held in layout "mma-v1"
+from kbit.ops.grouped_mma import repack_stack, unrepack_stack
+
+# --- end of the layout block ---
 
 __all__ = ["KbitMoE"]
 
 _STACKS = ("gate_up", "down")
 _PARTS = ("codes", "scales", "tensor_scale", "codebook")
+CANONICAL = "canonical"
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _release(old: list[torch.Tensor]) -> None:
+    """Let the caching allocator reuse ``old`` (being dropped) only after the current stream's work: a repack
+    on a side stream (graph warm-up) reads tensors allocated on another stream."""
+    for t in old:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class KbitMoE(nn.Module):
@@ -91,8 +113,6 @@ class KbitMoE(nn.Module):
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
                  dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
         super().__init__()
-        from kbit.format.pack import words_per_row
-
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
         if min(E, H, I) < 1:
             raise ValueError(f"num_experts, hidden_size, intermediate_size: expected positive ints, got {E}, {H}, {I}")
@@ -107,7 +127,7 @@ class KbitMoE(nn.Module):
         self.scale_format = check_scale_format(scale_format)
         self.dtype, self.codebook_name = dtype, codebook_name
         self.layout = CANONICAL
-        #: pin the kernels (a :class:`~kbit.ops.moe.MoePlan`); None = chosen per call by token count
+        #: pin the kernels (a :class:`~kbit.dispatch.moe.MoePlan`); None = chosen per call by token count
         self.plan: MoePlan | None = None
         #: how the pairs are sorted by expert (``kbit.ops.moe_align.ALIGN_METHODS``)
         self.align_method = "sort"
@@ -136,8 +156,6 @@ class KbitMoE(nn.Module):
         codes, scales = getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")
         if self.layout == CANONICAL:
             return codes, scales
-        from kbit.ops.grouped_mma import unrepack_stack
-
         N, K = self._dims(name)
         return unrepack_stack(codes, scales, k=self.k, blocksize=self.blocksize, N=N, K=K)
 
@@ -160,7 +178,7 @@ class KbitMoE(nn.Module):
         """(gate_up, down) as held, sharing the buffers: ``KbitWeight`` or ``kbit.ops.gemv_mma.RepackedWeight``."""
         if self.layout == CANONICAL:
             return self._stack("gate_up"), self._stack("down")
-        return tuple(gemv_mma.RepackedWeight(*(getattr(self, f"{name}_{p}") for p in _PARTS),
+        return tuple(RepackedWeight(*(getattr(self, f"{name}_{p}") for p in _PARTS),
                                              (self.num_experts, *self._dims(name)), self.k, self.blocksize,
                                              self.scale_format, self.codebook_name) for name in _STACKS)
 
@@ -178,8 +196,6 @@ class KbitMoE(nn.Module):
         dropped, so freed unless referenced elsewhere). Idempotent; returns self."""
         if self.layout != CANONICAL:
             return self
-        from kbit.ops.grouped_mma import repack_stack
-
         for name in _STACKS:
             N, K = self._dims(name)
             old = [getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")]
@@ -188,7 +204,7 @@ class KbitMoE(nn.Module):
             del old
             setattr(self, f"{name}_codes", rc)
             setattr(self, f"{name}_scales", rs)
-        self.layout = gemv_mma.LAYOUT
+        self.layout = MMA_LAYOUT
         return self
 
     def to_canonical(self) -> KbitMoE:
@@ -240,8 +256,6 @@ class KbitMoE(nn.Module):
                    dtype: torch.dtype | None = None, **kwargs) -> KbitMoE:
         """Quantize float stacks ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` (``kbit.quantize``, one tensor
         scale per expert, on their device). ``dtype`` default: the weights' (bf16 for float32 on CUDA)."""
-        from kbit.ops.quantize import quantize
-
         if dtype is None:
             w = w_gate_up
             dtype = w.dtype if (w.dtype in (torch.float16, torch.bfloat16) or not w.is_cuda) else torch.bfloat16
@@ -265,39 +279,22 @@ class KbitMoE(nn.Module):
     # -- forward ------------------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
         """The step's expert choice as rows (:class:`~kbit.ops.moe_align.MoeRouting`), as ``forward`` makes it
-        for ``plan``. None (or a plan with ``grouped_mm``): torch ops, sorted by expert with the group tables
-        (any kernel). A GEMV-only plan (and a router :func:`~kbit.ops.moe_router.route_pairs` covers): one
-        fused launch, rows in router order up to ``PAIR_ORDER_MAX_T`` tokens (a plan with the grouped GEMM:
-        only at T = 1), else sorted in one more."""
-        T = router_logits.shape[0]
-        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group) or T > SORT_PAIRS_MAX_T:
-            w, ids = select_experts(router_logits, self.top_k, router=self.router, renormalize=self.norm_topk_prob,
-                                    correction_bias=self.correction_bias, n_group=self.n_group,
-                                    topk_group=self.topk_group, scaling=self.routed_scaling_factor)
-            return align(ids, self.num_experts, w, method=self.align_method)
-        w, ids, tok, rows = route_pairs(router_logits, self.top_k, router=self.router,
-                                        renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
-                                        scaling=self.routed_scaling_factor)
-        gemm = "gemm" in (plan.gate_up, plan.down)  # blocks of one expert's rows: needs them adjacent (T > 1)
-        if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
-            return pair_order(w, ids, tok, rows, self.num_experts)
-        return sort_pairs(w, ids, rows, self.num_experts)
+        for ``plan`` (``kbit.dispatch.moe.route``)."""
+        return route(router_logits, plan, top_k=self.top_k, E=self.num_experts, router=self.router,
+                     renormalize=self.norm_topk_prob, correction_bias=self.correction_bias, n_group=self.n_group,
+                     topk_group=self.topk_group, scaling=self.routed_scaling_factor, align_method=self.align_method)
 
     def plan_for(self, T: int, plan: MoePlan | None = None, dtype: torch.dtype | None = None,
                  device=None) -> MoePlan:
         """The kernels of a step of ``T`` tokens in ``dtype`` (default ``self.dtype``) on ``device`` (default
-        the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.ops.moe.choose_plan` (held in layout
+        the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.dispatch.moe.choose_plan` (held in layout
         "mma-v1": the grouped tensor-core kernel wherever that picks the GEMV; canonical with ``auto_repack``
         off: without that kernel)."""
         if plan or self.plan:
             return plan or self.plan
         dtype, device = dtype or self.dtype, device or self.gate_up_codes.device
-        repacked = self.layout != CANONICAL
-        p = choose_plan(T, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size, dtype, device,
-                        gemm=None if (repacked or self.auto_repack) else False)
-        if repacked and "gemv" in (p.gate_up, p.down) and gemm_supported(device, dtype):
-            p = MoePlan(*("gemm" if kn == "gemv" else kn for kn in (p.gate_up, p.down)))
-        return p
+        return plan_for_layout(T, self.top_k, self.num_experts, self.hidden_size, self.intermediate_size, dtype,
+                               device, repacked=self.layout != CANONICAL, auto_repack=self.auto_repack)
 
     def _maybe_repack(self, plan: MoePlan | None, x: torch.Tensor) -> bool:
         """Repack before a step whose plan runs the grouped tensor-core kernel (``auto_repack``, CUDA, not
@@ -323,7 +320,7 @@ class KbitMoE(nn.Module):
         if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
                              f"got {tuple(router_logits.shape)}")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":  # no Triton here: the reference
+        if not x.is_cuda and not interpreting():  # no Triton here: the reference
             return self._reference_forward(x, router_logits).reshape(hidden.shape)
         pinned = plan
         plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
@@ -341,10 +338,6 @@ class KbitMoE(nn.Module):
     def _reference_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The forward on tensors Triton cannot run (CPU without the interpreter): the float64 reference on the
         dequantized stacks (routing by :func:`select_experts_reference`), in x's dtype."""
-        from kbit.format.reference import dequantize_reference
-        from kbit.ops.moe import moe_reference
-        from kbit.ops.moe_router import select_experts_reference
-
         w, ids = select_experts_reference(router_logits, self.top_k, router=self.router,
                                           renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
                                           n_group=self.n_group, topk_group=self.topk_group,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kbit.kernels.moe import sort_pairs_kernel
+
 __all__ = ["ALIGN_METHODS", "MoeRouting", "align", "align_reference", "num_slots", "pair_order", "sort_pairs"]
 
 
@@ -207,8 +209,6 @@ def sort_pairs(topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_ids: torc
     token_ids = torch.empty_like(expert_ids)
     pair_rows = torch.empty_like(expert_ids)
     if P:
-        from kbit.kernels.moe import sort_pairs_kernel
-
         sort_pairs_kernel[(-(-P // _SORT_BLOCK),)](topk_ids, expert_ids, token_ids, pair_rows, P, TOP_K=top_k,
                                                    BLOCK=_SORT_BLOCK, num_warps=4)
     return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=expert_ids, token_ids=token_ids,

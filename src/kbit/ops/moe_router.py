@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kbit.kernels.moe import route_topk_kernel
+
 __all__ = ["ROUTERS", "fusable", "route_pairs", "select_experts", "select_experts_reference"]
 
 ROUTERS = ("softmax", "sigmoid")
@@ -139,8 +141,6 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
         return weights, ids, token_ids, row_ids
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
         raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
-    from kbit.kernels.moe import route_topk_kernel
-
     block_e = max(16, 1 << (E - 1).bit_length())
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     route_topk_kernel[(T,)](router_logits, bias, weights, ids, token_ids, row_ids, E, router_logits.stride(0),

@@ -1,0 +1,407 @@
+"""The experts of an MoE layer on k-bit weight stacks: which kernels run a step, and the step composed of them.
+
+Grouped gate_up, fused SwiGLU, grouped down, weighted combine back to token order; sync-free and
+graph-capturable for a fixed number of tokens. Steps (``P = T * top_k`` pairs as rows of a
+``kbit.ops.moe_align.MoeRouting``: sorted by expert, or in router order for a GEMV-only decode step):
+
+1. ``gu[P, 2I] = x[token of row] @ W_gate_up[expert of row].T`` (:func:`expert_matmul`);
+2. ``a[P, I] = silu(gu[:, :I]) * gu[:, I:]`` (``kbit.ops.moe.silu_mul_gate_up``; where the grouped wgmma
+   kernel 7 serves step 3, computed while it gathers its x tiles instead);
+3. ``y[P, H] = a @ W_down[expert of row].T`` (:func:`expert_matmul`);
+4. ``out[t] = sum_s w[t, s] * y[row of (t, s)]`` (``kbit.ops.moe.combine``).
+
+Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
+
+- ``"gemv"``: ``kbit.ops.gemv.grouped_gemv``, one launch over all pairs, each pair reading its expert's
+  packed codes (any row order; when sorted, rows of one expert are adjacent, so repeated reads mostly hit
+  L2). For few rows per expert.
+- ``"grouped_mm"``: the touched experts dequantized to the activation dtype (``kbit.ops.dequant``; with
+  ``S = min(E, P)`` slots, a fixed size, so no sync), then ``torch._grouped_mm`` on the sorted rows. For
+  many rows per expert, where the dequantization is paid once per expert instead of once per row.
+- ``"gemm"``: the grouped tensor-core kernels (``kbit.ops.grouped_mma``, CUDA through NVRTC): rows sorted by
+  expert, cut into blocks of 8-256 rows of one expert (a block table built on the device), each block's expert
+  weight read and decoded once for all its rows. CUDA with fp16/bf16 only (elsewhere :func:`grouped_gemm` runs
+  the GEMV, so :func:`choose_plan` does not pick it).
+
+Thresholds: ``kbit.tuning.moe``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from kbit.format.spec import KbitWeight
+from kbit.ops.dequant import dequantize_tensors
+from kbit.ops.gemv import grouped_gemv
+from kbit.ops.grouped_mma import (
+    available,
+    choose_ng,
+    fused_silu_ok,
+    grouped_linear,
+    grouped_linear_repacked,
+    large_rows,
+    run_blocks,
+)
+from kbit.ops.moe import combine, silu_mul_gate_up
+from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
+from kbit.ops.moe_blocks import block_table, tail_split
+from kbit.ops.moe_router import fusable, route_pairs, select_experts
+from kbit.tuning.moe import (
+    GEMM_MAX_ROWS_PER_EXPERT,
+    GEMV_MAX_ROWS_PER_EXPERT,
+    GEMV_T1_MAX_WEIGHTS,
+    PAIR_ORDER_MAX_T,
+    SORT_PAIRS_MAX_T,
+    TAIL_ROWS,
+    TAIL_SPLIT_BT,
+    TAIL_SPLIT_MIN_E,
+    rows_per_expert,
+)
+from kbit.utils.checks import fail
+
+# isort: split
+# --- layout "mma-v1" (the dense path moves it to kbit.ops.mma.layout): remap at merge ---
+from kbit.ops.grouped_mma import unrepack_stack
+
+# --- end of the layout block ---
+
+__all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
+           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]
+
+MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
+#: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
+_MMA_LAYOUT = "mma-v1"
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Kernel of each grouped step: one of :data:`MOE_KERNELS` for ``gate_up`` and ``down``."""
+
+    gate_up: str
+    down: str
+
+    def __post_init__(self):
+        for name in ("gate_up", "down"):
+            if getattr(self, name) not in MOE_KERNELS:
+                raise ValueError(f"MoePlan.{name}: expected one of {MOE_KERNELS}, got {getattr(self, name)!r}")
+
+    @property
+    def needs_groups(self) -> bool:
+        """Whether a step needs the group tables of :func:`kbit.ops.moe_align.align` (``torch._grouped_mm``
+        does); the GEMV and the fused GEMM take any row lists."""
+        return "grouped_mm" in (self.gate_up, self.down)
+
+
+@functools.cache
+def _grouped_mm_probe(device: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dev = torch.device(device)
+        a = torch.zeros(16, 16, dtype=dtype, device=dev)
+        b = torch.zeros(2, 16, 16, dtype=dtype, device=dev)
+        offs = torch.full((2,), 16, dtype=torch.int32, device=dev)
+        torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@functools.cache
+def _capability(device: str) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(torch.device(device))
+
+
+def grouped_mm_supported(device, dtype: torch.dtype, N: int, K: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs sync-free on ``device`` in ``dtype`` for ``[N, K]`` weights.
+
+    On CUDA only its CUTLASS path qualifies: bfloat16 on sm90/sm100 with 16-byte aligned rows (its fallback
+    for other dtypes and GPUs copies ``offs`` to the host, a sync that also breaks graph capture). Elsewhere
+    (the CPU, for tests) probed once per device and dtype: run one eager forward before capturing a graph.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or _capability(str(device))[0] not in (9, 10) or N % 8 or K % 8:
+            return False
+    return _grouped_mm_probe(str(device), dtype)
+
+
+def gemm_supported(device, dtype: torch.dtype) -> bool:
+    """Whether the grouped tensor-core kernels (``kbit.ops.grouped_mma``) run on ``device`` in ``dtype``."""
+    if dtype not in (torch.float16, torch.bfloat16) or torch.device(device).type != "cuda":
+        return False
+    return available(device)
+
+
+def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device,
+                gemm: bool | None = None) -> MoePlan:
+    """The kernels for a step of ``T`` tokens (module docstring); a function of shapes only.
+
+    On CUDA (fp16/bf16, NVRTC): the GEMV at T = 1 on experts of at most ``GEMV_T1_MAX_WEIGHTS`` weights,
+    else the grouped tensor-core GEMM up to ``GEMM_MAX_ROWS_PER_EXPERT`` rows per touched expert
+    (``T * top_k / min(E, T * top_k)``) or where kernel 7 serves the step, dequantize + ``torch._grouped_mm``
+    above where it runs. Elsewhere: GEMV (fp16/bf16 only) while there are at most ``GEMV_MAX_ROWS_PER_EXPERT``
+    rows per touched expert, dequantize + ``torch._grouped_mm`` above, or whichever exists.
+    ``gemm=False``: plan as if the grouped tensor-core kernel were not there (it reads layout "mma-v1"; a
+    ``kbit.nn.KbitMoE`` that keeps the canonical layout plans without it).
+    """
+    P = T * top_k
+    rpe = rows_per_expert(P, E)
+    gemv_ok = dtype in (torch.float16, torch.bfloat16)
+    gemm_ok = gemm is not False and gemm_supported(device, dtype)
+    plan = []
+    for N, K in ((2 * I, H), (H, I)):
+        mm_ok = grouped_mm_supported(device, dtype, N, K)
+        if gemm_ok and gemv_ok and T == 1 and N * K <= GEMV_T1_MAX_WEIGHTS:
+            plan.append("gemv")
+        elif gemm_ok and (rpe <= GEMM_MAX_ROWS_PER_EXPERT or not mm_ok or large_rows(P, E, device)):
+            plan.append("gemm")
+        elif gemv_ok and (rpe <= GEMV_MAX_ROWS_PER_EXPERT or not mm_ok):
+            plan.append("gemv")
+        elif mm_ok:
+            plan.append("grouped_mm")
+        else:
+            raise ValueError(f"dtype: expected float16/bfloat16 (the k-bit GEMV), or a dtype torch._grouped_mm "
+                             f"supports on {device} for [{N}, {K}] weights, got {dtype}")
+    return MoePlan(*plan)
+
+
+def plan_for_layout(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device, *, repacked: bool,
+                    auto_repack: bool) -> MoePlan:
+    """:func:`choose_plan` for stacks held in layout "mma-v1" (``repacked``: the grouped tensor-core GEMM
+    wherever that picks the GEMV, which would unrepack the stack each call) or canonical (with
+    ``auto_repack`` off: planned without the grouped tensor-core kernel, which reads layout "mma-v1")."""
+    p = choose_plan(T, top_k, E, H, I, dtype, device, gemm=None if (repacked or auto_repack) else False)
+    if repacked and "gemv" in (p.gate_up, p.down) and gemm_supported(device, dtype):
+        p = MoePlan(*("gemm" if kn == "gemv" else kn for kn in (p.gate_up, p.down)))
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ routing
+
+
+def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: int, router: str = "softmax",
+          renormalize: bool = True, correction_bias: torch.Tensor | None = None, n_group: int = 1,
+          topk_group: int = 1, scaling: float = 1.0, align_method: str = "sort") -> MoeRouting:
+    """The step's expert choice as rows for ``plan``. None (or a plan with ``grouped_mm``, or a router that
+    ``kbit.ops.moe_router.route_pairs`` does not cover, or more than ``SORT_PAIRS_MAX_T`` tokens): torch ops,
+    sorted by expert with the group tables (any kernel). Else one fused launch, rows in router order up to
+    ``PAIR_ORDER_MAX_T`` tokens (a plan with the grouped GEMM: only at T = 1, its blocks need each expert's
+    rows adjacent), else sorted in one more launch."""
+    T = router_logits.shape[0]
+    if plan is None or plan.needs_groups or not fusable(router, n_group) or T > SORT_PAIRS_MAX_T:
+        w, ids = select_experts(router_logits, top_k, router=router, renormalize=renormalize,
+                                correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
+                                scaling=scaling)
+        return align(ids, E, w, method=align_method)
+    w, ids, tok, rows = route_pairs(router_logits, top_k, router=router, renormalize=renormalize,
+                                    correction_bias=correction_bias, scaling=scaling)
+    gemm = "gemm" in (plan.gate_up, plan.down)
+    if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
+        return pair_order(w, ids, tok, rows, E)
+    return sort_pairs(w, ids, rows, E)
+
+
+# ------------------------------------------------------------------------------------------------ expert matmul
+
+
+def _repacked(weight) -> bool:
+    """Whether ``weight`` is held in layout "mma-v1" (a ``kbit.ops.gemv_mma.RepackedWeight``)."""
+    return getattr(weight, "layout", None) == _MMA_LAYOUT
+
+
+def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight: KbitWeight, blocks=None,
+                 sorted_rows: bool = False) -> torch.Tensor:
+    """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` on a stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``,
+    ``[P, N]`` in x's dtype: the grouped tensor-core kernel (``kbit.ops.grouped_mma.grouped_linear``) where it
+    runs, else the grouped GEMV (same semantics). ``blocks``, ``sorted_rows``: see ``grouped_linear``."""
+    kw = dict(k=weight.k, blocksize=weight.blocksize, scale_format=weight.scale_format, N=weight.N, K=weight.K)
+    args = (x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook)
+    if not available(x.device):
+        return grouped_gemv(*args, **kw)
+    return grouped_linear(*args, **kw, blocks=blocks, sorted_rows=sorted_rows)
+
+
+def grouped_gemm_repacked(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight, blocks=None,
+                          sorted_rows: bool = False, act: str | None = None) -> torch.Tensor:
+    """:func:`grouped_gemm` on a stack held in layout "mma-v1" (``kbit.ops.gemv_mma.RepackedWeight``).
+    ``act="silu"``: x is a gate_up product ``[T, 2K]`` and the input is its SwiGLU, computed by the grouped
+    kernel 7 while it gathers x where it can (``kbit.ops.grouped_mma.fused_silu_ok``), else by
+    ``silu_mul_gate_up`` first. Where the CUDA kernel does not run: an unrepacked temporary of the stack and the
+    grouped GEMV."""
+    if act not in (None, "silu"):
+        fail(ValueError, "act", "None or 'silu'", act)
+    K = weight.K
+    if act == "silu" and (x.dim() != 2 or x.shape[1] != 2 * K):
+        fail(ValueError, "x", f"a gate_up product [T, {2 * K}] (act='silu')", tuple(x.shape))
+    kw = dict(k=weight.k, blocksize=weight.blocksize, scale_format=weight.scale_format, N=weight.N, K=K)
+    E = weight.codes.shape[0] if weight.codes.dim() == 6 else -1
+    cuda = available(x.device)
+    if act == "silu" and not (cuda and sorted_rows and rows.shape[0] and fused_silu_ok(x, rows.shape[0], E)):
+        x, act = silu_mul_gate_up(x), None
+    if not cuda:
+        codes, scales = unrepack_stack(weight.codes, weight.scales, k=weight.k, blocksize=weight.blocksize,
+                                       N=weight.N, K=K)
+        return grouped_gemv(x, rows, expert_ids, codes, scales, weight.tensor_scale, weight.codebook, **kw)
+    return grouped_linear_repacked(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale,
+                                   weight.codebook, **kw, blocks=blocks, sorted_rows=sorted_rows, act=act)
+
+
+def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtype):
+    """(float weights ``[S or E, N, K]``, the matching ``offs``): every expert when ``S == E`` (no gather),
+    else the touched experts gathered into ``S`` slots (unused slots hold expert 0, with empty groups).
+    A repacked stack is unrepacked (the gathered slots only) into a temporary first."""
+    E = weight.shape[0]
+    codes, scales, ts = weight.codes, weight.scales, weight.tensor_scale
+    offs = routing.offsets
+    idx = None
+    if routing.S < E:
+        idx = routing.slot_experts.clamp(min=0)
+        offs = routing.slot_offsets
+    if _repacked(weight):
+        codes, scales = weight.canonical_tensors(idx)
+        if idx is not None:
+            ts = ts.index_select(0, idx)
+    elif idx is not None:
+        codes, scales, ts = codes.index_select(0, idx), scales.index_select(0, idx), ts.index_select(0, idx)
+    w = dequantize_tensors(codes, scales, ts, weight.codebook, k=weight.k, blocksize=weight.blocksize,
+                           scale_format=weight.scale_format, shape=(codes.shape[0], weight.N, weight.K),
+                           dtype=dtype)
+    return w, offs
+
+
+def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kernel: str,
+                  gather: bool, blocks=None, act: str | None = None) -> torch.Tensor:
+    """``y[r] = x[token_ids[r] if gather else r] @ W[expert_ids[r]].T`` for every sorted row ``r``.
+
+    Parameters
+    ----------
+    x : ``[T, K]`` (``gather``: token activations) or ``[P, K]`` (one row per sorted pair).
+    routing : the step's :class:`~kbit.ops.moe_align.MoeRouting`.
+    weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``, or a stack held in layout "mma-v1"
+        (``kbit.ops.gemv_mma.RepackedWeight``): read as it is by ``"gemm"``; ``"gemv"`` unrepacks the whole
+        stack into a temporary, ``"grouped_mm"`` the touched experts.
+    kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
+    blocks : ``"gemm"`` only: the step's ``kbit.ops.moe_blocks.block_table`` (built there when None).
+    act : ``"silu"``: x is a gate_up product ``[P, 2K]`` and the input is ``silu_mul_gate_up`` of it (the grouped
+        kernel 7 computes it while gathering its x tiles; other kernels run ``silu_mul_gate_up`` first).
+
+    Returns
+    -------
+    ``[P, N]`` in x's dtype, rows in sorted order.
+    """
+    if act not in (None, "silu"):
+        raise ValueError(f"act: expected None or 'silu', got {act!r}")
+    rows = routing.token_ids if gather else routing.row_ids
+    if _repacked(weight) and kernel == "gemm":
+        return grouped_gemm_repacked(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted,
+                                     act=act)
+    if act == "silu":
+        x = silu_mul_gate_up(x)
+    if _repacked(weight) and kernel == "gemv":
+        weight = weight.canonical()
+    if kernel == "gemv":
+        return grouped_gemv(x, rows, routing.expert_ids, weight.codes, weight.scales, weight.tensor_scale,
+                            weight.codebook, k=weight.k, blocksize=weight.blocksize,
+                            scale_format=weight.scale_format, N=weight.N, K=weight.K)
+    if kernel == "grouped_mm":
+        if not routing.has_groups:
+            raise ValueError("kernel 'grouped_mm': expected a routing with group tables (kbit.ops.moe_align.align), "
+                             "got one without (pair_order / sort_pairs)")
+        xs = x.index_select(0, routing.token_ids) if gather else x
+        w, offs = _dequantize_slots(weight, routing, x.dtype)
+        return torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs)
+    if kernel == "gemm":
+        return grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted)
+    raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
+
+
+# ------------------------------------------------------------------------------------------------ layer
+
+
+def _tail_split_rows(hidden, routing: MoeRouting, gate_up, down) -> int:
+    """The grouped kernel 7's rows a block if this step takes the tail split, else 0: both stacks held in layout
+    "mma-v1", rows sorted with group ends (``align``), at least ``TAIL_SPLIT_MIN_E`` experts, kernel 7 with
+    ``TAIL_SPLIT_BT``-row blocks."""
+    if not (routing.sorted and routing.has_groups):
+        return 0
+    if not (_repacked(gate_up) and _repacked(down)) or routing.P == 0 or routing.E < TAIL_SPLIT_MIN_E:
+        return 0
+    bt = large_rows(routing.P, routing.E, hidden.device)
+    return bt if bt == TAIL_SPLIT_BT else 0
+
+
+def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> torch.Tensor:
+    """:func:`moe_experts` with each expert's last block of at most ``TAIL_ROWS`` rows served by kernel 4 (32-row
+    blocks) instead of the grouped kernel 7 (``kbit.ops.moe_blocks.tail_split``): the rows are reordered into a
+    main part and a tail part, each GEMM runs twice into one output (kernel 7 on the main part's blocks, kernel 4
+    on the tail's), the tail's SiLU * up from ``silu_mul_gate_up`` over the step's last ``R`` rows (the main
+    part's is made in kernel 7's x gather), and the combine reads the new rows."""
+    sp = tail_split(routing, bt)
+    P, ng_tail = routing.P, TAIL_ROWS // 8  # kernel 4: one block a tail
+
+    def run(x, rows, w, y, ng, blocks, main, silu=False):
+        run_blocks(x, rows, sp.expert_ids, w.codes, w.scales, w.tensor_scale, w.codebook, y, k=w.k,
+                   scale_format=w.scale_format, N=w.N, ng=ng, blocks=blocks, sorted_rows=main, silu=silu)
+
+    gu = hidden.new_empty(P, gate_up.N)
+    run(hidden, sp.token_ids, gate_up, gu, bt // 8, sp.main_blocks, True)
+    run(hidden, sp.token_ids, gate_up, gu, ng_tail, sp.tail_blocks, False)
+    y = hidden.new_empty(P, down.N)
+    run(gu, routing.row_ids, down, y, bt // 8, sp.main_blocks, True, silu=True)
+    run(silu_mul_gate_up(gu[P - sp.R:]), sp.tail_rows, down, y, ng_tail, sp.tail_blocks, False)
+    return combine(y, replace(routing, pair_rows=sp.pair_rows), hidden.dtype)
+
+
+def _check_experts(hidden, routing, gate_up, down) -> tuple[int, int, int, int]:
+    """(T, H, E, I) of a valid :func:`moe_experts` call."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected shape [T, H], got {tuple(hidden.shape)}")
+    T, H = hidden.shape
+    if len(gate_up.shape) != 3 or len(down.shape) != 3:
+        raise ValueError(f"gate_up, down: expected stacks [E, 2I, H] and [E, H, I], got {gate_up.shape}, "
+                         f"{down.shape}")
+    E, I2, Hg = gate_up.shape
+    I = I2 // 2
+    if Hg != H or I2 % 2 or tuple(down.shape) != (E, H, I):
+        raise ValueError(f"down: expected shape {(E, H, I)} for gate_up {gate_up.shape} and hidden [T, {H}], "
+                         f"got {down.shape}")
+    if routing.T != T or routing.E != E:
+        raise ValueError(f"routing: expected T={T}, E={E}, got T={routing.T}, E={routing.E}")
+    return T, H, E, I
+
+
+def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, down: KbitWeight,
+                plan: MoePlan | None = None) -> torch.Tensor:
+    """The routed experts of an MoE layer: ``[T, H]`` -> ``[T, H]`` in hidden's dtype (module docstring).
+
+    Parameters
+    ----------
+    hidden : fp16/bf16 (any kernel) or a dtype ``torch._grouped_mm`` supports ``[T, H]``.
+    routing : :func:`kbit.ops.moe_align.align` of the step's top-k choice (or :func:`route`'s routing).
+    gate_up : :class:`~kbit.format.KbitWeight` ``[E, 2I, H]`` (gate rows first, then up rows), or the stack in
+        layout "mma-v1" (``kbit.ops.gemv_mma.RepackedWeight``, see :func:`expert_matmul`).
+    down : :class:`~kbit.format.KbitWeight` ``[E, H, I]`` (or repacked).
+    plan : the kernels; default :func:`choose_plan`.
+    """
+    T, H, E, I = _check_experts(hidden, routing, gate_up, down)
+    if T == 0:
+        return hidden.new_zeros(0, H)
+    plan = plan or choose_plan(T, routing.top_k, E, H, I, hidden.dtype, hidden.device)
+    blocks = None
+    if plan.gate_up == plan.down == "gemm" and gemm_supported(hidden.device, hidden.dtype):
+        bt = _tail_split_rows(hidden, routing, gate_up, down)
+        if bt:
+            return _experts_tail_split(hidden, routing, gate_up, down, bt)
+        ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
+        # one table for both GEMMs; from the group ends where align made them (a group, not a row, at a time)
+        blocks = block_table(routing.expert_ids, 8 * ng, routing.offsets if routing.sorted else None)
+    gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
+    y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
+    return combine(y, routing, hidden.dtype)
