@@ -124,10 +124,14 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu",
     return buf.raw, log_s
 
 
-@functools.cache
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC in use."""
-    lib, major, minor = _nvrtc(), ctypes.c_int(), ctypes.c_int()
+    """(major, minor) of the NVRTC in use (``options.get().nvrtc_lib``)."""
+    return _nvrtc_version_at(options.get().nvrtc_lib)
+
+
+@functools.cache
+def _nvrtc_version_at(path: str | None) -> tuple[int, int]:
+    lib, major, minor = _nvrtc_at(path), ctypes.c_int(), ctypes.c_int()
     _check_nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
     return major.value, minor.value
 

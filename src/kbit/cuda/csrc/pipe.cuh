@@ -70,7 +70,7 @@ __device__ __forceinline__ void fold_scales(u32 (&A)[2][4], const u32 (&T)[2][4]
     A[h][3] = hmul2(T[h][3], s1);
   }
 }
-/* kernels 4-7: the code lookup table and the packed log8 scales (s, s), pre-multiplied by SPRE */
+/* the code lookup table and the packed log8 scales (s, s), pre-multiplied by SPRE */
 __device__ __forceinline__ void build_tables(u32 tab, const float* __restrict__ cb, const float* __restrict__ e_tab,
                                              u32 tid) {
   build_table_fast(tab, cb, tid, MAXW * 32);
