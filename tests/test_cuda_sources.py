@@ -118,3 +118,30 @@ def test_compile_error_names_the_header():
     bad = {**DEFINES["mma_pipe.cu"], "NG": 1, "WS4": 1}  # WS4 needs NG > 1: an #error in splitk.cuh
     with options.override(cache_dir=None), pytest.raises(runtime.NvrtcError, match=r"splitk\.cuh\(\d+\)"):
         sources.compile_source("mma_pipe.cu", bad, "sm_90")
+
+
+def test_compile_kernel_caches_kernels_and_shares_a_file_module(monkeypatch):
+    """One compile and load a (file, defines, device, NVRTC); one Kernel a name; a define change compiles again."""
+    compiled, loaded = [], []
+
+    def fake_compile(source, arch, opts, name, headers, refresh):
+        compiled.append((name, arch, opts))
+        return b"\x7fELF", False
+
+    monkeypatch.setattr(runtime, "_compile_cached", fake_compile)
+    monkeypatch.setattr(runtime, "load_module", lambda cubin, dev, rebuild=None: (loaded.append(dev) or "mod", cubin))
+    monkeypatch.setattr(runtime, "get_kernel", lambda mod, cubin, name, dev: ("kernel", name, dev.index))
+    monkeypatch.setattr(runtime, "device_arch", lambda dev, specific=False: "sm_90a" if specific else "sm_90")
+    monkeypatch.setattr(sources, "_KERNELS", {})
+    monkeypatch.setattr(sources, "_MODULES", {})
+    a = sources.compile_kernel("x_tiles.cu", "kbit_x_tiles", {}, "cuda:0")
+    assert sources.compile_kernel("x_tiles.cu", "kbit_x_tiles", {}, "cuda:0") is a
+    sources.compile_kernel("x_tiles.cu", "kbit_x_tiles_g", {}, "cuda:0")
+    assert len(compiled) == 1 and len(loaded) == 1  # the file's second kernel from the same module
+    sources.compile_kernel("wgmma.cu", "kbit_wgmma", {"NG": 8}, "cuda:0")
+    sources.compile_kernel("wgmma.cu", "kbit_wgmma", {"NG": 16}, "cuda:0")
+    assert compiled[1:] == [("wgmma.cu", "sm_90a", ("-DNG=8",)), ("wgmma.cu", "sm_90a", ("-DNG=16",))]
+    sources.compile_kernel("x_tiles.cu", "kbit_x_tiles", {}, "cuda:1")
+    with options.override(nvrtc_lib="/other/libnvrtc.so"):  # another compiler: its own build
+        sources.compile_kernel("x_tiles.cu", "kbit_x_tiles", {}, "cuda:0")
+    assert len(compiled) == 5
