@@ -7,7 +7,8 @@ file (-D options, headers) with the same NVRTC for sm_90 (sm_90a for wgmma.cu), 
 cuobjdump and compares each kernel's SASS (kernel name and column padding normalised) and resource usage
 (registers, stack, shared, local, constant bytes). Needs NVRTC only, no GPU::
 
-    python lab/cuda_sass_ab.py --nvrtc /path/to/libnvrtc.so.12 [--cuobjdump PATH] [--jobs 2] [--quick]
+    python lab/cuda_sass_ab.py --nvrtc /path/to/libnvrtc.so.12 [--cuobjdump PATH] [--jobs 2] [--quick] \
+        [--files mma_pipe.cu ...]
 
 Exit status 1 if any kernel differs.
 """
@@ -30,7 +31,7 @@ OLD_NAMES = {
     ("gemv_mma_split.cu", "kbit_gemv_mma_split"): ("mma", "kbit_gemv_mma", 1),
     ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"): ("mma", "kbit_gemv_mma", 3),
     ("mma_pipe.cu", "kbit_mma_pipe"): ("mma", "kbit_gemv_mma", 4),
-    ("mma_pipe.cu", "kbit_grouped_mma_pipe"): ("mma", "kbit_grouped_mma4", 5),
+    ("grouped_mma_pipe.cu", "kbit_grouped_mma_pipe"): ("mma", "kbit_grouped_mma4", 5),
     ("wgmma.cu", "kbit_wgmma"): ("mma", "kbit_gemv_mma", 7),
     ("x_tiles.cu", "kbit_x_tiles"): ("x_tiles", "kbit_x_tiles", None),
     ("x_tiles.cu", "kbit_x_tiles_g"): ("x_tiles", "kbit_x_tiles_g", None),
@@ -96,12 +97,14 @@ def cases(quick=False):
           dict(NG=2, MAXW=8, MINB=2, XS=1, WS4=1)]
     add("gemv_mma_streamk.cu", ["kbit_gemv_mma_streamk"],
         [{"D": 1, "XK": 0, "L2PF": 0, "WS4": 0, **v} for v in k3], lambda k: {"PD": {2: 2, 3: 3, 4: 2, 5: 2}[k]})
-    # kernel 4 (the file also holds the grouped kernel: both compared)
+    # kernel 4
     k4 = [dict(NG=2, D=2, MAXW=8, RT=1, WS4=0), dict(NG=4, D=2, MAXW=8, RT=1, WS4=1),
           dict(NG=8, D=2, MAXW=16, RT=1, WS4=0), dict(NG=8, D=2, MAXW=16, RT=1, WS4=1)]
-    add("mma_pipe.cu", ["kbit_mma_pipe", "kbit_grouped_mma_pipe"], [{"MINB": 1, **v} for v in k4])
+    add("mma_pipe.cu", ["kbit_mma_pipe"], [{"MINB": 1, **v} for v in k4])
     k5 = [dict(NG=1, MAXW=4), dict(NG=2, MAXW=8), dict(NG=4, MAXW=8), dict(NG=8, MAXW=16)]
-    add("mma_pipe.cu", ["kbit_grouped_mma_pipe", "kbit_mma_pipe"], [{"D": 2, "MINB": 1, "RT": 1, **v} for v in k5])
+    add("grouped_mma_pipe.cu", ["kbit_grouped_mma_pipe"], [{"D": 2, "MINB": 1, "RT": 1, **v} for v in k5])
+    # the grouped kernel at kernel 4's define sets too (NG 2..8)
+    add("grouped_mma_pipe.cu", ["kbit_grouped_mma_pipe"], [{"MINB": 1, **v, "WS4": 0} for v in k4])
     # kernel 7: large_defines(); the constants the callers pass along (AB, GM, XSW, XB, RT, MINB, ARCH_SPECIFIC)
     k7 = [(4, 6, 8, 1, 0, 0), (4, 6, 8, 1, 0, 1), (8, 6, 16, 1, 0, 1), (8, 6, 12, 1, 0, 0), (16, 4, 12, 1, 0, 1),
           (32, 4, 8, 1, 0, 0), (32, 4, 8, 0, 0, 0), (32, 4, 8, 0, 0, 1), (8, 4, 16, 0, 1, 0), (16, 4, 12, 0, 1, 0),
@@ -203,6 +206,7 @@ def main(argv=None):
     p.add_argument("--cuobjdump", default=None, help="default: the one in triton's nvidia backend")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="one variant a kernel")
+    p.add_argument("--files", nargs="*", help="only these .cu files")
     a = p.parse_args(argv)
     cuobjdump = a.cuobjdump
     if cuobjdump is None:
@@ -210,7 +214,7 @@ def main(argv=None):
 
         cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     old = old_sources()
-    todo = cases(a.quick)
+    todo = [c for c in cases(a.quick) if not a.files or c[0] in a.files]
     n = bad = 0
     with concurrent.futures.ProcessPoolExecutor(a.jobs, initializer=_init, initargs=(a.nvrtc, old)) as ex:
         for res in ex.map(compare, todo, [cuobjdump] * len(todo)):

@@ -92,6 +92,7 @@ DEFINES = {
     "gemv_mma_streamk.cu": dict(K_BITS=3, NG=1, MAXW=8, MINB=2, PD=3, XS=1, XK=0, BF16=1, FP16_SCALES=0, WS4=0,
                                 M1=1, CAU=1, LFW=2),
     "mma_pipe.cu": dict(K_BITS=4, NG=4, D=2, MAXW=8, MINB=1, RT=1, BF16=0, FP16_SCALES=1, WS4=1),
+    "grouped_mma_pipe.cu": dict(K_BITS=2, NG=1, D=2, MAXW=4, MINB=1, RT=1, BF16=1, FP16_SCALES=0),
     "wgmma.cu": dict(K_BITS=4, NG=8, D=6, MAXW=16, SK=1, BF16=0, FP16_SCALES=0, WS4=1),
     "x_tiles.cu": {},
     "dequant_mma.cu": dict(K_BITS=5, FP16_SCALES=0, BF16=1, VEC=1),

@@ -27,7 +27,8 @@ CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 KERNELS = {
     "gemv_mma_split.cu": ("kbit_gemv_mma_split",),
     "gemv_mma_streamk.cu": ("kbit_gemv_mma_streamk",),
-    "mma_pipe.cu": ("kbit_mma_pipe", "kbit_grouped_mma_pipe"),
+    "mma_pipe.cu": ("kbit_mma_pipe",),
+    "grouped_mma_pipe.cu": ("kbit_grouped_mma_pipe",),
     "wgmma.cu": ("kbit_wgmma",),
     "x_tiles.cu": ("kbit_x_tiles", "kbit_x_tiles_g", "kbit_x_tiles_silu_g"),
     "dequant_mma.cu": ("kbit_deq_mma",),
