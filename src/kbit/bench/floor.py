@@ -14,39 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
+from kbit.cuda import compile_kernel
 from kbit.utils.device import sm_count
-
-READ_SOURCE = r"""
-typedef unsigned int u32;
-struct __align__(16) V4 { u32 x, y, z, w; };
-__device__ __forceinline__ V4 ld(const V4* p) {
-  V4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-/* XOR of n 16-byte vectors, grid-stride, U loads in flight a thread; out is written only if the XOR hits a
-   magic value (keeps the loads). PDL = 1: lets the next launch start at once, and waits for the previous one
-   before reading (the GEMVs' order: weights may be prefetched, nothing overlaps the previous kernel's end). */
-extern "C" __global__ void kbit_read(const V4* __restrict__ p, long long n, u32* out) {
-#if PDL && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  u32 acc = 0;
-  for (; i + (U - 1) * stride < n; i += U * stride) {
-    V4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = ld(p + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) { const V4 v = ld(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
-  if (acc == 0x9E3779B9u) out[0] = acc;
-}
-"""
 
 #: (CTAs an SM, threads a CTA, loads in flight a thread, PDL) tried for every size
 VARIANTS = ((1, 1024, 4, 0), (2, 512, 4, 0), (4, 256, 8, 0), (2, 512, 8, 0), (1, 1024, 4, 1), (2, 512, 4, 1),
@@ -69,8 +38,6 @@ def measure_read_floor(nbytes: int, reps: int = 15, device: str = "cuda") -> Rea
     """Times plain reads of ``nbytes`` bytes (rounded up to 16) over cold-L2 copies; returns the fastest."""
     if nbytes < 16:
         raise ValueError(f"nbytes must be >= 16, got {nbytes}")
-    from kbit.cuda.runtime import compile_kernel  # TRANSITIONAL: READ_SOURCE moves to csrc/read.cu
-
     dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -81,7 +48,7 @@ def measure_read_floor(nbytes: int, reps: int = 15, device: str = "cuda") -> Rea
     sms = sm_count(dev)
     results: dict[str, Timing] = {}
     for ctas, threads, u, pdl in VARIANTS:
-        kern = compile_kernel(READ_SOURCE, "kbit_read", {"U": u, "PDL": pdl}, dev)
+        kern = compile_kernel("read.cu", "kbit_read", {"U": u, "PDL": pdl}, dev)
         grid = max(1, min(sms * ctas, -(-n16 // threads)))
         calls = [lambda b=b, kern=kern, grid=grid, threads=threads, pdl=pdl:
                  kern((grid,), threads, "QqQ", b.data_ptr(), n16, out.data_ptr(), pdl=bool(pdl)) for b in bufs]

@@ -1,49 +1,52 @@
-"""NVRTC compile + driver-API launch (ctypes), cached per (source, options, device).
+"""NVRTC compile + driver-API launch (ctypes).
 
 The launcher packs all arguments into one buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``), so a launch costs one
 ``struct.pack`` and one ``cuLaunchKernel`` call; it runs on ``torch.cuda.current_stream()`` and is therefore
 captured by CUDA graphs like any torch kernel.
 
-``KBIT_NVRTC_LIB`` may name the NVRTC shared library (a CPU machine can then compile CUBINs to read SASS);
-otherwise the one torch loads (``torch.cuda._utils._get_gpu_rtc_library``) is used.
+Settings come from :mod:`kbit.options`: ``nvrtc_lib`` may name the NVRTC shared library (a CPU machine can then
+compile CUBINs to read SASS; default: the one torch loads, ``torch.cuda._utils._get_gpu_rtc_library``),
+``cache_dir`` is the on-disk CUBIN cache (None: off), ``cuda_kernels`` and ``interpret`` turn the CUDA kernels
+off, ``pdl`` allows programmatic dependent launch.
 
-Compiled CUBINs are also kept on disk (:func:`compile_cached`), so a new process loads a kernel it has compiled
-before instead of compiling it again (a kernel 7 build takes tens of seconds of CPU): under ``$KBIT_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/kbit/cubin`` or ``~/.cache/kbit/cubin``; ``KBIT_CACHE_DIR=0`` (or empty) turns it off.
+Compiled CUBINs are kept on disk (:func:`compile_cached`), so a new process loads a kernel it has compiled before
+instead of compiling it again (a wgmma kernel build takes tens of seconds of CPU). :mod:`kbit.cuda.sources` names
+kernels by their ``.cu`` file and caches the loaded ones.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import hashlib
 import os
+import site
 import struct
 import threading
 
 import torch
+from torch.cuda import _utils as _torch_cuda_utils
 
-_LOCK = threading.Lock()
-_MODULES: dict = {}
+from kbit import options
 
 
 class NvrtcError(RuntimeError):
     pass
 
 
-@functools.cache
 def _nvrtc():
-    path = os.environ.get("KBIT_NVRTC_LIB")
+    return _nvrtc_at(options.get().nvrtc_lib)
+
+
+@functools.cache
+def _nvrtc_at(path: str | None):
+    """The NVRTC library at ``path``, else torch's (or one in the nvidia wheels next to torch)."""
     if path:
         return ctypes.CDLL(path)
-    from torch.cuda import _utils
-
     try:
-        return _utils._get_gpu_rtc_library()
+        return _torch_cuda_utils._get_gpu_rtc_library()
     except OSError:  # not on the loader path: look in the nvidia wheels next to torch
-        import glob
-        import site
-
         for d in site.getsitepackages():
             for f in sorted(glob.glob(os.path.join(d, "nvidia", "**", "libnvrtc.so*"), recursive=True)):
                 if "builtins" not in f and "alt" not in f:
@@ -56,15 +59,20 @@ def _libcuda():
     return ctypes.CDLL("libcuda.so.1")
 
 
-@functools.cache
 def available() -> bool:
-    """True when a CUDA device, the driver and NVRTC are all usable (and KBIT_NO_CUDA_KERNELS is not set)."""
-    if os.environ.get("KBIT_NO_CUDA_KERNELS", "0") == "1" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    """True when a CUDA device, the driver and NVRTC are all usable and the options allow the CUDA kernels
+    (``cuda_kernels`` on, not ``interpret``)."""
+    return _available(options.get())
+
+
+@functools.cache
+def _available(opts: options.Options) -> bool:
+    if not opts.cuda_kernels or opts.interpret:
         return False
     if not torch.cuda.is_available() or torch.version.hip:
         return False
     try:
-        _nvrtc()
+        _nvrtc_at(opts.nvrtc_lib)
         _libcuda()
     except Exception:  # noqa: BLE001 - any failure to load means "not available"
         return False
@@ -86,12 +94,18 @@ def _check_cu(res, what):
         raise RuntimeError(f"CUDA driver {what} failed: {name.value!r} ({res})")
 
 
-def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> tuple[bytes, str]:
-    """Compile ``source`` for ``arch`` (e.g. ``"sm_90"``) to a CUBIN; returns (cubin, log)."""
+def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu",
+                  headers: dict | None = None) -> tuple[bytes, str]:
+    """Compile ``source`` (its file name ``name``, for messages) for ``arch`` (e.g. ``"sm_90"``) to a CUBIN with
+    ``options`` (e.g. ``-D`` defines) and ``headers`` ({include name: text}, what ``#include "name"`` reads);
+    returns (cubin, log)."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
-                 "create")
+    headers = headers or {}
+    texts = (ctypes.c_char_p * len(headers))(*[t.encode() for t in headers.values()])
+    names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
+    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), len(headers),
+                                             texts, names), "create")
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     res = lib.nvrtcCompileProgram(prog, len(opts), arr)
@@ -110,42 +124,47 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu") -> 
     return buf.raw, log_s
 
 
-@functools.cache
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC in use."""
-    lib, major, minor = _nvrtc(), ctypes.c_int(), ctypes.c_int()
+    """(major, minor) of the NVRTC in use (``options.get().nvrtc_lib``)."""
+    return _nvrtc_version_at(options.get().nvrtc_lib)
+
+
+@functools.cache
+def _nvrtc_version_at(path: str | None) -> tuple[int, int]:
+    lib, major, minor = _nvrtc_at(path), ctypes.c_int(), ctypes.c_int()
     _check_nvrtc(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "version")
     return major.value, minor.value
 
 
 def cache_dir() -> str | None:
-    """The on-disk CUBIN cache's folder, or None where it is off (``KBIT_CACHE_DIR=0`` or empty)."""
-    v = os.environ.get("KBIT_CACHE_DIR")
-    if v is not None:
-        return v if v not in ("", "0") else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kbit", "cubin")
+    """The on-disk CUBIN cache's folder (``options.get().cache_dir``), or None where it is off."""
+    return options.get().cache_dir
 
 
-def _cache_path(source: str, arch: str, options) -> str | None:
+def _cache_path(source: str, arch: str, options, headers: dict | None = None) -> str | None:
     d = cache_dir()
     if d is None:
         return None
     major, minor = nvrtc_version()
-    key = hashlib.sha256("\0".join([source, arch, *options, f"nvrtc {major}.{minor}"]).encode()).hexdigest()
+    parts = [source, arch, *options, f"nvrtc {major}.{minor}"]
+    for name in sorted(headers or {}):  # every header's text: a header change must not load an old CUBIN
+        parts += [name, headers[name]]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     return os.path.join(d, key[:2], key + ".cubin")
 
 
-def compile_cached(source: str, arch: str, options=(), *, refresh: bool = False) -> bytes:
+def compile_cached(source: str, arch: str, options=(), *, name: str = "kbit.cu", headers: dict | None = None,
+                   refresh: bool = False) -> bytes:
     """:func:`nvrtc_compile`'s CUBIN, read from the on-disk cache where an earlier process wrote it (the key: the
-    whole source, ``arch``, ``options`` and the NVRTC version); ``refresh`` compiles and rewrites it. A cache that
-    cannot be read or written is skipped (the CUBIN is compiled as without one)."""
-    return _compile_cached(source, arch, options, refresh)[0]
+    whole source, ``arch``, ``options``, every header's name and text and the NVRTC version); ``refresh`` compiles
+    and rewrites it. A cache that cannot be read or written is skipped (the CUBIN is compiled as without one)."""
+    return _compile_cached(source, arch, options, name, headers, refresh)[0]
 
 
-def _compile_cached(source: str, arch: str, options, refresh: bool) -> tuple[bytes, bool]:
+def _compile_cached(source: str, arch: str, options, name: str, headers: dict | None,
+                    refresh: bool) -> tuple[bytes, bool]:
     """:func:`compile_cached`, and whether the CUBIN came from the cache."""
-    path = _cache_path(source, arch, options)
+    path = _cache_path(source, arch, options, headers)
     if path is not None and not refresh:
         try:
             with open(path, "rb") as f:
@@ -154,7 +173,7 @@ def _compile_cached(source: str, arch: str, options, refresh: bool) -> tuple[byt
                 return data, True
         except OSError:
             pass
-    cubin, _ = nvrtc_compile(source, arch, options)
+    cubin, _ = nvrtc_compile(source, arch, options, name, headers)
     if path is not None:
         try:  # a private temporary, then an atomic rename: readers never see a partial file
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -196,21 +215,11 @@ def _pdl_config() -> tuple[_LaunchAttribute, _LaunchConfig]:
 
 # Programmatic dependent launch for the kernels that allow it (``pdl=True`` at launch) on devices of compute
 # capability >= 9.0: the kernel may start while the previous kernel of the stream finishes; its code waits
-# (``griddepcontrol.wait``) before it reads what that kernel wrote. ``KBIT_PDL=0`` or ``set_pdl(False)`` turns it
-# off (benchmarks compare both).
-_PDL = [os.environ.get("KBIT_PDL", "1") != "0"]
-
-
-def set_pdl(enabled: bool) -> bool:
-    """Turns programmatic dependent launch on or off for later launches; returns the previous setting."""
-    prev = _PDL[0]
-    _PDL[0] = bool(enabled)
-    return prev
-
-
+# (``griddepcontrol.wait``) before it reads what that kernel wrote. ``options.override(pdl=False)`` turns it off
+# (benchmarks compare both).
 def pdl_enabled(device) -> bool:
     """Whether a launch with ``pdl=True`` on ``device`` uses programmatic dependent launch now."""
-    return _PDL[0] and _cc_major(torch.device(device).index or 0) >= 9
+    return options.get().pdl and _cc_major(torch.device(device).index or 0) >= 9
 
 
 @functools.cache
@@ -261,19 +270,6 @@ class Kernel:
             _check_cu(_libcuda().cuFuncSetAttribute(self.func, 8, shared), "set shared memory")
             self._max_shared = shared
 
-    def global_bytes(self, name: str, zero: bool = False) -> bytes:
-        """Lab: the device bytes of module global ``name`` (e.g. the ``TL`` timeline), copied to the host after a
-        device synchronisation; ``zero=True`` clears them afterwards."""
-        lib, ptr, size = _libcuda(), ctypes.c_uint64(), ctypes.c_size_t()
-        torch.cuda.synchronize(self.device)
-        _check_cu(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.module, name.encode()),
-                  f"global {name}")
-        buf = ctypes.create_string_buffer(size.value)
-        _check_cu(lib.cuMemcpyDtoH_v2(buf, ptr, size), f"copy {name}")
-        if zero:
-            _check_cu(lib.cuMemsetD8_v2(ptr, 0, size), f"zero {name}")
-        return buf.raw
-
     def __call__(self, grid, block, fmt: str, *args, shared: int = 0, pdl: bool = False):
         """Launch; ``pdl=True`` asks for programmatic dependent launch (see :func:`pdl_enabled`): only for
         kernels that call ``pdl_wait()`` before they read anything an earlier kernel may still be writing."""
@@ -286,7 +282,7 @@ class Kernel:
         extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(cbuf), 2, ctypes.addressof(size), 0)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        if pdl and _PDL[0] and self._pdl_ok:
+        if pdl and self._pdl_ok and options.get().pdl:
             with self._cfg_lock:  # one config struct a kernel, filled per launch
                 cfg = self._cfg
                 cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
@@ -343,7 +339,7 @@ class Prepared:
         with self._lock:  # one buffer: a launch at a time
             for off, p in zip(self._offs, ptrs, strict=True):
                 struct.pack_into("@Q", self._buf, off, p)
-            if self._pdl and _PDL[0]:
+            if self._pdl and options.get().pdl:
                 self._cfg.hStream = stream
                 res = self._launch_ex(ctypes.byref(self._cfg), self.kernel.func, None, self._extra)
             else:
@@ -354,36 +350,28 @@ class Prepared:
             _check_cu(res, f"launch {self.kernel.name}")
 
 
-def compile_kernel(source: str, name: str, defines: dict, device) -> Kernel:
-    """Compile (once) and load ``extern "C"`` kernel ``name`` of ``source`` with ``#define``s for ``device``."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    head = "".join(f"#define {k} {int(v) if isinstance(v, bool) else v}\n" for k, v in sorted(defines.items()))
-    full = head + source
-    key = (hashlib.sha1(full.encode()).hexdigest(), name, device.index)
-    hit = _MODULES.get(key)
-    if hit is not None:
-        return hit
-    with _LOCK:
-        hit = _MODULES.get(key)
-        if hit is not None:
-            return hit
-        arch = _arch(device)
-        if defines.get("ARCH_SPECIFIC"):  # wgmma & co.: sm_90a (arch-specific features, that GPU only)
-            arch += "a"
-        cubin, cached = _compile_cached(full, arch, (), False)
-        with torch.cuda.device(device):
-            torch.cuda.current_stream()  # make sure the primary context exists and is current
-            lib = _libcuda()
-            mod = ctypes.c_void_p()
+def load_module(cubin: bytes, device: torch.device, rebuild=None):
+    """Load ``cubin`` on ``device`` (an index set); returns (module handle, the CUBIN loaded). ``rebuild()``, if
+    given, returns a fresh CUBIN to try where the driver refuses this one (e.g. one from the disk cache)."""
+    with torch.cuda.device(device):
+        torch.cuda.current_stream()  # make sure the primary context exists and is current
+        lib = _libcuda()
+        mod = ctypes.c_void_p()
+        res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
+        if res != 0 and rebuild is not None:
+            cubin = rebuild()
             res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
-            if res != 0 and cached:  # a cached CUBIN this driver cannot load: compile it afresh
-                cubin = compile_cached(full, arch, refresh=True)
-                res = lib.cuModuleLoadData(ctypes.byref(mod), cubin)
-            _check_cu(res, "module load")
-            func = ctypes.c_void_p()
-            _check_cu(lib.cuModuleGetFunction(ctypes.byref(func), mod, name.encode()), f"get function {name}")
-        k = Kernel(mod, func, device, cubin, name)
-        _MODULES[key] = k
-        return k
+        _check_cu(res, "module load")
+    return mod, cubin
+
+
+def get_kernel(module, cubin: bytes, name: str, device: torch.device) -> Kernel:
+    """The :class:`Kernel` of ``extern "C"`` function ``name`` of a module :func:`load_module` loaded."""
+    func = ctypes.c_void_p()
+    _check_cu(_libcuda().cuModuleGetFunction(ctypes.byref(func), module, name.encode()), f"get function {name}")
+    return Kernel(module, func, device, cubin, name)
+
+
+def device_arch(device: torch.device, arch_specific: bool = False) -> str:
+    """``sm_XY`` of ``device``; ``arch_specific``: ``sm_XYa`` (features of that GPU only, e.g. wgmma)."""
+    return _arch(device) + ("a" if arch_specific else "")

@@ -1,18 +1,19 @@
-"""CUDA source of the dequantize kernel (``kbit.ops.dequant``): canonical layout -> float ``[..., N, K]``.
+/* kbit_dequant: dequantize the canonical layout to float [..., N, K] (kbit.ops.dequant).
 
-A thread takes U groups of 8 columns of a row (consecutive lanes on consecutive groups: a warp's store is
-512 contiguous bytes; a first version with 32 columns a thread, 64-byte strided stores, reached only
-1.5-1.9 TB/s): it first issues all their loads (the word holding the 8 codes, the plane-1 byte at k = 3, 5,
-the block scale), then looks the codes up in a shared-memory copy of the codebook, multiplies in float32 in
-the reference's order (``codebook[c] * (tensor_scale * E[q])``, or ``* scale`` for fp16 scales) and writes
-one 16-byte vector (bf16/fp16). Bit-exact with ``kbit.format.reference.dequantize_reference``.
+   A thread takes U groups of 8 columns of a row (consecutive lanes on consecutive groups: a warp's store is 512
+   contiguous bytes): it first issues all their loads (the word holding the 8 codes, the plane-1 byte at k = 3, 5,
+   the block scale), then looks the codes up in a shared-memory copy of the codebook, multiplies in float32 in the
+   reference's order (codebook[c] * (tensor_scale * E[q]), or * scale for fp16 scales) and writes one 16-byte
+   vector (bf16/fp16). Bit-exact with kbit.format.reference.
 
-Compiled by NVRTC with ``#define``s: K_BITS (2..5), BLOCKSIZE (32, 64, 128), FP16_SCALES (0/1), OUT (0 fp16,
-1 bf16, 2 fp32), VEC (1: every row of the output starts 16-byte aligned and K is a multiple of 8, so all
-stores are full vectors; 0: element stores guarded by K), U (groups a thread).
-"""
-
-SOURCE = r"""
+   Defines (-D options; kbit.ops.dequant sets them):
+     K_BITS       2, 3, 4, 5
+     BLOCKSIZE    32, 64, 128
+     FP16_SCALES  1: fp16 block scales, 0: log8 bytes
+     OUT          output dtype: 0 fp16, 1 bf16, 2 fp32
+     VEC          1: every output row starts 16-byte aligned and K % 8 == 0 (full vector stores), 0: element
+                  stores guarded by K
+     U            8-column groups a thread (loads in flight) */
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -137,4 +138,3 @@ extern "C" __global__ void __launch_bounds__(256) kbit_dequant(
 #endif
   }
 }
-"""
