@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 from kbit.bench.timing import capture  # noqa: E402
 from kbit.ops.attention import (  # noqa: E402
     DecodeAttentionConfig,
+    attention_config,
     decode_attention,
     decode_attention_reference,
-    pick_config,
     supports,
 )
 
@@ -224,7 +224,7 @@ def test_opcheck():
 @pytest.mark.parametrize("bh,L,D,sms", [(8, 544, 128, 132), (4, 544, 128, 132), (512, 544, 128, 132),
                                         (8, 8208, 128, 132), (128, 2064, 256, 132), (1, 17, 64, 2)])
 def test_pick_config(bh, L, D, sms):
-    c = pick_config(bh, L, D, sms)
+    c = attention_config(bh, L, D, sms)
     splits = -(-L // c.chunk)
     assert c.chunk % c.block_n == 0 and c.block_n >= 16
     assert bh * splits <= max(bh, 4 * sms)  # about PROGRAMS_PER_SM per SM, at least one split a head

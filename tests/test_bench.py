@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kbit.bench import candidates, moe, report
-from kbit.bench.registry import CANDIDATES, Unsupported, register, select
+from kbit.bench.registry import CANDIDATES, Unsupported, register, select_candidates
 from kbit.bench.timing import copies_for_cold_l2, tbps
 from kbit.bench.weights import clone_weight, kbit_bytes, stand_in_weight
 from kbit.cli import build_parser
@@ -163,12 +163,12 @@ def test_kbit_bytes_and_clone():
 def test_registry():
     assert candidates.register is register  # the built-ins register in the one registry
     assert {"gemv", "dequant+bf16", "dummy-linear", "grouped_gemv"} <= set(CANDIDATES)
-    assert [c.name for c in select("dense")] == [c.name for c in CANDIDATES.values()
+    assert [c.name for c in select_candidates("dense")] == [c.name for c in CANDIDATES.values()
                                                  if c.kind == "dense" and c.default]
-    assert [c.name for c in select("dense", "dummy-linear")] == ["dummy-linear"]
-    assert {c.name for c in select("moe", "all")} >= {"grouped_gemv"}
+    assert [c.name for c in select_candidates("dense", "dummy-linear")] == ["dummy-linear"]
+    assert {c.name for c in select_candidates("moe", "all")} >= {"grouped_gemv"}
     with pytest.raises(ValueError, match="unknown candidates"):
-        select("dense", "nope")
+        select_candidates("dense", "nope")
     with pytest.raises(ValueError, match="already registered"):
         register("gemv")(lambda qw, M: None)
 

@@ -651,7 +651,7 @@ def test_large_gpu_cuda_graph_and_dispatch():
 
 def test_launch_config_structs_match_the_driver_abi():
     """``cuLaunchKernelEx``'s structs as the runtime declares them (CUDA 12 ``cuda.h``: CUlaunchConfig 56 bytes,
-    hStream at 32, attrs at 40, numAttrs at 48; CUlaunchAttribute 72 bytes, value at 8); set_pdl toggles."""
+    hStream at 32, attrs at 40, numAttrs at 48; CUlaunchAttribute 72 bytes, value at 8); options.pdl toggles."""
     import ctypes
 
     from kbit.cuda import runtime as R
@@ -660,11 +660,8 @@ def test_launch_config_structs_match_the_driver_abi():
     assert (R._LaunchConfig.hStream.offset, R._LaunchConfig.attrs.offset, R._LaunchConfig.numAttrs.offset) == \
         (32, 40, 48)
     assert R._LaunchAttribute.value.offset == 8
-    prev = R.set_pdl(False)
-    try:
-        assert R.set_pdl(True) is False
-    finally:
-        R.set_pdl(prev)
+    with options.override(pdl=False):
+        assert not R.pdl_enabled("cpu")
 
 
 def test_workspace_growth_keeps_replaced_buffers():

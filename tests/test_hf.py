@@ -12,9 +12,10 @@ transformers = pytest.importorskip("transformers")
 from kbit.eval.judges import fake_quantized  # noqa: E402
 from kbit.eval.methods import rtn_asym  # noqa: E402
 from kbit.hf import MODELS, KbitExperts, load_quantized, plan, quantize_model, save_quantized  # noqa: E402
-from kbit.hf.models import select  # noqa: E402
+from kbit.hf.models import select_modules  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
-from kbit.ops.quantize import dequantize, quantize  # noqa: E402
+from kbit.ops.dequant import dequantize  # noqa: E402
+from kbit.ops.quantize import quantize  # noqa: E402
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
@@ -58,7 +59,7 @@ def test_table_has_a_tiny_config_for_each_model_type():
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_table_selects_every_layer_linear_but_not_embeddings_head_or_router(model_type):
     model = tiny(model_type)
-    linear, experts = select(model)
+    linear, experts = select_modules(model)
     all_linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     left = [n for n in all_linear if n not in linear]
     assert linear, "no Linear selected"
@@ -80,7 +81,7 @@ def test_unknown_model_type_names_the_supported_ones():
 def test_quantize_model_llama_matches_fake_quantized_weights():
     model = tiny("llama")
     x = ids()
-    names, _ = select(model)
+    names, _ = select_modules(model)
     with fake_quantized(model, lambda w: dequantize(quantize(w, k=3), torch.float32), names):
         want = out(model, x)
     quantize_model(model, k=3, progress=False, joint=False)  # each on its own, as fake-quantized (joint: test_decode)
@@ -157,7 +158,7 @@ def test_load_does_not_build_float_linear_weights(tmp_path, monkeypatch):
 def test_moe_experts_quantized_and_round_trip(model_type, tmp_path):
     model = tiny(model_type)
     x = ids()
-    linear, experts = select(model)
+    linear, experts = select_modules(model)
     assert experts
     fq = lambda w: dequantize(quantize(w.detach(), k=4), torch.float32)  # noqa: E731
     saved = {(n, w): getattr(model.get_submodule(n), w).data for n in experts for w in ("gate_up_proj", "down_proj")}

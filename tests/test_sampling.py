@@ -24,9 +24,9 @@ from kbit.kernels.sampling import _kth_lower_bound  # noqa: E402
 from kbit.ops.sampling import (  # noqa: E402
     SamplingConfig,
     filtered_probs_reference,
-    pick_config,
     sample,
     sample_reference,
+    sampling_config,
 )
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -415,9 +415,9 @@ def test_reference_sampler_agrees_with_probs():
 
 
 def test_pick_config():
-    cfg = pick_config(128, 151936)
+    cfg = sampling_config(128, 151936)
     assert cfg.chunk & (cfg.chunk - 1) == 0 and cfg.candidates <= cfg.chunk
-    assert pick_config(1, 7).chunk >= 7
+    assert sampling_config(1, 7).chunk >= 7
 
 
 # -------------------------------------------------------------------------------- bad input

@@ -10,8 +10,9 @@ from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.serialize import load_file, save_file
 from kbit.hf import load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear, KbitMoE
+from kbit.ops.dequant import dequantize
 from kbit.ops.gemv import kbit_grouped_gemv as grouped_gemv
-from kbit.ops.quantize import dequantize, quantize
+from kbit.ops.quantize import quantize
 from kbit.ops.reference import grouped_linear_reference, linear_reference
 from kbit.ops.sampling import sample, sample_reference
 

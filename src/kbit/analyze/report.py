@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 
-from kbit.ops.gemv_mma import default_config
+from kbit.tuning.mma import default_config as _mma_default_config
 
 # kbit kernels from the kbit-bench file (gemv-*.json): candidates for "best kbit" at M = 1..8.
 # kbit-linear (the dispatching module) is left out: it runs one of these plus Python overhead.
@@ -90,6 +90,12 @@ def source_info(path: str | Path, data: dict, role: str = "") -> dict:
 def short(path) -> str:
     return Path(str(path)).name
 
+
+
+def legacy_default_config(k: int, M: int, N: int, K: int) -> tuple:
+    """Today's small-M default config (``kbit.tuning.mma.default_config``) in the positional form result files
+    record, so that it can be matched against their rows."""
+    return _mma_default_config(k, M, N, K).legacy(k)
 
 def mma_cells(mma_files: Iterable[tuple[str, dict]], default_cfg=None) -> dict:
     """-> {(N, K, k, M): cell} for the small-M kernel, ``mma_files`` newest first.
@@ -215,7 +221,7 @@ def interp_loglog(points: Mapping[int, float], m: float) -> tuple[float, bool]:
 
 
 # ---------------------------------------------------------------------------------------------- (a) block
-def block_table(kbit, bf16, projections=PROJECTIONS, bf16_src=None) -> dict:
+def transformer_block_sums(kbit, bf16, projections=PROJECTIONS, bf16_src=None) -> dict:
     """Per measured M: for the full block where every projection's shape is measured at M (else the MLP part
     only), bf16 and best-kbit sums per k."""
     ks = sorted({k for shape in kbit.values() for k in shape})
@@ -404,11 +410,11 @@ def moe_rows(moe: dict | None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- build + render
 def build(gemv_path=DEFAULT_GEMV, sweep_path=DEFAULT_LAB, moe_path=DEFAULT_MOE, dists_path=None,
           mma_paths=DEFAULT_MMA, dequant_path=DEFAULT_DEQUANT, default_cfg="auto") -> dict:
-    """``default_cfg``: today's mma default-config function; "auto" imports it from kbit.ops.gemv_mma."""
+    """``default_cfg``: today's mma default-config function; "auto": :func:`legacy_default_config`."""
     gemv, lab, moe, deq = (load_opt(p) for p in (gemv_path, sweep_path, moe_path, dequant_path))
     mma_files = [(p, d) for p in (mma_paths or ()) if (d := load_opt(p))]
     if default_cfg == "auto":
-        default_cfg = default_config if mma_files else None
+        default_cfg = legacy_default_config if mma_files else None
     dists = token_distributions(dists_path)
     cells = mma_cells(mma_files, default_cfg)
     b_mma = mma_bf16(mma_files)
@@ -421,7 +427,7 @@ def build(gemv_path=DEFAULT_GEMV, sweep_path=DEFAULT_LAB, moe_path=DEFAULT_MOE, 
     return {
         "sources": sources,
         "projections": {p: f"{n}x{k}" for p, (n, k) in PROJECTIONS},
-        "block": block_table(kbit, bf16, bf16_src=bf16_src),
+        "block": transformer_block_sums(kbit, bf16, bf16_src=bf16_src),
         "workload": workload_table(kbit, bf16, dists),
         "best": best_table(kbit, bf16, bf16_src),
         "mma": mma_summary(cells, mma_files, default_cfg is not None) if mma_files else None,

@@ -7,9 +7,11 @@ import torch.nn.functional as F
 
 from kbit.bench.registry import Unsupported, register
 from kbit.bench.weights import kbit_api
+from kbit.dispatch import linear as dispatch_linear
 from kbit.ops import gemm
 from kbit.ops.gemv import gemv, grouped_gemv
-from kbit.ops.grouped_mma import available, grouped_linear
+from kbit.ops.grouped_mma import grouped_linear
+from kbit.ops.mma.common import kernels_available
 
 
 def _kw(qw) -> dict:
@@ -37,10 +39,10 @@ def _dummy_linear(qw, M):
     return lambda x: F.linear(x, w)
 
 
-@register("kbit-linear", note="kbit.ops.gemm.linear: the per-GPU dispatcher (GEMV / fused / dequant+cuBLAS)")
+@register("kbit-linear", note="kbit.dispatch.linear.linear: the per-GPU dispatcher (GEMV / fused / dequant+cuBLAS)")
 def _linear(qw, M):
     kw = _kw(qw)
-    return lambda x: gemm.linear(x, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
+    return lambda x: dispatch_linear.linear(x, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
 
 
 @register("gemm-fused", note="kbit.ops.gemm.gemm_fused (tensor cores, tiles decoded in registers)")
@@ -52,7 +54,7 @@ def _fused(qw, M):
 @register("dequant+cublas", note="kbit.ops.dequant kernel to bf16, then F.linear (cuBLAS)")
 def _dequant_mm(qw, M):
     kw = _kw(qw)
-    return lambda x: gemm.dequant_mm(x, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
+    return lambda x: dispatch_linear.dequant_mm(x, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
 
 
 # ------------------------------------------------------------------------------------------ MoE
@@ -68,7 +70,7 @@ def _grouped_gemv(qw, routing):
 @register("grouped_mma", kind="moe", note="kbit.ops.grouped_mma.grouped_linear (tensor cores, CUDA)")
 def _grouped_mma(qw, routing):
     eids = routing.expert_ids
-    if not available(eids.device):
+    if not kernels_available(eids.device):
         raise Unsupported("the CUDA grouped kernel is not available here (NVRTC / GPU)")
     kw = _kw(qw)
     rows = torch.arange(eids.numel(), dtype=torch.int32, device=eids.device)

@@ -65,7 +65,7 @@ def register(name: str, *, kind: str = "dense", note: str = "", default: bool = 
     return deco
 
 
-def select(kind: str, names: str | None = None) -> list[Candidate]:
+def select_candidates(kind: str, names: str | None = None) -> list[Candidate]:
     """Candidates of ``kind``: those named in the comma list ``names`` ("all": every one; None: defaults)."""
     pool = [c for c in CANDIDATES.values() if c.kind == kind]
     if names is None:

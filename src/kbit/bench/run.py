@@ -27,7 +27,7 @@ from kbit.bench import moe as moe_mod
 from kbit.bench.ceiling import measure_read_ceiling
 from kbit.bench.floor import measure_read_floor
 from kbit.bench.peers import select_peers
-from kbit.bench.registry import Unsupported, select
+from kbit.bench.registry import Unsupported, select_candidates
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes, stand_in_weight, tensor_bytes
@@ -99,8 +99,8 @@ class Runner:
         self.bf16_us: dict[tuple, float] = {}
         self.t0 = time.time()
         self.api = kbit_api()
-        self.dense_cands = select("dense", cfg.candidates)
-        self.moe_cands = select("moe", cfg.candidates)
+        self.dense_cands = select_candidates("dense", cfg.candidates)
+        self.moe_cands = select_candidates("moe", cfg.candidates)
         self.peers = select_peers(cfg.peers)
         self._peer_down: dict[str, str] = {}
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kbit.ops.quantize import dequantize, quantize
+from kbit.ops.dequant import dequantize
+from kbit.ops.quantize import quantize
 
 
 def kbit_api() -> tuple[Callable, Callable]:

@@ -37,7 +37,6 @@ from kbit.format.spec import KbitWeight
 from kbit.ops.dequant import dequantize_tensors
 from kbit.ops.gemv import grouped_gemv
 from kbit.ops.grouped_mma import (
-    available,
     choose_ng,
     fused_silu_ok,
     grouped_linear,
@@ -45,6 +44,8 @@ from kbit.ops.grouped_mma import (
     large_rows,
     run_blocks,
 )
+from kbit.ops.mma.common import kernels_available
+from kbit.ops.mma.layout import unrepack_stack
 from kbit.ops.moe import combine, silu_mul_gate_up
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_blocks import block_table, tail_split
@@ -61,12 +62,6 @@ from kbit.tuning.moe import (
     rows_per_expert,
 )
 from kbit.utils.checks import fail
-
-# isort: split
-# --- layout "mma-v1" (the dense path moves it to kbit.ops.mma.layout): remap at merge ---
-from kbit.ops.grouped_mma import unrepack_stack
-
-# --- end of the layout block ---
 
 __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
            "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]
@@ -136,7 +131,7 @@ def gemm_supported(device, dtype: torch.dtype) -> bool:
     """Whether the grouped tensor-core kernels (``kbit.ops.grouped_mma``) run on ``device`` in ``dtype``."""
     if dtype not in (torch.float16, torch.bfloat16) or torch.device(device).type != "cuda":
         return False
-    return available(device)
+    return kernels_available(device)
 
 
 def choose_plan(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype, device,
@@ -223,7 +218,7 @@ def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, 
     runs, else the grouped GEMV (same semantics). ``blocks``, ``sorted_rows``: see ``grouped_linear``."""
     kw = dict(k=weight.k, blocksize=weight.blocksize, scale_format=weight.scale_format, N=weight.N, K=weight.K)
     args = (x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook)
-    if not available(x.device):
+    if not kernels_available(x.device):
         return grouped_gemv(*args, **kw)
     return grouped_linear(*args, **kw, blocks=blocks, sorted_rows=sorted_rows)
 
@@ -242,7 +237,7 @@ def grouped_gemm_repacked(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch
         fail(ValueError, "x", f"a gate_up product [T, {2 * K}] (act='silu')", tuple(x.shape))
     kw = dict(k=weight.k, blocksize=weight.blocksize, scale_format=weight.scale_format, N=weight.N, K=K)
     E = weight.codes.shape[0] if weight.codes.dim() == 6 else -1
-    cuda = available(x.device)
+    cuda = kernels_available(x.device)
     if act == "silu" and not (cuda and sorted_rows and rows.shape[0] and fused_silu_ok(x, rows.shape[0], E)):
         x, act = silu_mul_gate_up(x), None
     if not cuda:

@@ -26,7 +26,7 @@ import torch
 
 from kbit.ops import gemv_mma
 from kbit.ops.gemv_mma import EPI_SILU, PRO_ADD_NORM
-from kbit.ops.glue import _check_norm, add_rms_norm, silu_mul
+from kbit.ops.glue import add_rms_norm, check_norm, silu_mul
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT
 from kbit.tuning.mma_plan import prologue_config
@@ -46,7 +46,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``.
     The fused launch needs ``lin`` to be exactly a ``kbit.nn.KbitLinear`` in layout "mma-v1" (its class says so
     with ``fuses_prologue``; a subclass may change the forward)."""
-    _check_norm(x, weight, eps, residual)
+    check_norm(x, weight, eps, residual)
     K = x.shape[1]
     N = getattr(lin, "out_features", None)
     if getattr(lin, "in_features", None) != K:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kbit.hf.models import select
+from kbit.hf.models import select_modules
 
 LEE = ("gensim", "test/test_data/lee_background.cor")
 
@@ -85,7 +85,7 @@ class MiniLM:
         self.st = SentenceTransformer(str(path), device="cpu", local_files_only=True)
         self.st.eval()
         self.encoder = self.st[0].auto_model
-        self.targets, _ = select(self.encoder)
+        self.targets, _ = select_modules(self.encoder)
         self.sentences = sentences(n)
         self.batch = batch
         self.reference = self._embed()
@@ -127,7 +127,7 @@ class SmolLM2:
         self.model = AutoModelForCausalLM.from_pretrained(path, gguf_file=self.GGUF, dtype=torch.float32,
                                                           local_files_only=True)
         self.model.eval()
-        self.targets, _ = select(self.model)
+        self.targets, _ = select_modules(self.model)
         ids = self.tok(lee_text(), return_tensors="pt").input_ids[0]
         n = (min(tokens, ids.numel()) // window) * window
         if n == 0:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.dispatch.linear import linear as _linear_impl
 from kbit.format.spec import KbitWeight
-from kbit.ops.gemm import linear as _linear_impl
 from kbit.ops.quantize import quantize
 
 PARTS = ("codes", "scales", "tensor_scale", "codebook")

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kbit.dispatch.prologue import add_rms_norm_linear
 from kbit.nn import KbitLinear
 from kbit.ops import attention as A
-from kbit.ops import gemv_mma
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
-from kbit.ops.prologue import add_rms_norm_linear
+from kbit.ops.mma.common import kernels_available
+from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
 from kbit.utils.device import interpreting
 
 __all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
@@ -83,7 +84,7 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
             return None
         if not (torch.equal(m.tensor_scale, m0.tensor_scale) and torch.equal(m.codebook, m0.codebook)):
             return None
-    if gemv_mma.available(m0.codes.device):
+    if kernels_available(m0.codes.device):
         for m in mods:
             m.repack_for_kernels()
     if len({m.layout for m in mods}) != 1:
@@ -98,7 +99,7 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
         fused.bias = torch.cat([m.bias for m in mods])
     fused.layout = m0.layout
     fused.auto_repack = False  # the members view its buffers: a repack would copy them
-    per = 16 if m0.layout == gemv_mma.LAYOUT else 1  # layout "mma-v1" is tile-major (16 rows a tile)
+    per = 16 if m0.layout == MMA_LAYOUT else 1  # layout "mma-v1" is tile-major (16 rows a tile)
     lo = 0
     for m, n in zip(mods, rows, strict=True):
         m.codes, m.scales = codes[lo // per:(lo + n) // per], scales[lo // per:(lo + n) // per]
@@ -156,7 +157,8 @@ class FastDecodeStep:
 
     def _mlp(self, i, x, res):
         """The residual add + post-attention RMSNorm and the MLP: returns ``(mlp output, new residual)``. A fused
-        gate/up GEMV computes the add + norm in its x prologue and SiLU * up in its epilogue (kbit.ops.prologue)."""
+        gate/up GEMV computes the add + norm in its x prologue and SiLU * up in its epilogue
+        (kbit.dispatch.prologue)."""
         layer = self.layers[i]
         mlp, n = layer.mlp, layer.post_attention_layernorm
         if self.dense[i] and self.gate_up[i] is not None:

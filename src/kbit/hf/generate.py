@@ -30,7 +30,7 @@ from kbit.hf.decode import StaticDecoder, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear
-from kbit.ops.quantize import dequantize
+from kbit.ops.dequant import dequantize
 from kbit.ops.sampling import sample, sample_reference
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -87,7 +87,7 @@ def model_type_of(model) -> str:
     return model_type
 
 
-def select(model, include=None) -> tuple[list[str], list[str]]:
+def select_modules(model, include=None) -> tuple[list[str], list[str]]:
     """Names of the ``nn.Linear`` modules and of the fused expert modules of ``model`` to quantize.
 
     ``include``: patterns of ``nn.Linear`` names to use instead of the table row of ``config.model_type``.

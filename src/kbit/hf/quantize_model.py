@@ -20,7 +20,7 @@ from kbit.format.serialize import load_file, save_file
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
-from kbit.hf.models import compile_patterns, select
+from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
 from kbit.ops.quantize import quantize
 from kbit.utils.checks import fail
@@ -53,7 +53,7 @@ def plan(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZ
          scale_format: str = DEFAULT_SCALE_FORMAT, overrides=None, include=None) -> dict[str, dict]:
     """What :func:`quantize_model` would do: module name -> ``{"kind", "k", "blocksize", "codebook",
     "scale_format"}`` (``kind`` is ``"linear"`` or ``"experts"``), in module order. Changes nothing."""
-    linear, experts = select(model, include)
+    linear, experts = select_modules(model, include)
     rules = _overrides(overrides)
     chosen = dict.fromkeys(linear, "linear") | dict.fromkeys(experts, "experts")
     modules = dict(model.named_modules())

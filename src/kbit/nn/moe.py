@@ -47,9 +47,8 @@ from kbit.utils.device import interpreting
 
 # isort: split
 # --- layout "mma-v1" (the dense path moves these to kbit.ops.mma.layout): remap at merge ---
-from kbit.ops.gemv_mma import LAYOUT as MMA_LAYOUT  # "mma-v1"
-from kbit.ops.gemv_mma import RepackedWeight  # a weight or stack held in layout "mma-v1"
-from kbit.ops.grouped_mma import repack_stack, unrepack_stack
+from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
+from kbit.ops.mma.layout import RepackedWeight, repack_stack, unrepack_stack
 
 # --- end of the layout block ---
 

@@ -24,7 +24,7 @@ from kbit.utils.device import interpreting, sm_count
 
 __all__ = [
     "DecodeAttentionConfig",
-    "pick_config",
+    "attention_config",
     "decode_attention",
     "decode_attention_reference",
     "supports",
@@ -53,7 +53,7 @@ def device_sms(device: torch.device) -> int:
 # --------------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """Launch choices of ``decode_attention``; ``pick_config`` gives the default, tests may pin one.
+    """Launch choices of ``decode_attention``; ``attention_config`` gives the default, tests may pin one.
 
     Attributes
     ----------
@@ -86,7 +86,7 @@ class DecodeAttentionConfig:
             fail(ValueError, "DecodeAttentionConfig.num_stages", "in [1, 6]", self.num_stages)
 
 
-def pick_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
+def attention_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
     """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
     ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
     chunk would be that short). Tuned in the decode step at Llama-3-8B batch 1 only."""
@@ -280,7 +280,7 @@ def decode_attention(
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
     config : DecodeAttentionConfig, optional
-        Launch choices; default ``pick_config(B * Hkv, L, D, <SMs of the device>)``.
+        Launch choices; default ``attention_config(B * Hkv, L, D, <SMs of the device>)``.
     new_from : int32 / int64 tensor of length's shape, optional
         With ``length`` and no mask: the first key written in this step (e.g. the decode position). Keys before
         it, and ``length`` itself, must have been written before the kernels of the current programmatic
@@ -315,7 +315,7 @@ def decode_attention(
     B, H, G, D = query.shape
     L = key.shape[2]
     if config is None:
-        config = pick_config(B * H, L, D, device_sms(query.device))
+        config = attention_config(B * H, L, D, device_sms(query.device))
     elif not isinstance(config, DecodeAttentionConfig):
         fail(TypeError, "config", "a DecodeAttentionConfig", type(config).__name__)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)

@@ -14,8 +14,9 @@ from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight, padded_k
 from kbit.kernels.dequant import dequant_kernel
 from kbit.ops._common import e_table
+from kbit.utils.checks import fail
 
-__all__ = ["dequantize_tensors", "dequantize_triton", "OUT_DTYPES"]
+__all__ = ["dequantize", "dequantize_tensors", "dequantize_triton", "OUT_DTYPES"]
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -143,3 +144,19 @@ def _(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, shape, 
     *lead, N, K = shape
     oshape = (*lead, K, N) if transpose else (*lead, N, K)
     return codes.new_empty(oshape, dtype=_CODE_DTYPE[dtype_code])
+
+
+#: weight dtypes :func:`dequantize` returns
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dequantize(qw: KbitWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The float weight ``[..., N, K]`` that ``qw`` stands for, as ``dtype`` (math in float32): ``kbit.dequantize``.
+    On a GPU through the ``kbit::dequantize`` op (bit-exact with the reference), else the plain-torch reference."""
+    if not isinstance(qw, KbitWeight):
+        fail(TypeError, "qw", "a KbitWeight", type(qw).__name__)
+    if dtype not in FLOAT_DTYPES:
+        fail(TypeError, "dtype", f"one of {FLOAT_DTYPES}", dtype)
+    if qw.codes.is_cuda:
+        return dequantize_triton(qw, dtype)
+    return dequantize_reference(qw, dtype)

@@ -19,7 +19,7 @@ from kbit.utils.cache import TensorCache
 from kbit.utils.checks import fail
 from kbit.utils.device import sm_count
 
-__all__ = ["gemm_fused", "gemm_reference", "grouped_gemm_reference", "kbit_gemm", "kbit_grouped_gemm"]
+__all__ = ["gemm_fused", "gemm_reference", "grouped_gemm_reference", "kbit_gemm"]
 
 _X_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -109,35 +109,10 @@ def kbit_gemm(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torc
                                *_wargs(weight), bias)
 
 
-def kbit_grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight,
-                      blocks=None, sorted_rows: bool = False) -> torch.Tensor:
-    """MoE expert matmul on a stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``: ``y[r] = x[rows[r]] @
-    W[expert_ids[r]].T``, ``[P, N]`` in x's dtype (the grouped GEMV's semantics). Rows grouped by expert
-    (sorted) share weight reads: the CUDA tensor-core kernel ``kbit.ops.grouped_mma.grouped_linear``; the
-    Triton grouped GEMV where that is not available.
-    ``blocks``: a ``grouped_mma.block_table`` to reuse; ``sorted_rows``: see ``grouped_mma.grouped_linear``.
-    Transitional: it wraps another backend; it belongs with the MoE dispatch (the moe helper's)."""
-    from kbit.ops.grouped_mma import grouped_linear  # transitional (see above)
-
-    k, blocksize, scale_format, N, K = _wargs(weight)
-    return grouped_linear(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook,
-                          k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, blocks=blocks,
-                          sorted_rows=sorted_rows)
-
 
 def grouped_gemm_reference(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight) -> torch.Tensor:
-    """float64 oracle of :func:`kbit_grouped_gemm` (``kbit.ops.reference.grouped_gemv_reference``)."""
+    """float64 oracle of ``kbit.dispatch.moe.grouped_gemm`` (``kbit.ops.reference.grouped_gemv_reference``)."""
     k, blocksize, scale_format, N, K = _wargs(weight)
     return grouped_gemv_reference(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale,
                                   weight.codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
 
-
-def __getattr__(name: str):
-    """Transitional: ``kbit.hf.experts`` (and labs) import the dispatcher from here; it moved to
-    ``kbit.dispatch.linear``. Deleted once they import it from there (the import is lazy, so this module does not
-    depend on the layer above)."""
-    if name in ("linear", "kbit_linear", "dequant_mm"):
-        from kbit.dispatch import linear as _dispatch  # transitional upward import (see the docstring)
-
-        return getattr(_dispatch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

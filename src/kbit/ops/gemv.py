@@ -20,7 +20,7 @@ from kbit.ops._checks import check_dense, check_grouped
 from kbit.ops.reference import gemv_reference, grouped_gemv_reference
 from kbit.tuning.gemv import GemvConfig, gemv_config
 from kbit.utils.cache import TensorCache
-from kbit.utils.checks import check_tensor, fail
+from kbit.utils.checks import check_tensor
 from kbit.utils.device import interpreting, sm_count
 
 __all__ = [
@@ -261,6 +261,3 @@ def kbit_grouped_gemv(x, token_ids, expert_ids, weight, bias=None) -> torch.Tens
                                        a["scale_format"], a["N"], a["K"], bias)
 
 
-# transitional: kbit.ops.grouped_mma imports these old private names (delete once it uses kbit.ops._checks)
-_check_grouped = check_grouped
-_fail = fail

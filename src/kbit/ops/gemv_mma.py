@@ -16,15 +16,11 @@ another backend is ``kbit.dispatch``'s job.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from kbit import cuda
 from kbit.cuda.runtime import Prepared
 from kbit.ops._checks import check_dense
-from kbit.ops.mma import common as _common
-from kbit.ops.mma import layout as _layout
 from kbit.ops.mma.common import (
     check_repacked,
     deterministic,
@@ -37,7 +33,6 @@ from kbit.ops.mma.common import (
 )
 from kbit.ops.mma.layout import SEG, geometry, repacked
 from kbit.tuning import mma as _tmma
-from kbit.tuning import mma_plan as _tplan
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
 from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
 from kbit.tuning.tables import gpu_key
@@ -311,45 +306,3 @@ def dequant_repacked(rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
     return out
 
 
-# ------------------------------------------------------------------------------------------------ transitional
-# Names kbit.ops.grouped_mma, kbit.ops.moe, kbit.nn.moe and kbit.hf imported from this module before the split into
-# kbit.ops.mma.* and kbit.tuning.mma*: kept until those importers move, then deleted.
-
-_etab = e_table
-_prep_x = prep_x
-_sms = sm_count
-_table_smem = table_smem
-_x_tiles = x_tiles
-_x_tiles_groups = _common.x_tiles_groups
-_x_tiles_kernel = _common.x_tiles_kernel
-_check_repacked = check_repacked
-available = kernels_available
-LAYOUT = _layout.LAYOUT
-RepackedWeight = _layout.RepackedWeight
-repack = _layout.repack
-unrepack = _layout.unrepack
-large_ok = _tmma.large_ok
-large_defines = _tplan.large_defines
-
-
-def default_config(k, M, N, K, sm90=False, sms=None) -> tuple:
-    """``kbit.tuning.mma.default_config`` in the positional form (transitional: ``kbit.analyze.report`` matches it
-    against result files)."""
-    return _tmma.default_config(k, M, N, K, sm90=sm90, sms=sms).legacy(k)
-
-
-def cache_get(cache: dict, codes: torch.Tensor, scales: torch.Tensor):
-    """The value ``cache`` holds for ``(codes, scales)``, or None (transitional: use kbit.utils.cache.TensorCache)."""
-    hit = cache.get(id(codes))
-    if (hit is not None and hit[0]() is codes and hit[1] == codes._version and hit[2]() is scales
-            and hit[3] == scales._version):
-        return hit[4]
-    return None
-
-
-def cache_put(cache: dict, codes: torch.Tensor, scales: torch.Tensor, val):
-    """Store ``val`` for ``(codes, scales)`` (transitional: use kbit.utils.cache.TensorCache)."""
-    key = id(codes)
-    cache[key] = (weakref.ref(codes), codes._version, weakref.ref(scales), scales._version, val)
-    weakref.finalize(codes, cache.pop, key, None)
-    return val

@@ -71,7 +71,6 @@ def check_norm(x, weight, eps, residual):
         fail(ValueError, "eps", "> 0", eps)
 
 
-_check_norm = check_norm  # transitional: kbit.ops.prologue imports this name; drop it when prologue uses check_norm
 
 
 def _norm_launch(x, residual, weight, eps):

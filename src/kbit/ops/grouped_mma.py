@@ -26,7 +26,12 @@ import torch
 
 from kbit.cuda import compile_kernel
 from kbit.format.spec import check_blocksize, check_k, check_scale_format, padded_k
+from kbit.ops._common import e_table
+from kbit.ops.mma.common import check_repacked, kernels_available, prep_x, x_tiles, x_tiles_groups
+from kbit.ops.mma.layout import repack_stack
 from kbit.ops.moe_blocks import block_table, max_blocks
+from kbit.tuning.mma import LargeConfig, large_ok
+from kbit.tuning.mma_plan import large_defines, table_smem
 from kbit.tuning.moe import (
     WGMMA_MIN_ROWS,
     GroupedMmaConfig,
@@ -40,82 +45,22 @@ from kbit.utils.cache import TensorCache
 from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import sm_count
 
-# isort: split
-# --- shared pieces of the dense swap-AB launcher (kbit.ops.gemv_mma, owned by the dense path): remap at merge ---
-from kbit.ops.gemv_mma import (
-    _check_repacked,  # validates a repacked weight / stack
-    _etab,  # the log8 scale table on a device
-    _prep_x,  # x rows readable as 16-byte vectors up to S * 256 columns
-    _table_smem,  # dynamic shared bytes of the codebook lookup table
-    _x_tiles,  # kernel 7's x tiles of a dense x (the reference of the grouped gather uses it)
-    _x_tiles_groups,  # grid y of the x gathers
-    available,  # the NVRTC kernels run on a device (CUDA, sm_80+)
-    large_defines,  # kernel 7's defines and shared bytes from its positional config tuple
-    large_ok,  # kernel 7 runs on a device (sm_90)
-    repack,
-    unrepack,
-)
-
 
 def _wgmma_defines(k: int, cfg: WgmmaGroupedConfig) -> tuple[dict, int]:
-    """(defines, dynamic shared bytes) of the grouped kernel 7 through the dense launcher's ``large_defines``,
-    which still takes kernel 7's config as a positional tuple (kernel, warps, groups, stages, raster, x_swizzle,
-    x_bulk)."""
-    return large_defines(k, (7, cfg.warps, cfg.groups, cfg.stages, cfg.raster, int(cfg.x_swizzle), cfg.x_bulk),
-                         grouped=True)
-# --- end of the gemv_mma block ---
+    """(defines, dynamic shared bytes) of the grouped kernel 7: the dense kernel 7's, in its grouped form."""
+    return large_defines(k, LargeConfig(warps=cfg.warps, groups=cfg.groups, stages=cfg.stages, raster=cfg.raster,
+                                        x_swizzle=bool(cfg.x_swizzle), x_bulk=cfg.x_bulk), grouped=True)
 
 
-__all__ = ["GroupedLaunch", "KernelBuild", "available", "choose_ng", "clear_caches", "copy_repacked", "run_blocks",
+__all__ = ["GroupedLaunch", "KernelBuild", "choose_ng", "clear_caches", "copy_repacked", "run_blocks",
            "fused_silu_ok", "grouped_linear", "grouped_linear_repacked", "grouped_mma_build", "large_rows",
-           "repack_stack", "repacked_stack", "unrepack_stack", "wgmma_build"]
+           "repacked_stack", "wgmma_build"]
 
 GroupedConfig = GroupedMmaConfig | WgmmaGroupedConfig
 
 
 # ------------------------------------------------------------------------------------------------ repack
 
-# --- repack_stack / unrepack_stack: the dense branch moves them to kbit.ops.mma.layout (beside RepackedWeight);
-# --- at merge delete them here and import them from there (they are the same code)
-
-
-def repack_stack(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
-                 K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical stack ``(codes [E, N, words], scales [E, N, nb])`` -> ``(codes [E, Nt, S, k, 32, 4],
-    scales [E, Nt, S, 8, 16 (x2 for fp16 bytes)])``: expert ``e`` is ``kbit.ops.gemv_mma.repack`` of its matrix.
-
-    With ``N % 16 == 0`` (tiles never straddle two experts) the stack is repacked as one ``[E * N, K]`` matrix.
-    """
-    if codes.dim() != 3 or scales.dim() != 3 or codes.shape[:2] != scales.shape[:2] or codes.shape[1] != N:
-        raise ValueError(f"codes, scales: expected stacks [E, {N}, ...], got {tuple(codes.shape)}, "
-                         f"{tuple(scales.shape)}")
-    E = codes.shape[0]
-    kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, K=K)
-    if N % 16 == 0:
-        rc, rs = repack(codes.reshape(E * N, -1), scales.reshape(E * N, -1), N=E * N, **kw)
-        return rc.view(E, N // 16, *rc.shape[1:]), rs.view(E, N // 16, *rs.shape[1:])
-    parts = [repack(codes[e], scales[e], N=N, **kw) for e in range(E)]
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-
-
-def unrepack_stack(rcodes: torch.Tensor, rscales: torch.Tensor, *, k: int, blocksize: int, N: int,
-                   K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`repack_stack` (bit-exact, new tensors): canonical ``(codes [E, N, words], scales [E, N,
-    nb])``."""
-    E = rcodes.shape[0]
-    if E == 0:
-        Kp = -(-K // blocksize) * blocksize
-        return (torch.empty(0, N, Kp * k // 32, dtype=torch.int32, device=rcodes.device),
-                torch.empty(0, N, Kp // blocksize, dtype=rscales.dtype, device=rscales.device))
-    if N % 16 == 0:
-        c, s = unrepack(rcodes.reshape(E * rcodes.shape[1], *rcodes.shape[2:]),
-                        rscales.reshape(E * rscales.shape[1], *rscales.shape[2:]), k=k, blocksize=blocksize,
-                        N=E * N, K=K)
-        return c.view(E, N, -1), s.view(E, N, -1)
-    parts = [unrepack(rcodes[e], rscales[e], k=k, blocksize=blocksize, N=N, K=K) for e in range(E)]
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-
-# --- end of repack_stack / unrepack_stack
 
 
 #: repacked copies of canonical stacks, per (codes, scales) tensor object and version
@@ -149,7 +94,7 @@ def large_rows(P: int, E: int, device) -> int:
     """Rows a block of the grouped kernel 7 if it serves ``P`` rows sorted by expert on ``E`` experts on
     ``device`` (sm_90, at least ``WGMMA_MIN_ROWS`` rows per touched expert), else 0."""
     dev = torch.device(device)
-    if dev.type != "cuda" or not available(dev):
+    if dev.type != "cuda" or not kernels_available(dev):
         return 0
     rpe = rows_per_expert(P, E)
     if rpe < WGMMA_MIN_ROWS or not large_ok(dev):
@@ -205,11 +150,12 @@ def grouped_mma_build(k: int, cfg: GroupedMmaConfig, scale_format: str, bf16: bo
     W, ng = cfg.warps, cfg.groups
     if cfg.kernel == 4:
         stage = 8 * ng * 576 + W * (k * 512 + (2 if fp16_scales else 1) * 128)  # x rows, codes, scales a stage
-        defines = dict(KERNEL=5, K_BITS=k, NG=ng, D=cfg.stages, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
+        defines = dict(K_BITS=k, NG=ng, D=cfg.stages, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
                        FP16_SCALES=fp16_scales)
-        return KernelBuild("mma_pipe.cu", "kbit_grouped_mma_pipe", defines, W, cfg.stages * stage + _table_smem(k))
+        shared = cfg.stages * stage + table_smem(k)
+        return KernelBuild("grouped_mma_pipe.cu", "kbit_grouped_mma_pipe", defines, W, shared)
     defines = dict(K_BITS=k, NG=ng, MAXW=W, MINB=cfg.min_blocks, BF16=int(bf16), FP16_SCALES=fp16_scales)
-    return KernelBuild("grouped_mma.cu", "kbit_grouped_mma", defines, W, _table_smem(k) + W * ng * 128 * 4)
+    return KernelBuild("grouped_mma.cu", "kbit_grouped_mma", defines, W, table_smem(k) + W * ng * 128 * 4)
 
 
 def wgmma_build(k: int, cfg: WgmmaGroupedConfig, scale_format: str, bf16: bool) -> KernelBuild:
@@ -273,7 +219,7 @@ def _x_tiles_grouped(xp, rows, blk, nblk, n_max, bt, S, silu=False):
     projection's x without a separate SwiGLU pass."""
     n_ch = S * 4
     xt = torch.empty(n_max * n_ch * bt * 64, dtype=xp.dtype, device=xp.device)
-    grid = (n_max, _x_tiles_groups(n_ch, bt))
+    grid = (n_max, x_tiles_groups(n_ch, bt))
     ptrs = (xp.data_ptr(), xt.data_ptr(), rows.data_ptr(), blk.data_ptr(), nblk.data_ptr())
     if silu:
         kern = _x_tiles_kernel("kbit_x_tiles_silu_g", xp.device)
@@ -294,7 +240,7 @@ def _x_tiles_grouped_reference(xp, rows, blk, nblk, n_max, bt, S):
     b_list = blk.tolist()
     for b in range(min(int(nblk.item()), n_max)):
         r = rows[b_list[b]:b_list[b + 1]].long()
-        out[b] = _x_tiles(xp.index_select(0, r), bt, S)[: n_ch * bt * 64] if r.numel() else 0
+        out[b] = x_tiles(xp.index_select(0, r), bt, S)[: n_ch * bt * 64] if r.numel() else 0
     return out.reshape(-1)
 
 
@@ -314,7 +260,7 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     grid = max(1, min(sm_count(dev) * p.occupancy, -(-Nt // W) * n_max))
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     p.kernel((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
-             cb_c.data_ptr(), _etab(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
+             cb_c.data_ptr(), e_table(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
              n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, blk.data_ptr(), nblk.data_ptr(),
              expert_ids.contiguous().data_ptr(), shared=p.build.shared, pdl=True)
     return y
@@ -331,7 +277,7 @@ def _check_ng(ng, config):
 
 
 def _check_device(x):
-    if not available(x.device):
+    if not kernels_available(x.device):
         fail(ValueError, "x", "a tensor on a CUDA device where the NVRTC kernels run (kbit.dispatch.moe falls back "
              "to the grouped GEMV elsewhere)", x.device)
 
@@ -368,7 +314,7 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
                    config: GroupedConfig | None = None):
     """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` for a k-bit stack ``W [E, N, K]``: ``[P, N]`` in x's dtype.
 
-    x: fp16/bf16 ``[T, K]`` on a device where the CUDA kernels run (:func:`available`); rows, expert_ids: int32
+    x: fp16/bf16 ``[T, K]`` on a device where the CUDA kernels run (``kernels_available``); rows, expert_ids: int32
     ``[P]`` on x's device (ids valid, not checked: that would sync); codes ``[E, N, words]``, scales
     ``[E, N, nb]``, tensor_scale float32 ``[E]``, codebook ``[2**k]`` (the grouped GEMV's arguments).
     ``blocks``: a ``kbit.ops.moe_blocks.block_table`` of expert_ids for ``8 * ng`` rows (pass one table to both
@@ -401,7 +347,7 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     if act == "silu" and (x.dim() != 2 or x.shape[1] != 2 * K):
         fail(ValueError, "x", f"a gate_up product [T, {2 * K}] (act='silu')", tuple(x.shape))
     E = rcodes.shape[0] if rcodes.dim() == 6 else -1
-    _check_repacked(x[:, :K] if act else x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K,
+    check_repacked(x[:, :K] if act else x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K,
                     None, (E,))
     _check_ng(ng, config)
     if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
@@ -440,10 +386,10 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
         else:
             config = grouped_mma_config(ng, S)
     if isinstance(config, WgmmaGroupedConfig):
-        xp = x if silu else _prep_x(x, S)
+        xp = x if silu else prep_x(x, S)
         return _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
                           N=N, blocks=blocks, cfg=config, silu=silu)
-    xp = _prep_x(x, S)
+    xp = prep_x(x, S)
     p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
     W = p.build.warps
     pipelined = config.kernel == 4
@@ -454,7 +400,7 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
     rows_c, ids_c = rows.contiguous(), expert_ids.contiguous()
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
     p.kernel((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
-             _etab(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
+             e_table(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
              nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=p.build.shared,
              pdl=pipelined)
     return y

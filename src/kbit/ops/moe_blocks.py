@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 
 from kbit.cuda import compile_kernel
+from kbit.ops.mma.common import kernels_available
 from kbit.tuning.moe import TAIL_ROWS
 
 # isort: split
 # --- shared pieces of the dense swap-AB launcher (kbit.ops.gemv_mma, owned by the dense path): remap at merge ---
-from kbit.ops.gemv_mma import available  # the NVRTC kernels run on a device (CUDA, sm_80+)
 
 # --- end of the gemv_mma block ---
 
@@ -84,7 +84,7 @@ def block_table(expert_ids: torch.Tensor, bm: int, offsets: torch.Tensor | None 
         got = (offsets.dtype, tuple(offsets.shape), offsets.device) if isinstance(offsets, torch.Tensor) \
             else type(offsets)
         raise ValueError(f"offsets: expected an int32 1-D tensor on {expert_ids.device}, got {got}")
-    if not available(expert_ids.device):
+    if not kernels_available(expert_ids.device):
         return block_table_torch(expert_ids, bm)
     P = expert_ids.shape[0]
     blk = torch.empty(P + 1, dtype=torch.int32, device=expert_ids.device)

@@ -12,7 +12,6 @@ from kbit.format.reference import (
     FP16_MAX,
     block_scales,
     blocks,
-    dequantize_reference,
     normalise,
     quantize_reference,
 )
@@ -29,7 +28,6 @@ from kbit.format.spec import (
     padded_k,
 )
 from kbit.kernels.quantize import quantize_kernel
-from kbit.ops.dequant import dequantize_triton
 from kbit.utils.checks import check_choice, fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -158,14 +156,4 @@ def _quantize_triton(W, k, blocksize, codebook, scale_format, matrix_max):
     )
     return codes, scales, ts.reshape(lead)
 
-
-def dequantize(qw: KbitWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The float weight ``[..., N, K]`` that ``qw`` stands for, as ``dtype`` (math in float32)."""
-    if not isinstance(qw, KbitWeight):
-        fail(TypeError, "qw", "a KbitWeight", type(qw).__name__)
-    if dtype not in FLOAT_DTYPES:
-        fail(TypeError, "dtype", f"one of {FLOAT_DTYPES}", dtype)
-    if qw.codes.is_cuda:  # the Triton kernel (kbit.ops.dequant), bit-exact with the reference
-        return dequantize_triton(qw, dtype)
-    return dequantize_reference(qw, dtype)
 

@@ -19,7 +19,7 @@ from kbit.utils.device import interpreting
 
 __all__ = [
     "SamplingConfig",
-    "pick_config",
+    "sampling_config",
     "sample",
     "filtered_probs_reference",
     "sample_reference",
@@ -44,7 +44,7 @@ def _next_pow2(n: int) -> int:
 # --------------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Launch choices of ``sample``; ``pick_config`` gives the default, tests may pin one.
+    """Launch choices of ``sample``; ``sampling_config`` gives the default, tests may pin one.
 
     Attributes
     ----------
@@ -80,7 +80,7 @@ class SamplingConfig:
             fail(ValueError, "SamplingConfig.candidates", f"in [2, chunk = {self.chunk}]", self.candidates)
 
 
-def pick_config(batch: int, vocab: int) -> SamplingConfig:
+def sampling_config(batch: int, vocab: int) -> SamplingConfig:
     """Launch config: 4096-entry pass-1 chunks of 4 warps and 16 warps
     in pass 2 at every batch size. Pass 2's fast path works on all ~S * 32 candidate slots and the
     2S chunk values at once, so fewer, larger chunks keep its tiles small (2048-entry chunks double them
@@ -323,7 +323,7 @@ def sample(
         Also return the log-probability of each chosen token under its filtered distribution
         (``0`` for greedy rows).
     config : SamplingConfig, optional
-        Launch choices; default ``pick_config(B, V)``.
+        Launch choices; default ``sampling_config(B, V)``.
 
     Returns
     -------
@@ -375,7 +375,7 @@ def sample(
     if seed is None:
         seed_t = torch.randint(0, 2**62, (1,), device=dev, dtype=torch.int64, generator=generator)
     if config is None:
-        config = pick_config(B, V)
+        config = sampling_config(B, V)
     elif not isinstance(config, SamplingConfig):
         fail(TypeError, "config", "a SamplingConfig", type(config).__name__)
     tokens, logprobs = torch.ops.kbit.sample(
