@@ -15,7 +15,7 @@ and replayed. Timed: ``--steps`` consecutive steps (CUDA events), rewound to the
 median of ``--reps``. tokens/s = batch * steps / time. ``--fuse``: ``kbit.hf.decode.compile_glue`` on both
 sides (RMSNorm, rotary, SiLU * up fused by torch.compile; matmuls and attention untouched).
 Both sides decode through ``kbit.hf.decode.static_attention`` (the split-KV kernel of ``kbit.ops.attention``
-on one-token steps; ``KBIT_DECODE_ATTN=sdpa`` runs SDPA instead, recorded as ``decode_attn`` in the meta).
+on one-token steps; ``--decode-attention sdpa`` runs SDPA instead, recorded as ``decode_attn`` in the meta).
 The bf16 MoE baseline is timed twice, with
 transformers' ``experts_implementation="grouped_mm"`` (``bf16``) and with kbit's device-side routing +
 ``torch._grouped_mm`` on the bf16 stacks (``bf16-kr``, as in bench_moe.py); speedups are against the faster.
@@ -138,7 +138,7 @@ class Bf16GroupedMoE(nn.Module):
                               True))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from kbit.ops.moe import combine, silu_mul
+        from kbit.ops.moe import combine, silu_mul_gate_up
         from kbit.ops.moe_align import align
         from kbit.ops.moe_router import select_experts
 
@@ -149,7 +149,7 @@ class Bf16GroupedMoE(nn.Module):
         r = align(ids, experts.gate_up_proj.shape[0], w)
         xs = x.index_select(0, r.token_ids)
         gu = torch._grouped_mm(xs, experts.gate_up_proj.transpose(-2, -1), offs=r.offsets)
-        y = torch._grouped_mm(silu_mul(gu), experts.down_proj.transpose(-2, -1), offs=r.offsets)
+        y = torch._grouped_mm(silu_mul_gate_up(gu), experts.down_proj.transpose(-2, -1), offs=r.offsets)
         return combine(y, r, x.dtype).reshape(hidden.shape)
 
 
@@ -265,6 +265,7 @@ def weight_bytes(model) -> int:
 # ------------------------------------------------------------------------------------------------ timing
 
 
+DECODE_ATTN = ["auto"]  # StaticDecoder's decode attention (--decode-attention)
 FAST = [None]  # StaticDecoder's fast decode step: None = its default (on CUDA when supported), False = --no-fast
 
 
@@ -274,7 +275,7 @@ def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool,
     vocab = model.config.vocab_size
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)  # max_mem_gb: the model + this batch's cache, graph, prefill
-    dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph, fast=FAST[0])
+    dec = StaticDecoder(model, batch, ctx + steps + 8, graph=graph, fast=FAST[0], decode_attention=DECODE_ATTN[0])
     gen = torch.Generator(device=dev).manual_seed(seed)
     prompt = torch.randint(0, vocab, (batch, ctx), device=dev, generator=gen)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -426,9 +427,10 @@ def run(args) -> list:
             "command": (env + " " if env else "") + "python benchmarks/bench_e2e.py " + " ".join(args.argv),
             "ctx": args.ctx,
             "steps": args.steps, "reps": args.reps, "graph": graph, "fuse": args.fuse, "fuse_proj": args.fuse_proj,
-            "lm_head_k": args.lm_head_k, "decode_attn": os.environ.get("KBIT_DECODE_ATTN", "auto"),
+            "lm_head_k": args.lm_head_k, "decode_attn": args.decode_attention,
             "fast_decode": not args.no_fast}
     FAST[0] = False if args.no_fast else None
+    DECODE_ATTN[0] = args.decode_attention
     rows: list = []
     json_path = out_dir / f"{args.name}.json"
     if args.append and json_path.exists():  # one results file for several invocations
@@ -535,6 +537,8 @@ def parse(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--no-fast", action="store_true", help="decode steps through transformers' forward (A/B)")
+    p.add_argument("--decode-attention", default="auto", choices=("auto", "kbit", "sdpa"),
+                   help="attention of one-token steps (StaticDecoder's decode_attention)")
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="e2e")
     p.add_argument("--append", action="store_true", help="add the rows to an existing NAME.json")

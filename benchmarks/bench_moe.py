@@ -46,11 +46,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
+from kbit.dispatch.moe import MoePlan, choose_plan  # noqa: E402
 from kbit.format.spec import KbitWeight  # noqa: E402
 from kbit.nn.moe import KbitMoE  # noqa: E402
 from kbit.ops.dequant import dequantize_triton  # noqa: E402
-from kbit.ops.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T, MoePlan, choose_plan, combine, relative_error, silu_mul  # noqa: E402
+from kbit.ops.moe import combine, relative_error, silu_mul_gate_up  # noqa: E402
 from kbit.ops.moe_align import MoeRouting  # noqa: E402
+from kbit.tuning.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Bf16MoE:
         r: MoeRouting = self.route(logits)
         xs = x.index_select(0, r.token_ids)
         gu = torch._grouped_mm(xs, self.gu_t, offs=r.offsets)
-        y = torch._grouped_mm(silu_mul(gu), self.dn_t, offs=r.offsets)
+        y = torch._grouped_mm(silu_mul_gate_up(gu), self.dn_t, offs=r.offsets)
         return combine(y, r, x.dtype)
 
 

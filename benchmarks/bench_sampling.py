@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kbit.ops.sampling import SamplingConfig, filtered_probs_reference, pick_config, sample, sample_reference  # noqa: E402, I001
+from kbit.ops.sampling import SamplingConfig, filtered_probs_reference, sampling_config, sample, sample_reference  # noqa: E402, I001
 
 V = 151936
 HEADLINE = dict(temperature=0.7, top_k=50, top_p=0.9)
@@ -132,7 +132,7 @@ def check_support(x, kw, hist, config):
 
 def time_case(name, B, dtype, scale, kw, extra, config=None, with_ref=True):
     xs, hist = make_inputs(B, dtype, scale, extra)
-    config = config or pick_config(B, V)
+    config = config or sampling_config(B, V)
     seed = torch.tensor([1234], device="cuda")
     offset = torch.zeros(1, dtype=torch.int64, device="cuda")
     ok, lp_err = check_support(xs[0], kw, hist, config)
@@ -166,10 +166,11 @@ def time_passes(B):
     """Pass 1 and pass 2 of the headline case alone, each in its own CUDA graph (default config), and
     the number of rows whose certificate F lies at or above the top-k threshold (whole-row fallback)."""
     from kbit.kernels import sampling as kern
+    from kbit.kernels import sampling_chunks as kern_chunks
     from kbit.ops.sampling import _FAST_ENTRIES, _PASS1_CAP_BATCH, _PASS1_MAXNREG, _STREAM_VECTORS, _next_pow2, _tile
 
     xs, _ = make_inputs(B, torch.float32, 1.0, {})
-    cfg = pick_config(B, V)
+    cfg = sampling_config(B, V)
     S, KC, P = -(-V // cfg.chunk), cfg.candidates, cfg.select_slots
     NVP = _next_pow2(S * KC)
     G, T = _tile(cfg.chunk, cfg.warps_chunk)
@@ -188,7 +189,7 @@ def time_passes(B):
     temp, top_k, top_p = HEADLINE["temperature"], HEADLINE["top_k"], HEADLINE["top_p"]
 
     def pass1(i):
-        kern.chunk_summary_kernel[(B, S)](
+        kern_chunks.chunk_summary_kernel[(B, S)](
             xs[i], V, V, lp, temp, lp, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False, TOPK_PER_ROW=False,
             CHUNK=cfg.chunk, KC=KC, G=G, T=T, MAX_ITERS=24, num_warps=cfg.warps_chunk,
             **({"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}))

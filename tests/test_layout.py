@@ -20,12 +20,12 @@ if not CUDA:  # kernels run under the Triton interpreter; it must be chosen befo
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kbit.dispatch import linear as D  # noqa: E402
+from kbit.dispatch.moe import MoePlan, grouped_gemm_repacked  # noqa: E402
 from kbit.format.pack import unpack  # noqa: E402
 from kbit.nn import KbitLinear, KbitMoE, repack_for_kernels  # noqa: E402
 from kbit.ops import grouped_mma as GM  # noqa: E402
 from kbit.ops.mma import common as MC  # noqa: E402
 from kbit.ops.mma import layout as LY  # noqa: E402
-from kbit.ops.moe import MoePlan  # noqa: E402
 from kbit.tuning import mma as TM  # noqa: E402
 
 GEMV, GROUPED_MM, GEMM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm"), MoePlan("gemm", "gemm")
@@ -104,8 +104,8 @@ def test_unrepack_stack_round_trip(N):
     E, K, k = 3, 200, 3
     codes = torch.randint(-(2**31), 2**31 - 1, (E, N, 224 * k // 32), generator=g, dtype=torch.int32)
     scales = torch.randint(0, 255, (E, N, 7), generator=g, dtype=torch.uint8)
-    rc, rs = GM.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K)
-    c2, s2 = GM.unrepack_stack(rc, rs, k=k, blocksize=32, N=N, K=K)
+    rc, rs = LY.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K)
+    c2, s2 = LY.unrepack_stack(rc, rs, k=k, blocksize=32, N=N, K=K)
     assert torch.equal(c2, codes) and torch.equal(s2, scales)
     sel = torch.tensor([2, 0])
     w = LY.RepackedWeight(rc, rs, torch.ones(E), torch.linspace(-1, 1, 8), (E, N, K), k, 32)
@@ -216,8 +216,7 @@ def test_functional_repacked_ops_equal_canonical_interpreter(k):
     rst = LY.RepackedWeight.from_canonical(st)
     rows = torch.tensor([0, 2, 1, 1], dtype=torch.int32)
     ids = torch.tensor([2, 0, 0, 1], dtype=torch.int32)
-    assert torch.equal(GM.grouped_linear_repacked(x, rows, ids, rst.codes, rst.scales, st.tensor_scale, st.codebook,
-                                                  **kw),
+    assert torch.equal(grouped_gemm_repacked(x, rows, ids, rst),
                        grouped_gemv(x, rows, ids, st.codes, st.scales, st.tensor_scale, st.codebook, **kw))
 
 
@@ -307,8 +306,8 @@ def test_moe_repacked_holds_one_copy_same_outputs_and_state(k, I):
 def test_moe_plans_by_layout(monkeypatch):
     """Repacked: the automatic plan runs the grouped tensor-core kernel where it would run the GEMV (when that
     kernel exists); canonical with auto_repack off: planned without it."""
+    import kbit.dispatch.moe as ops_moe
     import kbit.nn.moe as nn_moe
-    import kbit.ops.moe as ops_moe
 
     m = _moe(4, torch.float16)
     monkeypatch.setattr(ops_moe, "gemm_supported", lambda device, dtype: True)
@@ -469,7 +468,7 @@ def test_gpu_model_of_linears_peak_near_1x():
 def test_gpu_moe_memory_1x_and_outputs_identical():
     """A KbitMoE (Qwen3-30B-A3B-sized layer) holds its stacks once after a forward that runs the grouped
     tensor-core kernel; outputs equal the canonical module's through the cached functional path."""
-    from kbit.ops.moe import moe_experts
+    from kbit.dispatch.moe import moe_experts
 
     E, top_k, H, I = 128, 8, 2048, 768
     g = torch.Generator(device="cuda").manual_seed(0)
