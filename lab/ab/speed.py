@@ -69,7 +69,7 @@ def main():
     p.add_argument("--src", required=True)
     p.add_argument("--tag", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--reps", type=int, default=50)
     a = p.parse_args()
     kbit = import_kbit(a.src)
     with open(a.out, "a") as f:
