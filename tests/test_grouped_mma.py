@@ -8,10 +8,12 @@ import torch
 from kbit.bench.timing import capture
 from kbit.dispatch import moe as D
 from kbit.ops import gemv as G
-from kbit.ops import gemv_mma as MM
 from kbit.ops import grouped_mma as GR
 from kbit.ops import moe_blocks as MB
+from kbit.ops.mma import common as MC
+from kbit.ops.mma import layout as LY
 from kbit.ops.moe import silu_mul_gate_up, silu_mul_gate_up_reference
+from kbit.tuning import mma as TM
 from kbit.tuning.moe import WgmmaGroupedConfig, grouped_mma_config
 
 CUDA = torch.cuda.is_available()
@@ -102,11 +104,11 @@ def test_block_table_errors():
 @pytest.mark.parametrize("E,N,K_,B,sf", [(3, 32, 300, 32, "log8"), (2, 20, 256, 64, "fp16"), (4, 16, 64, 32, "log8")])
 def test_repack_stack(k, E, N, K_, B, sf):
     codes, scales, _, _ = make_stack(E, N, K_, k, B, sf, seed=k + E)
-    rc, rs = GR.repack_stack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+    rc, rs = LY.repack_stack(codes, scales, k=k, blocksize=B, scale_format=sf, N=N, K=K_)
     for e in range(E):
-        c1, s1 = MM.repack(codes[e], scales[e], k=k, blocksize=B, scale_format=sf, N=N, K=K_)
+        c1, s1 = LY.repack(codes[e], scales[e], k=k, blocksize=B, scale_format=sf, N=N, K=K_)
         assert torch.equal(rc[e], c1) and torch.equal(rs[e], s1)
-        c2, s2 = MM.unrepack(rc[e], rs[e], k=k, blocksize=B, N=N, K=K_)
+        c2, s2 = LY.unrepack(rc[e], rs[e], k=k, blocksize=B, N=N, K=K_)
         assert torch.equal(c2, codes[e]) and torch.equal(s2, scales[e])
 
 
@@ -162,8 +164,8 @@ def test_grouped_gemm_repacked_act_silu_fallback_and_errors():
     shape, in the dispatcher and in the CUDA launcher."""
     E, N, K_, k = 3, 24, 64, 4
     codes, scales, ts, cb = make_stack(E, N, K_, k)
-    rc, rs = GR.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
-    rw = MM.RepackedWeight(rc, rs, ts, cb, (E, N, K_), k, 32)
+    rc, rs = LY.repack_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    rw = LY.RepackedWeight(rc, rs, ts, cb, (E, N, K_), k, 32)
     tok, ids = routing_ids(5, 2, E)
     rows = torch.arange(10, dtype=torch.int32)
     gu = torch.randn(10, 2 * K_).to(torch.float16)
@@ -225,7 +227,7 @@ KERNEL_CASES += [(k, "fp16", 128, 16) for k in (2, 3, 5)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,dt,E,T", KERNEL_CASES)
 def test_gpu_grouped_kernel_vs_reference(k, dt, E, T):
-    if not GR.available("cuda"):
+    if not MC.kernels_available("cuda"):
         pytest.skip("CUDA kernel not available")
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     top_k = 2 if E == 8 else 8
@@ -254,7 +256,7 @@ def test_gpu_grouped_kernel_vs_reference(k, dt, E, T):
                                        (5, "fp16", 300, 1280), (2, "bf16", 4, 256)])
 def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
     """Kernels 1 and 4 forced (the default picks by block rows and K), blocks of 8..64 rows, long and short K."""
-    if not GR.available("cuda"):
+    if not MC.kernels_available("cuda"):
         pytest.skip("CUDA kernel not available")
     dtype = torch.bfloat16 if dt == "bf16" else torch.float16
     E, top_k, N = 16, 4, 336
@@ -271,7 +273,7 @@ def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
 
 @pytest.mark.gpu
 def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
-    if not GR.available("cuda"):
+    if not MC.kernels_available("cuda"):
         pytest.skip("CUDA kernel not available")
     E, N, K_ = 16, 256, 512
     codes, scales, ts, cb = make_stack(E, N, K_, 4, device="cuda")
@@ -294,7 +296,7 @@ def wgmma_cfg(s: str) -> WgmmaGroupedConfig:
 
 
 def _sm90():
-    return CUDA and GR.available("cuda") and MM.large_ok("cuda")
+    return CUDA and MC.kernels_available("cuda") and TM.large_ok("cuda")
 
 
 @pytest.mark.gpu
@@ -401,7 +403,7 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
 
         N = 520
         codes, scales, ts, cb = make_stack(E, N, I, 4, 32, "log8", device="cuda", seed=I)
-        rc, rs = GR.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=I)
+        rc, rs = LY.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=I)
         kw = dict(k=4, N=N, K=I, sorted_rows=True,
                   config=wgmma_cfg({64: "7,16,8,4,8,1,2", 128: "7,12,16,4,8,1,2", 256: "7,8,32,4,8,1,2"}[bt]))
         y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)

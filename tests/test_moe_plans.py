@@ -29,8 +29,8 @@ def _patch(monkeypatch, profile: str) -> str:
     def available(device=None):
         return cuda and torch.device(device or "cuda").type == "cuda"
 
-    monkeypatch.setattr(G, "available", available)
-    monkeypatch.setattr(D, "available", available)
+    monkeypatch.setattr(G, "kernels_available", available)
+    monkeypatch.setattr(D, "kernels_available", available)
     monkeypatch.setattr(G, "large_ok", lambda device: cap == (9, 0))
     monkeypatch.setattr(D, "_capability", lambda device: cap)
     monkeypatch.setattr(D, "_grouped_mm_probe", lambda device, dtype: probe)
