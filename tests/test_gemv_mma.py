@@ -99,19 +99,19 @@ def test_repacked_cache_follows_tensor():
     assert b is not a and not torch.equal(a[0], b[0])
 
 
-@pytest.mark.parametrize("cfg,xb", [(Large(8, 32), 0), (Large(8, 32, x_bulk=1), 1), (Large(8, 32, x_bulk=2), 2),
-                                    (Large(8, 32, x_bulk=2, refill_lag=1, stream_k=True), 2),
-                                    (Large(8, 32, x_swizzle=False, x_bulk=2), 0)])
-def test_large_defines_x_loader(cfg, xb):
-    """x_bulk picks the x loader; it needs the swizzled x (x_swizzle)."""
-    assert TP.large_defines(4, cfg)[0]["XB"] == xb
+def test_large_defines_x_loader():
+    """Kernel 7 is built with the swizzled, bulk-copied x (XSW 1, XB 1) in both forms."""
+    for cfg in (Large(8, 32), Large(8, 32, stream_k=True)):
+        d = TP.large_defines(4, cfg)[0]
+        assert d["XB"] == 1 and d["XSW"] == 1 and d["GM"] == 8
+    assert TP.large_defines(4, Large(8, 32), grouped=True)[0]["GRP"] == 1
 
 
-def test_large_defines_rejects_bad_x_loader():
-    with pytest.raises(ValueError, match="x_bulk"):
-        TP.large_defines(4, Large(8, 32, x_bulk=3))
-    with pytest.raises(ValueError, match="pre-tiled"):
-        TP.large_defines(4, Large(8, 32), grouped=True)
+@pytest.mark.parametrize("field,value", [("x_bulk", 0), ("x_bulk", 2), ("x_swizzle", False), ("raster", 2),
+                                         ("refill_lag", 1)])
+def test_large_config_refuses_variants_kernel_7_is_not_built_with(field, value):
+    with pytest.raises(ValueError, match=f"config.{field}: expected"):
+        Large(8, 32, **{field: value})
 
 
 #: kernel 3 with K slices of x in shared memory (9 <= M <= 16 on tall, big weights, sm_90)
@@ -581,12 +581,11 @@ def test_large_gpu_m(k, dtype, M):
     Large(warps=16, groups=8),
     Large(warps=12, groups=16),
     Large(warps=8, groups=32, stages=3),
-    Large(warps=8, groups=16, stages=6, raster=2, x_swizzle=False),
+    Large(warps=8, groups=16, stages=6),
     Large(warps=4, groups=16, stages=3),
-    Large(warps=8, groups=32, x_bulk=1),
-    Large(warps=12, groups=16, x_bulk=2, stream_k=True),
-    Large(warps=8, groups=32, x_bulk=2, refill_lag=1, stream_k=True),
-    Large(warps=16, groups=8, stages=5, raster=2, x_bulk=2, refill_lag=2),
+    Large(warps=12, groups=16, stream_k=True),
+    Large(warps=8, groups=32, stream_k=True),
+    Large(warps=16, groups=8, stages=5),
     Large(warps=8, groups=4, stages=6, x_bulk=1, stream_k=True),
     Large(warps=12, groups=8, stages=6, x_bulk=1, stream_k=True),
     Large(warps=8, groups=2, stages=6, x_bulk=1, stream_k=True),

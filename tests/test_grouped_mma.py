@@ -286,7 +286,7 @@ def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
     assert torch.equal(y, no_sync(lambda: GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)))
 
 
-LARGE_CFGS = ["7,16,8,4,8,1,2", "7,12,16,4,8,1,2", "7,8,32,4,8,1,2", "7,8,32,4,8,1,1"]
+LARGE_CFGS = ["7,16,8,4,8,1,1", "7,12,16,4,8,1,1", "7,8,32,4,8,1,1", "7,8,32,3,8,1,1"]
 
 
 def wgmma_cfg(s: str) -> WgmmaGroupedConfig:
@@ -405,7 +405,7 @@ def test_gpu_grouped_large_silu_tiles_and_act(monkeypatch, dt):
         codes, scales, ts, cb = make_stack(E, N, I, 4, 32, "log8", device="cuda", seed=I)
         rc, rs = LY.repack_stack(codes, scales, k=4, blocksize=32, scale_format="log8", N=N, K=I)
         kw = dict(k=4, N=N, K=I, sorted_rows=True,
-                  config=wgmma_cfg({64: "7,16,8,4,8,1,2", 128: "7,12,16,4,8,1,2", 256: "7,8,32,4,8,1,2"}[bt]))
+                  config=wgmma_cfg({64: "7,16,8,4,8,1,1", 128: "7,12,16,4,8,1,1", 256: "7,8,32,4,8,1,1"}[bt]))
         y = GR.grouped_linear_repacked(gu, rows, ids, rc, rs, ts, cb, act="silu", **kw)
         y0 = GR.grouped_linear_repacked(silu_mul_gate_up(gu), rows, ids, rc, rs, ts, cb, **kw)
         ref = G.grouped_gemv_reference(silu_mul_gate_up_reference(gu).to(dtype), rows, ids, codes, scales, ts, cb, k=4,

@@ -624,10 +624,10 @@ def test_tail_split_reference_invariants(bt, tail):
 @pytest.mark.parametrize("E,T,top_k", [(8, 1100, 2), (128, 4096, 8), (16, 2500, 2)])
 def test_gpu_tail_split_vs_reference(E, T, top_k):
     """kbit_moe_split + kbit_moe_split_rows equal their Python definition, entry for entry."""
-    from kbit.ops import grouped_mma as GR
     from kbit.ops import moe_blocks as MB
+    from kbit.ops.mma.common import kernels_available
 
-    if not GR.available(torch.device("cuda")):
+    if not kernels_available(torch.device("cuda")):
         pytest.skip("needs the CUDA kernels")
     _, logits = _skewed_inputs(T, E, 64)
     w, ids = select_experts(logits, top_k)

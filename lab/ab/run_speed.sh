@@ -6,7 +6,7 @@ set -u
 R=$OUT; OUT=/tmp/ab-speed; mkdir -p $OUT
 trap 'tar czf $R/logs-speed.tgz -C $OUT . ; cp $OUT/ab-summary.md $OUT/m1.jsonl $R/ 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
-ROUNDS=${ROUNDS:-4}
+ROUNDS=${ROUNDS:-3}
 for r in $(seq $ROUNDS); do
   for t in old new; do
     src=$PWD/src; [ $t = old ] && src=$PWD/.ab/old/src

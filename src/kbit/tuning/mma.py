@@ -96,6 +96,16 @@ class MmaConfig:
         return t + ((self.x_slice,) if self.x_slice else ())
 
 
+def check_wgmma_fixed(cfg) -> None:
+    """Kernel 7's source (``csrc/wgmma.cu``) is built with one raster group size, the swizzled x tiles, bulk copies
+    with a CTA barrier and its own refill lag (the other variants were experiments and are gone): a config that asks
+    for another value is refused rather than silently built as these."""
+    for name, want in (("raster", 8), ("x_swizzle", True), ("x_bulk", 1), ("refill_lag", 0)):
+        got = getattr(cfg, name, want)
+        if got != want:
+            raise ValueError(f"config.{name}: expected {want!r} (the value kernel 7 is built with), got {got!r}")
+
+
 @dataclass(frozen=True)
 class LargeConfig:
     """Launch config of kernel 7 (wgmma, sm_90; dense: any M in one launch; grouped: ``kbit.ops.grouped_mma``)."""
@@ -106,18 +116,21 @@ class LargeConfig:
     groups: int
     #: x pipeline stages (``D``; clamped to 3 .. 8 and to shared memory)
     stages: int = 4
-    #: token blocks a raster group (``GM``)
+    #: token blocks a raster group (``GM``): 8, the one value ``wgmma.cu`` is built with
     raster: int = 8
-    #: x tiles in wgmma's 128-byte swizzle (``XSW``)
+    #: x tiles in wgmma's 128-byte swizzle (``XSW``): always, in ``wgmma.cu``
     x_swizzle: bool = True
-    #: x pre-tiled and bulk-copied (``XB``): 0 no, 1 with a CTA barrier, 2 with empty mbarriers (needs x_swizzle)
-    x_bulk: int = 0
-    #: x_bulk 2: chunks between a stage's last read and its refill (``XLAG``; 0: the source's default)
+    #: x pre-tiled and bulk-copied with a CTA barrier (``XB`` 1): the one x loader ``wgmma.cu`` has
+    x_bulk: int = 1
+    #: chunks between a stage's last read and its refill: 0, the source's fixed lag
     refill_lag: int = 0
     #: stream-K over (tile, segment) pairs (``SK``; dense only)
     stream_k: bool = False
 
     kernel = 7
+
+    def __post_init__(self):
+        check_wgmma_fixed(self)
 
     @classmethod
     def of(cls, t: tuple) -> LargeConfig:

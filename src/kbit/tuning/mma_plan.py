@@ -72,17 +72,11 @@ def large_defines(k: int, cfg: LargeConfig | tuple, grouped: bool = False) -> tu
     if isinstance(cfg, tuple):  # transitional: kbit.ops.grouped_mma still builds positional configs
         cfg = LargeConfig.of(cfg)
     xc = 8 * cfg.groups * 128  # x bytes a 64-column chunk
-    xsw = int(cfg.x_swizzle)
-    xb = cfg.x_bulk if xsw else 0
-    if xb not in (0, 1, 2):
-        raise ValueError(f"config: x_bulk must be 0, 1 or 2, got {cfg}")
-    if grouped and not xb:
-        raise ValueError(f"config: the grouped kernel 7 needs x pre-tiled (x_bulk 1 or 2), got {cfg}")
     D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - table_smem(k)) // xc))
+    # raster, x_swizzle, x_bulk are fixed in wgmma.cu (LargeConfig checks them); their defines stay in the set so
+    # that the build's key is what it was
     defines = dict(K_BITS=k, NG=cfg.groups, D=D, MAXW=cfg.warps, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=cfg.raster,
-                   XSW=xsw, XB=xb, WS4=0)
-    if xb == 2 and cfg.refill_lag:
-        defines["XLAG"] = cfg.refill_lag
+                   XSW=int(cfg.x_swizzle), XB=cfg.x_bulk, WS4=0)
     if cfg.stream_k and not grouped:
         defines["SK"] = 1
     if grouped:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from kbit.tuning.mma import check_wgmma_fixed
+
 __all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS", "GROUPED4_MAX_SEG_NG1",
            "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS", "TAIL_SPLIT_BT",
            "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "GroupedMmaConfig", "WgmmaGroupedConfig", "block_groups",
@@ -140,8 +142,11 @@ class WgmmaGroupedConfig:
     raster: int = 8
     #: x tiles in wgmma's 128-byte swizzle (``XSW``)
     x_swizzle: bool = True
-    #: x tiles by bulk copy (``XB``), completion by a CTA barrier (1) or by mbarriers (2): the grouped form needs it
+    #: x tiles by bulk copy with a CTA barrier (``XB`` 1): the one x loader kernel 7 is built with
     x_bulk: int = 1
+
+    def __post_init__(self):
+        check_wgmma_fixed(self)
 
 
 _WGMMA_64 = WgmmaGroupedConfig(warps=16, groups=8, x_bulk=1)
