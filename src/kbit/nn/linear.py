@@ -34,25 +34,14 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
+from kbit.nn._layout import CANONICAL, capturing, release
 from kbit.ops.mma.layout import LAYOUT, RepackedWeight, repack, unrepack
 from kbit.ops.quantize import quantize
 
 __all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
 
-#: ``layout`` of a module holding the canonical tensors (``docs/format.md``)
-CANONICAL = "canonical"
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _release(old: list[torch.Tensor]) -> None:
-    """Let the caching allocator reuse ``old`` (being dropped) only after the current stream's work: a repack
-    on a side stream (graph warm-up) reads tensors allocated on another stream."""
-    for t in old:
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def repack_for_kernels(model: nn.Module) -> int:
@@ -190,7 +179,7 @@ class KbitLinear(nn.Module):
             return self
         old = [self.codes, self.scales]
         rc, rs = repack(self.codes, self.scales, scale_format=self.scale_format, **self._fmt())
-        _release(old)
+        release(old)
         self.codes, self.scales = rc, rs
         self.layout = LAYOUT
         self.__dict__.pop("_cpu_weight", None)
@@ -202,7 +191,7 @@ class KbitLinear(nn.Module):
             return self
         old = [self.codes, self.scales]
         codes, scales = self._canonical_codes()
-        _release(old)
+        release(old)
         self.codes, self.scales = codes, scales
         self.layout = CANONICAL
         self.__dict__.pop("_cpu_weight", None)
@@ -224,7 +213,7 @@ class KbitLinear(nn.Module):
         if x.device.type == "cpu":
             return self._cpu_forward(x)
         if dispatch.serves(x, self.out_features, self.in_features, self.k):
-            if self.auto_repack and not _capturing():
+            if self.auto_repack and not capturing():
                 return self.repack_for_kernels().forward(x)
             # the small-M kernel would cache a repacked copy beside ours: the choice without it
             return dispatch.linear(*self._parts(x), mma=False, **self._kw())

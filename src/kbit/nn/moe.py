@@ -39,6 +39,7 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
+from kbit.nn._layout import CANONICAL, capturing, release
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.moe_router import ROUTERS, select_experts_reference
@@ -56,19 +57,6 @@ __all__ = ["KbitMoE"]
 
 _STACKS = ("gate_up", "down")
 _PARTS = ("codes", "scales", "tensor_scale", "codebook")
-CANONICAL = "canonical"
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _release(old: list[torch.Tensor]) -> None:
-    """Let the caching allocator reuse ``old`` (being dropped) only after the current stream's work: a repack
-    on a side stream (graph warm-up) reads tensors allocated on another stream."""
-    for t in old:
-        if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 class KbitMoE(nn.Module):
@@ -199,7 +187,7 @@ class KbitMoE(nn.Module):
             N, K = self._dims(name)
             old = [getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")]
             rc, rs = repack_stack(*old, k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=N, K=K)
-            _release(old)
+            release(old)
             del old
             setattr(self, f"{name}_codes", rc)
             setattr(self, f"{name}_scales", rs)
@@ -212,7 +200,7 @@ class KbitMoE(nn.Module):
             return self
         for name in _STACKS:
             codes, scales = self._canonical_codes(name)
-            _release([getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")])
+            release([getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")])
             setattr(self, f"{name}_codes", codes)
             setattr(self, f"{name}_scales", scales)
         self.layout = CANONICAL
@@ -299,7 +287,7 @@ class KbitMoE(nn.Module):
         """Repack before a step whose plan runs the grouped tensor-core kernel (``auto_repack``, CUDA, not
         capturing a graph): that kernel reads layout "mma-v1", and would otherwise cache a repacked copy."""
         if (plan is None or self.layout != CANONICAL or not self.auto_repack or "gemm" not in (plan.gate_up, plan.down)
-                or not gemm_supported(x.device, x.dtype) or _capturing()):
+                or not gemm_supported(x.device, x.dtype) or capturing()):
             return False
         self.repack_for_kernels()
         return True
