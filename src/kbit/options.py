@@ -7,8 +7,9 @@ Every environment variable kbit reads is read here and nowhere else:
                             ``$XDG_CACHE_HOME/kbit/cubin``, else ``~/.cache/kbit/cubin``)
 ``KBIT_NVRTC_LIB``          path of the NVRTC shared library (default: the one torch loads)
 ``KBIT_NO_CUDA_KERNELS``    ``1``: never use the NVRTC-compiled CUDA kernels (Triton and torch only)
-``KBIT_DETERMINISTIC``      ``1``: bit-identical results run to run (split-K parts added in a fixed order); also
-                            on while ``torch.use_deterministic_algorithms(True)``
+``KBIT_DETERMINISTIC``      ``1``: the small-M kernels 1 and 3 add split-K parts in a fixed order (bit-identical
+                            runs); also on while ``torch.use_deterministic_algorithms(True)``. Kernel 7 (sm_90,
+                            M > 16) still adds its stream-K parts with fp32 atomics
 ``KBIT_BACKEND``            force the backend of every k-bit op: ``auto`` (default), ``cuda``, ``triton``,
                             ``torch`` (the plain-torch reference path)
 ``TRITON_INTERPRET``        Triton's own switch; ``1`` (Triton kernels run on the CPU) also keeps kbit off its
@@ -48,7 +49,7 @@ class Options:
     nvrtc_lib: str | None = None
     #: whether the NVRTC-compiled CUDA kernels may be used
     cuda_kernels: bool = True
-    #: fixed-order reductions (bit-identical runs) even without ``torch.use_deterministic_algorithms``
+    #: fixed-order split-K reductions in kernels 1 and 3 even without ``torch.use_deterministic_algorithms``
     deterministic: bool = False
     #: one of :data:`BACKENDS`: ``auto`` lets kbit's dispatcher choose
     backend: str = "auto"
