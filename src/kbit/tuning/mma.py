@@ -135,7 +135,7 @@ class LargeConfig:
     @classmethod
     def of(cls, t: tuple) -> LargeConfig:
         """From the positional form ``(7, warps, groups, stages, raster, x_swizzle, x_bulk, refill_lag, stream_k)``
-        that ``kbit.ops.grouped_mma`` still builds (transitional)."""
+        that result files and the recorded plans of ``tests/data`` hold."""
         names = [f.name for f in fields(cls)]
         if not t or t[0] != 7 or len(t) < 3:
             raise ValueError(f"config: expected (7, warps, groups, ...), got {t}")

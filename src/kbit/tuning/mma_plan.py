@@ -66,11 +66,9 @@ def table_smem(k: int) -> int:
     return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
 
 
-def large_defines(k: int, cfg: LargeConfig | tuple, grouped: bool = False) -> tuple[dict, int]:
+def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict, int]:
     """(defines, dynamic shared bytes) of kernel 7 with ``cfg``; ``grouped``: the MoE form (``GRP``: x pre-tiled per
     block of a block table, no split K; ``kbit.ops.grouped_mma``)."""
-    if isinstance(cfg, tuple):  # transitional: kbit.ops.grouped_mma still builds positional configs
-        cfg = LargeConfig.of(cfg)
     xc = 8 * cfg.groups * 128  # x bytes a 64-column chunk
     D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - table_smem(k)) // xc))
     # raster, x_swizzle, x_bulk are fixed in wgmma.cu (LargeConfig checks them); their defines stay in the set so
