@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+from kbit.tuning.dispatch import GemmConfig, m_bucket
 
 import kbit
 from kbit.bench.run import clone_weight
@@ -25,7 +26,6 @@ from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
 from kbit.format.reference import dequantize_reference
 from kbit.ops.dequant import dequantize_triton
 from kbit.ops.gemm import dequant_mm, gemm_fused, gemm_reference, linear
-from kbit.tuning.dispatch import GemmConfig, m_bucket
 
 SHAPES = ((28672, 4096), (4096, 14336), (57344, 8192), (8192, 28672))
 MS = (16, 32, 64, 128, 256, 1024, 4096)

@@ -201,8 +201,9 @@ def prewarm(jobs):
     from concurrent.futures import ThreadPoolExecutor
     from contextlib import nullcontext
 
-    from kbit.cuda import compile_kernel, runtime
     from kbit.cuda.gemv_mma_src import SOURCE
+
+    from kbit.cuda import compile_kernel, runtime
 
     def one(j):
         k, M, N, K, sf, cfg = j
