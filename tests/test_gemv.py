@@ -220,7 +220,7 @@ def test_validation_errors():
         G.gemv(x, torch.zeros(4, 9, dtype=torch.int32), scales, ts, cb, **kw)
     with pytest.raises(TypeError, match="scales: expected dtype torch.uint8"):
         G.gemv(x, codes, scales.half(), ts, cb, **kw)
-    with pytest.raises(ValueError, match="k: expected one of 2, 3, 4, 5, got 6"):
+    with pytest.raises(ValueError, match=r"k: expected one of \(2, 3, 4, 5\), got 6"):
         G.gemv(x, codes, scales, ts, cb, **{**kw, "k": 6})
     with pytest.raises(ValueError, match="x: expected last dimension K=64"):
         G.gemv(x[:, :32], codes, scales, ts, cb, **kw)

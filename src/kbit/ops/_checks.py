@@ -6,21 +6,24 @@ import math
 
 import torch
 
+from kbit.format.spec import SCALE_FORMATS, check_blocksize, check_k, check_scale_format
 from kbit.utils.checks import check_tensor, fail
 
-__all__ = ["SCALE_FORMATS", "check_dense", "check_grouped", "check_linear", "check_params", "check_weight_tensors"]
+__all__ = ["SCALE_FORMATS", "check_dense", "check_format", "check_grouped", "check_linear", "check_params",
+           "check_weight_tensors"]
 
-SCALE_FORMATS = ("log8", "fp16")
+
+
+def check_format(k, blocksize, scale_format) -> None:
+    """The format parameters (the format's own checks, ``kbit.format.spec``)."""
+    check_k(k)
+    check_blocksize(blocksize)
+    check_scale_format(scale_format)
 
 
 def check_params(k, blocksize, scale_format, N, K) -> None:
     """The format parameters of a weight ``[N, K]``."""
-    if k not in (2, 3, 4, 5):
-        fail(ValueError, "k", "one of 2, 3, 4, 5", k)
-    if blocksize not in (32, 64, 128):
-        fail(ValueError, "blocksize", "one of 32, 64, 128", blocksize)
-    if scale_format not in SCALE_FORMATS:
-        fail(ValueError, "scale_format", "'log8' or 'fp16'", repr(scale_format))
+    check_format(k, blocksize, scale_format)
     if not (isinstance(N, int) and N >= 1):
         fail(ValueError, "N", "a positive int", N)
     if not (isinstance(K, int) and K >= 1):
@@ -76,12 +79,7 @@ def check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_f
         fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
     if x.dim() < 1 or x.shape[-1] != K:
         fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    if k not in (2, 3, 4, 5):
-        fail(ValueError, "k", "one of 2, 3, 4, 5", k)
-    if blocksize not in (32, 64, 128):
-        fail(ValueError, "blocksize", "one of 32, 64, 128", blocksize)
-    if scale_format not in ("log8", "fp16"):
-        fail(ValueError, "scale_format", "'log8' or 'fp16'", repr(scale_format))
+    check_format(k, blocksize, scale_format)
     kp = math.ceil(K / blocksize) * blocksize
     want = {"codes": (codes, torch.int32, (N, kp * k // 32)),
             "scales": (scales, torch.uint8 if scale_format == "log8" else torch.float16, (N, kp // blocksize)),
