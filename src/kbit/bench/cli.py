@@ -3,9 +3,13 @@
     kbit bench --shapes 28672x4096,4096x14336 --m 1,2,4,8 --k 2,3,4,5 --peers humming,tinygemm \\
                --out benchmarks/results
     kbit bench --table benchmarks/results/h100/bench-2026-11-21.json
+    kbit bench --suite models --split tune --families llama3,qwen2.5 --m 1,16,256 --k 4 --peers humming
+    kbit bench --summary benchmarks/results/h100/suite-2026-11-25.json
 
 Shapes are ``NxK`` (the weight is [N, K], ``y = x @ W.T``) or ``llama`` (the five default shapes);
-``--moe qwen3-30b-a3b`` (default) or ``none``.
+``--moe qwen3-30b-a3b`` (default) or ``none``. ``--suite models`` takes the shapes and the expert stacks from the
+model-shape suite (``kbit.bench.suite``) instead, narrowed by ``--families``, ``--split``, ``--min-weights`` and
+``--suite-parts``; such a run also writes a CSV, the per-family summary (``kbit.bench.summary``) and its plot.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import argparse
 import shlex
 import sys
 
-from kbit.bench import report
+from kbit.bench import report, summary
+from kbit.bench import suite as suite_mod
 from kbit.bench.moe import MOE_PRESETS
 from kbit.bench.run import DENSE_SHAPES, BenchConfig, run_bench
 
@@ -53,6 +58,10 @@ def parse_moe(text: str):
     return out
 
 
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", type=parse_shapes, default="llama",
                    help="NxK list, 'llama' (default) or 'none'")
@@ -77,17 +86,77 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="bench", help="results file stem: <out>/<gpu>/<name>-<date>.json")
     p.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
                    help="only render these results files as markdown tables (no GPU needed)")
+    g = p.add_argument_group("model-shape suite")
+    g.add_argument("--suite", default=None, help="shapes from a suite of kbit/bench/suites (e.g. 'models'), "
+                   "instead of --shapes / --moe")
+    g.add_argument("--families", type=_names, default=None, help="suite: only these families (comma list)")
+    g.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
+    g.add_argument("--min-weights", type=float, default=0, help="suite: only layers of >= this many weights")
+    g.add_argument("--suite-parts", type=_names, default="dense,moe", help="suite: 'dense', 'moe' or both")
+    g.add_argument("--max-shapes", type=int, default=None,
+                   help="suite: at most this many dense shapes, evenly spaced over the sizes")
+    g.add_argument("--summary", nargs="+", metavar="RESULTS_JSON",
+                   help="only print the per-family summary of these suite results files (no GPU needed)")
+
+
+def spread(shapes: list, n: int | None) -> list:
+    """At most ``n`` of ``shapes`` (sorted by size), evenly spaced over them (the largest and the smallest
+    included)."""
+    if n is None or n >= len(shapes):
+        return list(shapes)
+    if n <= 1:
+        return list(shapes[:max(n, 0)])
+    idx = sorted({round(i * (len(shapes) - 1) / (n - 1)) for i in range(n)})
+    return [shapes[i] for i in idx]
+
+
+def suite_selection(args: argparse.Namespace) -> tuple[list, list, list]:
+    """(layers, dense shapes, MoE shapes) of the suite options."""
+    for part in args.suite_parts:
+        if part not in ("dense", "moe"):
+            raise ValueError(f"--suite-parts: expected 'dense' and/or 'moe', got {part!r}")
+    models = suite_mod.load_models(args.suite)
+    sel = suite_mod.select(models, families_=args.families, split=args.split, min_weights=int(args.min_weights))
+    shapes = spread(suite_mod.dense_shapes(sel), args.max_shapes) if "dense" in args.suite_parts else []
+    moe = suite_mod.moe_shapes(sel) if "moe" in args.suite_parts else []
+    return sel, shapes, moe
+
+
+def print_summary(paths: list[str]) -> int:
+    for path in paths:
+        header, rows = report.read_results(path)
+        models = suite_mod.load_models(header.get("suite") or "models")
+        print(summary.summary_markdown(summary.summarize(rows, suite_mod.layers(models)), header))
+    return 0
+
+
+def write_suite_outputs(path, header: dict, rows: list[dict], layers: list) -> str:
+    """The CSV, the summary (markdown) and the plot beside the results file ``path``; returns the summary."""
+    summary.write_csv(path.with_suffix(".csv"), rows)
+    summ = summary.summarize(rows, layers)
+    text = summary.summary_markdown(summ, header)
+    path.with_name(path.stem + "-summary.md").write_text(text)
+    summary.plot(summ, path.with_suffix(".png"), title=f"{header.get('gpu_name', '')} {header.get('commit', '')}")
+    return text
 
 
 def main(args: argparse.Namespace) -> int:
     if args.table:
         return report.main(args.table)
+    if args.summary:
+        return print_summary(args.summary)
+    layers, extra = None, {}
+    if args.suite:
+        layers, args.shapes, args.moe = suite_selection(args)
+        extra = dict(suite=args.suite, families=args.families, split=args.split, suite_parts=args.suite_parts)
+        print(f"suite {args.suite}: {len(layers)} layers, {len(args.shapes)} dense shapes, {len(args.moe)} expert "
+              f"stacks", file=sys.stderr)
     if args.reps < 15:
         print(f"note: --reps {args.reps} is below the 15 replays the method asks for", file=sys.stderr)
     cfg = BenchConfig(shapes=args.shapes, ms=args.m, ks=args.k, blocksize=args.blocksize,
                       candidates=args.candidates, peers=args.peers, moe=args.moe, tokens=args.tokens,
                       reps=args.reps, ceiling=not args.no_ceiling, floor=args.floor, budget_s=args.budget_s,
-                      seed=args.seed,
+                      seed=args.seed, peers_with_shape=bool(args.suite), extra_header=extra,
                       commit=args.commit, command="kbit bench " + shlex.join(sys.argv[2:]))
     path = None
 
@@ -101,5 +170,7 @@ def main(args: argparse.Namespace) -> int:
     table = report.markdown_table(rows, header)
     path.with_suffix(".md").write_text(table)
     print(table)
+    if layers is not None:  # the short per-family table last, where a bounded GPU call's log ends
+        print(write_suite_outputs(path, header, rows, layers))
     print(f"wrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
     return 0

@@ -59,6 +59,9 @@ class BenchConfig:
     reps: int = 15
     ceiling: bool = True
     floor: bool = False
+    #: peers of a shape right after its kbit and bf16 rows (a budget then cuts whole shapes, as a suite run wants)
+    #: instead of after every shape
+    peers_with_shape: bool = False
     budget_s: float | None = None
     seed: int = 0
     commit: str | None = None
@@ -147,9 +150,13 @@ class Runner:
             self.ceiling_tbps, self.ceiling_bytes = c.read_tbps, c.nbytes
             _log(f"read ceiling: {c.read_tbps:.3f} TB/s (sum over {c.nbytes / 1e9:.2f} GB, {c.timing.mode})")
         # kbit and bf16 on every shape first; peers (slow to build, JIT compiles) last, within the budget
-        units = [(f"dense {N}x{K}", lambda N=N, K=K: self.dense_shape(N, K)) for N, K in cfg.shapes]
+        units = []
+        for N, K in cfg.shapes:
+            units.append((f"dense {N}x{K}", lambda N=N, K=K: self.dense_shape(N, K)))
+            if self.peers and cfg.peers_with_shape:
+                units.append((f"peers {N}x{K}", lambda N=N, K=K: self.dense_peers(N, K)))
         units += [(f"moe {s.name}", lambda s=s: self.moe_shape(s)) for s in cfg.moe]
-        if self.peers:
+        if self.peers and not cfg.peers_with_shape:
             units += [(f"peers {N}x{K}", lambda N=N, K=K: self.dense_peers(N, K)) for N, K in cfg.shapes]
         for name, unit in units:
             if self.over_budget():

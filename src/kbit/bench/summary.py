@@ -1,0 +1,162 @@
+"""The per-family summary of a suite run (``kbit bench --suite models``), its CSV and its plot.
+
+Every result row is attributed to each suite layer with its ``(E, N, K)`` (a shape several models share is timed
+once and counts for each). Per (family, M, k) the summary gives, over the family's layers:
+
+- ``kbit``: the dispatcher's time (row ``kbit-linear``; where it is missing, the fastest kbit candidate's);
+- ``x_humming``: humming's time at the same k / kbit's (above 1: kbit faster), median and worst (smallest);
+- ``x_bf16``: bf16 cuBLAS time / kbit's, median and worst;
+- ``disp_best``: the dispatcher's time / the fastest kbit candidate's (1.0: it picked the fastest), worst (largest).
+
+Render it with ``kbit bench --summary RESULTS_JSON`` (no GPU needed).
+"""
+from __future__ import annotations
+
+import csv
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from kbit.bench.peers import PEERS
+from kbit.bench.report import ROW_FIELDS
+from kbit.bench.suite import Layer
+
+__all__ = ["DISPATCHER", "kbit_times", "plot", "summarize", "summary_markdown", "write_csv"]
+
+DISPATCHER = "kbit-linear"
+#: kernels that are not kbit candidates
+_NOT_KBIT = {"bf16", "read", *PEERS}
+
+
+def write_csv(path: str | Path, rows: Sequence[dict]) -> Path:
+    """The rows as CSV: the schema's keys first (``kbit.bench.report.ROW_FIELDS``), then the others sorted; nested
+    values (dicts, lists) are left out."""
+    extra = sorted({k for r in rows for k, v in r.items() if k not in ROW_FIELDS and not isinstance(v, dict | list)})
+    keys = list(ROW_FIELDS) + extra
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in keys})
+    return path
+
+
+def _key(r: dict) -> tuple:
+    return r.get("E", 1), r["N"], r["K"], r["M"]
+
+
+def kbit_times(rows: Iterable[dict]) -> dict[tuple, dict]:
+    """(E, N, K, M, k) -> {"disp": us of the dispatcher or None, "best": the fastest kbit candidate's us, "best_name",
+    "bf16": us, "humming": us at that k or None}."""
+    out: dict[tuple, dict] = defaultdict(lambda: dict(disp=None, best=None, best_name=None, bf16=None, humming=None))
+    bf16: dict[tuple, float] = {}
+    for r in rows:
+        if r.get("us") is None:
+            continue
+        if r["kernel"] == "bf16":
+            bf16[_key(r)] = r["us"]
+            continue
+        if r["kernel"] == "read":
+            continue
+        d = out[(*_key(r), r["k"])]
+        if r["kernel"] == "humming":
+            d["humming"] = r["us"]
+        elif r["kernel"] not in _NOT_KBIT:
+            if r["kernel"] == DISPATCHER:
+                d["disp"] = r["us"]
+            if d["best"] is None or r["us"] < d["best"]:
+                d["best"], d["best_name"] = r["us"], r["kernel"]
+    for key, d in out.items():
+        d["bf16"] = bf16.get(key[:4])
+    return dict(out)
+
+
+def _stats(values: list[float], worst=min) -> tuple[float | None, float | None]:
+    return (statistics.median(values), worst(values)) if values else (None, None)
+
+
+def summarize(rows: Iterable[dict], layers: Sequence[Layer]) -> list[dict]:
+    """One dict per (family, M, k) with the statistics of the module docstring and ``n`` (layers with a kbit time)."""
+    times = kbit_times(rows)
+    acc: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    by_shape: dict[tuple, list[Layer]] = defaultdict(list)
+    for lay in layers:
+        by_shape[(lay.E, lay.N, lay.K)].append(lay)
+    for (E, N, K, M, k), d in times.items():
+        kb = d["disp"] if d["disp"] is not None else d["best"]
+        if kb is None:
+            continue
+        for lay in by_shape.get((E, N, K), ()):
+            a = acc[(lay.family, M, k)]
+            a["n"].append(1)
+            if d["humming"]:
+                a["x_humming"].append(d["humming"] / kb)
+            if d["bf16"]:
+                a["x_bf16"].append(d["bf16"] / kb)
+            if d["disp"] is not None and d["best"]:
+                a["disp_best"].append(d["disp"] / d["best"])
+    out = []
+    for (fam, M, k), a in sorted(acc.items()):
+        hm, hw = _stats(a["x_humming"])
+        bm, bw = _stats(a["x_bf16"])
+        _, dw = _stats(a["disp_best"], worst=max)
+        out.append(dict(family=fam, M=M, k=k, n=len(a["n"]), x_humming_median=hm, x_humming_worst=hw,
+                        x_bf16_median=bm, x_bf16_worst=bw, disp_best_worst=dw))
+    return out
+
+
+def _f(v, fmt=".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def summary_markdown(summary: Sequence[dict], header: dict | None = None) -> str:
+    """The summary as a markdown table (family, M, k, layers, x humming median / worst, x bf16 median / worst, the
+    dispatcher's worst ratio to the fastest kbit candidate)."""
+    lines = []
+    if header:
+        lines += [f"GPU: {header.get('gpu_name', header.get('gpu', '?'))}; commit {header.get('commit', '?')}; "
+                  f"{header.get('date', '?')}; `{header.get('command', '')}`", ""]
+    lines += ["| family | M | k | layers | x humming median | x humming worst | x bf16 median | x bf16 worst "
+              "| dispatcher / best kbit (worst) |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for s in summary:
+        lines.append(f"| {s['family']} | {s['M']} | {s['k']} | {s['n']} | {_f(s['x_humming_median'])} | "
+                     f"{_f(s['x_humming_worst'])} | {_f(s['x_bf16_median'])} | {_f(s['x_bf16_worst'])} | "
+                     f"{_f(s['disp_best_worst'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: Sequence[dict], path: str | Path, title: str = "") -> Path | None:
+    """Speed-up over bf16 (median over the family's layers) against M, one line per family, one panel per k, as a
+    PNG; None when matplotlib is missing."""
+    try:  # matplotlib is optional: no plot without it
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ks = sorted({s["k"] for s in summary})
+    if not ks:
+        return None
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.5 * len(ks), 4), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], ks, strict=True):
+        for fam in sorted({s["family"] for s in summary}):
+            pts = sorted((s["M"], s["x_bf16_median"]) for s in summary
+                         if s["k"] == k and s["family"] == fam and s["x_bf16_median"] is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=fam)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"k = {k}")
+        ax.set_xlabel("M (rows)")
+    axes[0][0].set_ylabel("speed-up over bf16 (median of layers)")
+    axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
