@@ -124,7 +124,7 @@ def test_cli_parses_suite():
     assert args.suite == "models" and args.families == ["llama3", "qwen3"] and args.split == "tune"
     layers, shapes, moe = bench_cli.suite_selection(args)
     assert {lay.family for lay in layers} == {"llama3"} and len(shapes) == 3 and moe == []
-    assert bench_cli.spread(list(range(10)), 4) == [0, 3, 6, 9] and bench_cli.spread([1, 2], 5) == [1, 2]
+    assert S.spread(list(range(10)), 4) == [0, 3, 6, 9] and S.spread([1, 2], 5) == [1, 2]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--suite", "models", "--split", "train"])
     args = build_parser().parse_args(["bench", "--suite", "models", "--suite-parts", "attn"])

@@ -99,17 +99,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="only print the per-family summary of these suite results files (no GPU needed)")
 
 
-def spread(shapes: list, n: int | None) -> list:
-    """At most ``n`` of ``shapes`` (sorted by size), evenly spaced over them (the largest and the smallest
-    included)."""
-    if n is None or n >= len(shapes):
-        return list(shapes)
-    if n <= 1:
-        return list(shapes[:max(n, 0)])
-    idx = sorted({round(i * (len(shapes) - 1) / (n - 1)) for i in range(n)})
-    return [shapes[i] for i in idx]
-
-
 def suite_selection(args: argparse.Namespace) -> tuple[list, list, list]:
     """(layers, dense shapes, MoE shapes) of the suite options."""
     for part in args.suite_parts:
@@ -117,7 +106,7 @@ def suite_selection(args: argparse.Namespace) -> tuple[list, list, list]:
             raise ValueError(f"--suite-parts: expected 'dense' and/or 'moe', got {part!r}")
     models = suite_mod.load_models(args.suite)
     sel = suite_mod.select(models, families_=args.families, split=args.split, min_weights=int(args.min_weights))
-    shapes = spread(suite_mod.dense_shapes(sel), args.max_shapes) if "dense" in args.suite_parts else []
+    shapes = suite_mod.spread(suite_mod.dense_shapes(sel), args.max_shapes) if "dense" in args.suite_parts else []
     moe = suite_mod.moe_shapes(sel) if "moe" in args.suite_parts else []
     return sel, shapes, moe
 

@@ -37,7 +37,7 @@ from kbit.bench.moe import MoeShape
 from kbit.utils.checks import check_choice
 
 __all__ = ["SPLITS", "Layer", "Model", "dense_shapes", "families", "layers", "load_models", "model_from_config",
-           "moe_shapes", "select", "split_of"]
+           "moe_shapes", "select", "split_of", "spread"]
 
 SUITES = Path(__file__).with_name("suites")
 SPLITS = ("tune", "held-out")
@@ -220,3 +220,14 @@ def moe_shapes(sel: Iterable[Layer]) -> list[MoeShape]:
             key = (lay.E, lay.N, lay.K, lay.topk)
             out.setdefault(key, MoeShape(f"{lay.model}.{lay.name.removeprefix('experts.')}", *key))
     return list(out.values())
+
+
+def spread(shapes: list, n: int | None) -> list:
+    """At most ``n`` of ``shapes`` (sorted by size), evenly spaced over them (the largest and the smallest
+    included)."""
+    if n is None or n >= len(shapes):
+        return list(shapes)
+    if n <= 1:
+        return list(shapes[:max(n, 0)])
+    idx = sorted({round(i * (len(shapes) - 1) / (n - 1)) for i in range(n)})
+    return [shapes[i] for i in idx]

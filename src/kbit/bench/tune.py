@@ -1,0 +1,274 @@
+"""``kbit tune``: search each kernel family's configs for (GPU, k, N, K, M bucket) and store the winners.
+
+    kbit tune --suite models --split tune --k 4 --m 1,16,256 --budget-s 500 --out tuned-h100.json
+    kbit tune --model path/to/hf_model --k 4              # a model's own shapes, into the cache directory
+    kbit tune --fit tuned-h100.json --evaluate held-out-h100.json   # no GPU: fit the rule, report it held out
+
+Each candidate of :func:`kbit.tuning.space.search_space` is timed as ``kbit bench`` times (cold L2: weight copies
+exceeding 8 x L2, one CUDA graph over them, median of the replays), after its first output was checked against the
+dispatcher's; the dispatcher's own choice is timed in the same run (``current_us``). Entries go into a
+:class:`kbit.tuning.tuned.TunedTable` (default ``<cache_dir>/tuned/<gpu>.json``), written after each entry, so a run
+cut short keeps what it finished; a later run skips entries already there (``--retune``: measure them again).
+The last lines printed are a short table: per entry the best candidate, its time, and the dispatcher's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from kbit.bench import suite as suite_mod
+from kbit.bench.report import git_commit, gpu_slug
+from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
+from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes
+from kbit.dispatch import linear as dispatch_linear
+from kbit.ops import gemm, gemv
+from kbit.ops.mma.common import kernels_available
+from kbit.tuning.mma import large_ok
+from kbit.tuning.space import FAMILIES, Candidate, search_space
+from kbit.tuning.tables import gpu_key, m_bucket
+from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules
+from kbit.utils.device import sm_count
+
+BF16 = torch.bfloat16
+#: a candidate whose first output differs from the dispatcher's by more than this (relative Frobenius) is refused
+MAX_REL_ERR = 2e-2
+DEFAULT_MS = "1,16,64,256,1024"
+
+
+def _log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def candidate_call(cand: Candidate | None, qw) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> x @ W.T`` on one weight copy ``qw`` through ``cand`` (None: the dispatcher, as a user calls it)."""
+    kw = dict(k=qw.k, blocksize=qw.blocksize, scale_format=qw.scale_format, N=qw.shape[-2], K=qw.shape[-1])
+    t = (qw.codes, qw.scales, qw.tensor_scale, qw.codebook)
+    if cand is None:
+        return lambda x: dispatch_linear.linear(x, *t, **kw)
+    if cand.family in ("mma", "large"):
+        return lambda x: dispatch_linear.small_m(x, *t, **kw, config=cand.config)
+    if cand.family == "fused":
+        return lambda x: gemm.gemm_fused(x, *t, **kw, config=cand.config)
+    if cand.family == "gemv":
+        return lambda x: gemv.gemv(x, *t, **kw, config=cand.config)
+    return lambda x: dispatch_linear.dequant_mm(x, *t, **kw)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    y, ref = y.float(), ref.float()
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+class Measure:
+    """Times candidates on one quantized weight (its cold-L2 copies made once) for one activation ``x``."""
+
+    def __init__(self, qw, reps: int, l2: int):
+        self.copies = [qw] + [clone_weight(qw) for _ in range(copies_for_cold_l2(kbit_bytes(qw), l2) - 1)]
+        self.reps = reps
+        self.x: torch.Tensor | None = None
+        self.ref: torch.Tensor | None = None
+
+    def set_m(self, M: int, seed: int) -> float:
+        """New activations of ``M`` rows; returns the dispatcher's time on them (also the reference output)."""
+        K = self.copies[0].shape[-1]
+        g = torch.Generator(device=self.copies[0].codes.device).manual_seed(seed + M)
+        self.x = torch.randn(M, K, generator=g, device=self.copies[0].codes.device).to(BF16)
+        self.ref = None
+        self.ref = candidate_call(None, self.copies[0])(self.x).float()
+        return self(None)
+
+    def __call__(self, cand: Candidate | None) -> float:
+        fns = [candidate_call(cand, c) for c in self.copies]
+        x = self.x
+        y = fns[0](x)
+        torch.cuda.synchronize()
+        if self.ref is not None and cand is not None:
+            err = _rel_err(y, self.ref)
+            if not err <= MAX_REL_ERR:
+                raise RuntimeError(f"output differs from the dispatcher's by {err:.1e}")
+        return time_calls([lambda f=f: f(x) for f in fns], reps=self.reps).us
+
+
+def tune_entry(k: int, N: int, K: int, M: int, cands: Sequence[Candidate],
+               measure: Callable[[Candidate], float], deadline: float | None = None) -> list[Trial] | None:
+    """Times every candidate (a failing one gets ``us`` None, with the reason logged); None when ``deadline``
+    (``time.time()``) passes first (the entry is then left out, not stored half measured)."""
+    trials = []
+    for cand in cands:
+        if deadline is not None and time.time() > deadline:
+            return None
+        try:
+            us = float(measure(cand))
+        except Exception as e:  # noqa: BLE001 - one config failing (shared memory, unsupported) ends only itself
+            _log(f"    {cand.family} {cand.config}: {type(e).__name__}: {str(e)[:160]}")
+            us = None
+        trials.append(Trial(cand, us))
+    return trials
+
+
+def _short(d: dict) -> str:
+    cfg = d.get("config") or {}
+    return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
+
+
+def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequence[int], ms: Sequence[int], *,
+                families: tuple[str, ...] | None = None, quick: bool = False, reps: int = 15,
+                budget_s: float | None = None, retune: bool = False, seed: int = 0,
+                save: Callable[[TunedTable], object] | None = None) -> list[tuple]:
+    """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``); returns the keys tuned."""
+    dev = torch.device("cuda")
+    cuda, sm90 = kernels_available(dev), large_ok(dev)
+    quantize = kbit_api()[0]
+    deadline = None if budget_s is None else time.time() + budget_s
+    l2, done = l2_bytes(dev), []
+    for N, K in shapes:
+        for k in ks:
+            todo = [M for M in ms if retune or (k, N, K, m_bucket(M)) not in table.entries]
+            if not todo:
+                continue
+            if deadline is not None and time.time() > deadline:
+                _log(f"budget: {N}x{K} k={k} not tuned")
+                continue
+            g = torch.Generator(device=dev).manual_seed(seed + N * 7 + K)
+            W = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(BF16)
+            meas = Measure(quantize(W, k=k), reps, l2)
+            del W
+            for M in todo:
+                cur = meas.set_m(M, seed)
+                cands = search_space(k, M, N, K, cuda=cuda, sm90=sm90, families=families, quick=quick)
+                t0 = time.time()
+                trials = tune_entry(k, N, K, M, cands, meas, deadline)
+                if trials is None or not any(t.us is not None for t in trials):
+                    _log(f"{N}x{K} k={k} M={M}: not stored ({'budget' if trials is None else 'nothing ran'})")
+                    continue
+                e = table.add(k, N, K, M, trials, current_us=cur)
+                done.append((k, N, K, m_bucket(M)))
+                _log(f"{N}x{K} k={k} M={M}: {len(cands)} candidates in {time.time() - t0:.0f} s; best "
+                     f"{e['best']['us']:.2f} us {_short(e['best'])}; dispatcher {cur:.2f} us")
+                if save is not None:
+                    save(table)
+            del meas
+            torch.cuda.empty_cache()
+    return done
+
+
+def summary_lines(table: TunedTable, keys: Sequence[tuple] | None = None) -> list[str]:
+    """A markdown table: per entry the best candidate, its time, the dispatcher's and their ratio."""
+    lines = ["| k | N x K | M | best us | dispatcher us | gain | best |", "|--:|---|--:|--:|--:|--:|---|"]
+    for key in keys if keys is not None else sorted(table.entries):
+        k, N, K, b = key
+        e = table.entries[key]
+        cur, best = e.get("current_us"), e["best"]["us"]
+        gain = f"{cur / best:.2f}x" if cur else "-"
+        lines.append(f"| {k} | {N}x{K} | {b} | {best:.2f} | {cur or 0:.2f} | {gain} | {_short(e['best'])} |")
+    return lines
+
+
+def evaluation_lines(ev: dict, what: str) -> list[str]:
+    def f(v, fmt=".3f"):
+        return "-" if v is None else format(v, fmt)
+    return [f"fitted rule on {what}: {ev['covered']} of {ev['entries']} entries covered; time / best: median "
+            f"{f(ev['median'])}, worst {f(ev['worst'])}; within 5% of the best on {f(ev['within_5pct'], '.0%')}; "
+            f"dispatcher before / rule: median {f(ev['vs_current_median'])}"]
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from e
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(n), int(k)) for n, k in (item.lower().split("x") for item in text.split(",") if item.strip())]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a comma list of NxK, e.g. 5120x25600, got {text!r}") from e
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("shapes (one of)")
+    src.add_argument("--shapes", type=_shapes, default=None, help="NxK list")
+    src.add_argument("--model", default=None, help="a Hugging Face model directory: its config.json's dense layers")
+    src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
+    p.add_argument("--families", default=None, help="suite: only these model families (comma list)")
+    p.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
+    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes, evenly over the sizes")
+    p.add_argument("--k", type=_ints, default="4", help="bits per weight (default 4)")
+    p.add_argument("--m", type=_ints, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
+    p.add_argument("--kernels", default=None, help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
+    p.add_argument("--quick", action="store_true", help="a handful of configs a family instead of the full space")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting entries after this many seconds")
+    p.add_argument("--retune", action="store_true", help="measure entries already in the table again")
+    p.add_argument("--out", default=None, help="the tuned table (default <cache_dir>/tuned/<gpu>.json)")
+    p.add_argument("--fit", default=None, metavar="TABLE_JSON",
+                   help="no GPU: fit the default rule on this table and store it there")
+    p.add_argument("--evaluate", nargs="*", default=None, metavar="TABLE_JSON",
+                   help="with --fit: report the rule on these tables (e.g. the held-out half)")
+
+
+def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """The dense (N, K) to tune: --shapes, --model DIR (its config.json) or --suite (with --families / --split)."""
+    given = [n for n in ("shapes", "model", "suite") if getattr(args, n)]
+    if len(given) != 1:
+        raise ValueError(f"shapes: expected exactly one of --shapes, --model, --suite, got {given or 'none'}")
+    if args.shapes:
+        shapes = list(args.shapes)
+    elif args.model:
+        cfg_path = Path(args.model) / "config.json"
+        if not cfg_path.exists():
+            raise ValueError(f"model: expected a directory with a config.json, got {args.model!r}")
+        model = suite_mod.model_from_config(Path(args.model).name, json.loads(cfg_path.read_text()))
+        shapes = suite_mod.dense_shapes(suite_mod.model_layers(model))
+    else:
+        fams = [f.strip() for f in args.families.split(",")] if args.families else None
+        sel = suite_mod.select(suite_mod.load_models(args.suite), families_=fams, split=args.split)
+        shapes = suite_mod.dense_shapes(sel)
+    shapes = suite_mod.spread(shapes, args.max_shapes)
+    return shapes
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    table = TunedTable.load(args.fit)
+    rules = fit_rules(table)
+    table.save(args.fit)
+    print(f"{len(rules)} rules fitted on {len(table.entries)} entries of {args.fit} (stored there)")
+    lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
+    for path in args.evaluate or ():
+        lines += evaluation_lines(evaluate(rules, TunedTable.load(path)), path)
+    print("\n".join(lines))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.fit:
+        return fit_main(args)
+    shapes = shapes_from_args(args)
+    families = tuple(f.strip() for f in args.kernels.split(",")) if args.kernels else None
+    if not torch.cuda.is_available():
+        raise RuntimeError("kbit tune needs a CUDA GPU (torch.cuda.is_available() is False); --fit does not")
+    dev = torch.device("cuda")
+    gpu = gpu_key(dev)
+    if gpu == "generic":
+        gpu = gpu_slug(torch.cuda.get_device_name(dev))
+    path = Path(args.out) if args.out else default_path(gpu)
+    table = TunedTable.load(path) if path.exists() else TunedTable(gpu)
+    table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=git_commit(),
+                      torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
+    _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
+    done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
+                       budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+    table.save(path)
+    print("\n".join(summary_lines(table, done)))
+    print(f"{len(done)} entries tuned; {len(table.entries)} in {path}")
+    return 0

@@ -1,0 +1,240 @@
+"""Tuned tables: what ``kbit tune`` measured on one GPU, the default rule fitted on it, and the lookup a dispatcher
+would make (exact shape first, then the rule).
+
+A tuned table is a JSON file per GPU (``<cache_dir>/tuned/<gpu>.json`` by default; :func:`default_path`)::
+
+    {"format": "kbit-tuned", "version": 1, "gpu": "h100", "gpu_name": ..., "sms": 132, "commit": ..., ...,
+     "entries": {"<k>": {"<N>x<K>": {"<M bucket>": {
+         "best": {"family": "mma", "config": {...}, "us": 40.1},
+         "current_us": 48.3,                      # the dispatcher's choice before tuning, timed in the same run
+         "trials": [{"family": ..., "config": ..., "us": ...}, ...]}}}},   # every candidate timed (us null: failed)
+     "rules": [{"if": {"k": [4], "M_min": 9, "M_max": 16, "NK_min": 50000000, "NK_below": 100000000},
+                "family": ..., "config": ..., "fit": {"shapes": 7, "geomean_slowdown": 1.02}}, ...]}
+
+The rule (:func:`fit_rules`): per (k, M bucket) and per band of N x K (:data:`NK_EDGES`), the candidate with the
+smallest geometric-mean slowdown (time / that shape's best) over the tuned shapes of the band; one rule per
+(k, M bucket) with no band bound after them as the catch-all. Conditions use the vocabulary of the rule tables in
+``configs/default.json``. :func:`evaluate` replays a rule on other tuned entries (the held-out half of the suite).
+
+Nothing here searches: a shape that is neither in the table nor matched by a rule gets None (the built-in rules
+and heuristics then decide), so a first call never runs a search inline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kbit import options
+from kbit.tuning.space import Candidate, candidate_from_dict
+from kbit.tuning.tables import M_BUCKETS, m_bucket
+
+__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "rule_matches"]
+
+FORMAT = "kbit-tuned"
+VERSION = 1
+#: bands of N x K weight elements the fitted rule distinguishes (the bounds the built-in rule tables use, and 5e8)
+NK_EDGES = (2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8)
+
+
+def default_path(gpu: str) -> Path:
+    """``<kbit.options cache_dir>/tuned/<gpu>.json``."""
+    cache = options.get().cache_dir
+    if not cache:
+        raise ValueError("cache_dir: expected a kbit cache directory (kbit.options), got none; pass a path")
+    return Path(cache) / "tuned" / f"{gpu}.json"
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate timed on one (k, N, K, M bucket): ``us`` None where it failed or was unsupported."""
+
+    candidate: Candidate
+    us: float | None
+
+    def as_dict(self) -> dict:
+        return {**self.candidate.as_dict(), "us": self.us}
+
+
+def _trial(d: dict) -> Trial:
+    return Trial(candidate_from_dict(d), None if d.get("us") is None else float(d["us"]))
+
+
+class TunedTable:
+    """One GPU's tuned entries and fitted rules (see the module docstring for the JSON form)."""
+
+    def __init__(self, gpu: str, meta: dict | None = None):
+        self.gpu = gpu
+        self.meta = dict(meta or {})
+        self.entries: dict[tuple[int, int, int, int], dict] = {}  # (k, N, K, bucket) -> entry
+        self.rules: list[dict] = []
+
+    # -- building
+    def add(self, k: int, N: int, K: int, M: int, trials: Iterable[Trial], current_us: float | None = None) -> dict:
+        """Records the trials of one (k, N, K, M's bucket); the best is the fastest timed one."""
+        trials = list(trials)
+        timed = [t for t in trials if t.us is not None and math.isfinite(t.us)]
+        if not timed:
+            raise ValueError(f"trials: expected at least one timed candidate for k={k} {N}x{K} M={M}, got none")
+        best = min(timed, key=lambda t: t.us)
+        entry = dict(best=best.as_dict(), current_us=current_us, trials=[t.as_dict() for t in trials])
+        self.entries[(int(k), int(N), int(K), m_bucket(M))] = entry
+        return entry
+
+    def merge(self, other: TunedTable) -> None:
+        """Takes ``other``'s entries (replacing those of the same key)."""
+        self.entries.update(other.entries)
+
+    # -- lookup
+    def lookup(self, k: int, N: int, K: int, M: int) -> Candidate | None:
+        """The tuned candidate for ``M`` rows on a k-bit [N, K] weight: the exact shape's entry for M's bucket, else
+        the first fitted rule that matches, else None."""
+        entry = self.entries.get((k, N, K, m_bucket(M)))
+        if entry is not None:
+            return candidate_from_dict(entry["best"])
+        for rule in self.rules:
+            if rule_matches(rule["if"], k, M, N, K):
+                return candidate_from_dict(rule)
+        return None
+
+    # -- JSON
+    def as_dict(self) -> dict:
+        nested: dict = defaultdict(lambda: defaultdict(dict))
+        for (k, N, K, b), e in sorted(self.entries.items()):
+            nested[str(k)][f"{N}x{K}"][str(b)] = e
+        return {"format": FORMAT, "version": VERSION, "gpu": self.gpu, **self.meta,
+                "entries": {k: dict(v) for k, v in nested.items()}, "rules": self.rules}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.as_dict(), indent=1, allow_nan=False) + "\n")
+        tmp.replace(path)  # a reader never sees half a file
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TunedTable:
+        if d.get("format") != FORMAT or d.get("version") != VERSION:
+            raise ValueError(f"tuned table: expected format {FORMAT!r} version {VERSION}, got "
+                             f"{d.get('format')!r} version {d.get('version')!r}")
+        meta = {k: v for k, v in d.items() if k not in ("format", "version", "gpu", "entries", "rules")}
+        t = cls(d["gpu"], meta)
+        for k, shapes in d.get("entries", {}).items():
+            for shape, buckets in shapes.items():
+                N, K = (int(v) for v in shape.split("x"))
+                for b, e in buckets.items():
+                    t.entries[(int(k), N, K, int(b))] = e
+        t.rules = list(d.get("rules", []))
+        return t
+
+    @classmethod
+    def load(cls, path: str | Path) -> TunedTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def trials(self, key: tuple[int, int, int, int]) -> list[Trial]:
+        return [_trial(t) for t in self.entries[key]["trials"]]
+
+
+# ------------------------------------------------------------------------------------------------ the fitted rule
+
+
+def rule_matches(cond: dict, k: int, M: int, N: int, K: int) -> bool:
+    """Whether a fitted rule's conditions hold (k, M_min, M_max, N_min, N_max, NK_min, NK_below: as in
+    ``configs/default.json``)."""
+    nk = N * K
+    checks = {"k": lambda v: k in v, "M_min": lambda v: M >= v, "M_max": lambda v: M <= v,
+              "N_min": lambda v: N >= v, "N_max": lambda v: N <= v, "NK_min": lambda v: nk >= v,
+              "NK_below": lambda v: nk < v}
+    for name, v in cond.items():
+        if name not in checks:
+            raise ValueError(f"rule condition: expected one of {sorted(checks)}, got {name!r}")
+        if not checks[name](v):
+            return False
+    return True
+
+
+def _band(nk: int) -> tuple[int, int | None]:
+    lo = 0
+    for edge in NK_EDGES:
+        if nk < edge:
+            return lo, edge
+        lo = edge
+    return lo, None
+
+
+def _slowdowns(table: TunedTable, keys: list) -> dict[str, list[float]]:
+    """candidate key -> its time / the shape's best, one value per entry of ``keys`` where it was timed."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for key in keys:
+        trials = [t for t in table.trials(key) if t.us is not None]
+        best = min(t.us for t in trials)
+        for t in trials:
+            out[t.candidate.key].append(t.us / best)
+    return out
+
+
+def _pick(slow: dict[str, list[float]], n: int) -> tuple[str, float] | None:
+    """The candidate timed on the most of the ``n`` shapes (all, where some are), smallest geomean slowdown first."""
+    if not slow:
+        return None
+    cover = max(len(v) for v in slow.values())
+    pool = {c: v for c, v in slow.items() if len(v) == cover}
+    best = min(pool, key=lambda c: (statistics.geometric_mean(pool[c]), c))
+    return best, statistics.geometric_mean(pool[best])
+
+
+def _rule(cond: dict, cand_key: str, gm: float, n: int) -> dict:
+    return {"if": cond, **json.loads(cand_key), "fit": {"shapes": n, "geomean_slowdown": round(gm, 4)}}
+
+
+def fit_rules(table: TunedTable) -> list[dict]:
+    """The default rule fitted on ``table``'s entries (see the module docstring); also stored in ``table.rules``."""
+    groups: dict[tuple[int, int], list] = defaultdict(list)
+    for key in table.entries:
+        groups[(key[0], key[3])].append(key)
+    rules = []
+    for (k, b), keys in sorted(groups.items()):
+        i = M_BUCKETS.index(b) if b in M_BUCKETS else 0
+        m_cond = {"k": [k], "M_min": (M_BUCKETS[i - 1] + 1) if i else 1, "M_max": b}
+        bands: dict[tuple, list] = defaultdict(list)
+        for key in keys:
+            bands[_band(key[1] * key[2])].append(key)
+        for (lo, hi), bkeys in sorted(bands.items()):
+            picked = _pick(_slowdowns(table, bkeys), len(bkeys))
+            if picked:
+                cond = {**m_cond, **({"NK_min": lo} if lo else {}), **({"NK_below": hi} if hi else {})}
+                rules.append(_rule(cond, picked[0], picked[1], len(bkeys)))
+        picked = _pick(_slowdowns(table, keys), len(keys))
+        if picked:
+            rules.append(_rule(m_cond, picked[0], picked[1], len(keys)))
+    table.rules = rules
+    return rules
+
+
+def evaluate(rules: list[dict], table: TunedTable) -> dict:
+    """How ``rules`` do on ``table``'s entries (e.g. the held-out half): per entry the time of the rule's candidate
+    over the entry's best (where that candidate was timed there), and over the dispatcher's time before tuning.
+    Returns {"entries", "covered", "median", "worst", "within_5pct", "vs_current_median", "rows": [...]}."""
+    probe = TunedTable(table.gpu)
+    probe.rules = rules
+    rows = []
+    for key in sorted(table.entries):
+        k, N, K, b = key
+        cand = probe.lookup(k, N, K, b)
+        trials = {t.candidate.key: t.us for t in table.trials(key) if t.us is not None}
+        best = min(trials.values())
+        us = trials.get(cand.key) if cand is not None else None
+        cur = table.entries[key].get("current_us")
+        rows.append(dict(k=k, N=N, K=K, M=b, best_us=best, rule_us=us, slowdown=None if us is None else us / best,
+                         vs_current=None if us is None or not cur else cur / us))
+    sl = [r["slowdown"] for r in rows if r["slowdown"] is not None]
+    vc = [r["vs_current"] for r in rows if r["vs_current"] is not None]
+    return dict(entries=len(rows), covered=len(sl), median=statistics.median(sl) if sl else None,
+                worst=max(sl) if sl else None, within_5pct=sum(s <= 1.05 for s in sl) / len(sl) if sl else None,
+                vs_current_median=statistics.median(vc) if vc else None, rows=rows)

@@ -1,0 +1,200 @@
+"""The config tuner without a GPU: search spaces (kbit.tuning.space), tuned tables and the fitted rule
+(kbit.tuning.tuned), and ``kbit tune``'s driver with a fake timer (kbit.bench.tune)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kbit import options
+from kbit.bench import tune as T
+from kbit.tuning.gemm import GemmConfig
+from kbit.tuning.mma import LargeConfig, MmaConfig
+from kbit.tuning.mma_plan import make_plan
+from kbit.tuning.space import FAMILIES, Candidate, candidate_from_dict, search_space
+from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules, rule_matches
+
+
+class _FakeKernel:
+    num_regs = 64
+
+    def __init__(self, defines):
+        self.defines = defines
+
+    def occupancy(self, threads, shared):
+        return max(1, min(self.defines.get("MINB", 1), 2048 // threads, (228 * 1024) // (shared + 1024)))
+
+
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 256, 1024])
+def test_search_space_families(M):
+    cands = search_space(4, M, 5120, 25600)
+    fams = {c.family for c in cands}
+    assert fams == {f for f, ok in (("mma", M <= 256), ("large", M > 8), ("fused", M > 8),
+                                    ("dequant_mm", M > 8)) if ok}
+    assert len({c.key for c in cands}) == len(cands)  # no duplicates
+    quick = search_space(4, M, 5120, 25600, quick=True)
+    assert {c.key for c in quick} <= {c.key for c in cands} and len(quick) < len(cands)
+    assert {c.family for c in quick} == fams
+    if M > 4:  # kernel 4 serves two or more token groups only
+        assert any(c.family == "mma" and c.config.kernel == 4 for c in cands) == (M > 8 and M <= 256)
+
+
+def test_search_space_backends_and_errors():
+    assert {c.family for c in search_space(3, 1, 4096, 4096, cuda=False)} == {"gemv"}
+    assert {c.family for c in search_space(3, 64, 4096, 4096, sm90=False)} == {"mma", "fused", "dequant_mm"}
+    assert [c.family for c in search_space(2, 512, 4096, 4096, families=("dequant_mm",))] == ["dequant_mm"]
+    with pytest.raises(ValueError, match="families"):
+        search_space(4, 1, 64, 64, families=("cutlass",))
+    with pytest.raises(ValueError, match="family"):
+        Candidate("cutlass")
+    with pytest.raises(TypeError, match="config"):
+        Candidate("mma", GemmConfig())
+    with pytest.raises(TypeError, match="config"):
+        Candidate("dequant_mm", GemmConfig())
+
+
+@pytest.mark.parametrize("k,M,N,K", [(2, 1, 5120, 25600), (4, 16, 2880, 2880), (5, 64, 28672, 4096),
+                                     (3, 256, 4096, 14336), (4, 1024, 576, 7168)])
+def test_search_space_plans(k, M, N, K):
+    """Most CUDA configs of the space plan on an H100 (a refusal is a ValueError naming the config)."""
+    planned = refused = 0
+    for c in search_space(k, M, N, K):
+        if c.family not in ("mma", "large"):
+            continue
+        m = min(M, 64) if c.family == "mma" else M
+        try:
+            make_plan(k, m, N, K, "log8", c.config, sms=132, build=lambda kernel, d: _FakeKernel(d))
+            planned += 1
+        except ValueError as e:
+            assert "config" in str(e)
+            refused += 1
+    assert planned >= 4 * refused
+
+
+def test_candidate_round_trip():
+    for c in search_space(4, 64, 8192, 8192) + search_space(4, 2, 8192, 8192, cuda=False):
+        d = json.loads(json.dumps(c.as_dict()))
+        assert candidate_from_dict(d) == c and candidate_from_dict(d).key == c.key
+    with pytest.raises(ValueError, match="family"):
+        candidate_from_dict({"family": "x"})
+
+
+def _cands():
+    return [Candidate("mma", MmaConfig(1, 8, min_ctas=2)), Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2)),
+            Candidate("large", LargeConfig(warps=8, groups=4)), Candidate("dequant_mm")]
+
+
+def _fake_us(cand: Candidate, N: int, K: int, M: int) -> float:
+    """A made-up cost model: kernel 3 wins on big weights, kernel 1 on small, dequant_mm at large M."""
+    base = N * K / 1e6
+    if cand.family == "dequant_mm":
+        return base + 50 + M * 0.01
+    if cand.family == "large":
+        return base * 1.2 + M * 0.02
+    if cand.config.kernel == 3:
+        return base * (0.9 if N * K >= 5 * 10**7 else 1.3) + M * 0.1
+    if N == 4096 and K == 4096:
+        raise RuntimeError("shared memory")
+    return base + M * 0.1
+
+
+def _table(shapes, ms=(1, 16, 1024)) -> TunedTable:
+    t = TunedTable("h100", {"sms": 132})
+    for N, K in shapes:
+        for M in ms:
+            trials = T.tune_entry(4, N, K, M, _cands(), lambda c, N=N, K=K, M=M: _fake_us(c, N, K, M))
+            t.add(4, N, K, M, trials, current_us=1.1 * min(x.us for x in trials if x.us))
+    return t
+
+
+TUNE = [(28672, 4096), (4096, 14336), (6144, 4096), (2048, 2048), (57344, 8192)]
+HELD = [(25600, 5120), (5120, 5120), (3072, 3072), (4096, 4096)]
+
+
+def test_tune_entry_failures_and_deadline():
+    trials = T.tune_entry(4, 4096, 4096, 1, _cands(), lambda c: _fake_us(c, 4096, 4096, 1))
+    assert [t.us is None for t in trials] == [True, False, False, False]
+    assert T.tune_entry(4, 64, 64, 1, _cands(), lambda c: 1.0, deadline=0.0) is None
+    with pytest.raises(ValueError, match="trials"):
+        TunedTable("h100").add(4, 64, 64, 1, [Trial(_cands()[0], None)])
+
+
+def test_table_round_trip_and_lookup(tmp_path):
+    t = _table(TUNE)
+    fit_rules(t)
+    path = t.save(tmp_path / "h100.json")
+    u = TunedTable.load(path)
+    assert u.as_dict() == t.as_dict() and u.meta["sms"] == 132
+    # exact entry: the fastest trial of that bucket (M = 3 looks up bucket 4, not tuned: the rule then)
+    best = min((x for x in t.trials((4, 28672, 4096, 16)) if x.us), key=lambda x: x.us).candidate
+    assert u.lookup(4, 28672, 4096, 16) == best and u.lookup(4, 28672, 4096, 9) == best
+    assert u.lookup(4, 28672, 4096, 1) == Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
+    assert u.lookup(3, 28672, 4096, 1) is None  # k = 3 never tuned, no rule
+    assert u.lookup(4, 1000, 1000, 1) is not None  # untuned shape: the rule, never a search
+    with pytest.raises(ValueError, match="format"):
+        TunedTable.from_dict({"format": "other"})
+
+
+def test_fit_and_evaluate_held_out():
+    tune, held = _table(TUNE), _table(HELD)
+    rules = fit_rules(tune)
+    assert rules and all(set(r) >= {"if", "family", "config", "fit"} for r in rules)
+    assert any(rule_matches(r["if"], 4, 1, 25600, 5120) for r in rules)
+    ev = evaluate(rules, held)
+    assert ev["entries"] == len(HELD) * 3 and ev["covered"] >= ev["entries"] - 1
+    assert ev["median"] == pytest.approx(1.0) and ev["worst"] < 1.5 and ev["vs_current_median"] >= 1.0
+    assert all(r["M"] in (1, 16, 1024) for r in ev["rows"])
+    with pytest.raises(ValueError, match="condition"):
+        rule_matches({"sm99": True}, 4, 1, 1, 1)
+
+
+def test_summary_lines():
+    lines = T.summary_lines(_table(TUNE[:1], ms=(1,)))
+    assert len(lines) == 3 and "28672x4096" in lines[2] and "1.10x" in lines[2]
+    assert T.evaluation_lines(evaluate([], _table(TUNE[:1])), "x")[0].startswith("fitted rule on x: 0 of 3")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kbit tune")
+    T.configure(p)
+    return p
+
+
+def test_cli_shapes(tmp_path):
+    args = _parser().parse_args(["--suite", "models", "--split", "held-out", "--families", "qwen3", "--k", "2,4",
+                                 "--m", "1,16", "--max-shapes", "4", "--quick"])
+    shapes = T.shapes_from_args(args)
+    assert len(shapes) == 4 and (151936, 5120) in shapes and args.k == [2, 4] and args.quick
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 4096, "intermediate_size": 14336,
+                                                   "num_attention_heads": 32, "num_key_value_heads": 8,
+                                                   "vocab_size": 128256}))
+    shapes = T.shapes_from_args(_parser().parse_args(["--model", str(model)]))
+    assert set(shapes) == {(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)}
+    with pytest.raises(ValueError, match="exactly one"):
+        T.shapes_from_args(_parser().parse_args(["--shapes", "64x64", "--suite", "models"]))
+    with pytest.raises(ValueError, match="config.json"):
+        T.shapes_from_args(_parser().parse_args(["--model", str(tmp_path / "none")]))
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--shapes", "64by64"])
+
+
+def test_cli_fit(tmp_path, capsys):
+    tune, held = tmp_path / "t.json", tmp_path / "h.json"
+    _table(TUNE).save(tune)
+    _table(HELD).save(held)
+    args = _parser().parse_args(["--fit", str(tune), "--evaluate", str(held)])
+    assert T.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"fitted rule on {held}" in out and TunedTable.load(tune).rules
+
+
+def test_default_path(tmp_path):
+    with options.override(cache_dir=str(tmp_path)):
+        assert default_path("h100") == tmp_path / "tuned" / "h100.json"
+
+
+def test_families_constant():
+    assert FAMILIES == ("mma", "large", "fused", "gemv", "dequant_mm")
