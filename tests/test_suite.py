@@ -127,6 +127,12 @@ def test_cli_parses_suite():
     assert S.spread(list(range(10)), 4) == [0, 3, 6, 9] and S.spread([1, 2], 5) == [1, 2]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--suite", "models", "--split", "train"])
+    args = build_parser().parse_args(["bench", "--suite", "models", "--pick", "5120x25600,28672x4096",
+                                      "--suite-parts", "dense"])
+    assert bench_cli.suite_selection(args)[1] == [(5120, 25600), (28672, 4096)]
+    args = build_parser().parse_args(["bench", "--suite", "models", "--pick", "5120x25601"])
+    with pytest.raises(ValueError, match="pick"):
+        bench_cli.suite_selection(args)
     args = build_parser().parse_args(["bench", "--suite", "models", "--suite-parts", "attn"])
     with pytest.raises(ValueError, match="suite-parts"):
         bench_cli.suite_selection(args)
@@ -171,3 +177,28 @@ def test_suite_outputs_and_summary_cli(tmp_path, capsys):
     from kbit.cli import main
     assert main(["bench", "--summary", str(path)]) == 0
     assert "| qwen3 | 1 | 4 |" in capsys.readouterr().out
+
+
+def test_bench_main_suite_run(tmp_path, monkeypatch, capsys):
+    """``kbit bench --suite`` end to end with the GPU run replaced: the selection reaches the run, and the results,
+    CSV, summary and table are written."""
+    seen = {}
+
+    def fake_run(cfg, checkpoint=None):
+        seen["cfg"] = cfg
+        header = dict(gpu="h100", gpu_name="H100", date="2026-11-25", commit="abc", command=cfg.command, torch="2",
+                      triton="3", **cfg.extra_header)
+        return header, _rows()
+
+    monkeypatch.setattr(bench_cli, "run_bench", fake_run)
+    from kbit.cli import main
+    assert main(["bench", "--suite", "models", "--pick", "5120x25600", "--suite-parts", "dense", "--m", "1",
+                 "--k", "4", "--peers", "humming", "--out", str(tmp_path), "--name", "suite"]) == 0
+    cfg = seen["cfg"]
+    assert cfg.shapes == [(5120, 25600)] and cfg.moe == [] and cfg.peers_with_shape
+    assert cfg.extra_header["suite"] == "models"
+    files = sorted(p.name for p in (tmp_path / "h100").iterdir())
+    for end in (".json", ".csv", ".md", "-summary.md"):
+        assert any(f.startswith("suite-") and f.endswith(end) for f in files), (end, files)
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("| qwen3 | 1 | 4 |")

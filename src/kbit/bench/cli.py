@@ -93,6 +93,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
     g.add_argument("--min-weights", type=float, default=0, help="suite: only layers of >= this many weights")
     g.add_argument("--suite-parts", type=_names, default="dense,moe", help="suite: 'dense', 'moe' or both")
+    g.add_argument("--pick", type=parse_shapes, default=None,
+                   help="suite: only these dense NxK shapes (each must be in the selection)")
     g.add_argument("--max-shapes", type=int, default=None,
                    help="suite: at most this many dense shapes, evenly spaced over the sizes")
     g.add_argument("--summary", nargs="+", metavar="RESULTS_JSON",
@@ -106,7 +108,13 @@ def suite_selection(args: argparse.Namespace) -> tuple[list, list, list]:
             raise ValueError(f"--suite-parts: expected 'dense' and/or 'moe', got {part!r}")
     models = suite_mod.load_models(args.suite)
     sel = suite_mod.select(models, families_=args.families, split=args.split, min_weights=int(args.min_weights))
-    shapes = suite_mod.spread(suite_mod.dense_shapes(sel), args.max_shapes) if "dense" in args.suite_parts else []
+    shapes = suite_mod.dense_shapes(sel)
+    if args.pick:
+        missing = [s for s in args.pick if s not in shapes]
+        if missing:
+            raise ValueError(f"--pick: expected dense shapes of the selected suite layers, got {missing} that are not")
+        shapes = [s for s in shapes if s in args.pick]
+    shapes = suite_mod.spread(shapes, args.max_shapes) if "dense" in args.suite_parts else []
     moe = suite_mod.moe_shapes(sel) if "moe" in args.suite_parts else []
     return sel, shapes, moe
 

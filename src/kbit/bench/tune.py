@@ -140,6 +140,8 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
             meas = Measure(quantize(W, k=k), reps, l2)
             del W
             for M in todo:
+                if deadline is not None and time.time() > deadline:
+                    break
                 cur = meas.set_m(M, seed)
                 cands = search_space(k, M, N, K, cuda=cuda, sm90=sm90, families=families, quick=quick)
                 t0 = time.time()
@@ -272,3 +274,9 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(table, done)))
     print(f"{len(done)} entries tuned; {len(table.entries)} in {path}")
     return 0
+
+
+if __name__ == "__main__":  # ``python -m kbit.bench.tune``: the same as ``kbit tune``
+    _parser = argparse.ArgumentParser(prog="kbit tune", description=__doc__.splitlines()[0])
+    configure(_parser)
+    sys.exit(main(_parser.parse_args()))
