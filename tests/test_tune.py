@@ -13,7 +13,7 @@ from kbit.tuning.gemm import GemmConfig
 from kbit.tuning.mma import LargeConfig, MmaConfig
 from kbit.tuning.mma_plan import make_plan
 from kbit.tuning.space import FAMILIES, Candidate, candidate_from_dict, search_space
-from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules, rule_matches
+from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules, rule_matches, tuned_candidate
 
 
 class _FakeKernel:
@@ -128,10 +128,10 @@ def test_table_round_trip_and_lookup(tmp_path):
     assert u.as_dict() == t.as_dict() and u.meta["sms"] == 132
     # exact entry: the fastest trial of that bucket (M = 3 looks up bucket 4, not tuned: the rule then)
     best = min((x for x in t.trials((4, 28672, 4096, 16)) if x.us), key=lambda x: x.us).candidate
-    assert u.lookup(4, 28672, 4096, 16) == best and u.lookup(4, 28672, 4096, 9) == best
-    assert u.lookup(4, 28672, 4096, 1) == Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
-    assert u.lookup(3, 28672, 4096, 1) is None  # k = 3 never tuned, no rule
-    assert u.lookup(4, 1000, 1000, 1) is not None  # untuned shape: the rule, never a search
+    assert u.lookup(4, 16, 28672, 4096) == best and u.lookup(4, 9, 28672, 4096) == best
+    assert u.lookup(4, 1, 28672, 4096) == Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
+    assert u.lookup(3, 1, 28672, 4096) is None  # k = 3 never tuned, no rule
+    assert u.lookup(4, 1, 1000, 1000) is not None  # untuned shape: the rule, never a search
     with pytest.raises(ValueError, match="format"):
         TunedTable.from_dict({"format": "other"})
 
@@ -198,3 +198,16 @@ def test_default_path(tmp_path):
 
 def test_families_constant():
     assert FAMILIES == ("mma", "large", "fused", "gemv", "dequant_mm")
+
+
+def test_tuned_candidate_from_cache(tmp_path):
+    """The dispatcher's hook: None without a table; the table's entry, then its rule, once one is in the cache."""
+    with options.override(cache_dir=str(tmp_path)):
+        assert tuned_candidate(4, 16, 28672, 4096, "h100") is None
+        t = _table(TUNE)
+        fit_rules(t)
+        t.save(default_path("h100"))
+        want = t.lookup(4, 16, 28672, 4096)
+        assert want is not None and tuned_candidate(4, 16, 28672, 4096, "h100") == want
+        assert tuned_candidate(4, 1, 777, 4096, "h100") is not None  # the fitted rule
+        assert tuned_candidate(4, 16, 28672, 4096, "a100") is None

@@ -22,6 +22,7 @@ and heuristics then decide), so a first call never runs a search inline.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -34,7 +35,8 @@ from kbit import options
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
-__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "rule_matches"]
+__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "rule_matches",
+           "tuned_candidate"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
@@ -91,7 +93,7 @@ class TunedTable:
         self.entries.update(other.entries)
 
     # -- lookup
-    def lookup(self, k: int, N: int, K: int, M: int) -> Candidate | None:
+    def lookup(self, k: int, M: int, N: int, K: int) -> Candidate | None:
         """The tuned candidate for ``M`` rows on a k-bit [N, K] weight: the exact shape's entry for M's bucket, else
         the first fitted rule that matches, else None."""
         entry = self.entries.get((k, N, K, m_bucket(M)))
@@ -139,6 +141,26 @@ class TunedTable:
 
     def trials(self, key: tuple[int, int, int, int]) -> list[Trial]:
         return [_trial(t) for t in self.entries[key]["trials"]]
+
+
+@functools.lru_cache(maxsize=16)
+def _load_active(path: str, mtime_ns: int) -> TunedTable:
+    return TunedTable.load(path)
+
+
+def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | None:
+    """What this GPU's tuned table in the cache directory says for ``M`` rows on a k-bit [N, K] weight (exact entry,
+    then fitted rule), or None: no cache directory, no table, or nothing for this shape. Reads the file again only
+    when it changed; never searches. The hook a dispatcher consults before its built-in rules."""
+    cache = options.get().cache_dir
+    if not cache:
+        return None
+    path = Path(cache) / "tuned" / f"{gpu}.json"
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _load_active(str(path), mtime).lookup(k, M, N, K)
 
 
 # ------------------------------------------------------------------------------------------------ the fitted rule
@@ -226,7 +248,7 @@ def evaluate(rules: list[dict], table: TunedTable) -> dict:
     rows = []
     for key in sorted(table.entries):
         k, N, K, b = key
-        cand = probe.lookup(k, N, K, b)
+        cand = probe.lookup(k, b, N, K)
         trials = {t.candidate.key: t.us for t in table.trials(key) if t.us is not None}
         best = min(trials.values())
         us = trials.get(cand.key) if cand is not None else None
