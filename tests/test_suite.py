@@ -87,6 +87,9 @@ def test_split_disjoint_and_balanced():
     for half in (tune, held):
         assert sum(lay.dense for lay in half) >= 15 and any(not lay.dense for lay in half)
     assert S.split_of() == halves  # deterministic
+    unseen = S.unseen_shapes()
+    assert not set(unseen) & set(S.dense_shapes(tune)) and len(unseen) >= 20
+    assert set(unseen) <= set(S.dense_shapes(held))
 
 
 def test_select_and_errors():

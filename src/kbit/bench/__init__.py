@@ -13,4 +13,7 @@ Layers, bottom up:
 ``run``       the driver (``BenchConfig`` -> header and rows); imports ``candidates``.
 ``report``    the JSON row schema, ``benchmarks/results/<gpu>/<name>-<date>.json``, the markdown table.
 ``cli``       ``kbit bench`` (and ``kbit bench --table FILE`` to render a results file).
+``suite``     the model-shape suite (``suites/models.json``: published configs -> layer shapes, tune / held-out).
+``summary``   a suite run's per-family summary (vs humming, vs bf16, per M), CSV and plot.
+``tune``      ``kbit tune``: config search per (GPU, k, N, K, M bucket) into ``kbit.tuning.tuned`` tables.
 """

@@ -23,7 +23,9 @@ DeepSeek's low-rank attention (``"attention": "mla"``) has ``q_a`` [q_lora_rank,
 
 The split: families (never single models, so that no family is in both halves) sorted by their dense weight
 elements, largest first (name breaks ties), go alternately to ``"tune"`` and ``"held-out"``; both halves so span
-the sizes. Tuning uses the first half, the fitted rule is reported on the second.
+the sizes. Tuning uses the first half, the fitted rule is reported on the second. A few shapes occur in both halves
+(models of two families with one layer shape, e.g. 4096 x 4096); :func:`unseen_shapes` leaves those out of the
+held-out shapes a rule is judged on.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from kbit.bench.moe import MoeShape
 from kbit.utils.checks import check_choice
 
 __all__ = ["SPLITS", "Layer", "Model", "dense_shapes", "families", "layers", "load_models", "model_from_config",
-           "moe_shapes", "select", "split_of", "spread"]
+           "moe_shapes", "select", "split_of", "spread", "unseen_shapes"]
 
 SUITES = Path(__file__).with_name("suites")
 SPLITS = ("tune", "held-out")
@@ -231,3 +233,11 @@ def spread(shapes: list, n: int | None) -> list:
         return list(shapes[:max(n, 0)])
     idx = sorted({round(i * (len(shapes) - 1) / (n - 1)) for i in range(n)})
     return [shapes[i] for i in idx]
+
+
+def unseen_shapes(models: Sequence[Model] | None = None, **select_kw) -> list[tuple[int, int]]:
+    """The dense (N, K) of the held-out half (narrowed by ``select_kw``: ``families_``, ``min_weights``) that no layer
+    of the tune half has: the shapes on which a rule fitted on the tune half is judged."""
+    models = load_models() if models is None else models
+    seen = set(dense_shapes(select(models, split="tune")))
+    return [s for s in dense_shapes(select(models, split="held-out", **select_kw)) if s not in seen]

@@ -220,7 +220,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """The dense (N, K) to tune: --shapes, --model DIR (its config.json) or --suite (with --families / --split)."""
+    """The dense (N, K) to tune: --shapes, --model DIR (its config.json) or --suite (with --families / --split;
+    the held-out half without the shapes the tune half has too)."""
     given = [n for n in ("shapes", "model", "suite") if getattr(args, n)]
     if len(given) != 1:
         raise ValueError(f"shapes: expected exactly one of --shapes, --model, --suite, got {given or 'none'}")
@@ -234,8 +235,11 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
         shapes = suite_mod.dense_shapes(suite_mod.model_layers(model))
     else:
         fams = [f.strip() for f in args.families.split(",")] if args.families else None
-        sel = suite_mod.select(suite_mod.load_models(args.suite), families_=fams, split=args.split)
-        shapes = suite_mod.dense_shapes(sel)
+        models = suite_mod.load_models(args.suite)
+        if args.split == "held-out":  # judged on shapes the tune half does not have
+            shapes = suite_mod.unseen_shapes(models, families_=fams)
+        else:
+            shapes = suite_mod.dense_shapes(suite_mod.select(models, families_=fams, split=args.split))
     shapes = suite_mod.spread(shapes, args.max_shapes)
     return shapes
 
