@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from kbit.bench import cli as bench_cli
 from kbit.bench import report, summary
@@ -205,3 +206,17 @@ def test_bench_main_suite_run(tmp_path, monkeypatch, capsys):
         assert any(f.startswith("suite-") and f.endswith(end) for f in files), (end, files)
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("| qwen3 | 1 | 4 |")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_suite_bench_one_shape(tmp_path, capsys):
+    """``kbit bench --suite`` on one small suite shape (gpt-oss o_proj) at M = 1, k = 4: rows of kbit and bf16, and
+    the summary names the family (no speed is asserted)."""
+    from kbit.cli import main
+    assert main(["bench", "--suite", "models", "--pick", "2880x4096", "--suite-parts", "dense", "--m", "1", "--k",
+                 "4", "--reps", "15", "--no-ceiling", "--out", str(tmp_path), "--name", "suite"]) == 0
+    res = next(p for p in tmp_path.rglob("suite-*.json"))
+    _, rows = report.read_results(res)
+    assert {"bf16", "kbit-linear"} <= {r["kernel"] for r in rows}
+    assert "| gpt-oss | 1 | 4 |" in capsys.readouterr().out

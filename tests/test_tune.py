@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from kbit import options
 from kbit.bench import tune as T
@@ -211,3 +212,19 @@ def test_tuned_candidate_from_cache(tmp_path):
         assert want is not None and tuned_candidate(4, 16, 28672, 4096, "h100") == want
         assert tuned_candidate(4, 1, 777, 4096, "h100") is not None  # the fitted rule
         assert tuned_candidate(4, 16, 28672, 4096, "a100") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_tune_small_shape(tmp_path):
+    """The tuner on a GPU: every quick candidate of two M buckets is timed (or refused with a reason), the best is
+    stored beside the dispatcher's time, and the table reloads (no speed is asserted)."""
+    table = TunedTable("test")
+    done = T.tune_shapes(table, [(4096, 4096)], [4], [1, 16], quick=True, reps=3,
+                         save=lambda t: t.save(tmp_path / "t.json"))
+    assert done == [(4, 4096, 4096, 1), (4, 4096, 4096, 16)]
+    for key in done:
+        e = table.entries[key]
+        assert e["best"]["us"] > 0 and e["current_us"] > 0
+        assert sum(t["us"] is not None for t in e["trials"]) >= len(e["trials"]) // 2
+    assert TunedTable.load(tmp_path / "t.json").as_dict() == table.as_dict()

@@ -27,8 +27,9 @@ from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes
 from kbit.dispatch import linear as dispatch_linear
-from kbit.ops import gemm, gemv
+from kbit.ops import gemm, gemv, gemv_mma
 from kbit.ops.mma.common import kernels_available
+from kbit.ops.mma.layout import repacked
 from kbit.tuning.mma import large_ok
 from kbit.tuning.space import FAMILIES, Candidate, search_space
 from kbit.tuning.tables import gpu_key, m_bucket
@@ -51,8 +52,9 @@ def candidate_call(cand: Candidate | None, qw) -> Callable[[torch.Tensor], torch
     t = (qw.codes, qw.scales, qw.tensor_scale, qw.codebook)
     if cand is None:
         return lambda x: dispatch_linear.linear(x, *t, **kw)
-    if cand.family in ("mma", "large"):
-        return lambda x: dispatch_linear.small_m(x, *t, **kw, config=cand.config)
+    if cand.family in ("mma", "large"):  # the CUDA kernels themselves, never a fallback under their name
+        rc, rs = repacked(qw.codes, qw.scales, **kw)
+        return lambda x: gemv_mma.run_repacked(x, rc, rs, qw.tensor_scale, qw.codebook, **kw, config=cand.config)
     if cand.family == "fused":
         return lambda x: gemm.gemm_fused(x, *t, **kw, config=cand.config)
     if cand.family == "gemv":
