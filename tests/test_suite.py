@@ -164,7 +164,7 @@ def test_summarize():
     assert s["disp_best_worst"] == pytest.approx(1 / 0.9)
     assert out[("other", 1, 4)]["n"] == 1
     text = summary.summary_markdown(summary.summarize(_rows(), lays))
-    assert "| fam | 1 | 4 | 2 | 0.80 |" in text
+    assert "| fam | 1 | 2 | 0.80 (0.80) | 4.00 (4.00) | 1.111 |" in text
 
 
 def test_suite_outputs_and_summary_cli(tmp_path, capsys):
@@ -173,14 +173,17 @@ def test_suite_outputs_and_summary_cli(tmp_path, capsys):
     rows = _rows()
     path = report.write_results(tmp_path / "suite.json", header, rows)
     text = bench_cli.write_suite_outputs(path, header, rows, S.layers())
-    assert "qwen3" in text
+    assert "| qwen3 | 1 | 1 |" in text and "| [held-out] | 1 | 1 |" in text and "[tune]" not in text
+    halves = summary.with_halves(S.layers())
+    extra = halves[len(S.layers()):]
+    assert len(extra) == len({(lay.E, lay.N, lay.K) for lay in S.layers()})
     with (tmp_path / "suite.csv").open() as f:
         got = list(csv.DictReader(f))
     assert len(got) == len(rows) and got[0]["kernel"] == "bf16"
     assert (tmp_path / "suite-summary.md").exists()
     from kbit.cli import main
     assert main(["bench", "--summary", str(path)]) == 0
-    assert "| qwen3 | 1 | 4 |" in capsys.readouterr().out
+    assert "| qwen3 | 1 | 1 | 0.80 (0.80) |" in capsys.readouterr().out
 
 
 def test_bench_main_suite_run(tmp_path, monkeypatch, capsys):
@@ -205,7 +208,8 @@ def test_bench_main_suite_run(tmp_path, monkeypatch, capsys):
     for end in (".json", ".csv", ".md", "-summary.md"):
         assert any(f.startswith("suite-") and f.endswith(end) for f in files), (end, files)
     out = capsys.readouterr().out
-    assert out.rstrip().splitlines()[-1].startswith("| qwen3 | 1 | 4 |")
+    assert out.rstrip().splitlines()[-1].startswith("| [held-out] | 1 | 1 |")
+    assert "| qwen3 | 1 | 1 |" in out
 
 
 @pytest.mark.gpu
@@ -219,4 +223,4 @@ def test_gpu_suite_bench_one_shape(tmp_path, capsys):
     res = next(p for p in tmp_path.rglob("suite-*.json"))
     _, rows = report.read_results(res)
     assert {"bf16", "kbit-linear"} <= {r["kernel"] for r in rows}
-    assert "| gpt-oss | 1 | 4 |" in capsys.readouterr().out
+    assert "| gpt-oss | 1 | " in capsys.readouterr().out

@@ -123,14 +123,15 @@ def print_summary(paths: list[str]) -> int:
     for path in paths:
         header, rows = report.read_results(path)
         models = suite_mod.load_models(header.get("suite") or "models")
-        print(summary.summary_markdown(summary.summarize(rows, suite_mod.layers(models)), header))
+        layers = summary.with_halves(suite_mod.layers(models), models)
+        print(summary.summary_markdown(summary.summarize(rows, layers), header))
     return 0
 
 
 def write_suite_outputs(path, header: dict, rows: list[dict], layers: list) -> str:
     """The CSV, the summary (markdown) and the plot beside the results file ``path``; returns the summary."""
     summary.write_csv(path.with_suffix(".csv"), rows)
-    summ = summary.summarize(rows, layers)
+    summ = summary.summarize(rows, summary.with_halves(layers))
     text = summary.summary_markdown(summ, header)
     path.with_name(path.stem + "-summary.md").write_text(text)
     summary.plot(summ, path.with_suffix(".png"), title=f"{header.get('gpu_name', '')} {header.get('commit', '')}")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from kbit.bench.peers import PEERS
 from kbit.bench.report import ROW_FIELDS
-from kbit.bench.suite import Layer
+from kbit.bench.suite import Layer, split_of
 
-__all__ = ["DISPATCHER", "kbit_times", "plot", "summarize", "summary_markdown", "write_csv"]
+__all__ = ["DISPATCHER", "kbit_times", "plot", "summarize", "summary_markdown", "with_halves", "write_csv"]
 
 DISPATCHER = "kbit-linear"
 #: kernels that are not kbit candidates
@@ -74,6 +74,20 @@ def kbit_times(rows: Iterable[dict]) -> dict[tuple, dict]:
     return dict(out)
 
 
+def with_halves(layers: Sequence[Layer], models=None) -> list[Layer]:
+    """``layers`` plus one layer per distinct shape of each half of the suite, under the family names ``[tune]`` and
+    ``[held-out]`` (a shape of both halves counts for the tune half only), so that the summary has a row per half."""
+    halves = split_of(models)
+    out, seen = list(layers), set()
+    for half in ("tune", "held-out"):
+        for lay in layers:
+            key = (lay.E, lay.N, lay.K)
+            if halves.get(lay.family) == half and key not in seen:
+                seen.add(key)
+                out.append(Layer(lay.model, f"[{half}]", lay.name, lay.N, lay.K, lay.E, lay.topk))
+    return out
+
+
 def _stats(values: list[float], worst=min) -> tuple[float | None, float | None]:
     return (statistics.median(values), worst(values)) if values else (None, None)
 
@@ -112,19 +126,33 @@ def _f(v, fmt=".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _cell(med, worst) -> str:
+    return "-" if med is None else f"{med:.2f} ({worst:.2f})"
+
+
 def summary_markdown(summary: Sequence[dict], header: dict | None = None) -> str:
-    """The summary as a markdown table (family, M, k, layers, x humming median / worst, x bf16 median / worst, the
-    dispatcher's worst ratio to the fastest kbit candidate)."""
+    """The summary as a markdown table, one row per (family, M): per k the ratio to humming and to bf16 as
+    "median (worst)", the layers counted, and the dispatcher's worst ratio to the fastest kbit candidate."""
+    ks = sorted({s["k"] for s in summary})
+    rows: dict[tuple, dict[int, dict]] = defaultdict(dict)
+    for s in summary:
+        rows[(s["family"], s["M"])][s["k"]] = s
     lines = []
     if header:
         lines += [f"GPU: {header.get('gpu_name', header.get('gpu', '?'))}; commit {header.get('commit', '?')}; "
                   f"{header.get('date', '?')}; `{header.get('command', '')}`", ""]
-    lines += ["| family | M | k | layers | x humming median | x humming worst | x bf16 median | x bf16 worst "
-              "| dispatcher / best kbit (worst) |", "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for s in summary:
-        lines.append(f"| {s['family']} | {s['M']} | {s['k']} | {s['n']} | {_f(s['x_humming_median'])} | "
-                     f"{_f(s['x_humming_worst'])} | {_f(s['x_bf16_median'])} | {_f(s['x_bf16_worst'])} | "
-                     f"{_f(s['disp_best_worst'], '.3f')} |")
+    lines += ["Ratios are time of the other / time of kbit (above 1: kbit faster), median (worst) over the family's "
+              "layers; kbit is the dispatcher (`kbit-linear`).", ""]
+    head = ["family", "M", "layers"] + [f"x humming k={k}" for k in ks] + [f"x bf16 k={k}" for k in ks]
+    lines += ["| " + " | ".join(head + ["dispatcher / best kbit (worst)"]) + " |",
+              "|---|" + "--:|" * (len(head) - 1 + 1)]
+    for (fam, M), by_k in sorted(rows.items(), key=lambda kv: (kv[0][0].startswith("["), kv[0])):  # halves last
+        n = max(s["n"] for s in by_k.values())
+        hum = [_cell(by_k[k]["x_humming_median"], by_k[k]["x_humming_worst"]) if k in by_k else "-" for k in ks]
+        bf = [_cell(by_k[k]["x_bf16_median"], by_k[k]["x_bf16_worst"]) if k in by_k else "-" for k in ks]
+        disp = [s["disp_best_worst"] for s in by_k.values() if s["disp_best_worst"] is not None]
+        lines.append("| " + " | ".join([fam, str(M), str(n)] + hum + bf + [_f(max(disp) if disp else None, ".3f")])
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
