@@ -224,3 +224,10 @@ def test_gpu_suite_bench_one_shape(tmp_path, capsys):
     _, rows = report.read_results(res)
     assert {"bf16", "kbit-linear"} <= {r["kernel"] for r in rows}
     assert "| gpt-oss | 1 | " in capsys.readouterr().out
+
+
+def test_committed_suite_table_is_current():
+    """benchmarks/suites/models.md is the output of ``python -m kbit.bench.suite`` (after its two-line preface)."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "suites" / "models.md").read_text()
+    assert text.split("\n\n", 2)[2] == S.suite_markdown()

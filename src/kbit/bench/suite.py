@@ -39,7 +39,7 @@ from kbit.bench.moe import MoeShape
 from kbit.utils.checks import check_choice
 
 __all__ = ["SPLITS", "Layer", "Model", "dense_shapes", "families", "layers", "load_models", "model_from_config",
-           "moe_shapes", "select", "split_of", "spread", "unseen_shapes"]
+           "moe_shapes", "select", "split_of", "spread", "suite_markdown", "unseen_shapes"]
 
 SUITES = Path(__file__).with_name("suites")
 SPLITS = ("tune", "held-out")
@@ -241,3 +241,26 @@ def unseen_shapes(models: Sequence[Model] | None = None, **select_kw) -> list[tu
     models = load_models() if models is None else models
     seen = set(dense_shapes(select(models, split="tune")))
     return [s for s in dense_shapes(select(models, split="held-out", **select_kw)) if s not in seen]
+
+
+def suite_markdown(models: Sequence[Model] | None = None) -> str:
+    """The suite as markdown: per model its family, half, config values (``?``: marked unsure), source, and the
+    layer shapes derived from them."""
+    models = load_models() if models is None else models
+    halves = split_of(models)
+    lines = ["| model | family | half | config values | layers (N x K; experts E x N x K, top-k) |",
+             "|---|---|---|---|---|"]
+    for m in models:
+        cfg = ", ".join(f"{k}={v}{'?' if k in m.unsure else ''}" for k, v in m.config.items())
+        lays = ", ".join(f"{lay.name} {lay.N}x{lay.K}" if lay.dense else
+                         f"{lay.name} {lay.E}x{lay.N}x{lay.K} top-{lay.topk}" for lay in model_layers(m))
+        lines.append(f"| [{m.name}]({m.source}) | {m.family} | {halves[m.family]} | {cfg} | {lays} |")
+    dense = [lay for lay in layers(models) if lay.dense]
+    lines += ["", f"{len(models)} models, {len(families(models))} families, {len(dense)} dense layers "
+              f"({len(dense_shapes(dense))} distinct shapes), {len(moe_shapes(layers(models)))} expert stacks. "
+              f"Regenerate with `python -m kbit.bench.suite`."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # ``python -m kbit.bench.suite``: the suite as markdown
+    print(suite_markdown(), end="")
