@@ -271,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
         gpu = gpu_slug(torch.cuda.get_device_name(dev))
     path = Path(args.out) if args.out else default_path(gpu)
     table = TunedTable.load(path) if path.exists() else TunedTable(gpu)
+    if table.gpu != gpu:
+        raise ValueError(f"out: expected a tuned table of this GPU ({gpu!r}), got {path} of {table.gpu!r}")
     table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=git_commit(),
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
