@@ -228,3 +228,33 @@ def test_gpu_tune_small_shape(tmp_path):
         assert e["best"]["us"] > 0 and e["current_us"] > 0
         assert sum(t["us"] is not None for t in e["trials"]) >= len(e["trials"]) // 2
     assert TunedTable.load(tmp_path / "t.json").as_dict() == table.as_dict()
+
+
+class _FakeMeasure:
+    """Stands for :class:`kbit.bench.tune.Measure`: the made-up cost model instead of a GPU."""
+
+    def __init__(self, N, K):
+        self.N, self.K, self.M = N, K, None
+
+    def set_m(self, M, seed):
+        self.M = M
+        return 1.25 * _fake_us(Candidate("dequant_mm"), self.N, self.K, M)
+
+    def __call__(self, cand):
+        return _fake_us(cand, self.N, self.K, self.M)
+
+
+def test_tune_shapes_loop(tmp_path):
+    """The driver's loop without a GPU: entries per (shape, k, M bucket), saved after each, skipped when present,
+    measured again with ``retune``, none started past the budget."""
+    saved = []
+    kw = dict(measure_for=lambda N, K, k: _FakeMeasure(N, K), cuda=True, sm90=True, quick=True,
+              save=lambda t: saved.append(len(t.entries)))
+    table = TunedTable("h100")
+    done = T.tune_shapes(table, [(28672, 4096), (2048, 2048)], [2, 4], [1, 3, 16], **kw)
+    assert len(done) == 2 * 2 * 3 and saved == list(range(1, 13))
+    assert (4, 28672, 4096, 4) in table.entries  # M = 3 is stored under its bucket
+    assert all(e["current_us"] > 0 for e in table.entries.values())
+    assert T.tune_shapes(table, [(28672, 4096)], [4], [1, 16], **kw) == []
+    assert len(T.tune_shapes(table, [(28672, 4096)], [4], [1, 16], retune=True, **kw)) == 2
+    assert T.tune_shapes(table, [(5120, 5120)], [4], [1], budget_s=-1, **kw) == []

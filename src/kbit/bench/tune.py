@@ -119,16 +119,32 @@ def _short(d: dict) -> str:
     return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
 
 
+def quantized_weight(N: int, K: int, k: int, seed: int = 0, device="cuda"):
+    """A seeded random bf16 weight [N, K] quantized to k bits (``kbit.quantize``)."""
+    g = torch.Generator(device=device).manual_seed(seed + N * 7 + K)
+    W = (torch.randn(N, K, generator=g, device=device) * 0.02).to(BF16)
+    return kbit_api()[0](W, k=k)
+
+
 def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequence[int], ms: Sequence[int], *,
                 families: tuple[str, ...] | None = None, quick: bool = False, reps: int = 15,
                 budget_s: float | None = None, retune: bool = False, seed: int = 0,
-                save: Callable[[TunedTable], object] | None = None) -> list[tuple]:
-    """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``); returns the keys tuned."""
-    dev = torch.device("cuda")
-    cuda, sm90 = kernels_available(dev), large_ok(dev)
-    quantize = kbit_api()[0]
+                save: Callable[[TunedTable], object] | None = None,
+                measure_for: Callable[[int, int, int], Measure] | None = None,
+                cuda: bool | None = None, sm90: bool | None = None) -> list[tuple]:
+    """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``); returns the keys tuned.
+
+    ``measure_for(N, K, k)``: the :class:`Measure` of a weight (default: a quantized random weight on the GPU);
+    ``cuda`` / ``sm90``: whether the CUDA kernels / kernel 7 run (default: asked of the GPU)."""
+    if measure_for is None:
+        dev = torch.device("cuda")
+        l2 = l2_bytes(dev)
+        cuda, sm90 = kernels_available(dev), large_ok(dev)
+
+        def measure_for(N, K, k):
+            return Measure(quantized_weight(N, K, k, seed, dev), reps, l2)
     deadline = None if budget_s is None else time.time() + budget_s
-    l2, done = l2_bytes(dev), []
+    done = []
     for N, K in shapes:
         for k in ks:
             todo = [M for M in ms if retune or (k, N, K, m_bucket(M)) not in table.entries]
@@ -137,15 +153,12 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
             if deadline is not None and time.time() > deadline:
                 _log(f"budget: {N}x{K} k={k} not tuned")
                 continue
-            g = torch.Generator(device=dev).manual_seed(seed + N * 7 + K)
-            W = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(BF16)
-            meas = Measure(quantize(W, k=k), reps, l2)
-            del W
+            meas = measure_for(N, K, k)
             for M in todo:
                 if deadline is not None and time.time() > deadline:
                     break
                 cur = meas.set_m(M, seed)
-                cands = search_space(k, M, N, K, cuda=cuda, sm90=sm90, families=families, quick=quick)
+                cands = search_space(k, M, N, K, cuda=bool(cuda), sm90=bool(sm90), families=families, quick=quick)
                 t0 = time.time()
                 trials = tune_entry(k, N, K, M, cands, meas, deadline)
                 if trials is None or not any(t.us is not None for t in trials):
@@ -158,7 +171,8 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 if save is not None:
                     save(table)
             del meas
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return done
 
 
