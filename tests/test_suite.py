@@ -231,3 +231,11 @@ def test_committed_suite_table_is_current():
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "benchmarks" / "suites" / "models.md").read_text()
     assert text.split("\n\n", 2)[2] == S.suite_markdown()
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(r, M=M) for M in (1, 16, 256) for r in _rows()]
+    summ = summary.summarize(rows, summary.with_halves(S.layers()))
+    path = summary.plot(summ, tmp_path / "p.png", title="t")
+    assert path is not None and path.stat().st_size > 1000

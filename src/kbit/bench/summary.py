@@ -173,8 +173,9 @@ def plot(summary: Sequence[dict], path: str | Path, title: str = "") -> Path | N
         for fam in sorted({s["family"] for s in summary}):
             pts = sorted((s["M"], s["x_bf16_median"]) for s in summary
                          if s["k"] == k and s["family"] == fam and s["x_bf16_median"] is not None)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=fam)
+            if pts:  # the rows of the suite's halves dashed, over the families
+                style = dict(ls="--", color="k" if fam == "[tune]" else "0.5", lw=2) if fam.startswith("[") else {}
+                ax.plot(*zip(*pts, strict=True), marker="o", label=fam, **style)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_title(f"k = {k}")
