@@ -80,7 +80,7 @@ def _randn(shape, seed: int, device, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(BF16)
 
 
-#: expert stacks of more weights than this (2 ** 31: DeepSeek-V3's, gpt-oss-120b's) are made one expert at a time
+#: expert stacks of more weights than this (2 ** 31; of the suite, DeepSeek-V3's) are made one expert at a time
 #: and their reference weight kept in bf16, so that no float32 copy of the whole stack is needed
 BIG_STACK = 2**31
 
