@@ -80,6 +80,20 @@ def _randn(shape, seed: int, device, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale).to(BF16)
 
 
+#: expert stacks of more weights than this (2 ** 31; of the suite, DeepSeek-V3's) are made one expert at a time
+#: and their reference weight kept in bf16, so that no float32 copy of the whole stack is needed
+BIG_STACK = 2**31
+
+
+def _randn_stack(E: int, N: int, K: int, seed: int, device, scale: float) -> torch.Tensor:
+    """A bf16 [E, N, K] stack of seeded normal values times ``scale``, one expert at a time."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(E, N, K, dtype=BF16, device=device)
+    for e in range(E):
+        out[e] = torch.randn(N, K, generator=g, device=device, dtype=torch.float32).mul_(scale)
+    return out
+
+
 def _log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -323,7 +337,9 @@ class Runner:
         cfg = self.cfg
         E, N, K = shape.E, shape.N, shape.K
         _log(f"moe {shape.name}: E={E} {N}x{K} top-{shape.topk}")
-        W = _randn((E, N, K), cfg.seed + 17 * N + K, self.device, 0.02)
+        big = E * N * K > BIG_STACK
+        W = _randn_stack(E, N, K, cfg.seed + 17 * N + K, self.device, 0.02) if big else \
+            _randn((E, N, K), cfg.seed + 17 * N + K, self.device, 0.02)
         routings = {T: moe_mod.make_routing(T, shape.topk, E, seed=cfg.seed + T, device=self.device)
                     for T in cfg.tokens}
         acts = {T: _randn((T * shape.topk, K), cfg.seed + 2000 + T, self.device) for T in cfg.tokens}
@@ -334,7 +350,8 @@ class Runner:
                 reason = f"quantize failed: {type(e).__name__}: {str(e)[:200]}"
                 self.skip(f"kbit moe k={k} {shape.name}", reason)
                 qw, real = stand_in_weight(W.shape, k, cfg.blocksize, W.device), False
-            wdq = self.dequantize(qw, torch.float32) if real else None
+            # a big stack's reference weight in bf16 (moe_mod.reference widens one expert at a time)
+            wdq = self.dequantize(qw, BF16 if big else torch.float32) if real else None
             if i == 0:
                 self.moe_bf16(shape, wdq.to(BF16) if real else W, routings, acts)
             self.moe_kbit(shape, qw, real, wdq, routings, acts)
