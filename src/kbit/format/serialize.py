@@ -23,6 +23,7 @@ import os
 import uuid
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -212,9 +213,24 @@ def _verify_v2(meta: dict[str, str], raw: dict[str, torch.Tensor], verify: bool)
         if got != {"dtype": rec["dtype"], "shape": rec["shape"]}:
             raise ValueError(f"tensor {name!r}: expected dtype {rec['dtype']}, shape {rec['shape']} (as recorded), "
                              f"got dtype {got['dtype']}, shape {got['shape']}")
-        if verify and tensor_crc32(t) != rec["crc32"]:
-            raise ValueError(f"tensor {name!r}: checksum mismatch: expected CRC-32 {rec['crc32']}, got "
-                             f"{tensor_crc32(t)} (the data is damaged)")
+    if verify:
+        for name, crc in zip(raw, _crc32_all(list(raw.values())), strict=True):
+            if crc != records[name]["crc32"]:
+                raise ValueError(f"tensor {name!r}: checksum mismatch: expected CRC-32 {records[name]['crc32']}, "
+                                 f"got {crc} (the data is damaged)")
+
+
+#: files with less tensor data are checked on one thread (a pool costs more than it saves)
+PARALLEL_CRC_BYTES = 64 * 2**20
+
+
+def _crc32_all(tensors: list[torch.Tensor]) -> list[int]:
+    """:func:`tensor_crc32` of each tensor, on several threads for a large file (zlib releases the GIL)."""
+    workers = min(8, os.cpu_count() or 1)
+    if workers == 1 or sum(t.numel() * t.element_size() for t in tensors) < PARALLEL_CRC_BYTES:
+        return [tensor_crc32(t) for t in tensors]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(tensor_crc32, tensors))
 
 
 def _assemble(weights: dict[str, dict], raw: dict[str, torch.Tensor]) -> dict:
