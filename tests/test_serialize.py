@@ -348,3 +348,17 @@ def test_value_invariants_accept_valid_edges():
     qw.codebook[0] = float("nan")
     with pytest.raises(ValueError, match="codebook: expected finite values"):
         qw.check_values()
+
+
+def test_version_1_shape_edited_within_the_padding(tmp_path):
+    state, path = _state(), tmp_path / "v1.safetensors"
+    state["w8"] = kbit.quantize(torch.randn(8, 64), k=4)
+    _write_v1(state, path)
+    meta, _ = _read(path)
+    w = json.loads(meta[S.WEIGHTS_KEY])
+    for name, shape in (("w8", [8, 40]), ("mlp.weight", [40, 65]), ("experts.w", [3, 16, 70])):
+        edited = dict(w, **{name: dict(w[name], shape=shape)})  # K padded to the same Kp: the parts still fit
+        _rewrite(path, **{S.WEIGHTS_KEY: json.dumps(edited)})
+        S._warned_v1.discard(str(path))
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match=f"'{name}': the padding columns"):
+            kbit.load_file(path)

@@ -30,6 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file as _save_file
 
 from kbit.format import schema
+from kbit.format.codebooks import midpoints
+from kbit.format.pack import unpack
 from kbit.format.spec import FORMAT_VERSION, KbitWeight
 
 VERSION_KEY = "kbit.format_version"
@@ -173,6 +175,10 @@ def load_file(path: str | os.PathLike, device: str | torch.device = "cpu", *, ve
         if version == "1":  # no checksum covers the weights entry: parts without one must not pass as plain tensors
             schema.no_orphan_parts(weights, raw, PARTS)
         out = _assemble(weights, raw)
+        if version == "1":
+            for name, v in out.items():
+                if isinstance(v, KbitWeight):
+                    _check_padding(name, v)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return {n: v.to(device) for n, v in out.items()} if torch.device(device).type != "cpu" else out
@@ -246,3 +252,15 @@ def _assemble(weights: dict[str, dict], raw: dict[str, torch.Tensor]) -> dict:
             raise ValueError(f"quantized weight {name!r} does not match its metadata: {e}") from e
     out.update(raw)
     return out
+
+
+def _check_padding(name: str, qw: KbitWeight) -> None:
+    """Every padding column (K <= i < Kp) holds the code of 0.0, as the quantizer writes it: in a version 1 file
+    (no metadata checksum) this catches a shape edited within the padding (``[8, 64] -> [8, 40]``)."""
+    if qw.K == qw.padded_k:
+        return
+    pad = unpack(qw.codes, qw.k, qw.padded_k)[..., qw.K:]
+    zero = int(torch.bucketize(torch.zeros(()), midpoints(qw.codebook), right=False))
+    if bool((pad != zero).any()):
+        raise ValueError(f"quantized weight {name!r}: the padding columns {qw.K}..{qw.padded_k - 1} hold codes other "
+                         f"than that of 0.0 ({zero}): the recorded shape {list(qw.shape)} does not fit the data")
