@@ -145,6 +145,14 @@ def test_directory_and_missing_file(tmp_path):
         kbit.load_file(tmp_path / "nope.safetensors")
 
 
+def test_save_to_a_directory_or_missing_folder(tmp_path):
+    with pytest.raises(IsADirectoryError, match=f"{tmp_path}: expected a file name, got a directory"):
+        kbit.save_file({"a": torch.ones(1)}, tmp_path)
+    with pytest.raises(FileNotFoundError, match="the folder .*nope does not exist"):
+        kbit.save_file({"a": torch.ones(1)}, tmp_path / "nope" / "w.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
 def test_truncated_file_raises(tmp_path):
     path = _saved(tmp_path)
     data = path.read_bytes()

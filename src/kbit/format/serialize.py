@@ -77,7 +77,12 @@ def save_file(state_dict: dict, path: str | os.PathLike, metadata: dict[str, str
                                         "crc32": tensor_crc32(t)} for n, t in tensors.items()}, sort_keys=True)
     meta[METADATA_CRC_KEY] = str(metadata_crc32(meta))
     path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: expected a file name, got a directory")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{path}: the folder {folder} does not exist")
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
         _save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
