@@ -370,3 +370,26 @@ def test_version_1_shape_edited_within_the_padding(tmp_path):
         S._warned_v1.discard(str(path))
         with pytest.warns(UserWarning), pytest.raises(ValueError, match=f"'{name}': the padding columns"):
             kbit.load_file(path)
+
+
+def test_every_safetensors_dtype_round_trips(tmp_path):
+    state = {"f8": torch.randn(4).to(torch.float8_e4m3fn), "u16": torch.arange(3, dtype=torch.int32).to(torch.uint16),
+             "c64": torch.ones(2, dtype=torch.complex64), "b": torch.tensor([True, False]), "i8": -torch.ones(5).char()}
+    back = kbit.load_file(_saved(tmp_path, state))
+    assert all(back[n].dtype == t.dtype and torch.equal(back[n].view(torch.uint8), t.view(torch.uint8))
+               for n, t in state.items())
+
+
+@pytest.mark.gpu
+def test_gpu_weights_save_load_and_checks(tmp_path):
+    state = {n: (v.cuda() if isinstance(v, kbit.KbitWeight) else v) for n, v in _state().items()}
+    back = kbit.load_file(_saved(tmp_path, state), device="cuda")
+    assert back["mlp.weight"].device.type == "cuda" and back["norm.weight"].device.type == "cuda"
+    _assert_same({n: v.cpu() for n, v in back.items()}, _state())
+    parts = {n: t.cuda() for n, t in _state()["mlp.weight"].tensors().items()}
+    parts["tensor_scale"] = torch.tensor(float("nan"), device="cuda")
+    bad = kbit.KbitWeight(**parts, shape=(40, 70), k=3, blocksize=32)  # no host sync on a GPU: not checked here
+    with pytest.raises(ValueError, match="tensor_scale: expected finite values >= 0, got nan"):
+        bad.check_values()
+    with pytest.raises(ValueError, match=r"state_dict\['w'\]: tensor_scale: expected finite values"):
+        kbit.save_file({"w": bad}, tmp_path / "bad.safetensors")
