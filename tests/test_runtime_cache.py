@@ -117,3 +117,95 @@ def test_pdl_follows_the_options(monkeypatch):
     monkeypatch.setattr(rt, "_cc_major", lambda index: 8)
     with options.override(pdl=True):
         assert not rt.pdl_enabled("cuda:0")
+
+
+def _cache_file(tmp_path):
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "c") for f in fs]
+    assert len(files) == 1
+    return files[0]
+
+
+def test_cache_file_has_length_and_checksum(tmp_path):
+    path = str(tmp_path / "x" / "k.cubin")
+    cubin = b"\x7fELF" + bytes(range(256)) * 3
+    assert rt.write_cache_file(path, cubin)
+    data = open(path, "rb").read()
+    assert data.startswith(rt.CACHE_MAGIC) and data.endswith(cubin) and len(data) == len(cubin) + 48
+    assert rt.read_cache_file(path) == cubin
+    assert os.listdir(tmp_path / "x") == ["k.cubin"]  # no temporary left behind
+    assert rt.read_cache_file(str(tmp_path / "none.cubin")) is None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "truncate_header", "flip_cubin", "flip_header", "append", "headerless",
+                                    "empty", "not_elf"])
+def test_damaged_cache_file_is_deleted_never_returned(tmp_path, damage):
+    path = str(tmp_path / "k.cubin")
+    cubin = b"\x7fELF" + os.urandom(1000)
+    rt.write_cache_file(path, cubin)
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[:-1]
+    elif damage == "truncate_header":
+        data = data[:20]
+    elif damage == "flip_cubin":
+        data[500] ^= 0x10
+    elif damage == "flip_header":
+        data[20] ^= 0x01
+    elif damage == "append":
+        data += b"\0"
+    elif damage == "headerless":  # a file of the old cache: a bare CUBIN
+        data = bytearray(cubin)
+    elif damage == "empty":
+        data = bytearray()
+    elif damage == "not_elf":  # a consistent header around something that is not a CUBIN
+        rt.write_cache_file(path, b"MZ" + cubin[4:])
+        data = bytearray(open(path, "rb").read())
+    open(path, "wb").write(bytes(data))
+    assert rt.read_cache_file(path) is None
+    assert not os.path.exists(path)
+
+
+def test_damaged_cache_file_is_compiled_again(stub, tmp_path):
+    a = rt.compile_cached("src A", "sm_90")
+    path = _cache_file(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF  # a flipped byte, the ELF magic intact
+    open(path, "wb").write(bytes(data))
+    assert rt._compile_cached("src A", "sm_90", (), "kbit.cu", None, False) == (b"\x7fELF" + b"src A|sm_90|2", False)
+    assert len(stub) == 2 and a != rt.compile_cached("src A", "sm_90") and len(stub) == 2  # rewritten, then read
+    open(path, "wb").write(open(path, "rb").read()[:-5])  # truncated
+    rt.compile_cached("src A", "sm_90")
+    assert len(stub) == 3
+
+
+def test_cache_write_is_exclusive_and_atomic(tmp_path, monkeypatch):
+    path = str(tmp_path / "k.cubin")
+    opened = []
+    real_open = os.open
+
+    def spy(p, flags, mode=0o777):
+        opened.append((p, flags))
+        return real_open(p, flags, mode)
+
+    monkeypatch.setattr(rt.os, "open", spy)
+    assert rt.write_cache_file(path, b"\x7fELF1") and rt.write_cache_file(path, b"\x7fELF2")
+    assert len(opened) == 2 and opened[0][0] != opened[1][0]  # a fresh temporary name each time
+    assert all(p.startswith(path + ".") and p.endswith(".tmp") and f & os.O_EXCL and f & os.O_CREAT for p, f in opened)
+    assert rt.read_cache_file(path) == b"\x7fELF2"
+    # a planted file at the temporary's name is never written through: O_EXCL fails, the cache is skipped
+    monkeypatch.setattr(rt.uuid, "uuid4", lambda: type("U", (), {"hex": "fixed"})())
+    planted = f"{path}.{os.getpid()}.fixed.tmp"
+    open(planted, "wb").write(b"planted")
+    assert not rt.write_cache_file(path, b"\x7fELF3")
+    assert open(planted, "rb").read() == b"planted" and rt.read_cache_file(path) == b"\x7fELF2"
+
+
+def test_failed_cache_write_leaves_no_temporary(tmp_path, monkeypatch):
+    path = str(tmp_path / "k.cubin")
+
+    def broken_replace(a, b):
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(rt.os, "replace", broken_replace)
+    assert not rt.write_cache_file(path, b"\x7fELF")
+    assert os.listdir(tmp_path) == []

@@ -24,6 +24,7 @@ import os
 import site
 import struct
 import threading
+import uuid
 
 import torch
 from torch.cuda import _utils as _torch_cuda_utils
@@ -157,7 +158,9 @@ def compile_cached(source: str, arch: str, options=(), *, name: str = "kbit.cu",
                    refresh: bool = False) -> bytes:
     """:func:`nvrtc_compile`'s CUBIN, read from the on-disk cache where an earlier process wrote it (the key: the
     whole source, ``arch``, ``options``, every header's name and text and the NVRTC version); ``refresh`` compiles
-    and rewrites it. A cache that cannot be read or written is skipped (the CUBIN is compiled as without one)."""
+    and rewrites it. A cache that cannot be read or written is skipped (the CUBIN is compiled as without one); a
+    cache file whose length or SHA-256 does not match its header is deleted and compiled again
+    (:func:`read_cache_file`)."""
     return _compile_cached(source, arch, options, name, headers, refresh)[0]
 
 
@@ -166,24 +169,65 @@ def _compile_cached(source: str, arch: str, options, name: str, headers: dict | 
     """:func:`compile_cached`, and whether the CUBIN came from the cache."""
     path = _cache_path(source, arch, options, headers)
     if path is not None and not refresh:
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if data[:4] == b"\x7fELF":
-                return data, True
-        except OSError:
-            pass
+        cubin = read_cache_file(path)
+        if cubin is not None:
+            return cubin, True
     cubin, _ = nvrtc_compile(source, arch, options, name, headers)
     if path is not None:
-        try:  # a private temporary, then an atomic rename: readers never see a partial file
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_cache_file(path, cubin)
     return cubin, False
+
+
+#: a cache file: CACHE_MAGIC, the CUBIN's length (8 bytes, little-endian), its SHA-256, then the CUBIN
+CACHE_MAGIC = b"kbitCUB1"
+_CACHE_HEADER = struct.Struct("<8sQ32s")
+
+
+def read_cache_file(path: str) -> bytes | None:
+    """The CUBIN stored at ``path`` by :func:`write_cache_file`, or None where there is none or it is damaged
+    (truncated, a flipped byte, an old headerless file): a damaged file is deleted, so the caller compiles again
+    and rewrites it; the driver never sees it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    n = _CACHE_HEADER.size
+    if len(data) >= n:
+        magic, length, digest = _CACHE_HEADER.unpack_from(data)
+        cubin = data[n:]
+        if magic == CACHE_MAGIC and length == len(cubin) and hashlib.sha256(cubin).digest() == digest \
+                and cubin[:4] == b"\x7fELF":
+            return cubin
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    return None
+
+
+def write_cache_file(path: str, cubin: bytes) -> bool:
+    """Store ``cubin`` at ``path`` (header + CUBIN) through a new, uniquely named temporary (``O_EXCL``: never an
+    existing file or a planted link) and an atomic rename: readers never see a partial file. Returns False where
+    the cache cannot be written (the caller goes on without it)."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    created = False
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        created = True
+        with os.fdopen(fd, "wb") as f:
+            f.write(_CACHE_HEADER.pack(CACHE_MAGIC, len(cubin), hashlib.sha256(cubin).digest()))
+            f.write(cubin)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if created:  # only our own temporary: a file found at its name is not ours to delete
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return False
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte value union

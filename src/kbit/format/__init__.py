@@ -1,4 +1,4 @@
-"""The kbit weight format (version 1): spec, codebooks, packing, plain-torch reference."""
+"""The kbit weight format (version 2, docs/format.md): spec, codebooks, packing, plain-torch reference, files."""
 
 from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.spec import (

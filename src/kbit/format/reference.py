@@ -1,4 +1,5 @@
-"""Plain-torch quantize/dequantize of format version 1: the executable spec that kernels are tested against.
+"""Plain-torch quantize/dequantize of the format (docs/format.md; the same tensors in versions 1 and 2): the
+executable spec that kernels are tested against.
 
 Works on any device; bit-exact with the Triton quantizer (the same float32 operations in the same order).
 """

@@ -1,4 +1,8 @@
-"""The kbit weight format, version 1 (docs/format.md), and :class:`KbitWeight`, the one quantized-weight class."""
+"""The kbit weight format (docs/format.md), and :class:`KbitWeight`, the one quantized-weight class.
+
+Format version 2 keeps the tensor layout of version 1 and adds checksums and a validated schema to the files
+(:mod:`kbit.format.serialize`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from kbit.format.pack import words_per_row
 from kbit.utils.checks import fail
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 K_VALUES = (2, 3, 4, 5)
 BLOCKSIZES = (32, 64, 128)
 SCALE_FORMATS = ("log8", "fp16")
@@ -75,7 +79,7 @@ def padded_k(K: int, blocksize: int) -> int:
 
 @dataclass(eq=False)
 class KbitWeight:
-    """A quantized weight ``W[..., N, K]`` in the canonical layout of format version 1.
+    """A quantized weight ``W[..., N, K]`` in the canonical layout (the same in format versions 1 and 2).
 
     Attributes
     ----------
@@ -86,6 +90,12 @@ class KbitWeight:
     shape : the logical shape ``(..., N, K)``.
     k, blocksize, scale_format : format parameters.
     codebook_name : the name the codebook was made from, or ``"custom"``.
+
+    The constructor checks dtypes, shapes and devices (:meth:`validate`); where the tensors are on the CPU (and
+    not while ``torch.compile`` traces) it also checks the values (:meth:`check_values`). On a GPU that check
+    would read the tensors back to the host, a sync on every construction (``KbitWeight.to``, ``qw[e]``, the
+    layers' ``weight()``), so it is left out there: :func:`kbit.load_file` checks on the CPU before moving, and
+    ``check_values()`` may be called on any device.
     """
 
     codes: torch.Tensor
@@ -101,6 +111,8 @@ class KbitWeight:
     def __post_init__(self):
         self.shape = tuple(int(s) for s in self.shape)
         self.validate()
+        if self.codes.device.type == "cpu" and not torch.compiler.is_compiling():
+            self.check_values()
 
     # -- derived ---------------------------------------------------------------------------------------
     @property
@@ -203,3 +215,30 @@ class KbitWeight:
                                  f"blocksize={self.blocksize}, got {tuple(t.shape)}")
             if t.device != self.codes.device:
                 fail(ValueError, name, f"device {self.codes.device} (that of codes)", t.device)
+
+    def check_values(self) -> None:
+        """Check the values: a finite codebook, finite ``tensor_scale`` >= 0 (0 is an all-zero matrix) and, for
+        ``fp16``, finite scales >= 0; ValueError naming the field. Reads the tensors on the host (a sync on a GPU).
+
+        Nothing else can be out of range: every uint8 is a valid ``log8`` code (``E[q]`` is finite, in [0, 1]) and
+        every bit pattern of the packed words decodes to a code in [0, 2**k)."""
+        _check_finite("codebook", self.codebook, nonnegative=False)
+        _check_finite("tensor_scale", self.tensor_scale, nonnegative=True)
+        if self.scale_format == "fp16":
+            _check_finite("scales", self.scales, nonnegative=True)
+
+
+def _check_finite(name: str, t: torch.Tensor, nonnegative: bool) -> None:
+    if t.dtype == torch.float16 and nonnegative and t.numel():
+        # the common case, all valid (bits in [0, 0x7C00)), from numpy's min/max of the bits: torch's CPU float16
+        # ops are ~50x slower; the exact search below runs only where something is off (or a -0.0)
+        bits = t.detach().reshape(-1).view(torch.int16).numpy()
+        if int(bits.min()) >= 0 and int(bits.max()) < 0x7C00:
+            return
+    bad = ~torch.isfinite(t)
+    if nonnegative:
+        bad |= t < 0
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad.reshape(-1))[0])
+        where = f" at index {tuple(int(j) for j in torch.unravel_index(torch.tensor(i), t.shape))}" if t.dim() else ""
+        fail(ValueError, name, "finite values" + (" >= 0" if nonnegative else ""), f"{t.reshape(-1)[i].item()}{where}")
