@@ -39,6 +39,7 @@ from kbit.hf.config import QUANT_METHOD, quantization_config_for
 from kbit.hf.experts import CHILDREN, KbitExperts, KbitStack, empty_weight
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.nn import KbitLinear
+from kbit.ops.dequant import dequantize
 from kbit.utils.checks import fail
 
 WEIGHTS_NAME = "model.safetensors"
@@ -377,8 +378,11 @@ def _check_headers(model: nn.Module, headers: dict) -> None:
     kept as stored); every model tensor is in the files or tied to one that is."""
     expected = _expected(model)
     kbit_parts = {f"{n}.{p}" for n, m in model.named_modules() for p in PARTS if isinstance(m, (KbitLinear, KbitStack))}
+    from_head = _embedding_from_head(model)
     for name, (path, shape, dtype) in headers.items():
         want = expected.get(name)
+        if name == from_head and shape == (0,):
+            continue  # stored as the quantized lm_head it is tied to (kbit generate's checkpoints)
         if want is None:
             raise ValueError(f"{path}: tensor {name!r} is not a parameter or buffer of {type(model).__name__}")
         exact = name in kbit_parts or not want.dtype.is_floating_point
@@ -398,6 +402,7 @@ def _check_headers(model: nn.Module, headers: dict) -> None:
 
 def _fill(model: nn.Module, files: list[Path], device) -> None:
     """Read each file (``kbit.load_file``: its own checks) and assign its tensors."""
+    from_head = _embedding_from_head(model)
     for path in files:
         tensors = {}
         for name, v in load_file(path, device=device).items():
@@ -407,9 +412,15 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
                 tensors[name] = v
         for name, t in tensors.items():
             _assign(model, name, t)
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):
-        tie()
+    emb = model.get_input_embeddings() if from_head else None
+    if emb is not None and emb.weight.numel() == 0:
+        head = model.get_output_embeddings()
+        emb.weight = nn.Parameter(dequantize(head.weight(), head.dtype), requires_grad=False)
+    elif not isinstance(getattr(model, "get_output_embeddings", lambda: None)(), KbitLinear):
+        # a quantized lm_head is not tied to anything (transformers would put the embedding in its place)
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
     left = [n for n, t in _expected(model).items() if t.is_meta]
     if left:
         raise ValueError(f"the checkpoint does not fill {len(left)} tensors of {type(model).__name__}, "
@@ -421,6 +432,20 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
             for w in EXPERT_WEIGHTS:
                 m.weight(w)
     model.to(device)
+
+
+def _embedding_from_head(model: nn.Module) -> str | None:
+    """The name of the input embedding's weight when it is tied to a quantized ``lm_head`` of its shape (it may
+    then be stored empty and rebuilt by dequantizing ``lm_head``), else None."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)) or \
+            not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return None
+    emb, head = get_in(), get_out()
+    if not isinstance(head, KbitLinear) or not isinstance(getattr(emb, "weight", None), torch.Tensor) or \
+            tuple(emb.weight.shape) != (head.out_features, head.in_features):
+        return None
+    return next((n for n, t in model.named_parameters() if t is emb.weight), None)
 
 
 def _assign(model: nn.Module, name: str, tensor) -> None:
