@@ -110,13 +110,18 @@ def test_kbit_folder_loads_with_from_pretrained_and_back(tmp_path):
             assert torch.equal(back(PROMPT).logits, q(PROMPT).logits)
 
 
-def test_quantize_lm_head_untied(tmp_path):
-    path, _ = float_folder(tmp_path, "mistral")
+@pytest.mark.parametrize("model_type", ["mistral", "llama"])  # untied, tied word embeddings
+def test_quantize_lm_head(model_type, tmp_path):
+    path, _ = float_folder(tmp_path, model_type)
     q = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4, quantize_lm_head=True))
-    assert isinstance(q.lm_head, KbitLinear)
+    assert isinstance(q.lm_head, KbitLinear) and isinstance(q.model.embed_tokens.weight, nn.Parameter)
+    assert not q.config.tie_word_embeddings  # the float embedding and the k-bit head are two tensors now
+    tokens = greedy(q)
     q.save_pretrained(tmp_path / "q")
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "q")
-    assert isinstance(back.lm_head, KbitLinear) and torch.equal(greedy(back), greedy(q))
+    save_quantized(q, tmp_path / "k")
+    for back in (AutoModelForCausalLM.from_pretrained(tmp_path / "q"), AutoModelForCausalLM.from_pretrained(
+            tmp_path / "k"), load_quantized(tmp_path / "k")):
+        assert isinstance(back.lm_head, KbitLinear) and torch.equal(greedy(back), tokens)
 
 
 def tiny_tokenizer():

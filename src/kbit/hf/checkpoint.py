@@ -169,15 +169,20 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     try:
         save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         config = model.config
-        old_qc = getattr(config, "quantization_config", None)
+        old_qc, old_tie = getattr(config, "quantization_config", None), getattr(config, "tie_word_embeddings", None)
         config.quantization_config = quantization_config_for(model, table)
         config.architectures = [type(model).__name__]
+        emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+        if _head_is_quantized(model) and old_tie and getattr(getattr(emb, "weight", None), "numel", int)() > 0:
+            config.tie_word_embeddings = False  # the k-bit lm_head and the float embedding are two tensors now
         try:
             config.save_pretrained(tmp)
         finally:
             config.quantization_config = old_qc
             if old_qc is None:
                 del config.quantization_config
+            if old_tie is not None:
+                config.tie_word_embeddings = old_tie
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             with contextlib.suppress(Exception):  # a generation config that does not validate is not ours to fix
@@ -186,6 +191,27 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _head_is_quantized(model: nn.Module) -> bool:
+    get_out = getattr(model, "get_output_embeddings", None)
+    return callable(get_out) and isinstance(get_out(), KbitLinear)
+
+
+def untie_quantized_head(model: nn.Module) -> None:
+    """After ``lm_head`` of a model with tied embeddings was quantized: the two are separate tensors, so the config
+    says so (transformers would otherwise tie them again on load, over the k-bit module)."""
+    if not _head_is_quantized(model):
+        return
+    for cfg in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
+                if c is not None}.values():
+        if getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+        model.all_tied_weights_keys = {a: b for a, b in tied.items()
+                                       if not (a.startswith(head + ".") or b.startswith(head + "."))}
 
 
 def _kbit_state(model: nn.Module, table: dict) -> dict:
@@ -416,7 +442,7 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
     if emb is not None and emb.weight.numel() == 0:
         head = model.get_output_embeddings()
         emb.weight = nn.Parameter(dequantize(head.weight(), head.dtype), requires_grad=False)
-    elif not isinstance(getattr(model, "get_output_embeddings", lambda: None)(), KbitLinear):
+    elif not _head_is_quantized(model):
         # a quantized lm_head is not tied to anything (transformers would put the embedding in its place)
         tie = getattr(model, "tie_weights", None)
         if callable(tie):

@@ -185,7 +185,7 @@ def _quantize_joint(mods: list[nn.Linear], kw: dict, device=None) -> list[KbitLi
     per module (its rows)."""
     w0 = mods[0].weight
     device = torch.device(device) if device is not None else w0.device
-    w = torch.cat([m.weight.detach().to(device) for m in mods])
+    w = torch.cat([m.weight.detach() for m in mods]).to(device)  # joined where they are: one copy on device
     qw = quantize(w, **kw)
     del w
     dtype = w0.dtype if (w0.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda") else torch.bfloat16

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kbit.hf.checkpoint import build_shells, module_table, quantized_state_dict
+from kbit.hf.checkpoint import build_shells, module_table, quantized_state_dict, untie_quantized_head
 from kbit.hf.config import QUANT_METHOD, KbitConfig
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
@@ -99,6 +99,7 @@ class KbitHfQuantizer(HfQuantizer):
             model.to(self.target)
             if getattr(model, "hf_device_map", None) is not None:
                 model.hf_device_map = {"": str(self.target)}
+        untie_quantized_head(model)
         qc.modules = module_table(model)
         return model
 
