@@ -64,8 +64,8 @@ class KbitHfQuantizer(HfQuantizer):
             device_map = "cuda" if torch.cuda.is_available() else "cpu"
         self.target = torch.device(device_map if not isinstance(device_map, int) else f"cuda:{device_map}") \
             if device_map is not None else None
-        if self.target is None or self.target.type == "cpu":
-            return device_map
+        if self.target is None:
+            return None
         return {"": "cpu"}  # float weights land on the CPU; quantize_model moves them one at a time
 
     def _process_model_before_weight_loading(self, model, **kwargs):
