@@ -195,6 +195,19 @@ def test_absurd_layer_count_fails_fast_before_building(tmp_path):
         load_quantized(out)
 
 
+def test_sharded_save_pretrained_folder_loads_and_is_checked(tmp_path):
+    path, _ = float_folder(tmp_path, "qwen3")
+    q = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4))
+    out = tmp_path / "sharded"
+    q.save_pretrained(out, max_shard_size="20KB")
+    assert (out / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        assert torch.equal(load_quantized(out)(PROMPT).logits, q(PROMPT).logits)
+    edit_config(out, num_hidden_layers=1000000)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_quantized(out)
+
+
 def rewrite(path, name: str, fn):
     state = load_file(path)
     state[name] = fn(state[name])
@@ -326,9 +339,17 @@ def test_gpu_quantize_on_load_peak_memory_and_static_cache(model_type, tmp_path)
           f"largest layer (bf16) {layer_bytes / 2**20:.1f} MiB")
     assert peak <= held + layer_bytes, (peak, held, layer_bytes)  # the k-bit model plus one float layer
     prompt = torch.tensor([[1, 5, 7, 9, 11]], device="cuda")
-    dynamic = q.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
     static = q.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8, cache_implementation="static")
-    assert torch.equal(dynamic, static)
+    assert static.shape == (1, 13) and torch.equal(static[:, :5], prompt)
+    # a random model's bf16 logits are nearly flat, so greedy tokens of two cache layouts may differ by a near-tie:
+    # the static-cache logits are compared with the full forward's instead
+    with torch.no_grad():
+        full = q(static).logits[0, 4:-1].float()
+    chosen = full.gather(-1, static[0, 5:, None]).squeeze(-1)
+    assert (chosen >= full.amax(-1) - 0.05 * full.std(-1)).all()
     q.save_pretrained(tmp_path / "q")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cuda")
-    assert torch.equal(back.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8), dynamic)
+    want, got = kbit_tensors(q), kbit_tensors(back)
+    assert set(got) == set(want) and all(torch.equal(got[n].cpu(), want[n].cpu()) for n in want)
+    with torch.no_grad():
+        torch.testing.assert_close(back(static).logits, q(static).logits, rtol=1e-2, atol=1e-2)
