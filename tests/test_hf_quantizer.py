@@ -159,6 +159,10 @@ def test_config_checks_its_arguments():
         KbitConfig(modules_to_not_convert="lm_head")
     with pytest.raises(ValueError, match="quant_method"):
         KbitConfig(quant_method="gptq")
+    with pytest.raises(ValueError, match=r"overrides\['down_proj'\]: expected keys among"):
+        KbitConfig(overrides={"down_proj": {"codebook": torch.zeros(16)}})
+    with pytest.raises(ValueError, match=r"overrides\['down_proj'\]: expected keys among"):
+        KbitConfig(overrides={"down_proj": {"bits": 3}})
     cfg = KbitConfig.from_dict(KbitConfig(k=3, codebook="nf").to_dict())
     assert (cfg.k, cfg.codebook, cfg.quant_method) == (3, "nf", "kbit")
 
@@ -206,6 +210,15 @@ def test_sharded_save_pretrained_folder_loads_and_is_checked(tmp_path):
     edit_config(out, num_hidden_layers=1000000)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         load_quantized(out)
+
+
+@pytest.mark.skipif(not hasattr(transformers.quantizers.base.HfQuantizer, "update_attn_implementation"),
+                    reason="this transformers shows a quantizer no config before it builds the model (5.17 no, 5.24 yes)")
+def test_from_pretrained_refuses_absurd_sizes_before_building(tmp_path):
+    out, _ = saved(tmp_path, "llama")
+    edit_config(out, num_hidden_layers=1000000)
+    with pytest.raises(ValueError, match=r"num_hidden_layers: expected an int in \[1, 4096\], got 1000000"):
+        AutoModelForCausalLM.from_pretrained(out)
 
 
 def rewrite(path, name: str, fn):

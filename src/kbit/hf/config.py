@@ -12,6 +12,7 @@ from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_SCALE_FORMAT, check_bloc
 from kbit.utils.checks import fail
 
 QUANT_METHOD = "kbit"
+OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "skip")
 
 try:  # transformers is optional (kbit[hf]): without it KbitConfig is a plain config
     from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -55,6 +56,13 @@ class KbitConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = list(skip)
         if overrides is not None and not isinstance(overrides, dict):
             fail(TypeError, "overrides", "a dict {pattern: {'k': ..., ...} or None}", type(overrides).__name__)
+        for pattern, opts in (overrides or {}).items():
+            where = f"overrides[{pattern!r}]"
+            if not isinstance(pattern, str) or not (opts is None or isinstance(opts, dict)):
+                fail(TypeError, where, "a pattern string -> a dict or None", f"{type(pattern).__name__} -> "
+                     f"{type(opts).__name__}")
+            if opts is not None and (set(opts) - set(OVERRIDE_KEYS) or not isinstance(opts.get("codebook", ""), str)):
+                fail(ValueError, where, f"keys among {OVERRIDE_KEYS} (a codebook by name: the config is JSON)", opts)
         self.overrides = dict(overrides or {})
         for name, v in (("quantize_lm_head", quantize_lm_head), ("joint", joint)):
             if not isinstance(v, bool):

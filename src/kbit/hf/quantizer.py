@@ -24,7 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from kbit.hf.checkpoint import build_shells, module_table, quantized_state_dict, untie_quantized_head
+from kbit.hf.checkpoint import (
+    build_shells,
+    check_config_sizes,
+    module_table,
+    quantized_state_dict,
+    untie_quantized_head,
+)
 from kbit.hf.config import QUANT_METHOD, KbitConfig
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
@@ -67,6 +73,11 @@ class KbitHfQuantizer(HfQuantizer):
         if self.target is None:
             return None
         return {"": "cpu"}  # float weights land on the CPU; quantize_model moves them one at a time
+
+    def update_attn_implementation(self, config):
+        """Sees the config before the model is built (transformers >= 5.24): absurd sizes fail here, fast."""
+        check_config_sizes(config.to_dict(), {}, "config")
+        return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         qc = self.quantization_config
