@@ -213,7 +213,7 @@ def test_sharded_save_pretrained_folder_loads_and_is_checked(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(transformers.quantizers.base.HfQuantizer, "update_attn_implementation"),
-                    reason="this transformers shows a quantizer no config before it builds the model (5.17 no, 5.24 yes)")
+                    reason="transformers shows no config before it builds the model (5.17 no, 5.24 yes)")
 def test_from_pretrained_refuses_absurd_sizes_before_building(tmp_path):
     out, _ = saved(tmp_path, "llama")
     edit_config(out, num_hidden_layers=1000000)
