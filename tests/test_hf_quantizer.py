@@ -289,11 +289,16 @@ def test_save_quantized_failure_leaves_the_old_folder(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "float-qwen3"]  # no temporary left
 
 
-def test_save_quantized_replaces_a_folder(tmp_path):
+def test_save_quantized_replaces_weights_keeps_other_files(tmp_path):
     out, model = saved(tmp_path)
-    (out / "stale.txt").write_text("x")
+    (out / "tokenizer.json").write_text("{}")
+    (out / "model-00001-of-00002.safetensors").write_text("stale shard")
+    (out / "kbit_config.json").write_text("{}")
     save_quantized(model, out)
-    assert not (out / "stale.txt").exists() and load_quantized(out) is not None
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json"]
+    assert load_quantized(out) is not None
 
 
 def test_legacy_kbit_config_folder_still_loads(tmp_path):

@@ -154,7 +154,8 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     ``AutoModelForCausalLM.from_pretrained(directory)`` and :func:`load_quantized` read it back bit-exact.
 
     All or nothing: the files go to a temporary sibling folder renamed into place at the end; on an error the
-    old ``directory`` is as it was (or there is none). Save the tokenizer yourself.
+    old ``directory`` is as it was (or there is none). Of an existing folder the files other than weights and
+    configs (a tokenizer) are kept. Save the tokenizer yourself.
     """
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -235,10 +236,20 @@ def _kbit_state(model: nn.Module, table: dict) -> dict:
     return state
 
 
+def _ours(name: str) -> bool:
+    """Files a save writes or makes stale: weights, their index, the configs (the old layout's too)."""
+    return name.endswith(".safetensors") or name in (INDEX_NAME, "config.json", "generation_config.json",
+                                                    LEGACY_CONFIG_NAME)
+
+
 def _replace_folder(tmp: Path, directory: Path) -> None:
+    """Put ``tmp`` in the place of ``directory``, keeping the other files of an existing one (a tokenizer)."""
     if not directory.exists():
         tmp.rename(directory)
         return
+    for entry in directory.iterdir():
+        if not _ours(entry.name) and not (tmp / entry.name).exists():
+            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp / entry.name)
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     directory.rename(old)
     try:
