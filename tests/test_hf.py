@@ -1,6 +1,7 @@
 """kbit.hf: quantize_model on tiny random transformers models, save/load round trips, the model table,
 overrides; kbit.eval's RTN reference and verdict."""
 
+import json
 import re
 
 import pytest
@@ -24,6 +25,8 @@ TINY = {
     "mistral": SMALL,
     "qwen2": SMALL,
     "qwen3": dict(SMALL, head_dim=16),
+    "gemma3_text": dict(SMALL, head_dim=16, sliding_window=16),
+    "phi3": dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "qwen3_moe": dict(SMALL, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                       decoder_sparse_step=1, mlp_only_layers=[1]),
     "qwen2_moe": dict(SMALL, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -64,7 +67,7 @@ def test_table_selects_every_layer_linear_but_not_embeddings_head_or_router(mode
     left = [n for n in all_linear if n not in linear]
     assert linear, "no Linear selected"
     assert all(n == "lm_head" or ROUTERS.search(n) for n in left), left
-    fused = [n for n, m in model.named_modules() if hasattr(m, "gate_up_proj")]
+    fused = [n for n, m in model.named_modules() if isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)]
     assert experts == fused
     assert not any("embed" in n for n in linear + experts)
 
@@ -128,7 +131,10 @@ def test_save_load_round_trip_llama_identical_logits(tmp_path):
     x = ids()
     want = out(model, x)
     save_quantized(model, tmp_path)
-    assert {"config.json", "kbit_config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    assert not (tmp_path / "kbit_config.json").exists()
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "kbit" and qc["modules"]["model.layers.1.mlp.down_proj"]["k"] == 5
     loaded = load_quantized(tmp_path)
     assert loaded.model.layers[1].mlp.down_proj.k == 5
     assert loaded.model.layers[1].mlp.down_proj.codebook_name == "fit"

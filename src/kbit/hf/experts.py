@@ -5,6 +5,11 @@ Same ``forward(hidden_states, top_k_index, top_k_weights)`` as those modules: fo
 was routed to, ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, through kbit's linear op on
 that expert's slice of the stacked weight (the float32 reference on the CPU). This is the Hugging Face
 adapter; a grouped kernel over all experts at once is ``kbit.nn``'s business.
+
+Each stacked weight is a child module (:class:`KbitStack`, ``gate_up`` and ``down``) with the buffers
+``codes``, ``scales``, ``tensor_scale``, ``codebook``, so the state dict names (``...experts.gate_up.codes``) are
+exactly the names ``kbit.save_file`` gives a :class:`~kbit.format.KbitWeight` saved as ``...experts.gate_up``:
+one folder format serves ``kbit.load_quantized`` and transformers' ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -13,11 +18,16 @@ import torch
 from torch import nn
 
 from kbit.dispatch.linear import linear as _linear_impl
-from kbit.format.spec import KbitWeight
+from kbit.format.pack import words_per_row
+from kbit.format.spec import DEFAULT_SCALE_FORMAT, KbitWeight, padded_k
 from kbit.ops.quantize import quantize
 
 PARTS = ("codes", "scales", "tensor_scale", "codebook")
 WEIGHTS = ("gate_up_proj", "down_proj")
+#: the child module holding each weight. Not the transformers parameter names: transformers >= 5 rewrites
+#: ``experts.gate_up_proj`` / ``experts.down_proj`` when it saves (back to per-expert tensors), which would
+#: split our codes; under other names the k-bit tensors are saved as they are.
+CHILDREN = {"gate_up_proj": "gate_up", "down_proj": "down"}
 
 
 def _linear(x: torch.Tensor, qw: KbitWeight) -> torch.Tensor:
@@ -25,10 +35,44 @@ def _linear(x: torch.Tensor, qw: KbitWeight) -> torch.Tensor:
                         scale_format=qw.scale_format, N=qw.N, K=qw.K)
 
 
+def empty_weight(shape, k: int, blocksize: int, scale_format: str = DEFAULT_SCALE_FORMAT,
+                 codebook_name: str = "custom", device=None) -> KbitWeight:
+    """A :class:`KbitWeight` of ``shape`` with uninitialised tensors (on ``device``, e.g. ``"meta"``): the
+    shell a checkpoint is loaded into."""
+    shape = tuple(int(s) for s in shape)
+    lead, (N, K) = shape[:-2], shape[-2:]
+    kp = padded_k(K, blocksize)
+    sdt = torch.uint8 if scale_format == "log8" else torch.float16
+    return KbitWeight(torch.empty(lead + (N, words_per_row(k, kp)), dtype=torch.int32, device=device),
+                      torch.empty(lead + (N, kp // blocksize), dtype=sdt, device=device),
+                      torch.empty(lead, dtype=torch.float32, device=device),
+                      torch.empty(2**k, dtype=torch.float32, device=device),
+                      shape, k, blocksize, scale_format, codebook_name)
+
+
+class KbitStack(nn.Module):
+    """One stacked k-bit weight ``[E, N, K]`` as buffers ``codes``, ``scales``, ``tensor_scale``, ``codebook``."""
+
+    def __init__(self, qw: KbitWeight):
+        super().__init__()
+        for part, t in qw.tensors().items():
+            self.register_buffer(part, t)
+        self.shape, self.k, self.blocksize = qw.shape, qw.k, qw.blocksize
+        self.scale_format, self.codebook_name = qw.scale_format, qw.codebook_name
+
+    def weight(self) -> KbitWeight:
+        return KbitWeight(*(getattr(self, p) for p in PARTS), shape=self.shape, k=self.k, blocksize=self.blocksize,
+                          scale_format=self.scale_format, codebook_name=self.codebook_name)
+
+    def extra_repr(self) -> str:
+        return (f"shape={self.shape}, k={self.k}, blocksize={self.blocksize}, scale_format={self.scale_format!r}, "
+                f"codebook={self.codebook_name!r}")
+
+
 class KbitExperts(nn.Module):
     """MoE experts with stacked k-bit weights ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
 
-    Buffers ``gate_up_proj_codes``, ``gate_up_proj_scales``, ... (the four tensors of each weight).
+    Children ``gate_up`` and ``down`` (:class:`KbitStack`), each with the four tensors of its weight.
     """
 
     def __init__(self, gate_up_proj: KbitWeight, down_proj: KbitWeight, act_fn, dtype: torch.dtype):
@@ -40,28 +84,26 @@ class KbitExperts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, two_i // 2
         self.act_fn = act_fn
         self.dtype = dtype
-        self._meta = {}
-        for name, qw in zip(WEIGHTS, (gate_up_proj, down_proj), strict=True):
-            for part, t in qw.tensors().items():
-                self.register_buffer(f"{name}_{part}", t)
-            self._meta[name] = (qw.shape, qw.k, qw.blocksize, qw.scale_format, qw.codebook_name)
+        self.gate_up = KbitStack(gate_up_proj)
+        self.down = KbitStack(down_proj)
 
     @classmethod
-    def from_experts(cls, module: nn.Module, k: int, blocksize: int, codebook=None, scale_format: str = "log8"
-                     ) -> KbitExperts:
-        """Quantize a fused expert module (``kbit.quantize`` on each stacked weight, on its device)."""
+    def from_experts(cls, module: nn.Module, k: int, blocksize: int, codebook=None, scale_format: str = "log8",
+                     device=None) -> KbitExperts:
+        """Quantize a fused expert module (``kbit.quantize`` on each stacked weight, on ``device``, default the
+        weight's own)."""
         if any(n.endswith("_bias") and getattr(module, n) is not None for n, _ in module.named_parameters()):
             raise NotImplementedError(f"{type(module).__name__}: expert biases are not supported")
         w = module.gate_up_proj.detach()
-        q = [quantize(getattr(module, n).detach(), k=k, blocksize=blocksize, codebook=codebook,
-                      scale_format=scale_format) for n in WEIGHTS]
+        q = [quantize(getattr(module, n).detach().to(device or w.device), k=k, blocksize=blocksize,
+                      codebook=codebook, scale_format=scale_format) for n in WEIGHTS]
         return cls(*q, act_fn=module.act_fn, dtype=w.dtype)
 
     def weight(self, name: str) -> KbitWeight:
         """``"gate_up_proj"`` or ``"down_proj"`` as a stacked :class:`KbitWeight` (sharing the buffers)."""
-        shape, k, blocksize, scale_format, codebook_name = self._meta[name]
-        return KbitWeight(*(getattr(self, f"{name}_{p}") for p in PARTS), shape=shape, k=k, blocksize=blocksize,
-                          scale_format=scale_format, codebook_name=codebook_name)
+        if name not in WEIGHTS:
+            raise ValueError(f"name: expected one of {WEIGHTS}, got {name!r}")
+        return getattr(self, CHILDREN[name]).weight()
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
@@ -80,7 +122,5 @@ class KbitExperts(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        shape, k, blocksize, scale_format, cb = self._meta["gate_up_proj"]
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, k={k}, blocksize={blocksize}, "
-                f"scale_format={scale_format!r}, codebook={cb!r}")
+                f"intermediate_dim={self.intermediate_dim}, dtype={self.dtype}")

@@ -43,6 +43,8 @@ MODELS: dict[str, ModelSpec] = {
     "mistral": _DECODER,
     "qwen2": _DECODER,
     "qwen3": _DECODER,
+    "gemma3_text": _DECODER,  # Gemma3ForCausalLM (text only; the multimodal "gemma3" has a vision tower)
+    "phi3": ModelSpec(linear=(r"self_attn\.(qkv|o)_proj", r"mlp\.(gate_up|down)_proj")),  # Phi-3/4: fused qkv, gate_up
     "qwen3_moe": ModelSpec(
         linear=(_ATTN, _MLP, r"mlp\.experts\.\d+\.(gate|up|down)_proj"),  # dense layers; per-expert Linear (v4)
         experts=(r"mlp\.experts",),
@@ -68,9 +70,9 @@ def spec_for(model_type: str) -> ModelSpec:
     try:
         return MODELS[model_type]
     except KeyError:
-        raise ValueError(f"model_type: expected one of {sorted(MODELS)}, got {model_type!r} "
-                         "(pass include=[patterns] to kbit.quantize_model, or add a row to kbit.hf.models.MODELS)"
-                         ) from None
+        raise ValueError(f"model_type: expected one of {sorted(MODELS)}, got {model_type!r}: kbit has no table of "
+                         f"which modules of a {model_type!r} model to quantize (pass include=[patterns] to "
+                         "kbit.quantize_model, or add a row to kbit.hf.models.MODELS)") from None
 
 
 def compile_patterns(patterns) -> re.Pattern:
@@ -103,6 +105,10 @@ def select_modules(model, include=None) -> tuple[list[str], list[str]]:
             linear.append(name)
         elif exp.match(name) and _is_fused_experts(module):
             experts.append(name)
+    if not linear and not experts:
+        what = f"the patterns {list(spec.linear + spec.experts)}" if include is not None else \
+            f"the table row of model_type {model_type_of(model)!r} ({list(spec.linear + spec.experts)})"
+        raise ValueError(f"model: {what} match no nn.Linear or fused expert module of {type(model).__name__}")
     return linear, experts
 
 

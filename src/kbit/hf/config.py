@@ -1,0 +1,97 @@
+"""``KbitConfig``: how to quantize a transformers model while loading it, and the ``quantization_config`` that
+``config.json`` of a kbit checkpoint holds. A ``transformers`` ``QuantizationConfigMixin`` when transformers is
+installed (registered by :mod:`kbit.hf.quantizer`), a plain config otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kbit.format.codebooks import NAMED
+from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_SCALE_FORMAT, check_blocksize, check_k, check_scale_format
+from kbit.utils.checks import fail
+
+QUANT_METHOD = "kbit"
+OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "skip")
+
+try:  # transformers is optional (kbit[hf]): without it KbitConfig is a plain config
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+except ImportError:
+    QuantizationConfigMixin = object
+
+
+class KbitConfig(QuantizationConfigMixin):
+    """How to quantize a transformers model while loading it (``from_pretrained(..., quantization_config=)``).
+
+    Parameters
+    ----------
+    k, blocksize, codebook, scale_format : the format of every quantized weight (``kbit.quantize``); codebook
+        is ``None`` (the default for k) or a name (``"nf"``, ``"nf0"``, ``"uniform"``, ``"lloyd"``,
+        ``"lloyd0"``, ``"fit"``).
+    modules_to_not_convert : module-name patterns kept in float (regexes matched at the end of a name).
+    overrides : ``{pattern: {"k": 5, "blocksize": ..., "codebook": ..., "scale_format": ...} or None}`` per
+        module, as :func:`kbit.quantize_model`'s ``overrides`` (``None`` keeps the modules in float).
+    quantize_lm_head : also quantize ``lm_head`` (with the base format unless an override says otherwise).
+    joint : quantize q/k/v and gate/up of one layer as one matrix (:func:`kbit.quantize_model`).
+    modules : filled by kbit: each quantized module's format, written to ``config.json`` so the saved model
+        loads into empty k-bit modules. Leave it ``None``.
+    """
+
+    def __init__(self, k: int = 4, blocksize: int = DEFAULT_BLOCKSIZE, codebook: str | None = None,
+                 scale_format: str = DEFAULT_SCALE_FORMAT, modules_to_not_convert=None, overrides=None,
+                 quantize_lm_head: bool = False, joint: bool = True, modules: dict | None = None, **kwargs):
+        method = kwargs.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            fail(ValueError, "quant_method", repr(QUANT_METHOD), repr(method))
+        self.quant_method = QUANT_METHOD
+        self.k = check_k(k)
+        self.blocksize = check_blocksize(blocksize)
+        self.scale_format = check_scale_format(scale_format)
+        if codebook is not None and codebook not in NAMED:
+            fail(ValueError, "codebook", f"None or one of {NAMED} (a name: the config is JSON)", repr(codebook))
+        self.codebook = codebook
+        skip = [] if modules_to_not_convert is None else modules_to_not_convert
+        if isinstance(skip, str) or not all(isinstance(p, str) for p in skip):
+            fail(TypeError, "modules_to_not_convert", "a list of module-name patterns", repr(skip))
+        self.modules_to_not_convert = list(skip)
+        if overrides is not None and not isinstance(overrides, dict):
+            fail(TypeError, "overrides", "a dict {pattern: {'k': ..., ...} or None}", type(overrides).__name__)
+        for pattern, opts in (overrides or {}).items():
+            where = f"overrides[{pattern!r}]"
+            if not isinstance(pattern, str) or not (opts is None or isinstance(opts, dict)):
+                fail(TypeError, where, "a pattern string -> a dict or None", f"{type(pattern).__name__} -> "
+                     f"{type(opts).__name__}")
+            if opts is not None and (set(opts) - set(OVERRIDE_KEYS) or not isinstance(opts.get("codebook", ""), str)):
+                fail(ValueError, where, f"keys among {OVERRIDE_KEYS} (a codebook by name: the config is JSON)", opts)
+        self.overrides = dict(overrides or {})
+        for name, v in (("quantize_lm_head", quantize_lm_head), ("joint", joint)):
+            if not isinstance(v, bool):
+                fail(TypeError, name, "a bool", type(v).__name__)
+        self.quantize_lm_head, self.joint = quantize_lm_head, joint
+        self.modules = modules
+        for key in kwargs:  # transformers adds its own keys on the way through config.json
+            setattr(self, key, kwargs[key])
+
+    def quantize_kwargs(self) -> dict:
+        """The arguments of :func:`kbit.quantize_model` this config stands for."""
+        overrides = {r"lm_head": {}} if self.quantize_lm_head else {}
+        overrides |= self.overrides
+        overrides |= dict.fromkeys(self.modules_to_not_convert)  # kept in float: last, so they win
+        return {"k": self.k, "blocksize": self.blocksize, "codebook": self.codebook,
+                "scale_format": self.scale_format, "overrides": overrides or None, "joint": self.joint}
+
+    def to_dict(self) -> dict:
+        return {key: v for key, v in self.__dict__.items() if not key.startswith("_")}
+
+
+def quantization_config_for(model, table: dict) -> dict:
+    """The ``quantization_config`` of a quantized ``model`` (``config.json``): its :class:`KbitConfig` settings
+    where it was loaded with one, else the most common format of ``table``; ``modules`` = ``table``."""
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(qc, KbitConfig):
+        qc = qc.to_dict()
+    if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+        common = Counter((m["k"], m["blocksize"], m["scale_format"]) for m in table.values()).most_common(1)[0][0]
+        qc = {"k": common[0], "blocksize": common[1], "scale_format": common[2]}
+    out = KbitConfig(**{key: v for key, v in qc.items() if key != "modules"}, modules=table).to_dict()
+    return out

@@ -1,0 +1,150 @@
+"""transformers integration: :class:`KbitConfig` and its quantizer, registered through transformers' public
+registry (``register_quantization_config`` / ``register_quantizer``) when ``kbit`` is imported, so that
+
+>>> model = AutoModelForCausalLM.from_pretrained(path, quantization_config=kbit.KbitConfig(k=4),
+...                                              device_map="cuda")  # doctest: +SKIP
+>>> model.save_pretrained(out)  # doctest: +SKIP
+>>> AutoModelForCausalLM.from_pretrained(out)  # doctest: +SKIP
+
+quantize while loading, save, and load back bit-exact (``docs/hf.md``).
+
+Quantizing while loading: transformers reads the float checkpoint onto the CPU (the quantizer redirects the
+device map there), then :func:`kbit.quantize_model` quantizes module by module on the requested device: each
+float weight is copied there, quantized and dropped, so that device holds the k-bit model plus one float weight
+(or one q/k/v group) at a time; the unquantized parts (embeddings, norms, routers, ``lm_head``) move last.
+
+Loading a saved model: the empty model gets empty k-bit modules (:func:`kbit.hf.checkpoint.build_shells`, from
+``quantization_config.modules``) before transformers fills them from the files like any other buffers.
+
+transformers is optional: without it :class:`~kbit.hf.config.KbitConfig` still exists (a plain config) and
+nothing registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kbit.hf.checkpoint import (
+    build_shells,
+    check_config_sizes,
+    module_table,
+    quantized_state_dict,
+    untie_quantized_head,
+)
+from kbit.hf.config import QUANT_METHOD, KbitConfig
+from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
+from kbit.hf.experts import KbitExperts
+from kbit.hf.quantize_model import plan, quantize_model
+from kbit.nn import KbitLinear
+from kbit.utils.checks import fail
+
+try:  # transformers is optional (kbit[hf]): without it nothing registers
+    from transformers.quantizers import auto as _auto
+    from transformers.quantizers.base import HfQuantizer
+except ImportError:
+    _auto = None
+    HfQuantizer = object
+
+
+class KbitHfQuantizer(HfQuantizer):
+    """The transformers quantizer of :class:`KbitConfig` (see the module docstring for the memory story)."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.target = None
+
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        devices = set(device_map.values()) if isinstance(device_map, dict) else set()
+        if len(devices) > 1 or devices & {"disk"}:
+            fail(ValueError, "device_map", "one device (a string, a torch.device or {'': device}) with kbit",
+                 device_map)
+
+    def update_device_map(self, device_map):
+        if self.pre_quantized:
+            return device_map
+        if isinstance(device_map, dict):
+            device_map = next(iter(device_map.values()), None)
+        if device_map == "auto":
+            device_map = "cuda" if torch.cuda.is_available() else "cpu"
+        self.target = torch.device(device_map if not isinstance(device_map, int) else f"cuda:{device_map}") \
+            if device_map is not None else None
+        if self.target is None:
+            return None
+        return {"": "cpu"}  # float weights land on the CPU; quantize_model moves them one at a time
+
+    def update_attn_implementation(self, config):
+        """Sees the config before the model is built (transformers >= 5.24): absurd sizes fail here, fast."""
+        check_config_sizes(config.to_dict(), {}, "config")
+        return super().update_attn_implementation(config)
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        qc = self.quantization_config
+        if self.pre_quantized:
+            if not qc.modules:
+                fail(ValueError, "quantization_config.modules", "the quantized modules of a kbit checkpoint",
+                     qc.modules)
+            build_shells(model, qc.modules, "quantization_config")
+            # transformers expects every key of model.state_dict() in the files; the modules' extra state (their
+            # format) is in quantization_config instead, so hide it while loading
+            self._hook = model.register_state_dict_post_hook(_drop_extra_state)
+        else:  # on the empty model: an unsupported architecture fails before any weight is read
+            kw = qc.quantize_kwargs()
+            plan(model, kw["k"], kw["blocksize"], kw["codebook"], kw["scale_format"], kw["overrides"])
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        qc = self.quantization_config
+        if self.pre_quantized:
+            hook = getattr(self, "_hook", None)
+            if hook is not None:
+                hook.remove()
+            for m in model.modules():  # the KbitWeight invariants of every loaded module
+                if isinstance(m, KbitLinear):
+                    m.weight()
+                elif isinstance(m, KbitExperts):
+                    for w in EXPERT_WEIGHTS:
+                        m.weight(w)
+            return model
+        quantize_model(model, progress=False, device=self.target, **qc.quantize_kwargs())
+        if self.target is not None:
+            model.to(self.target)
+            if getattr(model, "hf_device_map", None) is not None:
+                model.hf_device_map = {"": str(self.target)}
+        untie_quantized_head(model)
+        qc.modules = module_table(model)
+        return model
+
+    def get_state_dict_and_metadata(self, model, *args, **kwargs):
+        return quantized_state_dict(model), {}
+
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def _drop_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    for key in [key for key in state_dict if key.endswith("._extra_state")]:
+        del state_dict[key]
+
+
+def register_with_transformers() -> bool:
+    """Register :class:`KbitConfig` and its quantizer with transformers (once); False without transformers."""
+    if _auto is None:
+        return False
+    if QUANT_METHOD not in _auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        _auto.register_quantization_config(QUANT_METHOD)(KbitConfig)
+    if QUANT_METHOD not in _auto.AUTO_QUANTIZER_MAPPING:
+        _auto.register_quantizer(QUANT_METHOD)(KbitHfQuantizer)
+    return True
+
+
+register_with_transformers()
