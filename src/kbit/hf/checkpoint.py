@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kbit.format.schema import dtype_name
 from kbit.format.serialize import VERSION_KEY, load_file, save_file
 from kbit.format.spec import KbitWeight
 from kbit.hf.config import QUANT_METHOD, quantization_config_for
@@ -56,10 +57,6 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 # ------------------------------------------------------------------------------------------------ module table
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def module_table(model: nn.Module) -> dict[str, dict]:
