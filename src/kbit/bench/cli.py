@@ -13,6 +13,8 @@ import argparse
 import shlex
 import sys
 
+import torch
+
 from kbit.bench import report
 from kbit.bench.moe import MOE_PRESETS
 from kbit.bench.run import DENSE_SHAPES, BenchConfig, run_bench
@@ -82,6 +84,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.table:
         return report.main(args.table)
+    if not torch.cuda.is_available():
+        raise RuntimeError("kbit bench times CUDA kernels: expected an NVIDIA GPU, got torch.cuda.is_available() "
+                           "False; on a CPU run `kbit generate --compare`, or `kbit bench --table FILE.json` to "
+                           "render results")
     if args.reps < 15:
         print(f"note: --reps {args.reps} is below the 15 replays the method asks for", file=sys.stderr)
     cfg = BenchConfig(shapes=args.shapes, ms=args.m, ks=args.k, blocksize=args.blocksize,
