@@ -39,8 +39,8 @@ from kbit.ops.sampling import sample, sample_reference
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PROMPT = "Write a haiku about memory bandwidth."
 #: Printed when the default model is asked for k = 2 (see the README: what k = 2 gives on it).
-K2_WARNING = ("warning: k=2 on a 135M-parameter model gives poor text (mostly repeated or off-topic words); "
-              "use --k 3 or 4 to judge quality, k=2 pays off on larger models")
+K2_WARNING = ("warning: k=2 output of a 135M-parameter model is poor (greedy, this prompt: 'awaawaawa...'); "
+              "use --k 3 or 4 here, k=2 is meant for larger models")
 
 
 def load_default_model(dtype=torch.float32):
