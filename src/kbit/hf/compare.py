@@ -34,7 +34,7 @@ class Row:
     text: str
 
 
-def tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
+def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """``(parameters and buffers, tensors modules keep besides them)`` in bytes, each storage counted once."""
     seen, held, extra = set(), 0, 0
     for t in list(model.parameters()) + list(model.buffers()):
@@ -69,7 +69,7 @@ def _timed(run: Callable[[Callable[[], None]], list[int]], device: torch.device)
 
 
 def _row(label, model, tok, tokens, times, device) -> Row:
-    held, extra = tensor_bytes(model)
+    held, extra = model_bytes(model)
     n = len(tokens)
     decode = (n - 1) / (times[-1] - times[1]) if n > 1 else float("nan")
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
