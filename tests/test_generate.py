@@ -182,3 +182,12 @@ def test_default_model_loads_from_its_converted_folder(tmp_path, monkeypatch):
         torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=0)
     with kbit.options.override(cache_dir=None):
         assert original() is None
+
+
+@pytest.mark.gpu
+def test_gpu_compare_reports_peak_memory(fake_default, capsys):
+    from kbit.cli import main
+
+    assert main(["generate", "hello", "--compare", "--k", "4", "--max-new-tokens", "6", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "unquantized bfloat16 (transformers generate)" in out and "kbit k=4 (kbit generate)" in out
