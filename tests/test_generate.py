@@ -104,9 +104,12 @@ def tiny_chat_tokenizer():
 
 
 @pytest.fixture
-def fake_default(monkeypatch):
-    """`kbit generate` without --model on a tiny random Llama instead of SmolLM2 (no package needed)."""
+def fake_default(monkeypatch, tmp_path):
+    """`kbit generate` without --model on a tiny random Llama instead of SmolLM2 (no package needed); its
+    quantized copy goes to a temporary folder, never to the user's cache."""
     from kbit.hf import generate as gen
+
+    monkeypatch.setattr(gen, "default_model_cache", lambda: tmp_path / "models" / "smollm2-135m-instruct")
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
@@ -116,7 +119,13 @@ def fake_default(monkeypatch):
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(config).eval().to(dtype), tiny_chat_tokenizer()
 
-    monkeypatch.setattr(gen, "load_default_model", load)
+    load.calls = 0
+
+    def counted(dtype=torch.float32):
+        load.calls += 1
+        return load(dtype)
+
+    monkeypatch.setattr(gen, "load_default_model", counted)
     return load
 
 
@@ -191,3 +200,18 @@ def test_gpu_compare_reports_peak_memory(fake_default, capsys):
     assert main(["generate", "hello", "--compare", "--k", "4", "--max-new-tokens", "6", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "unquantized bfloat16 (transformers generate)" in out and "kbit k=4 (kbit generate)" in out
+
+
+def test_quantized_default_is_kept_on_the_cpu(fake_default, tmp_path, capsys):
+    """The second `kbit generate` on the CPU loads the kept k-bit checkpoint: same tokens, no re-quantizing."""
+    from kbit.cli import main
+    from kbit.hf.generate import QUANTIZED
+
+    argv = ["generate", "hello", "--k", "3", "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (tmp_path / "models" / "smollm2-135m-instruct-k3-default" / QUANTIZED).exists()
+    assert fake_default.calls == 1
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0] == first
+    assert fake_default.calls == 1
