@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import shutil
 import sys
@@ -129,7 +130,9 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
                                     eos_token_id, graph)
         return
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    out = model(input_ids, use_cache=True)
+    # transformers 5 renamed the KV-cache argument and output `past_key_values` to `cache`
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids, use_cache=True, logits_to_keep=1)  # the prompt's last logits only, like generate()
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
         token = _sample(logits, temperature, top_k, top_p, seed, step, gen)
@@ -137,7 +140,8 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         if eos_token_id is not None and t == eos_token_id:
             return
         yield t
-        out = model(token.view(1, 1).to(input_ids.device), past_key_values=out.past_key_values, use_cache=True)
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        out = model(token.view(1, 1).to(input_ids.device), use_cache=True, **{cache_arg: cache})
 
 
 def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph
