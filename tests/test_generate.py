@@ -215,3 +215,13 @@ def test_quantized_default_is_kept_on_the_cpu(fake_default, tmp_path, capsys):
     assert main(argv) == 0
     assert capsys.readouterr().out.splitlines()[0] == first
     assert fake_default.calls == 1
+
+
+def test_cpu_greedy_shortcut_matches_the_reference_sampler():
+    from kbit.hf.generate import _sample
+    from kbit.ops.sampling import sample_reference
+
+    logits = torch.randn(3, 1001, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    got = _sample(logits, 0.0, 50, 0.9, 0, 0, gen)
+    assert torch.equal(got, sample_reference(logits, 0.0, 50, 0.9, generator=gen))

@@ -106,6 +106,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
             generator: torch.Generator) -> torch.Tensor:
     if logits.is_cuda:
         return sample(logits, temperature, top_k, top_p, seed=seed, offset=step)
+    if temperature == 0:  # greedy: the reference's one-hot of the argmax, without its full-vocabulary work
+        return logits.argmax(-1)
     return sample_reference(logits, temperature, top_k, top_p, generator=generator)
 
 
