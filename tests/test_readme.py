@@ -52,3 +52,21 @@ def test_readme_first_screen_serves_a_newcomer():
     assert "kbit generate --compare" in first_screen and "## The main job" in first_screen
     assert first_screen.index("kbit generate --compare") < first_screen.index("kbit bench")
     assert len(readme.splitlines()) < 300
+
+
+def test_readme_python_examples_compile_and_name_real_functions():
+    import ast
+
+    import kbit
+    import kbit.hf.generate as gen
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks
+    for block in blocks:
+        tree = ast.parse(block)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "kbit.hf.generate":
+                assert all(hasattr(gen, a.name) for a in node.names)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "kbit":
+                assert hasattr(kbit, node.attr) or node.attr in ("KbitConfig",), node.attr  # KbitConfig: issue 33
