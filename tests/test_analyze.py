@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +109,41 @@ def test_cli_writes_outputs(tmp_path):
     text = md.read_text()
     assert "mma-issue3.json" in text and "(d) Dequantize" in text and "moe.json" in text
     assert json.loads(js.read_text())["mma"]["cells_by_file"]["mma-issue3.json"] > 0
+
+
+def test_cli_writes_nothing_by_default(tmp_path, capsys, monkeypatch):
+    from kbit.cli import main
+
+    gemv, lab = _gemv_file(tmp_path), _lab_file(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["analyze", "--gemv", str(gemv), "--gemm-lab", str(lab), "--moe", "", "--dequant", "",
+                 "--mma"]) == 0
+    assert capsys.readouterr().out.startswith("# kbit workload analysis")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_cli_outside_the_repository_says_what_to_pass(tmp_path, capsys, monkeypatch):
+    from kbit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["analyze"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("kbit analyze: error: --gemv: expected a results JSON file") and "--gemm-lab FILE" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_committed_analysis_matches_the_code(capsys, monkeypatch):
+    """docs/analysis.md is what `kbit analyze --out-md docs/analysis.md` writes today (regenerate it if not)."""
+    from kbit.analyze.cli import PLOT_FILES
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    rep = report.build()
+    plots = [f"docs/plots/{name}" for name in PLOT_FILES if (root / "docs/plots" / name).exists()]
+    assert report.render_markdown(rep, plots) == (root / "docs/analysis.md").read_text(), \
+        "run: kbit analyze --out-md docs/analysis.md"
 
 
 def test_plots(tmp_path):

@@ -44,3 +44,69 @@ def test_bad_override_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["quantize", str(tmp_path), str(tmp_path / "o"), "--override", "x={not json"])
     assert "PATTERN=JSON" in capsys.readouterr().err
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer built in memory (no hub): enough for save/load round trips."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "hello", "world"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_quantize_copies_tokenizer_and_generation_config(tmp_path):
+    src, dst = tmp_path / "model", tmp_path / "kbit"
+    tiny_llama().save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    assert (src / "generation_config.json").exists()
+    assert main(["quantize", str(src), str(dst), "--k", "4"]) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(dst, local_files_only=True)
+    assert tok("hello world").input_ids == [3, 4]
+
+
+def test_quantize_refuses_newly_initialized_weights(tmp_path, capsys):
+    """An encoder folder loaded as a causal LM gets a randomly initialized head: refuse, write nothing."""
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=50)
+    src, dst = tmp_path / "bert", tmp_path / "out"
+    transformers.BertModel(config).save_pretrained(src)
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(dst)]) == 1
+    err = one_error_line(capsys)
+    assert "newly initialized" in err and "--encoder" in err and "nothing written" in err
+    assert not dst.exists()
+    assert main(["quantize", str(src), str(dst), "--encoder"]) == 0
+    assert (dst / "config.json").exists()
+
+
+def test_quantize_missing_folder_is_one_line(tmp_path, capsys):
+    assert main(["quantize", str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
+    err = one_error_line(capsys)
+    assert err.startswith("kbit quantize: error: model: expected a Hugging Face model folder")
+    with pytest.raises(FileNotFoundError):  # --debug: the exception itself, with its traceback
+        main(["--debug", "quantize", str(tmp_path / "nope"), str(tmp_path / "out")])
+
+
+def test_bench_without_cuda_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--shapes", "64x64", "--moe", "none"]) == 1
+    err = one_error_line(capsys)
+    assert "expected an NVIDIA GPU" in err and "kbit generate --compare" in err
+
+
+def test_missing_optional_package_names_the_install(monkeypatch, capsys):
+    from kbit.cli import error_line
+
+    line = error_line("eval", ModuleNotFoundError("No module named 'gensim'", name="gensim"))
+    assert "'gensim'" in line and "pip install" in line

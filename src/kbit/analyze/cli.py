@@ -1,7 +1,12 @@
 """``kbit analyze``: per-block and workload-weighted tables (and plots) from committed result files.
 
-    kbit analyze                      # docs/analysis.md + benchmarks/results/h100/analysis-2026-11-21.json
-    kbit analyze --plots              # also docs/plots/*.png (needs ``pip install 'kbit[plot]'``)
+    kbit analyze                                        # in the kbit repository: print the markdown
+    kbit analyze --out-md docs/analysis.md --plots-dir docs/plots   # regenerate the committed analysis
+    kbit analyze --gemv FILE --gemm-lab FILE ...        # anywhere: your own result files
+
+Inputs come from the arguments; their defaults are the committed H100 results, relative to the current
+folder (the root of a kbit checkout). Nothing is written unless ``--out-md``, ``--out-json`` or ``--plots-dir``
+names where (plots need ``pip install 'kbit[plot]'``).
 """
 
 from __future__ import annotations
@@ -9,11 +14,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 from kbit.analyze import plots as P
 from kbit.analyze import report
+
+#: The plots, in the order the markdown shows them.
+PLOT_FILES = ("speedup-vs-m.png", "best-kbit-vs-m.png", "quality-vs-bits.png")
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -25,32 +32,48 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dequant", default=report.DEFAULT_DEQUANT, help="dequantize-kernel result (optional)")
     p.add_argument("--quality", default=report.DEFAULT_QUALITY, help="kbit eval result (for the quality plot)")
     p.add_argument("--tokens", default=None, help="token distributions JSON (default: the packaged one)")
-    p.add_argument("--out-md", default="docs/analysis.md")
-    p.add_argument("--out-json", default="benchmarks/results/h100/analysis-2026-11-21.json")
-    p.add_argument("--plots", action="store_true", help="also write PNGs to --plots-dir")
-    p.add_argument("--plots-dir", default="docs/plots")
+    p.add_argument("--out-md", default=None, help="write the markdown here (default: print it)")
+    p.add_argument("--out-json", default=None, help="also write the tables as JSON here")
+    p.add_argument("--plots-dir", default=None, help="write PNG plots to this folder (needs matplotlib)")
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """One clear error when the two required result files are not there (e.g. run outside the repository)."""
+    for flag, path in (("--gemv", args.gemv), ("--gemm-lab", args.gemm_lab)):
+        if not path or not Path(path).is_file():
+            raise FileNotFoundError(
+                f"{flag}: expected a results JSON file, got {path!r} (not found in {Path.cwd()}); run kbit analyze "
+                f"in the root of a kbit checkout, or pass --gemv FILE --gemm-lab FILE (kbit bench results)")
+
+
+def write_plots(args: argparse.Namespace, rep: dict) -> list[str]:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("--plots-dir: plots need matplotlib, which is not installed; "
+                                  "pip install -e '.[plot]'", name="matplotlib")
+    out = Path(args.plots_dir)
+    gemv = report.load_json(args.gemv)
+    lab = report.load_json(args.gemm_lab)
+    mma = [report.load_json(p) for p in args.mma if Path(p).exists()]
+    plots = [str(P.plot_speedup(gemv, lab, out / PLOT_FILES[0], mma=mma)), str(P.plot_best(rep, out / PLOT_FILES[1]))]
+    if args.quality and Path(args.quality).exists():
+        plots.append(str(P.plot_quality(report.load_json(args.quality), out / PLOT_FILES[2])))
+    return plots
 
 
 def main(args: argparse.Namespace) -> int:
+    check_inputs(args)
     rep = report.build(args.gemv, args.gemm_lab, args.moe, args.tokens, mma_paths=args.mma,
                        dequant_path=args.dequant)
-    plots: list[str] = []
-    if args.plots:
-        if importlib.util.find_spec("matplotlib") is None:  # pragma: no cover
-            print("kbit analyze --plots needs matplotlib: pip install 'kbit[plot]'", file=sys.stderr)
-            return 2
-        gemv = report.load_json(args.gemv) if Path(args.gemv).exists() else None
-        lab = report.load_json(args.gemm_lab) if Path(args.gemm_lab).exists() else None
-        mma = [report.load_json(p) for p in args.mma if Path(p).exists()]
-        plots.append(str(P.plot_speedup(gemv, lab, Path(args.plots_dir) / "speedup-vs-m.png", mma=mma)))
-        plots.append(str(P.plot_best(rep, Path(args.plots_dir) / "best-kbit-vs-m.png")))
-        if args.quality and Path(args.quality).exists():
-            plots.append(str(P.plot_quality(report.load_json(args.quality),
-                                            Path(args.plots_dir) / "quality-vs-bits.png")))
-    elif Path(args.out_md).parent.joinpath("plots").exists():
-        plots = sorted(str(p) for p in Path(args.out_md).parent.joinpath("plots").glob("*.png"))
+    if args.plots_dir:
+        plots = write_plots(args, rep)
+    elif args.out_md:  # keep linking the plots already beside the markdown
+        folder = Path(args.out_md).parent / "plots"
+        plots = [str(folder / name) for name in PLOT_FILES if (folder / name).exists()]
+    else:
+        plots = []
     md = report.render_markdown(rep, plots)
-    for path, text in ((args.out_md, md), (args.out_json, json.dumps(report.to_jsonable(rep), indent=1) + "\n")):
+    outputs = ((args.out_md, md), (args.out_json, json.dumps(report.to_jsonable(rep), indent=1) + "\n"))
+    for path, text in outputs:
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(text)

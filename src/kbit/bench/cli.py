@@ -17,6 +17,8 @@ import argparse
 import shlex
 import sys
 
+import torch
+
 from kbit.bench import report, summary
 from kbit.bench import suite as suite_mod
 from kbit.bench.moe import MOE_PRESETS
@@ -143,6 +145,10 @@ def main(args: argparse.Namespace) -> int:
         return report.main(args.table)
     if args.summary:
         return print_summary(args.summary)
+    if not torch.cuda.is_available():
+        raise RuntimeError("kbit bench times CUDA kernels: expected an NVIDIA GPU, got torch.cuda.is_available() "
+                           "False; on a CPU run `kbit generate --compare`, or `kbit bench --table FILE.json` to "
+                           "render results")
     layers, extra = None, {}
     if args.suite:
         layers, args.shapes, args.moe = suite_selection(args)

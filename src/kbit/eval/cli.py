@@ -3,8 +3,11 @@
     kbit eval --model minilm --k 2,3,4,5 --sentences 400 --out benchmarks/results/cpu
     kbit eval --model smollm2 --tokens 2048 --out benchmarks/results/cpu
     kbit eval --table benchmarks/results/cpu/quality-minilm-2026-11-21.json
+    kbit eval --quick                  # both judges, k = 4, default codebook and baselines (< 5 min, 2 cores)
 
-Every row costs ``k + 0.25`` bits per weight (``kbit.eval.methods``). Needs ``pip install 'kbit[eval]'``;
+Results are written after each row (``--out``, default ``kbit-eval/``), so a stopped run keeps what it
+measured; each row prints its progress. The metrics are explained in docs/eval.md. Every row costs
+``k + 0.25`` bits per weight (``kbit.eval.methods``). Needs ``pip install 'kbit[eval]'``;
 runs on the CPU (fake-quantized float32 weights: the numbers of KbitLinear's CPU path).
 """
 
@@ -14,7 +17,7 @@ import argparse
 import datetime as dt
 import json
 import platform
-import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,10 @@ import torch
 from kbit.eval.judges import JUDGES, run
 from kbit.eval.methods import methods
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
+
+#: ``--quick``: both judges on less text, k = 4 only, the default codebook and the two baselines.
+QUICK = {"model": ["minilm", "smollm2"], "k": [4], "codebooks": [DEFAULT_CODEBOOK[4]], "sentences": 100,
+         "tokens": 512}
 
 METRICS = {
     "minilm": (("loss", "mean 1-cos", "{:.5f}"), ("cos_p1", "p1 cos", "{:.4f}")),
@@ -50,7 +57,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sentences", type=int, default=400, help="MiniLM: sentences (default 400)")
     p.add_argument("--tokens", type=int, default=2048, help="SmolLM2: tokens of text (default 2048)")
     p.add_argument("--window", type=int, default=512, help="SmolLM2: tokens per forward pass (default 512)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
+    p.add_argument("--out", type=Path, default=Path("kbit-eval"),
+                   help="folder for the JSON results, written after each row (default: kbit-eval/)")
+    p.add_argument("--quick", action="store_true",
+                   help="both judges, k=4, default codebook + baselines, 100 sentences / 512 tokens (< 5 min)")
     p.add_argument("--table", type=Path, default=None, help="render a results JSON as markdown and exit")
 
 
@@ -58,28 +68,51 @@ def main(args) -> int:
     if args.table is not None:
         print(render(json.loads(args.table.read_text())))
         return 0
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     for name in args.model:
         if name not in JUDGES:
-            print(f"kbit eval: --model: expected one of {sorted(JUDGES)}, got {name!r}", file=sys.stderr)
-            return 2
+            raise ValueError(f"--model: expected one of {sorted(JUDGES)}, got {name!r}")
+    start = time.perf_counter()
     for name in args.model:
-        kw = {"n": args.sentences} if name == "minilm" else {"tokens": args.tokens, "window": args.window}
-        judge = JUDGES[name](**kw)
-        rows = []
-        for k in args.k:
-            rows += run(judge, methods(k, args.codebooks, baselines=not args.no_baselines),
-                        log=lambda s: print(s, flush=True))
-        result = {"judge": name, **judge.info, "date": dt.date.today().isoformat(),
-                  "torch": torch.__version__, "machine": platform.machine(),
-                  "default_codebook": {str(k): v for k, v in DEFAULT_CODEBOOK.items()},
-                  "baseline": judge.baseline() if hasattr(judge, "baseline") else None, "rows": rows}
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"quality-{name}-{result['date']}.json"
-            path.write_text(json.dumps(result, indent=1) + "\n")
-            print(f"wrote {path}")
-        print(render(result))
+        evaluate(name, args, start)
     return 0
+
+
+def evaluate(name: str, args, start: float) -> dict:
+    """Run judge ``name`` over every (k, method), saving the results file after each row."""
+    kw = {"n": args.sentences} if name == "minilm" else {"tokens": args.tokens, "window": min(args.window,
+                                                                                              args.tokens)}
+    print(f"[{time.perf_counter() - start:5.0f} s] {name}: loading the model and the unquantized reference",
+          flush=True)
+    judge = JUDGES[name](**kw)
+    plan = [(k, methods(k, args.codebooks, baselines=not args.no_baselines)) for k in args.k]
+    total, done = sum(len(ms) for _, ms in plan), []
+    result = {"judge": name, **judge.info, "date": dt.date.today().isoformat(),
+              "torch": torch.__version__, "machine": platform.machine(),
+              "default_codebook": {str(k): v for k, v in DEFAULT_CODEBOOK.items()},
+              "baseline": judge.baseline() if hasattr(judge, "baseline") else None, "rows": done}
+    path = args.out / f"quality-{name}-{result['date']}{'-quick' if args.quick else ''}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(rows_of_k):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**result, "rows": done + rows_of_k}, indent=1) + "\n")
+        tmp.replace(path)  # a stopped run never leaves a half-written file
+
+    count = [0]
+
+    def log(line):
+        count[0] += 1
+        print(f"[{time.perf_counter() - start:5.0f} s] {count[0]}/{total} {line}", flush=True)
+
+    for _, ms in plan:
+        done.extend(run(judge, ms, log=log, on_row=save))
+    save([])
+    print(f"wrote {path}")
+    print(render({**result, "rows": done}))
+    return result
 
 
 def render(result: dict) -> str:

@@ -163,8 +163,12 @@ class SmolLM2:
 JUDGES = {"minilm": MiniLM, "smollm2": SmolLM2}
 
 
-def run(judge, methods, log=print) -> list[dict]:
-    """Score each method with ``judge``; one dict per method (name, k, bits, metrics, seconds)."""
+def run(judge, methods, log=print, on_row=None) -> list[dict]:
+    """Score each method with ``judge``; one dict per method (name, k, bits, metrics, seconds).
+
+    on_row : called with the rows so far after each one (``kbit eval`` saves them, so a stopped run keeps
+        what it measured).
+    """
     rows = []
     for m in methods:
         t = time.perf_counter()
@@ -172,4 +176,6 @@ def run(judge, methods, log=print) -> list[dict]:
         rows.append({"method": m.name, "k": m.k, "bits": m.bits, **metrics,
                      "seconds": round(time.perf_counter() - t, 2)})
         log(f"{judge.name} k={m.k} {m.name}: " + ", ".join(f"{a}={b:.6g}" for a, b in metrics.items()))
+        if on_row is not None:
+            on_row(rows)
     return rows

@@ -4,17 +4,27 @@
     kbit quantize path/to/model out_dir --k 3 --override 'mlp.down_proj={"k": 4}' --override 'lm_head={}'
 
 Loads with ``transformers.AutoModelForCausalLM`` (``AutoModel`` for encoders) from a local directory, never
-from a hub; writes ``config.json``, ``kbit_config.json`` and ``model.safetensors`` (load them back with
-``kbit.load_quantized``).
+from a hub, and refuses (writing nothing) a model that transformers loads with missing, newly initialized or
+shape-mismatched weights: quantizing random weights would give a checkpoint that looks fine and is not.
+Writes the checkpoint with :func:`kbit.save_quantized` and copies the tokenizer files and the generation
+config, so ``kbit generate --model out_dir`` runs on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.quantize_model import quantize_model, save_quantized
+
+#: Files copied from the source folder next to the checkpoint (those that exist): the tokenizer of every
+#: common family (fast and slow), its chat template, and the generation config.
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+                "chat_template.json", "generation_config.json")
 
 
 def _override(text: str) -> tuple[str, dict]:
@@ -38,13 +48,45 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", action="store_true", help="load with AutoModel instead of AutoModelForCausalLM")
 
 
+def check_loading_info(info: dict, cls_name: str, encoder: bool) -> None:
+    """Raise ValueError when transformers' loading info shows weights that the checkpoint did not provide."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys") or ())
+    if not missing and not mismatched:
+        return
+    what = (f"{len(missing)} weights missing from the checkpoint (newly initialized), e.g. {missing[0]}"
+            if missing else f"{len(mismatched)} weights of another shape, e.g. {mismatched[0]}")
+    hint = "pass --encoder for an encoder (AutoModel)" if not encoder else "check the model folder"
+    raise ValueError(f"model: expected every weight of {cls_name} in the checkpoint, got {what}; nothing written; "
+                     f"{hint}")
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy :data:`COPIED_FILES` that exist in ``src`` into ``dst``; returns their names."""
+    copied = []
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 def main(args: argparse.Namespace) -> int:
     import transformers  # transformers is optional (kbit[hf]): imported when the command runs
 
+    src = Path(args.model)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"model: expected a Hugging Face model folder with a config.json, got {str(src)!r}; "
+                                f"pass the folder that holds config.json and the *.safetensors files")
+    # transformers' own load report and progress bars would bury the one line that says what went wrong
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     cls = transformers.AutoModel if args.encoder else transformers.AutoModelForCausalLM
-    model = cls.from_pretrained(args.model, local_files_only=True)
+    model, info = cls.from_pretrained(src, local_files_only=True, output_loading_info=True)
+    check_loading_info(info, type(model).__name__, args.encoder)
     quantize_model(model, k=args.k, blocksize=args.blocksize, codebook=args.codebook,
                    scale_format=args.scale_format, overrides=dict(args.override) or None)
     save_quantized(model, args.out)
-    print(f"wrote {args.out}")
+    copied = copy_side_files(src, Path(args.out))
+    print(f"wrote {args.out} (k={args.k}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
     return 0

