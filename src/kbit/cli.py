@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                                      "--compare: next to the unquantized model"),
     "quantize": ("kbit.hf.cli", "quantize a local Hugging Face model directory to a kbit checkpoint"),
     "bench": ("kbit.bench.cli", "time kbit kernels against bf16 cuBLAS, peers and the read ceiling (CUDA GPU)"),
+    "tune": ("kbit.bench.tune", "search kernel configs per (GPU, k, N, K, M bucket) into a tuned table (CUDA GPU)"),
     "eval": ("kbit.eval.cli", "quality of codebooks vs RTN/NF4 on all-MiniLM-L6-v2 and SmolLM2-135M (CPU)"),
     "analyze": ("kbit.analyze.cli", "per-block and workload-weighted kbit/bf16 tables (and plots) from results"),
 }
