@@ -76,11 +76,11 @@ def main(args) -> int:
             raise ValueError(f"--model: expected one of {sorted(JUDGES)}, got {name!r}")
     start = time.perf_counter()
     for name in args.model:
-        evaluate(name, args, start)
+        evaluate_row(name, args, start)
     return 0
 
 
-def evaluate(name: str, args, start: float) -> dict:
+def evaluate_row(name: str, args, start: float) -> dict:
     """Run judge ``name`` over every (k, method), saving the results file after each row."""
     kw = {"n": args.sentences} if name == "minilm" else {"tokens": args.tokens, "window": min(args.window,
                                                                                               args.tokens)}
