@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call after merging a round of work: the GPU tests (two parts: the big MoE/layout files with fewer
+# processes), then the checks each piece of work asked for, each only if its script exists. Logs under $OUT
+# (a tarball plus the short summaries; the device tool returns at most 8 files).
+#   Device tool: run(command="bash lab/gpu_round.sh", timeout_s=600)      PART=tests|checks|all (default all)
+set -u
+R=$OUT; OUT=/tmp/round-out; mkdir -p $OUT
+trap 'tar czf $R/logs.tgz -C $OUT . ; cp $OUT/summary.txt $R/ 2>/dev/null' EXIT
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
+nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/summary.txt
+PART=${PART:-all}
+if [ "$PART" != checks ]; then
+  BIG="tests/test_moe.py tests/test_layout.py tests/test_grouped_mma.py"
+  timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -m gpu -n ${XDIST:-12} \
+    --ignore=tests/test_moe.py --ignore=tests/test_layout.py --ignore=tests/test_grouped_mma.py > $OUT/tests-a.log 2>&1
+  timeout ${TEST_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -m gpu -n ${XDIST_BIG:-3} $BIG \
+    > $OUT/tests-b.log 2>&1
+  { echo "## pytest -m gpu"; grep -E "passed|failed|FAILED|ERROR" $OUT/tests-a.log | tail -n 15;
+    grep -E "passed|failed|FAILED|ERROR" $OUT/tests-b.log | tail -n 15; } >> $OUT/summary.txt
+fi
+if [ "$PART" != tests ]; then
+  run() {  # name, command...
+    local name=$1; shift
+    echo "## $name" >> $OUT/summary.txt
+    timeout 150 "$@" > $OUT/$name.log 2>&1; echo "rc $?" >> $OUT/summary.txt
+    tail -n 25 $OUT/$name.log >> $OUT/summary.txt
+  }
+  [ -f lab/sanitize_grouped.py ] && run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python lab/sanitize_grouped.py
+  [ -f lab/ids_cost.py ] && run ids_cost python lab/ids_cost.py
+  [ -f lab/hadamard_speed.py ] && run hadamard_speed python lab/hadamard_speed.py
+  run hf_gpu python -m pytest -q -p no:cacheprovider -m gpu -s tests/test_hf_quantizer.py tests/test_generate.py
+fi
+cat $OUT/summary.txt
