@@ -117,8 +117,10 @@ def _worker(rank, world, init_file, backend, fn_name, args):
 
 
 def _spawn(tmp_path, fn, *args, backend="gloo", world=2):
-    mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), backend, fn.__name__, args), nprocs=world,
-             join=True)
+    # fork on the CPU: a spawned rank re-imports torch and kbit, ~10-20 s of a test; CUDA needs spawn
+    method = "spawn" if backend == "nccl" else "fork"
+    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), backend, fn.__name__, args),
+                       nprocs=world, join=True, start_method=method)
 
 
 def _device(backend):
