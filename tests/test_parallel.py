@@ -287,3 +287,31 @@ def test_tp_check_script():
                           "--layers", "2", "--no-timing"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "correct" in out.stdout
+
+
+def _check_hf_llama(rank, world, dtype, rtol):
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
+
+    from kbit.hf import quantize_model
+
+    torch.manual_seed(11)  # the same model on every rank
+    config = LlamaConfig(vocab_size=300, hidden_size=200, intermediate_size=330, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    quantize_model(model, k=4, blocksize=32, progress=False)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits.double()
+        # transformers' own plan for the model (patterns relative to the base model: matched on the name's end)
+        replaced = parallelize_kbit(model, config.base_model_tp_plan)
+        assert len(replaced) == 14
+        assert model.model.layers[0].self_attn.k_proj.shard.out_features == 64  # one whole KV head a rank
+        got = model(ids).logits.double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < rtol, f"rank {rank}: parallel Llama logits differ by {err:.2e} of max |logit|"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_hf_llama_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    _spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
