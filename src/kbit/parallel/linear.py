@@ -173,7 +173,7 @@ class RowParallelKbitLinear(nn.Module):
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 fail(ValueError, "x", f"last dimension {self.in_features} (the full input)", x.shape[-1])
-            x = x[..., self.start:self.stop]
+            x = x[..., self.start:self.stop].contiguous()  # the kernels read rows of x as dense vectors
         y = self.shard(x)
         if self.world > 1:
             dist.all_reduce(y, group=self.group)
