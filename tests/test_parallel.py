@@ -315,3 +315,23 @@ def _check_hf_llama(rank, world, dtype, rtol):
 def test_hf_llama_two_ranks(tmp_path):
     pytest.importorskip("transformers")
     _spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
+
+
+def _check_errors(rank, world):
+    qw = kbit.quantize(torch.randn(100, 200, generator=torch.Generator().manual_seed(0)), k=4, blocksize=32)
+    whole = KbitLinear.from_weight(qw, torch.zeros(100), torch.float32)
+    with pytest.raises(ValueError, match=r"shard: expected out_features (64|36) \(rows (0:64|64:100) of 100"):
+        ColumnParallelKbitLinear(whole, 100)
+    with pytest.raises(ValueError, match="shard: expected a KbitLinear without bias"):
+        RowParallelKbitLinear(whole, 200)
+    with pytest.raises(ValueError, match=r"shard: expected in_features (128|72) \(columns"):
+        RowParallelKbitLinear(KbitLinear.from_weight(qw, None, torch.float32), 200)
+    with pytest.raises(TypeError, match="linear: expected a KbitLinear, got Linear"):
+        ColumnParallelKbitLinear.from_linear(nn.Linear(4, 4))
+    row = RowParallelKbitLinear.from_linear(whole, input_is_parallel=False)
+    with pytest.raises(ValueError, match="x: expected last dimension 200 .the full input., got 72"):
+        row(torch.randn(2, 72))
+
+
+def test_layer_errors_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_errors)
