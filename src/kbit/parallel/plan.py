@@ -1,0 +1,100 @@
+"""``parallelize_kbit``: replace a model's ``KbitLinear`` modules by their column- / row-parallel versions from a
+plan ``{module-name pattern: style}``, written like transformers' ``tp_plan`` (``"layers.*.mlp.up_proj":
+"colwise"``; ``*`` stands for one name component, a pattern matches a module whose name ends with it).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from kbit.nn.linear import KbitLinear
+from kbit.parallel.linear import ColumnParallelKbitLinear, RowParallelKbitLinear
+from kbit.parallel.shard import COLUMN_UNIT
+from kbit.utils.checks import fail
+
+__all__ = ["LLAMA_PLAN", "STYLES", "parallelize_kbit"]
+
+#: style name (transformers' ``ParallelInterface`` names) -> (parallel class, keyword arguments)
+STYLES: dict[str, tuple[type, dict]] = {
+    "colwise": (ColumnParallelKbitLinear, {"gather_output": False}),
+    "colwise_gather_output": (ColumnParallelKbitLinear, {"gather_output": True}),
+    "colwise_rep": (ColumnParallelKbitLinear, {"gather_output": True}),
+    "rowwise": (RowParallelKbitLinear, {"input_is_parallel": True}),
+    "rowwise_split_input": (RowParallelKbitLinear, {"input_is_parallel": False}),
+    "rowwise_rep": (RowParallelKbitLinear, {"input_is_parallel": False}),
+}
+
+#: Llama-style decoder blocks (transformers' ``LlamaConfig.base_model_tp_plan``): attention heads and the MLP's
+#: intermediate dimension split over the ranks, two all-reduces a block
+LLAMA_PLAN: dict[str, str] = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _regex(pattern: str) -> re.Pattern:
+    body = re.escape(pattern).replace(r"\*", r"[^.]+")
+    return re.compile(r"(?:^|.*\.)" + body + "$")
+
+
+def _matches(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """(module name, style) of every module a pattern of ``plan`` matches (the first matching pattern wins)."""
+    compiled = [(_regex(p), s) for p, s in plan.items()]
+    out = []
+    for name, module in model.named_modules():
+        style = next((s for rx, s in compiled if rx.match(name)), None)
+        if style is None:
+            continue
+        if not isinstance(module, KbitLinear):
+            fail(TypeError, f"module {name!r} (style {style!r})", "a KbitLinear", type(module).__name__)
+        out.append((name, style))
+    return out
+
+
+def plan_unit(modules: list[KbitLinear]) -> int:
+    """The split unit for a plan: a whole number of every blocksize (K splits must fall on blocks, and a row-parallel
+    layer's split of K must equal the column-parallel split of the N it reads) and of :data:`COLUMN_UNIT` rows."""
+    unit = COLUMN_UNIT
+    for m in modules:
+        unit = max(unit, m.blocksize)  # all are powers of two: the largest is a multiple of the others
+    return unit
+
+
+def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group=None, unit: int | None = None
+                     ) -> dict[str, str]:
+    """Replace (in place) the ``KbitLinear`` modules that ``plan`` names by their parallel versions on this rank.
+
+    Parameters
+    ----------
+    model : the model, the same on every rank of ``group`` (its k-bit weights whole, on this rank's device).
+    plan : ``{pattern: style}``, styles from :data:`STYLES`; default :data:`LLAMA_PLAN`.
+    group : the ``torch.distributed`` process group (None: the default group).
+    unit : rows / columns per unit of every split (:func:`kbit.parallel.shard_range`); default :func:`plan_unit`
+        of the planned modules. For attention, heads stay whole where the head counts divide by the world size
+        and ``head_dim`` is a multiple of the unit (true for 128 / 64 with blocksize <= 64).
+
+    Returns ``{module name: style}`` of the replaced modules. ValueError for an unknown style or a plan that
+    matches nothing; TypeError where a pattern matches a module that is not a ``KbitLinear``.
+    """
+    plan = dict(LLAMA_PLAN if plan is None else plan)
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            fail(ValueError, f"plan[{pattern!r}]", f"one of {tuple(STYLES)}", repr(style))
+    found = _matches(model, plan)
+    if not found:
+        fail(ValueError, "plan", "patterns matching at least one module of the model", f"no match for {list(plan)}")
+    if unit is None:
+        unit = plan_unit([model.get_submodule(n) for n, _ in found])
+    for name, style in found:
+        cls, kwargs = STYLES[style]
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, cls.from_linear(getattr(parent, child), group=group, unit=unit, **kwargs))
+    return dict(found)

@@ -1,0 +1,337 @@
+"""kbit.parallel: shards of a k-bit weight (bit-exact, no requantizing), column- / row-parallel layers and
+``parallelize_kbit`` on 2 processes (gloo on the CPU; NCCL variants marked gpu), against the unsharded layer and a
+float64 reference."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import kbit
+from kbit.format.reference import dequantize_reference
+from kbit.nn import KbitLinear
+from kbit.parallel import (
+    LLAMA_PLAN,
+    ColumnParallelKbitLinear,
+    RowParallelKbitLinear,
+    parallelize_kbit,
+    shard_range,
+    shard_weight,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -- shards, one process ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size, unit, world, expect", [
+    (100, 16, 2, [(0, 64), (64, 100)]),
+    (96, 16, 2, [(0, 48), (48, 96)]),
+    (330, 32, 2, [(0, 192), (192, 330)]),
+    (37, 16, 3, [(0, 16), (16, 32), (32, 37)]),
+    (7, 1, 3, [(0, 3), (3, 5), (5, 7)]),
+])
+def test_shard_range(size, unit, world, expect):
+    assert [shard_range(size, r, world, unit) for r in range(world)] == expect
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("blocksize", [32, 64, 128])
+@pytest.mark.parametrize("scale_format", ["log8", "fp16"])
+def test_shards_dequantize_to_slices(k, blocksize, scale_format):
+    torch.manual_seed(k * blocksize)
+    W = torch.randn(37, 300, dtype=torch.float64)  # odd N; K = 300 is padded for every blocksize
+    qw = kbit.quantize(W, k=k, blocksize=blocksize, scale_format=scale_format)
+    full = dequantize_reference(qw)
+    for dim in (0, 1):
+        units = -(-(37 if dim == 0 else 300) // (16 if dim == 0 else blocksize))
+        for world in range(1, min(4, units) + 1):
+            for rank in range(world):
+                s = shard_weight(qw, dim, rank, world)
+                a, b = shard_range(qw.shape[dim], rank, world, 16 if dim == 0 else blocksize)
+                want = full[a:b] if dim == 0 else full[:, a:b]
+                assert s.shape == tuple(want.shape)
+                assert torch.equal(dequantize_reference(s), want), (dim, world, rank)
+                assert s.tensor_scale is qw.tensor_scale  # one tensor scale: row-parallel partial sums add up
+
+
+def test_shard_of_a_stack_and_padding_codes():
+    torch.manual_seed(0)
+    qw = kbit.quantize(torch.randn(3, 40, 100), k=3, blocksize=32)
+    full = dequantize_reference(qw)
+    s = shard_weight(qw, 1, 1, 2)  # columns 64:100 of every matrix, padded to 128
+    assert s.shape == (3, 40, 36) and s.padded_k == 64
+    assert torch.equal(dequantize_reference(s), full[..., 64:])
+    # the padding codes travel with the last shard: a file of the shard passes the version-1 padding check
+    from kbit.format.serialize import _check_padding
+    _check_padding("w", s[0])
+
+
+def test_shard_errors():
+    qw = kbit.quantize(torch.randn(16, 64), k=4, blocksize=32)
+    with pytest.raises(ValueError, match="size: expected at least 2 units of 16"):
+        shard_weight(qw, 0, 0, 2)
+    with pytest.raises(ValueError, match="dim: expected one of"):
+        shard_weight(qw, 2, 0, 2)
+    with pytest.raises(ValueError, match="unit: expected a multiple of the blocksize 32"):
+        shard_weight(qw, 1, 0, 2, unit=16)
+    with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 1\]"):
+        shard_weight(qw, 1, 2, 2)
+    with pytest.raises(TypeError, match="qw: expected a KbitWeight"):
+        shard_weight(torch.zeros(2, 2), 0, 0, 1)
+
+
+def test_parallelize_errors():
+    model = _stack(seed=0)
+    with pytest.raises(ValueError, match=r"plan\['layers.\*.mlp.up_proj'\]: expected one of"):
+        parallelize_kbit(model, {"layers.*.mlp.up_proj": "columnwise"})
+    with pytest.raises(ValueError, match="plan: expected patterns matching at least one module"):
+        parallelize_kbit(model, {"decoder.*.fc1": "colwise"})
+    plain = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="module '0' .* expected a KbitLinear, got Linear"):
+        parallelize_kbit(plain, {"0": "colwise"})
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+            parallelize_kbit(model)
+
+
+# -- 2 processes ----------------------------------------------------------------------------------------------
+
+
+def _worker(rank, world, init_file, backend, fn_name, args):
+    torch.set_num_threads(1)  # two ranks on a shared CPU
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        globals()[fn_name](rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, fn, *args, backend="gloo", world=2):
+    # fork on the CPU: a spawned rank re-imports torch and kbit, ~10-20 s of a test; CUDA needs spawn
+    method = "spawn" if backend == "nccl" else "fork"
+    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), backend, fn.__name__, args),
+                       nprocs=world, join=True, start_method=method)
+
+
+def _device(backend):
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+#: (N, K, blocksize): N not a multiple of 32 (uneven column shards), K padded, K split on block boundaries
+SHAPES = [(100, 200, 32), (72, 300, 64), (50, 520, 128)]
+
+
+def _check_layers(rank, world, backend, dtype, rtol):
+    dev = _device(backend)
+    for k in (2, 3, 4, 5):
+        for N, K, bs in SHAPES:
+            g = torch.Generator().manual_seed(1000 * k + N)  # the same weights and inputs on every rank
+            W, bias = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+            x = torch.randn(3, 5, K, generator=g, dtype=torch.float64)
+            qw = kbit.quantize(W, k=k, blocksize=bs).to(dev)
+            ref = x @ dequantize_reference(qw.cpu(), torch.float64).T + bias.double()
+            lin = KbitLinear.from_weight(qw, bias, dtype)
+            xd = x.to(dev, dtype)
+            scale = ref.abs().max().item()
+
+            def close(y, want, what, k=k, N=N, K=K, scale=scale):
+                err = (y.double().cpu() - want).abs().max().item() / scale
+                assert err < rtol, f"{what} k={k} N={N} K={K} rank={rank}: max error {err:.2e} of max |y|"
+
+            col = ColumnParallelKbitLinear.from_linear(lin)
+            a, b = col.start, col.stop
+            close(col(xd), ref[..., a:b], "column")
+            col.gather_output = True
+            close(col(xd), ref, "column gathered")
+            row = RowParallelKbitLinear.from_linear(lin, input_is_parallel=False)
+            close(row(xd), ref, "row")
+            row.input_is_parallel = True
+            close(row(xd[..., row.start:row.stop]), ref, "row, parallel input")
+            close(lin(xd), ref, "unsharded")
+
+
+def test_layers_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_layers, "gloo", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+def test_layers_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_layers, "nccl", torch.bfloat16, 2e-2)
+
+
+# a Llama-like stack with the module names of transformers' Llama (so LLAMA_PLAN applies)
+class _Attention(nn.Module):
+    def __init__(self, hidden, width):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, width, bias=False) for _ in range(3))
+        self.o_proj = nn.Linear(width, hidden, bias=True)
+
+    def forward(self, x):  # column-local like per-head attention: every output column depends on its own q, k, v
+        return self.o_proj(torch.sigmoid(self.q_proj(x)) * self.k_proj(x) + self.v_proj(x))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden, width, inter):
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(hidden, width), _MLP(hidden, inter)
+
+    def forward(self, x):
+        x = x + self.self_attn(x)
+        return x + self.mlp(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self, hidden=200, width=160, inter=330, layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(hidden, width, inter) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _stack(seed, dtype=torch.float32, device="cpu"):
+    """The stack with every Linear replaced by a k = 4 KbitLinear (the same on every rank for a seed)."""
+    torch.manual_seed(seed)
+    model = _Stack()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, KbitLinear.from_linear(m, k=4, blocksize=32, dtype=dtype))
+    return model.to(device)
+
+
+def _check_stack(rank, world, backend, dtype, rtol):
+    dev = _device(backend)
+    model = _stack(seed=7, dtype=dtype, device=dev)
+    x = torch.randn(2, 3, 200, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+    with torch.no_grad():
+        want = model(x).double().cpu()
+        replaced = parallelize_kbit(model, LLAMA_PLAN)
+        assert len(replaced) == 14 and replaced["layers.1.mlp.down_proj"] == "rowwise"
+        assert isinstance(model.layers[0].self_attn.q_proj, ColumnParallelKbitLinear)
+        assert model.layers[0].mlp.up_proj.stop - model.layers[0].mlp.up_proj.start == (192, 138)[rank]
+        got = model(x).double().cpu()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < rtol, f"rank {rank}: parallel stack differs from the unsharded one by {err:.2e} of max |y|"
+
+
+def test_llama_stack_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_stack, "gloo", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+def test_llama_stack_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_stack, "nccl", torch.bfloat16, 3e-2)
+
+
+def _check_checkpoint(rank, world, path, x, want_up, want_down):
+    weights = kbit.load_file(path)  # packed weights only: no rank holds a float weight
+    up = ColumnParallelKbitLinear.from_weight(weights["mlp.up_proj.weight"], dtype=torch.float32, unit=32)
+    down = RowParallelKbitLinear.from_weight(weights["mlp.down_proj.weight"], weights["mlp.down_proj.bias"],
+                                             dtype=torch.float32, unit=32)
+    del weights
+    for m in (up, down):
+        for name, t in m.named_buffers():
+            assert not (t.is_floating_point() and t.numel() > 330), f"{name}: a float tensor of {t.numel()}"
+    h = up(x)
+    assert torch.allclose(h.double(), want_up[..., up.start:up.stop], rtol=1e-5, atol=1e-5)
+    y = down(h)
+    assert torch.allclose(y.double(), want_down, rtol=1e-5, atol=1e-4)
+
+
+def test_shards_from_checkpoint(tmp_path):
+    torch.manual_seed(3)
+    qu = kbit.quantize(torch.randn(330, 200), k=3, blocksize=32)
+    qd = kbit.quantize(torch.randn(200, 330), k=5, blocksize=32)
+    bias = torch.randn(200)
+    path = tmp_path / "model.kbit.safetensors"
+    kbit.save_file({"mlp.up_proj.weight": qu, "mlp.down_proj.weight": qd, "mlp.down_proj.bias": bias}, path)
+    x = torch.randn(4, 200)
+    want_up = x.double() @ dequantize_reference(qu, torch.float64).T
+    want_down = want_up.float().double() @ dequantize_reference(qd, torch.float64).T + bias.double()
+    _spawn(tmp_path, _check_checkpoint, str(path), x, want_up, want_down)
+
+
+@pytest.mark.gpu
+def test_tp_check_script():
+    if torch.cuda.device_count() < 2 or shutil.which("torchrun") is None:
+        pytest.skip("needs 2 GPUs and torchrun")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", os.path.join(ROOT, "lab/parallel/tp_check.py"),
+                          "--layers", "2", "--no-timing"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "correct" in out.stdout
+
+
+def _check_hf_llama(rank, world, dtype, rtol):
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
+
+    from kbit.hf import quantize_model
+
+    torch.manual_seed(11)  # the same model on every rank
+    config = LlamaConfig(vocab_size=300, hidden_size=200, intermediate_size=330, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    quantize_model(model, k=4, blocksize=32, progress=False)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits.double()
+        # transformers' own plan for the model (patterns relative to the base model: matched on the name's end)
+        replaced = parallelize_kbit(model, config.base_model_tp_plan)
+        assert len(replaced) == 14
+        assert model.model.layers[0].self_attn.k_proj.shard.out_features == 64  # one whole KV head a rank
+        got = model(ids).logits.double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < rtol, f"rank {rank}: parallel Llama logits differ by {err:.2e} of max |logit|"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_hf_llama_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    _spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
+
+
+def _check_errors(rank, world):
+    qw = kbit.quantize(torch.randn(100, 200, generator=torch.Generator().manual_seed(0)), k=4, blocksize=32)
+    whole = KbitLinear.from_weight(qw, torch.zeros(100), torch.float32)
+    with pytest.raises(ValueError, match=r"shard: expected out_features (64|36) \(rows (0:64|64:100) of 100"):
+        ColumnParallelKbitLinear(whole, 100)
+    with pytest.raises(ValueError, match="shard: expected a KbitLinear without bias"):
+        RowParallelKbitLinear(whole, 200)
+    with pytest.raises(ValueError, match=r"shard: expected in_features (128|72) \(columns"):
+        RowParallelKbitLinear(KbitLinear.from_weight(qw, None, torch.float32), 200)
+    with pytest.raises(TypeError, match="linear: expected a KbitLinear, got Linear"):
+        ColumnParallelKbitLinear.from_linear(nn.Linear(4, 4))
+    row = RowParallelKbitLinear.from_linear(whole, input_is_parallel=False)
+    with pytest.raises(ValueError, match="x: expected last dimension 200 .the full input., got 72"):
+        row(torch.randn(2, 72))
+
+
+def test_layer_errors_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_errors)
