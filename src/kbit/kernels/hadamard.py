@@ -38,9 +38,8 @@ def hadamard_rotate_kernel(X, Signs, Y, M, K, stride_x, stride_y, scale,
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(Signs + cols, mask=cols < K, other=0).to(tl.float32)
     x = tl.reshape(x * s[None, :], (BM * C,))
-    for st in tl.static_range(LOG_B):
-        h: tl.constexpr = 1 << st
-        pairs = tl.permute(tl.reshape(x, (BM * C // (2 * h), 2, h)), (0, 2, 1))  # [groups, h, 2]
+    for st in tl.static_range(LOG_B):  # stage st pairs i and i + 2**st (a constexpr: the shapes below are static)
+        pairs = tl.permute(tl.reshape(x, (BM * C // (2 << st), 2, 1 << st)), (0, 2, 1))  # [groups, h, 2]
         a, c = tl.split(pairs)
         x = tl.reshape(tl.permute(tl.join(a + c, a - c), (0, 2, 1)), (BM * C,))
     y = tl.reshape(x, (BM, C)) * scale

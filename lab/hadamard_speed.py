@@ -1,0 +1,110 @@
+"""GPU lab: what the standalone online Hadamard transform (``kbit.ops.hadamard.rotate``) costs, next to the k-bit
+layers whose inputs it rotates (issue 35: <= 3% of the batch-1 decode step, <= 5% at M = 1024).
+
+1. ``rotate`` alone at M = 1 and M = 1024 for K in (4096, 5120, 14336, 28672) (CUDA-graph replay, x hot in L2 as
+   it is right after the kernel that wrote it): microseconds, and the bandwidth of its read + write.
+2. Per layer (k = 3, bf16, cold-L2 weights, graphs): the layer alone, ``rotate`` then the layer in one graph (the
+   real added cost, launch gap and PDL overlap included), and the added fraction. The weights are not rotated:
+   the layer's speed does not depend on their values.
+3. A Llama-3-8B-shaped decoder layer's linears at M = 1 and M = 1024: q/k/v (one rotation), o_proj, gate/up (one
+   rotation), down_proj: four rotations (three at K = 4096, one at K = 14336) against the four linears' time (the
+   step also has attention and norms, so the fraction of the whole step is lower than this).
+
+    PYTHONPATH=src python lab/hadamard_speed.py [--k 3] [--quick] [--out DIR]
+"""
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import torch  # noqa: E402
+
+from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
+from kbit.format import Rotation  # noqa: E402
+from kbit.nn import KbitLinear  # noqa: E402
+from kbit.ops.hadamard import hadamard_config, rotate, rotation_signs  # noqa: E402
+
+LINES: list = []
+ROTATE_K = (4096, 5120, 14336, 28672)
+#: (name, N, K): Llama-3-8B's linears, plus a K = 5120 (Qwen2.5-14B q/k/v) and a K = 28672 (Llama-3-70B down_proj)
+LAYERS = (("qkv 8B", 6144, 4096), ("o_proj 8B", 4096, 4096), ("gate_up 8B", 28672, 4096),
+          ("down 8B", 4096, 14336), ("qkv 14B", 7168, 5120), ("down 70B", 8192, 28672))
+STEP_8B = ("qkv 8B", "o_proj 8B", "gate_up 8B", "down 8B")  # each of the four inputs rotated once
+
+
+def log(s=""):
+    print(s, flush=True)
+    LINES.append(s)
+
+
+def rotate_alone(M, K, dt):
+    r = Rotation.for_width(K, seed=1)
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    s = rotation_signs(r, K, x.device)
+    t = time_calls([lambda: rotate(x, r, s)])
+    cfg = hadamard_config(M, K, r.block)
+    gbs = 2 * x.numel() * x.element_size() / t.us / 1e3
+    log(f"| {M} | {K} | {r.block} | {cfg.block_m}x{cfg.cols}, {cfg.num_warps} warps | {t.us:.2f} | {gbs:.0f} | "
+        f"{t.mode} |")
+    return t.us
+
+
+def layer_times(name, N, K, M, k, dt):
+    """(layer us, rotate + layer us) with cold-L2 weight copies."""
+    torch.manual_seed(N + K)
+    lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=dt)
+    q0 = KbitLinear.from_linear(lin, k=k).repack_for_kernels()
+    del lin
+    per_copy = sum(t.numel() * t.element_size() for t in q0.buffers())
+    n = copies_for_cold_l2(per_copy, l2_bytes())
+    qs = [q0] + [KbitLinear.from_linear(torch.nn.Linear(K, N, bias=False, device="cuda", dtype=dt), k=k)
+                 .repack_for_kernels() for _ in range(n - 1)]
+    r = Rotation.for_width(K, seed=2)
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    s = rotation_signs(r, K, x.device)
+    plain = time_calls([lambda q=q: q(x) for q in qs]).us
+    rotated = time_calls([lambda q=q: q(rotate(x, r, s)) for q in qs]).us
+    del qs, q0
+    torch.cuda.empty_cache()
+    log(f"| {name} | {N}x{K} | {M} | {plain:.2f} | {rotated:.2f} | {rotated - plain:+.2f} | "
+        f"{100 * (rotated - plain) / plain:+.1f}% |")
+    return plain, rotated
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="M = 1 only, and the 8B layers only")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    dt = torch.bfloat16
+    ms = (1,) if args.quick else (1, 1024)
+    log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; k = {args.k}, {dt}, CUDA-graph replay, "
+        "median of 15")
+    log("\n## rotate() alone (x hot in L2)\n")
+    log("| M | K | block | tile | us | GB/s (read + write) | mode |")
+    log("|--:|--:|--:|---|--:|--:|---|")
+    alone = {(M, K): rotate_alone(M, K, dt) for M in ms for K in ROTATE_K}
+    log("\n## a layer, and rotate() + the layer in one graph (cold-L2 weights)\n")
+    log("| layer | N x K | M | layer us | rotate + layer us | added us | added |")
+    log("|---|---|--:|--:|--:|--:|--:|")
+    layers = [lay for lay in LAYERS if not args.quick or lay[0] in STEP_8B]
+    res = {(name, M): layer_times(name, N, K, M, args.k, dt) for M in ms for name, N, K in layers}
+    log("\n## Llama-3-8B decoder layer, the four linears (four rotations: three at K = 4096, one at K = 14336)\n")
+    log("| M | linears us | linears with rotations us | added | rotate() alone x4 us | as a fraction |")
+    log("|--:|--:|--:|--:|--:|--:|")
+    for M in ms:
+        plain = sum(res[(n, M)][0] for n in STEP_8B)
+        rot = sum(res[(n, M)][1] for n in STEP_8B)
+        alone4 = 3 * alone[(M, 4096)] + alone[(M, 14336)]
+        log(f"| {M} | {plain:.2f} | {rot:.2f} | {100 * (rot - plain) / plain:+.1f}% | {alone4:.2f} | "
+            f"{100 * alone4 / plain:.1f}% |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "hadamard_speed.log").write_text("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
