@@ -4,6 +4,9 @@ transform kbit.ops.hadamard.rotate (Triton kernel under the interpreter, float64
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -240,6 +243,30 @@ def test_checksum_covers_rotation(tmp_path):
     _forge(path, lambda p: p.pop("rotation"), fix_crc=False)  # dropping it is caught too
     with pytest.raises(ValueError, match="metadata checksum mismatch"):
         kbit.load_file(path)
+
+
+AOT_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kbit.kernels.hadamard import hadamard_rotate_kernel
+sig = {"X": "*bf16", "Signs": "*i8", "Y": "*bf16", "M": "i32", "K": "i32", "stride_x": "i32", "stride_y": "i32",
+       "scale": "fp32", "BM": "constexpr", "C": "constexpr", "LOG_B": "constexpr", "PDL": "constexpr"}
+for BM, C, LOG_B, warps in ((1, 16384, 14, 16), (4, 1024, 8, 8), (2, 1024, 0, 4)):
+    src = ASTSource(hadamard_rotate_kernel, sig, {"BM": BM, "C": C, "LOG_B": LOG_B, "PDL": True})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+print("compiled")
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    # the interpreter runs no compiler: lower the kernel to an sm_90 cubin (Triton's bundled ptxas, no GPU needed)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", AOT_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
 
 
 # ------------------------------------------------------------------------------------------ GPU

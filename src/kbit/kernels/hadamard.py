@@ -27,6 +27,17 @@ except ImportError:  # pragma: no cover - older triton: PDL is never requested t
 
 
 @triton.jit
+def hadamard_butterflies(x, N: tl.constexpr, LOG_B: tl.constexpr):
+    """The unnormalised Walsh-Hadamard transform of every aligned block of ``2**LOG_B`` elements of the flat
+    float32 tile ``x [N]`` (a helper a producing kernel's epilogue can call on the row it holds)."""
+    for st in tl.static_range(LOG_B):  # stage st pairs i and i + 2**st (a constexpr: the shapes below are static)
+        pairs = tl.permute(tl.reshape(x, (N // (2 << st), 2, 1 << st)), (0, 2, 1))  # [groups, h, 2]
+        a, c = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(a + c, a - c), (0, 2, 1)), (N,))
+    return x
+
+
+@triton.jit
 def hadamard_rotate_kernel(X, Signs, Y, M, K, stride_x, stride_y, scale,
                            BM: tl.constexpr, C: tl.constexpr, LOG_B: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next kernel may launch now: it reads only weights before its own wait, which waits for us
@@ -37,10 +48,5 @@ def hadamard_rotate_kernel(X, Signs, Y, M, K, stride_x, stride_y, scale,
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(Signs + cols, mask=cols < K, other=0).to(tl.float32)
-    x = tl.reshape(x * s[None, :], (BM * C,))
-    for st in tl.static_range(LOG_B):  # stage st pairs i and i + 2**st (a constexpr: the shapes below are static)
-        pairs = tl.permute(tl.reshape(x, (BM * C // (2 << st), 2, 1 << st)), (0, 2, 1))  # [groups, h, 2]
-        a, c = tl.split(pairs)
-        x = tl.reshape(tl.permute(tl.join(a + c, a - c), (0, 2, 1)), (BM * C,))
-    y = tl.reshape(x, (BM, C)) * scale
+    y = tl.reshape(hadamard_butterflies(tl.reshape(x * s[None, :], (BM * C,)), BM * C, LOG_B), (BM, C)) * scale
     tl.store(Y + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
