@@ -153,6 +153,14 @@ def test_op_fake_and_signs_cache():
     assert y.shape == x.shape and y.dtype == x.dtype
 
 
+def test_rotate_under_torch_compile():
+    r = Rotation(seed=6, block=32)
+    x = torch.randn(3, 64)
+    ref = H.rotate(x, r)  # the first call makes the signs: compiled code then only looks them up
+    compiled = torch.compile(lambda t: H.rotate(t, r), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), ref)
+
+
 def test_rotate_cpu_reference_path():
     # outside the interpreter a CPU tensor takes the reference: same numbers
     r = Rotation(seed=1, block=32)
@@ -308,5 +316,5 @@ def test_rotate_cuda_graph_and_compile():
     graph.replay()
     assert torch.equal(y, H.rotate(x, r))
     assert not torch.equal(y, eager)
-    compiled = torch.compile(lambda t: H.rotate(t, r), fullgraph=True)
+    compiled = torch.compile(lambda t: H.rotate(t, r, H.rotation_signs(r, K, t.device)), fullgraph=True)
     assert torch.equal(compiled(x), y)

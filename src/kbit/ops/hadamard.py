@@ -7,7 +7,8 @@ its Triton kernel (:mod:`kbit.kernels.hadamard`) and the plain-torch reference :
 
 CUDA tensors run the kernel; CPU tensors run it under ``TRITON_INTERPRET=1`` and the reference otherwise. The
 signs of a (seed, K, device) are made once on the host and cached (:func:`rotation_signs`): call :func:`rotate`
-once before capturing a CUDA graph, or pass ``signs=`` (e.g. a layer's buffer).
+once before capturing a CUDA graph or compiling with ``torch.compile`` (which then traces a dict look-up), or
+pass ``signs=`` (e.g. a layer's buffer).
 
 Where the transform belongs in a fast layer (a fused prologue or the producing kernel's epilogue, not a launch of
 its own) is in docs/notes/hadamard.md; ``lab/hadamard_speed.py`` measures what this op costs on a GPU.
