@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.format import Rotation  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
-from kbit.ops.hadamard import hadamard_config, rotate, rotation_signs  # noqa: E402
+from kbit.ops.hadamard import hadamard_config, rotate, rotate_reference, rotation_signs  # noqa: E402
 
 LINES: list = []
 ROTATE_K = (4096, 5120, 14336, 28672)
@@ -43,11 +43,13 @@ def rotate_alone(M, K, dt):
     r = Rotation.for_width(K, seed=1)
     x = torch.randn(M, K, device="cuda", dtype=dt)
     s = rotation_signs(r, K, x.device)
+    ref = rotate_reference(x[:8].double().cpu(), r)  # a few rows against the float64 reference, before timing
+    err = float(((rotate(x, r, s)[:8].double().cpu() - ref).abs().amax(-1) / ref.abs().amax(-1)).max())
     t = time_calls([lambda: rotate(x, r, s)])
     cfg = hadamard_config(M, K, r.block)
     gbs = 2 * x.numel() * x.element_size() / t.us / 1e3
     log(f"| {M} | {K} | {r.block} | {cfg.block_m}x{cfg.cols}, {cfg.num_warps} warps | {t.us:.2f} | {gbs:.0f} | "
-        f"{t.mode} |")
+        f"{err:.1e} | {t.mode} |")
     return t.us
 
 
@@ -84,8 +86,8 @@ def main():
     log(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; k = {args.k}, {dt}, CUDA-graph replay, "
         "median of 15")
     log("\n## rotate() alone (x hot in L2)\n")
-    log("| M | K | block | tile | us | GB/s (read + write) | mode |")
-    log("|--:|--:|--:|---|--:|--:|---|")
+    log("| M | K | block | tile | us | GB/s (read + write) | max error / row max | mode |")
+    log("|--:|--:|--:|---|--:|--:|--:|---|")
     alone = {(M, K): rotate_alone(M, K, dt) for M in ms for K in ROTATE_K}
     log("\n## a layer, and rotate() + the layer in one graph (cold-L2 weights)\n")
     log("| layer | N x K | M | layer us | rotate + layer us | added us | added |")
