@@ -10,7 +10,7 @@ layers whose inputs it rotates (issue 35: <= 3% of the batch-1 decode step, <= 5
    rotation), down_proj: four rotations (three at K = 4096, one at K = 14336) against the four linears' time (the
    step also has attention and norms, so the fraction of the whole step is lower than this).
 
-    PYTHONPATH=src python lab/hadamard_speed.py [--k 3] [--quick] [--out DIR]
+    PYTHONPATH=src python lab/hadamard_speed.py [--k 3] [--quick] [--sweep] [--out DIR]
 """
 import argparse
 import os
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.format import Rotation  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
-from kbit.ops.hadamard import hadamard_config, rotate, rotate_reference, rotation_signs  # noqa: E402
+from kbit.ops.hadamard import HadamardConfig, hadamard_config, rotate, rotate_reference, rotation_signs  # noqa: E402
 
 LINES: list = []
 ROTATE_K = (4096, 5120, 14336, 28672)
@@ -53,6 +53,30 @@ def rotate_alone(M, K, dt):
     return t.us
 
 
+def sweep(M, K, dt):
+    """``rotate`` under pinned tiles (elements a program x warps): the data for tuning ``hadamard_config``."""
+    r = Rotation.for_width(K, seed=1)
+    x = torch.randn(M, K, device="cuda", dtype=dt)
+    s = rotation_signs(r, K, x.device)
+    ref = rotate(x, r, s)
+    best, seen = None, set()
+    for tile in (1024, 2048, 4096, 8192, 16384):
+        if tile < r.block:
+            continue
+        cols = max(r.block, min(1 << (K - 1).bit_length(), tile))
+        bm = max(1, min(1 << (M - 1).bit_length(), tile // cols))
+        for warps in (2, 4, 8, 16):
+            cfg = HadamardConfig(bm, cols, warps)
+            if bm * cols < 32 * warps or cfg in seen:
+                continue
+            seen.add(cfg)
+            assert torch.equal(rotate(x, r, s, config=cfg), ref), cfg
+            us = time_calls([lambda c=cfg: rotate(x, r, s, config=c)]).us
+            best = min(best or (us, cfg), (us, cfg), key=lambda b: b[0])
+            log(f"| {M} | {K} | {bm}x{cols} | {warps} | {us:.2f} |")
+    log(f"| {M} | {K} | best {best[1].block_m}x{best[1].cols} | {best[1].num_warps} | {best[0]:.2f} |")
+
+
 def layer_times(name, N, K, M, k, dt):
     """(layer us, rotate + layer us) with cold-L2 weight copies."""
     torch.manual_seed(N + K)
@@ -79,6 +103,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="M = 1 only, and the 8B layers only")
+    ap.add_argument("--sweep", action="store_true", help="also time rotate() under pinned tiles (tuning data)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     dt = torch.bfloat16
@@ -89,6 +114,13 @@ def main():
     log("| M | K | block | tile | us | GB/s (read + write) | max error / row max | mode |")
     log("|--:|--:|--:|---|--:|--:|--:|---|")
     alone = {(M, K): rotate_alone(M, K, dt) for M in ms for K in ROTATE_K}
+    if args.sweep:
+        log("\n## rotate() under pinned tiles\n")
+        log("| M | K | tile (rows x cols) | warps | us |")
+        log("|--:|--:|---|--:|--:|")
+        for M in ms:
+            for K in ROTATE_K:
+                sweep(M, K, dt)
     log("\n## a layer, and rotate() + the layer in one graph (cold-L2 weights)\n")
     log("| layer | N x K | M | layer us | rotate + layer us | added us | added |")
     log("|---|---|--:|--:|--:|--:|--:|")
