@@ -8,11 +8,13 @@ from kbit.format.spec import (
     DEFAULT_SCALE_FORMAT,
     FORMAT_VERSION,
     K_VALUES,
+    MAX_ROTATION_BLOCK,
     SCALE_FORMATS,
     KbitWeight,
+    Rotation,
 )
 
 __all__ = [
     "BLOCKSIZES", "DEFAULT_BLOCKSIZE", "DEFAULT_CODEBOOK", "DEFAULT_K", "DEFAULT_SCALE_FORMAT",
-    "FORMAT_VERSION", "K_VALUES", "SCALE_FORMATS", "KbitWeight",
+    "FORMAT_VERSION", "K_VALUES", "MAX_ROTATION_BLOCK", "SCALE_FORMATS", "KbitWeight", "Rotation",
 ]

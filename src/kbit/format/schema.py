@@ -11,10 +11,14 @@ import json
 import torch
 
 from kbit.format.codebooks import NAMED
-from kbit.format.spec import BLOCKSIZES, K_VALUES, SCALE_FORMATS
+from kbit.format.spec import BLOCKSIZES, K_VALUES, MAX_ROTATION_BLOCK, MAX_ROTATION_SEED, ROTATION_KINDS, SCALE_FORMATS
 
-#: the parameters of one quantized weight in ``kbit.weights``, all required, no others
+#: the parameters of one quantized weight in ``kbit.weights``, all required
 WEIGHT_FIELDS = ("blocksize", "codebook", "k", "scale_format", "shape")
+#: a weight's optional parameters (absent: none; a weight without ``rotation`` is unrotated); no others
+OPTIONAL_WEIGHT_FIELDS = ("rotation",)
+#: a weight's ``rotation`` entry, all required
+ROTATION_FIELDS = ("block", "kind", "seed")
 #: codebook names a weight may record: the named codebooks and "custom" (values given by the user)
 CODEBOOK_NAMES = (*NAMED, "custom")
 #: one tensor's record in ``kbit.tensors``
@@ -43,11 +47,12 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _fields(where: str, entry, fields: tuple[str, ...]) -> None:
+def _fields(where: str, entry, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a JSON object, got {entry!r:.100}")
-    if sorted(entry) != sorted(fields):
-        raise ValueError(f"{where}: expected the fields {list(fields)}, got {sorted(entry)}")
+    if not set(fields) <= set(entry) <= set(fields) | set(optional):
+        also = f" (optional fields: {list(optional)})" if optional else ""
+        raise ValueError(f"{where}: expected the fields {list(fields)}, got {sorted(entry)}{also}")
 
 
 def _shape(where: str, shape, minimum: int, min_dims: int) -> None:
@@ -56,13 +61,14 @@ def _shape(where: str, shape, minimum: int, min_dims: int) -> None:
 
 
 def weights(meta: dict[str, str], key: str) -> dict[str, dict]:
-    """``kbit.weights``: name -> {"k", "blocksize", "shape", "scale_format", "codebook"}, every value checked."""
+    """``kbit.weights``: name -> {"k", "blocksize", "shape", "scale_format", "codebook"} and optionally
+    "rotation" ({"kind", "seed", "block"}), every value checked."""
     out = parse_json(meta, key)
     for name, p in out.items():
         where = f"metadata {key!r}, weight {name!r}"
         if not name:
             raise ValueError(f"metadata {key!r}: expected non-empty weight names, got ''")
-        _fields(where, p, WEIGHT_FIELDS)
+        _fields(where, p, WEIGHT_FIELDS, OPTIONAL_WEIGHT_FIELDS)
         if not _int(p["k"]) or p["k"] not in K_VALUES:
             raise ValueError(f"{where}: k: expected one of {K_VALUES}, got {p['k']!r}")
         if not _int(p["blocksize"]) or p["blocksize"] not in BLOCKSIZES:
@@ -72,7 +78,23 @@ def weights(meta: dict[str, str], key: str) -> dict[str, dict]:
         if p["codebook"] not in CODEBOOK_NAMES:
             raise ValueError(f"{where}: codebook: expected one of {CODEBOOK_NAMES}, got {p['codebook']!r}")
         _shape(f"{where}: shape", p["shape"], 1, 2)
+        if "rotation" in p:
+            rotation(f"{where}: rotation", p["rotation"], p["shape"][-1])
     return out
+
+
+def rotation(where: str, r, K: int) -> None:
+    """A weight's ``rotation``: {"kind": "hadamard", "seed": int in [0, 2**63), "block": a power of two <=
+    MAX_ROTATION_BLOCK dividing K}."""
+    _fields(where, r, ROTATION_FIELDS)
+    if r["kind"] not in ROTATION_KINDS:
+        raise ValueError(f"{where}: kind: expected one of {ROTATION_KINDS}, got {r['kind']!r}")
+    if not _int(r["seed"]) or not 0 <= r["seed"] <= MAX_ROTATION_SEED:
+        raise ValueError(f"{where}: seed: expected an int in [0, 2**63), got {r['seed']!r}")
+    b = r["block"]
+    if not _int(b) or not 1 <= b <= MAX_ROTATION_BLOCK or b & (b - 1) or K % b:
+        raise ValueError(f"{where}: block: expected a power of two <= {MAX_ROTATION_BLOCK} dividing K={K}, "
+                         f"got {b!r}")
 
 
 def tensor_records(meta: dict[str, str], key: str) -> dict[str, dict]:

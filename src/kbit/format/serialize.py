@@ -4,7 +4,8 @@ A weight named ``P`` becomes the tensors ``P.codes``, ``P.scales``, ``P.tensor_s
 metadata (docs/format.md, "Files") holds
 
 - ``kbit.format_version``: ``"2"``;
-- ``kbit.weights``: JSON, ``P`` -> ``{"k", "blocksize", "shape", "scale_format", "codebook"}``;
+- ``kbit.weights``: JSON, ``P`` -> ``{"k", "blocksize", "shape", "scale_format", "codebook"}``, plus
+  ``"rotation": {"kind", "seed", "block"}`` for a rotated weight (absent: unrotated);
 - ``kbit.tensors``: JSON, every tensor of the file (parts and plain tensors) -> ``{"dtype", "shape", "crc32"}``,
   the CRC-32 (``zlib.crc32``) of its bytes;
 - ``kbit.metadata_crc32``: the CRC-32 of all the other metadata entries (:func:`metadata_crc32`), so an edited,
@@ -32,7 +33,7 @@ from safetensors.torch import save_file as _save_file
 from kbit.format import schema
 from kbit.format.codebooks import midpoints
 from kbit.format.pack import unpack
-from kbit.format.spec import FORMAT_VERSION, KbitWeight
+from kbit.format.spec import FORMAT_VERSION, KbitWeight, Rotation
 
 VERSION_KEY = "kbit.format_version"
 WEIGHTS_KEY = "kbit.weights"
@@ -146,8 +147,10 @@ def _own_cpu_copy(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
 
 
 def _params(p: dict) -> dict:
+    r = p.get("rotation")
     return {"shape": tuple(p["shape"]), "k": p["k"], "blocksize": p["blocksize"], "scale_format": p["scale_format"],
-            "codebook_name": p["codebook"]}
+            "codebook_name": p["codebook"],
+            "rotation": None if r is None else Rotation(seed=r["seed"], block=r["block"], kind=r["kind"])}
 
 
 def load_file(path: str | os.PathLike, device: str | torch.device = "cpu", *, verify: bool = True) -> dict:

@@ -1,7 +1,8 @@
 """The kbit weight format (docs/format.md), and :class:`KbitWeight`, the one quantized-weight class.
 
 Format version 2 keeps the tensor layout of version 1 and adds checksums and a validated schema to the files
-(:mod:`kbit.format.serialize`).
+(:mod:`kbit.format.serialize`), and an optional :class:`Rotation` of the input dimension K (the weight stored is
+``W R``; a layer multiplies its input by the same ``R``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kbit.format.pack import words_per_row
-from kbit.utils.checks import fail
+from kbit.utils.checks import check_int, fail
 
 FORMAT_VERSION = 2
 K_VALUES = (2, 3, 4, 5)
@@ -77,6 +78,79 @@ def padded_k(K: int, blocksize: int) -> int:
     return -(-K // blocksize) * blocksize
 
 
+#: rotation kinds a weight may record
+ROTATION_KINDS = ("hadamard",)
+#: the largest Walsh-Hadamard block: the online transform holds one block per program (16384 fp32 = 64 KiB)
+MAX_ROTATION_BLOCK = 16384
+#: seeds are non-negative and fit a signed 64-bit int (torch.Generator.manual_seed takes them all)
+MAX_ROTATION_SEED = 2**63 - 1
+
+
+def rotation_block(K: int, max_block: int = MAX_ROTATION_BLOCK) -> int:
+    """The block of a Hadamard rotation along ``K``: the largest power of two dividing K, at most ``max_block``
+    (K = 11008 = 2**8 * 43 -> 256, 14336 -> 2048, 4096 -> 4096; an odd K -> 1, random signs only)."""
+    check_int("K", K, minimum=1)
+    check_int("max_block", max_block, minimum=1)
+    b = K & -K
+    while b > max_block:
+        b //= 2
+    return b
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """A randomized Hadamard rotation of the input dimension: ``R = diag(signs) @ blockdiag(H_b, ..., H_b)``
+    (``R [K, K]``, orthogonal; ``H_b`` the Sylvester Walsh-Hadamard matrix of order ``block`` times
+    ``1/sqrt(block)``). A weight stored with a rotation holds ``W R``, so ``y = (x R) (W R)^T = x W^T``.
+
+    ``signs`` are ``torch.randint(0, 2, (K,), generator=torch.Generator().manual_seed(seed)) * 2 - 1``: one int
+    stores them, for any K (the rule of ``kbit.calibrate.rotation.RandomHadamard``, so a weight rotated there is
+    undone by :func:`kbit.ops.hadamard.rotate`). ``block`` is a power of two dividing K, at most
+    MAX_ROTATION_BLOCK; :meth:`for_width` picks the largest (:func:`rotation_block`).
+    """
+
+    seed: int = 0
+    block: int = 1
+    kind: str = "hadamard"
+
+    def __post_init__(self):
+        if self.kind not in ROTATION_KINDS:
+            fail(ValueError, "kind", f"one of {ROTATION_KINDS}", repr(self.kind))
+        check_int("seed", self.seed, minimum=0, maximum=MAX_ROTATION_SEED)
+        check_int("block", self.block, minimum=1, maximum=MAX_ROTATION_BLOCK)
+        if self.block & (self.block - 1):
+            fail(ValueError, "block", "a power of two", self.block)
+
+    @classmethod
+    def for_width(cls, K: int, seed: int = 0, max_block: int = MAX_ROTATION_BLOCK) -> Rotation:
+        """The rotation of an input width ``K`` in the largest block the rule allows."""
+        return cls(seed=seed, block=rotation_block(K, max_block))
+
+    def check_width(self, K: int, name: str = "K") -> None:
+        """ValueError unless ``block`` divides ``K``."""
+        if K % self.block:
+            fail(ValueError, name, f"a multiple of the rotation block {self.block}", K)
+
+    def signs(self, K: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+        """The ``K`` random signs (+1/-1), made on the CPU from ``seed`` (a host computation: cache the result)."""
+        g = torch.Generator().manual_seed(self.seed)
+        s = torch.randint(0, 2, (K,), generator=g, dtype=torch.int64) * 2 - 1
+        return s.to(device=device, dtype=dtype)
+
+    def matrix(self, K: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+        """``R [K, K]`` itself (dense: for tests and references)."""
+        self.check_width(K)
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < self.block:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = h / self.block ** 0.5
+        R = self.signs(K)[:, None] * torch.block_diag(*([h] * (K // self.block)))
+        return R.to(device=device, dtype=dtype)
+
+    def metadata(self) -> dict:
+        return {"kind": self.kind, "seed": self.seed, "block": self.block}
+
+
 @dataclass(eq=False)
 class KbitWeight:
     """A quantized weight ``W[..., N, K]`` in the canonical layout (the same in format versions 1 and 2).
@@ -90,6 +164,8 @@ class KbitWeight:
     shape : the logical shape ``(..., N, K)``.
     k, blocksize, scale_format : format parameters.
     codebook_name : the name the codebook was made from, or ``"custom"``.
+    rotation : None (the weight is ``W``), or the :class:`Rotation` the weight was quantized under (it holds
+        ``W R``, and a layer must multiply its input by ``R``: :func:`kbit.ops.hadamard.rotate`).
 
     The constructor checks dtypes, shapes and devices (:meth:`validate`); where the tensors are on the CPU (and
     not while ``torch.compile`` traces) it also checks the values (:meth:`check_values`). On a GPU that check
@@ -107,6 +183,7 @@ class KbitWeight:
     blocksize: int
     scale_format: str = DEFAULT_SCALE_FORMAT
     codebook_name: str = "custom"
+    rotation: Rotation | None = None
 
     def __post_init__(self):
         self.shape = tuple(int(s) for s in self.shape)
@@ -160,7 +237,7 @@ class KbitWeight:
         """A copy on ``device`` (dtypes never change)."""
         moved = {n: t.to(device=device, non_blocking=non_blocking) for n, t in self.tensors().items()}
         return KbitWeight(**moved, shape=self.shape, k=self.k, blocksize=self.blocksize,
-                          scale_format=self.scale_format, codebook_name=self.codebook_name)
+                          scale_format=self.scale_format, codebook_name=self.codebook_name, rotation=self.rotation)
 
     def cuda(self) -> KbitWeight:
         return self.to("cuda")
@@ -176,15 +253,20 @@ class KbitWeight:
         codes, scales = self.codes[index], self.scales[index]
         shape = tuple(ts.shape) + self.shape[-2:]
         return KbitWeight(codes, scales, ts, self.codebook, shape, self.k, self.blocksize,
-                          self.scale_format, self.codebook_name)
+                          self.scale_format, self.codebook_name, self.rotation)
 
     def metadata(self) -> dict:
-        return {"k": self.k, "blocksize": self.blocksize, "shape": list(self.shape),
-                "scale_format": self.scale_format, "codebook": self.codebook_name}
+        """The weight's entry in a file's ``kbit.weights`` (``rotation`` only where there is one)."""
+        out = {"k": self.k, "blocksize": self.blocksize, "shape": list(self.shape),
+               "scale_format": self.scale_format, "codebook": self.codebook_name}
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.metadata()
+        return out
 
     def __repr__(self) -> str:
+        rot = "" if self.rotation is None else f"rotation={self.rotation!r}, "
         return (f"KbitWeight(shape={self.shape}, k={self.k}, blocksize={self.blocksize}, "
-                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, "
+                f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, {rot}"
                 f"bits_per_weight={self.bits_per_weight:.4f}, device={self.device})")
 
     # -- invariants ------------------------------------------------------------------------------------
@@ -195,6 +277,10 @@ class KbitWeight:
         check_scale_format(self.scale_format)
         if len(self.shape) < 2 or min(self.shape) < 1:
             fail(ValueError, "shape", "(..., N, K) with every dimension >= 1", self.shape)
+        if self.rotation is not None:
+            if not isinstance(self.rotation, Rotation):
+                fail(TypeError, "rotation", "None or a kbit.format.Rotation", type(self.rotation).__name__)
+            self.rotation.check_width(self.K, "shape[-1] (K)")
         lead = self.shape[:-2]
         kp = self.padded_k
         expect = {
