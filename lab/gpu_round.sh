@@ -28,7 +28,7 @@ if [ "$PART" != tests ]; then
   [ -f lab/sanitize_grouped.py ] && run sanitize compute-sanitizer --tool memcheck --error-exitcode 9 \
     python lab/sanitize_grouped.py
   [ -f lab/ids_cost.py ] && run ids_cost python lab/ids_cost.py
-  [ -f lab/hadamard_speed.py ] && run hadamard_speed python lab/hadamard_speed.py
+  [ -f lab/hadamard_speed.py ] && run hadamard_speed python lab/hadamard_speed.py --sweep --out $OUT
   run hf_gpu python -m pytest -q -p no:cacheprovider -m gpu -s tests/test_hf_quantizer.py tests/test_generate.py
 fi
 cat $OUT/summary.txt
