@@ -113,3 +113,23 @@ def sort_pairs_kernel(ids_ptr, expert_ptr, tok_ptr, pair_rows_ptr, P, TOP_K: tl.
     tl.store(pair_rows_ptr + i, rank, mask=ok_i)
     tl.store(expert_ptr + rank, ei, mask=ok_i)
     tl.store(tok_ptr + rank, i // TOP_K, mask=ok_i)
+
+
+@triton.jit
+def ids_guard_kernel(rows_ptr, eids_ptr, rows_out, eids_out, bad_out, err_ptr, P, T, E, BLOCK: tl.constexpr):
+    """Bounds of a grouped op's ids: ``rows`` in ``[0, T)``, ``eids`` in ``[0, E)``. Writes them clamped (an
+    out-of-range id becomes 0, so the kernel that reads them stays in bounds), ``bad[p] = 1`` for a row with
+    either id out of range, and ORs 1 (a row) / 2 (an expert) into ``err[0]`` (one atomic a program, only when
+    it saw one)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    r = tl.load(rows_ptr + p, mask=ok, other=0)
+    e = tl.load(eids_ptr + p, mask=ok, other=0)
+    rb = ((r < 0) | (r >= T)) & ok
+    eb = ((e < 0) | (e >= E)) & ok
+    tl.store(rows_out + p, tl.where(rb, 0, r), mask=ok)
+    tl.store(eids_out + p, tl.where(eb, 0, e), mask=ok)
+    tl.store(bad_out + p, (rb | eb).to(tl.int8), mask=ok)
+    code = tl.max(rb.to(tl.int32), 0) | (tl.max(eb.to(tl.int32), 0) * 2)
+    if code != 0:
+        tl.atomic_or(err_ptr, code)
