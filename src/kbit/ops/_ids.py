@@ -27,8 +27,8 @@ import torch
 
 from kbit.kernels.moe import ids_guard_kernel
 
-__all__ = ["ERR_EXPERTS", "ERR_LOGITS", "ERR_PAIR_ROWS", "ERR_ROWS", "check_errors", "check_ids", "debug_ids",
-           "error_flag", "guard", "host_checks", "poison"]
+__all__ = ["ERR_EXPERTS", "ERR_LOGITS", "ERR_PAIR_ROWS", "ERR_ROWS", "check_bounds", "check_errors", "check_ids",
+           "debug_ids", "error_flag", "guard", "host_checks", "poison", "poison_tokens"]
 
 #: bits of the error flag: a token / row id, an expert id, a combine's pair row, a sampled row without a
 #: finite logit
@@ -99,10 +99,21 @@ def check_ids(name: str, ids: torch.Tensor, n: int, what: str) -> None:
         raise ValueError(f"{name}: expected ids in [0, {n}) ({what}), got {int(v[i])} at position {i}")
 
 
+def check_bounds(P: int, T: int, E: int) -> None:
+    """A grouped op with ``P > 0`` rows needs ``T >= 1`` rows of x and ``E >= 1`` experts (an id out of range
+    reads row / expert 0 instead): from shapes, so free."""
+    if P and T < 1:
+        raise ValueError(f"x: expected at least one row for {P} token_ids, got 0")
+    if P and E < 1:
+        raise ValueError(f"codes: expected at least one expert for {P} expert_ids, got 0")
+
+
 def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int):
     """(rows, expert_ids, bad): on the host path (:func:`host_checks`) the ids checked (``ValueError``) and
-    returned as they are, ``bad`` None; on CUDA one launch: copies with out-of-range ids set to 0, an int8 mask
-    ``bad [P]`` of the rows with either id out of range, and the flag set (:func:`check_errors`)."""
+    returned as they are, ``bad`` None; on CUDA one launch: copies with out-of-range ids clamped into range
+    (ids sorted by expert stay sorted), an int8 mask ``bad [P]`` of the rows with either id out of range, and the
+    flag set (:func:`check_errors`). ``T``, ``E`` at least 1."""
+    check_bounds(rows.shape[0], T, E)
     if host_checks(rows):
         check_ids("token_ids", rows, T, "rows of x")
         check_ids("expert_ids", expert_ids, E, "experts of the stack")
@@ -122,3 +133,12 @@ def poison(y: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
     if bad is not None and y.numel():
         y.masked_fill_(bad.view(torch.bool)[:, None], float("nan"))
     return y
+
+
+def poison_tokens(out: torch.Tensor, bad: torch.Tensor | None, pair_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out[t] = NaN`` in place for each token ``t`` with a pair whose row (``pair_rows[t * top_k + s]``) a
+    :func:`guard` mask marks (nothing for None); returns out."""
+    if bad is not None and out.numel():
+        tok_bad = bad.view(torch.bool)[pair_rows.long()].view(-1, top_k).any(1)
+        out.masked_fill_(tok_bad[:, None], float("nan"))
+    return out

@@ -17,7 +17,7 @@ import torch
 from kbit.kernels import gemv as _k
 from kbit.kernels import gemv_ptx as _ptx
 from kbit.ops._checks import check_dense, check_grouped
-from kbit.ops._ids import check_ids, error_flag, host_checks
+from kbit.ops._ids import check_bounds, check_ids, error_flag, host_checks
 from kbit.ops.reference import gemv_reference, grouped_gemv_reference
 from kbit.tuning.gemv import GemvConfig, gemv_config
 from kbit.utils.cache import TensorCache
@@ -228,6 +228,7 @@ def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
+    check_bounds(P, x.shape[0], E)
     if host_checks(token_ids):
         check_ids("token_ids", token_ids, x.shape[0], "rows of x")
         check_ids("expert_ids", expert_ids, E, "experts of the stack")
