@@ -28,7 +28,7 @@ import torch
 from kbit.kernels.moe import ids_guard_kernel
 
 __all__ = ["ERR_EXPERTS", "ERR_LOGITS", "ERR_PAIR_ROWS", "ERR_ROWS", "check_bounds", "check_errors", "check_ids",
-           "debug_ids", "error_flag", "guard", "host_checks", "poison", "poison_tokens"]
+           "debug_ids", "debug_mode", "error_flag", "guard", "host_checks", "poison", "poison_tokens"]
 
 #: bits of the error flag: a token / row id, an expert id, a combine's pair row, a sampled row without a
 #: finite logit
@@ -81,6 +81,11 @@ def debug_ids(on: bool = True):
         yield
     finally:
         _DEBUG[0] = old
+
+
+def debug_mode() -> bool:
+    """Whether :func:`debug_ids` is on."""
+    return _DEBUG[0]
 
 
 def host_checks(t: torch.Tensor) -> bool:
