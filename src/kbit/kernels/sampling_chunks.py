@@ -65,10 +65,10 @@ def _chunk_stats(x, scale, need_mass, G: tl.constexpr):
     tau = tl.min(tl.where(gmax > NEG_INF, gmax, POS_INF), 0)
     s = 0.0
     if need_mass:
-        # relative to the chunk max before scaling: x * c - m * c would be -inf - -inf for a tiny T
-        c = scale * 1.4426950408889634
+        # relative to the chunk max, scaled before log2(e): x * c - m * c would be -inf - -inf for a tiny T,
+        # and scale * log2(e) overflows for a subnormal one
         mc = tl.where(m > NEG_INF, m, 0.0)
-        s = tl.sum(tl.sum(tl.sum(tl.exp2((x - mc) * c), 2), 0), 0)
+        s = tl.sum(tl.sum(tl.sum(tl.exp2(((x - mc) * scale) * 1.4426950408889634), 2), 0), 0)
     return vmax, gmax, m, m2, tau, s
 
 
