@@ -50,19 +50,22 @@ _DEBUG = [False]
 def error_flag(device) -> torch.Tensor:
     """The int32 ``[1]`` error flag of ``device`` (zero while no op saw a bad id since the last
     :func:`check_errors`). Made on the first use: run one eager step before capturing a CUDA graph."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = _FLAGS.get(device)
+    flag = _FLAGS.get(device)  # a tensor's device: the hot path, one lookup
+    if flag is not None:
+        return flag
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flag = _FLAGS.get(dev)
     if flag is None:
-        flag = _FLAGS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        flag = _FLAGS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
     return flag
 
 
 def check_errors(device=None) -> None:
     """Raise ``ValueError`` if an op on ``device`` (default: every device used) saw bad ids or logits since the
     last call, naming what was wrong; clears the flag. A host sync."""
-    flags = [error_flag(device)] if device is not None else list(_FLAGS.values())
+    flags = [error_flag(device)] if device is not None else list({id(f): f for f in _FLAGS.values()}.values())
     code = 0
     for flag in flags:
         code |= int(flag.item())
