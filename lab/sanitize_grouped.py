@@ -75,15 +75,11 @@ def routing(T, top_k, E, seed=0):
 
 
 def spoil(tok, exp, E):
-    """Copies with a huge token id, INT_MIN, an expert past E and a negative expert; returns them and the rows."""
+    """Copies with a negative expert first, a huge token id, INT_MIN, an expert past E last (sorted rows stay
+    sorted, as ``align`` sorts bad ids); returns them and the bad rows."""
     tok, exp = tok.clone(), exp.clone()
-    P = tok.shape[0]
-    bad = sorted({0, min(1, P - 1), P // 2, P - 1})
-    tok[bad[0]] = 1000000
-    tok[bad[1 % len(bad)]] = -2**31
-    exp[bad[-1]] = E + 1000
-    exp[bad[len(bad) // 2]] = -1
-    return tok, exp, bad
+    exp[0], tok[1], tok[2], exp[-1] = -1, 1000000, -2**31, E + 1000
+    return tok, exp, [0, 1, 2, tok.shape[0] - 1]
 
 
 def expect_bad_rows(y, bad):

@@ -220,11 +220,11 @@ def _gpu_case(E=16, N=1536, K_=2048, T=4, top_k=8, seed=0):
 
 
 def _spoil(tok, exp, T, E):
-    """Copies with bad ids at a few rows (a huge token, INT_MIN, an expert past E, a negative expert)."""
+    """Copies with bad ids at a few rows (a negative expert first, a huge token, INT_MIN, an expert past E last:
+    rows sorted by expert stay sorted, as ``align`` sorts bad ids)."""
     tok, exp = tok.clone(), exp.clone()
-    bad = [1, 2, exp.shape[0] // 2, exp.shape[0] - 1]
-    tok[bad[0]], tok[bad[1]] = 1000000, -2**31
-    exp[bad[2]], exp[bad[3]] = E + 3, -1
+    bad = [0, 1, 2, exp.shape[0] - 1]
+    exp[0], tok[1], tok[2], exp[-1] = -1, 1000000, -2**31, E + 3
     return tok, exp, bad
 
 

@@ -332,10 +332,12 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     y = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return y
+    # ids checked before the block table is built: clamped ids (monotone, so sorted rows stay sorted) add no runs
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
     rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
-    return run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
-                      ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config)
+    return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
+                       N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config)
 
 
 def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
@@ -366,10 +368,11 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)  # before the block table (grouped_linear)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
-    return run_blocks(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
-                      scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config,
-                      silu=act == "silu")
+    return _run_blocks(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, bad, k=k,
+                       scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config,
+                       silu=act == "silu")
 
 
 def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks,
@@ -377,10 +380,27 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
     """One grouped GEMM into ``y`` over the blocks of a given block table (``blocks``, for ``8 ng`` rows a block)
     on a repacked stack, arguments as checked by :func:`grouped_linear_repacked`: the launch an MoE step with a
     tail split makes twice (``kbit.dispatch.moe``). ``silu`` needs the grouped kernel 7. Ids out of range: as
-    :func:`grouped_linear` (one more small launch before the kernel, one after: ``kbit.ops._ids.guard``)."""
-    P = rows.shape[0]
+    :func:`grouped_linear` (one more small launch before the kernel, one after: ``kbit.ops._ids.guard``); a table
+    built from bad ids can hold more blocks than kernel 7 takes (``max_blocks``): the rows of the blocks it drops
+    are NaN too."""
     # the CUDA kernels read ids unchecked: clamped copies (an out-of-range id reads row / expert 0), NaN rows after
     rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, rc.shape[0])
+    return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
+                       N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, silu=silu, config=config)
+
+
+def _dropped_rows(bad, blocks, P: int, n_max: int):
+    """``bad`` (a ``guard`` mask) or'ed with the rows of the blocks past kernel 7's ``n_max`` (a table built from
+    ids out of range can hold more: their rows are not written). On the device, no sync."""
+    blk, nblk = blocks
+    lim = torch.where(nblk > n_max, blk[min(n_max, P):min(n_max, P) + 1], P)
+    return bad.view(torch.bool) | (torch.arange(P, device=blk.device) >= lim)
+
+
+def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, k, scale_format, N, ng, blocks,
+                sorted_rows=False, silu=False, config: GroupedConfig | None = None):
+    """:func:`run_blocks` on checked ids (``bad``: their ``guard`` mask, poisoned after)."""
+    P = rows.shape[0]
     blk, nblk = blocks
     if blk.shape != (P + 1,) or nblk.shape != (1,) or blk.dtype != torch.int32 or nblk.dtype != torch.int32:
         fail(ValueError, "blocks", f"(int32 [{P + 1}], int32 [1]) from block_table", (blk.shape, nblk.shape))
@@ -395,6 +415,8 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
         xp = x if silu else prep_x(x, S)
         _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
                    blocks=blocks, cfg=config, silu=silu)
+        if bad is not None:
+            bad = _dropped_rows(bad, blocks, P, max_blocks(P, rc.shape[0], 8 * config.groups))
         return poison(y, bad)
     xp = prep_x(x, S)
     p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
