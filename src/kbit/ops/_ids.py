@@ -116,14 +116,15 @@ def check_bounds(P: int, T: int, E: int) -> None:
         raise ValueError(f"codes: expected at least one expert for {P} expert_ids, got 0")
 
 
-def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int):
+def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int, rows_name: str = "token_ids",
+          rows_what: str = "rows of x"):
     """(rows, expert_ids, bad): on the host path (:func:`host_checks`) the ids checked (``ValueError``) and
     returned as they are, ``bad`` None; on CUDA one launch: copies with out-of-range ids clamped into range
     (ids sorted by expert stay sorted), an int8 mask ``bad [P]`` of the rows with either id out of range, and the
-    flag set (:func:`check_errors`). ``T``, ``E`` at least 1."""
+    flag set (:func:`check_errors`). ``T``, ``E`` at least 1. ``rows_name``, ``rows_what``: the host error's words."""
     check_bounds(rows.shape[0], T, E)
     if host_checks(rows):
-        check_ids("token_ids", rows, T, "rows of x")
+        check_ids(rows_name, rows, T, rows_what)
         check_ids("expert_ids", expert_ids, E, "experts of the stack")
         return rows, expert_ids, None
     P = rows.shape[0]
