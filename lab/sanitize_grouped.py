@@ -1,7 +1,10 @@
 """Memory safety on the GPU: the grouped ops (GEMV, grouped GEMM kernels 1 / 4 / 7, the MoE layer) with out-of-range
 ids, and the dense kernels at odd shapes, meant to run under compute-sanitizer:
 
-    PYTHONPATH=src compute-sanitizer --tool memcheck --print-limit 20 python lab/sanitize_grouped.py [--quick]
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 PYTHONPATH=src compute-sanitizer --tool memcheck --print-limit 20 \
+        python lab/sanitize_grouped.py [--quick]
+
+(without PyTorch's caching allocator, so that an access past a tensor leaves its allocation and memcheck sees it).
 
 Every case runs, is synchronised and checked (no fault; rows of bad ids NaN, the others finite; the device error
 flag set and cleared by ``kbit.ops._ids.check_errors``; dense outputs against the float32 reference). Prints one
