@@ -134,7 +134,7 @@ def grouped_linear(T, kernel):
     if kernel == "auto":
         y = GR.grouped_linear(x, btok, bexp, codes, scales, ts, cb, sorted_rows=True, **kw)
     elif kernel == "7":
-        cfg = WgmmaGroupedConfig(warps=8, groups=8, stages=4, raster=8, x_swizzle=True, x_bulk=1)
+        cfg = WgmmaGroupedConfig(warps=16, groups=8, stages=4, raster=8, x_swizzle=True, x_bulk=1)
         y = GR.grouped_linear(x, btok, bexp, codes, scales, ts, cb, sorted_rows=True, config=cfg, **kw)
     else:
         cfg = grouped_mma_config(2, -(-K // 256), kernel=int(kernel))
