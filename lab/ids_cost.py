@@ -14,6 +14,8 @@ The check has no switch (it is not optional), so "without" comes from elsewhere:
   the check is two small launches a GEMM (``kbit.ops._ids.guard`` before, ``poison`` after). They are timed alone,
   in a graph, on the step's ids, and reported as a share of the step (this tree only).
 
+Also times ``kbit.sample`` at B = 1 and 64 (its edge-case semantics add a row-max launch: same A/B).
+
 Cold L2: enough layer copies (each its own router logits) that one replay reads every touched expert from HBM.
 Prints ``| kbit ...`` rows (the lines ab_trees.sh shows); writes ``ids_cost.json`` under ``$OUT`` if set.
 """
@@ -81,6 +83,16 @@ def guard_time(reps: int) -> float | None:
     return time_calls([checks], reps=reps).us
 
 
+def sample_time(B: int, reps: int) -> float:
+    """``kbit.sample`` (top-k 50, top-p 0.9, T 0.7) on ``[B, 151936]`` bf16 logits: the row-max launch of the
+    edge-case semantics is in this tree's step, not in 83ced6e's."""
+    x = torch.randn(B, 151936, device="cuda").bfloat16()
+    seed = torch.tensor([1], device="cuda")
+    off = torch.zeros(1, dtype=torch.int64, device="cuda")
+    return time_calls([lambda: kbit.sample(x, temperature=0.7, top_k=50, top_p=0.9, seed=seed, offset=off)],
+                      reps=reps).us
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
@@ -90,6 +102,9 @@ def main():
            "gemm_checks_us": guard_time(a.reps)}
     print(f"| kbit decode T=1 gemv step | {res['gemv_step_us']:.2f} us |")
     print(f"| kbit repacked T=1 gemm step | {res['gemm_step_us']:.2f} us |")
+    for B in (1, 64):
+        res[f"sample_b{B}_us"] = sample_time(B, a.reps)
+        print(f"| kbit sample B={B} V=151936 | {res[f'sample_b{B}_us']:.2f} us |")
     if res["gemm_checks_us"] is not None:
         share = 100 * res["gemm_checks_us"] / res["gemm_step_us"]
         print(f"| kbit gemm step id checks alone | {res['gemm_checks_us']:.2f} us = {share:.2f}% of the step |")
