@@ -8,7 +8,7 @@ The check has no switch (it is not optional), so "without" comes from elsewhere:
   one call on one machine, twice each, alternating (the spread of the repeats is the noise floor)::
 
       mkdir -p _trees/83ced6e && git archive 83ced6e src | tar -x -C _trees/83ced6e
-      TREES="83ced6e . 83ced6e ." TAIL=4 bash lab/ab_trees.sh python -u lab/ids_cost.py
+      TREES="83ced6e . 83ced6e ." TAIL=6 bash lab/ab_trees.sh python -u lab/ids_cost.py
 
 - the grouped tensor-core GEMM step (a stack in layout "mma-v1": ``--repacked``, or the ``| kbit repacked`` row):
   the check is two small launches a GEMM (``kbit.ops._ids.guard`` before, ``poison`` after). They are timed alone,
