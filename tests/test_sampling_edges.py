@@ -174,14 +174,14 @@ def test_rows_without_a_finite_logit_debug_mode_raises():
 
 def test_finite_rows_unchanged_in_distribution():
     """The shift by the row max leaves ordinary rows' distribution as it was (reference vs draws)."""
-    row = torch.randn(1, 200, generator=torch.Generator().manual_seed(7)).to(DEV) * 3 + 1e4
-    kw = dict(temperature=0.8, top_k=20)
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(7)).to(DEV) * 3 + 1e4
+    kw = dict(temperature=0.8, top_k=8)
     probs = filtered_probs_reference(row.cpu(), **kw)[0].double()
-    tokens, logprobs = _draw(row, 512, **kw)
+    tokens, logprobs = _draw(row, 192, **kw)
     assert bool((probs[tokens] > 0).all())
     torch.testing.assert_close(logprobs.double(), probs[tokens].log(), rtol=1e-4, atol=1e-4)
-    tv = 0.5 * (torch.bincount(tokens, minlength=200).double() / 512 - probs).abs().sum().item()
-    assert tv < 4 * math.sqrt(20 / (2 * math.pi * 512))
+    tv = 0.5 * (torch.bincount(tokens, minlength=64).double() / 192 - probs).abs().sum().item()
+    assert tv < 4 * math.sqrt(8 / (2 * math.pi * 192))
 
 
 # ------------------------------------------------------------------------------------------------ GPU
