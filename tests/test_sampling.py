@@ -150,8 +150,9 @@ def _pass1(x, cfg, top_k):
     cand_val = torch.full((B, S * cfg.candidates), float("nan"), device=x.device)
     stats = torch.empty(6, B, S, dtype=torch.float32, device=x.device)
     G, T = _tile(cfg.chunk, cfg.warps_chunk)
+    shift = torch.zeros(B, device=x.device)  # no shift: the stats of x itself
     kern.chunk_summary_kernel[(B, S)](
-        x, x.stride(0), V, stats, 1.0, stats, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False,
+        x, x.stride(0), V, shift, stats, 1.0, stats, top_k, cand, cand_val, stats, B, S, TEMP_PER_ROW=False,
         TOPK_PER_ROW=False, CHUNK=cfg.chunk, KC=cfg.candidates, G=G, T=T, MAX_ITERS=24,
         num_warps=cfg.warps_chunk)
     return cand, stats, cand_val

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kbit.format.spec import KbitWeight
+from kbit.ops._ids import guard, poison, poison_tokens
 from kbit.ops.dequant import dequantize_tensors
 from kbit.ops.gemv import grouped_gemv
 from kbit.ops.grouped_mma import (
@@ -309,9 +310,12 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         if not routing.has_groups:
             raise ValueError("kernel 'grouped_mm': expected a routing with group tables (kbit.ops.moe_align.align), "
                              "got one without (pair_order / sort_pairs)")
-        xs = x.index_select(0, routing.token_ids) if gather else x
+        # ids out of range (kbit.ops._ids): index_select would fault on a token id; an expert id falls outside
+        # the groups (or into expert 0's): clamped copies, the rows NaN after
+        rows, _, bad = guard(rows, x.shape[0], routing.expert_ids, routing.E)
+        xs = x.index_select(0, rows) if gather else x
         w, offs = _dequantize_slots(weight, routing, x.dtype)
-        return torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs)
+        return poison(torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs), bad)
     if kernel == "gemm":
         return grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
@@ -338,6 +342,9 @@ def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> 
     main part and a tail part, each GEMM runs twice into one output (kernel 7 on the main part's blocks, kernel 4
     on the tail's), the tail's SiLU * up from ``silu_mul_gate_up`` over the step's last ``R`` rows (the main
     part's is made in kernel 7's x gather), and the combine reads the new rows."""
+    # tail_split indexes per-expert tables by expert id: clamped ids first, the tokens of bad pairs NaN after
+    tok, eids, bad = guard(routing.token_ids, hidden.shape[0], routing.expert_ids, routing.E)
+    routing = replace(routing, token_ids=tok, expert_ids=eids)
     sp = tail_split(routing, bt)
     P, ng_tail = routing.P, TAIL_ROWS // 8  # kernel 4: one block a tail
 
@@ -351,7 +358,8 @@ def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> 
     y = hidden.new_empty(P, down.N)
     run(gu, routing.row_ids, down, y, bt // 8, sp.main_blocks, True, silu=True)
     run(silu_mul_gate_up(gu[P - sp.R:]), sp.tail_rows, down, y, ng_tail, sp.tail_blocks, False)
-    return combine(y, replace(routing, pair_rows=sp.pair_rows), hidden.dtype)
+    out = combine(y, replace(routing, pair_rows=sp.pair_rows), hidden.dtype)
+    return poison_tokens(out, bad, routing.pair_rows, routing.top_k)
 
 
 def _check_experts(hidden, routing, gate_up, down) -> tuple[int, int, int, int]:
@@ -384,6 +392,10 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
         layout "mma-v1" (``kbit.ops.gemv_mma.RepackedWeight``, see :func:`expert_matmul`).
     down : :class:`~kbit.format.KbitWeight` ``[E, H, I]`` (or repacked).
     plan : the kernels; default :func:`choose_plan`.
+
+    Ids of ``routing`` out of range (a routing built from bad ``topk_ids``; :func:`route` makes none): on the CPU
+    and in ``kbit.ops._ids.debug_ids`` mode ``ValueError``; on CUDA no sync: the tokens of the bad pairs get NaN
+    outputs and the device's error flag is set (``kbit.ops._ids.check_errors``).
     """
     T, H, E, I = _check_experts(hidden, routing, gate_up, down)
     if T == 0:

@@ -261,6 +261,22 @@ def _row_dot(x32_ptr, xrow, vals, w, h, cb_ptr, gg, j, g_ok, K2, acc,
 
 
 @triton.jit
+def _grouped_ids(tok_ptr, exp_ptr, pid_p, T, E, err_ptr, first):
+    """(token, expert, NaN or 0) of grouped row ``pid_p``: an id out of range reads row / matrix 0 instead (in
+    bounds) and the row's outputs get NaN added; the ``first`` program of the row ORs 1 (token) / 2 (expert) into
+    the error flag (``kbit.ops._ids``)."""
+    tok = tl.load(tok_ptr + pid_p)
+    e = tl.load(exp_ptr + pid_p)
+    tb = (tok < 0) | (tok >= T)
+    eb = (e < 0) | (e >= E)
+    code = tb.to(tl.int32) | (eb.to(tl.int32) * 2)
+    if (code != 0) & first:
+        tl.atomic_or(err_ptr, code)
+    nan = tl.where(tb | eb, float("nan"), 0.0)
+    return tl.where(tb, 0, tok), tl.where(eb, 0, e), nan
+
+
+@triton.jit
 def _out(y_ptr, off, acc, ts, bias, rows, row_ok, SPLIT: tl.constexpr):
     v = tl.sum(acc, axis=1) * ts + bias
     if SPLIT:  # fp32 workspace, one partial sum per K split
@@ -289,6 +305,7 @@ def gemv_kernel(
     x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
     codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
     tok_ptr, exp_ptr,  # grouped: int32 [P] each
+    T, E, err_ptr,  # grouped: rows of x, matrices (the ids' bounds), the error flag (int32 [1])
     N, K2, NG, NB, gpb_shift, GS,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
     stride_xm, stride_ym, stride_ce, stride_se, stride_be,
     K_BITS: tl.constexpr, LOG8: tl.constexpr, M: tl.constexpr,
@@ -315,10 +332,11 @@ def gemv_kernel(
     NP: tl.constexpr = CPW // 2  # activation pairs per word
     HAS_H: tl.constexpr = K_BITS == 3 or K_BITS == 5
     WROW = NG * (WPG + HAS_H)  # words per row
+    poison = 0.0
     if GROUPED:
         pid_p = tl.program_id(1)
-        tok = tl.load(tok_ptr + pid_p)
-        e = tl.load(exp_ptr + pid_p).to(tl.int64)
+        tok, e, poison = _grouped_ids(tok_ptr, exp_ptr, pid_p, T, E, err_ptr, pid_n == 0)
+        e = e.to(tl.int64)
         codes_ptr += e * stride_ce
         scales_ptr += e * stride_se
         ts_ptr += e
@@ -415,6 +433,7 @@ def gemv_kernel(
         bias = tl.load(bias_ptr + rows, mask=row_ok, other=0).to(tl.float32)
         if SPLIT:
             bias = bias * (pid_k == 0).to(tl.float32)
+    bias = bias + poison  # NaN on a grouped row with an id out of range
     _out(y_ptr, 0, acc0, ts, bias, rows, row_ok, SPLIT)
     if M > 1:
         _out(y_ptr, stride_ym, acc1, ts, bias, rows, row_ok, SPLIT)
@@ -460,6 +479,7 @@ def gemv_kernel_v3(
     x32_ptr,  # int32 view of activations [.., K] (pairs of halves), row stride stride_xm (int32 units)
     codes_ptr, scales_ptr, ts_ptr, tab_ptr, cb_ptr, bias_ptr, y_ptr,
     tok_ptr, exp_ptr,  # grouped: int32 [P] each
+    T, E, err_ptr,  # grouped: rows of x, matrices (the ids' bounds), the error flag (int32 [1])
     N, K2, NG, NB, gpb_shift, GS,  # rows, K / 2, Kp / 32 (groups of 32 columns), blocks per row, log2(B / 32)
     NT, SPT, SPLITS,  # tiles (row block x K split) per matrix, K steps per tile, K splits
     stride_xm, stride_ym, stride_ce, stride_se, stride_be,
@@ -486,10 +506,11 @@ def gemv_kernel_v3(
     HAS_H: tl.constexpr = K_BITS == 3 or K_BITS == 5
     WROW = NG * (WPG + HAS_H)  # words per row
     s_base = 0  # element offset of this matrix's scales (kept out of the pointer: the words must stay aligned)
+    poison = 0.0
     if GROUPED:
         pid_p = tl.program_id(1)
-        tok = tl.load(tok_ptr + pid_p)
-        e = tl.load(exp_ptr + pid_p).to(tl.int64)
+        tok, e, poison = _grouped_ids(tok_ptr, exp_ptr, pid_p, T, E, err_ptr, pid == 0)
+        e = e.to(tl.int64)
         codes_ptr += e * stride_ce
         s_base = e.to(tl.int32) * stride_se
         ts_ptr += e
@@ -579,6 +600,7 @@ def gemv_kernel_v3(
                 bias = tl.load(bias_ptr + rows, mask=row_ok, other=0).to(tl.float32)
                 if SPLIT:
                     bias = bias * (ks == 0).to(tl.float32)
+            bias = bias + poison  # NaN on a grouped row with an id out of range
             _flush(y_ptr, 0, stride_ym, acc0, ts, bias, rows, row_ok, SPLIT, M)
             _flush(y_ptr, 1, stride_ym, acc1, ts, bias, rows, row_ok, SPLIT, M)
             _flush(y_ptr, 2, stride_ym, acc2, ts, bias, rows, row_ok, SPLIT, M)

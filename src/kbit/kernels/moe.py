@@ -27,19 +27,25 @@ def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constex
 
 
 @triton.jit
-def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, H, stride_y, stride_out, TOP_K: tl.constexpr,
+def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y, stride_out, TOP_K: tl.constexpr,
                    BLOCK: tl.constexpr):
     """``out[t, c] = sum_s w[t, s] * y[pair_rows[t * TOP_K + s], c]``: one program per (token, column block).
 
-    Each token's ``TOP_K`` expert rows are summed in a fixed order in float32 (deterministic, no atomics)."""
+    Each token's ``TOP_K`` expert rows are summed in a fixed order in float32 (deterministic, no atomics).
+    A pair row out of ``[0, P)`` reads row 0 instead (in bounds), makes the token's output NaN and ORs 4 into
+    ``err[0]`` (``kbit.ops._ids``)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
-        r = tl.load(pair_rows_ptr + p).to(tl.int64)
-        w = tl.load(w_ptr + p)
+        r = tl.load(pair_rows_ptr + p)
+        rb = (r < 0) | (r >= P)
+        if rb & (tl.program_id(1) == 0):
+            tl.atomic_or(err_ptr, 4)
+        r = tl.where(rb, 0, r).to(tl.int64)
+        w = tl.load(w_ptr + p) + tl.where(rb, float("nan"), 0.0)
         v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc += w * v
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -113,3 +119,23 @@ def sort_pairs_kernel(ids_ptr, expert_ptr, tok_ptr, pair_rows_ptr, P, TOP_K: tl.
     tl.store(pair_rows_ptr + i, rank, mask=ok_i)
     tl.store(expert_ptr + rank, ei, mask=ok_i)
     tl.store(tok_ptr + rank, i // TOP_K, mask=ok_i)
+
+
+@triton.jit
+def ids_guard_kernel(rows_ptr, eids_ptr, rows_out, eids_out, bad_out, err_ptr, P, T, E, BLOCK: tl.constexpr):
+    """Bounds of a grouped op's ids: ``rows`` in ``[0, T)``, ``eids`` in ``[0, E)``. Writes them clamped into
+    range (so the kernel that reads them stays in bounds; clamping keeps ids sorted by expert sorted), ``bad[p] =
+    1`` for a row with either id out of range, and ORs 1 (a row) / 2 (an expert) into ``err[0]`` (one atomic a
+    program, only when it saw one)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    r = tl.load(rows_ptr + p, mask=ok, other=0)
+    e = tl.load(eids_ptr + p, mask=ok, other=0)
+    rb = ((r < 0) | (r >= T)) & ok
+    eb = ((e < 0) | (e >= E)) & ok
+    tl.store(rows_out + p, tl.minimum(tl.maximum(r, 0), T - 1), mask=ok)
+    tl.store(eids_out + p, tl.minimum(tl.maximum(e, 0), E - 1), mask=ok)
+    tl.store(bad_out + p, (rb | eb).to(tl.int8), mask=ok)
+    code = tl.max(rb.to(tl.int32), 0) | (tl.max(eb.to(tl.int32), 0) * 2)
+    if code != 0:
+        tl.atomic_or(err_ptr, code)

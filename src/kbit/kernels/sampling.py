@@ -41,6 +41,7 @@ from kbit.kernels.sampling_common import (
     _param,
     _rng_word,
     _row_scale,
+    _shifted,
     _uniform,
 )
 
@@ -174,13 +175,13 @@ def _argmin(key, idx, v, FUSED: tl.constexpr):
 
 # ----------------------------------------------------------------- pass 2: whole-row fallbacks
 @triton.jit
-def _row_ge_stats(x_ptr, V, scale, M, piv, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+def _row_ge_stats(x_ptr, V, scale, shift, M, piv, BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """For each pivot key p: (count, sum of exp(z - M)) over the finite z of the row with key >= p."""
     cnt = tl.zeros([NPIV], tl.float32)
     mass = tl.zeros([NPIV], tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        z, fin = _load_tempered(x_ptr, offs, offs < V, scale)
+        z, fin = _load_tempered(x_ptr, offs, offs < V, scale, shift)
         ge = (_ordered_key(z)[:, None] >= piv[None, :]) & fin[:, None]
         cnt += tl.sum(ge.to(tl.float32), 0)
         mass += tl.sum(tl.where(ge, tl.exp(z - M)[:, None], 0.0), 0)
@@ -188,17 +189,17 @@ def _row_ge_stats(x_ptr, V, scale, M, piv, BLOCK: tl.constexpr, NPIV: tl.constex
 
 
 @triton.jit
-def _row_mass_ge(x_ptr, V, scale, M, t, BLOCK: tl.constexpr):
+def _row_mass_ge(x_ptr, V, scale, shift, M, t, BLOCK: tl.constexpr):
     mass = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        z, fin = _load_tempered(x_ptr, offs, offs < V, scale)
+        z, fin = _load_tempered(x_ptr, offs, offs < V, scale, shift)
         mass += tl.where(fin & (z >= t), tl.exp(z - M), 0.0)
     return tl.sum(mass, 0)
 
 
 @triton.jit
-def _row_search(x_ptr, V, scale, M, lo, hi, c_lo, mass_lo, target, stop_count, BY_MASS: tl.constexpr,
+def _row_search(x_ptr, V, scale, shift, M, lo, hi, c_lo, mass_lo, target, stop_count, BY_MASS: tl.constexpr,
                 BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """Largest key lo with f(lo) >= target, given f(lo) >= target > f(hi), where f is the count
     (BY_MASS=0) or the mass (BY_MASS=1) of the row at or above a key; c_lo and mass_lo are the
@@ -212,7 +213,7 @@ def _row_search(x_ptr, V, scale, M, lo, hi, c_lo, mass_lo, target, stop_count, B
     c_hi = 0.0
     while (hi - lo > 1) & (c_lo - c_hi > 1.0) & (c_lo != stop_count):
         piv = lo + ((hi - lo) * (j + 1)) // (NPIV + 1)
-        cnt, mass = _row_ge_stats(x_ptr, V, scale, M, piv.to(tl.int32), BLOCK, NPIV)
+        cnt, mass = _row_ge_stats(x_ptr, V, scale, shift, M, piv.to(tl.int32), BLOCK, NPIV)
         if BY_MASS:
             good = mass >= target
         else:
@@ -229,7 +230,7 @@ def _row_search(x_ptr, V, scale, M, lo, hi, c_lo, mass_lo, target, stop_count, B
 
 
 @triton.jit
-def _row_scan(x_ptr, start, end, scale, M, t, target, BLOCK: tl.constexpr):
+def _row_scan(x_ptr, start, end, scale, shift, M, t, target, BLOCK: tl.constexpr):
     """First index in [start, end) where the running sum of exp(z - M) over z >= t exceeds target."""
     acc = 0.0
     tok = -1
@@ -237,7 +238,7 @@ def _row_scan(x_ptr, start, end, scale, M, t, target, BLOCK: tl.constexpr):
     pos = start
     while (pos < end) & (tok < 0):
         offs = pos + tl.arange(0, BLOCK)
-        z, fin = _load_tempered(x_ptr, offs, offs < end, scale)
+        z, fin = _load_tempered(x_ptr, offs, offs < end, scale, shift)
         w = tl.where(fin & (z >= t), tl.exp(z - M), 0.0)
         cs = acc + tl.cumsum(w, 0)
         first = tl.min(tl.where((cs > target) & (w > 0.0), offs, INT32_MAX), 0)
@@ -250,7 +251,7 @@ def _row_scan(x_ptr, start, end, scale, M, t, target, BLOCK: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------- pass 2
 @triton.jit
-def _expand(x_row, cand_row, nvec_row, vs, S, KC: tl.constexpr, V, scale, NV: tl.constexpr):
+def _expand(x_row, cand_row, nvec_row, vs, S, KC: tl.constexpr, V, scale, shift, NV: tl.constexpr):
     """Entries of candidate vectors [vs, vs + NV): (index, tempered value, finite), flattened."""
     vl = vs + tl.arange(0, NV)
     slot_ok = vl < S * KC
@@ -258,14 +259,14 @@ def _expand(x_row, cand_row, nvec_row, vs, S, KC: tl.constexpr, V, scale, NV: tl
     v_ok = slot_ok & ((vl % KC).to(tl.float32) < n_vec)
     vb = tl.load(cand_row + vl, mask=v_ok, other=0)
     e_idx = vb[:, None] + tl.arange(0, 4)[None, :]
-    e_z, e_fin = _load_tempered(x_row, e_idx, v_ok[:, None] & (e_idx < V), scale)
+    e_z, e_fin = _load_tempered(x_row, e_idx, v_ok[:, None] & (e_idx < V), scale, shift)
     return tl.reshape(e_idx, [NV * 4]), tl.reshape(e_z, [NV * 4]), tl.reshape(e_fin, [NV * 4])
 
 
 @triton.jit(noinline=True)
 def _select_fallback(
     x_ptr, stride_x, V, row, cand_idx_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr,
-    scale, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
+    scale, shift, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
     CHUNK: tl.constexpr, KC: tl.constexpr, SP: tl.constexpr, NVP: tl.constexpr, P: tl.constexpr,
     VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr,
 ):
@@ -302,7 +303,7 @@ def _select_fallback(
         n_surv = tl.full([], 0, tl.int32)
         F_pack = tl.where(greedy, POS_INF, F)  # greedy rows need no survivors
         for vs in range(0, S * KC, VB):
-            e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, vs, S, KC, V, scale, VB)
+            e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, vs, S, KC, V, scale, shift, VB)
             tok_g = tl.minimum(tok_g, tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0))
             surv = e_fin & (e_z > F_pack)
             pos = n_surv + tl.cumsum(surv.to(tl.int32), 0) - 1
@@ -317,7 +318,7 @@ def _select_fallback(
         v = tl.load(scr_val_ptr + scr + cl, mask=fin, other=NEG_INF)
         idx = tl.load(scr_idx_ptr + scr + cl, mask=fin, other=0)
     else:
-        e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, 0, S, KC, V, scale, NVP)
+        e_idx, e_z, e_fin = _expand(x_row, cand_row, nvec_row, 0, S, KC, V, scale, shift, NVP)
         tok_g = tl.min(tl.where(e_fin & (e_z == M), e_idx, INT32_MAX), 0)
         cl = tl.arange(0, NVP * 4)
         fin = e_fin & (e_z > F)
@@ -333,7 +334,7 @@ def _select_fallback(
         topk_on = (top_k > 0) & (top_k < n_fin)
         topp_on = top_p < 1.0
         if (~mass_known) & (~topk_on):
-            Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
+            Z = _row_mass_ge(x_row, V, scale, shift, M, NEG_INF, BLOCK)
         # (a candidate at or below F can never be part of a certified support: dropped above)
         keys = _ordered_key(v)
         w = tl.where(fin, tl.exp(v - M), 0.0)
@@ -367,17 +368,17 @@ def _select_fallback(
             # whole-row passes for whatever the candidates could not certify
             hi0 = _ordered_key(M).to(tl.int64) + 1
             if (~mass_known) & topk_on:
-                Z = _row_mass_ge(x_row, V, scale, M, NEG_INF, BLOCK)
+                Z = _row_mass_ge(x_row, V, scale, shift, M, NEG_INF, BLOCK)
             c_k = tl.where(topk_on, tl.sum(in_k.to(tl.float32), 0), n_fin.to(tl.float32))
             if topk_on & (~ok_k):
-                lo_k, c_k, W_k = _row_search(x_row, V, scale, M, _ordered_key(zmin).to(tl.int64), hi0,
+                lo_k, c_k, W_k = _row_search(x_row, V, scale, shift, M, _ordered_key(zmin).to(tl.int64), hi0,
                                              n_fin.to(tl.float32), Z, top_k.to(tl.float32),
                                              top_k.to(tl.float32), 0, BLOCK, NPIV)
                 t_k = _key_to_float(lo_k.to(tl.int32))
             W_p = W_k
             if topp_on:
                 lo_p0 = _ordered_key(tl.maximum(t_k, zmin)).to(tl.int64)
-                lo_p, _c_p, W_p = _row_search(x_row, V, scale, M, lo_p0, hi0, c_k, W_k, top_p * W_k,
+                lo_p, _c_p, W_p = _row_search(x_row, V, scale, shift, M, lo_p0, hi0, c_k, W_k, top_p * W_k,
                                               -1.0, 1, BLOCK, NPIV)
                 t_p = _key_to_float(lo_p.to(tl.int32))
             t = tl.maximum(tl.maximum(t_k, t_p), t_min)
@@ -388,7 +389,7 @@ def _select_fallback(
                 c_pick = tl.where(c_pick < SP, c_pick, tl.max(tl.where(mass_c > 0.0, sl, 0), 0))
                 before = tl.sum(tl.where(sl < c_pick, mass_c, 0.0), 0)
                 start = c_pick * CHUNK
-                tok = _row_scan(x_row, start, tl.minimum(start + CHUNK, V), scale, M, t,
+                tok = _row_scan(x_row, start, tl.minimum(start + CHUNK, V), scale, shift, M, t,
                                 u * Z - before, BLOCK)
                 W_t = Z
             else:
@@ -397,10 +398,10 @@ def _select_fallback(
                 elif t == t_k:
                     W_t = W_k
                 else:
-                    W_t = _row_mass_ge(x_row, V, scale, M, t, BLOCK)
-                tok = _row_scan(x_row, 0, V, scale, M, t, u * W_t, BLOCK)
+                    W_t = _row_mass_ge(x_row, V, scale, shift, M, t, BLOCK)
+                tok = _row_scan(x_row, 0, V, scale, shift, M, t, u * W_t, BLOCK)
             tok = tl.minimum(tl.maximum(tok, 0), V - 1)
-            z_tok = tl.load(x_row + tok).to(tl.float32) * scale
+            z_tok = _shifted(tl.load(x_row + tok).to(tl.float32), shift) * scale
             logprob = z_tok - M - tl.log(W_t)
 
     tok = tl.minimum(tl.maximum(tok, 0), V - 1)
@@ -410,7 +411,7 @@ def _select_fallback(
 
 @triton.jit
 def select_sample_kernel(
-    x_ptr, stride_x, V,
+    x_ptr, stride_x, V, shift_ptr, err_ptr,
     cand_idx_ptr, cand_val_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr, fscr_ptr,
     temp_ptr, temp_val, topk_ptr, topk_val, topp_ptr, topp_val, minp_ptr, minp_val,
     seed_ptr, seed_val, offset_ptr, offset_val,
@@ -435,8 +436,17 @@ def select_sample_kernel(
        entry >= t_k is then packed).
 
     Greedy rows: the lowest candidate index holding the row max (every chunk stores the vector of its
-    lowest index holding its max: always exact). Everything else calls ``_select_fallback``."""
+    lowest index holding its max: always exact). Everything else calls ``_select_fallback``.
+
+    Logits are read shifted by the row max ``shift[row]`` (``_shifted``). A row without a finite or +inf
+    logit (shift = -inf) gets token -1 and logprob NaN and ORs 8 into ``err[0]`` (``kbit.ops._ids``)."""
     row = tl.program_id(0)
+    shift = tl.load(shift_ptr + row)
+    if shift == NEG_INF:
+        tl.store(tok_ptr + row, tl.full([], -1, tl.int64))
+        tl.store(logprob_ptr + row, tl.full([], float("nan"), tl.float32))
+        tl.atomic_or(err_ptr, 8)
+        return
     x_row = x_ptr + row.to(tl.int64) * stride_x
     temp = _param(temp_ptr, temp_val, row, TEMP_PER_ROW, tl.float32)
     top_k = _param(topk_ptr, topk_val, row, TOPK_PER_ROW, tl.int32)
@@ -475,9 +485,9 @@ def select_sample_kernel(
         keep_v = (sval >= L) & (sval > F_f)  # unused slots hold -inf: never kept
         e_idx = tl.multiple_of(sidx, 4)[:, None] + j4[None, :]
         if EVEN4:  # no vector straddles V: a per-vector mask keeps the gather 16 bytes wide
-            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None], scale)
+            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None], scale, shift)
         else:
-            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None] & (e_idx < V), scale)
+            z, fin = _load_tempered(x_row, e_idx, keep_v[:, None] & (e_idx < V), scale, shift)
         keep_e = fin & (z >= L) & (z > F_f)
         if greedy:
             tok = tl.min(tl.min(tl.where(keep_e & (z == M), e_idx, INT32_MAX), 1), 0)
@@ -538,7 +548,7 @@ def select_sample_kernel(
         tl.store(logprob_ptr + row, logprob)
     else:
         _select_fallback(x_ptr, stride_x, V, row, cand_idx_ptr, stats_ptr, B, S, scr_val_ptr, scr_idx_ptr,
-                         scale, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
+                         scale, shift, greedy, top_k, top_p, min_p, seed, off, tok_ptr, logprob_ptr,
                          CHUNK, KC, SP, NVP, P, VB, BLOCK, NPIV)
 
 

@@ -4,7 +4,7 @@
 import triton
 import triton.language as tl
 
-from kbit.kernels.sampling_common import INT32_MAX, NEG_INF, POS_INF, _param, _row_scale
+from kbit.kernels.sampling_common import INT32_MAX, NEG_INF, POS_INF, _param, _row_scale, _shifted
 
 
 @triton.jit
@@ -27,8 +27,9 @@ def _refine_tau(x1, fin1, tau, m, need, KC: tl.constexpr, MAX_ITERS: tl.constexp
 
 
 @triton.jit
-def _load_tile(x_row, start, V, CHUNK: tl.constexpr, G: tl.constexpr, T: tl.constexpr):
-    """The chunk at ``start`` as a [G, T/4, 4] tile of raw logits (NaN -> -inf), whether every entry
+def _load_tile(x_row, start, V, shift, CHUNK: tl.constexpr, G: tl.constexpr, T: tl.constexpr):
+    """The chunk at ``start`` as a [G, T/4, 4] tile of logits shifted by the row max (``_shifted``; NaN ->
+    -inf), whether every entry
     is finite (padding does not count), and the base index of each thread's 16-byte vector.
 
     Interior chunks: vector [g, v] is entries start + g * T + 4 v. The row's tail chunk deals its
@@ -41,12 +42,12 @@ def _load_tile(x_row, start, V, CHUNK: tl.constexpr, G: tl.constexpr, T: tl.cons
     vb = start + tl.where(tail, (v_i * G + g_i) * 4, g_i * T + v_i * 4)
     offs = vb[:, :, None] + tl.arange(0, 4)[None, None, :]
     if start + CHUNK <= V:
-        x = tl.load(x_row + offs).to(tl.float32)
-        x = tl.maximum(x, NEG_INF)  # NaN -> -inf (maxnum returns the number)
+        x = _shifted(tl.load(x_row + offs).to(tl.float32), shift)
+        x = tl.where(x == x, x, NEG_INF)  # NaN -> -inf
         all_fin = tl.min(tl.min(tl.min(x, 2), 0), 0) > NEG_INF
     else:
-        x = tl.load(x_row + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
-        x = tl.maximum(x, NEG_INF)
+        x = _shifted(tl.load(x_row + offs, mask=offs < V, other=NEG_INF).to(tl.float32), shift)
+        x = tl.where(x == x, x, NEG_INF)
         all_fin = tl.min(tl.min(tl.min(tl.where(offs < V, x, POS_INF), 2), 0), 0) > NEG_INF
     return x, all_fin, vb
 
@@ -64,9 +65,10 @@ def _chunk_stats(x, scale, need_mass, G: tl.constexpr):
     tau = tl.min(tl.where(gmax > NEG_INF, gmax, POS_INF), 0)
     s = 0.0
     if need_mass:
-        c = scale * 1.4426950408889634
-        mc = tl.where(m > NEG_INF, m * c, 0.0)
-        s = tl.sum(tl.sum(tl.sum(tl.exp2(x * c - mc), 2), 0), 0)
+        # relative to the chunk max, scaled before log2(e): x * c - m * c would be -inf - -inf for a tiny T,
+        # and scale * log2(e) overflows for a subnormal one
+        mc = tl.where(m > NEG_INF, m, 0.0)
+        s = tl.sum(tl.sum(tl.sum(tl.exp2(((x - mc) * scale) * 1.4426950408889634), 2), 0), 0)
     return vmax, gmax, m, m2, tau, s
 
 
@@ -81,7 +83,7 @@ def _store_stats(stats_ptr, at, plane, m, s, cert, n_fin, n_vec, m2, scale):
 
 
 @triton.jit(noinline=True)
-def _chunk_general(x_ptr, stride_x, V, row, chunk, scale, need_mass, cand_idx_ptr, cand_val_ptr, stats_ptr, B, S,
+def _chunk_general(x_ptr, stride_x, V, row, chunk, scale, shift, need_mass, cand_idx_ptr, cand_val_ptr, stats_ptr, B, S,
                    CHUNK: tl.constexpr, KC: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
                    MAX_ITERS: tl.constexpr):
     """Pass 1's general branch (rare: -inf or NaN entries, more than KC vectors at both bounds, massive
@@ -91,7 +93,7 @@ def _chunk_general(x_ptr, stride_x, V, row, chunk, scale, need_mass, cand_idx_pt
     row then falls back), and slot 0 holds the vector of the lowest index holding the max (greedy)."""
     start = chunk * CHUNK
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    x, _all_fin, vb = _load_tile(x_row, start, V, CHUNK, G, T)
+    x, _all_fin, vb = _load_tile(x_row, start, V, shift, CHUNK, G, T)
     vmax, _gmax, m, m2, tau, s = _chunk_stats(x, scale, need_mass, G)
     x1 = tl.reshape(x, [CHUNK])
     fin1 = x1 > NEG_INF
@@ -129,14 +131,14 @@ def _chunk_general(x_ptr, stride_x, V, row, chunk, scale, need_mass, cand_idx_pt
 
 @triton.jit
 def chunk_summary_kernel(
-    x_ptr, stride_x, V,
+    x_ptr, stride_x, V, shift_ptr,
     temp_ptr, temp_val, topk_ptr, topk_val,
     cand_idx_ptr, cand_val_ptr, stats_ptr, B, S,
     TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr,
     CHUNK: tl.constexpr, KC: tl.constexpr, G: tl.constexpr, T: tl.constexpr, MAX_ITERS: tl.constexpr,
 ):
-    """One chunk of one row, as a [G, T/4, 4] tile of raw logits x (one read; each [g, v, :] is one
-    16-byte load of one thread).
+    """One chunk of one row, as a [G, T/4, 4] tile of logits x shifted by the row max ``shift[row]`` (one read;
+    each [g, v, :] is one 16-byte load of one thread).
 
     Works on x, not z = x * scale: scale > 0 and rounding is monotone, so every order statistic
     maps through z = fl(x * scale). The candidate bound is ``tau = min over tile rows of the row
@@ -157,7 +159,8 @@ def chunk_summary_kernel(
 
     start = chunk * CHUNK
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    x, all_fin, vb = _load_tile(x_row, start, V, CHUNK, G, T)
+    shift = tl.load(shift_ptr + row)
+    x, all_fin, vb = _load_tile(x_row, start, V, shift, CHUNK, G, T)
     vmax, gmax, m, m2, tau, s = _chunk_stats(x, scale, need_mass, G)
 
     # candidates are stored as 16-byte vectors (base index of 4 entries) holding an entry >= tau:
@@ -185,5 +188,5 @@ def chunk_summary_kernel(
         _store_stats(stats_ptr, row * S + chunk, B * S, m, s, tau, tl.minimum(V - start, CHUNK), n_vec, m2,
                      scale)
     else:
-        _chunk_general(x_ptr, stride_x, V, row, chunk, scale, need_mass, cand_idx_ptr, cand_val_ptr, stats_ptr,
+        _chunk_general(x_ptr, stride_x, V, row, chunk, scale, shift, need_mass, cand_idx_ptr, cand_val_ptr, stats_ptr,
                        B, S, CHUNK, KC, G, T, MAX_ITERS)

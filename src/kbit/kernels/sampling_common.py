@@ -42,10 +42,21 @@ def _rng_word(ptr, val, row, MODE: tl.constexpr):
 
 
 @triton.jit
-def _load_tempered(x_ptr, offs, mask, scale):
-    """Tempered logits in float32; -inf where masked, -inf or NaN; -0.0 canonicalised to +0.0."""
+def _shifted(x, shift):
+    """``x - shift`` with the row max ``shift`` (``row_max_kernel``) landing on 0 exactly, also when it is +inf
+    (then every other entry is -inf: the support is the +inf entries); a row without a finite or +inf entry
+    (shift = -inf) is all NaN here, -inf after the callers' NaN -> -inf. Keeps z = shifted * scale <= 0, so
+    huge logits and tiny temperatures cannot overflow to +inf or NaN."""
+    d = x - shift
+    return tl.where(x == shift, tl.where(shift > NEG_INF, 0.0, d), d)
+
+
+@triton.jit
+def _load_tempered(x_ptr, offs, mask, scale, shift):
+    """Tempered, shifted logits ``(x - shift) * scale`` in float32 (see ``_shifted``); -inf where masked, -inf
+    or NaN; -0.0 canonicalised to +0.0."""
     x = tl.load(x_ptr + offs, mask=mask, other=NEG_INF).to(tl.float32)
-    z = x * scale + 0.0
+    z = _shifted(x, shift) * scale + 0.0
     fin = z > NEG_INF
     return tl.where(fin, z, NEG_INF), fin
 
@@ -60,7 +71,23 @@ def _uniform(seed, off, row):
 
 @triton.jit
 def _row_scale(temp):
-    """1/T for T > 0 (IEEE division, as torch computes it); 1 for greedy rows (T <= 0)."""
+    """1/T for T > 0 (IEEE division, as torch computes it; at most the largest float32, so that the row max,
+    shifted to 0, stays 0 for a subnormal T); 1 for greedy rows (T <= 0)."""
     greedy = temp <= 0.0
     safe = tl.where(greedy, 1.0, temp)
-    return tl.where(greedy, 1.0, tl.math.div_rn(1.0, safe)), greedy
+    inv = tl.minimum(tl.math.div_rn(1.0, safe), 3.4028234663852886e38)
+    return tl.where(greedy, 1.0, inv), greedy
+
+
+@triton.jit
+def row_max_kernel(x_ptr, stride_x, V, out_ptr, BLOCK: tl.constexpr):
+    """``out[row] = max(x[row])`` over the non-NaN entries (-inf when there is none): the shift of the
+    sampler's logits (``_shifted``). One program a row."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    m = tl.full([BLOCK], NEG_INF, tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
+        m = tl.maximum(m, tl.where(x == x, x, NEG_INF))
+    tl.store(out_ptr + row, tl.max(m, 0))

@@ -17,6 +17,7 @@ import torch
 from kbit.kernels import gemv as _k
 from kbit.kernels import gemv_ptx as _ptx
 from kbit.ops._checks import check_dense, check_grouped
+from kbit.ops._ids import check_bounds, check_ids, error_flag, host_checks
 from kbit.ops.reference import gemv_reference, grouped_gemv_reference
 from kbit.tuning.gemv import GemvConfig, gemv_config
 from kbit.utils.cache import TensorCache
@@ -100,6 +101,8 @@ def _launch(x32, codes, scales, tensor_scale, codebook, bias, y, tok, exp, *, k,
                   LASM=_ptx.LOOKUP_ASM[k], LCONS=_ptx.LOOKUP_CONS[k], DASM=_ptx.DOT_ASM[(np_, bf16)],
                   DCONS=_ptx.DOT_CONS[(np_, bf16)], num_warps=cfg.num_warps)
     ids = (tok if tok is not None else tensor_scale, exp if exp is not None else tensor_scale)
+    # the ids' bounds and the error flag (kbit.ops._ids): the kernel reads an id out of range as 0, NaN row
+    ids += (x32.shape[0], codes.shape[0], error_flag(y.device)) if grouped else (0, 0, tensor_scale)
     if not cfg.pipelined:  # v2: a program per (row block, K split), plain loop
         even_k = K == Kp and ng % cfg.G == 0
         lead_s = scales.stride(0) if grouped else 0
@@ -204,13 +207,17 @@ def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook
 
     Parameters
     ----------
-    x : fp16/bf16 ``[T, K]``; token_ids, expert_ids : int32 ``[P]`` on the device (not read by the host:
-    ids must be valid, ``0 <= token < T``, ``0 <= expert < E``); codes ``[E, N, Kp*k/32]``, scales
-    ``[E, N, nb]``, tensor_scale float32 ``[E]``, codebook ``[2**k]``; bias optional ``[E, N]``.
+    x : fp16/bf16 ``[T, K]``; token_ids, expert_ids : int32 ``[P]`` on x's device, ``0 <= token < T``,
+    ``0 <= expert < E``; codes ``[E, N, Kp*k/32]``, scales ``[E, N, nb]``, tensor_scale float32 ``[E]``,
+    codebook ``[2**k]``; bias optional ``[E, N]``.
 
     Returns
     -------
     ``[P, N]`` in x's dtype.
+
+    Bad ids (``kbit.ops._ids``): on the CPU and in ``debug_ids`` mode ``ValueError`` (argument, range, value)
+    before the launch; on CUDA no host read (no sync): a row whose token or expert id is out of range reads
+    row / expert 0 (in bounds), is NaN, and sets the device's error flag (``check_errors`` raises).
     """
     E = check_grouped(x, "token_ids", token_ids, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
                        scale_format, N, K)
@@ -221,6 +228,10 @@ def grouped_gemv(x, token_ids, expert_ids, codes, scales, tensor_scale, codebook
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
+    check_bounds(P, x.shape[0], E)
+    if host_checks(token_ids):
+        check_ids("token_ids", token_ids, x.shape[0], "rows of x")
+        check_ids("expert_ids", expert_ids, E, "experts of the stack")
     _launch(_x_pairs(x), codes, scales, tensor_scale, codebook, bias, y, token_ids.contiguous(),
             expert_ids.contiguous(), k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, M=1,
             grouped=True, P=P, config=config)

@@ -27,6 +27,7 @@ import torch
 from kbit.cuda import compile_kernel
 from kbit.format.spec import check_blocksize, check_k, check_scale_format, padded_k
 from kbit.ops._common import e_table
+from kbit.ops._ids import guard, poison
 from kbit.ops.mma.common import check_repacked, kernels_available, prep_x, x_tiles, x_tiles_groups
 from kbit.ops.mma.layout import repack_stack
 from kbit.ops.moe_blocks import block_table, max_blocks
@@ -315,7 +316,9 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` for a k-bit stack ``W [E, N, K]``: ``[P, N]`` in x's dtype.
 
     x: fp16/bf16 ``[T, K]`` on a device where the CUDA kernels run (``kernels_available``); rows, expert_ids: int32
-    ``[P]`` on x's device (ids valid, not checked: that would sync); codes ``[E, N, words]``, scales
+    ``[P]`` on x's device, ``0 <= rows < T``, ``0 <= expert_ids < E`` (checked on the device, no sync: a row with
+    an id out of range is NaN and sets the error flag, ``kbit.ops._ids``; ``ValueError`` in ``debug_ids`` mode);
+    codes ``[E, N, words]``, scales
     ``[E, N, nb]``, tensor_scale float32 ``[E]``, codebook ``[2**k]`` (the grouped GEMV's arguments).
     ``blocks``: a ``kbit.ops.moe_blocks.block_table`` of expert_ids for ``8 * ng`` rows (pass one table to both
     GEMMs of an MoE step); ``ng``: default :func:`choose_ng`. ``sorted_rows``: the caller guarantees that each
@@ -329,10 +332,12 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     y = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
     if rows.shape[0] == 0:
         return y
+    # ids checked before the block table is built: clamped ids (monotone, so sorted rows stay sorted) add no runs
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
     rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
-    return run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
-                      ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config)
+    return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
+                       N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config)
 
 
 def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
@@ -363,17 +368,38 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)  # before the block table (grouped_linear)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
-    return run_blocks(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, k=k,
-                      scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config,
-                      silu=act == "silu")
+    return _run_blocks(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, bad, k=k,
+                       scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config,
+                       silu=act == "silu")
 
 
 def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks,
                sorted_rows=False, silu=False, config: GroupedConfig | None = None):
     """One grouped GEMM into ``y`` over the blocks of a given block table (``blocks``, for ``8 ng`` rows a block)
     on a repacked stack, arguments as checked by :func:`grouped_linear_repacked`: the launch an MoE step with a
-    tail split makes twice (``kbit.dispatch.moe``). ``silu`` needs the grouped kernel 7."""
+    tail split makes twice (``kbit.dispatch.moe``). ``silu`` needs the grouped kernel 7. Ids out of range: as
+    :func:`grouped_linear` (one more small launch before the kernel, one after: ``kbit.ops._ids.guard``); a table
+    built from bad ids can hold more blocks than kernel 7 takes (``max_blocks``): the rows of the blocks it drops
+    are NaN too."""
+    # the CUDA kernels read ids unchecked: clamped copies (an out-of-range id reads row / expert 0), NaN rows after
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, rc.shape[0])
+    return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
+                       N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, silu=silu, config=config)
+
+
+def _dropped_rows(bad, blocks, P: int, n_max: int):
+    """``bad`` (a ``guard`` mask) or'ed with the rows of the blocks past kernel 7's ``n_max`` (a table built from
+    ids out of range can hold more: their rows are not written). On the device, no sync."""
+    blk, nblk = blocks
+    lim = torch.where(nblk > n_max, blk[min(n_max, P):min(n_max, P) + 1], P)
+    return bad.view(torch.bool) | (torch.arange(P, device=blk.device) >= lim)
+
+
+def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, k, scale_format, N, ng, blocks,
+                sorted_rows=False, silu=False, config: GroupedConfig | None = None):
+    """:func:`run_blocks` on checked ids (``bad``: their ``guard`` mask, poisoned after)."""
     P = rows.shape[0]
     blk, nblk = blocks
     if blk.shape != (P + 1,) or nblk.shape != (1,) or blk.dtype != torch.int32 or nblk.dtype != torch.int32:
@@ -387,8 +413,11 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
             config = grouped_mma_config(ng, S)
     if isinstance(config, WgmmaGroupedConfig):
         xp = x if silu else prep_x(x, S)
-        return _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format,
-                          N=N, blocks=blocks, cfg=config, silu=silu)
+        _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
+                   blocks=blocks, cfg=config, silu=silu)
+        if bad is not None:
+            bad = _dropped_rows(bad, blocks, P, max_blocks(P, rc.shape[0], 8 * config.groups))
+        return poison(y, bad)
     xp = prep_x(x, S)
     p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
     W = p.build.warps
@@ -403,7 +432,7 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
              e_table(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
              nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=p.build.shared,
              pdl=pipelined)
-    return y
+    return poison(y, bad)
 
 
 def _blocks(expert_ids, E, ng, blocks, sorted_rows, config):

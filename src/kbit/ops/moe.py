@@ -19,6 +19,7 @@ import math
 import torch
 
 from kbit.kernels.moe import combine_kernel, silu_mul_kernel
+from kbit.ops._ids import check_ids, error_flag, host_checks
 from kbit.ops.moe_align import MoeRouting
 
 __all__ = ["combine", "combine_reference", "moe_reference", "relative_error", "silu_mul_gate_up",
@@ -59,7 +60,9 @@ def silu_mul_gate_up_reference(gu: torch.Tensor) -> torch.Tensor:
 
 def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[t] = sum_s topk_weights[t, s] * y[pair_rows[t * top_k + s]]``: sorted expert outputs
-    ``y[P, H]`` back to token order, ``[T, H]`` in ``out_dtype`` (default y's dtype), float32 sums."""
+    ``y[P, H]`` back to token order, ``[T, H]`` in ``out_dtype`` (default y's dtype), float32 sums.
+    ``pair_rows`` out of ``[0, P)``: ``ValueError`` on the CPU / in debug mode, else the token's output is NaN
+    and the device's error flag is set (``kbit.ops._ids``)."""
     T, top_k = routing.T, routing.top_k
     if y.dim() != 2 or y.shape[0] != T * top_k:
         raise ValueError(f"y: expected shape [P={T * top_k}, H], got {tuple(y.shape)}")
@@ -69,9 +72,12 @@ def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None 
     out = torch.empty(T, H, dtype=out_dtype or y.dtype, device=y.device)
     if T == 0 or H == 0:
         return out
+    if host_checks(routing.pair_rows):
+        check_ids("pair_rows", routing.pair_rows, T * top_k, "rows of y")
     block = _block(H)
-    combine_kernel[(T, -(-H // block))](y, routing.pair_rows, routing.topk_weights, out, H, y.stride(0),
-                                        out.stride(0), TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1)
+    combine_kernel[(T, -(-H // block))](y, routing.pair_rows, routing.topk_weights, out, error_flag(y.device),
+                                        T * top_k, H, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
+                                        num_warps=4 if block >= 512 else 1)
     return out
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kbit.kernels.moe import sort_pairs_kernel
+from kbit.ops._ids import check_ids, host_checks
 
 __all__ = ["ALIGN_METHODS", "MoeRouting", "align", "align_reference", "num_slots", "pair_order", "sort_pairs"]
 
@@ -111,10 +112,13 @@ def _sorted_pairs(flat: torch.Tensor, E: int, method: str) -> tuple[torch.Tensor
     if method == "sort":
         return torch.sort(flat, stable=True)
     P = flat.shape[0]
-    onehot = (flat[:, None] == torch.arange(E, device=flat.device, dtype=flat.dtype)).to(torch.int32)
-    rank = torch.cumsum(onehot, 0).gather(1, flat.long()[:, None]).squeeze(1) - 1  # earlier pairs, same expert
+    # ids out of [0, E) (unchecked on CUDA: kbit.ops._ids) go to a bucket E after the others, so every index
+    # below stays in bounds and the order is a permutation; the kernels downstream flag those ids
+    key = torch.where((flat < 0) | (flat >= E), E, flat).long()
+    onehot = (key[:, None] == torch.arange(E + 1, device=flat.device)).to(torch.int32)
+    rank = torch.cumsum(onehot, 0).gather(1, key[:, None]).squeeze(1) - 1  # earlier pairs, same expert
     start = torch.cumsum(onehot.sum(0), 0) - onehot.sum(0)  # first row of each expert
-    row = start.gather(0, flat.long()) + rank
+    row = start.gather(0, key) + rank
     order = torch.empty(P, device=flat.device, dtype=torch.int64).scatter_(
         0, row.long(), torch.arange(P, device=flat.device, dtype=torch.int64))
     return flat.gather(0, order), order
@@ -126,7 +130,9 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
 
     Parameters
     ----------
-    topk_ids : int32/int64 ``[T, top_k]``, values in ``[0, E)`` (not checked: checking would sync).
+    topk_ids : int32/int64 ``[T, top_k]``, values in ``[0, E)`` (checked on the CPU and in
+        ``kbit.ops._ids.debug_ids`` mode: ``ValueError``; on CUDA not here, that would sync: the grouped kernels
+        that read the rows flag them and give NaN rows).
     E : number of experts.
     topk_weights : float ``[T, top_k]`` or None (then all ones); stored as float32.
     method : ``"sort"`` or ``"count"`` (:func:`_sorted_pairs`); both give identical results.
@@ -140,6 +146,8 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
     _check(topk_ids, topk_weights, E)
     if method not in ALIGN_METHODS:
         raise ValueError(f"method: expected one of {ALIGN_METHODS}, got {method!r}")
+    if host_checks(topk_ids):
+        check_ids("topk_ids", topk_ids, E, "experts")
     T, top_k = topk_ids.shape
     dev = topk_ids.device
     P = T * top_k

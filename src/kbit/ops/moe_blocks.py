@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from kbit.cuda import compile_kernel
+from kbit.ops._ids import guard
 from kbit.ops.mma.common import kernels_available
 from kbit.tuning.moe import TAIL_ROWS
 
@@ -170,12 +171,14 @@ def tail_split(routing, bt: int, tail: int = TAIL_ROWS) -> TailSplit:
     out = torch.empty(4, P, **i32)  # expert_ids, token_ids, pair_rows, tail_rows
     defines = _DEFINES
     off = routing.offsets.contiguous()
+    # kbit_moe_split_rows indexes by pair row and by expert: both clamped into range (the flag set if not)
+    pair_rows, expert_ids, _ = guard(routing.pair_rows, P, routing.expert_ids, E, "pair_rows", "rows of the step")
     compile_kernel("moe_blocks.cu", "kbit_moe_split", defines, dev)(
         (1,), 1024, "QiiiiQQQQQQQ", off.data_ptr(), E, P, bt, tail, blk_m.data_ptr(), nblk[0:].data_ptr(),
         blk_t.data_ptr(), nblk[1:].data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(), per_e[2].data_ptr())
     compile_kernel("moe_blocks.cu", "kbit_moe_split_rows", defines, dev)(
-        (-(-P // 256),), 256, "QQQQQQiiiQQQQ", routing.pair_rows.contiguous().data_ptr(),
-        routing.expert_ids.contiguous().data_ptr(), off.data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(),
+        (-(-P // 256),), 256, "QQQQQQiiiQQQQ", pair_rows.contiguous().data_ptr(),
+        expert_ids.contiguous().data_ptr(), off.data_ptr(), per_e[0].data_ptr(), per_e[1].data_ptr(),
         per_e[2].data_ptr(), P, routing.top_k, R, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
         out[3].data_ptr(), pdl=False)
     return TailSplit(out[0], out[1], out[2], out[3], (blk_m, nblk[0:1]), (blk_t, nblk[1:2]), R)

@@ -14,6 +14,8 @@ import torch
 
 from kbit.kernels import sampling as _k
 from kbit.kernels.sampling_chunks import chunk_summary_kernel
+from kbit.kernels.sampling_common import row_max_kernel
+from kbit.ops._ids import ERR_LOGITS, debug_mode, error_flag
 from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
 
@@ -214,6 +216,8 @@ def _sample_op(
     if penalised:
         x = _penalised_copy(x, token_history, rep_t, rep, pres_t, pres, freq_t, freq)
 
+    shift = torch.empty(B, dtype=torch.float32, device=device)  # row max: the kernels read x - shift
+    row_max_kernel[(B,)](x, x.stride(0), V, shift, BLOCK=min(_ROW_BLOCK, _next_pow2(V)), num_warps=4)
     S = -(-V // chunk)
     KC = candidates
     cand_idx = torch.empty(B, S * KC, dtype=torch.int32, device=device)
@@ -227,7 +231,7 @@ def _sample_op(
     G, T = _tile(chunk, warps_chunk)
     cap = {"maxnreg": _PASS1_MAXNREG} if B >= _PASS1_CAP_BATCH else {}
     chunk_summary_kernel[(B, S)](
-        x, x.stride(0), V, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
+        x, x.stride(0), V, shift, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
         CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk, **cap,
@@ -242,7 +246,7 @@ def _sample_op(
     PE = _FAST_ENTRIES
     fscr = torch.empty(B, PE, dtype=torch.int64, device=device)
     _k.select_sample_kernel[(B,)](
-        x, x.stride(0), V, cand_idx, cand_val, stats, B, S, scr_val, scr_idx, fscr,
+        x, x.stride(0), V, shift, error_flag(device), cand_idx, cand_val, stats, B, S, scr_val, scr_idx, fscr,
         ptr(temperature_t), temperature, ptr(top_k_t), top_k, ptr(top_p_t), top_p,
         ptr(min_p_t), min_p, ptr(seed_t), seed, ptr(offset_t), offset,
         tokens, logprobs,
@@ -297,8 +301,22 @@ def sample(
     5. **min-p**: keep ``p_i >= min_p * max(p)``, i.e. ``z_i >= max(z) + log(min_p)``.
 
     The support is ``{i : z_i >= max(t_k, t_p, t_min)}`` and the token is drawn with probability
-    ``exp(z_i) / sum over the support``. NaN logits count as ``-inf``; every row needs one finite
-    logit.
+    ``exp(z_i) / sum over the support``.
+
+    **Edge cases** (the kernel and :func:`sample_reference` agree): the logits are shifted by their row
+    max first, ``z = (x - max x) / T`` with the max landing on 0 exactly (the same distribution, without
+    overflow), so
+
+    - NaN logits count as ``-inf``;
+    - ``+inf`` logits: the support is the ``+inf`` entries, drawn uniformly (the limit of the softmax);
+      the logprob is ``-log(count of them)``, greedy takes the lowest such index;
+    - tiny temperatures (down to subnormal ``T``, ``1 / T`` capped at the largest float32) and huge
+      logits (``+-3e38``) cannot overflow: ``T = 1e-38`` returns the argmax (ties drawn uniformly);
+      equal maxima are tied entries, drawn uniformly among them (greedy: the lowest index);
+    - a row without a finite or ``+inf`` logit (all NaN / ``-inf``, also after penalties) returns token
+      ``-1`` and logprob NaN, and sets bit 8 of the device's error flag (``kbit.ops._ids``:
+      ``check_errors()`` raises; no sync here). In ``kbit.ops._ids.debug_ids`` mode ``ValueError``
+      at once.
 
     Parameters
     ----------
@@ -327,16 +345,16 @@ def sample(
 
     Returns
     -------
-    tokens : torch.Tensor, shape (B,), int64
+    tokens : torch.Tensor, shape (B,), int64 (``-1`` for a row without a finite or ``+inf`` logit)
     logprobs : torch.Tensor, shape (B,), float32
         Only when ``return_logprobs``.
 
     Notes
     -----
-    Two kernels, one read of the logits: pass 1 summarises vocabulary chunks into candidate lists,
-    pass 2 finds the thresholds on the candidates and draws one Philox uniform per row (inverse
-    CDF). Rows whose support is wider than the candidates (e.g. top-p alone over a flat
-    distribution, or thousands of tied logits) take a slower whole-row search in pass 2. Penalties
+    A row-max launch (the shift: one more read of the logits), then two kernels: pass 1 summarises
+    vocabulary chunks into candidate lists, pass 2 finds the thresholds on the candidates and draws one
+    Philox uniform per row (inverse CDF). Rows whose support is wider than the candidates (e.g. top-p
+    alone over a flat distribution, or thousands of tied logits) take a slower whole-row search in pass 2. Penalties
     add a float32 copy of the logits. No host synchronisation; capturable in a CUDA graph.
 
     Examples
@@ -383,7 +401,17 @@ def sample(
         seed_t, seed_v, offset_t, offset_v,
         config.chunk, config.candidates, config.warps_chunk, config.warps_select, config.select_slots,
     )
+    if debug_mode():  # kbit.ops._ids.debug_ids: a sync, raise at once
+        _raise_empty_rows(tokens)
     return (tokens, logprobs) if return_logprobs else tokens
+
+
+def _raise_empty_rows(tokens: torch.Tensor) -> None:
+    empty = (tokens < 0).nonzero().flatten().tolist()
+    if empty:
+        error_flag(tokens.device).bitwise_and_(~ERR_LOGITS)
+        fail(ValueError, "logits", "a finite or +inf logit in every row (after penalties)",
+             f"none in row(s) {empty[:8]}")
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -428,7 +456,12 @@ def filtered_probs_reference(
                                   frequency_penalty)
     temp = _as_rows(temperature, B, dev, torch.float32)
     greedy = temp <= 0
-    scale = torch.where(greedy, 1.0, torch.reciprocal(torch.where(greedy, 1.0, temp)))
+    inv = torch.reciprocal(torch.where(greedy, 1.0, temp)).clamp(max=torch.finfo(torch.float32).max)
+    scale = torch.where(greedy, 1.0, inv)
+    x = torch.where(torch.isnan(x), -math.inf, x)
+    shift = x.amax(1, keepdim=True) if V else x.new_zeros(B, 1)  # the row max lands on 0 exactly
+    empty = shift[:, 0] == -math.inf  # no finite or +inf logit
+    x = torch.where((x == shift) & ~empty[:, None], 0.0, x - shift)
     z = x * scale[:, None] + 0.0
     z = torch.where(z > -math.inf, z, -math.inf)  # NaN -> -inf
     fin = z > -math.inf
@@ -459,7 +492,7 @@ def filtered_probs_reference(
     w = torch.where(keep, torch.exp((z - M).to(dtype)), 0)
     probs = w / w.sum(1, keepdim=True)
     onehot = torch.zeros_like(probs).scatter_(1, x.argmax(1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
+    return torch.where(empty[:, None], 0.0, torch.where(greedy[:, None], onehot, probs))
 
 
 def sample_reference(
@@ -467,12 +500,15 @@ def sample_reference(
     presence_penalty=0.0, frequency_penalty=0.0, token_history=None, generator=None,
     return_logprobs=False,
 ):
-    """Sort-based torch sampler with ``sample``'s semantics (float32 probabilities, exponential race)."""
+    """Sort-based torch sampler with ``sample``'s semantics (float32 probabilities, exponential race); a row
+    without a finite or +inf logit gives token -1 and logprob NaN (it raises nothing)."""
     probs = filtered_probs_reference(logits, temperature, top_k, top_p, min_p, repetition_penalty,
                                      presence_penalty, frequency_penalty, token_history,
                                      dtype=torch.float32)
     q = torch.empty_like(probs).exponential_(generator=generator)
-    tokens = (probs / q).argmax(1)
+    empty = probs.sum(1) == 0
+    tokens = torch.where(empty, -1, (probs / q).argmax(1))
     if not return_logprobs:
         return tokens
-    return tokens, torch.log(probs.gather(1, tokens[:, None])[:, 0])
+    lp = torch.log(probs.gather(1, tokens.clamp(min=0)[:, None])[:, 0])
+    return tokens, torch.where(empty, math.nan, lp)
