@@ -43,7 +43,8 @@ CLI_PROTOCOL = {"configure", "main"}
 #: modules of kbit.ops that every op may import: shared checks, tables, references, the "mma-v1" layout and launch
 #: helpers, the PDL launch keywords, the block tables and routing of the grouped kernels; they import no backend
 OPS_SHARED = {"kbit.ops._checks", "kbit.ops._common", "kbit.ops.reference", "kbit.ops.pdl", "kbit.ops.mma",
-              "kbit.ops.mma.common", "kbit.ops.mma.layout", "kbit.ops.moe_blocks", "kbit.ops.moe_align", "kbit.ops._ids"}
+              "kbit.ops.mma.common", "kbit.ops.mma.layout", "kbit.ops.moe_blocks", "kbit.ops.moe_align",
+              "kbit.ops._ids"}
 
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 100

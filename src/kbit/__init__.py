@@ -10,6 +10,7 @@ from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.serialize import load_file, save_file
 from kbit.hf import KbitConfig, load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear, KbitMoE
+from kbit.ops._ids import check_errors, debug_ids
 from kbit.ops.dequant import dequantize
 from kbit.ops.gemv import kbit_grouped_gemv as grouped_gemv
 from kbit.ops.quantize import quantize
@@ -19,7 +20,8 @@ from kbit.ops.sampling import sample, sample_reference
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitConfig", "KbitLinear", "KbitMoE", "KbitWeight", "dequantize", "gemv",
-    "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference", "load_file", "load_quantized",
-    "quantize", "quantize_model", "sample", "sample_reference", "save_file", "save_quantized",
+    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitConfig", "KbitLinear", "KbitMoE", "KbitWeight", "check_errors",
+    "debug_ids", "dequantize", "gemv", "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference",
+    "load_file", "load_quantized", "quantize", "quantize_model", "sample", "sample_reference", "save_file",
+    "save_quantized",
 ]

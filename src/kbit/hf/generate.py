@@ -38,6 +38,7 @@ from kbit.hf.decode import StaticDecoder, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
 from kbit.nn import KbitLinear
+from kbit.ops._ids import check_errors
 from kbit.ops.dequant import dequantize
 from kbit.ops.sampling import sample, sample_reference
 
@@ -139,6 +140,8 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         logits = out.logits[:, -1].float()
         token = _sample(logits, temperature, top_k, top_p, seed, step, gen)
         t = int(token[0])
+        if t < 0:  # the sampler's mark of a row with no finite logit: raise its message, never embed token -1
+            check_errors(token.device)
         if eos_token_id is not None and t == eos_token_id:
             return
         yield t
@@ -154,6 +157,8 @@ def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p
         token = dec.prefill(input_ids)
         for step in range(max_new_tokens):
             t = int(token[0])
+            if t < 0:
+                check_errors(token.device)
             if eos_token_id is not None and t == eos_token_id:
                 return
             yield t
