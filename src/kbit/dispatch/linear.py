@@ -270,25 +270,30 @@ _register("gemv", small_m)
 _register("linear_small_m", small_m)
 
 
-def _wargs(weight) -> tuple:
+def _wargs(x, weight, bias) -> tuple:
+    """The op's arguments after ``x``: types first (the op's schema would refuse others in its own words)."""
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        fail(TypeError, "bias", "a torch.Tensor or None", type(bias).__name__)
     if not isinstance(weight, KbitWeight):
         fail(TypeError, "weight", "a KbitWeight (from kbit.quantize)", type(weight).__name__)
     if len(weight.shape) != 2:
         fail(ValueError, "weight", "a 2-D KbitWeight [N, K]", f"shape {weight.shape}")
-    return (weight.codes, weight.scales, weight.tensor_scale, weight.codebook, weight.k, weight.blocksize,
-            weight.scale_format, weight.shape[-2], weight.shape[-1])
+    return (x, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, weight.k, weight.blocksize,
+            weight.scale_format, weight.shape[-2], weight.shape[-1], bias)
 
 
 def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``)."""
-    return torch.ops.kbit.linear(x, *_wargs(weight), bias)
+    return torch.ops.kbit.linear(*_wargs(x, weight, bias))
 
 
 def kbit_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Small-M ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.gemv``)."""
-    return torch.ops.kbit.gemv(x, *_wargs(weight), bias)
+    return torch.ops.kbit.gemv(*_wargs(x, weight, bias))
 
 
 def kbit_linear_small_m(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a 2-D ``KbitWeight`` through ``torch.ops.kbit.linear_small_m``."""
-    return torch.ops.kbit.linear_small_m(x, *_wargs(weight), bias)
+    return torch.ops.kbit.linear_small_m(*_wargs(x, weight, bias))

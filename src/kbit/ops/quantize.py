@@ -239,7 +239,8 @@ def check_quality(W: torch.Tensor, qw: KbitWeight, matrix_max: torch.Tensor) -> 
     mat_max = float(matrix_max.reshape(-1)[r // qw.N])
     if qw.scale_format == "log8" and row_max < 2 * _LOG8_RANGE * mat_max:
         hint = (f"the row's absmax {row_max:.3g} is below the smallest log8 block scale, 2**-15.9 of the matrix's "
-                f"absmax {mat_max:.3g}: clip the outliers or use scale_format='fp16'")
+                f"absmax {mat_max:.3g}: clip the outliers"
+                + (" or use scale_format='fp16'" if mat_max <= FP16_MAX else " or keep this tensor unquantized"))
     else:
         hint = (f"a block's outlier leaves its other weights far from every level (row absmax {row_max:.3g}): "
                 "a larger k, a smaller blocksize or codebook='fit' keeps more")
