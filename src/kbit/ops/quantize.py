@@ -8,6 +8,7 @@ import warnings
 import torch
 import triton
 
+from kbit import options
 from kbit.format import codebooks as cbs
 from kbit.format.pack import PLANES, words_per_row
 from kbit.format.reference import (
@@ -31,6 +32,7 @@ from kbit.format.spec import (
     padded_k,
 )
 from kbit.kernels.quantize import quantize_kernel
+from kbit.ops._checks import check_not_meta
 from kbit.utils.checks import check_choice, fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -111,10 +113,14 @@ def quantize(
     4.25...
     """
     check_weight(W)
+    check_not_meta("W", W)
     k = check_k(k)
     blocksize = check_blocksize(blocksize)
     scale_format = check_scale_format(scale_format)
     check_choice("backend", backend, BACKENDS)
+    if backend == "triton" and not W.is_cuda and not options.get().interpret:
+        fail(ValueError, "backend", f"'auto' or 'torch' for W on {W.device} (the Triton quantizer needs CUDA or "
+             "TRITON_INTERPRET=1)", "'triton'")
     cb, name = cbs.resolve(codebook, k, blocksize)
 
     W = W.detach()
