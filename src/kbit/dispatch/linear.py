@@ -113,15 +113,19 @@ def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_
     the reference (bit-exact) once and kept in :data:`CPU_WEIGHTS` while the tensors are unchanged (``cache``).
     Tensors made under ``torch.inference_mode`` carry no version counter: their weight is never kept."""
     parts = (codes, scales, tensor_scale, codebook)
-    keep = cache and not any(t.is_inference() for t in parts)
     extra = (k, blocksize, scale_format, N, K, mma_v1)
-    w = CPU_WEIGHTS.get(parts, extra) if keep else None
+    w = None
+    if cache:
+        try:
+            w = CPU_WEIGHTS.get(parts, extra)
+        except RuntimeError:  # an inference tensor (no version counter) at the id of a kept one
+            cache = False
     if w is None:
         if mma_v1:
             codes, scales = unrepack(codes, scales, k=k, blocksize=blocksize, N=N, K=K)
         qw = KbitWeight(codes, scales, tensor_scale, codebook, (N, K), k, blocksize, scale_format)
         w = dequantize_reference(qw, torch.float32)
-        if keep:
+        if cache and not any(t.is_inference() for t in parts):
             CPU_WEIGHTS.put(parts, extra, w)
     return w
 
@@ -135,8 +139,9 @@ def cpu_linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, sca
     a decode step then costs what it costs an ``nn.Linear`` in float32."""
     w = cpu_weight(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
                    K=K, mma_v1=mma_v1, cache=cache)
-    y = F.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
-    return y.to(x.dtype)
+    f32 = torch.float32  # no .to() where the dtype is float32 already: a call costs ~1 us even then
+    y = F.linear(x if x.dtype == f32 else x.to(f32), w, bias if bias is None or bias.dtype == f32 else bias.to(f32))
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequant_mm(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,

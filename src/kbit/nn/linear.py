@@ -5,7 +5,8 @@ activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the C
 reference on a dequantized copy of the weight kept between calls (``kbit.dispatch.linear.cpu_linear``), so a CPU
 forward costs what an ``nn.Linear`` in float32 costs, and holds its memory too (``cache_cpu_weight``). Outside
 ``torch.compile`` the op's implementation is called directly: going through the dispatcher of ``torch.library``
-costs several microseconds a call, which at M = 1 is a sizeable part of a ~10-50 us kernel. Under ``torch.compile`` the op (with its fake impl) is traced.
+costs several microseconds a call, which at M = 1 is a sizeable part of a ~10-50 us kernel. Under
+``torch.compile`` the op (with its fake impl) is traced.
 
 Layouts: the weight is held once, either in the canonical layout of ``docs/format.md`` (``layout ==
 "canonical"``) or in the small-M kernel's layout "mma-v1" (``kbit.ops.mma.layout``): :meth:`KbitLinear.
@@ -212,27 +213,23 @@ class KbitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+        if torch.compiler.is_compiling():
+            op = torch.ops.kbit.linear if self.layout == CANONICAL else torch.ops.kbit.linear_mma_v1
+            return op(*self._op_args(x))
+        if x.is_cpu:
+            return self._cpu_forward(x)
         if self.layout != CANONICAL:
-            if torch.compiler.is_compiling():
-                return torch.ops.kbit.linear_mma_v1(*self._op_args(x))
-            if x.is_cpu:
-                return self._cpu_forward(x)
             # on CUDA through a launcher prepared once a signature (dispatch.fast_linear; host cost ~ a launch)
             return dispatch.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
                                           scale_format=self.scale_format, bias=self.bias, **self._fmt())
-        args = self._op_args(x)
-        if torch.compiler.is_compiling():
-            return torch.ops.kbit.linear(*args)
-        if x.device.type == "cpu":
-            return self._cpu_forward(x)
         if dispatch.serves(x, self.out_features, self.in_features, self.k):
             if self.auto_repack and not capturing():
                 return self.repack_for_kernels().forward(x)
             # the small-M kernel would cache a repacked copy beside ours: the choice without it
             return dispatch.linear(*self._parts(x), mma=False, **self._kw())
         return dispatch.linear(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
-                            blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
-                            K=self.in_features, bias=self.bias)
+                               blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
+                               K=self.in_features, bias=self.bias)
 
     def _op_args(self, x: torch.Tensor) -> tuple:
         return (x, self.codes, self.scales, self.tensor_scale, self.codebook, self.k, self.blocksize,
@@ -249,13 +246,16 @@ class KbitLinear(nn.Module):
         """The CPU path (``kbit.dispatch.linear.cpu_linear``: float32 weight and product, result in x's dtype) on
         the weight dequantized once and kept while no buffer is replaced or changed in place (re-dequantizing
         every layer at every decode step made CPU generation half as fast as float32 transformers)."""
+        b = self._buffers
+        codes, bias = b["codes"], self.bias
         check_x(x, self.in_features)
-        if x.device != self.codes.device:
-            fail(ValueError, "x", f"device {self.codes.device} (that of the module's weight)", x.device)
-        check_bias(self.bias, self.out_features, x.device)
-        return dispatch.cpu_linear(x, self.codes, self.scales, self.tensor_scale, self.codebook, bias=self.bias,
+        if x.device != codes.device:
+            fail(ValueError, "x", f"device {codes.device} (that of the module's weight)", x.device)
+        check_bias(bias, self.out_features, x.device)
+        return dispatch.cpu_linear(x, codes, b["scales"], b["tensor_scale"], b["codebook"], bias=bias,
                                    scale_format=self.scale_format, mma_v1=self.layout != CANONICAL,
-                                   cache=self.cache_cpu_weight, **self._fmt())
+                                   cache=self.cache_cpu_weight, k=self.k, blocksize=self.blocksize,
+                                   N=self.out_features, K=self.in_features)
 
     # -- state dict ----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

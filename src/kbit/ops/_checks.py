@@ -51,6 +51,9 @@ def check_not_meta(name: str, t: torch.Tensor) -> None:
 
 def check_x(x, K: int, dtypes=FLOAT_X) -> None:
     """``x [..., K]``: a floating-point tensor of one of ``dtypes``, not on the meta device."""
+    if isinstance(x, torch.Tensor) and x.dtype in dtypes and x.dim() >= 1 and x.shape[-1] == K \
+            and x.device.type != "meta":
+        return  # the common case in a few attribute reads: this runs on every CPU call
     if not isinstance(x, torch.Tensor):
         fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
     if x.dtype not in dtypes:
@@ -63,8 +66,10 @@ def check_x(x, K: int, dtypes=FLOAT_X) -> None:
 
 def check_bias(bias, N: int, device, dtypes=FLOAT_X) -> None:
     """``bias`` is None or exactly ``[N]`` (no broadcasting) of one of ``dtypes`` on ``device``."""
-    if bias is not None:
-        check_tensor("bias", bias, dtypes, (N,), device)
+    if bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in dtypes and bias.dim() == 1
+                        and bias.shape[0] == N and bias.device == device):
+        return
+    check_tensor("bias", bias, dtypes, (N,), device)
 
 
 def check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, lead, device,
