@@ -49,7 +49,7 @@ def test_non_float_x_is_a_type_error(qw, dtype):
     x = _rand(3, 70).to(dtype)
     for call in (lambda: kbit.linear(x, qw), lambda: _op(x, qw), lambda: _module()(x),
                  lambda: _module(layout="mma-v1")(x)):
-        with pytest.raises(TypeError, match=rf"^x: expected a floating-point tensor .*, got {dtype}$"):
+        with pytest.raises(TypeError, match=rf"^x: expected dtype torch.float16 or .*, got {dtype}$"):
             call()
 
 
@@ -57,7 +57,7 @@ def test_non_float_x_is_a_type_error(qw, dtype):
 def test_wrong_k_names_x_and_the_expected_k(qw, shape):
     x = torch.zeros(shape)
     for call in (lambda: kbit.linear(x, qw), lambda: _op(x, qw), lambda: _module()(x)):
-        with pytest.raises(ValueError, match=r"^x: expected shape \[\.\.\., 70\] .*got shape") as e:
+        with pytest.raises(ValueError, match=r"^x: expected last dimension K=70 .*, got shape") as e:
             call()
         assert "mat1" not in str(e.value)
 
@@ -147,7 +147,7 @@ def test_torch_compile_validates_in_the_fake(qw):
     f = torch.compile(q, backend="eager", fullgraph=True)
     x = _rand(3, 70)
     assert torch.equal(f(x), q(x))
-    with pytest.raises(Exception, match="x: expected a floating-point tensor"):  # dynamo wraps it
+    with pytest.raises(Exception, match="x: expected dtype"):  # dynamo wraps it
         f(x.to(torch.int32))
 
 
@@ -161,7 +161,7 @@ def test_gpu_device_mismatch_and_dtypes(qw):
         kbit.linear(x, g, torch.zeros(24))
     with pytest.raises(ValueError, match=r"^bias: expected shape \(24,\)"):
         kbit.linear(x, g, torch.zeros(1, device="cuda"))
-    with pytest.raises(TypeError, match=r"^x: expected a floating-point tensor"):
+    with pytest.raises(TypeError, match=r"^x: expected dtype"):
         kbit.linear(x.to(torch.int32), g)
     q = KbitLinear.from_weight(g, dtype=torch.bfloat16)
     for m in (1, 100):

@@ -290,7 +290,11 @@ def _wargs(x, weight, bias) -> tuple:
 
 
 def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``)."""
+    """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``).
+
+    ``x [..., K]`` floating point (float16/bfloat16 on CUDA), ``bias [N]`` or None, all on the weight's device;
+    anything else is a ``TypeError`` / ``ValueError`` naming the argument. On the CPU the float32 weight is kept
+    while the weight's tensors live and are unchanged (:data:`CPU_WEIGHTS`; ``CPU_WEIGHTS.clear()`` frees it)."""
     return torch.ops.kbit.linear(*_wargs(x, weight, bias))
 
 

@@ -57,10 +57,9 @@ def check_x(x, K: int, dtypes=FLOAT_X) -> None:
     if not isinstance(x, torch.Tensor):
         fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
     if x.dtype not in dtypes:
-        fail(TypeError, "x", "a floating-point tensor of dtype " + " or ".join(str(d) for d in dtypes), x.dtype)
+        fail(TypeError, "x", "dtype " + " or ".join(str(d) for d in dtypes), x.dtype)
     if x.dim() < 1 or x.shape[-1] != K:
-        fail(ValueError, "x", f"shape [..., {K}] (last dimension K = {K}, the weight's in_features)",
-             f"shape {tuple(x.shape)}")
+        fail(ValueError, "x", f"last dimension K={K} (the weight's in_features)", f"shape {tuple(x.shape)}")
     check_not_meta("x", x)
 
 
