@@ -230,7 +230,8 @@ def check_quality(W: torch.Tensor, qw: KbitWeight, matrix_max: torch.Tensor) -> 
     (k = 2: at most ~0.6, tests/test_validation.py); it is reached when a block's range exceeds what k bits and
     the block scales hold: one outlier sets the log8 scales of a whole matrix, or a block's own outlier leaves its
     other weights far from every level. A cheap bound (:func:`_suspect_rows`) picks the rows whose error is
-    computed exactly (:func:`row_errors`); measured cost in tests/test_validation.py's docstring."""
+    computed exactly (:func:`row_errors`): the check costs one reduction over W, plus, where the bound is loose
+    (k = 2, long blocks), one requantization of at most ``max(256, rows / 8)`` rows."""
     rows = _suspect_rows(W, qw, matrix_max)
     if rows.numel() == 0:
         return
