@@ -2,8 +2,9 @@
 slower than plain float32), with the dequantized weight kept (``cache_cpu_weight``, the default) and without.
 
 Shapes are SmolLM2-135M's projections (hidden 576, MLP 1536) and one larger; M = 1 (a decode step) and M = 16.
-The variants run interleaved, one call each in turn, so load from other processes hits all of them alike; the
-median of the per-call times is printed (microseconds), with the ratio to ``nn.Linear``.
+``nn.Linear`` and the kept weight run interleaved, one call each in turn, so load from other processes hits both
+alike (the variant without the kept weight runs apart: its temporaries would evict their weights from the caches);
+the median of the per-call times is printed (microseconds), with the ratio to ``nn.Linear``.
 
     PYTHONPATH=src python lab/cpu_linear_speed.py [--reps 300] [--threads N]
 """
@@ -47,7 +48,9 @@ def main():
         fresh.cache_cpu_weight = False
         for M in (1, 16):
             x = torch.randn(M, K)
-            r = bench({"linear": lin, "kept": kept, "fresh": fresh}, x, a.reps if K * N < 4e6 else a.reps // 10)
+            reps = a.reps if K * N < 4e6 else a.reps // 10
+            r = bench({"linear": lin, "kept": kept}, x, reps)  # the pair compared: interleaved
+            r |= bench({"fresh": fresh}, x, max(3, reps // 20))  # apart: its temporaries would evict the others
             print(f"{K:>5} x {N:<5} {M:>3} {r['linear']:>10.1f} {r['kept']:>10.1f} {r['kept'] / r['linear']:>6.2f} "
                   f"{r['fresh']:>10.1f} {r['fresh'] / r['linear']:>6.2f}")
 
