@@ -5,7 +5,11 @@ M = 64, with kernel 7 on sm_90 up to :data:`~kbit.tuning.mma.LARGE7_MAX_M` and o
 per-GPU table of ``kbit.tuning.gemm``: the Triton GEMV (``kbit.ops.gemv``, M <= 8), the fused Triton GEMM
 (``kbit.ops.gemm``) or dequantize + cuBLAS. Without the CUDA kernels (no NVRTC, the Triton interpreter,
 ``kbit.options`` backend ``"triton"``) the Triton kernels serve; on the CPU (or backend ``"torch"``) the plain-torch
-reference in float32.
+reference in float32 (:func:`cpu_linear`; on the CPU on a dequantized weight kept per weight, :data:`CPU_WEIGHTS`).
+
+Every path validates its arguments with ``kbit.ops._checks.check_linear`` (metadata only: no host sync, traceable),
+the fake implementations of the torch ops too, so a bad call raises the same ``TypeError`` / ``ValueError`` eagerly,
+on the CPU and under ``torch.compile``.
 
 Weights in layout "mma-v1" (``kbit.nn.KbitLinear`` after ``repack_for_kernels``) go through :func:`linear_mma_v1`,
 whose small-M calls reuse a launch prepared once per signature (:func:`fast_linear`): the host cost of a decode call
@@ -23,17 +27,20 @@ import torch
 import torch.nn.functional as F
 
 from kbit import options
+from kbit.format.reference import dequantize_reference
+from kbit.format.spec import KbitWeight
 from kbit.ops import gemm, gemv, gemv_mma
-from kbit.ops._checks import check_dense, check_linear
+from kbit.ops._checks import check_dense, check_linear, check_not_meta
 from kbit.ops.dequant import dequantize_tensors
 from kbit.ops.mma.common import check_repacked, deterministic, kernels_available, usable
 from kbit.ops.mma.layout import repacked, unrepack
-from kbit.ops.reference import linear_tensors_reference
 from kbit.tuning.gemm import MMA_MAX_M, Choice, gemm_choice
 from kbit.tuning.mma import large_ok, large_serves
+from kbit.utils.cache import TensorCache
+from kbit.utils.checks import fail
 
-__all__ = ["choice", "pick", "dequant_mm", "fast_linear", "kbit_gemv", "kbit_linear", "kbit_linear_small_m", "linear",
-           "linear_mma_v1", "serves", "small_m"]
+__all__ = ["CPU_WEIGHTS", "choice", "cpu_linear", "cpu_weight", "pick", "dequant_mm", "fast_linear", "kbit_gemv",
+           "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m"]
 
 _X16 = (torch.float16, torch.bfloat16)
 
@@ -80,8 +87,9 @@ def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_f
     float32 reference on the CPU. ``mma=False``: choose as if the CUDA small-M kernels did not exist (the table's
     choice; ``kbit.nn.KbitLinear`` in the canonical layout uses it rather than caching a repacked copy)."""
     if not x.is_cuda or options.get().backend == "torch":
-        return linear_tensors_reference(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
-                                        scale_format=scale_format, N=N, K=K, bias=bias)
+        check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+        return cpu_linear(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                          scale_format=scale_format, N=N, K=K, bias=bias, cache=x.is_cpu)
     M = x.numel() // K if K else 0
     ch = choice(M, N, K, k, x.device) if mma else gemm_choice(M, N, K, k, x.device)
     kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, bias=bias)
@@ -92,6 +100,48 @@ def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_f
     if ch.kernel == "dequant_mm":
         return dequant_mm(x, codes, scales, tensor_scale, codebook, **kw)
     return gemm.gemm_fused(x, codes, scales, tensor_scale, codebook, config=ch.config, **kw)
+
+
+#: float32 weights the CPU path dequantized, per weight (keyed by the quantized tensors' identity and version, held
+#: weakly: an entry goes with its ``codes``, and a buffer replaced or changed in place is not served again)
+CPU_WEIGHTS = TensorCache(max_entries=4096)
+
+
+def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+               mma_v1: bool = False, cache: bool = True) -> torch.Tensor:
+    """The float32 ``W [N, K]`` of canonical tensors (``mma_v1``: of tensors in layout "mma-v1"), dequantized by
+    the reference (bit-exact) once and kept in :data:`CPU_WEIGHTS` while the tensors are unchanged (``cache``).
+    Tensors made under ``torch.inference_mode`` carry no version counter: their weight is never kept."""
+    parts = (codes, scales, tensor_scale, codebook)
+    extra = (k, blocksize, scale_format, N, K, mma_v1)
+    w = None
+    if cache:
+        try:
+            w = CPU_WEIGHTS.get(parts, extra)
+        except RuntimeError:  # an inference tensor (no version counter) at the id of a kept one
+            cache = False
+    if w is None:
+        if mma_v1:
+            codes, scales = unrepack(codes, scales, k=k, blocksize=blocksize, N=N, K=K)
+        qw = KbitWeight(codes, scales, tensor_scale, codebook, (N, K), k, blocksize, scale_format)
+        w = dequantize_reference(qw, torch.float32)
+        if cache and not any(t.is_inference() for t in parts):
+            CPU_WEIGHTS.put(parts, extra, w)
+    return w
+
+
+def cpu_linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
+               mma_v1: bool = False, cache: bool = True) -> torch.Tensor:
+    """The CPU path: ``x @ W.T (+ bias)`` with W from :func:`cpu_weight` (float32), the product in float32, the
+    result in x's dtype; the numbers of ``kbit.ops.reference.linear_tensors_reference``. The arguments are taken
+    as checked (:func:`linear` checks them). Holding W costs 4 bytes a weight beside the k-bit tensors while they
+    live (``cache=False``, or ``CPU_WEIGHTS.clear()``, gives it back), in exchange for no dequantization per call:
+    a decode step then costs what it costs an ``nn.Linear`` in float32."""
+    w = cpu_weight(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
+                   K=K, mma_v1=mma_v1, cache=cache)
+    f32 = torch.float32  # no .to() where the dtype is float32 already: a call costs ~1 us even then
+    y = F.linear(x if x.dtype == f32 else x.to(f32), w, bias if bias is None or bias.dtype == f32 else bias.to(f32))
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequant_mm(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
@@ -165,7 +215,8 @@ def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
     """:func:`linear` (any M) on a weight held in layout "mma-v1": the small-M kernels where :func:`serves`
     (prepared launches first: :func:`fast_linear`); where the choice is dequantize + cuBLAS,
     ``kbit.ops.gemv_mma.dequant_repacked`` then ``F.linear``; else an unrepacked temporary (freed after the call)
-    through :func:`linear` (fused GEMM, Triton GEMV; the float32 reference on the CPU)."""
+    through :func:`linear` (fused GEMM, Triton GEMV); on the CPU :func:`cpu_linear` (its weight kept per
+    repacked weight)."""
     if x.is_cuda:
         y = fast_linear(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                         scale_format=scale_format, N=N, K=K, bias=bias)
@@ -175,6 +226,10 @@ def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
         return gemv_mma.linear_repacked(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
                                         scale_format=scale_format, N=N, K=K, bias=bias)
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    if not x.is_cuda or options.get().backend == "torch":
+        check_not_meta("x", x)
+        return cpu_linear(x, rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
+                          scale_format=scale_format, N=N, K=K, bias=bias, mma_v1=True, cache=x.is_cpu)
     if (x.is_cuda and x.dtype in _X16 and kernels_available(x.device)
             and choice(x.numel() // K if K else 0, N, K, k, x.device).kernel == "dequant_mm"):
         w = gemv_mma.dequant_repacked(rcodes, rscales, tensor_scale, codebook, k=k, blocksize=blocksize,
@@ -189,10 +244,17 @@ def linear_mma_v1(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32
 
 
 def _fake(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias=None):
+    check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
     return x.new_empty(*x.shape[:-1], N)
 
 
-def _register(name: str, fn):
+def _fake_mma_v1(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias=None):
+    check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
+    check_not_meta("x", x)
+    return x.new_empty(*x.shape[:-1], N)
+
+
+def _register(name: str, fn, fake=_fake):
     """``torch.ops.kbit.<name>(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)``
     calling ``fn`` with keywords, and its fake implementation."""
 
@@ -203,31 +265,44 @@ def _register(name: str, fn):
                   N=N, K=K, bias=bias)
 
     op = torch.library.custom_op(f"kbit::{name}", impl, mutates_args=())
-    op.register_fake(_fake)
+    op.register_fake(fake)
     return op
 
 
 _register("linear", linear)
-_register("linear_mma_v1", linear_mma_v1)
+_register("linear_mma_v1", linear_mma_v1, _fake_mma_v1)
 _register("gemv", small_m)
 _register("linear_small_m", small_m)
 
 
-def _wargs(weight) -> tuple:
-    return (weight.codes, weight.scales, weight.tensor_scale, weight.codebook, weight.k, weight.blocksize,
-            weight.scale_format, weight.shape[-2], weight.shape[-1])
+def _wargs(x, weight, bias) -> tuple:
+    """The op's arguments after ``x``: types first (the op's schema would refuse others in its own words)."""
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        fail(TypeError, "bias", "a torch.Tensor or None", type(bias).__name__)
+    if not isinstance(weight, KbitWeight):
+        fail(TypeError, "weight", "a KbitWeight (from kbit.quantize)", type(weight).__name__)
+    if len(weight.shape) != 2:
+        fail(ValueError, "weight", "a 2-D KbitWeight [N, K]", f"shape {weight.shape}")
+    return (x, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, weight.k, weight.blocksize,
+            weight.scale_format, weight.shape[-2], weight.shape[-1], bias)
 
 
 def kbit_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``)."""
-    return torch.ops.kbit.linear(x, *_wargs(weight), bias)
+    """Dispatched ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.linear``).
+
+    ``x [..., K]`` floating point (float16/bfloat16 on CUDA), ``bias [N]`` or None, all on the weight's device;
+    anything else is a ``TypeError`` / ``ValueError`` naming the argument. On the CPU the float32 weight is kept
+    while the weight's tensors live and are unchanged (:data:`CPU_WEIGHTS`; ``CPU_WEIGHTS.clear()`` frees it)."""
+    return torch.ops.kbit.linear(*_wargs(x, weight, bias))
 
 
 def kbit_gemv(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Small-M ``x @ W.T (+ bias)`` on a 2-D :class:`~kbit.format.KbitWeight` (``torch.ops.kbit.gemv``)."""
-    return torch.ops.kbit.gemv(x, *_wargs(weight), bias)
+    return torch.ops.kbit.gemv(*_wargs(x, weight, bias))
 
 
 def kbit_linear_small_m(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a 2-D ``KbitWeight`` through ``torch.ops.kbit.linear_small_m``."""
-    return torch.ops.kbit.linear_small_m(x, *_wargs(weight), bias)
+    return torch.ops.kbit.linear_small_m(*_wargs(x, weight, bias))

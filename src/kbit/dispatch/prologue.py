@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kbit.ops import gemv_mma
+from kbit.ops._checks import check_bias
 from kbit.ops.gemv_mma import EPI_SILU, PRO_ADD_NORM
 from kbit.ops.glue import add_rms_norm, check_norm, silu_mul
 from kbit.ops.mma.common import kernels_available
@@ -67,6 +68,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     epi = EPI_SILU if silu_mul and N % 32 == 0 else 0
     y = torch.empty(M, N // 2 if epi else N, dtype=x.dtype, device=x.device)
     r = torch.empty_like(residual)
+    check_bias(lin.bias, N, x.device, (torch.float16, torch.bfloat16, torch.float32))  # the kernel reads N values
     bias = lin.bias.contiguous() if lin.bias is not None else None
     gemv_mma.launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
                     scale_format=lin.scale_format, N=N, K=K, M=M, config=cfg,

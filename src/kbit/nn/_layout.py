@@ -1,10 +1,14 @@
-"""What the k-bit modules share about the layout they hold their weights in and about changing it in place."""
+"""What the k-bit modules share: the layout they hold their weights in, changing it in place, their size checks."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-__all__ = ["CANONICAL", "capturing", "release"]
+from kbit.utils.checks import fail
+
+__all__ = ["CANONICAL", "capturing", "check_size", "release"]
 
 #: ``layout`` of a module holding the canonical tensors (``docs/format.md``)
 CANONICAL = "canonical"
@@ -21,3 +25,17 @@ def release(old: list[torch.Tensor]) -> None:
     for t in old:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def check_size(name: str, v) -> int:
+    """A module size (``in_features``, ``out_features``, ``num_experts``, ...): an integer (an ``int``, a numpy or
+    0-d integer tensor; not a bool or a float) of at least 1; returns it as an ``int``."""
+    if isinstance(v, (bool, float)) or (isinstance(v, torch.Tensor) and v.is_floating_point()):
+        fail(TypeError, name, "an int", f"{type(v).__name__} {v!r}")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        fail(TypeError, name, "an int", type(v).__name__)
+    if n < 1:
+        fail(ValueError, name, "an int >= 1", n)
+    return n

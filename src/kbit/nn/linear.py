@@ -2,9 +2,11 @@
 
 The forward pass is ``torch.ops.kbit.linear`` (``kbit.dispatch.linear``): on CUDA it dispatches by the number of
 activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the CPU it is the float32
-reference, so models run (slowly) anywhere. Outside ``torch.compile`` the op's implementation is called
-directly: going through the dispatcher of ``torch.library`` costs several microseconds a call, which at
-M = 1 is a sizeable part of a ~10-50 us kernel. Under ``torch.compile`` the op (with its fake impl) is traced.
+reference on a dequantized copy of the weight kept between calls (``kbit.dispatch.linear.cpu_linear``), so a CPU
+forward costs what an ``nn.Linear`` in float32 costs, and holds its memory too (``cache_cpu_weight``). Outside
+``torch.compile`` the op's implementation is called directly: going through the dispatcher of ``torch.library``
+costs several microseconds a call, which at M = 1 is a sizeable part of a ~10-50 us kernel. Under
+``torch.compile`` the op (with its fake impl) is traced.
 
 Layouts: the weight is held once, either in the canonical layout of ``docs/format.md`` (``layout ==
 "canonical"``) or in the small-M kernel's layout "mma-v1" (``kbit.ops.mma.layout``): :meth:`KbitLinear.
@@ -23,7 +25,6 @@ from torch import nn
 
 from kbit.dispatch import linear as dispatch
 from kbit.format.pack import words_per_row
-from kbit.format.reference import dequantize_reference
 from kbit.format.spec import (
     DEFAULT_BLOCKSIZE,
     DEFAULT_K,
@@ -34,9 +35,11 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.nn._layout import CANONICAL, capturing, release
+from kbit.nn._layout import CANONICAL, capturing, check_size, release
+from kbit.ops._checks import check_bias, check_x
 from kbit.ops.mma.layout import LAYOUT, RepackedWeight, repack, unrepack
 from kbit.ops.quantize import quantize
+from kbit.utils.checks import fail
 
 __all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
 
@@ -67,6 +70,11 @@ class KbitLinear(nn.Module):
     canonical tensors). ``auto_repack`` (default True): repack on the first CUDA forward that runs the small-M
     kernel; False keeps the canonical layout (small M then runs the Triton GEMV, which reads it as it is).
 
+    On the CPU the forward keeps the dequantized weight in float32 (4 bytes a weight, beside the k-bit buffers:
+    the memory of the ``nn.Linear`` it replaces) and reuses it while the buffers are unchanged, so a CPU decode
+    step runs at the speed of float32 ``nn.Linear``. ``cache_cpu_weight = False`` (on the instance or a subclass)
+    dequantizes at every call instead: k-bit memory, at the cost of one dequantization a call.
+
     Parameters
     ----------
     in_features, out_features : the weight is ``[out_features, in_features]``.
@@ -86,28 +94,34 @@ class KbitLinear(nn.Module):
     #: this class's forward is exactly the kernel's, so ``kbit.dispatch.prologue`` may fuse glue into its launch (not
     #: inherited: read from the class's own ``__dict__``)
     fuses_prologue: bool = True
+    #: on the CPU, keep the float32 weight between calls (see the class docstring)
+    cache_cpu_weight: bool = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k: int = DEFAULT_K,
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
                  dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
         super().__init__()
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        self.in_features = check_size("in_features", in_features)
+        self.out_features = check_size("out_features", out_features)
         self.k = check_k(k)
         self.blocksize = check_blocksize(blocksize)
         self.scale_format = check_scale_format(scale_format)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            fail(TypeError, "dtype", "a floating-point torch.dtype", dtype)
+        if not isinstance(codebook_name, str):
+            fail(TypeError, "codebook_name", "a str", type(codebook_name).__name__)
         self.dtype = dtype
         self.codebook_name = codebook_name
         self.layout = CANONICAL
         kp = padded_k(self.in_features, self.blocksize)
         sdt = torch.uint8 if scale_format == "log8" else torch.float16
-        self.register_buffer("codes", torch.zeros(out_features, words_per_row(k, kp), dtype=torch.int32,
-                                                  device=device))
-        self.register_buffer("scales", torch.zeros(out_features, kp // blocksize, dtype=sdt, device=device))
+        N = self.out_features
+        self.register_buffer("codes", torch.zeros(N, words_per_row(k, kp), dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(N, kp // blocksize, dtype=sdt, device=device))
         self.register_buffer("tensor_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("codebook", torch.linspace(-1, 1, 2**k, dtype=torch.float32, device=device))
         if bias:
-            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+            self.register_buffer("bias", torch.zeros(N, dtype=dtype, device=device))
         else:
             self.bias = None
 
@@ -182,7 +196,6 @@ class KbitLinear(nn.Module):
         release(old)
         self.codes, self.scales = rc, rs
         self.layout = LAYOUT
-        self.__dict__.pop("_cpu_weight", None)
         return self
 
     def to_canonical(self) -> KbitLinear:
@@ -194,32 +207,29 @@ class KbitLinear(nn.Module):
         release(old)
         self.codes, self.scales = codes, scales
         self.layout = CANONICAL
-        self.__dict__.pop("_cpu_weight", None)
         return self
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+        if torch.compiler.is_compiling():
+            op = torch.ops.kbit.linear if self.layout == CANONICAL else torch.ops.kbit.linear_mma_v1
+            return op(*self._op_args(x))
+        if x.is_cpu:
+            return self._cpu_forward(x)
         if self.layout != CANONICAL:
-            if torch.compiler.is_compiling():
-                return torch.ops.kbit.linear_mma_v1(*self._op_args(x))
-            if x.is_cpu:
-                return self._cpu_forward(x)
             # on CUDA through a launcher prepared once a signature (dispatch.fast_linear; host cost ~ a launch)
             return dispatch.linear_mma_v1(x, self.codes, self.scales, self.tensor_scale, self.codebook,
                                           scale_format=self.scale_format, bias=self.bias, **self._fmt())
-        args = self._op_args(x)
-        if torch.compiler.is_compiling():
-            return torch.ops.kbit.linear(*args)
-        if x.device.type == "cpu":
-            return self._cpu_forward(x)
         if dispatch.serves(x, self.out_features, self.in_features, self.k):
             if self.auto_repack and not capturing():
                 return self.repack_for_kernels().forward(x)
             # the small-M kernel would cache a repacked copy beside ours: the choice without it
             return dispatch.linear(*self._parts(x), mma=False, **self._kw())
         return dispatch.linear(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
-                            blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
-                            K=self.in_features, bias=self.bias)
+                               blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
+                               K=self.in_features, bias=self.bias)
 
     def _op_args(self, x: torch.Tensor) -> tuple:
         return (x, self.codes, self.scales, self.tensor_scale, self.codebook, self.k, self.blocksize,
@@ -233,18 +243,19 @@ class KbitLinear(nn.Module):
                     K=self.in_features, bias=self.bias)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The CPU path (reference numbers: float32 weight, float32 product, result in x's dtype), with the
-        dequantized weight kept between calls: re-dequantizing every layer at every decode step cost ~12 ms
-        a call on SmolLM2. The cache is rebuilt when any quantized buffer is replaced or changed in place."""
-        parts = (self.codes, self.scales, self.tensor_scale, self.codebook)
-        key = (self.layout,) + tuple((t.data_ptr(), t._version) for t in parts)
-        cached = self.__dict__.get("_cpu_weight")
-        if cached is None or cached[0] != key:
-            qw = self.weight()
-            cached = (key, dequantize_reference(qw, torch.float32))
-            self.__dict__["_cpu_weight"] = cached
-        bias = None if self.bias is None else self.bias.to(torch.float32)
-        return torch.nn.functional.linear(x.to(torch.float32), cached[1], bias).to(x.dtype)
+        """The CPU path (``kbit.dispatch.linear.cpu_linear``: float32 weight and product, result in x's dtype) on
+        the weight dequantized once and kept while no buffer is replaced or changed in place (re-dequantizing
+        every layer at every decode step made CPU generation half as fast as float32 transformers)."""
+        b = self._buffers
+        codes, bias = b["codes"], self.bias
+        check_x(x, self.in_features)
+        if x.device != codes.device:
+            fail(ValueError, "x", f"device {codes.device} (that of the module's weight)", x.device)
+        check_bias(bias, self.out_features, x.device)
+        return dispatch.cpu_linear(x, codes, b["scales"], b["tensor_scale"], b["codebook"], bias=bias,
+                                   scale_format=self.scale_format, mma_v1=self.layout != CANONICAL,
+                                   cache=self.cache_cpu_weight, k=self.k, blocksize=self.blocksize,
+                                   N=self.out_features, K=self.in_features)
 
     # -- state dict ----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -255,6 +266,7 @@ class KbitLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        self._check_state(state_dict, prefix, strict)  # all of it before any copy: a failed load changes nothing
         if self.layout == CANONICAL:
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
@@ -265,16 +277,66 @@ class KbitLinear(nn.Module):
         finally:
             self.repack_for_kernels()
 
+    def _expected_state(self) -> dict[str, tuple[torch.dtype | None, tuple[int, ...]]]:
+        """(dtype, shape) of each tensor of the state dict (canonical layout); bias: any float dtype."""
+        kp = padded_k(self.in_features, self.blocksize)
+        N = self.out_features
+        want = {"codes": (torch.int32, (N, words_per_row(self.k, kp))),
+                "scales": (torch.uint8 if self.scale_format == "log8" else torch.float16, (N, kp // self.blocksize)),
+                "tensor_scale": (torch.float32, ()), "codebook": (torch.float32, (2**self.k,))}
+        if self.bias is not None:
+            want["bias"] = (None, (N,))
+        return want
+
+    def _check_state(self, state_dict, prefix: str, strict: bool) -> None:
+        """This module's part of ``state_dict``: the format parameters (extra state), then every tensor's type, shape
+        and dtype, then the weight's own invariants (``KbitWeight``); with ``strict``, no key missing or
+        unexpected. ValueError / TypeError naming the key."""
+        fmt = f"k={self.k}, blocksize={self.blocksize}, scale_format={self.scale_format!r}, " \
+              f"shape=[{self.out_features}, {self.in_features}]"
+        want = self._expected_state()
+        mine = {key[len(prefix):] for key in state_dict if key.startswith(prefix)}
+        if strict:
+            missing = sorted(prefix + n for n in (*want, "_extra_state") if n not in mine)
+            unexpected = sorted(prefix + n for n in mine - {*want, "_extra_state"}
+                                if n.split(".")[0] not in self._modules)  # a subclass's children load themselves
+            if missing or unexpected:
+                fail(ValueError, "state_dict", f"the keys of a KbitLinear ({fmt})",
+                     f"missing {missing}, unexpected {unexpected}")
+        if prefix + "_extra_state" in state_dict:
+            self._check_extra(state_dict[prefix + "_extra_state"])
+        for name, (dtype, shape) in want.items():
+            if prefix + name not in state_dict:
+                continue
+            t, what = state_dict[prefix + name], f"state_dict[{prefix + name!r}]"
+            if not isinstance(t, torch.Tensor):
+                fail(TypeError, what, "a torch.Tensor", type(t).__name__)
+            if tuple(t.shape) != shape:
+                fail(ValueError, what, f"shape {shape} ({fmt})", tuple(t.shape))
+            if (t.dtype != dtype) if dtype is not None else not t.dtype.is_floating_point:
+                fail(TypeError, what, f"dtype {dtype or 'float'} ({fmt})", t.dtype)
+        parts = [state_dict.get(prefix + n) for n in ("codes", "scales", "tensor_scale", "codebook")]
+        if all(t is not None for t in parts):
+            KbitWeight(*parts, (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format)
+
     def get_extra_state(self) -> dict:
         return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
                 "shape": [self.out_features, self.in_features], "codebook": self.codebook_name}
 
-    def set_extra_state(self, state: dict) -> None:
+    def _check_extra(self, state) -> None:
+        if not isinstance(state, dict):
+            fail(TypeError, "KbitLinear state", "a dict (the module's extra state)", type(state).__name__)
         mine = self.get_extra_state()
         for key in ("format_version", "k", "blocksize", "scale_format", "shape"):
-            if state.get(key) != mine[key]:
+            got = state.get(key)
+            if key == "shape" and isinstance(got, (tuple, list)):
+                got = list(got)
+            if got != mine[key]:
                 raise ValueError(f"KbitLinear state: expected {key}={mine[key]!r}, got {state.get(key)!r} "
                                  "(build the module with the saved format parameters)")
+
+    def set_extra_state(self, state: dict) -> None:
+        self._check_extra(state)
         self.codebook_name = state.get("codebook", self.codebook_name)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,10 @@
-"""Argument checks shared by the linear ops (dense and grouped, canonical and "mma-v1" weights); imports no op."""
+"""Argument checks shared by the linear ops (dense and grouped, canonical and "mma-v1" weights); imports no op.
+
+:func:`check_linear` is the one validator of a dense op's inputs: every dense backend (the CPU path, the Triton
+GEMV and GEMM, dequantize + cuBLAS, the CUDA small-M kernels) and the fake implementations of the torch ops call it,
+each with the x dtypes it computes on. It reads metadata only (types, dtypes, shapes, devices): no host sync, and
+it traces under ``torch.compile``.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,15 @@ import torch
 from kbit.format.spec import SCALE_FORMATS, check_blocksize, check_k, check_scale_format
 from kbit.utils.checks import check_tensor, fail
 
-__all__ = ["SCALE_FORMATS", "check_dense", "check_format", "check_grouped", "check_linear", "check_params",
-           "check_weight_tensors"]
+__all__ = ["FLOAT_X", "SCALE_FORMATS", "X16", "check_bias", "check_dense", "check_format", "check_grouped",
+           "check_linear", "check_not_meta", "check_params", "check_weight_tensors", "check_x"]
 
+#: activation dtypes of the CPU path (and of the torch ops' fake implementations)
+FLOAT_X = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: activation dtypes of the GPU kernels
+X16 = (torch.float16, torch.bfloat16)
+#: bias dtypes the GPU kernels read
+_KERNEL_BIAS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_format(k, blocksize, scale_format) -> None:
@@ -24,35 +36,74 @@ def check_format(k, blocksize, scale_format) -> None:
 def check_params(k, blocksize, scale_format, N, K) -> None:
     """The format parameters of a weight ``[N, K]``."""
     check_format(k, blocksize, scale_format)
-    if not (isinstance(N, int) and N >= 1):
+    if isinstance(N, bool) or not (isinstance(N, int) and N >= 1):
         fail(ValueError, "N", "a positive int", N)
-    if not (isinstance(K, int) and K >= 1):
+    if isinstance(K, bool) or not (isinstance(K, int) and K >= 1):
         fail(ValueError, "K", "a positive int", K)
 
 
-def check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, lead, device) -> None:
-    """Canonical weight tensors of ``lead + [N, K]`` on ``device``."""
+def check_not_meta(name: str, t: torch.Tensor) -> None:
+    """``t`` holds data: a meta tensor outside tracing would make an op return uninitialised memory (its fake
+    implementation runs) or meta results nobody can read."""
+    if t.device.type == "meta" and not torch.compiler.is_compiling():
+        fail(ValueError, name, "a tensor with data (meta tensors only while tracing)", "a tensor on the meta device")
+
+
+def check_x(x, K: int, dtypes=FLOAT_X) -> None:
+    """``x [..., K]``: a floating-point tensor of one of ``dtypes``, not on the meta device."""
+    if isinstance(x, torch.Tensor) and x.dtype in dtypes and x.dim() >= 1 and x.shape[-1] == K \
+            and x.device.type != "meta":
+        return  # the common case in a few attribute reads: this runs on every CPU call
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+    if x.dtype not in dtypes:
+        fail(TypeError, "x", "dtype " + " or ".join(str(d) for d in dtypes), x.dtype)
+    if x.dim() < 1 or x.shape[-1] != K:
+        fail(ValueError, "x", f"last dimension K={K} (the weight's in_features)", f"shape {tuple(x.shape)}")
+    check_not_meta("x", x)
+
+
+def check_bias(bias, N: int, device, dtypes=FLOAT_X) -> None:
+    """``bias`` is None or exactly ``[N]`` (no broadcasting) of one of ``dtypes`` on ``device``."""
+    if bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in dtypes and bias.dim() == 1
+                        and bias.shape[0] == N and bias.device == device):
+        return
+    check_tensor("bias", bias, dtypes, (N,), device)
+
+
+def check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, lead, device,
+                         contiguous: bool = True) -> None:
+    """Canonical weight tensors of ``lead + [N, K]`` on ``device`` (codes and scales contiguous where asked)."""
     Kp = math.ceil(K / blocksize) * blocksize
     check_tensor("codes", codes, (torch.int32,), (*lead, N, Kp * k // 32), device)
     sdt = torch.uint8 if scale_format == "log8" else torch.float16
     check_tensor("scales", scales, (sdt,), (*lead, N, Kp // blocksize), device)
     check_tensor("tensor_scale", tensor_scale, (torch.float32,), lead, device)
     check_tensor("codebook", codebook, (torch.float32,), (2**k,), device)
-    if not codes.is_contiguous():
+    if contiguous and not codes.is_contiguous():
         fail(ValueError, "codes", "a contiguous tensor", f"strides {codes.stride()}")
-    if not scales.is_contiguous():
+    if contiguous and not scales.is_contiguous():
         fail(ValueError, "scales", "a contiguous tensor", f"strides {scales.stride()}")
 
 
-def check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias) -> None:
-    """The arguments of a dense small-M call (``kbit.ops.gemv.gemv``, ``kbit.ops.gemv_mma.linear_small_m``)."""
+def check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias,
+                 x_dtypes=FLOAT_X, bias_dtypes=FLOAT_X, contiguous: bool = False) -> int:
+    """The arguments of a dense ``x @ W.T (+ bias)`` on canonical tensors of ``W [N, K]``: the format parameters,
+    ``x [..., K]`` of ``x_dtypes``, the weight tensors and ``bias [N]`` (of ``bias_dtypes``) on x's device, no
+    meta tensor outside tracing. Returns Kp (K padded to whole blocks)."""
     check_params(k, blocksize, scale_format, N, K)
-    check_tensor("x", x, (torch.float16, torch.bfloat16))
-    if x.dim() < 1 or x.shape[-1] != K:
-        fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device)
-    if bias is not None:
-        check_tensor("bias", bias, (torch.float16, torch.bfloat16, torch.float32), (N,), x.device)
+    check_x(x, K, x_dtypes)
+    check_weight_tensors(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, (), x.device,
+                         contiguous)
+    check_bias(bias, N, x.device, bias_dtypes)
+    return math.ceil(K / blocksize) * blocksize
+
+
+def check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias) -> None:
+    """The arguments of a dense small-M GPU call (``kbit.ops.gemv.gemv``, ``kbit.ops.gemv_mma.linear_small_m``):
+    :func:`check_linear` with 16-bit x and contiguous codes and scales."""
+    check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias, X16,
+                 _KERNEL_BIAS, contiguous=True)
 
 
 def check_grouped(x, rows_name, rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize,
@@ -71,28 +122,3 @@ def check_grouped(x, rows_name, rows, expert_ids, codes, scales, tensor_scale, c
     if rows.dim() != 1 or expert_ids.shape != rows.shape:
         fail(ValueError, "expert_ids", f"shape of {rows_name} {tuple(rows.shape)} (1-D)", tuple(expert_ids.shape))
     return E
-
-
-def check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias) -> int:
-    """The arguments of a dense linear on canonical tensors (any x dtype: the CPU path takes float32); returns Kp."""
-    if not isinstance(x, torch.Tensor):
-        fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
-    if x.dim() < 1 or x.shape[-1] != K:
-        fail(ValueError, "x", f"last dimension K={K}", tuple(x.shape))
-    check_format(k, blocksize, scale_format)
-    kp = math.ceil(K / blocksize) * blocksize
-    want = {"codes": (codes, torch.int32, (N, kp * k // 32)),
-            "scales": (scales, torch.uint8 if scale_format == "log8" else torch.float16, (N, kp // blocksize)),
-            "tensor_scale": (tensor_scale, torch.float32, ()), "codebook": (codebook, torch.float32, (2**k,))}
-    for name, (t, dt, shape) in want.items():
-        if not isinstance(t, torch.Tensor):
-            fail(TypeError, name, "a torch.Tensor", type(t).__name__)
-        if t.dtype != dt:
-            fail(TypeError, name, f"dtype {dt}", t.dtype)
-        if tuple(t.shape) != shape:
-            fail(ValueError, name, f"shape {shape}", tuple(t.shape))
-        if t.device != x.device:
-            fail(ValueError, name, f"device {x.device} (that of x)", t.device)
-    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
-        fail(ValueError, "bias", f"shape ({N},) on {x.device}", f"{tuple(bias.shape)} on {bias.device}")
-    return kp

@@ -1,17 +1,21 @@
 """``kbit.quantize`` / ``kbit.dequantize``: validate, resolve the codebook, run the Triton quantizer or the torch
-reference, wrap the result in a :class:`~kbit.format.KbitWeight`."""
+reference, wrap the result in a :class:`~kbit.format.KbitWeight`, warn where it lost a row (:func:`check_quality`)."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import triton
 
+from kbit import options
 from kbit.format import codebooks as cbs
 from kbit.format.pack import PLANES, words_per_row
 from kbit.format.reference import (
     FP16_MAX,
     block_scales,
     blocks,
+    nearest_codes,
     normalise,
     quantize_reference,
 )
@@ -28,12 +32,21 @@ from kbit.format.spec import (
     padded_k,
 )
 from kbit.kernels.quantize import quantize_kernel
+from kbit.ops._checks import check_not_meta
 from kbit.utils.checks import check_choice, fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
 FIT_SAMPLE = 1 << 22  # values used to fit a codebook to a tensor
 FIT_ITERS = 40
+#: a row whose relative error ``||w - q|| / ||w||`` reaches this is no closer to its weights than zeros are
+CLIFF_ERROR = 1.0
+_CHECK_ELEMENTS = 1 << 22  # weights a pass of the quality check reads at once (bounds its temporaries)
+_LOG8_RANGE = 2.0 ** (-254 / 16)  # the smallest log8 block scale, relative to the matrix absmax
+
+
+class KbitQualityWarning(UserWarning):
+    """``kbit.quantize`` lost most of a row: its k-bit weights are no closer to the original than zeros are."""
 
 
 def check_weight(W, name: str = "W") -> torch.Tensor:
@@ -100,10 +113,14 @@ def quantize(
     4.25...
     """
     check_weight(W)
+    check_not_meta("W", W)
     k = check_k(k)
     blocksize = check_blocksize(blocksize)
     scale_format = check_scale_format(scale_format)
     check_choice("backend", backend, BACKENDS)
+    if backend == "triton" and not W.is_cuda and not options.get().interpret:
+        fail(ValueError, "backend", f"'auto' or 'torch' for W on {W.device} (the Triton quantizer needs CUDA or "
+             "TRITON_INTERPRET=1)", "'triton'")
     cb, name = cbs.resolve(codebook, k, blocksize)
 
     W = W.detach()
@@ -123,8 +140,121 @@ def quantize(
         codes, scales, ts = _quantize_triton(W, k, blocksize, cb, scale_format, matrix_max)
     else:
         codes, scales, ts = quantize_reference(W, k, blocksize, cb, scale_format)
-    return KbitWeight(codes, scales, ts.to(torch.float32), cb.to(W.device), W.shape, k, blocksize,
-                      scale_format, name)
+    qw = KbitWeight(codes, scales, ts.to(torch.float32), cb.to(W.device), W.shape, k, blocksize, scale_format,
+                    name)
+    check_quality(W, qw, matrix_max)
+    return qw
+
+
+def _max_gap(codebook: torch.Tensor) -> float:
+    """The farthest a value in [-1, 1] can be from its nearest level (plus 1% for scales rounded below the block
+    absmax)."""
+    cb = codebook.to(torch.float64).cpu()
+    gaps = [float(cb[0]) + 1.0, 1.0 - float(cb[-1])]
+    if cb.numel() > 1:
+        gaps.append(float((cb[1:] - cb[:-1]).max()) / 2)
+    return max(gaps) + 0.01
+
+
+def _suspect_rows(W: torch.Tensor, qw: KbitWeight, matrix_max: torch.Tensor) -> torch.Tensor:
+    """Rows (indices into ``W.reshape(-1, K)``) whose relative error may reach :data:`CLIFF_ERROR`, by a bound
+    that needs one reduction over W: a block of stored scale s errs by at most ``n * (gap * s)**2`` (gap:
+    :func:`_max_gap`), a block whose scale is 0 by all its energy. Where the bound leaves more than
+    ``max(256, rows / 8)`` rows (k = 2 with long blocks: its worst case is loose there), those with the largest
+    bound relative to their energy, rows with a zeroed block first."""
+    K = W.shape[-1]
+    rows = W.reshape(-1, K)
+    R, N = rows.shape[0], qw.N
+    mm = matrix_max.reshape(-1).to(torch.float32)
+    mm = torch.where(mm > 0, mm, torch.ones_like(mm))
+    big = float(mm.max()) > 1e15  # squares of larger weights overflow float32 sums: divide by the matrix absmax
+    scales = qw.scales.reshape(R, -1)
+    gap = _max_gap(qw.codebook)
+    step = max(1, _CHECK_ELEMENTS // K)
+    idx, keys = [], []
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        m = mm[torch.arange(r0, r1, device=W.device) // N]
+        b = blocks(rows[r0:r1], qw.blocksize)
+        sumsq = torch.linalg.vector_norm(b / m[:, None, None] if big else b, dim=-1).square_()  # [r, nb]
+        if qw.scale_format == "log8":
+            s = log8_values(W.device)[scales[r0:r1].long()] * (1.0 if big else m[:, None])
+        else:
+            s = scales[r0:r1].to(torch.float32) / (m[:, None] if big else 1.0)
+        zeroed = (s == 0) & (sumsq > 0)
+        bound = torch.where(s > 0, qw.blocksize * (gap * s) ** 2, sumsq).sum(-1)
+        energy = sumsq.sum(-1)
+        ratio = torch.where(zeroed.any(-1), float("inf"), bound / torch.where(energy > 0, energy, 1.0))
+        hit = torch.nonzero((energy > 0) & (bound >= (CLIFF_ERROR * 0.999) ** 2 * energy)).reshape(-1)
+        idx.append(hit + r0)
+        keys.append(ratio[hit])
+    idx, keys = torch.cat(idx), torch.cat(keys)
+    budget = max(256, R // 8)
+    if idx.numel() > budget:
+        idx = idx[torch.topk(keys, budget).indices]
+    return idx
+
+
+def row_errors(W: torch.Tensor, qw: KbitWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 relative errors ``||w - q|| / ||w||`` of the rows ``rows`` of ``W.reshape(-1, K)`` (all by
+    default; 0 for an all-zero row), ``q`` the weights ``qw`` (W quantized) stands for. The codes are found again
+    from W and qw's scales, as the quantizer found them (the same float32 operations), so nothing is unpacked."""
+    K = W.shape[-1]
+    flat = W.reshape(-1, K)
+    if rows is None:
+        rows = torch.arange(flat.shape[0], device=W.device)
+    scales = qw.scales.reshape(flat.shape[0], -1)
+    ts = qw.tensor_scale.reshape(-1).to(torch.float32)
+    cb = qw.codebook.to(W.device)
+    errs = []
+    step = max(1, _CHECK_ELEMENTS // K)
+    for i in range(0, rows.numel(), step):
+        idx = rows[i:i + step]
+        b = blocks(flat[idx], qw.blocksize)  # [r, nb, B] float32, zero-padded
+        if qw.scale_format == "log8":
+            s = ts[idx // qw.N, None] * log8_values(W.device)[scales[idx].long()]
+        else:
+            s = scales[idx].to(torch.float32)
+        codes = nearest_codes(normalise(b, s), cb)
+        m = b.abs().amax(dim=(-2, -1), keepdim=True)  # the row's absmax: sums of squares in range
+        m = torch.where(m > 0, m, torch.ones_like(m))
+        d = (b / m - cb[codes] * (s[..., None] / m)).reshape(len(idx), -1)[:, :K]
+        norm = (b / m).reshape(len(idx), -1).norm(dim=-1)
+        errs.append(torch.where(norm > 0, d.norm(dim=-1) / torch.where(norm > 0, norm, 1.0), 0.0))
+    return torch.cat(errs) if errs else torch.zeros(0, device=W.device)
+
+
+def check_quality(W: torch.Tensor, qw: KbitWeight, matrix_max: torch.Tensor) -> None:
+    """Warn (:class:`KbitQualityWarning`, one warning per tensor naming the worst row and its error) where a row
+    lost its weights: relative error at least :data:`CLIFF_ERROR`. Gaussian weights stay far below it at every k
+    (k = 2: at most ~0.6, tests/test_validation.py); it is reached when a block's range exceeds what k bits and
+    the block scales hold: one outlier sets the log8 scales of a whole matrix, or a block's own outlier leaves its
+    other weights far from every level. A cheap bound (:func:`_suspect_rows`) picks the rows whose error is
+    computed exactly (:func:`row_errors`): the check costs one reduction over W, plus, where the bound is loose
+    (k = 2, long blocks), one requantization of at most ``max(256, rows / 8)`` rows."""
+    rows = _suspect_rows(W, qw, matrix_max)
+    if rows.numel() == 0:
+        return
+    err = row_errors(W, qw, rows)
+    lost = err >= CLIFF_ERROR * 0.999
+    if not bool(lost.any()):
+        return
+    worst = int(torch.argmax(err))
+    r = int(rows[worst])
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(r), qw.shape[:-1]))
+    row_max = float(W.reshape(-1, W.shape[-1])[r].abs().max())
+    mat_max = float(matrix_max.reshape(-1)[r // qw.N])
+    if qw.scale_format == "log8" and row_max < 2 * _LOG8_RANGE * mat_max:
+        hint = (f"the row's absmax {row_max:.3g} is below the smallest log8 block scale, 2**-15.9 of the matrix's "
+                f"absmax {mat_max:.3g}: clip the outliers"
+                + (" or use scale_format='fp16'" if mat_max <= FP16_MAX else " or keep this tensor unquantized"))
+    else:
+        hint = (f"a block's outlier leaves its other weights far from every level (row absmax {row_max:.3g}): "
+                "a larger k, a smaller blocksize or codebook='fit' keeps more")
+    warnings.warn(f"kbit.quantize: row {where[0] if len(where) == 1 else where} of W {tuple(qw.shape)} lost "
+                  f"its weights at k={qw.k}: relative error {float(err[worst]):.3g} (>= {CLIFF_ERROR:g}: no closer "
+                  f"than zeros; {int(lost.sum())} of {W.numel() // W.shape[-1]} rows); {hint}",
+                  KbitQualityWarning, stacklevel=3)
 
 
 def _quantize_triton(W, k, blocksize, codebook, scale_format, matrix_max):
