@@ -13,15 +13,15 @@ from kbit.nn import KbitLinear, KbitMoE
 from kbit.ops._ids import check_errors, debug_ids
 from kbit.ops.dequant import dequantize
 from kbit.ops.gemv import kbit_grouped_gemv as grouped_gemv
-from kbit.ops.quantize import quantize
+from kbit.ops.quantize import KbitQualityWarning, quantize
 from kbit.ops.reference import grouped_linear_reference, linear_reference
 from kbit.ops.sampling import sample, sample_reference
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitConfig", "KbitLinear", "KbitMoE", "KbitWeight", "check_errors",
-    "debug_ids", "dequantize", "gemv", "grouped_gemv", "grouped_linear_reference", "linear", "linear_reference",
-    "load_file", "load_quantized", "quantize", "quantize_model", "sample", "sample_reference", "save_file",
-    "save_quantized",
+    "DEFAULT_CODEBOOK", "FORMAT_VERSION", "KbitConfig", "KbitLinear", "KbitMoE", "KbitQualityWarning", "KbitWeight",
+    "check_errors", "debug_ids", "dequantize", "gemv", "grouped_gemv", "grouped_linear_reference", "linear",
+    "linear_reference", "load_file", "load_quantized", "quantize", "quantize_model", "sample", "sample_reference",
+    "save_file", "save_quantized",
 ]
