@@ -36,11 +36,13 @@ from kbit.ops.mma.common import check_repacked, deterministic, kernels_available
 from kbit.ops.mma.layout import repacked, unrepack
 from kbit.tuning.gemm import MMA_MAX_M, Choice, gemm_choice
 from kbit.tuning.mma import large_ok, large_serves
+from kbit.tuning.tables import gpu_key
+from kbit.tuning.tuned import tuned_candidate
 from kbit.utils.cache import TensorCache
 from kbit.utils.checks import fail
 
 __all__ = ["CPU_WEIGHTS", "choice", "cpu_linear", "cpu_weight", "pick", "dequant_mm", "fast_linear", "kbit_gemv",
-           "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m"]
+           "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m", "tuned_choice"]
 
 _X16 = (torch.float16, torch.bfloat16)
 
@@ -57,7 +59,27 @@ def choice(M: int, N: int, K: int, k: int, device) -> Choice:
 @functools.lru_cache(maxsize=4096)
 def _choice(M, N, K, k, device, opts) -> Choice:
     mma = opts.backend in ("auto", "cuda") and kernels_available(device)
-    return pick(M, N, K, k, device, mma=mma, large=mma and large_ok(device))
+    large = mma and large_ok(device)
+    tuned = tuned_choice(M, N, K, k, device, mma=mma, large=large)
+    return tuned if tuned is not None else pick(M, N, K, k, device, mma=mma, large=large)
+
+
+def tuned_choice(M: int, N: int, K: int, k: int, device, *, mma: bool = False, large: bool = False) -> Choice | None:
+    """What this GPU's tuned table (``kbit tune``, in the cache directory: the shape's entry, else its fitted rule)
+    says, where that kernel runs here; None (the built-in rules decide) without a table or a match. Never searches.
+    The small-M kernels' configs come from the same table, in ``kbit.ops.gemv_mma``."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    cand = tuned_candidate(k, M, N, K, gpu_key(device))
+    if cand is None:
+        return None
+    if (cand.family == "mma" and mma) or (cand.family == "large" and large) or (cand.family == "gemv" and not mma):
+        return Choice("gemv")
+    if cand.family == "fused":
+        return Choice("fused", cand.config)
+    if cand.family == "dequant_mm":
+        return Choice("dequant_mm")
+    return None
 
 
 def pick(M: int, N: int, K: int, k: int, device=None, *, mma: bool = False, large: bool = False) -> Choice:

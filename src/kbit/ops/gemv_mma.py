@@ -36,6 +36,7 @@ from kbit.tuning import mma as _tmma
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
 from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
 from kbit.tuning.tables import gpu_key
+from kbit.tuning.tuned import tuned_candidate
 from kbit.utils.checks import fail
 from kbit.utils.device import sm_count
 
@@ -51,7 +52,28 @@ def launch_config(k: int, M: int, N: int, K: int, device) -> MmaConfig:
     dev = torch.device(device)
     cuda_dev = dev.type == "cuda"
     sm90 = cuda_dev and torch.cuda.get_device_capability(dev) == (9, 0)
+    tuned = _tuned(k, M, N, K, dev, "mma")
+    if tuned is not None:
+        return tuned
     return _tmma.default_config(k, M, N, K, sm90=sm90, sms=sm_count(dev) if cuda_dev else None, gpu=gpu_key(dev))
+
+
+def _tuned(k: int, M: int, N: int, K: int, dev: torch.device, family: str):
+    """The config of ``family`` ("mma" or "large") that this GPU's tuned table (``kbit tune``) holds for the launch,
+    or None (the built-in rules decide). A chunk of a larger M looks up its own row count."""
+    cand = tuned_candidate(k, M, N, K, gpu_key(dev)) if dev.type == "cuda" else None
+    return cand.config if cand is not None and cand.family == family else None
+
+
+def _large_here(k: int, M: int, N: int, K: int, dev: torch.device) -> bool:
+    """Whether M rows run as one kernel 7 launch: as the tuned table says where it names kernel 7 or kernels 1, 3, 4
+    for this shape, else :func:`kbit.tuning.mma.uses_large`."""
+    if dev.type == "cuda" and _tmma.large_ok(dev):
+        if _tuned(k, M, N, K, dev, "large") is not None:
+            return True
+        if _tuned(k, M, N, K, dev, "mma") is not None:
+            return False
+    return uses_large(M, N, K, dev)
 
 
 def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
@@ -176,10 +198,11 @@ def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format,
     if M == 0:
         return y.reshape(*lead, N)
     S = rc.shape[1]
-    large = isinstance(config, LargeConfig) if config is not None else uses_large(M, N, K, x.device)
+    large = isinstance(config, LargeConfig) if config is not None else _large_here(k, M, N, K, x.device)
     if large:
+        config = config or _tuned(k, M, N, K, x.device, "large") or large_config(k, M, N, K)
         launch(prep_x(x2, S), rc, rs, tensor_scale, codebook, bias, y, k=k, scale_format=scale_format, N=N, K=K,
-               M=M, config=config or large_config(k, M, N, K))
+               M=M, config=config)
         return y.reshape(*lead, N)
     for m0 in range(0, M, MAX_M):
         xm = prep_x(x2[m0:m0 + MAX_M], S)
@@ -242,7 +265,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     if not (x.is_cuda and kernels_available(x.device)):
         return None
     M, S = x.numel() // K, rcodes.shape[1]
-    if M > MAX_M or uses_large(M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:
+    if M > MAX_M or _large_here(k, M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:
         return None
     if bias is not None and not bias.is_contiguous():
         return None
