@@ -136,7 +136,7 @@ def calibrate_layers(model: nn.Module, batches: list[torch.Tensor], quantize_lay
 
 def calibrate_model(model: nn.Module, batches: list[torch.Tensor], k: int = DEFAULT_K,
                     blocksize: int = DEFAULT_BLOCKSIZE, codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT,
-                    damp: float = 0.01, act_order: bool = False, scales: str = "updated",
+                    damp: float = 0.1, act_order: bool = False, scales: str = "updated",
                     log: Callable[[str], None] | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` of the decoder layers by a :class:`kbit.nn.KbitLinear` rounded with
     :func:`gptq_quantize` on its calibration Hessian (embeddings and the head stay). Returns ``model``.
