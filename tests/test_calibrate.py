@@ -90,7 +90,7 @@ def test_gptq_act_order_dead_columns_and_codebooks():
 
 def test_gptq_errors_name_the_argument():
     W, H = torch.randn(8, 64), torch.eye(64)
-    with pytest.raises(ValueError, match="H: expected shape"):
+    with pytest.raises(ValueError, match=r"H: expected shape \(64, 64\) or"):
         gptq_quantize(W, torch.eye(32))
     with pytest.raises(ValueError, match="scales: expected 'original' with act_order"):
         gptq_quantize(W, H, act_order=True)
@@ -101,7 +101,7 @@ def test_gptq_errors_name_the_argument():
     with pytest.raises(ValueError, match="damp: expected"):
         gptq_quantize(W, H, damp=-1.0)
     with pytest.raises(ValueError, match="W: expected a 2-D weight"):
-        gptq_quantize(torch.randn(2, 8, 64), H)
+        gptq_quantize(torch.randn(2, 8, 64), H, act_order=True, scales="original")
     with pytest.raises(ValueError, match="H: expected finite"):
         gptq_quantize(W, torch.full((64, 64), float("nan")))
     with pytest.raises(ValueError, match="k: expected one of"):
@@ -232,3 +232,17 @@ def test_calibrate_layers_sees_quantized_predecessors():
                     ("layers.2.up", 72), ("layers.2.down", 100)]
     with pytest.raises(ValueError, match="batches: expected at least one batch"):
         calibrate_layers(model, [], record)
+
+
+@pytest.mark.parametrize("shared_h", [False, True])
+def test_gptq_stack_equals_one_matrix_at_a_time(shared_h):
+    K = 72
+    Hs = torch.stack([(X.T @ X).float() for X in (_calibration(K, 256, seed=s) for s in range(3))])
+    Hs = Hs[:1].expand(3, K, K) if shared_h else Hs
+    W = torch.randn(3, 20, K)
+    W[1] *= 5  # its own tensor scale
+    qw = gptq_quantize(W, Hs[0] if shared_h else Hs, k=3)
+    assert qw.shape == (3, 20, K) and qw.tensor_scale.shape == (3,)
+    for e in range(3):
+        one = gptq_quantize(W[e], Hs[e], k=3)
+        torch.testing.assert_close(dequantize_reference(qw[e]), dequantize_reference(one), rtol=1e-6, atol=1e-6)

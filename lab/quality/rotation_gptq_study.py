@@ -114,14 +114,14 @@ class Judge:
 def rtn_weight(W, k, codebook, rotate):
     if not rotate:
         return fake_quant(W, k, codebook=codebook)
-    rot = RandomHadamard(W.shape[1])
+    rot = RandomHadamard(W.shape[-1])
     return rot.unrotate(fake_quant(rot.rotate(W.double()).float(), k, codebook=codebook).double()).float()
 
 
 def gptq_weight(W, H, k, codebook, rotate, scales, damp):
     if not rotate:
         return dequantize_reference(gptq_quantize(W, H, k=k, codebook=codebook, scales=scales, damp=damp))
-    rot = RandomHadamard(W.shape[1])
+    rot = RandomHadamard(W.shape[-1])
     Wr = rot.rotate(W.double()).float()
     Hr = rot.rotate_hessian(H.double())
     return rot.unrotate(dequantize_reference(gptq_quantize(Wr, Hr, k=k, codebook=codebook, scales=scales,
@@ -163,8 +163,16 @@ def apply(model, targets, method, k, codebook, calib, hessians, a):
             lin.weight.data = rtn_weight(lin.weight.data, k, codebook, rotate)
         return
     if not a.sequential:
-        for n, lin in targets.items():
-            lin.weight.data = gptq_weight(lin.weight.data, hessians[n], k, codebook, rotate, a.scales, a.damp)
+        # the same projection of every layer as one stack: one GPTQ loop for all of them
+        groups: dict = {}
+        for n in targets:
+            groups.setdefault(n.split(".", 1)[1], []).append(n)
+        for names in groups.values():
+            W = torch.stack([targets[n].weight.data for n in names])
+            H = torch.stack([hessians[n] for n in names])
+            W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
+            for n, w in zip(names, W_hat, strict=True):
+                targets[n].weight.data = w.clone()
         return
 
     def fn(_name, lin, H):
