@@ -26,7 +26,7 @@ LAYERS = {
     "cuda": 1, "kernels": 1, "tuning": 1,
     "ops": 2,
     "dispatch": 3,
-    "nn": 4, "parallel": 4,
+    "nn": 4, "parallel": 4, "calibrate": 4,
     "hf": 5,
     "bench": 6, "analyze": 6, "eval": 6,
     "cli": 7,

