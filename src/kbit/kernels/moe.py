@@ -82,6 +82,8 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E
     for s in tl.static_range(TOP_K):
         best = tl.max(tl.where(free, choice, float("-inf")), axis=0)
         idx = tl.min(tl.where(free & (choice == best), e, BLOCK_E), axis=0)
+        # NaN scores match no best: an id in range all the same (kbit.ops._ids: routed ids need no check)
+        idx = tl.minimum(idx, E - 1)
         hit = e == idx
         w = tl.where(slot == s, tl.sum(tl.where(hit, score, 0.0), axis=0), w)
         ids = tl.where(slot == s, idx, ids)

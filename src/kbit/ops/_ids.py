@@ -14,7 +14,11 @@ Where ids are on the CPU (host values are free: the Triton interpreter, the torc
 ``ValueError`` naming the argument, the expected range and the first bad value.
 
 Grouped kernels whose CUDA source does not check ids read them through :func:`guard` (one small Triton launch:
-clamped copies of the ids, a row mask and the flag) and :func:`poison` (the masked rows set to NaN).
+clamped copies of the ids, a row mask and the flag) and :func:`poison` (the masked rows set to NaN), except
+where the ids are in range by construction: a routing made by kbit's router (``kbit.dispatch.moe.route``, whose
+kernel clamps even the id of a NaN score into range) is marked ``MoeRouting.checked`` and its grouped GEMMs run
+without either launch (``guard(..., checked=True)``), so the id check costs an MoE step made by ``KbitMoE``
+nothing. Ids from elsewhere (``align`` of a caller's ``topk_ids``, a direct ``grouped_linear``) are checked.
 
 A helper module of kbit.ops: it imports no op.
 """
@@ -117,15 +121,19 @@ def check_bounds(P: int, T: int, E: int) -> None:
 
 
 def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int, rows_name: str = "token_ids",
-          rows_what: str = "rows of x"):
+          rows_what: str = "rows of x", checked: bool = False):
     """(rows, expert_ids, bad): on the host path (:func:`host_checks`) the ids checked (``ValueError``) and
     returned as they are, ``bad`` None; on CUDA one launch: copies with out-of-range ids clamped into range
     (ids sorted by expert stay sorted), an int8 mask ``bad [P]`` of the rows with either id out of range, and the
-    flag set (:func:`check_errors`). ``T``, ``E`` at least 1. ``rows_name``, ``rows_what``: the host error's words."""
+    flag set (:func:`check_errors`). ``T``, ``E`` at least 1. ``rows_name``, ``rows_what``: the host error's words.
+    ``checked``: the ids are in range by construction (kbit's router made them): on CUDA returned as they are,
+    no launch (the MoE decode step's hot path)."""
     check_bounds(rows.shape[0], T, E)
     if host_checks(rows):
         check_ids(rows_name, rows, T, rows_what)
         check_ids("expert_ids", expert_ids, E, "experts of the stack")
+        return rows, expert_ids, None
+    if checked:
         return rows, expert_ids, None
     P = rows.shape[0]
     rows_c, eids_c = torch.empty_like(rows), torch.empty_like(expert_ids)
