@@ -206,6 +206,32 @@ def test_expert_matmul_grouped_mm_guards_token_ids(device_semantics):
     assert int(_ids.error_flag("cpu")) == _ids.ERR_ROWS
 
 
+def test_routed_ids_are_checked_by_construction():
+    """A routing from kbit's router is marked checked (its grouped GEMMs skip the guard); align of a caller's ids is
+    not; the router kernel gives in-range ids even for NaN scores."""
+    E, top_k = 8, 3
+    logits = torch.randn(5, E, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    logits[2, :4] = float("nan")
+    for plan in (None, GEMV, MoePlan("gemm", "gemm")):
+        r = D.route(logits, plan, top_k=top_k, E=E)
+        assert r.checked, plan
+        ids = r.expert_ids
+        assert bool(((ids >= 0) & (ids < E)).all()), (plan, ids.tolist())
+    assert not align(i32([[0, 1]], "cpu"), E).checked
+
+
+def test_checked_routing_skips_the_guard(device_semantics, monkeypatch):
+    """``guard(..., checked=True)`` returns the ids as they are without a launch (no mask, no flag) on the device
+    path; the host path still checks them."""
+    rows, eids = i32([0, 1], "cpu"), i32([1, 2], "cpu")
+    r, e, bad = _ids.guard(rows, 2, eids, 3, checked=True)
+    assert r is rows and e is eids and bad is None
+    monkeypatch.setattr(_ids, "host_checks", lambda t: True)
+    with pytest.raises(ValueError, match=r"expert_ids: expected ids in \[0, 3\)"):
+        _ids.guard(rows, 2, i32([1, 7], "cpu"), 3, checked=True)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 
