@@ -160,6 +160,19 @@ def test_guard_and_poison_device_semantics(device_semantics):
     assert torch.isnan(out[:, 0]).tolist() == [False, True]
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_poison_drops_the_rows_past_kernel_7s_blocks(device_semantics, strided):
+    """With a block table of more blocks than kernel 7 takes (from bad ids), the rows of the dropped blocks are NaN
+    too, in the one poison launch (a strided view: the same in torch ops)."""
+    bad = torch.tensor([0, 1, 0, 0, 0, 0, 0], dtype=torch.int8)
+    blk, nblk = i32([0, 2, 4, 5, 7, 7, 7, 7], "cpu"), i32([4], "cpu")  # 4 blocks: rows 0-1, 2-3, 4, 5-6
+    for n_max, nan in ((2, [0, 1, 0, 0, 1, 1, 1]), (4, [0, 1, 0, 0, 0, 0, 0]), (9, [0, 1, 0, 0, 0, 0, 0])):
+        y = torch.ones(7, 70)[:, ::2] if strided else torch.ones(7, 35)
+        _ids.poison(y, bad, (blk, nblk), n_max)
+        assert torch.isnan(y).all(1).int().tolist() == nan, n_max
+        assert not torch.isnan(y[[i for i in range(7) if not nan[i]]]).any()
+
+
 def test_align_count_with_bad_ids_stays_a_permutation(device_semantics):
     ids = i32([[2, -3], [7, 0], [1, 2]], "cpu")
     for method in ("sort", "count"):

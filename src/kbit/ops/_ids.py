@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
 
-from kbit.kernels.moe import ids_guard_kernel
+from kbit.kernels.moe import ids_guard_kernel, poison_rows_kernel
 
 __all__ = ["ERR_EXPERTS", "ERR_LOGITS", "ERR_PAIR_ROWS", "ERR_ROWS", "check_bounds", "check_errors", "check_ids",
            "debug_ids", "debug_mode", "error_flag", "guard", "host_checks", "poison", "poison_tokens"]
@@ -145,10 +146,22 @@ def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int, rows_nam
     return rows_c, eids_c, bad
 
 
-def poison(y: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
-    """``y[bad] = NaN`` in place (rows of a :func:`guard` mask; nothing for None); returns y."""
-    if bad is not None and y.numel():
-        y.masked_fill_(bad.view(torch.bool)[:, None], float("nan"))
+def poison(y: torch.Tensor, bad: torch.Tensor | None, blocks=None, n_max: int = 0) -> torch.Tensor:
+    """``y[bad] = NaN`` in place (rows of a :func:`guard` mask; nothing for None), one launch; returns y. With
+    ``blocks`` (a ``kbit.ops.moe_blocks.block_table``), the rows of the blocks past ``n_max`` too (the grouped
+    kernel 7 takes at most ``n_max``; a table built from bad ids can hold more)."""
+    if bad is None or not y.numel():
+        return y
+    P, N = y.shape
+    if y.stride(1) != 1:  # a strided view (not from kbit's ops): the same in torch ops
+        mask = bad.view(torch.bool)
+        if blocks is not None:
+            lim = torch.where(blocks[1] > n_max, blocks[0][min(n_max, P):min(n_max, P) + 1], P)
+            mask = mask | (torch.arange(P, device=y.device) >= lim)
+        return y.masked_fill_(mask[:, None], float("nan"))
+    blk, nblk = blocks if blocks is not None else (bad, bad)
+    poison_rows_kernel[(P,)](y, y.stride(0), N, bad, blk, nblk, n_max, P, DROP=blocks is not None,
+                             BLOCK=min(1024, triton.next_power_of_2(N)), num_warps=4)
     return y
 
 

@@ -391,14 +391,6 @@ def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sca
                        N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, silu=silu, config=config)
 
 
-def _dropped_rows(bad, blocks, P: int, n_max: int):
-    """``bad`` (a ``guard`` mask) or'ed with the rows of the blocks past kernel 7's ``n_max`` (a table built from
-    ids out of range can hold more: their rows are not written). On the device, no sync."""
-    blk, nblk = blocks
-    lim = torch.where(nblk > n_max, blk[min(n_max, P):min(n_max, P) + 1], P)
-    return bad.view(torch.bool) | (torch.arange(P, device=blk.device) >= lim)
-
-
 def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, k, scale_format, N, ng, blocks,
                 sorted_rows=False, silu=False, config: GroupedConfig | None = None):
     """:func:`run_blocks` on checked ids (``bad``: their ``guard`` mask, poisoned after)."""
@@ -417,9 +409,8 @@ def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, 
         xp = x if silu else prep_x(x, S)
         _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
                    blocks=blocks, cfg=config, silu=silu)
-        if bad is not None:
-            bad = _dropped_rows(bad, blocks, P, max_blocks(P, rc.shape[0], 8 * config.groups))
-        return poison(y, bad)
+        # the rows of the blocks kernel 7 drops (a table from bad ids) NaN too, in the same launch
+        return poison(y, bad, blocks, max_blocks(P, rc.shape[0], 8 * config.groups))
     xp = prep_x(x, S)
     p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
     W = p.build.warps
