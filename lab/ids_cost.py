@@ -10,11 +10,14 @@ The check has no switch (it is not optional), so "without" comes from elsewhere:
       mkdir -p _trees/83ced6e && git archive 83ced6e src | tar -x -C _trees/83ced6e
       TREES="83ced6e . 83ced6e ." TAIL=6 bash lab/ab_trees.sh python -u lab/ids_cost.py
 
-- the grouped tensor-core GEMM step (a stack in layout "mma-v1": ``--repacked``, or the ``| kbit repacked`` row):
-  the check is two small launches a GEMM (``kbit.ops._ids.guard`` before, ``poison`` after). They are timed alone,
-  in a graph, on the step's ids, and reported as a share of the step (this tree only).
+- the grouped tensor-core GEMM step (a stack in layout "mma-v1", the ``| kbit repacked`` row): the layer's own
+  router makes ids in range by construction (``MoeRouting.checked``), so the step runs no check: the same A/B
+  shows it. A routing from elsewhere (``align`` of a caller's ``topk_ids``) pays two small launches a GEMM
+  (``kbit.ops._ids.guard`` before, ``poison`` after): timed alone, in a graph, on the step's ids, and reported as
+  a share of the step (this tree only; not part of the step above).
 
-Also times ``kbit.sample`` at B = 1 and 64 (its edge-case semantics add a row-max launch: same A/B).
+Also times ``kbit.sample`` at B = 1 and 64 (its edge-case semantics add a row-max launch, split over many
+programs a row: same A/B).
 
 Cold L2: enough layer copies (each its own router logits) that one replay reads every touched expert from HBM.
 Prints ``| kbit ...`` rows (the lines ab_trees.sh shows); writes ``ids_cost.json`` under ``$OUT`` if set.
@@ -64,7 +67,8 @@ def step_time(repacked: bool, reps: int) -> float:
 
 
 def guard_time(reps: int) -> float | None:
-    """Two guards and two poisons (the GEMM step's id checks) alone, on a decode step's ids."""
+    """Two guards and two poisons (the id checks of a GEMM step on a caller's routing, not a routed one) alone, on
+    a decode step's ids."""
     try:
         from kbit.ops import _ids  # absent in trees before the check
     except ImportError:
@@ -107,7 +111,8 @@ def main():
         print(f"| kbit sample B={B} V=151936 | {res[f'sample_b{B}_us']:.2f} us |")
     if res["gemm_checks_us"] is not None:
         share = 100 * res["gemm_checks_us"] / res["gemm_step_us"]
-        print(f"| kbit gemm step id checks alone | {res['gemm_checks_us']:.2f} us = {share:.2f}% of the step |")
+        print(f"| kbit gemm step id checks of a caller's routing, alone | {res['gemm_checks_us']:.2f} us = "
+              f"{share:.2f}% of the step |")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "ids_cost.json").write_text(json.dumps(res, indent=1))
 

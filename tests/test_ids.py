@@ -160,6 +160,19 @@ def test_guard_and_poison_device_semantics(device_semantics):
     assert torch.isnan(out[:, 0]).tolist() == [False, True]
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_poison_drops_the_rows_past_kernel_7s_blocks(device_semantics, strided):
+    """With a block table of more blocks than kernel 7 takes (from bad ids), the rows of the dropped blocks are NaN
+    too, in the one poison launch (a strided view: the same in torch ops)."""
+    bad = torch.tensor([0, 1, 0, 0, 0, 0, 0], dtype=torch.int8)
+    blk, nblk = i32([0, 2, 4, 5, 7, 7, 7, 7], "cpu"), i32([4], "cpu")  # 4 blocks: rows 0-1, 2-3, 4, 5-6
+    for n_max, nan in ((2, [0, 1, 0, 0, 1, 1, 1]), (4, [0, 1, 0, 0, 0, 0, 0]), (9, [0, 1, 0, 0, 0, 0, 0])):
+        y = torch.ones(7, 70)[:, ::2] if strided else torch.ones(7, 35)
+        _ids.poison(y, bad, (blk, nblk), n_max)
+        assert torch.isnan(y).all(1).int().tolist() == nan, n_max
+        assert not torch.isnan(y[[i for i in range(7) if not nan[i]]]).any()
+
+
 def test_align_count_with_bad_ids_stays_a_permutation(device_semantics):
     ids = i32([[2, -3], [7, 0], [1, 2]], "cpu")
     for method in ("sort", "count"):
@@ -204,6 +217,32 @@ def test_expert_matmul_grouped_mm_guards_token_ids(device_semantics):
     y = D.expert_matmul(torch.randn(3, H), r, m.gate_up_weight(), "grouped_mm", gather=True)
     assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
     assert int(_ids.error_flag("cpu")) == _ids.ERR_ROWS
+
+
+def test_routed_ids_are_checked_by_construction():
+    """A routing from kbit's router is marked checked (its grouped GEMMs skip the guard); align of a caller's ids is
+    not; the router kernel gives in-range ids even for NaN scores."""
+    E, top_k = 8, 3
+    logits = torch.randn(5, E, generator=torch.Generator().manual_seed(1))
+    logits[1] = float("nan")
+    logits[2, :4] = float("nan")
+    for plan in (None, GEMV, MoePlan("gemm", "gemm")):
+        r = D.route(logits, plan, top_k=top_k, E=E)
+        assert r.checked, plan
+        ids = r.expert_ids
+        assert bool(((ids >= 0) & (ids < E)).all()), (plan, ids.tolist())
+    assert not align(i32([[0, 1]], "cpu"), E).checked
+
+
+def test_checked_routing_skips_the_guard(device_semantics, monkeypatch):
+    """``guard(..., checked=True)`` returns the ids as they are without a launch (no mask, no flag) on the device
+    path; the host path still checks them."""
+    rows, eids = i32([0, 1], "cpu"), i32([1, 2], "cpu")
+    r, e, bad = _ids.guard(rows, 2, eids, 3, checked=True)
+    assert r is rows and e is eids and bad is None
+    monkeypatch.setattr(_ids, "host_checks", lambda t: True)
+    with pytest.raises(ValueError, match=r"expert_ids: expected ids in \[0, 3\)"):
+        _ids.guard(rows, 2, i32([1, 7], "cpu"), 3, checked=True)
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -172,6 +172,31 @@ def test_rows_without_a_finite_logit_debug_mode_raises():
         assert sample(x[:1], seed=1).shape == (1,)
 
 
+def test_row_max_split_over_programs():
+    """A row wider than one row-max tile: the maximum is combined from several programs' partial maxima (some past
+    the row's end, some over NaN / -inf only), the edge semantics as for one program."""
+    from kbit.ops.sampling import _row_max_split
+
+    V = 5000
+    assert _row_max_split(4, V)[0] == 4
+    x = torch.randn(4, V, generator=torch.Generator().manual_seed(8))
+    x[0, :2048] = math.nan
+    x[0, 4500] = math.inf  # the only +inf, in the third program's part
+    x[1, :] = -math.inf
+    x[1, 4999] = 1e30  # the only finite logit, the last entry
+    x[2, :2048], x[2, 2048:] = math.nan, -math.inf
+    x[3, 100] = 50.0  # an ordinary row: its max in the first part
+    x = x.to(DEV)
+    for temperature in (1.0, 1e-38):
+        tokens, logprobs = sample(x, seed=2, temperature=temperature, top_k=5, return_logprobs=True)
+        assert tokens.tolist() == [4500, 4999, -1, 100]
+        assert logprobs[[0, 1, 3]].tolist() == [0.0, 0.0, 0.0] and torch.isnan(logprobs[2])
+        ref_t = sample_reference(x.cpu(), temperature=temperature, top_k=5)
+        assert ref_t.tolist() == [4500, 4999, -1, 100]
+        assert int(_ids.error_flag(DEV)) == _ids.ERR_LOGITS
+        _ids.error_flag(DEV).zero_()
+
+
 def test_finite_rows_unchanged_in_distribution():
     """The shift by the row max leaves ordinary rows' distribution as it was (reference vs draws)."""
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(7)).to(DEV) * 3 + 1e4

@@ -195,13 +195,13 @@ def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: i
         w, ids = select_experts(router_logits, top_k, router=router, renormalize=renormalize,
                                 correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling)
-        return align(ids, E, w, method=align_method)
+        return align(ids, E, w, method=align_method, checked=True)  # topk indices: in range
     w, ids, tok, rows = route_pairs(router_logits, top_k, router=router, renormalize=renormalize,
                                     correction_bias=correction_bias, scaling=scaling)
     gemm = "gemm" in (plan.gate_up, plan.down)
     if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
-        return pair_order(w, ids, tok, rows, E)
-    return sort_pairs(w, ids, rows, E)
+        return pair_order(w, ids, tok, rows, E, checked=True)  # the router kernel's ids are in range
+    return sort_pairs(w, ids, rows, E, checked=True)
 
 
 # ------------------------------------------------------------------------------------------------ expert matmul
@@ -213,19 +213,20 @@ def _repacked(weight) -> bool:
 
 
 def grouped_gemm(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight: KbitWeight, blocks=None,
-                 sorted_rows: bool = False) -> torch.Tensor:
+                 sorted_rows: bool = False, checked: bool = False) -> torch.Tensor:
     """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` on a stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``,
     ``[P, N]`` in x's dtype: the grouped tensor-core kernel (``kbit.ops.grouped_mma.grouped_linear``) where it
-    runs, else the grouped GEMV (same semantics). ``blocks``, ``sorted_rows``: see ``grouped_linear``."""
+    runs, else the grouped GEMV (same semantics). ``blocks``, ``sorted_rows``, ``checked``: see
+    ``grouped_linear``."""
     kw = dict(k=weight.k, blocksize=weight.blocksize, scale_format=weight.scale_format, N=weight.N, K=weight.K)
     args = (x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook)
     if not kernels_available(x.device):
         return grouped_gemv(*args, **kw)
-    return grouped_linear(*args, **kw, blocks=blocks, sorted_rows=sorted_rows)
+    return grouped_linear(*args, **kw, blocks=blocks, sorted_rows=sorted_rows, checked=checked)
 
 
 def grouped_gemm_repacked(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch.Tensor, weight, blocks=None,
-                          sorted_rows: bool = False, act: str | None = None) -> torch.Tensor:
+                          sorted_rows: bool = False, act: str | None = None, checked: bool = False) -> torch.Tensor:
     """:func:`grouped_gemm` on a stack held in layout "mma-v1" (``kbit.ops.gemv_mma.RepackedWeight``).
     ``act="silu"``: x is a gate_up product ``[T, 2K]`` and the input is its SwiGLU, computed by the grouped
     kernel 7 while it gathers x where it can (``kbit.ops.grouped_mma.fused_silu_ok``), else by
@@ -246,7 +247,8 @@ def grouped_gemm_repacked(x: torch.Tensor, rows: torch.Tensor, expert_ids: torch
                                        N=weight.N, K=K)
         return grouped_gemv(x, rows, expert_ids, codes, scales, weight.tensor_scale, weight.codebook, **kw)
     return grouped_linear_repacked(x, rows, expert_ids, weight.codes, weight.scales, weight.tensor_scale,
-                                   weight.codebook, **kw, blocks=blocks, sorted_rows=sorted_rows, act=act)
+                                   weight.codebook, **kw, blocks=blocks, sorted_rows=sorted_rows, act=act,
+                                   checked=checked)
 
 
 def _dequantize_slots(weight: KbitWeight, routing: MoeRouting, dtype: torch.dtype):
@@ -297,7 +299,7 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     rows = routing.token_ids if gather else routing.row_ids
     if _repacked(weight) and kernel == "gemm":
         return grouped_gemm_repacked(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted,
-                                     act=act)
+                                     act=act, checked=routing.checked)
     if act == "silu":
         x = silu_mul_gate_up(x)
     if _repacked(weight) and kernel == "gemv":
@@ -312,12 +314,13 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
                              "got one without (pair_order / sort_pairs)")
         # ids out of range (kbit.ops._ids): index_select would fault on a token id; an expert id falls outside
         # the groups (or into expert 0's): clamped copies, the rows NaN after
-        rows, _, bad = guard(rows, x.shape[0], routing.expert_ids, routing.E)
+        rows, _, bad = guard(rows, x.shape[0], routing.expert_ids, routing.E, checked=routing.checked)
         xs = x.index_select(0, rows) if gather else x
         w, offs = _dequantize_slots(weight, routing, x.dtype)
         return poison(torch._grouped_mm(xs.contiguous(), w.transpose(-2, -1), offs=offs), bad)
     if kernel == "gemm":
-        return grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted)
+        return grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted,
+                            checked=routing.checked)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
 
 
@@ -343,14 +346,17 @@ def _experts_tail_split(hidden, routing: MoeRouting, gate_up, down, bt: int) -> 
     on the tail's), the tail's SiLU * up from ``silu_mul_gate_up`` over the step's last ``R`` rows (the main
     part's is made in kernel 7's x gather), and the combine reads the new rows."""
     # tail_split indexes per-expert tables by expert id: clamped ids first, the tokens of bad pairs NaN after
-    tok, eids, bad = guard(routing.token_ids, hidden.shape[0], routing.expert_ids, routing.E)
-    routing = replace(routing, token_ids=tok, expert_ids=eids)
+    tok, eids, bad = guard(routing.token_ids, hidden.shape[0], routing.expert_ids, routing.E,
+                           checked=routing.checked)
+    if bad is not None:
+        routing = replace(routing, token_ids=tok, expert_ids=eids)
     sp = tail_split(routing, bt)
     P, ng_tail = routing.P, TAIL_ROWS // 8  # kernel 4: one block a tail
 
     def run(x, rows, w, y, ng, blocks, main, silu=False):
         run_blocks(x, rows, sp.expert_ids, w.codes, w.scales, w.tensor_scale, w.codebook, y, k=w.k,
-                   scale_format=w.scale_format, N=w.N, ng=ng, blocks=blocks, sorted_rows=main, silu=silu)
+                   scale_format=w.scale_format, N=w.N, ng=ng, blocks=blocks, sorted_rows=main, silu=silu,
+                   checked=True)  # ids checked above
 
     gu = hidden.new_empty(P, gate_up.N)
     run(hidden, sp.token_ids, gate_up, gu, bt // 8, sp.main_blocks, True)

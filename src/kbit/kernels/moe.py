@@ -82,6 +82,8 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E
     for s in tl.static_range(TOP_K):
         best = tl.max(tl.where(free, choice, float("-inf")), axis=0)
         idx = tl.min(tl.where(free & (choice == best), e, BLOCK_E), axis=0)
+        # NaN scores match no best: an id in range all the same (kbit.ops._ids: routed ids need no check)
+        idx = tl.minimum(idx, E - 1)
         hit = e == idx
         w = tl.where(slot == s, tl.sum(tl.where(hit, score, 0.0), axis=0), w)
         ids = tl.where(slot == s, idx, ids)
@@ -139,3 +141,22 @@ def ids_guard_kernel(rows_ptr, eids_ptr, rows_out, eids_out, bad_out, err_ptr, P
     code = tl.max(rb.to(tl.int32), 0) | (tl.max(eb.to(tl.int32), 0) * 2)
     if code != 0:
         tl.atomic_or(err_ptr, code)
+
+
+@triton.jit
+def poison_rows_kernel(y_ptr, stride_y, N, bad_ptr, blk_ptr, nblk_ptr, n_max, P, DROP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``y[r, :] = NaN`` for a row the guard mask marks (``bad[r] != 0``) or, with ``DROP``, a row of a block the
+    grouped kernel 7 dropped (a block table of ``nblk > n_max`` blocks, built from bad ids: the rows from
+    ``blk[min(n_max, P)]`` on are not written). One program a row; a good row reads two ints and stops."""
+    r = tl.program_id(0)
+    hit = tl.load(bad_ptr + r) != 0
+    if DROP:
+        lim = tl.load(blk_ptr + tl.minimum(n_max, P))
+        hit = hit | ((tl.load(nblk_ptr) > n_max) & (r >= lim))
+    if hit:
+        base = y_ptr + r.to(tl.int64) * stride_y
+        for c in range(0, N, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            tl.store(base + cols, tl.full([BLOCK], float("nan"), tl.float32).to(y_ptr.dtype.element_ty),
+                     mask=cols < N)

@@ -41,6 +41,7 @@ from kbit.kernels.sampling_common import (
     _param,
     _rng_word,
     _row_scale,
+    _row_shift,
     _shifted,
     _uniform,
 )
@@ -420,7 +421,7 @@ def select_sample_kernel(
     MINP_PER_ROW: tl.constexpr, SEED_MODE: tl.constexpr, OFFSET_MODE: tl.constexpr,
     CHUNK: tl.constexpr, KC: tl.constexpr, SP: tl.constexpr, NVP: tl.constexpr, P: tl.constexpr,
     VB: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr, PE: tl.constexpr, EVEN4: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, NSPLIT: tl.constexpr = 1,
 ):
     """One program per row. Fast path (top-k rows and greedy rows):
 
@@ -438,10 +439,10 @@ def select_sample_kernel(
     Greedy rows: the lowest candidate index holding the row max (every chunk stores the vector of its
     lowest index holding its max: always exact). Everything else calls ``_select_fallback``.
 
-    Logits are read shifted by the row max ``shift[row]`` (``_shifted``). A row without a finite or +inf
+    Logits are read shifted by the row max (``_shifted``, ``_row_shift``). A row without a finite or +inf
     logit (shift = -inf) gets token -1 and logprob NaN and ORs 8 into ``err[0]`` (``kbit.ops._ids``)."""
     row = tl.program_id(0)
-    shift = tl.load(shift_ptr + row)
+    shift = _row_shift(shift_ptr, row, NSPLIT)  # NSPLIT partial maxima of row_max_kernel
     if shift == NEG_INF:
         tl.store(tok_ptr + row, tl.full([], -1, tl.int64))
         tl.store(logprob_ptr + row, tl.full([], float("nan"), tl.float32))

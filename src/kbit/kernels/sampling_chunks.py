@@ -4,7 +4,7 @@
 import triton
 import triton.language as tl
 
-from kbit.kernels.sampling_common import INT32_MAX, NEG_INF, POS_INF, _param, _row_scale, _shifted
+from kbit.kernels.sampling_common import INT32_MAX, NEG_INF, POS_INF, _param, _row_scale, _row_shift, _shifted
 
 
 @triton.jit
@@ -136,8 +136,9 @@ def chunk_summary_kernel(
     cand_idx_ptr, cand_val_ptr, stats_ptr, B, S,
     TEMP_PER_ROW: tl.constexpr, TOPK_PER_ROW: tl.constexpr,
     CHUNK: tl.constexpr, KC: tl.constexpr, G: tl.constexpr, T: tl.constexpr, MAX_ITERS: tl.constexpr,
+    NSPLIT: tl.constexpr = 1,
 ):
-    """One chunk of one row, as a [G, T/4, 4] tile of logits x shifted by the row max ``shift[row]`` (one read;
+    """One chunk of one row, as a [G, T/4, 4] tile of logits x shifted by the row max (one read;
     each [g, v, :] is one 16-byte load of one thread).
 
     Works on x, not z = x * scale: scale > 0 and rounding is monotone, so every order statistic
@@ -159,7 +160,7 @@ def chunk_summary_kernel(
 
     start = chunk * CHUNK
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    shift = tl.load(shift_ptr + row)
+    shift = _row_shift(shift_ptr, row, NSPLIT)  # NSPLIT partial maxima of row_max_kernel
     x, all_fin, vb = _load_tile(x_row, start, V, shift, CHUNK, G, T)
     vmax, gmax, m, m2, tau, s = _chunk_stats(x, scale, need_mass, G)
 

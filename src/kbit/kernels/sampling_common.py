@@ -80,14 +80,27 @@ def _row_scale(temp):
 
 
 @triton.jit
-def row_max_kernel(x_ptr, stride_x, V, out_ptr, BLOCK: tl.constexpr):
-    """``out[row] = max(x[row])`` over the non-NaN entries (-inf when there is none): the shift of the
-    sampler's logits (``_shifted``). One program a row."""
+def row_max_kernel(x_ptr, stride_x, V, out_ptr, SPAN, NSPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial row maxima, grid ``(B, NSPLIT)``: ``out[row, s] = max(x[row, s * SPAN : (s + 1) * SPAN])`` over
+    the non-NaN entries (-inf when there is none); ``_row_shift`` combines them into the sampler's shift
+    (``_shifted``). Many programs a row: one program reading a whole 150k-entry row is latency-bound."""
     row = tl.program_id(0)
+    part = tl.program_id(1)
     x_row = x_ptr + row.to(tl.int64) * stride_x
+    start = part * SPAN
+    end = tl.minimum(start + SPAN, V)
     m = tl.full([BLOCK], NEG_INF, tl.float32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < V, other=NEG_INF).to(tl.float32)
+    for s in range(start, end, BLOCK):
+        offs = s + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < end, other=NEG_INF).to(tl.float32)
         m = tl.maximum(m, tl.where(x == x, x, NEG_INF))
-    tl.store(out_ptr + row, tl.max(m, 0))
+    tl.store(out_ptr + row * NSPLIT + part, tl.max(m, 0))
+
+
+@triton.jit
+def _row_shift(shift_ptr, row, NSPLIT: tl.constexpr):
+    """The row max of ``row`` from ``row_max_kernel``'s ``NSPLIT`` partial maxima (one small load)."""
+    if NSPLIT == 1:
+        return tl.load(shift_ptr + row)
+    else:
+        return tl.max(tl.load(shift_ptr + row * NSPLIT + tl.arange(0, NSPLIT)), 0)

@@ -14,7 +14,11 @@ Where ids are on the CPU (host values are free: the Triton interpreter, the torc
 ``ValueError`` naming the argument, the expected range and the first bad value.
 
 Grouped kernels whose CUDA source does not check ids read them through :func:`guard` (one small Triton launch:
-clamped copies of the ids, a row mask and the flag) and :func:`poison` (the masked rows set to NaN).
+clamped copies of the ids, a row mask and the flag) and :func:`poison` (the masked rows set to NaN), except
+where the ids are in range by construction: a routing made by kbit's router (``kbit.dispatch.moe.route``, whose
+kernel clamps even the id of a NaN score into range) is marked ``MoeRouting.checked`` and its grouped GEMMs run
+without either launch (``guard(..., checked=True)``), so the id check costs an MoE step made by ``KbitMoE``
+nothing. Ids from elsewhere (``align`` of a caller's ``topk_ids``, a direct ``grouped_linear``) are checked.
 
 A helper module of kbit.ops: it imports no op.
 """
@@ -24,8 +28,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
 
-from kbit.kernels.moe import ids_guard_kernel
+from kbit.kernels.moe import ids_guard_kernel, poison_rows_kernel
 
 __all__ = ["ERR_EXPERTS", "ERR_LOGITS", "ERR_PAIR_ROWS", "ERR_ROWS", "check_bounds", "check_errors", "check_ids",
            "debug_ids", "debug_mode", "error_flag", "guard", "host_checks", "poison", "poison_tokens"]
@@ -117,15 +122,19 @@ def check_bounds(P: int, T: int, E: int) -> None:
 
 
 def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int, rows_name: str = "token_ids",
-          rows_what: str = "rows of x"):
+          rows_what: str = "rows of x", checked: bool = False):
     """(rows, expert_ids, bad): on the host path (:func:`host_checks`) the ids checked (``ValueError``) and
     returned as they are, ``bad`` None; on CUDA one launch: copies with out-of-range ids clamped into range
     (ids sorted by expert stay sorted), an int8 mask ``bad [P]`` of the rows with either id out of range, and the
-    flag set (:func:`check_errors`). ``T``, ``E`` at least 1. ``rows_name``, ``rows_what``: the host error's words."""
+    flag set (:func:`check_errors`). ``T``, ``E`` at least 1. ``rows_name``, ``rows_what``: the host error's words.
+    ``checked``: the ids are in range by construction (kbit's router made them): on CUDA returned as they are,
+    no launch (the MoE decode step's hot path)."""
     check_bounds(rows.shape[0], T, E)
     if host_checks(rows):
         check_ids(rows_name, rows, T, rows_what)
         check_ids("expert_ids", expert_ids, E, "experts of the stack")
+        return rows, expert_ids, None
+    if checked:
         return rows, expert_ids, None
     P = rows.shape[0]
     rows_c, eids_c = torch.empty_like(rows), torch.empty_like(expert_ids)
@@ -137,10 +146,22 @@ def guard(rows: torch.Tensor, T: int, expert_ids: torch.Tensor, E: int, rows_nam
     return rows_c, eids_c, bad
 
 
-def poison(y: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
-    """``y[bad] = NaN`` in place (rows of a :func:`guard` mask; nothing for None); returns y."""
-    if bad is not None and y.numel():
-        y.masked_fill_(bad.view(torch.bool)[:, None], float("nan"))
+def poison(y: torch.Tensor, bad: torch.Tensor | None, blocks=None, n_max: int = 0) -> torch.Tensor:
+    """``y[bad] = NaN`` in place (rows of a :func:`guard` mask; nothing for None), one launch; returns y. With
+    ``blocks`` (a ``kbit.ops.moe_blocks.block_table``), the rows of the blocks past ``n_max`` too (the grouped
+    kernel 7 takes at most ``n_max``; a table built from bad ids can hold more)."""
+    if bad is None or not y.numel():
+        return y
+    P, N = y.shape
+    if y.stride(1) != 1:  # a strided view (not from kbit's ops): the same in torch ops
+        mask = bad.view(torch.bool)
+        if blocks is not None:
+            lim = torch.where(blocks[1] > n_max, blocks[0][min(n_max, P):min(n_max, P) + 1], P)
+            mask = mask | (torch.arange(P, device=y.device) >= lim)
+        return y.masked_fill_(mask[:, None], float("nan"))
+    blk, nblk = blocks if blocks is not None else (bad, bad)
+    poison_rows_kernel[(P,)](y, y.stride(0), N, bad, blk, nblk, n_max, P, DROP=blocks is not None,
+                             BLOCK=min(1024, triton.next_power_of_2(N)), num_warps=4)
     return y
 
 

@@ -312,7 +312,7 @@ def _check_grouped(x, rows, expert_ids, codes, scales, tensor_scale, codebook, k
 
 def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
                    scale_format="log8", N, K, blocks=None, ng=None, sorted_rows=False,
-                   config: GroupedConfig | None = None):
+                   config: GroupedConfig | None = None, checked: bool = False):
     """``y[r] = x[rows[r]] @ W[expert_ids[r]].T`` for a k-bit stack ``W [E, N, K]``: ``[P, N]`` in x's dtype.
 
     x: fp16/bf16 ``[T, K]`` on a device where the CUDA kernels run (``kernels_available``); rows, expert_ids: int32
@@ -324,7 +324,8 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     GEMMs of an MoE step); ``ng``: default :func:`choose_ng`. ``sorted_rows``: the caller guarantees that each
     expert's rows are adjacent (one run an expert, as from ``kbit.ops.moe_align``); on sm_90 that allows the
     grouped wgmma kernel 7 when the rows an expert are many. Unsorted rows with ``sorted_rows=True`` give wrong
-    results. ``config``: pin the kernel and its blocks (tests, labs; kernel 7 needs sorted rows).
+    results. ``config``: pin the kernel and its blocks (tests, labs; kernel 7 needs sorted rows). ``checked``:
+    the caller guarantees the ids in range (a ``MoeRouting.checked`` routing): no device check (no launch).
     """
     E = _check_grouped(x, rows, expert_ids, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K)
     _check_ng(ng, config)
@@ -333,7 +334,7 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
     if rows.shape[0] == 0:
         return y
     # ids checked before the block table is built: clamped ids (monotone, so sorted rows stay sorted) add no runs
-    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E, checked=checked)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
     rc, rs = repacked_stack(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
     return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
@@ -342,7 +343,7 @@ def grouped_linear(x, rows, expert_ids, codes, scales, tensor_scale, codebook, *
 
 def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=32,
                             scale_format="log8", N, K, blocks=None, ng=None, sorted_rows=False, act=None,
-                            config: GroupedConfig | None = None):
+                            config: GroupedConfig | None = None, checked: bool = False):
     """:func:`grouped_linear` on a stack held in layout "mma-v1" (``rcodes, rscales`` from :func:`repack_stack`):
     no cache, nothing kept. ``act="silu"``: x is a gate_up product ``[T, 2K]`` (gate columns first) and the
     input is ``silu(x[:, :K]) * x[:, K:]``, computed by the grouped kernel 7 while it gathers its x tiles: only
@@ -368,7 +369,8 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
     y = torch.empty(P, N, dtype=x.dtype, device=x.device)
     if P == 0:
         return y
-    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E)  # before the block table (grouped_linear)
+    # before the block table (grouped_linear)
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, E, checked=checked)
     ng, blocks = _blocks(expert_ids, E, ng, blocks, sorted_rows, config)
     return _run_blocks(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, y, bad, k=k,
                        scale_format=scale_format, N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, config=config,
@@ -376,25 +378,17 @@ def grouped_linear_repacked(x, rows, expert_ids, rcodes, rscales, tensor_scale, 
 
 
 def run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, scale_format, N, ng, blocks,
-               sorted_rows=False, silu=False, config: GroupedConfig | None = None):
+               sorted_rows=False, silu=False, config: GroupedConfig | None = None, checked: bool = False):
     """One grouped GEMM into ``y`` over the blocks of a given block table (``blocks``, for ``8 ng`` rows a block)
     on a repacked stack, arguments as checked by :func:`grouped_linear_repacked`: the launch an MoE step with a
     tail split makes twice (``kbit.dispatch.moe``). ``silu`` needs the grouped kernel 7. Ids out of range: as
     :func:`grouped_linear` (one more small launch before the kernel, one after: ``kbit.ops._ids.guard``); a table
     built from bad ids can hold more blocks than kernel 7 takes (``max_blocks``): the rows of the blocks it drops
-    are NaN too."""
+    are NaN too. ``checked``: as :func:`grouped_linear`'s."""
     # the CUDA kernels read ids unchecked: clamped copies (an out-of-range id reads row / expert 0), NaN rows after
-    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, rc.shape[0])
+    rows, expert_ids, bad = guard(rows, x.shape[0], expert_ids, rc.shape[0], checked=checked)
     return _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, k=k, scale_format=scale_format,
                        N=N, ng=ng, blocks=blocks, sorted_rows=sorted_rows, silu=silu, config=config)
-
-
-def _dropped_rows(bad, blocks, P: int, n_max: int):
-    """``bad`` (a ``guard`` mask) or'ed with the rows of the blocks past kernel 7's ``n_max`` (a table built from
-    ids out of range can hold more: their rows are not written). On the device, no sync."""
-    blk, nblk = blocks
-    lim = torch.where(nblk > n_max, blk[min(n_max, P):min(n_max, P) + 1], P)
-    return bad.view(torch.bool) | (torch.arange(P, device=blk.device) >= lim)
 
 
 def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, k, scale_format, N, ng, blocks,
@@ -415,9 +409,8 @@ def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, 
         xp = x if silu else prep_x(x, S)
         _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, k=k, scale_format=scale_format, N=N,
                    blocks=blocks, cfg=config, silu=silu)
-        if bad is not None:
-            bad = _dropped_rows(bad, blocks, P, max_blocks(P, rc.shape[0], 8 * config.groups))
-        return poison(y, bad)
+        # the rows of the blocks kernel 7 drops (a table from bad ids) NaN too, in the same launch
+        return poison(y, bad, blocks, max_blocks(P, rc.shape[0], 8 * config.groups))
     xp = prep_x(x, S)
     p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
     W = p.build.warps

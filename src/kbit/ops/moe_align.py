@@ -65,6 +65,9 @@ class MoeRouting:
     E: int
     #: rows sorted by expert (else in pair order).
     sorted: bool = True
+    #: ids in range by construction (made by kbit's router, ``kbit.dispatch.moe.route``): the grouped GEMMs skip
+    #: their device-side id checks (``kbit.ops._ids.guard``). False for ids from elsewhere (checked).
+    checked: bool = False
 
     @property
     def has_groups(self) -> bool:
@@ -125,7 +128,7 @@ def _sorted_pairs(flat: torch.Tensor, E: int, method: str) -> tuple[torch.Tensor
 
 
 def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = None,
-          method: str = "sort") -> MoeRouting:
+          method: str = "sort", checked: bool = False) -> MoeRouting:
     """Sort the pairs of ``topk_ids`` by expert (stable) and build the group tables; no host sync.
 
     Parameters
@@ -136,6 +139,7 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
     E : number of experts.
     topk_weights : float ``[T, top_k]`` or None (then all ones); stored as float32.
     method : ``"sort"`` or ``"count"`` (:func:`_sorted_pairs`); both give identical results.
+    checked : ``topk_ids`` are in range by construction (from kbit's router): :attr:`MoeRouting.checked`.
 
     Example
     -------
@@ -174,7 +178,8 @@ def align(topk_ids: torch.Tensor, E: int, topk_weights: torch.Tensor | None = No
     return MoeRouting(topk_weights=topk_weights.float().contiguous(), topk_ids=topk_ids.to(torch.int32).contiguous(),
                       expert_ids=expert_ids.contiguous(), token_ids=token_ids, pair_rows=pair_rows,
                       row_ids=rows, offsets=offsets, slot_experts=slot_experts,
-                      slot_offsets=slot_offsets.to(torch.int32), touched=touched, T=T, top_k=top_k, E=E)
+                      slot_offsets=slot_offsets.to(torch.int32), touched=touched, T=T, top_k=top_k, E=E,
+                      checked=checked)
 
 
 def _check_pairs(topk_weights, topk_ids, token_ids, row_ids):
@@ -188,7 +193,7 @@ def _check_pairs(topk_weights, topk_ids, token_ids, row_ids):
 
 
 def pair_order(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_ids: torch.Tensor, row_ids: torch.Tensor,
-               E: int) -> MoeRouting:
+               E: int, checked: bool = False) -> MoeRouting:
     """A :class:`MoeRouting` whose rows are the pairs in router order (no sort, no launch, no group tables).
 
     ``token_ids`` (``p // top_k``) and ``row_ids`` (``arange(P)``) come with the weights and ids from
@@ -198,13 +203,14 @@ def pair_order(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_ids: to
     T, top_k = topk_ids.shape
     return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=topk_ids.view(-1),
                       token_ids=token_ids, pair_rows=row_ids, row_ids=row_ids, offsets=None, slot_experts=None,
-                      slot_offsets=None, touched=None, T=T, top_k=top_k, E=E, sorted=False)
+                      slot_offsets=None, touched=None, T=T, top_k=top_k, E=E, sorted=False, checked=checked)
 
 
 _SORT_BLOCK = 64
 
 
-def sort_pairs(topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_ids: torch.Tensor, E: int) -> MoeRouting:
+def sort_pairs(topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_ids: torch.Tensor, E: int,
+               checked: bool = False) -> MoeRouting:
     """The pairs sorted by expert (stable, the order of :func:`align`) in one Triton launch, without group
     tables: ``expert_ids``, ``token_ids`` and ``pair_rows`` equal :func:`align`'s.
 
@@ -221,7 +227,7 @@ def sort_pairs(topk_weights: torch.Tensor, topk_ids: torch.Tensor, row_ids: torc
                                                    BLOCK=_SORT_BLOCK, num_warps=4)
     return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=expert_ids, token_ids=token_ids,
                       pair_rows=pair_rows, row_ids=row_ids, offsets=None, slot_experts=None, slot_offsets=None,
-                      touched=None, T=T, top_k=top_k, E=E, sorted=True)
+                      touched=None, T=T, top_k=top_k, E=E, sorted=True, checked=checked)
 
 
 def align_reference(topk_ids: torch.Tensor, E: int) -> dict[str, torch.Tensor]:

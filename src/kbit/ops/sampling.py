@@ -32,6 +32,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 _SEARCH_ITERS = 24  # pass-1 bisection steps before a chunk settles for fewer entries than it wanted
 _ROW_BLOCK = 1024  # tile of the whole-row fallback passes
+_ROW_MAX_TILE = 2048  # row-max launch: entries a program reads at a time (8 warps: 16 bytes a thread in bf16)
+_ROW_MAX_PROGRAMS = 2048  # programs the row-max launch aims at over all rows (a few waves of an H100/H200)
+_ROW_MAX_SPLIT = 128  # at most this many programs a row (a power of two)
 _STREAM_VECTORS = 1024  # candidate vectors pass 2 expands at a time (4096 entries) when packing
 _PIVOTS = 16  # pivots per fallback pass: 32-bit keys are resolved in 8 passes
 _FAST_ENTRIES = 128  # pass-2 fast path: entries >= the top-k lower bound (~k expected), ranked all-pairs
@@ -91,6 +94,17 @@ def sampling_config(batch: int, vocab: int) -> SamplingConfig:
     chunk = min(4096, max(16, _next_pow2(vocab)))
     candidates = max(2, chunk // 2) if vocab <= chunk else 32  # one chunk: keep up to half of it
     return SamplingConfig(chunk, candidates, warps_chunk=max(1, min(4, chunk // 1024)), warps_select=16)
+
+
+def _row_max_split(B: int, V: int) -> tuple[int, int, int]:
+    """(programs a row, entries a program, tile) of the row-max launch: enough programs that the B rows fill the
+    GPU (about ``_ROW_MAX_PROGRAMS``; at B = 1 one tile a program, so one load's latency), at least one tile
+    each, at most ``_ROW_MAX_SPLIT`` a row (a power of two: the passes combine the partial maxima in one load)."""
+    block = min(_ROW_MAX_TILE, _next_pow2(V))
+    nsplit = min(_ROW_MAX_SPLIT, _next_pow2(-(-V // block)), _next_pow2(-(-_ROW_MAX_PROGRAMS // B)))
+    per = -(-V // nsplit)  # entries a program, rounded up to whole tiles
+    span = -(-per // block) * block
+    return nsplit, span, block
 
 
 def _tile(chunk: int, warps: int) -> tuple[int, int]:
@@ -216,8 +230,10 @@ def _sample_op(
     if penalised:
         x = _penalised_copy(x, token_history, rep_t, rep, pres_t, pres, freq_t, freq)
 
-    shift = torch.empty(B, dtype=torch.float32, device=device)  # row max: the kernels read x - shift
-    row_max_kernel[(B,)](x, x.stride(0), V, shift, BLOCK=min(_ROW_BLOCK, _next_pow2(V)), num_warps=4)
+    nsplit, span, block = _row_max_split(B, V)
+    shift = torch.empty(B, nsplit, dtype=torch.float32, device=device)  # partial row maxima: x - max is read
+    row_max_kernel[(B, nsplit)](x, x.stride(0), V, shift, span, NSPLIT=nsplit, BLOCK=block,
+                                num_warps=max(1, min(8, block // 256)))
     S = -(-V // chunk)
     KC = candidates
     cand_idx = torch.empty(B, S * KC, dtype=torch.int32, device=device)
@@ -234,7 +250,7 @@ def _sample_op(
         x, x.stride(0), V, shift, ptr(temperature_t), temperature, ptr(top_k_t), top_k,
         cand_idx, cand_val, stats, B, S,
         TEMP_PER_ROW=temperature_t is not None, TOPK_PER_ROW=top_k_t is not None,
-        CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, num_warps=warps_chunk, **cap,
+        CHUNK=chunk, KC=KC, G=G, T=T, MAX_ITERS=_SEARCH_ITERS, NSPLIT=nsplit, num_warps=warps_chunk, **cap,
     )
     NVP = _next_pow2(S * KC)
     P = select_slots
@@ -256,7 +272,7 @@ def _sample_op(
         OFFSET_MODE=0 if offset_t is None else (2 if offset_t.numel() == B and B > 1 else 1),
         CHUNK=chunk, KC=KC, SP=_next_pow2(S), NVP=NVP, P=P, VB=min(NVP, _STREAM_VECTORS),
         BLOCK=min(_ROW_BLOCK, _next_pow2(V)), NPIV=_PIVOTS, PE=PE, EVEN4=V % 4 == 0, FUSED=not interpreting(),
-        num_warps=warps_select,
+        NSPLIT=nsplit, num_warps=warps_select,
     )
     return tokens, logprobs
 
@@ -351,7 +367,8 @@ def sample(
 
     Notes
     -----
-    A row-max launch (the shift: one more read of the logits), then two kernels: pass 1 summarises
+    A row-max launch (the shift: one more read of the logits, split over up to 128 programs a row, whose partial
+    maxima each later program combines in one small load), then two kernels: pass 1 summarises
     vocabulary chunks into candidate lists, pass 2 finds the thresholds on the candidates and draws one
     Philox uniform per row (inverse CDF). Rows whose support is wider than the candidates (e.g. top-p
     alone over a flat distribution, or thousands of tied logits) take a slower whole-row search in pass 2. Penalties
