@@ -198,6 +198,7 @@ def test_bench_main_suite_run(tmp_path, monkeypatch, capsys):
         return header, _rows()
 
     monkeypatch.setattr(bench_cli, "run_bench", fake_run)
+    monkeypatch.setattr(bench_cli.torch.cuda, "is_available", lambda: True)  # past the one-line "needs a GPU" check
     from kbit.cli import main
     assert main(["bench", "--suite", "models", "--pick", "5120x25600", "--suite-parts", "dense", "--m", "1",
                  "--k", "4", "--peers", "humming", "--out", str(tmp_path), "--name", "suite"]) == 0
