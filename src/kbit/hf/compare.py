@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kbit.dispatch.linear import CPU_WEIGHTS
 from kbit.hf.quantize_model import quantize_model
+from kbit.nn import KbitLinear
+from kbit.nn._layout import CANONICAL
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,20 @@ def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     extra += t.untyped_storage().nbytes()
-    return held, extra
+    return held, extra + _kept_cpu_weights(model)
+
+
+def _kept_cpu_weights(model: torch.nn.Module) -> int:
+    """Bytes of the float32 weights the CPU path keeps for ``model``'s KbitLinear modules (in
+    :data:`kbit.dispatch.linear.CPU_WEIGHTS`, keyed as ``KbitLinear`` looks them up)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, KbitLinear):
+            b = m._buffers
+            key = (m.k, m.blocksize, m.scale_format, m.out_features, m.in_features, m.layout != CANONICAL)
+            w = CPU_WEIGHTS.get((b["codes"], b["scales"], b["tensor_scale"], b["codebook"]), key)
+            total += 0 if w is None else w.untyped_storage().nbytes()
+    return total
 
 
 def _timed(run: Callable[[Callable[[], None]], list[int]], device: torch.device) -> tuple[list[int], list[float]]:
