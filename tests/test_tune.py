@@ -14,7 +14,16 @@ from kbit.tuning.gemm import GemmConfig
 from kbit.tuning.mma import LargeConfig, MmaConfig
 from kbit.tuning.mma_plan import make_plan
 from kbit.tuning.space import FAMILIES, Candidate, candidate_from_dict, search_space
-from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules, rule_matches, tuned_candidate
+from kbit.tuning.tuned import (
+    Trial,
+    TunedTable,
+    default_path,
+    evaluate,
+    fit_rules,
+    reload_tuned,
+    rule_matches,
+    tuned_candidate,
+)
 
 
 class _FakeKernel:
@@ -208,6 +217,7 @@ def test_tuned_candidate_from_cache(tmp_path):
         t = _table(TUNE)
         fit_rules(t)
         t.save(default_path("h100"))
+        reload_tuned()  # the table is read once a process
         want = t.lookup(4, 16, 28672, 4096)
         assert want is not None and tuned_candidate(4, 16, 28672, 4096, "h100") == want
         assert tuned_candidate(4, 1, 777, 4096, "h100") is not None  # the fitted rule

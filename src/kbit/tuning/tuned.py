@@ -36,7 +36,7 @@ from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
 __all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "rule_matches",
-           "tuned_candidate"]
+           "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
@@ -144,23 +144,29 @@ class TunedTable:
 
 
 @functools.lru_cache(maxsize=16)
-def _load_active(path: str, mtime_ns: int) -> TunedTable:
-    return TunedTable.load(path)
+def _active(cache: str, gpu: str) -> TunedTable | None:
+    path = Path(cache) / "tuned" / f"{gpu}.json"
+    return TunedTable.load(path) if path.is_file() else None
 
 
 def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | None:
     """What this GPU's tuned table in the cache directory says for ``M`` rows on a k-bit [N, K] weight (exact entry,
-    then fitted rule), or None: no cache directory, no table, or nothing for this shape. Reads the file again only
-    when it changed; never searches. The hook a dispatcher consults before its built-in rules."""
+    then fitted rule), or None: no cache directory, no table, or nothing for this shape. Never searches.
+
+    The hook a dispatcher consults before its built-in rules, on every eager launch: the table is read once a
+    process (no file access on the hot path), as the dispatcher keeps its own choices; :func:`reload_tuned` reads it
+    again."""
     cache = options.get().cache_dir
     if not cache:
         return None
-    path = Path(cache) / "tuned" / f"{gpu}.json"
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:
-        return None
-    return _load_active(str(path), mtime).lookup(k, M, N, K)
+    table = _active(cache, gpu)
+    return None if table is None else table.lookup(k, M, N, K)
+
+
+def reload_tuned() -> None:
+    """Read the tuned tables again at the next lookup (e.g. after ``kbit tune`` wrote one in this process). The
+    dispatcher's own caches (``kbit.dispatch.linear._choice``, ``kbit.ops.gemv_mma.PLANS``) are cleared apart."""
+    _active.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------ the fitted rule
