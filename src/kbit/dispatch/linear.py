@@ -42,7 +42,8 @@ from kbit.utils.cache import TensorCache
 from kbit.utils.checks import fail
 
 __all__ = ["CPU_WEIGHTS", "choice", "cpu_linear", "cpu_weight", "pick", "dequant_mm", "fast_linear", "kbit_gemv",
-           "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m", "tuned_choice"]
+           "kept_cpu_weight", "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m",
+           "tuned_choice"]
 
 _X16 = (torch.float16, torch.bfloat16)
 
@@ -129,13 +130,22 @@ def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_f
 CPU_WEIGHTS = TensorCache(max_entries=4096)
 
 
+def _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1) -> tuple:
+    return (codes, scales, tensor_scale, codebook), (k, blocksize, scale_format, N, K, mma_v1)
+
+
+def kept_cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
+                    mma_v1: bool = False) -> torch.Tensor | None:
+    """The float32 weight :func:`cpu_weight` keeps for these tensors, or None (not kept, or kept no longer)."""
+    return CPU_WEIGHTS.get(*_cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1))
+
+
 def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
                mma_v1: bool = False, cache: bool = True) -> torch.Tensor:
     """The float32 ``W [N, K]`` of canonical tensors (``mma_v1``: of tensors in layout "mma-v1"), dequantized by
     the reference (bit-exact) once and kept in :data:`CPU_WEIGHTS` while the tensors are unchanged (``cache``).
     Tensors made under ``torch.inference_mode`` carry no version counter: their weight is never kept."""
-    parts = (codes, scales, tensor_scale, codebook)
-    extra = (k, blocksize, scale_format, N, K, mma_v1)
+    parts, extra = _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1)
     w = None
     if cache:
         try:

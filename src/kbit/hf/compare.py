@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kbit.dispatch.linear import CPU_WEIGHTS
 from kbit.hf.quantize_model import quantize_model
 from kbit.nn import KbitLinear
-from kbit.nn._layout import CANONICAL
 
 
 @dataclass(frozen=True)
@@ -56,16 +54,9 @@ def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _kept_cpu_weights(model: torch.nn.Module) -> int:
-    """Bytes of the float32 weights the CPU path keeps for ``model``'s KbitLinear modules (in
-    :data:`kbit.dispatch.linear.CPU_WEIGHTS`, keyed as ``KbitLinear`` looks them up)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, KbitLinear):
-            b = m._buffers
-            key = (m.k, m.blocksize, m.scale_format, m.out_features, m.in_features, m.layout != CANONICAL)
-            w = CPU_WEIGHTS.get((b["codes"], b["scales"], b["tensor_scale"], b["codebook"]), key)
-            total += 0 if w is None else w.untyped_storage().nbytes()
-    return total
+    """Bytes of the float32 weights the CPU path keeps for ``model``'s KbitLinear modules."""
+    kept = (m.kept_cpu_weight() for m in model.modules() if isinstance(m, KbitLinear))
+    return sum(w.untyped_storage().nbytes() for w in kept if w is not None)
 
 
 def _timed(run: Callable[[Callable[[], None]], list[int]], device: torch.device) -> tuple[list[int], list[float]]:

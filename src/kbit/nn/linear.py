@@ -253,9 +253,16 @@ class KbitLinear(nn.Module):
             fail(ValueError, "x", f"device {codes.device} (that of the module's weight)", x.device)
         check_bias(bias, self.out_features, x.device)
         return dispatch.cpu_linear(x, codes, b["scales"], b["tensor_scale"], b["codebook"], bias=bias,
-                                   scale_format=self.scale_format, mma_v1=self.layout != CANONICAL,
-                                   cache=self.cache_cpu_weight, k=self.k, blocksize=self.blocksize,
-                                   N=self.out_features, K=self.in_features)
+                                   cache=self.cache_cpu_weight, **self._cpu_kw())
+
+    def _cpu_kw(self) -> dict:
+        return dict(k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
+                    K=self.in_features, mma_v1=self.layout != CANONICAL)
+
+    def kept_cpu_weight(self) -> torch.Tensor | None:
+        """The float32 weight the CPU path keeps for this module (see ``cache_cpu_weight``), or None."""
+        b = self._buffers
+        return dispatch.kept_cpu_weight(b["codes"], b["scales"], b["tensor_scale"], b["codebook"], **self._cpu_kw())
 
     # -- state dict ----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
