@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kbit import options
+from kbit.tuning import mma as _tmma
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
@@ -173,18 +174,9 @@ def reload_tuned() -> None:
 
 
 def rule_matches(cond: dict, k: int, M: int, N: int, K: int) -> bool:
-    """Whether a fitted rule's conditions hold (k, M_min, M_max, N_min, N_max, NK_min, NK_below: as in
-    ``configs/default.json``)."""
-    nk = N * K
-    checks = {"k": lambda v: k in v, "M_min": lambda v: M >= v, "M_max": lambda v: M <= v,
-              "N_min": lambda v: N >= v, "N_max": lambda v: N <= v, "NK_min": lambda v: nk >= v,
-              "NK_below": lambda v: nk < v}
-    for name, v in cond.items():
-        if name not in checks:
-            raise ValueError(f"rule condition: expected one of {sorted(checks)}, got {name!r}")
-        if not checks[name](v):
-            return False
-    return True
+    """Whether a fitted rule's conditions hold: the vocabulary and the matcher of the rule tables in
+    ``configs/default.json`` (fitted rules use k, M_min, M_max, N_min, N_max, NK_min, NK_below of it)."""
+    return _tmma._matches(cond, k, M, N, K, sm90=False, sms=None)
 
 
 def _band(nk: int) -> tuple[int, int | None]:
