@@ -79,6 +79,44 @@ def test_cpu_weight_cache_follows_loaded_state():
     assert not torch.equal(a(x), ya)
 
 
+def test_model_dtype_casts_keep_the_format():
+    """``.to(torch.bfloat16)`` / ``.half()`` / ``.float()`` on a model convert the bias and the module's dtype, never
+    the quantized weight's float buffers (codebook, tensor scale, float16 scales): the weight is bit-for-bit what it
+    was, and the forward still runs (it failed on the codebook's dtype before)."""
+    for fmt in ("log8", "fp16"):
+        torch.manual_seed(0)
+        q = KbitLinear.from_linear(nn.Linear(200, 45), k=3, scale_format=fmt)
+        before = {n: b.clone() for n, b in q.named_buffers() if n != "bias"}
+        model = nn.Sequential(q)
+        for cast, dtype in ((lambda m: m.to(torch.bfloat16), torch.bfloat16), (nn.Module.half, torch.float16),
+                            (nn.Module.float, torch.float32)):
+            cast(model)
+            assert q.dtype == dtype and q.bias.dtype == dtype
+            for n, b in before.items():
+                assert q.get_buffer(n).dtype == b.dtype and torch.equal(q.get_buffer(n), b), (fmt, n)
+            y = q(torch.randn(3, 200, dtype=dtype))
+            assert y.dtype == dtype and torch.isfinite(y).all()
+
+
+def test_cpu_bfloat16_product():
+    """bfloat16 x on the CPU: the product in bfloat16 (float32 accumulation) on a bfloat16 copy of the weight, kept
+    beside (not instead of) the float32 one; within bfloat16 rounding of the float64 reference."""
+    from kbit.format.reference import dequantize_reference
+
+    lin, q = _layer(k=4)
+    x = torch.randn(5, 200)
+    w64 = dequantize_reference(q.weight(), torch.float64)
+    xb = x.bfloat16()
+    ref = xb.double() @ w64.T + lin.bias.detach().double()
+    y32, yb = q(x), q(xb)
+    assert yb.dtype == torch.bfloat16
+    assert _rel(yb, ref) < 8e-3 and _rel(y32, x.double() @ w64.T + lin.bias.detach().double()) < 1e-6
+    assert q.kept_cpu_weight(torch.bfloat16).dtype == torch.bfloat16
+    assert q.kept_cpu_weight(torch.float32).dtype == torch.float32
+    f16 = q(x.half())  # float16 multiplies in float32 (float16 GEMM is slow on CPUs): no float16 copy kept
+    assert f16.dtype == torch.float16 and q.kept_cpu_weight(torch.float16) is None
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -142,3 +180,18 @@ def test_gpu_fast_path_matches_general_path(dtype, bias):
         g.replay()
         torch.cuda.synchronize()
         assert _rel(out, eager) < 1e-3  # split-K tiles add fp32 parts in arrival order
+
+
+def test_moe_dtype_cast_keeps_the_format():
+    """KbitMoE under ``.to(torch.bfloat16)``: only the router weight and the module's dtype follow."""
+    from kbit.nn import KbitMoE
+
+    torch.manual_seed(0)
+    E, H, inter = 4, 64, 32
+    m = KbitMoE.from_float(torch.randn(E, 2 * inter, H), torch.randn(E, H, inter), top_k=2, k=3, dtype=torch.float32,
+                           router_weight=torch.randn(E, H))
+    before = {n: b.clone() for n, b in m.named_buffers() if n != "router_weight"}
+    m.to(torch.bfloat16)
+    assert m.dtype == torch.bfloat16 and m.router_weight.dtype == torch.bfloat16
+    for n, b in before.items():
+        assert m.get_buffer(n).dtype == b.dtype and torch.equal(m.get_buffer(n), b), n

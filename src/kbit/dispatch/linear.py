@@ -5,7 +5,8 @@ M = 64, with kernel 7 on sm_90 up to :data:`~kbit.tuning.mma.LARGE7_MAX_M` and o
 per-GPU table of ``kbit.tuning.gemm``: the Triton GEMV (``kbit.ops.gemv``, M <= 8), the fused Triton GEMM
 (``kbit.ops.gemm``) or dequantize + cuBLAS. Without the CUDA kernels (no NVRTC, the Triton interpreter,
 ``kbit.options`` backend ``"triton"``) the Triton kernels serve; on the CPU (or backend ``"torch"``) the plain-torch
-reference in float32 (:func:`cpu_linear`; on the CPU on a dequantized weight kept per weight, :data:`CPU_WEIGHTS`).
+reference (:func:`cpu_linear`: float32, or bfloat16 for bfloat16 inputs; on the CPU on a dequantized weight kept per
+weight, :data:`CPU_WEIGHTS`).
 
 Every path validates its arguments with ``kbit.ops._checks.check_linear`` (metadata only: no host sync, traceable),
 the fake implementations of the torch ops too, so a bad call raises the same ``TypeError`` / ``ValueError`` eagerly,
@@ -41,9 +42,9 @@ from kbit.tuning.tuned import tuned_candidate
 from kbit.utils.cache import TensorCache
 from kbit.utils.checks import fail
 
-__all__ = ["CPU_WEIGHTS", "choice", "cpu_linear", "cpu_weight", "pick", "dequant_mm", "fast_linear", "kbit_gemv",
-           "kept_cpu_weight", "kbit_linear", "kbit_linear_small_m", "linear", "linear_mma_v1", "serves", "small_m",
-           "tuned_choice"]
+__all__ = ["CPU_WEIGHTS", "choice", "cpu_linear", "cpu_product_dtype", "cpu_weight", "pick", "dequant_mm",
+           "fast_linear", "kbit_gemv", "kept_cpu_weight", "kbit_linear", "kbit_linear_small_m", "linear",
+           "linear_mma_v1", "serves", "small_m", "tuned_choice"]
 
 _X16 = (torch.float16, torch.bfloat16)
 
@@ -125,27 +126,37 @@ def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_f
     return gemm.gemm_fused(x, codes, scales, tensor_scale, codebook, config=ch.config, **kw)
 
 
-#: float32 weights the CPU path dequantized, per weight (keyed by the quantized tensors' identity and version, held
-#: weakly: an entry goes with its ``codes``, and a buffer replaced or changed in place is not served again)
+#: weights the CPU path dequantized (float32 or bfloat16: :func:`cpu_product_dtype`), per weight (keyed by the
+#: quantized tensors' identity and version, held weakly: an entry goes with its ``codes``, and a buffer replaced or
+#: changed in place is not served again)
 CPU_WEIGHTS = TensorCache(max_entries=4096)
 
 
-def _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1) -> tuple:
-    return (codes, scales, tensor_scale, codebook), (k, blocksize, scale_format, N, K, mma_v1)
+def cpu_product_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU path multiplies in for inputs of ``x_dtype``: bfloat16 for bfloat16 (oneDNN's bf16 GEMM
+    accumulates in float32 and reads half the bytes: 2-2.5x faster than float32 at M = 1..512 on an AVX512-BF16
+    CPU, ``docs/notes``), else float32 (float16 GEMM on the CPU measured 4-10x slower than float32 from M = 4)."""
+    return torch.bfloat16 if x_dtype == torch.bfloat16 else torch.float32
+
+
+def _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1, dtype) -> tuple:
+    return (codes, scales, tensor_scale, codebook), (k, blocksize, scale_format, N, K, mma_v1, dtype)
 
 
 def kept_cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
-                    mma_v1: bool = False) -> torch.Tensor | None:
-    """The float32 weight :func:`cpu_weight` keeps for these tensors, or None (not kept, or kept no longer)."""
-    return CPU_WEIGHTS.get(*_cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1))
+                    mma_v1: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The ``dtype`` weight :func:`cpu_weight` keeps for these tensors, or None (not kept, or kept no longer)."""
+    return CPU_WEIGHTS.get(*_cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1,
+                                     dtype))
 
 
 def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K,
-               mma_v1: bool = False, cache: bool = True) -> torch.Tensor:
-    """The float32 ``W [N, K]`` of canonical tensors (``mma_v1``: of tensors in layout "mma-v1"), dequantized by
-    the reference (bit-exact) once and kept in :data:`CPU_WEIGHTS` while the tensors are unchanged (``cache``).
-    Tensors made under ``torch.inference_mode`` carry no version counter: their weight is never kept."""
-    parts, extra = _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1)
+               mma_v1: bool = False, cache: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W [N, K]`` in ``dtype`` of canonical tensors (``mma_v1``: of tensors in layout "mma-v1"), dequantized by
+    the reference in float32 (bit-exact), rounded to ``dtype``, and kept in :data:`CPU_WEIGHTS` while the tensors
+    are unchanged (``cache``). Tensors made under ``torch.inference_mode`` carry no version counter: their
+    weight is never kept."""
+    parts, extra = _cpu_key(codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, mma_v1, dtype)
     w = None
     if cache:
         try:
@@ -156,7 +167,7 @@ def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_
         if mma_v1:
             codes, scales = unrepack(codes, scales, k=k, blocksize=blocksize, N=N, K=K)
         qw = KbitWeight(codes, scales, tensor_scale, codebook, (N, K), k, blocksize, scale_format)
-        w = dequantize_reference(qw, torch.float32)
+        w = dequantize_reference(qw, torch.float32).to(dtype)
         if cache and not any(t.is_inference() for t in parts):
             CPU_WEIGHTS.put(parts, extra, w)
     return w
@@ -164,15 +175,17 @@ def cpu_weight(codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_
 
 def cpu_linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
                mma_v1: bool = False, cache: bool = True) -> torch.Tensor:
-    """The CPU path: ``x @ W.T (+ bias)`` with W from :func:`cpu_weight` (float32), the product in float32, the
-    result in x's dtype; the numbers of ``kbit.ops.reference.linear_tensors_reference``. The arguments are taken
-    as checked (:func:`linear` checks them). Holding W costs 4 bytes a weight beside the k-bit tensors while they
-    live (``cache=False``, or ``CPU_WEIGHTS.clear()``, gives it back), in exchange for no dequantization per call:
-    a decode step then costs what it costs an ``nn.Linear`` in float32."""
+    """The CPU path: ``x @ W.T (+ bias)`` with W from :func:`cpu_weight`, the product in
+    :func:`cpu_product_dtype` (float32: the numbers of ``kbit.ops.reference.linear_tensors_reference``; bfloat16
+    for bfloat16 x, with float32 accumulation, as the CUDA kernels), the result in x's dtype. The arguments are
+    taken as checked (:func:`linear` checks them). Holding W costs 4 (bfloat16: 2) bytes a weight beside the
+    k-bit tensors while they live (``cache=False``, or ``CPU_WEIGHTS.clear()``, gives it back), in exchange for
+    no dequantization per call: a decode step then costs what it costs an ``nn.Linear`` in that dtype."""
+    dt = cpu_product_dtype(x.dtype)
     w = cpu_weight(codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize, scale_format=scale_format, N=N,
-                   K=K, mma_v1=mma_v1, cache=cache)
-    f32 = torch.float32  # no .to() where the dtype is float32 already: a call costs ~1 us even then
-    y = F.linear(x if x.dtype == f32 else x.to(f32), w, bias if bias is None or bias.dtype == f32 else bias.to(f32))
+                   K=K, mma_v1=mma_v1, cache=cache, dtype=dt)
+    # no .to() where the dtype is right already: a call costs ~1 us even then
+    y = F.linear(x if x.dtype == dt else x.to(dt), w, bias if bias is None or bias.dtype == dt else bias.to(dt))
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

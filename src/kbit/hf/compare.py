@@ -54,8 +54,9 @@ def model_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _kept_cpu_weights(model: torch.nn.Module) -> int:
-    """Bytes of the float32 weights the CPU path keeps for ``model``'s KbitLinear modules."""
-    kept = (m.kept_cpu_weight() for m in model.modules() if isinstance(m, KbitLinear))
+    """Bytes of the weights the CPU path keeps for ``model``'s KbitLinear modules (float32 and bfloat16)."""
+    kept = (m.kept_cpu_weight(dt) for m in model.modules() if isinstance(m, KbitLinear)
+            for dt in (torch.float32, torch.bfloat16))
     return sum(w.untyped_storage().nbytes() for w in kept if w is not None)
 
 

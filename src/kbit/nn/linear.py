@@ -1,9 +1,10 @@
 """``KbitLinear``: an ``nn.Linear`` whose weight is stored in k bits (format version 1).
 
 The forward pass is ``torch.ops.kbit.linear`` (``kbit.dispatch.linear``): on CUDA it dispatches by the number of
-activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the CPU it is the float32
-reference on a dequantized copy of the weight kept between calls (``kbit.dispatch.linear.cpu_linear``), so a CPU
-forward costs what an ``nn.Linear`` in float32 costs, and holds its memory too (``cache_cpu_weight``). Outside
+activation rows (GEMV, fused tensor-core GEMM, or dequantize + cuBLAS); on the CPU it is the reference (float32;
+bfloat16 for bfloat16 inputs) on a dequantized copy of the weight kept between calls
+(``kbit.dispatch.linear.cpu_linear``), so a CPU forward costs what an ``nn.Linear`` in that dtype costs, and holds
+its memory too (``cache_cpu_weight``). Outside
 ``torch.compile`` the op's implementation is called directly: going through the dispatcher of ``torch.library``
 costs several microseconds a call, which at M = 1 is a sizeable part of a ~10-50 us kernel. Under
 ``torch.compile`` the op (with its fake impl) is traced.
@@ -35,7 +36,7 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.nn._layout import CANONICAL, capturing, check_size, release
+from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, check_size, release
 from kbit.ops._checks import check_bias, check_x
 from kbit.ops.mma.layout import LAYOUT, RepackedWeight, repack, unrepack
 from kbit.ops.quantize import quantize
@@ -70,9 +71,10 @@ class KbitLinear(nn.Module):
     canonical tensors). ``auto_repack`` (default True): repack on the first CUDA forward that runs the small-M
     kernel; False keeps the canonical layout (small M then runs the Triton GEMV, which reads it as it is).
 
-    On the CPU the forward keeps the dequantized weight in float32 (4 bytes a weight, beside the k-bit buffers:
-    the memory of the ``nn.Linear`` it replaces) and reuses it while the buffers are unchanged, so a CPU decode
-    step runs at the speed of float32 ``nn.Linear``. ``cache_cpu_weight = False`` (on the instance or a subclass)
+    On the CPU the forward keeps the dequantized weight in the product's dtype (float32, or bfloat16 for
+    bfloat16 inputs: ``kbit.dispatch.linear.cpu_product_dtype``; the memory of the ``nn.Linear`` it replaces,
+    beside the k-bit buffers) and reuses it while the buffers are unchanged, so a CPU decode step runs at the
+    speed of ``nn.Linear`` in that dtype. ``cache_cpu_weight = False`` (on the instance or a subclass)
     dequantizes at every call instead: k-bit memory, at the cost of one dequantization a call.
 
     Parameters
@@ -243,9 +245,10 @@ class KbitLinear(nn.Module):
                     K=self.in_features, bias=self.bias)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The CPU path (``kbit.dispatch.linear.cpu_linear``: float32 weight and product, result in x's dtype) on
-        the weight dequantized once and kept while no buffer is replaced or changed in place (re-dequantizing
-        every layer at every decode step made CPU generation half as fast as float32 transformers)."""
+        """The CPU path (``kbit.dispatch.linear.cpu_linear``: weight and product in float32 or bfloat16, result in
+        x's dtype) on the weight dequantized once and kept while no buffer is replaced or changed in place
+        (re-dequantizing every layer at every decode step made CPU generation half as fast as float32
+        transformers)."""
         b = self._buffers
         codes, bias = b["codes"], self.bias
         check_x(x, self.in_features)
@@ -259,10 +262,14 @@ class KbitLinear(nn.Module):
         return dict(k=self.k, blocksize=self.blocksize, scale_format=self.scale_format, N=self.out_features,
                     K=self.in_features, mma_v1=self.layout != CANONICAL)
 
-    def kept_cpu_weight(self) -> torch.Tensor | None:
-        """The float32 weight the CPU path keeps for this module (see ``cache_cpu_weight``), or None."""
+    def kept_cpu_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The ``dtype`` weight the CPU path keeps for this module (see ``cache_cpu_weight``), or None."""
         b = self._buffers
-        return dispatch.kept_cpu_weight(b["codes"], b["scales"], b["tensor_scale"], b["codebook"], **self._cpu_kw())
+        return dispatch.kept_cpu_weight(b["codes"], b["scales"], b["tensor_scale"], b["codebook"], dtype=dtype,
+                                        **self._cpu_kw())
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_format(self, super()._apply, fn, recurse, model_dtype=("bias",))
 
     # -- state dict ----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

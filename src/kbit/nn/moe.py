@@ -39,7 +39,7 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.nn._layout import CANONICAL, capturing, release
+from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, release
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.moe_router import ROUTERS, select_experts_reference
@@ -339,6 +339,9 @@ class KbitMoE(nn.Module):
         return out
 
     # -- state dict ---------------------------------------------------------------------------------------
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_format(self, super()._apply, fn, recurse, model_dtype=("router_weight",))
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.layout != CANONICAL:  # the file format is the canonical layout
