@@ -19,6 +19,7 @@ import torch
 
 from kbit.hf.quantize_model import quantize_model
 from kbit.nn import KbitLinear
+from kbit.utils.device import cpu_decode_dtype
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,10 @@ def compare(model, tok, ids, k: int, codebook, max_new_tokens: int, temperature:
     log(format_row(base))
     start = time.perf_counter()
     quantize_model(model, k=k, codebook=codebook, progress=False)
-    log(f"[quantized every Linear but lm_head to k={k} in {time.perf_counter() - start:.1f} s]")
+    dtype = model.dtype if ids.is_cuda else cpu_decode_dtype()  # as `kbit generate` runs it
+    model.to(dtype)
+    log(f"[quantized every Linear but lm_head to k={k} in {time.perf_counter() - start:.1f} s; "
+        f"runs in {str(dtype)[6:]}]")
     row = run_kbit(model, tok, ids, k, max_new_tokens, temperature, top_k, top_p, seed, generate_tokens)
     log(format_row(row))
     return [base, row]

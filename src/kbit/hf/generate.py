@@ -41,6 +41,7 @@ from kbit.nn import KbitLinear
 from kbit.ops._ids import check_errors
 from kbit.ops.dequant import dequantize
 from kbit.ops.sampling import sample, sample_reference
+from kbit.utils.device import cpu_decode_dtype
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PROMPT = "Write a haiku about memory bandwidth."
@@ -281,6 +282,8 @@ def main(args: argparse.Namespace) -> int:
         model, tok = quantized_default(args.k, args.codebook, args.device)
     else:
         model, tok = load_checkpoint(args.model, args.device)
+    if not args.device.startswith("cuda"):
+        model.to(cpu_decode_dtype())
     if args.device.startswith("cuda"):
         if any(isinstance(m, KbitExperts) for m in model.modules()):
             use_kbit_moe(model)
