@@ -192,3 +192,21 @@ def test_gpu_rotated_step(variant):
     torch.testing.assert_close(graph_l, eager_l, atol=1e-2, rtol=1e-2)
     rel = (graph_l[:3] - ref_l[:3]).norm() / ref_l[:3].norm()
     assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_add_rms_norm_linear_rotated_layer(silu):
+    """kbit.dispatch.prologue: a layer with a rotation gets rms_norm(r) R from the norm kernel (kernel 3's
+    prologue does not rotate) and runs forward_rotated; the same as the unfused steps with the layer's forward."""
+    from kbit.dispatch.prologue import add_rms_norm_linear  # noqa: PLC0415 (only this test needs it)
+    from kbit.ops.glue import rms_norm_reference, silu_mul_reference  # noqa: PLC0415
+
+    torch.manual_seed(3)
+    lin = RotatedLinear(nn.Linear(96, 64), Rotation.for_width(96, 3))  # block 32: three blocks
+    x, res, w = torch.randn(3, 96), torch.randn(3, 96), 1 + 0.1 * torch.randn(96)
+    z, r = add_rms_norm_linear(x, res, w, 1e-5, lin, silu_mul=silu)
+    want = lin(rms_norm_reference(x, w, 1e-5, res)[0])
+    if silu:
+        want = silu_mul_reference(want[:, :32], want[:, 32:])
+    assert torch.equal(r, res + x) and lin.calls == 1  # the reference's call only
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-5)
