@@ -16,7 +16,8 @@ The weights are not rotated: a layer's speed does not depend on their values. Be
 itself (``rotation`` / ``forward_rotated``), the rotated layers are stand-ins: the same k-bit layer with those two
 attributes (``forward_rotated`` is its plain forward, on an input that is ``x R``).
 
-    PYTHONPATH=src python lab/rotation_step_cost.py [--layers 32] [--k 3] [--ctx 512] [--quick] [--out DIR]
+    PYTHONPATH=src python lab/rotation_step_cost.py [--layers 32] [--k 3] [--ctx 512] [--quick] [--profile]
+        [--out DIR]
 """
 from __future__ import annotations
 
@@ -84,15 +85,20 @@ def decode_step(args):
     config.num_hidden_layers = args.layers
     model = bench_e2e.build_kbit(config, "cuda", k=args.k, fuse_proj=True)
     plain, rot = module_sets(model)  # before any decoder repacks (weight() reads the canonical layout)
-    times = {"unrotated": [], "rotated": []}
-    for _ in range(2):
+    times, profiles = {"unrotated": [], "rotated": []}, {}
+    for rnd in range(2):
         for name, mods in (("unrotated", plain), ("rotated", rot)):
             use(model, mods)
-            row = bench_e2e.time_decode(model, 1, args.ctx, args.steps, args.reps, graph=True)
+            row = bench_e2e.time_decode(model, 1, args.ctx, args.steps, args.reps, graph=True,
+                                        profile=args.profile and rnd == 1)
             times[name].append(row["ms_per_step"])
             log(f"| {name} | {row['ms_per_step']:.4f} | {row['ms_per_step_min']:.4f} | {row['ms_per_step_max']:.4f} "
                 f"| {row['logits_finite']} |")
+            if "profile" in row:
+                profiles[name] = row["profile"]
             torch.cuda.empty_cache()
+    for name, text in profiles.items():
+        log(f"\n### top kernels of one eager {name} step\n\n```\n{text}\n```\n")
     u, r = statistics.median(times["unrotated"]), statistics.median(times["rotated"])
     per_layer = (r - u) / args.layers
     log(f"\nstep: unrotated {u:.4f} ms, rotated {r:.4f} ms: {1e3 * (r - u):+.1f} us ({100 * (r - u) / u:+.2f}%); "
@@ -172,6 +178,7 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="4 layers, and the parts at M = 1 only")
     ap.add_argument("--skip-step", action="store_true", help="the parts only")
+    ap.add_argument("--profile", action="store_true", help="also the top kernels of one eager step of each model")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     if args.quick:
