@@ -16,6 +16,10 @@ rows and x staged in shared memory fitting (``kbit.tuning.mma_plan.prologue_conf
 Anything else runs the same computation as separate steps (the torch ops of :mod:`kbit.ops.glue` and the module),
 so it works for any module and device, and under ``torch.compile`` (traced as those steps).
 
+A layer quantized under a rotation (``lin.rotation``, a :class:`kbit.format.Rotation`) needs ``x R``, which kernel
+3's prologue does not make: there the norm kernel of :mod:`kbit.ops.glue` rotates the row it produces and the layer
+takes it as it is (``lin.forward_rotated``); unrotated layers take the path above unchanged.
+
 Not done: SiLU * up as the down GEMV's x prologue. Every CTA would recompute the whole activation (14336 values at
 Llama-3-8B shapes), which cost more than the separate kernel.
 """
@@ -46,7 +50,8 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     :func:`kbit.ops.glue.add_rms_norm`, the module and :func:`kbit.ops.glue.silu_mul` in one kernel where it can
     (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``.
     The fused launch needs ``lin`` to be exactly a ``kbit.nn.KbitLinear`` in layout "mma-v1" (its class says so
-    with ``fuses_prologue``; a subclass may change the forward)."""
+    with ``fuses_prologue``; a subclass may change the forward). A ``lin`` with a ``rotation`` (not None) gets
+    ``rms_norm(r) R`` from the norm kernel through ``lin.forward_rotated``."""
     check_norm(x, weight, eps, residual)
     K = x.shape[1]
     N = getattr(lin, "out_features", None)
@@ -54,6 +59,11 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         raise ValueError(f"lin: expected in_features {K} (x's width), got {getattr(lin, 'in_features', None)}")
     if silu_mul and (N is None or N % 2):
         raise ValueError(f"lin: silu_mul needs an even out_features (gate and up halves), got {N}")
+    rotation = getattr(lin, "rotation", None)
+    if rotation is not None:  # x R from the norm kernel (see the module doc)
+        h, r = add_rms_norm(x, residual, weight, eps, rotation=rotation)
+        z = lin.forward_rotated(h)
+        return (_silu_halves(z, N) if silu_mul else z), r
     M = x.shape[0]
     cfg = None
     if (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda

@@ -9,6 +9,13 @@ programmatic dependent launch on sm_90, so the next k-bit GEMV starts loading it
 projections and MLPs are the model's own modules (``KbitLinear``, ``nn.Linear``, ``KbitMoE``, or the benchmark's
 fused parts), so bf16 and k-bit models take the same path.
 
+Rotated layers (issue 35): a projection quantized under a rotation (``lin.rotation``, a :class:`kbit.format.Rotation`;
+``lin.forward_rotated(x R)`` the layer without its own transform) gets ``x R`` from the kernel that produces x: the
+residual add + RMSNorm kernel for q/k/v and gate/up (each group shares one rotation), SiLU * up for down_proj,
+the final norm for a rotated lm_head; o_proj's input comes from the attention, so there ``kbit.ops.hadamard.rotate``
+runs on its own. Projections whose group members differ in rotation run their own ``forward`` (it rotates).
+Unrotated models take the path they always took (kbit.dispatch.prologue's fused GEMV glue included).
+
 Supported: ``model_type`` in :data:`MODEL_TYPES` (dense or MoE MLPs), no sliding window within the cache length,
 head dims a power of two; :func:`unsupported_reason` says why not otherwise (the decoder then uses transformers'
 forward).
@@ -22,6 +29,7 @@ from kbit.dispatch.prologue import add_rms_norm_linear
 from kbit.nn import KbitLinear
 from kbit.ops import attention as A
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
+from kbit.ops.hadamard import rotate, rotation_signs
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
 from kbit.utils.device import interpreting
@@ -69,8 +77,10 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
 def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
     """One KbitLinear computing ``mods``' outputs side by side (``None`` unless they can be fused).
 
-    The members must be :class:`~kbit.nn.KbitLinear` of one format, input size, tensor scale and codebook (what
-    ``quantize_model(joint=True)`` gives q/k/v and gate/up), on one device, with row counts that are multiples of 16.
+    The members must be :class:`~kbit.nn.KbitLinear` of one format, input size, tensor scale, codebook and rotation
+    (what ``quantize_model(joint=True)`` gives q/k/v and gate/up), on one device, with row counts that are multiples
+    of 16. The fused layer carries no rotation: for rotated members its forward is the GEMV on ``x R`` (the caller
+    makes ``x R``, as for ``forward_rotated``).
     Their codes and scales are concatenated (repacked for the small-M kernel first where it runs) and the members
     are re-pointed at row views of the result, so the model keeps working unchanged and no memory is added.
     Returns ``(fused, [rows of each member])``."""
@@ -80,7 +90,8 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
     attrs = ("in_features", "k", "blocksize", "scale_format", "dtype", "codebook_name")
     for m in mods:
         if any(getattr(m, a) != getattr(m0, a) for a in attrs) or (m.bias is None) != (m0.bias is None) or \
-                m.out_features % 16 or m.codes.device != m0.codes.device:
+                m.out_features % 16 or m.codes.device != m0.codes.device or \
+                getattr(m, "rotation", None) != getattr(m0, "rotation", None):
             return None
         if not (torch.equal(m.tensor_scale, m0.tensor_scale) and torch.equal(m.codebook, m0.codebook)):
             return None
@@ -105,6 +116,22 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
         m.codes, m.scales = codes[lo // per:(lo + n) // per], scales[lo // per:(lo + n) // per]
         lo += n
     return fused, rows
+
+
+def shared_rotation(mods, device) -> tuple | None:
+    """``(rotation, signs)`` when every module of ``mods`` carries the same rotation (``signs`` its int8 signs on
+    ``device``, made now so that a CUDA graph may capture the step), else None: no rotation, or differing ones
+    (each member's own forward then rotates its input)."""
+    rots = {getattr(m, "rotation", None) for m in mods}
+    if len(rots) != 1 or None in rots:
+        return None
+    rot = rots.pop()
+    return rot, rotation_signs(rot, mods[0].in_features, device)
+
+
+def _proj(lin, y, rot):
+    """``lin`` on the norm's output: ``y`` is ``x R`` where ``rot`` is given."""
+    return lin.forward_rotated(y) if rot is not None else lin(y)
 
 
 def _dense_mlp(mlp) -> bool:
@@ -143,6 +170,15 @@ class FastDecodeStep:
                     for layer in self.layers]
         self.gate_up = [fuse_group([layer.mlp.gate_proj, layer.mlp.up_proj]) if dense else None
                         for layer, dense in zip(self.layers, self.dense, strict=True)]
+        # rotations shared by the inputs of q/k/v, o_proj, gate/up, down_proj: ((rotation, signs) or None) a layer
+        self.rot_qkv = [shared_rotation([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                                        dev) for layer in self.layers]
+        self.rot_o = [shared_rotation([layer.self_attn.o_proj], dev) for layer in self.layers]
+        self.rot_gate_up = [shared_rotation([layer.mlp.gate_proj, layer.mlp.up_proj], dev) if dense else None
+                            for layer, dense in zip(self.layers, self.dense, strict=True)]
+        self.rot_down = [shared_rotation([layer.mlp.down_proj], dev) if dense else None
+                         for layer, dense in zip(self.layers, self.dense, strict=True)]
+        self.rot_head = shared_rotation([model.lm_head], dev) if hasattr(model.lm_head, "in_features") else None
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
     def _attend(self, q, kc, vc, length, scale, pos):
@@ -161,6 +197,8 @@ class FastDecodeStep:
         (kbit.dispatch.prologue)."""
         layer = self.layers[i]
         mlp, n = layer.mlp, layer.post_attention_layernorm
+        if self.rot_gate_up[i] is not None or self.rot_down[i] is not None:
+            return self._mlp_rotated(i, x, res)
         if self.dense[i] and self.gate_up[i] is not None:
             fused, (ng, nu) = self.gate_up[i]
             if ng == nu:
@@ -175,6 +213,54 @@ class FastDecodeStep:
             return out.reshape(y.shape[0], -1), res
         return mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y))), res
 
+    def _mlp_rotated(self, i, x, res):
+        """:meth:`_mlp` of a dense MLP with a rotated input: the norm kernel makes ``y R`` for gate/up, SiLU * up
+        makes ``a R'`` for down_proj (kernel 3's SiLU epilogue does not rotate)."""
+        layer = self.layers[i]
+        mlp, n = layer.mlp, layer.post_attention_layernorm
+        rgu, rd = self.rot_gate_up[i], self.rot_down[i]
+        if rgu is None and self.gate_up[i] is not None:  # unrotated gate/up: the fused prologue where it runs
+            fused, (ng, _) = self.gate_up[i]
+            gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
+            g, u = gu[:, :ng], gu[:, ng:]
+        else:
+            y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(rgu or ()))
+            if self.gate_up[i] is not None:
+                fused, (ng, _) = self.gate_up[i]
+                gu = fused(y)  # built without the rotation: the GEMV on y R
+                g, u = gu[:, :ng], gu[:, ng:]
+            else:
+                g, u = _proj(mlp.gate_proj, y, rgu), _proj(mlp.up_proj, y, rgu)
+        return _proj(mlp.down_proj, silu_mul(g, u, *(rd or ())), rd), res
+
+    def _qkv(self, i, x, res):
+        """The residual add + input RMSNorm and q/k/v: returns ``(q, k, v, new residual)``."""
+        n, att = self.layers[i].input_layernorm, self.layers[i].self_attn
+        rot = self.rot_qkv[i]
+        if rot is not None:  # y R from the norm kernel
+            if res is None:
+                y, res = rms_norm(x, n.weight, n.variance_epsilon, *rot), x
+            else:
+                y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon, *rot)
+            if self.qkv[i] is None:
+                return (*(m.forward_rotated(y) for m in (att.q_proj, att.k_proj, att.v_proj)), res)
+            fused, (nq, nk, _) = self.qkv[i]
+            qkv = fused(y)  # built without the rotation: the GEMV on y R
+        elif self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
+            fused, (nq, nk, _) = self.qkv[i]
+            if res is None:
+                res = x
+                qkv = fused(rms_norm(x, n.weight, n.variance_epsilon))
+            else:
+                qkv, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
+        else:
+            if res is None:
+                y, res = rms_norm(x, n.weight, n.variance_epsilon), x
+            else:
+                y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
+            return att.q_proj(y), att.k_proj(y), att.v_proj(y), res
+        return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], res
+
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
@@ -183,31 +269,18 @@ class FastDecodeStep:
         length = pos + 1
         res = None
         for i, layer in enumerate(self.layers):
-            n = layer.input_layernorm
             att = layer.self_attn
-            if self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
-                fused, (nq, nk, _) = self.qkv[i]
-                if res is None:
-                    res = x
-                    qkv = fused(rms_norm(x, n.weight, n.variance_epsilon))
-                else:
-                    qkv, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
-                q, k, v = qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]
-            else:
-                if res is None:
-                    y, res = rms_norm(x, n.weight, n.variance_epsilon), x
-                else:
-                    y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
-                q, k, v = att.q_proj(y), att.k_proj(y), att.v_proj(y)
+            q, k, v, res = self._qkv(i, x, res)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
             if self.qk_norm:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
                                  att.q_norm.variance_epsilon)
             else:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
-            o = self._attend(qr, kc, vc, length, att.scaling, pos)
-            x = att.o_proj(o.reshape(B, -1))
+            o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
+            ro = self.rot_o[i]
+            x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))
             x, res = self._mlp(i, x, res)
         n = inner.norm
-        y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon)
-        return self.model.lm_head(y).float()
+        y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(self.rot_head or ()))
+        return _proj(self.model.lm_head, y, self.rot_head).float()

@@ -7,6 +7,10 @@
   Qwen3), k and v written into the static cache at the step's position, the rotated q written out.
 - :func:`silu_mul_kernel`: ``silu(gate) * up`` of a dense MLP (silu rounded first, as transformers does; the MoE
   kernel of :mod:`kbit.kernels.moe` rounds once, on a fused ``[P, 2I]`` input).
+- :func:`add_rms_norm_rot_kernel`, :func:`silu_mul_rot_kernel`: the same, then the row multiplied by a randomized
+  Hadamard rotation ``R`` before the store (the input of a layer whose weight was quantized under ``R``;
+  :mod:`kbit.kernels.hadamard`): the value the unrotated kernel stores is rounded to the dtype first, so the result
+  is the unfused op followed by ``kbit.ops.hadamard.rotate``, in one pass over the row.
 - :func:`argmax_partial_kernel`, :func:`argmax_final_kernel`: the index of each row's largest value.
 
 Each kernel takes ``PDL``: launched with programmatic dependent launch (sm_90), it first lets the next kernel launch
@@ -20,6 +24,8 @@ gives the 16-bit operation's value).
 
 import triton
 import triton.language as tl
+
+from kbit.kernels.hadamard import hadamard_butterflies
 
 try:  # triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -51,6 +57,30 @@ def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stri
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     h = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
     tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_rms_norm_rot_kernel(X, Res, W, Signs, Y, ResOut, stride_x, stride_r, stride_y, stride_ro, H, eps, scale,
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LOG_B: tl.constexpr, PDL: tl.constexpr):
+    """:func:`add_rms_norm_kernel` storing ``(weight * norm(r)) R``: one program a row (the norm needs the whole
+    row; the rotation blocks divide H, so the ``BLOCK - H`` padded columns are whole blocks of zeros)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # weight and signs: no dependency, before the wait
+    s = tl.load(Signs + offs, mask=ok, other=0).to(tl.float32)
+    _pdl_enter(PDL)
+    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    h = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    y = (w * h).to(Y.dtype.element_ty).to(tl.float32)  # what the unrotated kernel stores
+    y = hadamard_butterflies(y * s, BLOCK, LOG_B) * scale
+    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -111,6 +141,24 @@ def silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexp
     u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
     tl.store(Y + row * stride_y + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_rot_kernel(G, U, Signs, Y, stride_g, stride_u, stride_y, I, scale,
+                        BLOCK: tl.constexpr, LOG_B: tl.constexpr, PDL: tl.constexpr):
+    """:func:`silu_mul_kernel` storing ``(silu(gate) * up) R``; ``BLOCK`` is a multiple of the rotation block, so
+    a program holds whole blocks (and the masked columns past I are whole blocks of zeros)."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < I
+    s = tl.load(Signs + offs, mask=ok, other=0).to(tl.float32)
+    _pdl_enter(PDL)
+    g = tl.load(G + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+    y = (a * u).to(Y.dtype.element_ty).to(tl.float32)  # what the unrotated kernel stores
+    y = hadamard_butterflies(y * s, BLOCK, LOG_B) * scale
+    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -6,13 +6,21 @@ Qwen2/3, Mistral). CUDA tensors run the Triton kernels of :mod:`kbit.kernels.glu
 dependent launch on sm_90 (:mod:`kbit.ops.pdl`) so that the next k-bit GEMV starts streaming its
 weights while they run; CPU tensors run the Triton kernels under ``TRITON_INTERPRET=1`` and the references
 otherwise.
+
+``rms_norm``, ``add_rms_norm`` and ``silu_mul`` take an optional ``rotation`` (a :class:`kbit.format.Rotation`):
+the row they produce is then multiplied by ``R`` before the store (``kbit::rms_norm_rotated``,
+``kbit::add_rms_norm_rotated``, ``kbit::silu_mul_rotated``; the unrotated ops keep their schemas and kernels),
+so a layer quantized under ``R`` gets ``x R`` without a launch of :func:`kbit.ops.hadamard.rotate` of its own
+(docs/notes/hadamard.md). Reference: the unrotated reference, rounded to the dtype, then the float64 transform.
 """
 from __future__ import annotations
 
 import torch
 import triton
 
+from kbit.format.spec import Rotation
 from kbit.kernels import glue as _k
+from kbit.ops._rotation import check_rotation, hadamard_reference
 from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
@@ -71,6 +79,13 @@ def check_norm(x, weight, eps, residual):
         fail(ValueError, "eps", "> 0", eps)
 
 
+def _rotation_signs(rotation, signs, width, device, name):
+    """The signs of the optional ``rotation`` (None when there is none; ``signs`` must then be None too)."""
+    if rotation is None:
+        if signs is not None:
+            fail(ValueError, "signs", "None when rotation is None", "a tensor")
+        return None
+    return check_rotation(rotation, signs, width, device, name)
 
 
 def _norm_launch(x, residual, weight, eps):
@@ -112,17 +127,80 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of the rows of ``x [R, H]`` (transformers' rounding); see :func:`rms_norm_reference`."""
+def _norm_rot_launch(x, residual, weight, eps, signs, block):
+    R, H = x.shape
+    xd = _up(x)
+    rd = _up(residual)
+    y = torch.empty_like(xd)
+    r_out = torch.empty_like(xd) if residual is not None else y
+    width = triton.next_power_of_2(H)
+    _k.add_rms_norm_rot_kernel[(R,)](
+        xd, rd if rd is not None else xd, _up(weight), signs, y, r_out,
+        xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
+        block ** -0.5, HAS_RES=residual is not None, BLOCK=width, LOG_B=block.bit_length() - 1,
+        num_warps=max(1, min(16, width // 256)), **launch_kw(x.device))
+    return y.to(x.dtype), r_out.to(x.dtype)
+
+
+@torch.library.custom_op("kbit::rms_norm_rotated", mutates_args=())
+def _rms_norm_rot_op(x: torch.Tensor, weight: torch.Tensor, eps: float, signs: torch.Tensor,
+                     block: int) -> torch.Tensor:
+    if not _use_triton(x):
+        return hadamard_reference(rms_norm_reference(x, weight, eps)[0], signs, block)
+    return _norm_rot_launch(x, None, weight, eps, signs, block)[0]
+
+
+@_rms_norm_rot_op.register_fake
+def _(x, weight, eps, signs, block):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kbit::add_rms_norm_rotated", mutates_args=())
+def _add_rms_norm_rot_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         signs: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(x):
+        y, r = rms_norm_reference(x, weight, eps, residual)
+        return hadamard_reference(y, signs, block), r
+    return _norm_rot_launch(x, residual, weight, eps, signs, block)
+
+
+@_add_rms_norm_rot_op.register_fake
+def _(x, residual, weight, eps, signs, block):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: Rotation | None = None,
+             signs: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x [R, H]`` (transformers' rounding); see :func:`rms_norm_reference`.
+
+    With ``rotation`` (its block dividing H) the result is ``rms_norm(x) R``, one kernel; ``signs`` int8 ``[H]``
+    on x's device (``kbit.ops.hadamard.rotation_signs``; made and cached when None)."""
     check_norm(x, weight, eps, None)
-    return torch.ops.kbit.rms_norm(x, weight, float(eps))
+    signs = _rotation_signs(rotation, signs, x.shape[1], x.device, "x.shape[1] (H)")
+    if signs is None:
+        return torch.ops.kbit.rms_norm(x, weight, float(eps))
+    return torch.ops.kbit.rms_norm_rotated(x, weight, float(eps), signs, rotation.block)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r = residual + x`` then RMSNorm of ``r``, in one kernel: returns ``(rms_norm(r), r)``."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 rotation: Rotation | None = None, signs: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = residual + x`` then RMSNorm of ``r``, in one kernel: returns ``(rms_norm(r), r)``.
+
+    With ``rotation`` the first result is ``rms_norm(r) R`` (``r`` is not rotated); ``signs`` as in
+    :func:`rms_norm`.
+
+    Example
+    -------
+    >>> rot = Rotation.for_width(4096, seed=0)   # the rotation q/k/v were quantized under
+    >>> y, res = add_rms_norm(x, res, norm.weight, 1e-5, rotation=rot)   # doctest: +SKIP
+    >>> q = q_proj.forward_rotated(y)   # doctest: +SKIP
+    """
     check_norm(x, weight, eps, residual)
-    return torch.ops.kbit.add_rms_norm(x, residual, weight, float(eps))
+    signs = _rotation_signs(rotation, signs, x.shape[1], x.device, "x.shape[1] (H)")
+    if signs is None:
+        return torch.ops.kbit.add_rms_norm(x, residual, weight, float(eps))
+    return torch.ops.kbit.add_rms_norm_rotated(x, residual, weight, float(eps), signs, rotation.block)
 
 
 # ------------------------------------------------------------------------------------------ rotary + cache
@@ -244,13 +322,39 @@ def _(gate, up):
     return gate.new_empty(gate.shape[0], gate.shape[1])
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``[R, I]`` rows (column slices of a fused gate/up output are fine)."""
+@torch.library.custom_op("kbit::silu_mul_rotated", mutates_args=())
+def _silu_mul_rot_op(gate: torch.Tensor, up: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    if not _use_triton(gate):
+        return hadamard_reference(silu_mul_reference(gate, up), signs, block)
+    R, I = gate.shape
+    g, u = _up(gate), _up(up)
+    y = torch.empty(R, I, dtype=g.dtype, device=gate.device)
+    width = max(SILU_BLOCK, block)  # whole rotation blocks a program
+    _k.silu_mul_rot_kernel[(R, triton.cdiv(I, width))](
+        g, u, signs, y, g.stride(0), u.stride(0), y.stride(0), I, block ** -0.5, BLOCK=width,
+        LOG_B=block.bit_length() - 1, num_warps=max(4, min(16, width // 256)), **launch_kw(gate.device))
+    return y.to(gate.dtype)
+
+
+@_silu_mul_rot_op.register_fake
+def _(gate, up, signs, block):
+    return gate.new_empty(gate.shape[0], gate.shape[1])
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, rotation: Rotation | None = None,
+             signs: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``[R, I]`` rows (column slices of a fused gate/up output are fine).
+
+    With ``rotation`` (its block dividing I) the result is ``(silu(gate) * up) R``, one kernel: the input of a
+    down projection quantized under ``rotation``; ``signs`` int8 ``[I]`` (made and cached when None)."""
     _check_rows("gate", gate)
     _check_rows("up", up, gate.dtype, gate.device, gate.shape[1])
     if up.shape[0] != gate.shape[0]:
         raise ValueError(f"up: expected {gate.shape[0]} rows, got {up.shape[0]}")
-    return torch.ops.kbit.silu_mul(gate, up)
+    signs = _rotation_signs(rotation, signs, gate.shape[1], gate.device, "gate.shape[1] (I)")
+    if signs is None:
+        return torch.ops.kbit.silu_mul(gate, up)
+    return torch.ops.kbit.silu_mul_rotated(gate, up, signs, rotation.block)
 
 
 

@@ -17,7 +17,6 @@ its own) is in docs/notes/hadamard.md; ``lab/hadamard_speed.py`` measures what t
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ import triton
 
 from kbit.format.spec import Rotation
 from kbit.kernels import hadamard as _k
+from kbit.ops._rotation import check_rotation, hadamard_reference, rotation_signs
 from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import check_int, check_tensor, fail
 from kbit.utils.device import interpreting
@@ -54,26 +54,6 @@ def hadamard_config(M: int, K: int, block: int) -> HadamardConfig:
     return HadamardConfig(block_m, cols, max(1, min(16, block_m * cols // 512)))
 
 
-# ------------------------------------------------------------------------------------------ signs
-_SIGNS: dict[tuple, torch.Tensor] = {}
-_SIGNS_LOCK = threading.Lock()
-
-
-def rotation_signs(rotation: Rotation, K: int, device) -> torch.Tensor:
-    """The ``K`` signs of ``rotation`` as int8 (+1/-1) on ``device``, made once per (seed, K, device) and cached
-    (making them is a host computation and a copy: do it before a CUDA graph capture)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (rotation.seed, K, device)
-    s = _SIGNS.get(key)
-    if s is None:
-        s = rotation.signs(K, torch.int8, device)
-        with _SIGNS_LOCK:
-            _SIGNS[key] = s
-    return s
-
-
 # ------------------------------------------------------------------------------------------ reference
 def rotate_reference(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """``x @ R`` along the last dim in float64, by butterflies (no dense ``R``), returned in x's dtype.
@@ -81,20 +61,7 @@ def rotate_reference(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     ``x [..., K]`` with K a multiple of ``rotation.block``."""
     K = x.shape[-1]
     rotation.check_width(K, "x.shape[-1] (K)")
-    return _reference(x, rotation.signs(K, torch.float64, x.device), rotation.block)
-
-
-def _reference(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
-    K = x.shape[-1]
-    lead = x.shape[:-1]
-    h = x.to(torch.float64) * signs.to(torch.float64)
-    step = 1
-    while step < block:  # stage h = step: (a, c) -> (a + c, a - c) for the pairs (i, i + step) of each 2*step group
-        g = h.reshape(*lead, K // (2 * step), 2, step)
-        a, c = g[..., 0, :], g[..., 1, :]
-        h = torch.stack((a + c, a - c), dim=-2).reshape(*lead, K)
-        step *= 2
-    return (h / math.sqrt(block)).to(x.dtype)
+    return hadamard_reference(x, rotation.signs(K, torch.float64, x.device), rotation.block)
 
 
 # ------------------------------------------------------------------------------------------ the op
@@ -118,7 +85,7 @@ def _launch(x2: torch.Tensor, signs: torch.Tensor, block: int, config: HadamardC
 @torch.library.custom_op("kbit::hadamard_rotate", mutates_args=())
 def _hadamard_rotate_op(x: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
     if not (x.is_cuda or interpreting()):
-        return _reference(x, signs, block)
+        return hadamard_reference(x, signs, block)
     return _launch(x.reshape(-1, x.shape[-1]), signs, block, None).reshape(x.shape)
 
 
@@ -131,13 +98,9 @@ def _check(x, rotation, signs):
     check_tensor("x", x, _DTYPES)
     if x.dim() < 1:
         fail(ValueError, "x", "a tensor [..., K] with at least one dim", "a 0-dim tensor")
-    if not isinstance(rotation, Rotation):
-        fail(TypeError, "rotation", "a kbit.format.Rotation", type(rotation).__name__)
     K = x.shape[-1]
     check_int("x.shape[-1] (K)", K, minimum=1)
-    rotation.check_width(K, "x.shape[-1] (K)")
-    if signs is not None:
-        check_tensor("signs", signs, torch.int8, shape=(K,), device=x.device, contiguous=True)
+    return check_rotation(rotation, signs, K, x.device)
 
 
 def rotate(x: torch.Tensor, rotation: Rotation, signs: torch.Tensor | None = None,
@@ -160,9 +123,7 @@ def rotate(x: torch.Tensor, rotation: Rotation, signs: torch.Tensor | None = Non
     >>> rot = Rotation.for_width(5120, seed=7)          # block 1024
     >>> y = rotate(torch.randn(3, 5120), rot)           # (x R)(W R)^T == x W^T
     """
-    _check(x, rotation, signs)
-    if signs is None:
-        signs = rotation_signs(rotation, x.shape[-1], x.device)
+    signs = _check(x, rotation, signs)
     if config is not None and (x.is_cuda or interpreting()):
         if config.cols % rotation.block:
             fail(ValueError, "config.cols", f"a multiple of the rotation block {rotation.block}", config.cols)
