@@ -162,6 +162,7 @@ def test_calibrated_model_beats_round_to_nearest(rotation):
     a = cal.model.layers[1].self_attn
     assert torch.equal(a.q_proj.tensor_scale, a.v_proj.tensor_scale)
     assert isinstance(cal.lm_head, nn.Linear)
+    assert all("cache_cpu_weight" not in m.__dict__ for m in lins)  # off during the pass only
     err_cal, err_rtn = _output_error(cal, ref, batches), _output_error(rtn, ref, batches)
     assert err_cal < 0.9 * err_rtn, (rotation, err_cal / err_rtn)
 

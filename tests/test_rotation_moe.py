@@ -14,6 +14,7 @@ from kbit.ops.quantize import rotate_weight, unrotate_weight
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 GEMV, MM = MoePlan("gemv", "gemv"), MoePlan("grouped_mm", "grouped_mm")
+GEMM = MoePlan("gemm", "gemm")  # the grouped tensor-core kernel (CUDA)
 
 
 def _stacks(E, H, I, seed=0, device="cpu"):
@@ -82,3 +83,29 @@ def test_rotate_weight_of_a_stack_is_per_matrix():
     gu, _ = _stacks(3, 64, 8)
     r = Rotation.for_width(64, 1)
     torch.testing.assert_close(rotate_weight(gu.double(), r), gu.double() @ r.matrix(64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 7, 64, 300])
+@pytest.mark.parametrize("plan", [None, GEMV, MM, GEMM], ids=["auto", "gemv", "grouped_mm", "gemm"])
+def test_gpu_rotated_moe_real_size(T, plan):
+    """Qwen3-30B-A3B-shaped (E = 128, H = 2048, I = 768, top 8), bf16, every plan; a CUDA graph of the GEMV and
+    grouped tensor-core plans replays it (the rotation's signs were made by the eager call)."""
+    E, H, I, top_k = 128, 2048, 768, 8
+    gu, dn = _stacks(E, H, I, seed=0, device="cuda")
+    m = KbitMoE.from_float(gu.bfloat16(), dn.bfloat16(), top_k=top_k, k=4, dtype=torch.bfloat16,
+                           rotation="hadamard", seed=1)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(T, E, device="cuda", generator=g).bfloat16()
+    out = m(x, logits, plan=plan)
+    assert relative_error(out, _reference(m, x, logits, plan)) < 2e-2
+    if plan not in (GEMV, GEMM):  # the plans tests/test_moe.py captures at every T
+        return
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replay = m(static, logits, plan=plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replay, m(x, logits, plan=plan))

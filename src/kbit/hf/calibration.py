@@ -102,6 +102,9 @@ def calibrate_planned(model: nn.Module, todo: dict, groups: dict, calibration, t
         del W
         new = split(mods, qw, linear.weight.device)
         for n, m in zip(names, new, strict=True):
+            # the pass through the rest of this layer: no float copy of the weight kept on the CPU (that would
+            # hold a float32 copy of every layer done so far beside the float model)
+            m.cache_cpu_weight = False
             done.add(n)
             if n != name:  # the current one is put in place by calibrate_layers
                 model.set_submodule(n, m)
@@ -111,7 +114,9 @@ def calibrate_planned(model: nn.Module, todo: dict, groups: dict, calibration, t
         return new[names.index(name)]
 
     calibrate_layers(model, batches, quantize_layer)
-    if device is not None:
-        for n in done:
-            model.get_submodule(n).to(device)
+    for n in done:
+        m = model.get_submodule(n)
+        del m.cache_cpu_weight  # the class's default again
+        if device is not None:
+            m.to(device)
     return done
