@@ -192,3 +192,21 @@ def test_quantize_model_seed_checked():
     with pytest.raises(ValueError, match="seed"):
         quantize_model(tiny(), rotation="hadamard", seed=-1, progress=False)
     assert kbit.quantize_model is quantize_model
+
+
+def test_embedding_rebuilt_from_a_rotated_head_is_unrotated(tmp_path):
+    """A tied embedding stored as the quantized lm_head (kbit generate's checkpoints): rebuilt as ``W``, not the
+    ``W R`` the rotated head holds."""
+    model = tiny(tie_word_embeddings=True)
+    w = model.get_input_embeddings().weight.detach().clone()
+    quantize_model(model, k=5, rotation="hadamard", overrides={r"lm_head": {}}, progress=False)
+    head = model.lm_head
+    assert isinstance(head, KbitLinear) and head.rotation is not None
+    emb = model.get_input_embeddings()
+    full, emb.weight = emb.weight, nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
+    save_quantized(model, tmp_path / "q")
+    emb.weight = full
+    back = load_quantized(tmp_path / "q").get_input_embeddings().weight
+    expected = unrotate_weight(dequantize_reference(head.weight(), torch.float64), head.rotation)
+    torch.testing.assert_close(back.double(), expected, rtol=0, atol=1e-6)
+    assert _rel(back, w) < 0.06

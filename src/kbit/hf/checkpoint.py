@@ -42,6 +42,7 @@ from kbit.hf.experts import CHILDREN, KbitExperts, KbitStack, empty_weight
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.nn import KbitLinear
 from kbit.ops.dequant import dequantize
+from kbit.ops.quantize import unrotate_weight
 from kbit.utils.checks import fail
 
 WEIGHTS_NAME = "model.safetensors"
@@ -470,7 +471,10 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
     emb = model.get_input_embeddings() if from_head else None
     if emb is not None and emb.weight.numel() == 0:
         head = model.get_output_embeddings()
-        emb.weight = nn.Parameter(dequantize(head.weight(), head.dtype), requires_grad=False)
+        w = dequantize(head.weight(), head.dtype)
+        if head.rotation is not None:  # the head holds W R; the embedding is W
+            w = unrotate_weight(w, head.rotation).to(head.dtype)
+        emb.weight = nn.Parameter(w, requires_grad=False)
     elif not _head_is_quantized(model):
         # a quantized lm_head is not tied to anything (transformers would put the embedding in its place)
         tie = getattr(model, "tie_weights", None)
