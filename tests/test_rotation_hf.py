@@ -210,3 +210,20 @@ def test_embedding_rebuilt_from_a_rotated_head_is_unrotated(tmp_path):
     expected = unrotate_weight(dequantize_reference(head.weight(), torch.float64), head.rotation)
     torch.testing.assert_close(back.double(), expected, rtol=0, atol=1e-6)
     assert _rel(back, w) < 0.06
+
+
+@pytest.mark.gpu
+def test_gpu_calibrated_rotated_model_on_device():
+    """GPTQ on the GPU (``device="cuda"``) while the float model's pass runs on the CPU; the modules end on the
+    GPU in bfloat16 and the model there is close to the float one."""
+    ref = tiny(seed=4)
+    batches = [torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    model = tiny(seed=4)
+    quantize_model(model, k=4, rotation="hadamard", calibration=batches, device="cuda", progress=False)
+    lins = [m for m in model.modules() if isinstance(m, KbitLinear)]
+    assert len(lins) == 14 and all(m.codes.is_cuda and m.dtype == torch.bfloat16 for m in lins)
+    model = model.to("cuda", torch.bfloat16)
+    x = ids()
+    with torch.no_grad():
+        got = model(x.cuda()).logits.double().cpu()
+    assert _rel(got, logits(ref, x)) < 0.2

@@ -100,7 +100,8 @@ def calibrate_planned(model: nn.Module, todo: dict, groups: dict, calibration, t
         qw = gptq_quantize(W, H.to(at), k=cfg["k"], blocksize=cfg["blocksize"], codebook=cfg["codebook"],
                            scale_format=cfg["scale_format"], rotation=cfg["rotation"], seed=seed)
         del W
-        new = split(mods, qw, linear.weight.device)
+        # made for where they end (their activation dtype follows that device), run where the model is
+        new = [m.to(linear.weight.device) for m in split(mods, qw, at)]
         for n, m in zip(names, new, strict=True):
             # the pass through the rest of this layer: no float copy of the weight kept on the CPU (that would
             # hold a float32 copy of every layer done so far beside the float model)
