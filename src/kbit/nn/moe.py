@@ -276,16 +276,19 @@ class KbitMoE(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
-                scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None) -> KbitMoE:
+                scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None, rotation=None,
+                seed: int = 0) -> KbitMoE:
         """Quantize a Hugging Face sparse MoE block: ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
         ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock`` (any block with a softmax top-k ``gate`` and
         SwiGLU ``experts``). The router weight is kept (``forward`` without logits computes them as the
         block does); a shared expert and its gate are kept as they are (not quantized; not copied).
+        ``rotation`` / ``seed``: as :meth:`from_float` (the gate_up stack only).
         """
         parts = hf_parts(block)
         w_gate_up, w_down, block_dtype = parts.pop("w_gate_up"), parts.pop("w_down"), parts.pop("dtype")
         return cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
-                              scale_format=scale_format, dtype=dtype or block_dtype, **parts)
+                              scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed,
+                              **parts)
 
     # -- forward ------------------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
