@@ -227,3 +227,24 @@ def test_gpu_calibrated_rotated_model_on_device():
     with torch.no_grad():
         got = model(x.cuda()).logits.double().cpu()
     assert _rel(got, logits(ref, x)) < 0.2
+
+
+def test_default_calibration_text_is_the_second_half_of_the_lee_corpus(monkeypatch):
+    import importlib.util
+
+    from kbit.hf import calibration
+
+    if importlib.util.find_spec("gensim") is None:
+        with pytest.raises(ModuleNotFoundError, match="pip install gensim"):
+            calibration.default_calibration_text()
+        return
+    text = calibration.default_calibration_text()
+    assert len(text.split()) > 20000
+    first = text.splitlines()[0]
+    from kbit.eval.judges import lee_text  # what kbit eval scores (its first tokens)
+
+    full = lee_text().splitlines()
+    assert full.index(first) == len(full) // 2
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install gensim"):
+        calibration.default_calibration_text()
