@@ -47,6 +47,27 @@ def test_gptq_lowers_output_error_against_rtn(k, scales):
     assert gptq < 0.8 * rtn, (k, scales, gptq / rtn)
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("K", [160, 100])
+def test_rotated_gptq_lowers_the_rotated_layer_error(k, K):
+    """GPTQ on ``W R`` with ``R^T H R``: the rotated layer ``(x R) Q(W R)^T`` errs less than rounding ``W R`` to
+    nearest, on the calibration batch; the result records the rotation and is rounded on ``W R``."""
+    from kbit.format import Rotation
+    from kbit.ops.quantize import unrotate_weight
+
+    X = _calibration(K)
+    W = torch.randn(48, K, generator=torch.Generator().manual_seed(2))
+    qw = gptq_quantize(W, (X.T @ X).float(), k=k, rotation="hadamard", seed=4)
+    assert qw.rotation == Rotation.for_width(K, 4)
+    rtn = kbit.quantize(W, k=k, rotation="hadamard", seed=4)
+    R = qw.rotation.matrix(K)
+    err = {name: _output_error(X @ R, W.double() @ R, dequantize_reference(q, torch.float64))
+           for name, q in (("gptq", qw), ("rtn", rtn))}
+    assert err["gptq"] < 0.8 * err["rtn"], (k, K, err)
+    back = unrotate_weight(dequantize_reference(qw, torch.float64), qw.rotation)  # the same error unrotated
+    assert abs(_output_error(X, W, back) - err["gptq"]) < 1e-6 * err["gptq"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K", [37, 96, 200])
 def test_gptq_result_is_a_valid_weight_odd_k_and_dtypes(dtype, K):

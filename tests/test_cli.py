@@ -75,6 +75,25 @@ def test_quantize_copies_tokenizer_and_generation_config(tmp_path):
     assert tok("hello world").input_ids == [3, 4]
 
 
+def test_quantize_rotation_and_calibration_match_library(tmp_path, capsys):
+    """``--rotation hadamard --seed 1 --calibrate FILE`` is quantize_model(rotation=, seed=, calibration=text) with
+    the model folder's tokenizer; the rotation round-trips through the checkpoint."""
+    src, dst = tmp_path / "model", tmp_path / "kbit"
+    tiny_llama().save_pretrained(src)
+    tiny_tokenizer().save_pretrained(src)
+    text = " ".join(["hello", "world", "hello", "</s>"] * 300)
+    (tmp_path / "cal.txt").write_text(text)
+    args = ["quantize", str(src), str(dst), "--k", "3", "--rotation", "hadamard", "--seed", "1",
+            "--calibrate", str(tmp_path / "cal.txt")]
+    assert main(args) == 0
+    assert "rotation=hadamard, calibrated on" in capsys.readouterr().out
+    loaded = load_quantized(dst)
+    assert loaded.model.layers[0].self_attn.q_proj.rotation.seed == 1
+    expected = quantize_model(tiny_llama(), k=3, rotation="hadamard", seed=1, calibration=text,
+                              tokenizer=tiny_tokenizer(), progress=False)
+    torch.testing.assert_close(logits(loaded), logits(expected), rtol=0, atol=0)
+
+
 def test_quantize_refuses_newly_initialized_weights(tmp_path, capsys):
     """An encoder folder loaded as a causal LM gets a randomly initialized head: refuse, write nothing."""
     config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -113,7 +113,8 @@ def test_overrides():
     assert p["model.layers.1.mlp.down_proj"]["k"] == 5 and p["model.layers.1.mlp.down_proj"]["codebook"] == "nf"
     assert p["model.layers.1.mlp.up_proj"]["k"] == 4
     assert "model.layers.0.self_attn.q_proj" not in p and "model.layers.1.self_attn.q_proj" in p
-    assert p["lm_head"] == {"k": 5, "blocksize": 64, "codebook": None, "scale_format": "log8", "kind": "linear"}
+    assert p["lm_head"] == {"k": 5, "blocksize": 64, "codebook": None, "scale_format": "log8", "kind": "linear",
+                            "rotation": None}
     quantize_model(model, k=4, overrides={r"down_proj": {"k": 5}, r"layers\.0\.self_attn\.q_proj": None},
                    progress=False)
     assert model.model.layers[0].mlp.down_proj.k == 5

@@ -10,6 +10,9 @@ kbit's block scales (one per ``blocksize`` weights along K) are chosen either wh
 reached, from the error-updated weights of that block (``scales="updated"``, GPTQ's groupwise rule), or from
 the original weights before any rounding (``scales="original"``). The codes, scales, tensor scale and codebook
 mean exactly what they mean for ``kbit.quantize``: the result is an ordinary :class:`~kbit.format.KbitWeight`.
+
+With a rotation (``rotation="hadamard"``, as ``kbit.quantize``) the rounded weight is ``W R`` and the Hessian that
+of the rotated inputs, ``R^T H R``: the layer computes ``(x R)(W R)^T``, so its output error is measured there.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from kbit.format.spec import (
     check_scale_format,
     padded_k,
 )
-from kbit.ops.quantize import check_weight, fit_codebook
+from kbit.ops.quantize import check_weight, fit_codebook, resolve_rotation, rotate_weight
 from kbit.utils.checks import check_choice, check_int, check_tensor, fail
 
 SCALE_RULES = ("updated", "original")
@@ -95,6 +98,8 @@ def gptq_quantize(
     act_order: bool = False,
     scales: str = "updated",
     columns: int = COLUMNS,
+    rotation=None,
+    seed: int = 0,
 ) -> KbitWeight:
     """Quantize ``W [N, K]`` to k bits, rounding to lower the output error on inputs with Hessian ``H``.
 
@@ -113,6 +118,8 @@ def gptq_quantize(
     scales : ``"updated"`` (a block's scale from its error-updated weights when its first column is reached) or
         ``"original"`` (from W before rounding).
     columns : columns per lazy batch (a multiple of ``blocksize``).
+    rotation, seed : as in :func:`kbit.quantize`: round ``W R`` on the Hessian ``R^T H R`` of the rotated inputs;
+        the result records the rotation.
 
     Returns
     -------
@@ -129,6 +136,10 @@ def gptq_quantize(
     scale_format = check_scale_format(scale_format)
     _check_args(W, H, damp, act_order, scales, columns, blocksize)
     cb, name = cbs.resolve(codebook, k, blocksize)
+    rot = resolve_rotation(rotation, W.shape[-1], seed)
+    if rot is not None:
+        W = rotate_weight(W, rot)
+        H = rotate_weight(rotate_weight(H, rot).transpose(-1, -2), rot)  # R^T H R (H symmetric)
     *lead, N, K = W.shape
     kp = padded_k(K, blocksize)
     Wf = W.detach().to(torch.float32).reshape(-1, N, K)
@@ -154,7 +165,7 @@ def gptq_quantize(
         codes = codes[..., torch.argsort(perm)]
     codes = pack(codes.reshape(*lead, N, kp), k)
     return KbitWeight(codes, stored.reshape(*lead, N, -1), ts.to(torch.float32).reshape(lead), cb, W.shape, k,
-                      blocksize, scale_format, name)
+                      blocksize, scale_format, name, rot)
 
 
 def _round_columns(Wp, U, cb, scale, stored, matrix_max, blocksize, scale_format, updated, perm, columns):

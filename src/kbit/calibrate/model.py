@@ -137,9 +137,11 @@ def calibrate_layers(model: nn.Module, batches: list[torch.Tensor], quantize_lay
 def calibrate_model(model: nn.Module, batches: list[torch.Tensor], k: int = DEFAULT_K,
                     blocksize: int = DEFAULT_BLOCKSIZE, codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT,
                     damp: float = 0.1, act_order: bool = False, scales: str = "updated",
-                    log: Callable[[str], None] | None = None) -> nn.Module:
+                    log: Callable[[str], None] | None = None, rotation=None, seed: int = 0) -> nn.Module:
     """Replace every ``nn.Linear`` of the decoder layers by a :class:`kbit.nn.KbitLinear` rounded with
     :func:`gptq_quantize` on its calibration Hessian (embeddings and the head stay). Returns ``model``.
+    ``rotation`` / ``seed``: rotated layers (``gptq_quantize``'s; one rotation per input width and seed, so
+    layers reading one input share it). ``kbit.quantize_model(calibration=...)`` is the whole-model front door.
 
     Example
     -------
@@ -149,7 +151,8 @@ def calibrate_model(model: nn.Module, batches: list[torch.Tensor], k: int = DEFA
 
     def to_kbit(_name: str, linear: nn.Linear, H: torch.Tensor) -> nn.Module:
         qw = gptq_quantize(linear.weight, H, k=k, blocksize=blocksize, codebook=codebook,
-                           scale_format=scale_format, damp=damp, act_order=act_order, scales=scales)
+                           scale_format=scale_format, damp=damp, act_order=act_order, scales=scales,
+                           rotation=rotation, seed=seed)
         return KbitLinear.from_weight(qw, linear.bias, dtype=linear.weight.dtype)
 
     return calibrate_layers(model, batches, to_kbit, log=log)

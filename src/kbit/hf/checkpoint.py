@@ -5,7 +5,8 @@ The folder is a Hugging Face one, the same that ``model.save_pretrained`` writes
 
 - ``config.json``: the model's config with ``quantization_config`` = ``{"quant_method": "kbit", ...,
   "modules": {name: {"kind", "k", "blocksize", "scale_format", "codebook", "shape", "dtype", "bias"}}}``, the
-  format of every quantized module, enough to build an empty model before any tensor is read;
+  format of every quantized module, enough to build an empty model before any tensor is read (and ``"rotation":
+  {"kind", "seed", "block"}`` for a rotated one: the weights hold ``W R``, ``docs/format.md``);
 - ``model.safetensors`` (``kbit.save_file``; or shards with ``model.safetensors.index.json`` when transformers
   wrote them): the model's state dict names. A quantized Linear ``P`` holds ``P.codes``, ``P.scales``,
   ``P.tensor_scale``, ``P.codebook`` (and ``P.bias``), which is what ``kbit.save_file`` writes for a
@@ -35,12 +36,13 @@ from torch import nn
 
 from kbit.format.schema import dtype_name
 from kbit.format.serialize import VERSION_KEY, load_file, save_file
-from kbit.format.spec import KbitWeight
+from kbit.format.spec import KbitWeight, Rotation
 from kbit.hf.config import QUANT_METHOD, quantization_config_for
 from kbit.hf.experts import CHILDREN, KbitExperts, KbitStack, empty_weight
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.nn import KbitLinear
 from kbit.ops.dequant import dequantize
+from kbit.ops.quantize import unrotate_weight
 from kbit.utils.checks import fail
 
 WEIGHTS_NAME = "model.safetensors"
@@ -68,6 +70,8 @@ def module_table(model: nn.Module) -> dict[str, dict]:
             out[name] = {"kind": "linear", "k": m.k, "blocksize": m.blocksize, "scale_format": m.scale_format,
                          "codebook": m.codebook_name, "shape": [m.out_features, m.in_features],
                          "dtype": dtype_name(m.dtype), "bias": m.bias is not None}
+            if m.rotation is not None:
+                out[name]["rotation"] = m.rotation.metadata()
         elif isinstance(m, KbitExperts):
             gu, dn = m.weight("gate_up_proj"), m.weight("down_proj")
             out[name] = {"kind": "experts", "k": gu.k, "blocksize": gu.blocksize, "scale_format": gu.scale_format,
@@ -90,6 +94,20 @@ def _shape(v, n: int, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _rotation(info: dict, K: int, where: str) -> Rotation | None:
+    r = info.get("rotation")
+    if r is None:
+        return None
+    if not isinstance(r, dict) or set(r) != {"kind", "seed", "block"}:
+        fail(ValueError, where, 'None or {"kind": "hadamard", "seed": int, "block": int}', r)
+    try:
+        rot = Rotation(seed=r["seed"], block=r["block"], kind=r["kind"])
+        rot.check_width(K, "shape[1] (K)")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    return rot
+
+
 def build_shells(model: nn.Module, modules: dict, where: str, device="meta") -> None:
     """Replace each module named in ``modules`` (a :func:`module_table`) by an empty k-bit module on ``device``,
     after checking it is a Linear / fused experts of the recorded shape. Nothing changes on an error."""
@@ -110,8 +128,11 @@ def build_shells(model: nn.Module, modules: dict, where: str, device="meta") -> 
                 fail(ValueError, at, f"an nn.Linear [{N}, {K}] in the model built from config.json", got)
             new[name] = KbitLinear(K, N, bool(info.get("bias")), k=info.get("k"), blocksize=info.get("blocksize"),
                                    scale_format=info.get("scale_format", "log8"), dtype=_dtype(info, at),
-                                   device=device, codebook_name=str(info.get("codebook", "custom")))
+                                   device=device, codebook_name=str(info.get("codebook", "custom")),
+                                   rotation=_rotation(info, K, f"{at}.rotation"))
         elif kind == "experts":
+            if info.get("rotation") is not None:
+                fail(ValueError, f"{at}.rotation", "None (fused experts are not rotated)", info.get("rotation"))
             new[name] = _experts_shell(old, info, at, device)
         else:
             fail(ValueError, f"{at}.kind", "'linear' or 'experts'", kind)
@@ -441,6 +462,7 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
         tensors = {}
         for name, v in load_file(path, device=device).items():
             if isinstance(v, KbitWeight):
+                _check_rotation(model, name, v, path)
                 tensors.update({f"{name}.{p}": t for p, t in v.tensors().items()})
             else:
                 tensors[name] = v
@@ -449,7 +471,10 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
     emb = model.get_input_embeddings() if from_head else None
     if emb is not None and emb.weight.numel() == 0:
         head = model.get_output_embeddings()
-        emb.weight = nn.Parameter(dequantize(head.weight(), head.dtype), requires_grad=False)
+        w = dequantize(head.weight(), head.dtype)
+        if head.rotation is not None:  # the head holds W R; the embedding is W
+            w = unrotate_weight(w, head.rotation).to(head.dtype)
+        emb.weight = nn.Parameter(w, requires_grad=False)
     elif not _head_is_quantized(model):
         # a quantized lm_head is not tied to anything (transformers would put the embedding in its place)
         tie = getattr(model, "tie_weights", None)
@@ -466,6 +491,17 @@ def _fill(model: nn.Module, files: list[Path], device) -> None:
             for w in EXPERT_WEIGHTS:
                 m.weight(w)
     model.to(device)
+
+
+def _check_rotation(model: nn.Module, name: str, qw: KbitWeight, path: Path) -> None:
+    """The file's rotation of weight ``name`` is the one its module was built with (config.json's table)."""
+    try:
+        want = getattr(model.get_submodule(name), "rotation", None)
+    except AttributeError:
+        return  # no such module: the header check names it
+    if qw.rotation != want:
+        raise ValueError(f"{path}: weight {name!r}: expected rotation {want} (config.json's quantization_config."
+                         f"modules), got {qw.rotation} in the file")
 
 
 def _embedding_from_head(model: nn.Module) -> str | None:

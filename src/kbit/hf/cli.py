@@ -2,12 +2,18 @@
 
     kbit quantize path/to/model out_dir --k 4
     kbit quantize path/to/model out_dir --k 3 --override 'mlp.down_proj={"k": 4}' --override 'lm_head={}'
+    kbit quantize path/to/model out_dir --k 3 --rotation hadamard --calibrate [text.txt]
 
 Loads with ``transformers.AutoModelForCausalLM`` (``AutoModel`` for encoders) from a local directory, never
 from a hub, and refuses (writing nothing) a model that transformers loads with missing, newly initialized or
 shape-mismatched weights: quantizing random weights would give a checkpoint that looks fine and is not.
 Writes the checkpoint with :func:`kbit.save_quantized` and copies the tokenizer files and the generation
 config, so ``kbit generate --model out_dir`` runs on it.
+
+``--rotation hadamard`` quantizes rotated weights (``kbit.quantize_model(rotation=)``); ``--calibrate FILE`` rounds
+the decoder layers with GPTQ on Hessians from the text of FILE (UTF-8), ``--calibrate`` alone from the second half
+of the Lee corpus in gensim's wheel (``kbit.hf.calibration.default_calibration_text``), with the model's own
+tokenizer; it runs the float model on the CPU, layer by layer.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import shutil
 from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
+from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
 from kbit.hf.quantize_model import quantize_model, save_quantized
+from kbit.ops.quantize import ROTATIONS
 
 #: Files copied from the source folder next to the checkpoint (those that exist): the tokenizer of every
 #: common family (fast and slow), its chat template, and the generation config.
@@ -46,6 +54,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", type=_override, action="append", default=[],
                    help="PATTERN=JSON per-module settings, e.g. 'down_proj={\"k\": 4}'; PATTERN alone skips it")
     p.add_argument("--encoder", action="store_true", help="load with AutoModel instead of AutoModelForCausalLM")
+    p.add_argument("--rotation", choices=ROTATIONS, default=None,
+                   help="quantize rotated weights (randomized Hadamard along K; the layers rotate their inputs)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rotation's random signs")
+    p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
+                   help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "
+                        "the Lee corpus of gensim's wheel, second half)")
 
 
 def check_loading_info(info: dict, cls_name: str, encoder: bool) -> None:
@@ -84,9 +98,17 @@ def main(args: argparse.Namespace) -> int:
     cls = transformers.AutoModel if args.encoder else transformers.AutoModelForCausalLM
     model, info = cls.from_pretrained(src, local_files_only=True, output_loading_info=True)
     check_loading_info(info, type(model).__name__, args.encoder)
+    calibration, tokenizer = None, None
+    if args.calibrate is not None:
+        calibration = Path(args.calibrate).read_text(encoding="utf-8") if args.calibrate else \
+            default_calibration_text()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     quantize_model(model, k=args.k, blocksize=args.blocksize, codebook=args.codebook,
-                   scale_format=args.scale_format, overrides=dict(args.override) or None)
+                   scale_format=args.scale_format, overrides=dict(args.override) or None, rotation=args.rotation,
+                   seed=args.seed, calibration=calibration, tokenizer=tokenizer)
     save_quantized(model, args.out)
     copied = copy_side_files(src, Path(args.out))
-    print(f"wrote {args.out} (k={args.k}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
+    how = "".join([f", rotation={args.rotation}" if args.rotation else "",
+                   f", calibrated on {args.calibrate or 'the Lee corpus'}" if calibration is not None else ""])
+    print(f"wrote {args.out} (k={args.k}{how}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
     return 0

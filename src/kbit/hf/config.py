@@ -9,10 +9,12 @@ from collections import Counter
 
 from kbit.format.codebooks import NAMED
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_SCALE_FORMAT, check_blocksize, check_k, check_scale_format
-from kbit.utils.checks import fail
+from kbit.utils.checks import check_int, fail
 
 QUANT_METHOD = "kbit"
-OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "skip")
+OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation", "skip")
+#: ``rotation=`` by name (``kbit.ops.quantize.ROTATIONS``; the config is JSON)
+ROTATIONS = ("hadamard",)
 
 try:  # transformers is optional (kbit[hf]): without it KbitConfig is a plain config
     from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -33,13 +35,20 @@ class KbitConfig(QuantizationConfigMixin):
         module, as :func:`kbit.quantize_model`'s ``overrides`` (``None`` keeps the modules in float).
     quantize_lm_head : also quantize ``lm_head`` (with the base format unless an override says otherwise).
     joint : quantize q/k/v and gate/up of one layer as one matrix (:func:`kbit.quantize_model`).
+    rotation : ``None`` or ``"hadamard"``: weights quantized rotated along K (:func:`kbit.quantize_model`);
+        ``rotation_seed`` the seed of the random signs.
+    calibration : ``None``, or where the calibrated rounding's text came from (a file path or a description):
+        recorded in ``config.json``. Quantizing while loading (``from_pretrained(quantization_config=...)``)
+        cannot calibrate (the quantizer sees the weights, not text or a tokenizer) and refuses it: quantize with
+        ``kbit.quantize_model(model, calibration=...)`` or ``kbit quantize --calibrate`` and save.
     modules : filled by kbit: each quantized module's format, written to ``config.json`` so the saved model
         loads into empty k-bit modules. Leave it ``None``.
     """
 
     def __init__(self, k: int = 4, blocksize: int = DEFAULT_BLOCKSIZE, codebook: str | None = None,
                  scale_format: str = DEFAULT_SCALE_FORMAT, modules_to_not_convert=None, overrides=None,
-                 quantize_lm_head: bool = False, joint: bool = True, modules: dict | None = None, **kwargs):
+                 quantize_lm_head: bool = False, joint: bool = True, modules: dict | None = None,
+                 rotation: str | None = None, rotation_seed: int = 0, calibration: str | None = None, **kwargs):
         method = kwargs.pop("quant_method", QUANT_METHOD)
         if method != QUANT_METHOD:
             fail(ValueError, "quant_method", repr(QUANT_METHOD), repr(method))
@@ -68,6 +77,13 @@ class KbitConfig(QuantizationConfigMixin):
             if not isinstance(v, bool):
                 fail(TypeError, name, "a bool", type(v).__name__)
         self.quantize_lm_head, self.joint = quantize_lm_head, joint
+        if rotation is not None and rotation not in ROTATIONS:
+            fail(ValueError, "rotation", f"None or one of {ROTATIONS}", repr(rotation))
+        self.rotation, self.rotation_seed = rotation, check_int("rotation_seed", rotation_seed, minimum=0)
+        if calibration is not None and not isinstance(calibration, str):
+            fail(TypeError, "calibration", "None or a str (the text's file or a description: the config is JSON)",
+                 type(calibration).__name__)
+        self.calibration = calibration
         self.modules = modules
         for key in kwargs:  # transformers adds its own keys on the way through config.json
             setattr(self, key, kwargs[key])
@@ -78,7 +94,8 @@ class KbitConfig(QuantizationConfigMixin):
         overrides |= self.overrides
         overrides |= dict.fromkeys(self.modules_to_not_convert)  # kept in float: last, so they win
         return {"k": self.k, "blocksize": self.blocksize, "codebook": self.codebook,
-                "scale_format": self.scale_format, "overrides": overrides or None, "joint": self.joint}
+                "scale_format": self.scale_format, "overrides": overrides or None, "joint": self.joint,
+                "rotation": self.rotation, "seed": self.rotation_seed}
 
     def to_dict(self) -> dict:
         return {key: v for key, v in self.__dict__.items() if not key.startswith("_")}
@@ -86,12 +103,16 @@ class KbitConfig(QuantizationConfigMixin):
 
 def quantization_config_for(model, table: dict) -> dict:
     """The ``quantization_config`` of a quantized ``model`` (``config.json``): its :class:`KbitConfig` settings
-    where it was loaded with one, else the most common format of ``table``; ``modules`` = ``table``."""
+    where it was loaded with one, else the most common format of ``table`` (``rotation`` ``"hadamard"`` where
+    most modules are rotated, with their most common seed); ``modules`` = ``table``."""
     qc = getattr(getattr(model, "config", None), "quantization_config", None)
     if isinstance(qc, KbitConfig):
         qc = qc.to_dict()
     if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
         common = Counter((m["k"], m["blocksize"], m["scale_format"]) for m in table.values()).most_common(1)[0][0]
         qc = {"k": common[0], "blocksize": common[1], "scale_format": common[2]}
+        seeds = Counter(m["rotation"]["seed"] if m.get("rotation") else None for m in table.values()).most_common(1)
+        if seeds[0][0] is not None:
+            qc |= {"rotation": "hadamard", "rotation_seed": seeds[0][0]}
     out = KbitConfig(**{key: v for key, v in qc.items() if key != "modules"}, modules=table).to_dict()
     return out

@@ -4,6 +4,10 @@
 Which modules are quantized comes from the table in :mod:`kbit.hf.models` (by ``config.model_type``);
 ``overrides`` change the format of some of them, skip them, or add Linear modules the table leaves alone
 (``lm_head``).
+
+``rotation="hadamard"`` quantizes every weight rotated along K (``kbit.quantize``; one rotation per input width
+and seed, so the q/k/v and gate/up groups share theirs); ``calibration`` rounds the decoder layers' Linears with
+GPTQ on Hessians from a little text, layer by layer (:mod:`kbit.hf.calibration`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,18 @@ import torch
 from torch import nn
 
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
+from kbit.hf.calibration import calibrate_planned
 from kbit.hf.checkpoint import load_quantized, save_quantized
 from kbit.hf.experts import KbitExperts
 from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
-from kbit.ops.quantize import quantize
-from kbit.utils.checks import fail
+from kbit.ops.quantize import ROTATIONS, quantize
+from kbit.utils.checks import check_int, fail
 
 __all__ = ["JOINT_GROUPS", "load_quantized", "plan", "quantize_model", "save_quantized"]
-OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "skip")
+OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation", "skip")
+#: the format keys of a planned module (``kbit.quantize``'s arguments)
+FORMAT_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation")
 
 
 def _overrides(overrides) -> list[tuple[str, dict]]:
@@ -42,9 +49,10 @@ def _overrides(overrides) -> list[tuple[str, dict]]:
 
 
 def plan(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
-         scale_format: str = DEFAULT_SCALE_FORMAT, overrides=None, include=None) -> dict[str, dict]:
+         scale_format: str = DEFAULT_SCALE_FORMAT, overrides=None, include=None, rotation=None) -> dict[str, dict]:
     """What :func:`quantize_model` would do: module name -> ``{"kind", "k", "blocksize", "codebook",
-    "scale_format"}`` (``kind`` is ``"linear"`` or ``"experts"``), in module order. Changes nothing."""
+    "scale_format", "rotation"}`` (``kind`` is ``"linear"`` or ``"experts"``), in module order. Changes nothing.
+    A rotation of fused experts is refused (ValueError naming them)."""
     linear, experts = select_modules(model, include)
     rules = _overrides(overrides)
     chosen = dict.fromkeys(linear, "linear") | dict.fromkeys(experts, "experts")
@@ -57,7 +65,7 @@ def plan(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZ
         if not opts.get("skip"):
             for n in hits:
                 chosen.setdefault(n, "linear")
-    base = {"k": k, "blocksize": blocksize, "codebook": codebook, "scale_format": scale_format}
+    base = {"k": k, "blocksize": blocksize, "codebook": codebook, "scale_format": scale_format, "rotation": rotation}
     out = {}
     for name in modules:  # module order
         if name not in chosen:
@@ -67,8 +75,20 @@ def plan(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZ
             if compile_patterns([pattern]).match(name):
                 cfg.update(opts)
         if not cfg.pop("skip", False):
+            _check_rotation(name, cfg)
             out[name] = cfg
     return out
+
+
+def _check_rotation(name: str, cfg: dict) -> None:
+    r = cfg["rotation"]
+    if r is not None and r not in ROTATIONS:
+        fail(ValueError, f"rotation (of {name})", f"None or one of {ROTATIONS}", repr(r))
+    if r is not None and cfg["kind"] == "experts":
+        leaf = name.rpartition(".")[2]
+        raise ValueError(f"rotation: fused experts ({name}) cannot be rotated yet (kbit.hf.experts.KbitExperts "
+                         f"has no rotation step); keep them unrotated with overrides={{r'{leaf}': "
+                         "{'rotation': None}}")
 
 
 #: sibling projections that read the same input: quantized together (one tensor scale, one codebook) by
@@ -78,7 +98,8 @@ JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
                    scale_format: str = DEFAULT_SCALE_FORMAT, overrides: dict | None = None, include=None,
-                   progress: bool = True, joint: bool = True, device=None) -> nn.Module:
+                   progress: bool = True, joint: bool = True, device=None, rotation=None, seed: int = 0,
+                   calibration=None, tokenizer=None) -> nn.Module:
     """Replace the Linear layers (and fused MoE experts) of a transformers model by k-bit ones, in place.
 
     Parameters
@@ -99,9 +120,23 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     device : where to quantize and keep the new modules (``"cuda"``: each float weight is copied there, quantized
         and dropped, so the device holds the k-bit modules plus one float weight at a time); ``None``: each
         weight's own device. The rest of the model is not moved.
+    rotation : ``None`` or ``"hadamard"``: every weight quantized as ``W R`` (``kbit.quantize``), its
+        ``KbitLinear`` rotating its input; an override may set ``"rotation"`` per module. One rotation per input
+        width and ``seed``, so q/k/v and gate/up (one input each) share one. Fused MoE experts are refused
+        (override them with ``{"rotation": None}``).
+    seed : the seed of the rotations' random signs.
+    calibration : ``None`` (round to nearest), or text (a str or a list of str; ``tokenizer`` makes it
+        :data:`kbit.hf.calibration.SEQ_LEN`-token windows, at most :data:`kbit.hf.calibration.BATCHES`) or
+        token ids (a ``[B, T]`` tensor or a list of them): the Linears of the decoder layers are rounded with
+        GPTQ (``kbit.calibrate.gptq_quantize``, on ``W R`` when rotated) layer by layer, each layer on what its
+        quantized predecessors produce; the other planned modules (fused experts, ``lm_head``) round to nearest.
+        The model must run on the batches where it is (its forward is called). Not all or nothing: an error
+        midway leaves the layers done so far quantized.
+    tokenizer : turns text ``calibration`` into tokens (default: ``AutoTokenizer`` of the model's own folder,
+        ``config._name_or_path``, local files only).
 
-    All or nothing: every planned module is quantized into a new module first and swapped in only when all
-    succeeded, so an error leaves ``model`` as it was.
+    All or nothing (without ``calibration``): every planned module is quantized into a new module first and
+    swapped in only when all succeeded, so an error leaves ``model`` as it was.
 
     Returns
     -------
@@ -112,31 +147,42 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()  # doctest: +SKIP
     >>> kbit.quantize_model(model, k=4, overrides={r"down_proj": {"k": 5}})  # doctest: +SKIP
     """
-    todo = plan(model, k, blocksize, codebook, scale_format, overrides, include)
+    todo = plan(model, k, blocksize, codebook, scale_format, overrides, include, rotation)
+    check_int("seed", seed, minimum=0)
     groups = _joint_groups(model, todo) if joint else {}
     bar = _progress(len(todo), progress)
-    new: dict[str, nn.Module] = {}
     try:
-        for name, cfg in todo.items():
-            kw = {key: cfg[key] for key in ("k", "blocksize", "codebook", "scale_format")}
-            if name in groups:
-                names = groups[name]
-                if name == names[0]:  # the group quantizes with its first member
-                    mods = [model.get_submodule(n) for n in names]
-                    new.update(zip(names, _quantize_joint(mods, kw, device), strict=True))
-            elif cfg["kind"] == "experts":
-                new[name] = KbitExperts.from_experts(model.get_submodule(name), device=device, **kw)
-            else:
-                new[name] = _quantize_linear(model.get_submodule(name), kw, device)
-            if bar is not None:
-                bar.set_postfix_str(name, refresh=False)
-                bar.update()
+        if calibration is not None:
+            done = calibrate_planned(model, todo, groups, calibration, tokenizer, seed, device, bar, _split_joint)
+            todo = {n: c for n, c in todo.items() if n not in done}
+        new = _quantize_all(model, todo, groups, seed, device, bar)
     finally:
         if bar is not None:
             bar.close()
     for name, module in new.items():  # nothing above changed the model: now swap everything in
         model.set_submodule(name, module)
     return model
+
+
+def _quantize_all(model: nn.Module, todo: dict, groups: dict, seed: int, device, bar) -> dict[str, nn.Module]:
+    """Round ``todo``'s modules to nearest into new modules (the model is not changed)."""
+    new: dict[str, nn.Module] = {}
+    for name, cfg in todo.items():
+        kw = {key: cfg[key] for key in FORMAT_KEYS} | {"seed": seed}
+        if name in groups:
+            names = groups[name]
+            if name == names[0]:  # the group quantizes with its first member
+                mods = [model.get_submodule(n) for n in names]
+                new.update(zip(names, _quantize_joint(mods, kw, device), strict=True))
+        elif cfg["kind"] == "experts":
+            del kw["rotation"], kw["seed"]  # None (plan refuses a rotation of experts)
+            new[name] = KbitExperts.from_experts(model.get_submodule(name), device=device, **kw)
+        else:
+            new[name] = _quantize_linear(model.get_submodule(name), kw, device)
+        if bar is not None:
+            bar.set_postfix_str(name, refresh=False)
+            bar.update()
+    return new
 
 
 def _quantize_linear(linear: nn.Module, kw: dict, device) -> KbitLinear:
@@ -153,7 +199,7 @@ def _joint_groups(model: nn.Module, todo: dict) -> dict[str, list[str]]:
     """Module name -> its group's names, for the :data:`JOINT_GROUPS` whose members are all planned plain
     ``nn.Linear`` of one format, input size, dtype, device and bias presence."""
     out = {}
-    keys = ("kind", "k", "blocksize", "codebook", "scale_format")
+    keys = ("kind", *FORMAT_KEYS)
     for name in todo:
         parent, _, leaf = name.rpartition(".")
         for group in JOINT_GROUPS:
@@ -188,14 +234,22 @@ def _quantize_joint(mods: list[nn.Linear], kw: dict, device=None) -> list[KbitLi
     w = torch.cat([m.weight.detach() for m in mods]).to(device)  # joined where they are: one copy on device
     qw = quantize(w, **kw)
     del w
+    return _split_joint(mods, qw, device)
+
+
+def _split_joint(mods: list[nn.Linear], qw: KbitWeight, device=None) -> list[KbitLinear]:
+    """One KbitLinear per module of a jointly quantized ``qw`` (its rows; the tensor scale, codebook and rotation
+    shared), on ``device`` (default: qw's)."""
+    w0 = mods[0].weight
+    device = torch.device(device if device is not None else qw.device)
     dtype = w0.dtype if (w0.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda") else torch.bfloat16
     out, lo = [], 0
     for m in mods:
         hi = lo + m.out_features
         part = KbitWeight(qw.codes[lo:hi].clone(), qw.scales[lo:hi].clone(), qw.tensor_scale.clone(),
                           qw.codebook.clone(), (m.out_features, m.in_features), qw.k, qw.blocksize, qw.scale_format,
-                          qw.codebook_name)
-        out.append(KbitLinear.from_weight(part, m.bias, dtype))
+                          qw.codebook_name, qw.rotation)
+        out.append(KbitLinear.from_weight(part.to(device), m.bias, dtype))
         lo = hi
     return out
 

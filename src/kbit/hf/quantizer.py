@@ -6,7 +6,9 @@ registry (``register_quantization_config`` / ``register_quantizer``) when ``kbit
 >>> model.save_pretrained(out)  # doctest: +SKIP
 >>> AutoModelForCausalLM.from_pretrained(out)  # doctest: +SKIP
 
-quantize while loading, save, and load back bit-exact (``docs/hf.md``).
+quantize while loading, save, and load back bit-exact (``docs/hf.md``). ``KbitConfig(rotation="hadamard")``
+quantizes rotated weights; ``KbitConfig(calibration=...)`` is refused here (calibrated rounding needs text and a
+model pass: :func:`kbit.quantize_model`).
 
 Quantizing while loading: transformers reads the float checkpoint onto the CPU (the quantizer redirects the
 device map there), then :func:`kbit.quantize_model` quantizes module by module on the requested device: each
@@ -90,8 +92,14 @@ class KbitHfQuantizer(HfQuantizer):
             # format) is in quantization_config instead, so hide it while loading
             self._hook = model.register_state_dict_post_hook(_drop_extra_state)
         else:  # on the empty model: an unsupported architecture fails before any weight is read
+            if getattr(qc, "calibration", None) is not None:
+                fail(ValueError, "KbitConfig.calibration", "None when quantizing while loading (the quantizer sees "
+                     "weights, not text or a tokenizer: load the float model, run kbit.quantize_model(model, "
+                     "calibration=text, tokenizer=tok) or `kbit quantize --calibrate`, then save)",
+                     repr(qc.calibration))
             kw = qc.quantize_kwargs()
-            plan(model, kw["k"], kw["blocksize"], kw["codebook"], kw["scale_format"], kw["overrides"])
+            plan(model, kw["k"], kw["blocksize"], kw["codebook"], kw["scale_format"], kw["overrides"],
+                 rotation=kw["rotation"])
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

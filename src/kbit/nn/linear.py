@@ -17,6 +17,12 @@ small-M kernel repacks (outside CUDA-graph capture; run one eager step before ca
 small-M kernel reads the buffers directly, every other kernel (fused GEMM, dequantize + cuBLAS, Triton GEMV;
 the CPU reference) gets a canonical temporary (``kbit.ops.mma.layout.unrepack``, freed after the call), and
 ``state_dict`` / ``weight()`` / ``kbit.save_quantized`` see the canonical layout (files are unchanged).
+
+Rotation: a weight quantized under a :class:`kbit.format.Rotation` holds ``W R`` (``kbit.quantize(...,
+rotation="hadamard")``); the layer keeps it in ``rotation`` (saved in the extra state and in a checkpoint's
+module table) and :meth:`KbitLinear.forward` feeds the product ``x R`` (``kbit.ops.hadamard.rotate``, its int8
+signs made once per device and cached: run one call before a CUDA graph capture), so ``y = x W^T``.
+:meth:`KbitLinear.forward_rotated` takes an ``x`` already rotated (a producer that fused the rotation).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from kbit.format.spec import (
     DEFAULT_K,
     DEFAULT_SCALE_FORMAT,
     KbitWeight,
+    Rotation,
     check_blocksize,
     check_k,
     check_scale_format,
@@ -38,14 +45,12 @@ from kbit.format.spec import (
 )
 from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, check_size, release
 from kbit.ops._checks import check_bias, check_x
+from kbit.ops.hadamard import rotate
 from kbit.ops.mma.layout import LAYOUT, RepackedWeight, repack, unrepack
-from kbit.ops.quantize import quantize
+from kbit.ops.quantize import quantize, rotate_weight
 from kbit.utils.checks import fail
 
 __all__ = ["CANONICAL", "KbitLinear", "repack_for_kernels"]
-
-
-
 
 
 def repack_for_kernels(model: nn.Module) -> int:
@@ -83,6 +88,8 @@ class KbitLinear(nn.Module):
     k, blocksize, scale_format : format parameters (``docs/format.md``).
     bias : whether the layer has a bias.
     dtype : activations and output dtype (float16 / bfloat16 on CUDA; any float on the CPU).
+    rotation : None, or the :class:`kbit.format.Rotation` the weight was quantized under (the buffers hold
+        ``W R``; the forward rotates its input). Fixed at construction: a state dict must match it.
 
     Example
     -------
@@ -101,7 +108,8 @@ class KbitLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k: int = DEFAULT_K,
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
-                 dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
+                 dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom",
+                 rotation: Rotation | None = None):
         super().__init__()
         self.in_features = check_size("in_features", in_features)
         self.out_features = check_size("out_features", out_features)
@@ -112,8 +120,14 @@ class KbitLinear(nn.Module):
             fail(TypeError, "dtype", "a floating-point torch.dtype", dtype)
         if not isinstance(codebook_name, str):
             fail(TypeError, "codebook_name", "a str", type(codebook_name).__name__)
+        if rotation is not None:
+            if not isinstance(rotation, Rotation):
+                fail(TypeError, "rotation", "None or a kbit.format.Rotation", type(rotation).__name__)
+            rotation.check_width(self.in_features, "in_features")
         self.dtype = dtype
         self.codebook_name = codebook_name
+        #: the rotation of the input dimension the weight was quantized under (None: unrotated)
+        self.rotation = rotation
         self.layout = CANONICAL
         kp = padded_k(self.in_features, self.blocksize)
         sdt = torch.uint8 if scale_format == "log8" else torch.float16
@@ -136,7 +150,7 @@ class KbitLinear(nn.Module):
             raise ValueError(f"qw: expected a 2-D weight [N, K], got shape {qw.shape}")
         N, K = qw.shape
         m = cls(K, N, bias is not None, k=qw.k, blocksize=qw.blocksize, scale_format=qw.scale_format,
-                dtype=dtype, device=qw.device, codebook_name=qw.codebook_name)
+                dtype=dtype, device=qw.device, codebook_name=qw.codebook_name, rotation=qw.rotation)
         m.codes, m.scales, m.tensor_scale, m.codebook = qw.codes, qw.scales, qw.tensor_scale, qw.codebook
         if bias is not None:
             m.bias = bias.detach().to(device=qw.device, dtype=dtype).clone()
@@ -144,16 +158,18 @@ class KbitLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE,
-                    codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None
-                    ) -> KbitLinear:
+                    codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None,
+                    rotation=None, seed: int = 0) -> KbitLinear:
         """Quantize ``linear.weight`` (``kbit.quantize``, on the weight's device); the bias is kept in
-        ``dtype`` (default: the weight's dtype, or bfloat16 for a float32/float64 weight on CUDA)."""
+        ``dtype`` (default: the weight's dtype, or bfloat16 for a float32/float64 weight on CUDA).
+        ``rotation`` / ``seed``: as in ``kbit.quantize`` (``"hadamard"``: a rotated layer, same outputs)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
         if dtype is None:
             dtype = w.dtype if (w.dtype in (torch.float16, torch.bfloat16) or not w.is_cuda) else torch.bfloat16
-        qw = quantize(w, k=k, blocksize=blocksize, codebook=codebook, scale_format=scale_format)
+        qw = quantize(w, k=k, blocksize=blocksize, codebook=codebook, scale_format=scale_format, rotation=rotation,
+                      seed=seed)
         return cls.from_weight(qw, linear.bias, dtype)
 
     def weight(self) -> KbitWeight:
@@ -162,7 +178,7 @@ class KbitLinear(nn.Module):
         codes, scales = self._canonical_codes()
         return KbitWeight(codes, scales, self.tensor_scale, self.codebook,
                           (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format,
-                          self.codebook_name)
+                          self.codebook_name, self.rotation)
 
     def kernel_weight(self) -> KbitWeight | RepackedWeight:
         """The weight as held (sharing the buffers): a ``KbitWeight`` or a ``kbit.ops.mma.layout.RepackedWeight``."""
@@ -213,6 +229,17 @@ class KbitLinear(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` for ``x [..., in_features]``; a rotated layer multiplies x by ``R`` first."""
+        if self.rotation is not None:
+            if not isinstance(x, torch.Tensor):
+                fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
+            # float64 (a CPU reference dtype) has no kernel: the plain-torch butterflies in float64
+            x = rotate_weight(x, self.rotation) if x.dtype == torch.float64 else rotate(x, self.rotation)
+        return self.forward_rotated(x)
+
+    def forward_rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ (W R).T + bias`` with ``x`` already multiplied by ``R`` (``self.rotation``): for a producer that
+        fused the rotation into its own kernel. The same as :meth:`forward` for an unrotated layer."""
         if not isinstance(x, torch.Tensor):
             fail(TypeError, "x", "a torch.Tensor", type(x).__name__)
         if torch.compiler.is_compiling():
@@ -331,11 +358,17 @@ class KbitLinear(nn.Module):
                 fail(TypeError, what, f"dtype {dtype or 'float'} ({fmt})", t.dtype)
         parts = [state_dict.get(prefix + n) for n in ("codes", "scales", "tensor_scale", "codebook")]
         if all(t is not None for t in parts):
-            KbitWeight(*parts, (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format)
+            KbitWeight(*parts, (self.out_features, self.in_features), self.k, self.blocksize, self.scale_format,
+                       rotation=self.rotation)
 
     def get_extra_state(self) -> dict:
-        return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
-                "shape": [self.out_features, self.in_features], "codebook": self.codebook_name}
+        """The format parameters; ``rotation`` ({"kind", "seed", "block"}) only for a rotated layer (a state
+        without it is unrotated: older states load as they did)."""
+        out = {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
+               "shape": [self.out_features, self.in_features], "codebook": self.codebook_name}
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.metadata()
+        return out
 
     def _check_extra(self, state) -> None:
         if not isinstance(state, dict):
@@ -348,6 +381,14 @@ class KbitLinear(nn.Module):
             if got != mine[key]:
                 raise ValueError(f"KbitLinear state: expected {key}={mine[key]!r}, got {state.get(key)!r} "
                                  "(build the module with the saved format parameters)")
+        got, want = state.get("rotation"), mine.get("rotation")
+        if isinstance(got, dict):
+            got = {key: got.get(key) for key in ("kind", "seed", "block")}
+        if got != want:
+            what = "an unrotated" if got is None else f"a rotated ({got})"
+            raise ValueError(f"KbitLinear state: expected rotation={want!r}, got {got!r}: {what} weight cannot load "
+                             f"into a layer {'with' if want else 'without'} a rotation (build the module with the "
+                             "saved rotation, e.g. KbitLinear(..., rotation=kbit.format.Rotation(seed, block)))")
 
     def set_extra_state(self, state: dict) -> None:
         self._check_extra(state)
@@ -357,4 +398,5 @@ class KbitLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"k={self.k}, blocksize={self.blocksize}, scale_format={self.scale_format!r}, "
                 f"codebook={self.codebook_name!r}, dtype={self.dtype}"
+                + (f", rotation={self.rotation!r}" if self.rotation is not None else "")
                 + (f", layout={self.layout!r}" if self.layout != CANONICAL else ""))

@@ -18,6 +18,12 @@ kernel, outside graph capture). Repacked, automatic plans run the grouped kernel
 run the GEMV (T = 1 included), ``grouped_mm`` dequantizes the touched experts from an unrepacked temporary, and
 a pinned ``"gemv"`` unrepacks the whole stack into a temporary each call; ``state_dict`` and
 :meth:`gate_up_weight` / :meth:`down_weight` give the canonical layout.
+
+Rotation (``kbit.format.Rotation``, docs/format.md): the gate_up stack may be quantized under one rotation of H
+shared by all experts (``from_float(..., rotation="hadamard")``); the block then rotates the routed tokens once
+(``kbit.ops.hadamard.rotate``) before the grouped GEMMs, the router and a shared expert still read x. A rotated
+down stack is refused: its input (SiLU(gate) * up) is made inside the grouped kernels (``kbit.dispatch.moe``),
+which have no rotation step yet.
 """
 
 from __future__ import annotations
@@ -34,16 +40,19 @@ from kbit.format.spec import (
     DEFAULT_K,
     DEFAULT_SCALE_FORMAT,
     KbitWeight,
+    Rotation,
     check_blocksize,
     check_k,
     check_scale_format,
     padded_k,
 )
 from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, release
+from kbit.ops.hadamard import rotate
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.moe_router import ROUTERS, select_experts_reference
-from kbit.ops.quantize import quantize
+from kbit.ops.quantize import quantize, unrotate_weight
+from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
 
 # isort: split
@@ -79,6 +88,8 @@ class KbitMoE(nn.Module):
         shared expert (Qwen2-MoE / Qwen3-Next).
     k, blocksize, scale_format : format parameters of both stacks.
     dtype : activations and output dtype (fp16/bf16 on CUDA; fp32 works through ``torch._grouped_mm``).
+    rotation : None, or the :class:`kbit.format.Rotation` of H the gate_up stack was quantized under (module
+        docstring); fixed at construction, a state dict must match it.
 
     ``layout`` (``"canonical"`` or ``"mma-v1"``) and ``auto_repack`` as in ``KbitLinear`` (module docstring);
     ``auto_repack = False`` keeps the canonical layout and plans without the grouped tensor-core kernel.
@@ -98,7 +109,8 @@ class KbitMoE(nn.Module):
                  has_correction_bias: bool = False, shared_expert: nn.Module | None = None,
                  shared_expert_gate: nn.Module | None = None, k: int = DEFAULT_K,
                  blocksize: int = DEFAULT_BLOCKSIZE, scale_format: str = DEFAULT_SCALE_FORMAT,
-                 dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom"):
+                 dtype: torch.dtype = torch.bfloat16, device=None, codebook_name: str = "custom",
+                 rotation: Rotation | None = None):
         super().__init__()
         E, H, I = int(num_experts), int(hidden_size), int(intermediate_size)
         if min(E, H, I) < 1:
@@ -113,6 +125,12 @@ class KbitMoE(nn.Module):
         self.k, self.blocksize = check_k(k), check_blocksize(blocksize)
         self.scale_format = check_scale_format(scale_format)
         self.dtype, self.codebook_name = dtype, codebook_name
+        if rotation is not None:
+            if not isinstance(rotation, Rotation):
+                fail(TypeError, "rotation", "None or a kbit.format.Rotation", type(rotation).__name__)
+            rotation.check_width(H, "hidden_size")
+        #: the rotation of H the gate_up stack was quantized under (None: unrotated)
+        self.rotation = rotation
         self.layout = CANONICAL
         #: pin the kernels (a :class:`~kbit.dispatch.moe.MoePlan`); None = chosen per call by token count
         self.plan: MoePlan | None = None
@@ -150,7 +168,8 @@ class KbitMoE(nn.Module):
         N, K = self._dims(name)
         codes, scales = self._canonical_codes(name)
         return KbitWeight(codes, scales, getattr(self, f"{name}_tensor_scale"), getattr(self, f"{name}_codebook"),
-                          (self.num_experts, N, K), self.k, self.blocksize, self.scale_format, self.codebook_name)
+                          (self.num_experts, N, K), self.k, self.blocksize, self.scale_format, self.codebook_name,
+                          self.rotation if name == "gate_up" else None)
 
     def gate_up_weight(self) -> KbitWeight:
         """The ``[E, 2I, H]`` stack (gate rows ``[0, I)``, up rows ``[I, 2I)``) in the canonical layout, sharing
@@ -220,6 +239,9 @@ class KbitMoE(nn.Module):
         E, I2, H = gate_up.shape
         if I2 % 2 or tuple(down.shape) != (E, H, I2 // 2):
             raise ValueError(f"down: expected shape {(E, H, I2 // 2)} for gate_up {gate_up.shape}, got {down.shape}")
+        if down.rotation is not None:
+            fail(ValueError, "down.rotation", "None (a rotated down stack needs a rotation step inside the grouped "
+                 "kernels, kbit.dispatch.moe, which has none yet; rotate gate_up only)", down.rotation)
         for p in ("k", "blocksize", "scale_format"):
             if getattr(gate_up, p) != getattr(down, p):
                 raise ValueError(f"down.{p}: expected {getattr(gate_up, p)!r} (that of gate_up), got "
@@ -227,7 +249,7 @@ class KbitMoE(nn.Module):
         m = cls(E, H, I2 // 2, top_k, k=gate_up.k, blocksize=gate_up.blocksize, scale_format=gate_up.scale_format,
                 dtype=dtype, device=gate_up.device, codebook_name=gate_up.codebook_name,
                 has_router_weight=router_weight is not None, has_correction_bias=correction_bias is not None,
-                **kwargs)
+                rotation=gate_up.rotation, **kwargs)
         for name, qw in (("gate_up", gate_up), ("down", down)):
             for p in _PARTS:
                 setattr(m, f"{name}_{p}", getattr(qw, p))
@@ -240,28 +262,33 @@ class KbitMoE(nn.Module):
     @classmethod
     def from_float(cls, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, *, k: int = DEFAULT_K,
                    blocksize: int = DEFAULT_BLOCKSIZE, codebook=None, scale_format: str = DEFAULT_SCALE_FORMAT,
-                   dtype: torch.dtype | None = None, **kwargs) -> KbitMoE:
+                   dtype: torch.dtype | None = None, rotation=None, seed: int = 0, **kwargs) -> KbitMoE:
         """Quantize float stacks ``w_gate_up [E, 2I, H]`` and ``w_down [E, H, I]`` (``kbit.quantize``, one tensor
-        scale per expert, on their device). ``dtype`` default: the weights' (bf16 for float32 on CUDA)."""
+        scale per expert, on their device). ``dtype`` default: the weights' (bf16 for float32 on CUDA).
+        ``rotation`` / ``seed`` (``kbit.quantize``): one rotation of H for the gate_up stack of all experts."""
         if dtype is None:
             w = w_gate_up
             dtype = w.dtype if (w.dtype in (torch.float16, torch.bfloat16) or not w.is_cuda) else torch.bfloat16
-        q = {n: quantize(w.detach(), k=k, blocksize=blocksize, codebook=codebook, scale_format=scale_format)
+        q = {n: quantize(w.detach(), k=k, blocksize=blocksize, codebook=codebook, scale_format=scale_format,
+                         rotation=rotation if n == "gate_up" else None, seed=seed)
              for n, w in (("gate_up", w_gate_up), ("down", w_down))}
         return cls.from_weights(q["gate_up"], q["down"], top_k, dtype=dtype, **kwargs)
 
     @classmethod
     def from_hf(cls, block: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
-                scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None) -> KbitMoE:
+                scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None, rotation=None,
+                seed: int = 0) -> KbitMoE:
         """Quantize a Hugging Face sparse MoE block: ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
         ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock`` (any block with a softmax top-k ``gate`` and
         SwiGLU ``experts``). The router weight is kept (``forward`` without logits computes them as the
         block does); a shared expert and its gate are kept as they are (not quantized; not copied).
+        ``rotation`` / ``seed``: as :meth:`from_float` (the gate_up stack only).
         """
         parts = hf_parts(block)
         w_gate_up, w_down, block_dtype = parts.pop("w_gate_up"), parts.pop("w_down"), parts.pop("dtype")
         return cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
-                              scale_format=scale_format, dtype=dtype or block_dtype, **parts)
+                              scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed,
+                              **parts)
 
     # -- forward ------------------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
@@ -314,7 +341,8 @@ class KbitMoE(nn.Module):
         if self._maybe_repack(plan, x):
             plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
         routing = self.route(router_logits, plan)
-        out = moe_experts(x, routing, *self.kernel_weights(), plan)
+        xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
+        out = moe_experts(xr, routing, *self.kernel_weights(), plan)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -329,8 +357,10 @@ class KbitMoE(nn.Module):
                                           renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
                                           n_group=self.n_group, topk_group=self.topk_group,
                                           scaling=self.routed_scaling_factor)
-        out = moe_reference(x, w, ids, dequantize_reference(self.gate_up_weight()),
-                            dequantize_reference(self.down_weight())).to(x.dtype)
+        gate_up = dequantize_reference(self.gate_up_weight(), torch.float64)
+        if self.rotation is not None:  # the weight W itself: x is not rotated on this path
+            gate_up = unrotate_weight(gate_up, self.rotation)
+        out = moe_reference(x, w, ids, gate_up, dequantize_reference(self.down_weight())).to(x.dtype)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -362,15 +392,19 @@ class KbitMoE(nn.Module):
             self.repack_for_kernels()
 
     def get_extra_state(self) -> dict:
-        return {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
-                "shape": [self.num_experts, self.hidden_size, self.intermediate_size], "top_k": self.top_k,
-                "router": self.router, "codebook": self.codebook_name}
+        """The format parameters; ``rotation`` (of the gate_up stack) only where there is one."""
+        out = {"format_version": 1, "k": self.k, "blocksize": self.blocksize, "scale_format": self.scale_format,
+               "shape": [self.num_experts, self.hidden_size, self.intermediate_size], "top_k": self.top_k,
+               "router": self.router, "codebook": self.codebook_name}
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.metadata()
+        return out
 
     def set_extra_state(self, state: dict) -> None:
         mine = self.get_extra_state()
-        for key in ("format_version", "k", "blocksize", "scale_format", "shape", "top_k", "router"):
-            if state.get(key) != mine[key]:
-                raise ValueError(f"KbitMoE state: expected {key}={mine[key]!r}, got {state.get(key)!r} "
+        for key in ("format_version", "k", "blocksize", "scale_format", "shape", "top_k", "router", "rotation"):
+            if state.get(key) != mine.get(key):
+                raise ValueError(f"KbitMoE state: expected {key}={mine.get(key)!r}, got {state.get(key)!r} "
                                  "(build the module with the saved parameters)")
         self.codebook_name = state.get("codebook", self.codebook_name)
 
@@ -379,6 +413,7 @@ class KbitMoE(nn.Module):
                 f"intermediate_size={self.intermediate_size}, top_k={self.top_k}, router={self.router!r}, "
                 f"norm_topk_prob={self.norm_topk_prob}, k={self.k}, blocksize={self.blocksize}, "
                 f"scale_format={self.scale_format!r}, codebook={self.codebook_name!r}, dtype={self.dtype}"
+                + (f", rotation={self.rotation!r}" if self.rotation is not None else "")
                 + (f", layout={self.layout!r}" if self.layout != CANONICAL else ""))
 
 

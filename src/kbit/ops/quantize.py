@@ -1,5 +1,9 @@
 """``kbit.quantize`` / ``kbit.dequantize``: validate, resolve the codebook, run the Triton quantizer or the torch
-reference, wrap the result in a :class:`~kbit.format.KbitWeight`, warn where it lost a row (:func:`check_quality`)."""
+reference, wrap the result in a :class:`~kbit.format.KbitWeight`, warn where it lost a row (:func:`check_quality`).
+
+With ``rotation`` the weight is rotated along K first (``W R``, :class:`kbit.format.Rotation`, docs/format.md
+"Rotation") and the result records the rotation; :func:`rotate_weight` / :func:`unrotate_weight` are the plain-torch
+``W R`` / ``Y R^T`` (butterflies, no dense ``R``) that quantizing and the references use."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from kbit.format.spec import (
     DEFAULT_K,
     DEFAULT_SCALE_FORMAT,
     KbitWeight,
+    Rotation,
     check_blocksize,
     check_k,
     check_scale_format,
@@ -33,7 +38,7 @@ from kbit.format.spec import (
 )
 from kbit.kernels.quantize import quantize_kernel
 from kbit.ops._checks import check_not_meta
-from kbit.utils.checks import check_choice, fail
+from kbit.utils.checks import check_choice, check_int, fail
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "torch")
@@ -43,6 +48,9 @@ FIT_ITERS = 40
 CLIFF_ERROR = 1.0
 _CHECK_ELEMENTS = 1 << 22  # weights a pass of the quality check reads at once (bounds its temporaries)
 _LOG8_RANGE = 2.0 ** (-254 / 16)  # the smallest log8 block scale, relative to the matrix absmax
+#: what ``rotation=`` takes by name
+ROTATIONS = ("hadamard",)
+_ROTATE_ELEMENTS = 1 << 24  # weights one butterfly pass holds at once (bounds its temporaries: 3 copies)
 
 
 class KbitQualityWarning(UserWarning):
@@ -81,6 +89,63 @@ def fit_codebook(W: torch.Tensor, matrix_max: torch.Tensor, blocksize: int, scal
     return cb
 
 
+# ------------------------------------------------------------------------------------------ rotation
+def resolve_rotation(rotation, K: int, seed: int = 0) -> Rotation | None:
+    """``rotation=`` of :func:`quantize` as a :class:`~kbit.format.Rotation` of width ``K`` (or None):
+    ``"hadamard"`` is ``Rotation.for_width(K, seed)``; a ``Rotation`` must have a block dividing K."""
+    if rotation is None:
+        return None
+    if isinstance(rotation, Rotation):
+        rotation.check_width(K, "W.shape[-1] (K)")
+        return rotation
+    if isinstance(rotation, str) and rotation in ROTATIONS:
+        return Rotation.for_width(K, check_int("seed", seed, minimum=0))
+    fail(ValueError, "rotation", f"None, one of {ROTATIONS} or a kbit.format.Rotation", repr(rotation))
+
+
+def _butterflies(h: torch.Tensor, block: int) -> torch.Tensor:
+    """``h`` times the orthonormal Walsh-Hadamard matrix of order ``block``, along the last dim, per block."""
+    lead, K = h.shape[:-1], h.shape[-1]
+    step = 1
+    while step < block:  # (a, c) -> (a + c, a - c) for the pairs (i, i + step) of each group of 2 * step
+        g = h.reshape(*lead, K // (2 * step), 2, step)
+        h = torch.stack((g[..., 0, :] + g[..., 1, :], g[..., 0, :] - g[..., 1, :]), dim=-2).reshape(*lead, K)
+        step *= 2
+    return h * (1.0 / block ** 0.5)
+
+
+def _rotate_rows(W: torch.Tensor, rotation: Rotation, inverse: bool) -> torch.Tensor:
+    if not isinstance(W, torch.Tensor) or W.dtype not in FLOAT_DTYPES or W.dim() < 1:
+        fail(TypeError, "W", f"a floating-point tensor [..., K] {FLOAT_DTYPES}", getattr(W, "dtype", type(W)))
+    if not isinstance(rotation, Rotation):
+        fail(TypeError, "rotation", "a kbit.format.Rotation", type(rotation).__name__)
+    K = W.shape[-1]
+    rotation.check_width(K, "W.shape[-1] (K)")
+    dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
+    s = rotation.signs(K, dtype, W.device)
+    rows = W.detach().reshape(-1, K)
+    out = torch.empty(rows.shape, dtype=dtype, device=W.device)
+    step = max(1, _ROTATE_ELEMENTS // K)
+    for r0 in range(0, rows.shape[0], step):  # a slice of rows at a time: temporaries stay bounded
+        h = rows[r0:r0 + step].to(dtype)
+        out[r0:r0 + step] = _butterflies(h, rotation.block) * s if inverse else \
+            _butterflies(h * s, rotation.block)
+    return out.reshape(W.shape)
+
+
+def rotate_weight(W: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """``W R`` along the last dim (``W [..., K]``): what a weight quantized under ``rotation`` stands for.
+    float32 (float64 for a float64 ``W``)."""
+    return _rotate_rows(W, rotation, inverse=False)
+
+
+def unrotate_weight(Y: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """``Y R^T`` along the last dim, the inverse of :func:`rotate_weight`: ``unrotate_weight(dequantize(qw),
+    qw.rotation)`` is the weight ``W`` a rotated ``qw`` approximates (references, tests). float32 (float64 for a
+    float64 ``Y``)."""
+    return _rotate_rows(Y, rotation, inverse=True)
+
+
 def quantize(
     W: torch.Tensor,
     k: int = DEFAULT_K,
@@ -88,6 +153,8 @@ def quantize(
     codebook=None,
     scale_format: str = DEFAULT_SCALE_FORMAT,
     backend: str = "auto",
+    rotation=None,
+    seed: int = 0,
 ) -> KbitWeight:
     """Quantize ``W[..., N, K]`` (an ``nn.Linear`` weight or a stack of them) to k bits.
 
@@ -101,6 +168,11 @@ def quantize(
         (``"nf"``, ``"nf0"``, ``"uniform"``, ``"lloyd"``, ``"lloyd0"``, ``"fit"``) or ``2**k`` values.
     scale_format : ``"log8"`` (8-bit log scales + one float32 per matrix) or ``"fp16"``.
     backend : ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+    rotation : ``None``; ``"hadamard"`` (``Rotation.for_width(K, seed)``: the largest power-of-two block dividing
+        K); or a :class:`kbit.format.Rotation`. The weight quantized is ``W R`` (:func:`rotate_weight`, float32)
+        and the result records the rotation: a layer must feed it ``x R`` (``kbit.ops.hadamard.rotate``), and
+        ``dequantize`` gives ``W R`` back (:func:`unrotate_weight` undoes it).
+    seed : the seed of the random signs for ``rotation="hadamard"``.
 
     Returns
     -------
@@ -122,8 +194,13 @@ def quantize(
         fail(ValueError, "backend", f"'auto' or 'torch' for W on {W.device} (the Triton quantizer needs CUDA or "
              "TRITON_INTERPRET=1)", "'triton'")
     cb, name = cbs.resolve(codebook, k, blocksize)
+    rot = resolve_rotation(rotation, W.shape[-1], seed)
 
     W = W.detach()
+    if rot is not None:
+        if not bool(torch.isfinite(W).all()):  # before the rotation spreads a NaN over its block
+            fail(ValueError, "W", "finite values", f"{int((~torch.isfinite(W)).sum())} NaN/Inf entries")
+        W = rotate_weight(W, rot)
     lead = W.shape[:-2]
     matrix_max = torch.linalg.vector_norm(W.reshape(*lead, -1), ord=float("inf"), dim=-1).to(torch.float32)
     if not bool(torch.isfinite(matrix_max).all()):
@@ -141,7 +218,7 @@ def quantize(
     else:
         codes, scales, ts = quantize_reference(W, k, blocksize, cb, scale_format)
     qw = KbitWeight(codes, scales, ts.to(torch.float32), cb.to(W.device), W.shape, k, blocksize, scale_format,
-                    name)
+                    name, rot)
     check_quality(W, qw, matrix_max)
     return qw
 
