@@ -88,6 +88,17 @@ def test_shard_errors():
         shard_weight(torch.zeros(2, 2), 0, 0, 1)
 
 
+def test_shards_of_a_rotated_weight():
+    """A column shard keeps the rotation (its rows still hold W R along all of K); a split of K is refused: the
+    rotation spans every column and no shard could undo it."""
+    qw = kbit.quantize(torch.randn(64, 128), k=4, rotation="hadamard", seed=3)
+    shard = shard_weight(qw, 0, 1, 2)
+    assert shard.rotation == qw.rotation
+    torch.testing.assert_close(dequantize_reference(shard), dequantize_reference(qw)[32:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="qw: expected an unrotated weight for a split of K"):
+        shard_weight(qw, 1, 0, 2)
+
+
 def test_parallelize_errors():
     model = _stack(seed=0)
     with pytest.raises(ValueError, match=r"plan\['layers.\*.mlp.up_proj'\]: expected one of"):

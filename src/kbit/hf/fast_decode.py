@@ -79,8 +79,7 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
 
     The members must be :class:`~kbit.nn.KbitLinear` of one format, input size, tensor scale, codebook and rotation
     (what ``quantize_model(joint=True)`` gives q/k/v and gate/up), on one device, with row counts that are multiples
-    of 16. The fused layer carries no rotation: for rotated members its forward is the GEMV on ``x R`` (the caller
-    makes ``x R``, as for ``forward_rotated``).
+    of 16. The fused layer carries the members' rotation (its ``forward_rotated`` is the GEMV on ``x R``).
     Their codes and scales are concatenated (repacked for the small-M kernel first where it runs) and the members
     are re-pointed at row views of the result, so the model keeps working unchanged and no memory is added.
     Returns ``(fused, [rows of each member])``."""
@@ -104,7 +103,8 @@ def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
     codes = torch.cat([m.codes for m in mods])
     scales = torch.cat([m.scales for m in mods])
     fused = KbitLinear(m0.in_features, sum(rows), m0.bias is not None, k=m0.k, blocksize=m0.blocksize,
-                       scale_format=m0.scale_format, dtype=m0.dtype, device="meta", codebook_name=m0.codebook_name)
+                       scale_format=m0.scale_format, dtype=m0.dtype, device="meta", codebook_name=m0.codebook_name,
+                       rotation=getattr(m0, "rotation", None))
     fused.codes, fused.scales, fused.tensor_scale, fused.codebook = codes, scales, m0.tensor_scale, m0.codebook
     if m0.bias is not None:
         fused.bias = torch.cat([m.bias for m in mods])
@@ -227,7 +227,7 @@ class FastDecodeStep:
             y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(rgu or ()))
             if self.gate_up[i] is not None:
                 fused, (ng, _) = self.gate_up[i]
-                gu = fused(y)  # built without the rotation: the GEMV on y R
+                gu = _proj(fused, y, rgu)
                 g, u = gu[:, :ng], gu[:, ng:]
             else:
                 g, u = _proj(mlp.gate_proj, y, rgu), _proj(mlp.up_proj, y, rgu)
@@ -245,7 +245,7 @@ class FastDecodeStep:
             if self.qkv[i] is None:
                 return (*(m.forward_rotated(y) for m in (att.q_proj, att.k_proj, att.v_proj)), res)
             fused, (nq, nk, _) = self.qkv[i]
-            qkv = fused(y)  # built without the rotation: the GEMV on y R
+            qkv = fused.forward_rotated(y)
         elif self.qkv[i] is not None:  # the add + norm in the fused q/k/v GEMV's x prologue where it runs
             fused, (nq, nk, _) = self.qkv[i]
             if res is None:

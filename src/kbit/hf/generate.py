@@ -40,6 +40,7 @@ from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantize
 from kbit.nn import KbitLinear
 from kbit.ops._ids import check_errors
 from kbit.ops.dequant import dequantize
+from kbit.ops.quantize import unrotate_weight
 from kbit.ops.sampling import sample, sample_reference
 from kbit.utils.device import cpu_decode_dtype
 
@@ -240,7 +241,10 @@ def load_checkpoint(directory, device, tokenizer: bool = True):
     model = load_quantized(directory, device=device)
     if (directory / EMBED_FROM_LM_HEAD).exists():
         head = model.get_output_embeddings()
-        w = dequantize(head.weight(), head.dtype)
+        w = dequantize(head.weight(), torch.float32)
+        if head.rotation is not None:  # the head holds W R; the embedding is W
+            w = unrotate_weight(w, head.rotation)
+        w = w.to(head.dtype)
         model.get_input_embeddings().weight = torch.nn.Parameter(w, requires_grad=False)
     tok = AutoTokenizer.from_pretrained(directory, local_files_only=True) if tokenizer else None
     return model, tok

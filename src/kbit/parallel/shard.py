@@ -90,6 +90,8 @@ def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | No
         codes, scales = qw.codes[..., start:stop, :].clone(), qw.scales[..., start:stop, :].clone()
         shape = qw.shape[:-2] + (stop - start, qw.K)
     else:
+        if qw.rotation is not None:  # R spans all of K (its signs come from one seed over K): no shard holds it
+            fail(ValueError, "qw", "an unrotated weight for a split of K (dim 1)", f"rotation {qw.rotation}")
         unit = qw.blocksize if unit is None else unit
         check_int("unit", unit, minimum=1)
         if unit % qw.blocksize:
@@ -98,4 +100,4 @@ def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | No
         codes, scales = _slice_k(qw, start, stop)
         shape = qw.shape[:-1] + (stop - start,)
     return KbitWeight(codes, scales, qw.tensor_scale, qw.codebook, shape, qw.k, qw.blocksize, qw.scale_format,
-                      qw.codebook_name)
+                      qw.codebook_name, qw.rotation if dim == 0 else None)
