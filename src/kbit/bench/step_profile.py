@@ -175,7 +175,7 @@ def _names(dec: StaticDecoder) -> dict[int, str]:
     return names
 
 
-def _module_bytes(m: nn.Module, kind: str, args) -> tuple[int, object]:
+def _call_bytes(m: nn.Module, kind: str, args) -> tuple[int, object]:
     if isinstance(m, nn.Embedding):
         ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
         return (0 if ids is None else ids.numel() * m.embedding_dim * m.weight.element_size()), None
@@ -210,7 +210,7 @@ def _hook_modules(rec: StepRecorder, dec: StaticDecoder, names: dict[int, str]) 
                 E = int(getattr(parent.gate, "num_experts", 0) or parent.gate.weight.shape[0])
                 rec.defer_experts(r, args[1], *_expert_bytes(mod, E))
                 return
-            nbytes, key = _module_bytes(mod, kind, args)
+            nbytes, key = _call_bytes(mod, kind, args)
             if kind == "attention":
                 nbytes = rec.kv_layer_bytes
             rec.open(name, kind, nbytes, key)

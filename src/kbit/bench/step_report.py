@@ -71,6 +71,8 @@ def _header(p: StepProfile) -> list[str]:
     if m.get("timeline"):
         lines.append(f"timeline: {m['timeline']}")
     times = [f"step {p.step_ms:.3f} ms ({m.get('step_source', 'profiled span')})"]
+    if m.get("eager_ms"):
+        times.append(f"eager step unprofiled {m['eager_ms']:.3f} ms")
     if m.get("eager_span_ms") is not None:
         times.append(f"eager profiled span {m['eager_span_ms']:.3f} ms")
     lines.append("; ".join(times) + ". Profiling and eager launches change timing: the roofline % uses the step "
