@@ -115,7 +115,7 @@ class StepRecorder:
     def open(self, label: str, kind: str, nbytes: int = 0, key=None) -> Range:
         for i, (outer, okey, obytes, rf) in enumerate(self._stack):
             if key is not None and okey is key:  # the weight moves to the innermost range that reads it
-                outer.nbytes -= obytes
+                outer.nbytes -= min(obytes, int(nbytes))
                 self._stack[i] = (outer, None, 0, rf)
         m = _LAYER.search(label)
         if m:
