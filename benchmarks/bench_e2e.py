@@ -399,8 +399,8 @@ def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, titl
     Path(f"{stem}.json").write_text(json.dumps(to_dict(prof), indent=1) + "\n")
     try:
         plot_timeline(prof, f"{stem}.png")
-    except ImportError:
-        text += "\n(no timeline plot: matplotlib is not installed)"
+    except Exception as e:  # noqa: BLE001 (matplotlib is optional; the table and JSON are written already)
+        text += f"\n(no timeline plot: {type(e).__name__}: {e})"
     return text
 
 

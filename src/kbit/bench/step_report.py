@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from kbit.bench.step_trace import KINDS, KernelRow, StepProfile, role
+from kbit.bench.step_trace import KINDS, NO_RANGE, KernelRow, StepProfile, role
 
 __all__ = ["by_kind", "format_report", "plot_timeline", "short_name", "to_dict", "top_rows"]
 
@@ -79,6 +79,10 @@ def _header(p: StepProfile) -> list[str]:
                  "time above, the per-kernel times come from the profiled timeline.")
     lines.append(f"timeline span {p.span_us / 1e3:.3f} ms: {len(p.rows)} kernels {p.kernel_us / 1e3:.3f} ms, idle "
                  f"gaps {p.gap_us / 1e3:.3f} ms, overlap {p.overlap_us / 1e3:.3f} ms")
+    loose = [r for r in p.rows if r.label == NO_RANGE]
+    if loose:
+        lines.append(f"kernels outside every range (kind other): {len(loose)}, "
+                     f"{sum(r.dur_us for r in loose) / 1e3:.3f} ms")
     lost = f" ({p.unassigned_bytes / 1e6:.1f} MB in calls that launched nothing)" if p.unassigned_bytes else ""
     lines.append(f"bytes {p.nbytes / 1e6:.1f} MB{lost}; roofline at {p.ceiling_tbps:.2f} TB/s "
                  f"({m.get('ceiling_source', 'read ceiling')}): {p.roofline_ms:.3f} ms = "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kbit.utils.checks import check_choice, fail
 
-__all__ = ["GPU_CATS", "KINDS", "PREFIX", "Kernel", "KernelRow", "Range", "StepProfile", "attribute",
+__all__ = ["GPU_CATS", "KINDS", "NO_RANGE", "PREFIX", "Kernel", "KernelRow", "Range", "StepProfile", "attribute",
            "build_profile", "gaps_before", "gpu_kernels", "kernel_bytes", "parse_range_name", "range_name", "role",
            "trace_events", "transfer"]
 
@@ -29,6 +29,8 @@ __all__ = ["GPU_CATS", "KINDS", "PREFIX", "Kernel", "KernelRow", "Range", "StepP
 KINDS = ("k-bit GEMV", "bf16 GEMV", "MoE routing", "attention", "norm/glue", "lm_head", "sampling", "other")
 #: the prefix of the record_function names of :mod:`kbit.bench.step_profile` (others in a trace are ignored)
 PREFIX = "kbit.step:"
+#: the label of kernels launched outside every range
+NO_RANGE = "(no range)"
 #: trace categories of work on the GPU
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 #: trace categories of the host calls that launch it
@@ -285,7 +287,7 @@ def build_profile(kernels: list[Kernel], ranges: dict[int, Range], *, ceiling_tb
     rows = []
     for i, (k, g, b) in enumerate(zip(kernels, gaps, shares, strict=True)):
         r = ranges.get(k.range_id) if k.range_id is not None else None
-        rows.append(KernelRow(i, k.name, r.label if r else "(no range)", r.kind if r else "other",
+        rows.append(KernelRow(i, k.name, r.label if r else NO_RANGE, r.kind if r else "other",
                               k.start_us - t0, k.dur_us, g, b))
     span = (max(k.end_us for k in kernels) - t0) if kernels else 0.0
     return StepProfile(
