@@ -380,6 +380,9 @@ def read_ceiling(given: float | None, device: str) -> tuple[float, str]:
     return CEILING["tbps"], CEILING["how"]
 
 
+PROFILE_EAGER = [False]  # --profile-eager: the eager step's timeline, no graph replay under the profiler
+
+
 def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, title: str,
                        ceiling: tuple[float, str]) -> str:
     """The step profile of ``dec`` (kbit.bench.step_profile) written to ``stem``.txt / .json / .png; returns the
@@ -392,7 +395,7 @@ def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, titl
             "step_source": "CUDA-graph replay, CUDA events, unprofiled" if graph else "profiled span",
             "eager_ms": row.get("eager_ms_per_step")}
     prof = profile_decoder(dec, ctx, ceiling_tbps=ceiling[0], step_ms=row["ms_per_step"] if graph else None,
-                           meta=meta)
+                           meta=meta, graph=not PROFILE_EAGER[0])
     text = format_report(prof)
     stem.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.txt").write_text(text + "\n")
@@ -490,6 +493,7 @@ def run(args) -> list:
             "lm_head_k": args.lm_head_k, "decode_attn": args.decode_attention,
             "fast_decode": not args.no_fast}
     FAST[0] = False if args.no_fast else None
+    PROFILE_EAGER[0] = args.profile_eager
     DECODE_ATTN[0] = args.decode_attention
     rows: list = []
     json_path = out_dir / f"{args.name}.json"
@@ -604,6 +608,8 @@ def parse(argv=None):
     p.add_argument("--ceiling-tbps", type=float, default=None,
                    help="read ceiling for the profile's roofline (default: measured once)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers of each model")
+    p.add_argument("--profile-eager", action="store_true",
+                   help="profile timeline from the eager step (no CUDA-graph replay under the profiler)")
     p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

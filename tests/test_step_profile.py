@@ -16,12 +16,14 @@ from kbit.bench.step_trace import (
     Range,
     attribute,
     build_profile,
+    drop_far,
     gaps_before,
     gpu_kernels,
     kernel_bytes,
     parse_range_name,
     range_name,
     role,
+    split_session,
     trace_events,
     transfer,
 )
@@ -117,6 +119,34 @@ def test_transfer_by_order_keeps_unmatched_apart():
     assert matched == 4
     assert [k.range_id for k in got] == [5, 6, None, 7, 8]
     assert [(k.start_us, k.dur_us) for k in got] == [(k.start_us, k.dur_us) for k in timed]
+
+
+def _session_trace(graph_correlation=True):
+    """One session: head(0) [0, 10], replay(1) [10, 20], reset(2) [20, 25], step(3) [25, 60] holding gemv(4)
+    [30, 40]. The first head kernel's record is on a broken clock; the graph's three kernels share the
+    correlation of the graph launch (or have none)."""
+    g = 10 if graph_correlation else None
+    events = [_annotation(0, "head", 0, 10), _annotation(1, "replay", 10, 10), _annotation(2, "reset", 20, 5),
+              _annotation(3, "step", 25, 35), _annotation(4, "layers.0.o_proj", 30, 10),
+              _launch(1, 1), _launch(2, 2), _launch(10, 12), _launch(20, 21), _launch(30, 27), _launch(31, 32),
+              _kernel("add", 1, 1e11, 1), _kernel("add", 2, 1000, 1), _kernel("gemv", g, 1100, 4),
+              _kernel("norm", g, 1105, 2), _kernel("argmax", g, 1108, 1), _kernel("fill", 20, 1200, 1),
+              _kernel("norm", 30, 1300, 2), _kernel("gemv", 31, 1310, 9)]
+    ranges = {0: Range(0, "head", "other"), 1: Range(1, "replay", "other"), 2: Range(2, "reset", "other"),
+              3: Range(3, "step", "other"), 4: Range(4, "layers.0.o_proj", "k-bit GEMV", 1000, 3)}
+    return events, ranges
+
+
+@pytest.mark.parametrize("graph_correlation", [True, False])
+def test_split_session_keeps_the_step_and_the_replay(graph_correlation):
+    events, ranges = _session_trace(graph_correlation)
+    kernels = attribute(trace_events(events))
+    assert len(kernels) == 8 and len(drop_far(kernels)) == 7 and drop_far([]) == []
+    eager, replay = split_session(drop_far(kernels), ranges, 3, 1)
+    assert [(k.name, k.range_id) for k in eager] == [("norm", 3), ("gemv", 4)]
+    assert [k.name for k in replay] == ["gemv", "norm", "argmax"]
+    assert transfer(eager, replay)[1] == 1  # the graph ran gemv, norm; the eager step norm, gemv: one in order
+    assert split_session(kernels, ranges, 3)[1] is None
 
 
 def test_kernel_bytes_by_time_then_descendants():

@@ -5,11 +5,11 @@ hooks on the linear layers, embeddings, MoE blocks, routers, experts, attention 
 glue ops of the fast decode step (the functions ``kbit.hf.fast_decode`` calls, its attention, the decoder's token
 pick, the MoE block's routing and experts; patched for the step and restored after it), and notes what each range
 must read: a module's weights (embeddings: the rows looked up; experts: the experts the step touched, counted
-after it), the KV cache at the step's length for attention. :func:`profile_decoder` runs that step under
-``torch.profiler``, then, for a decoder with a CUDA graph, one graph replay of the same step: the replay's kernels
-take the eager step's ranges by order (the graph holds the same launches) and give the timeline, since the eager
-step's gaps are host launch time the graph does not have. The profiler itself adds time; the step time that the
-roofline % uses is the unprofiled graph replay when the caller passes it.
+after it), the KV cache at the step's length for attention. :func:`profile_decoder` runs, in one
+``torch.profiler`` session, one CUDA-graph replay of the step (for a decoder with a graph) and that eager step: the
+replay's kernels take the eager step's ranges by order (the graph holds the same launches) and give the timeline,
+since the eager step's gaps are host launch time the graph does not have. The profiler itself adds time; the step
+time that the roofline % uses is the unprofiled graph replay when the caller passes it.
 
     prof = profile_decoder(dec, ctx=512, ceiling_tbps=3.07, step_ms=graph_ms, meta={"title": "qwen3-8b k=4 B=1"})
     print(step_report.format_report(prof))
@@ -33,8 +33,10 @@ from kbit.bench.step_trace import (
     StepProfile,
     attribute,
     build_profile,
-    gpu_kernels,
+    drop_far,
     range_name,
+    split_session,
+    subtree,
     trace_events,
     transfer,
 )
@@ -325,11 +327,52 @@ def _span_ms(kernels) -> float:
     return (max(k.end_us for k in kernels) - kernels[0].start_us) / 1e3 if kernels else 0.0
 
 
+#: sessions profiled in this process: the head launches of each session grow with it (see _head)
+_SESSIONS = [0]
+HEAD_LAUNCHES = 8  # launches opening a session, besides one per earlier session
+
+
+def _head(device) -> None:
+    """Tiny launches that open a profiled session. Kineto registers CUPTI's timestamp callback again in every
+    session, and the k-th session of a process returns its first k kernel records with wrong timestamps
+    (pytorch/pytorch#192021): these records are the ones thrown away."""
+    x = torch.zeros(1, device=device)
+    for _ in range(HEAD_LAUNCHES + _SESSIONS[0]):
+        x.add_(1)
+    _SESSIONS[0] += 1
+
+
+def _run_session(dec: StaticDecoder, ctx: int, reset, graph: bool):
+    """One profiler session: head launches, one graph replay (``graph``), then the instrumented eager step, each in
+    a range of its own. Returns (step ranges, eager kernels, replay kernels or None)."""
+    cuda = dec.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad(), instrument(dec, ctx + 1) as rec:
+        with profile(activities=acts) as prof:
+            with rec.range("head", "other"):
+                _head(dec.device)
+                sync()
+            if graph:
+                with rec.range("replay", "other") as replay:
+                    dec.step()
+                    sync()
+                with rec.range("reset", "other"):
+                    reset()
+            with rec.range("step", "other") as step:
+                dec._step_body()
+                sync()
+        ranges = rec.finish()
+    eager, replayed = split_session(drop_far(attribute(_export(prof))), ranges, step.id, replay.id if graph else None)
+    return {i: ranges[i] for i in subtree(ranges, step.id)}, eager, replayed
+
+
 def profile_decoder(dec: StaticDecoder, ctx: int, *, ceiling_tbps: float, step_ms: float | None = None,
-                    meta: dict | None = None) -> StepProfile:
+                    meta: dict | None = None, graph: bool = True) -> StepProfile:
     """One decode step of ``dec`` at cache length ``ctx`` (after a prefill of at least ``ctx`` tokens), profiled as
-    the module doc says; the decoder is left rewound to ``ctx`` with its token, offset and cache as before.
-    ``step_ms``: the unprofiled step time the roofline % is taken against (default: the profiled span)."""
+    the module doc says, in one profiler session; the decoder is left rewound to ``ctx`` with its token and offset
+    as before. ``step_ms``: the unprofiled step time the roofline % is taken against (default: the profiled span).
+    ``graph=False``: the eager step's timeline even where the decoder has a CUDA graph."""
     cuda = dec.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     ids0, off0 = dec.ids.clone(), dec.offset.clone()
@@ -340,37 +383,26 @@ def profile_decoder(dec: StaticDecoder, ctx: int, *, ceiling_tbps: float, step_m
         dec.offset.copy_(off0)
         sync()
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    graph = bool(graph and dec.graph and cuda)
     with torch.no_grad():
         reset()
         dec._step_body()  # compiled, planned and cached before the profiled step
         reset()
-        with instrument(dec, ctx + 1) as rec:
-            with profile(activities=acts) as prof:
-                with rec.range("step", "other"):
-                    dec._step_body()
-                sync()
-            ranges = rec.finish()
-    eager = attribute(_export(prof))
+        if graph:
+            dec.step()  # captures the graph if not yet done; a warm replay
+            reset()
+    ranges, eager, replayed = _run_session(dec, ctx, reset, graph)
+    reset()
     info = dict(meta or {})
     info.update(eager_kernels=len(eager), eager_span_ms=_span_ms(eager))
     timeline = eager
     info["timeline"] = "an eager step under torch.profiler (its gaps include host launch time)"
-    if dec.graph and cuda:
-        reset()
-        dec.step()  # captures the graph if not yet done; a warm replay
-        reset()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            dec.step()
-            sync()
-        replay = gpu_kernels(_export(prof))
-        if replay:
-            timeline, matched = transfer(eager, replay)
-            info["timeline"] = (f"one CUDA-graph replay under torch.profiler, its kernels named by order from an "
-                                f"eager step ({matched} of {len(replay)} matched; eager step: {len(eager)})")
-            info["matched"] = matched
-        else:
-            info["timeline"] += "; the graph replay's trace held no kernels"
-    reset()
+    if replayed:
+        timeline, matched = transfer(eager, replayed)
+        info["timeline"] = (f"one CUDA-graph replay under torch.profiler, its kernels named by order from an "
+                            f"eager step ({matched} of {len(replayed)} matched; eager step: {len(eager)})")
+        info["matched"] = matched
+    elif graph:
+        info["timeline"] += "; the graph replay's trace held no kernels"
     info.setdefault("step_source", "unprofiled step" if step_ms else "profiled span")
     return build_profile(timeline, ranges, ceiling_tbps=ceiling_tbps, step_ms=step_ms, meta=info)

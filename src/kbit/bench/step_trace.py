@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from kbit.utils.checks import check_choice, fail
 
 __all__ = ["GPU_CATS", "KINDS", "NO_RANGE", "PREFIX", "Kernel", "KernelRow", "Range", "StepProfile", "attribute",
-           "build_profile", "gaps_before", "gpu_kernels", "kernel_bytes", "parse_range_name", "range_name", "role",
-           "trace_events", "transfer"]
+           "build_profile", "drop_far", "gaps_before", "gpu_kernels", "kernel_bytes", "parse_range_name", "range_name",
+           "role", "split_session", "subtree", "trace_events", "transfer"]
 
 #: what a kernel serves, in report order
 KINDS = ("k-bit GEMV", "bf16 GEMV", "MoE routing", "attention", "norm/glue", "lm_head", "sampling", "other")
@@ -196,6 +196,34 @@ def _descendants(ranges: dict[int, Range]) -> dict[int, list[int]]:
             todo.extend(children.get(c, []))
         out[rid] = seen
     return out
+
+
+def subtree(ranges: dict[int, Range], root: int) -> list[int]:
+    """``root`` and every range opened inside it, at any depth."""
+    return [root, *_descendants(ranges).get(root, [])]
+
+
+def split_session(kernels: list[Kernel], ranges: dict[int, Range], step_id: int,
+                  replay_id: int | None = None) -> tuple[list[Kernel], list[Kernel] | None]:
+    """The kernels of one profiled session: (those of range ``step_id`` and its sub-ranges, those of a graph replay
+    launched in range ``replay_id``). Graph kernels share the correlation of their graph launch; where the trace
+    ties them to no launch, they have no range, and the replay's kernels are those without one (None: no replay)."""
+    keep = set(subtree(ranges, step_id))
+    eager = [k for k in kernels if k.range_id in keep]
+    if replay_id is None:
+        return eager, None
+    return eager, [k for k in kernels if k.range_id == replay_id] or [k for k in kernels if k.range_id is None]
+
+
+def drop_far(kernels: list[Kernel], window_us: float = 1e7) -> list[Kernel]:
+    """``kernels`` without those starting more than ``window_us`` from their median start: a record with a broken
+    timestamp (CUPTI can hand back a session's first records on another clock, ~1e14 ns off) would stretch the
+    step's span by days."""
+    if not kernels:
+        return []
+    starts = sorted(k.start_us for k in kernels)
+    mid = starts[len(starts) // 2]
+    return [k for k in kernels if abs(k.start_us - mid) <= window_us]
 
 
 def kernel_bytes(kernels: list[Kernel], ranges: dict[int, Range]) -> tuple[list[float], int]:
