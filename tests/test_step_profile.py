@@ -94,6 +94,18 @@ def test_attribute_innermost_range_of_the_launch():
     assert [k.name for k in gpu_kernels(trace_events(_eager_trace()))] == [k.name for k in ks]
 
 
+def test_attribute_through_the_cpu_op_and_other_threads():
+    events = [_annotation(0, "step", 0.0, 100.0), _annotation(1, "layers.0.o_proj", 10.0, 10.0),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": 1, "tid": 11, "ts": 12.0, "dur": 2.0,
+               "args": {"External id": 77}},
+              {**_annotation(2, "replay", 50.0, 10.0), "args": {"External id": 78}},
+              {**_launch(5, 15.0), "tid": 99},  # a launch recorded under another thread id
+              {**_kernel("add", None, 500.0, 1.0), "args": {"External id": 77}},
+              {**_kernel("graph kernel", None, 600.0, 1.0), "args": {"External id": 78}},
+              _kernel("moved", 5, 700.0, 1.0)]
+    assert [k.range_id for k in attribute(trace_events(events))] == [1, 2, 1]
+
+
 def test_gaps_before_uses_the_latest_end():
     ks = [Kernel("a", 0.0, 10.0), Kernel("b", 2.0, 3.0), Kernel("c", 14.0, 1.0), Kernel("d", 14.5, 2.0)]
     assert gaps_before(ks) == [0.0, -8.0, 4.0, -0.5]

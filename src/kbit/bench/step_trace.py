@@ -129,31 +129,49 @@ def _ranges_by_thread(events: list[dict], cat: str) -> dict:
     return threads
 
 
+def _innermost_any(cpu: dict, where: tuple, t: float) -> int | None:
+    """The innermost range at ``t`` on thread ``where``, else on any thread (a launch recorded under another id)."""
+    own = cpu.get(where)
+    rid = own.innermost(t) if own is not None else None
+    for iv in cpu.values():
+        if rid is not None:
+            break
+        if iv is not own:
+            rid = iv.innermost(t)
+    return rid
+
+
 def attribute(events: list[dict]) -> list[Kernel]:
-    """The GPU work of an eager step, each piece with the innermost range open when its launch call ran (matched
-    by ``args.correlation``); where no launch call is in the trace, the innermost GPU-side range
-    (``gpu_user_annotation``) holding its start. In start order."""
+    """The GPU work of a profiled session, each piece with the innermost range open when it was launched: found
+    through its launch call (``args.correlation`` of a runtime / driver event), else through the CPU op it was
+    launched in (``args["External id"]``), else the innermost GPU-side range (``gpu_user_annotation``) holding its
+    start; None when none holds. In start order."""
     cpu = _ranges_by_thread(events, "user_annotation")
     gpu = _ranges_by_thread(events, "gpu_user_annotation")
-    launches = {}
+    launches, ops = {}, {}
     for e in events:
-        corr = (e.get("args") or {}).get("correlation")
-        if e.get("cat") in LAUNCH_CATS and corr is not None:
-            launches[corr] = e
+        args = e.get("args") or {}
+        if e.get("cat") in LAUNCH_CATS and args.get("correlation") is not None:
+            launches[args["correlation"]] = e
+        elif e.get("cat") in ("cpu_op", "user_annotation") and args.get("External id") is not None:
+            ops[args["External id"]] = e
     out = []
     for e in events:
         if e.get("cat") not in GPU_CATS:
             continue
-        start = float(e["ts"])
-        rid = None
-        launch = launches.get((e.get("args") or {}).get("correlation"))
-        if launch is not None and (launch.get("pid"), launch.get("tid")) in cpu:
-            rid = cpu[(launch.get("pid"), launch.get("tid"))].innermost(float(launch["ts"]))
-        if rid is None:
-            for iv in gpu.values():
-                rid = iv.innermost(start)
-                if rid is not None:
-                    break
+        args, start, rid = e.get("args") or {}, float(e["ts"]), None
+        launch = launches.get(args.get("correlation"))
+        if launch is not None:
+            rid = _innermost_any(cpu, (launch.get("pid"), launch.get("tid")), float(launch["ts"]))
+        op = ops.get(args.get("External id")) if rid is None else None
+        if op is not None:
+            rid = parse_range_name(str(op.get("name", "")))
+            if rid is None:
+                rid = _innermost_any(cpu, (op.get("pid"), op.get("tid")), float(op["ts"]))
+        for iv in gpu.values():
+            if rid is not None:
+                break
+            rid = iv.innermost(start)
         out.append(Kernel(str(e.get("name", "?")), start, float(e.get("dur", 0.0)), rid))
     return sorted(out, key=lambda k: (k.start_us, k.end_us))
 
