@@ -218,6 +218,10 @@ def test_short_name_and_role():
     assert short_name("void at::native::vectorized_elementwise_kernel<4, Foo>(int, Bar)") == \
         "vectorized_elementwise_kernel"
     assert short_name("kbit_gemv_mma_streamk") == "kbit_gemv_mma_streamk"
+    assert short_name("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64>(Params)") == \
+        "cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64>"
+    assert short_name("void internal::gemvx::kernel<int, float>(T)") == "gemvx::kernel<int>"
+    assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
     assert len(short_name("x" * 80, 20)) == 20
     assert role("layers.12.mlp.experts") == "layers.*.mlp.experts" and role("lm_head") == "lm_head"
 

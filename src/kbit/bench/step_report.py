@@ -20,14 +20,26 @@ COLOURS = {"k-bit GEMV": "tab:blue", "bf16 GEMV": "tab:cyan", "MoE routing": "ta
 
 
 def short_name(name: str, width: int = 40) -> str:
-    """A kernel name without ``void``, template arguments, parameters and namespaces, at most ``width`` chars."""
-    s = name.strip()
-    if s.startswith("void "):
-        s = s[5:]
+    """A kernel name without ``void``, template arguments, parameters and namespaces, at most ``width`` chars; a
+    generic name (cutlass' ``Kernel2``, ``device_kernel``) keeps its first template argument, which names it."""
+    s = name.strip().removeprefix("void ")
+    base = s
     for stop in ("<", "("):
-        s = s.split(stop, 1)[0]
-    s = s.rsplit("::", 1)[-1] or name
-    return s if len(s) <= width else s[:width - 1] + "~"
+        base = base.split(stop, 1)[0]
+    parts = base.strip().split("::")
+    base = parts[-1] or name
+    if len(base) < 8 or base.lower() in GENERIC:
+        base = "::".join(parts[-2:])
+        if "<" in s:
+            arg = s.split("<", 1)[1]
+            for stop in (",", "<", ">", "("):
+                arg = arg.split(stop, 1)[0]
+            base = f"{base}<{arg.strip().rsplit('::', 1)[-1]}>"
+    return base if len(base) <= width else base[:width - 1] + "~"
+
+
+#: kernel names that say nothing without their first template argument
+GENERIC = ("kernel", "kernel2", "device_kernel", "generic_kernel")
 
 
 def _tbps(nbytes: float, us: float) -> float:
@@ -134,24 +146,30 @@ def _lanes(rows: tuple[KernelRow, ...]) -> list[str]:
 
 def plot_timeline(p: StepProfile, path: str | Path, min_gap_us: float = 2.0) -> Path:
     """One step's kernels as bars in lanes by kind (x: us from the first kernel), idle gaps of at least
-    ``min_gap_us`` in a lane of their own; written to ``path`` (PNG). Needs matplotlib."""
+    ``min_gap_us`` in a lane of their own, and below, each kernel's achieved TB/s against the read ceiling; written
+    to ``path`` (PNG). Needs matplotlib."""
     # matplotlib is optional (the plot only); the Agg canvas, not pyplot: no global backend state is touched
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     lanes = _lanes(p.rows) + ["idle gap"]
-    fig = Figure(figsize=(14, 1.0 + 0.45 * len(lanes)))
+    fig = Figure(figsize=(14, 2.8 + 0.45 * len(lanes)))
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    ax, bw = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [len(lanes), 4]})
     for y, kind in enumerate(lanes[:-1]):
         bars = [(r.start_us, max(r.dur_us, 0.05)) for r in p.rows if r.kind == kind]
         ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=COLOURS.get(kind, "tab:gray"), linewidth=0)
+        read = [r for r in p.rows if r.kind == kind and r.nbytes > 0 and r.dur_us > 0]
+        bw.bar([r.start_us for r in read], [_tbps(r.nbytes, r.dur_us) for r in read],
+               width=[max(r.dur_us, 0.05) for r in read], align="edge", color=COLOURS.get(kind, "tab:gray"))
     gaps = [(r.start_us - r.gap_us, r.gap_us) for r in p.rows if r.gap_us >= min_gap_us]
     ax.broken_barh(gaps, (len(lanes) - 1.4, 0.8), facecolors="black", linewidth=0)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(-0.6, len(lanes) - 0.4)
     ax.invert_yaxis()
-    ax.set_xlabel("us from the first kernel")
+    bw.axhline(p.ceiling_tbps, color="black", linestyle="--", linewidth=0.8)
+    bw.set_ylabel("TB/s")
+    bw.set_xlabel("us from the first kernel")
     ax.set_title(f"{p.meta.get('title', '')}: step {p.step_ms:.3f} ms, kernels {p.kernel_us / 1e3:.3f} ms, gaps "
                  f"{p.gap_us / 1e3:.3f} ms, roofline {p.roofline_ms:.3f} ms ({_fmt(p.pct_roofline, '.0f')}%)",
                  fontsize=9)
