@@ -218,7 +218,7 @@ def test_short_name_and_role():
     assert short_name("void at::native::vectorized_elementwise_kernel<4, Foo>(int, Bar)") == \
         "vectorized_elementwise_kernel"
     assert short_name("kbit_gemv_mma_streamk") == "kbit_gemv_mma_streamk"
-    assert short_name("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64>(Params)") == \
+    assert short_name("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64>(Params)", 60) == \
         "cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64>"
     assert short_name("void internal::gemvx::kernel<int, float>(T)") == "gemvx::kernel<int>"
     assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
