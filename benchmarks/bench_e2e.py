@@ -27,8 +27,9 @@ benchmarks/results/h100/), updated after every row, and prints a short table las
 kernel of one decode step with the module it serves, the bytes it must read, its time, bandwidth and the idle gap
 before it (a CUDA-graph replay under torch.profiler, kernels named from an eager step), totals against the byte
 roofline at the read ceiling (measured once at the start, or ``--ceiling-tbps``); written as
-``step-<model>-<variant>[-k<k>]-b<B>.txt`` (table), ``.json`` (every kernel) and ``.png`` (timeline), all tables
-also in ``profile.txt``. ``--layers N`` keeps the first N decoder layers of each model (quick profiles).
+``step-<model>-<variant>[-k<k>]-b<B>.txt`` (table), ``.kernels.txt`` (every kernel in order), ``.json`` and
+``.png`` (timeline); all tables also in ``profile.txt``. ``--layers N`` keeps the first N decoder layers of each
+model (quick profiles).
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-8b,qwen3-30b-a3b] [--k 2,3,4,5]
         [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
@@ -388,7 +389,7 @@ def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, titl
     """The step profile of ``dec`` (kbit.bench.step_profile) written to ``stem``.txt / .json / .png; returns the
     table. The roofline % is taken against the row's unprofiled graph step time."""
     from kbit.bench.step_profile import profile_decoder
-    from kbit.bench.step_report import format_report, plot_timeline, to_dict
+    from kbit.bench.step_report import format_kernels, format_report, plot_timeline, to_dict
 
     graph = row.get("graph") and dec.graph
     meta = {"title": title, "ceiling_source": ceiling[1],
@@ -400,6 +401,7 @@ def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, titl
     stem.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{stem}.txt").write_text(text + "\n")
     Path(f"{stem}.json").write_text(json.dumps(to_dict(prof), indent=1) + "\n")
+    Path(f"{stem}.kernels.txt").write_text(format_kernels(prof) + "\n")
     try:
         plot_timeline(prof, f"{stem}.png")
     except Exception as e:  # noqa: BLE001 (matplotlib is optional; the table and JSON are written already)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kbit.bench import step_profile as sp
-from kbit.bench.step_report import by_kind, format_report, plot_timeline, short_name, to_dict, top_rows
+from kbit.bench.step_report import by_kind, format_kernels, format_report, plot_timeline, short_name, to_dict, top_rows
 from kbit.bench.step_trace import (
     Kernel,
     Range,
@@ -207,6 +207,8 @@ def test_report_table_json_and_plot(tmp_path):
     assert "65.5% of the step" in text  # 131 MB at 2 TB/s = 65.5 us of a 100 us step
     gemv = next(line for line in text.splitlines() if line.startswith("layers.*.o_proj"))
     assert "2.00" in gemv.split() and "100.0" in gemv.split()  # 40 MB in 20 us: the whole ceiling
+    listing = format_kernels(p).splitlines()
+    assert len(listing) == 7 and listing[2].split()[:6] == ["1", "10.0", "20.00", "9.00", "40.000", "2.00"]
     d = json.loads(json.dumps(to_dict(p)))
     assert len(d["kernels"]) == 6 and d["nbytes"] == 131_000_000
     pytest.importorskip("matplotlib")
@@ -307,4 +309,4 @@ def test_bench_e2e_profile_tiny(tmp_path):
     assert "profile_error" not in rows[0] and "step profile: llama-tiny kbit k=4 B=1" in rows[0]["profile"]
     stem = tmp_path / "step-llama-tiny-kbit-k4-b1"
     assert json.loads(Path(f"{stem}.json").read_text())["ceiling_tbps"] == 2.5
-    assert Path(f"{stem}.txt").exists() and (tmp_path / "profile.txt").exists()
+    assert Path(f"{stem}.txt").exists() and Path(f"{stem}.kernels.txt").exists() and (tmp_path / "profile.txt").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kbit.bench.step_trace import KINDS, NO_RANGE, KernelRow, StepProfile, role
 
-__all__ = ["by_kind", "format_report", "plot_timeline", "short_name", "to_dict", "top_rows"]
+__all__ = ["by_kind", "format_kernels", "format_report", "plot_timeline", "short_name", "to_dict", "top_rows"]
 
 #: a kind's colour on the timeline (matplotlib colour names)
 COLOURS = {"k-bit GEMV": "tab:blue", "bf16 GEMV": "tab:cyan", "MoE routing": "tab:purple", "attention": "tab:green",
@@ -129,6 +129,17 @@ def format_report(p: StepProfile, top: int = 12) -> str:
                           top_rows(p, "gap_us", top), p)
     lines += ["", "bytes of a module call are shared by its kernels in proportion to their time; gap = a kernel's "
               "start minus the latest end before it (overlap when negative)."]
+    return "\n".join(lines)
+
+
+def format_kernels(p: StepProfile) -> str:
+    """Every kernel of the step in order: start, time, gap before it, bytes, TB/s, kind, module call, name."""
+    lines = [f"{'#':>5s} {'start us':>9s} {'us':>8s} {'gap us':>7s} {'MB':>8s} {'TB/s':>6s} {'kind':11s} "
+             f"{'module call':40s} kernel"]
+    for r in p.rows:
+        lines.append(f"{r.index:5d} {r.start_us:9.1f} {r.dur_us:8.2f} {r.gap_us:7.2f} {r.nbytes / 1e6:8.3f} "
+                     f"{_fmt(_tbps(r.nbytes, r.dur_us) if r.nbytes else float('nan'), '6.2f'):>6s} {r.kind[:11]:11s} "
+                     f"{r.label[:40]:40s} {short_name(r.name, 60)}")
     return "\n".join(lines)
 
 
