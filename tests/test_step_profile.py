@@ -12,6 +12,7 @@ import torch
 from kbit.bench import step_profile as sp
 from kbit.bench.step_report import by_kind, format_kernels, format_report, plot_timeline, short_name, to_dict, top_rows
 from kbit.bench.step_trace import (
+    NO_RANGE,
     Kernel,
     Range,
     attribute,
@@ -310,3 +311,33 @@ def test_bench_e2e_profile_tiny(tmp_path):
     stem = tmp_path / "step-llama-tiny-kbit-k4-b1"
     assert json.loads(Path(f"{stem}.json").read_text())["ceiling_tbps"] == 2.5
     assert Path(f"{stem}.txt").exists() and Path(f"{stem}.kernels.txt").exists() and (tmp_path / "profile.txt").exists()
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen3moe-tiny"])
+def test_gpu_profile_of_a_graph_replay(name, tmp_path):
+    bench = _bench()
+    cfg = bench.configs(tiny=True)[name]
+    model = bench.build_kbit(cfg, "cuda", 4, fuse_proj=True)
+    dec = StaticDecoder(model, 2, 32)
+    dec.prefill(torch.randint(0, cfg.vocab_size, (2, 8), device="cuda"))
+    dec.capture()
+    ids = dec.ids.clone()
+    p = sp.profile_decoder(dec, 8, ceiling_tbps=3.0, step_ms=0.5)
+    assert torch.equal(dec.ids, ids) and dec.length == 8  # left as it was
+    assert "CUDA-graph replay" in p.meta["timeline"], p.meta
+    matched = p.meta["matched"]
+    assert matched >= 0.9 * len(p.rows) and p.meta["eager_kernels"] >= matched, p.meta
+    assert {"k-bit GEMV", "attention", "lm_head", "sampling"} <= {r.kind for r in p.rows}
+    assert p.nbytes > 0 and 0 < p.span_us < 1e5 and p.kernel_us > 0
+    if matched == len(p.rows):
+        assert p.unassigned_bytes == 0 and all(r.label != NO_RANGE for r in p.rows)
+    eager = sp.profile_decoder(dec, 8, ceiling_tbps=3.0, graph=False)
+    assert "eager step" in eager.meta["timeline"] and len(eager.rows) == eager.meta["eager_kernels"]
+    assert eager.nbytes == p.nbytes
+    text = format_report(p)
+    assert "step 0.500 ms" in text
+    plot_timeline(p, tmp_path / "t.png")
