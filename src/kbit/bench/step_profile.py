@@ -43,7 +43,7 @@ from kbit.bench.step_trace import (
 from kbit.hf.decode import StaticDecoder
 from kbit.nn import KbitLinear, KbitMoE
 
-__all__ = ["StepRecorder", "module_kind", "profile_decoder", "module_bytes"]
+__all__ = ["StepRecorder", "instrument", "kv_layer_bytes", "module_bytes", "module_kind", "profile_decoder"]
 
 #: fast_decode's glue functions wrapped during the profiled step: name -> (kind, positions of weight arguments)
 GLUE = {"rms_norm": ("norm/glue", (1,)), "add_rms_norm": ("norm/glue", (2,)), "rope_append": ("norm/glue", ()),
@@ -63,12 +63,13 @@ def module_bytes(module: nn.Module, recurse: bool = True) -> int:
 
 def _expert_bytes(module: nn.Module, E: int) -> tuple[int, int]:
     """(bytes per expert, bytes read once) of an expert stack holder: tensors with a leading dimension E are per
-    expert, codebooks and the rest once; the router's weight and correction bias are the router's."""
+    expert, codebooks and the rest once; the router's weight and correction bias are the router's, a shared
+    expert's weights its own modules'."""
     per, once = 0, 0
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if t is None or name.split(".")[-1] in ("router_weight", "correction_bias"):
+        if t is None or name.split(".")[-1] in ("router_weight", "correction_bias") or name.startswith("shared_"):
             continue
-        if t.dim() >= 2 and t.shape[0] == E and "codebook" not in name:
+        if t.dim() >= 1 and t.shape[0] == E and "codebook" not in name:
             per += t.numel() * t.element_size() // E
         else:
             once += t.numel() * t.element_size()
