@@ -24,7 +24,7 @@ from kbit.bench.step_trace import (
     parse_range_name,
     range_name,
     role,
-    split_session,
+    split_run,
     trace_events,
     transfer,
 )
@@ -134,8 +134,8 @@ def test_transfer_by_order_keeps_unmatched_apart():
     assert [(k.start_us, k.dur_us) for k in got] == [(k.start_us, k.dur_us) for k in timed]
 
 
-def _session_trace(graph_correlation=True):
-    """One session: head(0) [0, 10], replay(1) [10, 20], reset(2) [20, 25], step(3) [25, 60] holding gemv(4)
+def _run_trace(graph_correlation=True):
+    """One profiler run: head(0) [0, 10], replay(1) [10, 20], reset(2) [20, 25], step(3) [25, 60] holding gemv(4)
     [30, 40]. The first head kernel's record is on a broken clock; the graph's three kernels share the
     correlation of the graph launch (or have none)."""
     g = 10 if graph_correlation else None
@@ -151,15 +151,15 @@ def _session_trace(graph_correlation=True):
 
 
 @pytest.mark.parametrize("graph_correlation", [True, False])
-def test_split_session_keeps_the_step_and_the_replay(graph_correlation):
-    events, ranges = _session_trace(graph_correlation)
+def test_split_run_keeps_the_step_and_the_replay(graph_correlation):
+    events, ranges = _run_trace(graph_correlation)
     kernels = attribute(trace_events(events))
     assert len(kernels) == 8 and len(drop_far(kernels)) == 7 and drop_far([]) == []
-    eager, replay = split_session(drop_far(kernels), ranges, 3, 1)
+    eager, replay = split_run(drop_far(kernels), ranges, 3, 1)
     assert [(k.name, k.range_id) for k in eager] == [("norm", 3), ("gemv", 4)]
     assert [k.name for k in replay] == ["gemv", "norm", "argmax"]
     assert transfer(eager, replay)[1] == 1  # the graph ran gemv, norm; the eager step norm, gemv: one in order
-    assert split_session(kernels, ranges, 3)[1] is None
+    assert split_run(kernels, ranges, 3)[1] is None
 
 
 def test_kernel_bytes_by_time_then_descendants():

@@ -6,7 +6,7 @@ glue ops of the fast decode step (the functions ``kbit.hf.fast_decode`` calls, i
 pick, the MoE block's routing and experts; patched for the step and restored after it), and notes what each range
 must read: a module's weights (embeddings: the rows looked up; experts: the experts the step touched, counted
 after it), the KV cache at the step's length for attention. :func:`profile_decoder` runs, in one
-``torch.profiler`` session, one CUDA-graph replay of the step (for a decoder with a graph) and that eager step: the
+``torch.profiler`` run, one CUDA-graph replay of the step (for a decoder with a graph) and that eager step: the
 replay's kernels take the eager step's ranges by order (the graph holds the same launches) and give the timeline,
 since the eager step's gaps are host launch time the graph does not have. The profiler itself adds time; the step
 time that the roofline % uses is the unprofiled graph replay when the caller passes it.
@@ -35,7 +35,7 @@ from kbit.bench.step_trace import (
     build_profile,
     drop_far,
     range_name,
-    split_session,
+    split_run,
     subtree,
     trace_events,
     transfer,
@@ -328,23 +328,23 @@ def _span_ms(kernels) -> float:
     return (max(k.end_us for k in kernels) - kernels[0].start_us) / 1e3 if kernels else 0.0
 
 
-#: sessions profiled in this process: the head launches of each session grow with it (see _head)
-_SESSIONS = [0]
-HEAD_LAUNCHES = 8  # launches opening a session, besides one per earlier session
+#: profiler runs in this process: the head launches of each run grow with it (see _head)
+_RUNS = [0]
+HEAD_LAUNCHES = 8  # launches opening a profiler run, besides one per earlier run
 
 
 def _head(device) -> None:
-    """Tiny launches that open a profiled session. Kineto registers CUPTI's timestamp callback again in every
-    session, and the k-th session of a process returns its first k kernel records with wrong timestamps
+    """Tiny launches that open a profiler run. Kineto registers CUPTI's timestamp callback again in every
+    run, and the k-th run of a process returns its first k kernel records with wrong timestamps
     (pytorch/pytorch#192021): these records are the ones thrown away."""
     x = torch.zeros(1, device=device)
-    for _ in range(HEAD_LAUNCHES + _SESSIONS[0]):
+    for _ in range(HEAD_LAUNCHES + _RUNS[0]):
         x.add_(1)
-    _SESSIONS[0] += 1
+    _RUNS[0] += 1
 
 
-def _run_session(dec: StaticDecoder, ctx: int, reset, graph: bool):
-    """One profiler session: head launches, one graph replay (``graph``), then the instrumented eager step, each in
+def _profile_run(dec: StaticDecoder, ctx: int, reset, graph: bool):
+    """One profiler run: head launches, one graph replay (``graph``), then the instrumented eager step, each in
     a range of its own. Returns (step ranges, eager kernels, replay kernels or None)."""
     cuda = dec.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -364,14 +364,14 @@ def _run_session(dec: StaticDecoder, ctx: int, reset, graph: bool):
                 dec._step_body()
                 sync()
         ranges = rec.finish()
-    eager, replayed = split_session(drop_far(attribute(_export(prof))), ranges, step.id, replay.id if graph else None)
+    eager, replayed = split_run(drop_far(attribute(_export(prof))), ranges, step.id, replay.id if graph else None)
     return {i: ranges[i] for i in subtree(ranges, step.id)}, eager, replayed
 
 
 def profile_decoder(dec: StaticDecoder, ctx: int, *, ceiling_tbps: float, step_ms: float | None = None,
                     meta: dict | None = None, graph: bool = True) -> StepProfile:
     """One decode step of ``dec`` at cache length ``ctx`` (after a prefill of at least ``ctx`` tokens), profiled as
-    the module doc says, in one profiler session; the decoder is left rewound to ``ctx`` with its token and offset
+    the module doc says, in one profiler run; the decoder is left rewound to ``ctx`` with its token and offset
     as before. ``step_ms``: the unprofiled step time the roofline % is taken against (default: the profiled span).
     ``graph=False``: the eager step's timeline even where the decoder has a CUDA graph."""
     cuda = dec.device.type == "cuda"
@@ -392,7 +392,7 @@ def profile_decoder(dec: StaticDecoder, ctx: int, *, ceiling_tbps: float, step_m
         if graph:
             dec.step()  # captures the graph if not yet done; a warm replay
             reset()
-    ranges, eager, replayed = _run_session(dec, ctx, reset, graph)
+    ranges, eager, replayed = _profile_run(dec, ctx, reset, graph)
     reset()
     info = dict(meta or {})
     info.update(eager_kernels=len(eager), eager_span_ms=_span_ms(eager))

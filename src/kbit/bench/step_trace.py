@@ -23,7 +23,7 @@ from kbit.utils.checks import check_choice, fail
 
 __all__ = ["GPU_CATS", "KINDS", "NO_RANGE", "PREFIX", "Kernel", "KernelRow", "Range", "StepProfile", "attribute",
            "build_profile", "drop_far", "gaps_before", "gpu_kernels", "kernel_bytes", "parse_range_name", "range_name",
-           "role", "split_session", "subtree", "trace_events", "transfer"]
+           "role", "split_run", "subtree", "trace_events", "transfer"]
 
 #: what a kernel serves, in report order
 KINDS = ("k-bit GEMV", "bf16 GEMV", "MoE routing", "attention", "norm/glue", "lm_head", "sampling", "other")
@@ -142,7 +142,7 @@ def _innermost_any(cpu: dict, where: tuple, t: float) -> int | None:
 
 
 def attribute(events: list[dict]) -> list[Kernel]:
-    """The GPU work of a profiled session, each piece with the innermost range open when it was launched: found
+    """The GPU work of a profiler run, each piece with the innermost range open when it was launched: found
     through its launch call (``args.correlation`` of a runtime / driver event), else through the CPU op it was
     launched in (``args["External id"]``), else the innermost GPU-side range (``gpu_user_annotation``) holding its
     start; None when none holds. In start order."""
@@ -221,9 +221,9 @@ def subtree(ranges: dict[int, Range], root: int) -> list[int]:
     return [root, *_descendants(ranges).get(root, [])]
 
 
-def split_session(kernels: list[Kernel], ranges: dict[int, Range], step_id: int,
+def split_run(kernels: list[Kernel], ranges: dict[int, Range], step_id: int,
                   replay_id: int | None = None) -> tuple[list[Kernel], list[Kernel] | None]:
-    """The kernels of one profiled session: (those of range ``step_id`` and its sub-ranges, those of a graph replay
+    """The kernels of one profiler run: (those of range ``step_id`` and its sub-ranges, those of a graph replay
     launched in range ``replay_id``). Graph kernels share the correlation of their graph launch; where the trace
     ties them to no launch, they have no range, and the replay's kernels are those without one (None: no replay)."""
     keep = set(subtree(ranges, step_id))
@@ -235,7 +235,7 @@ def split_session(kernels: list[Kernel], ranges: dict[int, Range], step_id: int,
 
 def drop_far(kernels: list[Kernel], window_us: float = 1e7) -> list[Kernel]:
     """``kernels`` without those starting more than ``window_us`` from their median start: a record with a broken
-    timestamp (CUPTI can hand back a session's first records on another clock, ~1e14 ns off) would stretch the
+    timestamp (CUPTI can hand back a run's first records on another clock, ~1e14 ns off) would stretch the
     step's span by days."""
     if not kernels:
         return []
