@@ -206,6 +206,8 @@ def test_report_table_json_and_plot(tmp_path):
     text = format_report(p, top=3)
     assert "step profile: synthetic" in text and "eager step unprofiled 1.500 ms" in text
     assert "65.5% of the step" in text  # 131 MB at 2 TB/s = 65.5 us of a 100 us step
+    # the ceiling for the 4 byte-reading kernels (65.5 us) + the other two as measured (1 + 2 us), all 4 in layer 0
+    assert "others as now 0.069 ms (kernels reading nothing: 0.003 ms); 4.0 kernels a layer over 1 layers" in text
     gemv = next(line for line in text.splitlines() if line.startswith("layers.*.o_proj"))
     assert "2.00" in gemv.split() and "100.0" in gemv.split()  # 40 MB in 20 us: the whole ceiling
     listing = format_kernels(p).splitlines()

@@ -7,6 +7,7 @@ by the idle time before them (both summed over the layers: one row per module ro
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def short_name(name: str, width: int = 40) -> str:
     return base if len(base) <= width else base[:width - 1] + "~"
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
 #: kernel names that say nothing without their first template argument
 GENERIC = ("kernel", "kernel2", "device_kernel", "generic_kernel")
 
@@ -95,6 +97,12 @@ def _header(p: StepProfile) -> list[str]:
     if loose:
         lines.append(f"kernels outside every range (kind other): {len(loose)}, "
                      f"{sum(r.dur_us for r in loose) / 1e3:.3f} ms")
+    idle = sum(r.dur_us for r in p.rows if r.nbytes <= 0)
+    layers = {hit.group(1) for r in p.rows if (hit := _LAYER.match(r.label))}
+    per_layer = sum(1 for r in p.rows if _LAYER.match(r.label)) / len(layers) if layers else 0.0
+    lines.append(f"what-if: no gaps {p.kernel_us / 1e3:.3f} ms; every byte-reading kernel at the ceiling and the "
+                 f"others as now {(p.roofline_ms * 1e3 + idle) / 1e3:.3f} ms (kernels reading nothing: "
+                 f"{idle / 1e3:.3f} ms); {per_layer:.1f} kernels a layer over {len(layers)} layers")
     lost = f" ({p.unassigned_bytes / 1e6:.1f} MB in calls that launched nothing)" if p.unassigned_bytes else ""
     lines.append(f"bytes {p.nbytes / 1e6:.1f} MB{lost}; roofline at {p.ceiling_tbps:.2f} TB/s "
                  f"({m.get('ceiling_source', 'read ceiling')}): {p.roofline_ms:.3f} ms = "
