@@ -20,11 +20,19 @@ The bf16 MoE baseline is timed twice, with
 transformers' ``experts_implementation="grouped_mm"`` (``bf16``) and with kbit's device-side routing +
 ``torch._grouped_mm`` on the bf16 stacks (``bf16-kr``, as in bench_moe.py); speedups are against the faster.
 
-One script for the device machine; writes ``e2e.json`` / ``e2e.md`` (and ``profile.txt`` with ``--profile``)
-to ``$OUT`` (default benchmarks/results/h100/), updated after every row, and prints a short table last.
+One script for the device machine; writes ``e2e.json`` / ``e2e.md`` to ``$OUT`` (default
+benchmarks/results/h100/), updated after every row, and prints a short table last.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-30b-a3b] [--k 2,3,4,5]
-        [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--quick]
+``--profile``: the step profile of ``kbit.bench.step_profile`` for every bf16 and kbit row (every batch): each
+kernel of one decode step with the module it serves, the bytes it must read, its time, bandwidth and the idle gap
+before it (a CUDA-graph replay under torch.profiler, kernels named from an eager step), totals against the byte
+roofline at the read ceiling (measured once at the start, or ``--ceiling-tbps``); written as
+``step-<model>-<variant>[-k<k>]-b<B>.txt`` (table), ``.kernels.txt`` (every kernel in order), ``.json`` and
+``.png`` (timeline); all tables also in ``profile.txt``. ``--layers N`` keeps the first N decoder layers of each
+model (quick profiles).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-8b,qwen3-30b-a3b] [--k 2,3,4,5]
+        [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
 """
 
 from __future__ import annotations
@@ -71,12 +79,29 @@ def configs(tiny: bool = False) -> dict:
         "llama3-8b": transformers.LlamaConfig(
             hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
+        "qwen3-8b": transformers.Qwen3Config(
+            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+            rope_theta=1000000.0, tie_word_embeddings=False),
         "qwen3-30b-a3b": transformers.Qwen3MoeConfig(
             hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
             num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192,
             rope_theta=1000000.0),
     }
+
+
+def with_layers(config, n: int | None):
+    """``config`` with its first ``n`` decoder layers only (None: unchanged); per-layer lists are cut to match."""
+    if not n:
+        return config
+    d = config.to_dict()
+    d["num_hidden_layers"] = n
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][:n]
+    if isinstance(d.get("mlp_only_layers"), list):
+        d["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < n]
+    return type(config).from_dict(d)
 
 
 def git_commit() -> str:
@@ -270,7 +295,9 @@ FAST = [None]  # StaticDecoder's fast decode step: None = its default (on CUDA w
 
 
 def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool, seed: int = 0,
-                eager_steps: int = 0, profile: bool = False) -> dict:
+                eager_steps: int = 0, profile: dict | None = None) -> dict:
+    """One row: ms per decode step (CUDA events around ``steps`` graph replays, median of ``reps``); with
+    ``profile`` (:func:`step_profile_files`' keywords) also the step profile."""
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     if dev.type == "cuda":
@@ -321,8 +348,12 @@ def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool,
             dec._step_body()
         sync()
         row["eager_ms_per_step"] = 1e3 * (time.perf_counter() - t0) / eager_steps
-    if profile and dev.type == "cuda":
-        row["profile"] = profile_step(dec, ctx)
+    if profile is not None:
+        try:
+            row["profile"] = step_profile_files(dec, ctx, row, **profile)
+        except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+            traceback.print_exc()
+            row["profile_error"] = f"{type(e).__name__}: {e}"
     if dev.type == "cuda":
         row["max_mem_gb"] = torch.cuda.max_memory_allocated(dev) / 2**30
     dec.release()
@@ -330,18 +361,52 @@ def time_decode(model, batch: int, ctx: int, steps: int, reps: int, graph: bool,
     return row
 
 
-def profile_step(dec: StaticDecoder, ctx: int, top: int = 14) -> str:
-    """Top kernels of one eager decode step (torch profiler, CUDA time)."""
-    from torch.profiler import ProfilerActivity, profile
+DEFAULT_CEILING_TBPS = 3.07  # H100 read ceiling (kbit.bench.ceiling, issue 36): used only where none is measured
+CEILING: dict = {}  # the read ceiling of this run, measured once
 
-    dec.rewind(ctx)
-    dec._step_body()
-    torch.cuda.synchronize()
-    dec.rewind(ctx)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        dec._step_body()
-        torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+
+def read_ceiling(given: float | None, device: str) -> tuple[float, str]:
+    """(TB/s, how it was obtained): ``given``, else measured once (kbit.bench.ceiling), else the default."""
+    if given:
+        return float(given), "given with --ceiling-tbps"
+    if "tbps" not in CEILING:
+        CEILING["tbps"], CEILING["how"] = DEFAULT_CEILING_TBPS, "assumed: no GPU"
+        if device == "cuda":
+            try:
+                from kbit.bench.ceiling import measure_read_ceiling  # a benchmark-only helper of the package
+
+                CEILING["tbps"], CEILING["how"] = measure_read_ceiling().read_tbps, "measured: x.sum() over 2 GiB"
+            except Exception as e:  # noqa: BLE001 (the profile still runs, on the default, and says so)
+                CEILING["how"] = f"assumed: measuring failed ({type(e).__name__})"
+    return CEILING["tbps"], CEILING["how"]
+
+
+PROFILE_EAGER = [False]  # --profile-eager: the eager step's timeline, no graph replay under the profiler
+
+
+def step_profile_files(dec: StaticDecoder, ctx: int, row: dict, stem: Path, title: str,
+                       ceiling: tuple[float, str]) -> str:
+    """The step profile of ``dec`` (kbit.bench.step_profile) written to ``stem``.txt / .json / .png; returns the
+    table. The roofline % is taken against the row's unprofiled graph step time."""
+    from kbit.bench.step_profile import profile_decoder
+    from kbit.bench.step_report import format_kernels, format_report, plot_timeline, to_dict
+
+    graph = row.get("graph") and dec.graph
+    meta = {"title": title, "ceiling_source": ceiling[1],
+            "step_source": "CUDA-graph replay, CUDA events, unprofiled" if graph else "profiled span",
+            "eager_ms": row.get("eager_ms_per_step")}
+    prof = profile_decoder(dec, ctx, ceiling_tbps=ceiling[0], step_ms=row["ms_per_step"] if graph else None,
+                           meta=meta, graph=not PROFILE_EAGER[0])
+    text = format_report(prof)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{stem}.txt").write_text(text + "\n")
+    Path(f"{stem}.json").write_text(json.dumps(to_dict(prof), indent=1) + "\n")
+    Path(f"{stem}.kernels.txt").write_text(format_kernels(prof) + "\n")
+    try:
+        plot_timeline(prof, f"{stem}.png")
+    except Exception as e:  # noqa: BLE001 (matplotlib is optional; the table and JSON are written already)
+        text += f"\n(no timeline plot: {type(e).__name__}: {e})"
+    return text
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -374,7 +439,7 @@ def markdown(meta: dict, rows: list) -> str:
     lines += ["", "```", short_table(rows), "```", ""]
     profiles = [r for r in rows if r.get("profile")]
     for r in profiles:
-        lines += [f"## Profile: {r['model']} {r['variant']} k={r.get('k')} batch {r['batch']} (one eager step)",
+        lines += [f"## Step profile: {r['model']} {r['variant']} k={r.get('k')} batch {r['batch']}",
                   "", "```", r["profile"], "```", ""]
     return "\n".join(lines)
 
@@ -430,6 +495,7 @@ def run(args) -> list:
             "lm_head_k": args.lm_head_k, "decode_attn": args.decode_attention,
             "fast_decode": not args.no_fast}
     FAST[0] = False if args.no_fast else None
+    PROFILE_EAGER[0] = args.profile_eager
     DECODE_ATTN[0] = args.decode_attention
     rows: list = []
     json_path = out_dir / f"{args.name}.json"
@@ -446,7 +512,12 @@ def run(args) -> list:
         for b in args.batch:
             t0 = time.perf_counter()
             try:
-                prof = args.profile and b == args.batch[0] and variant in ("bf16", "kbit") and k in (None, 4, 2)
+                prof = None
+                if args.profile and variant in ("bf16", "kbit"):
+                    stem = out_dir / f"step-{name}-{variant}{f'-k{k}' if k else ''}-b{b}"
+                    prof = {"stem": stem, "title": f"{name} {variant}{f' k={k}' if k else ''} B={b} ctx={args.ctx} "
+                            f"({meta['device']}, commit {meta['commit']})",
+                            "ceiling": read_ceiling(args.ceiling_tbps, device)}
                 row = time_decode(model, b, args.ctx, args.steps, args.reps, graph,
                                   eager_steps=args.eager_steps if b == 1 else 0, profile=prof)
             except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
@@ -463,8 +534,11 @@ def run(args) -> list:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
+    if args.profile:
+        meta["ceiling_tbps"], meta["ceiling"] = read_ceiling(args.ceiling_tbps, device)  # before any model
+        meta["layers"] = args.layers
     for name in models:
-        config = cfgs[name]
+        config = with_layers(cfgs[name], args.layers)
         if not args.skip_bf16:
             t0 = time.perf_counter()
             try:
@@ -531,7 +605,13 @@ def parse(argv=None):
     p.add_argument("--fuse-proj", action="store_true",
                    help="one matrix product for q/k/v and one for gate/up on both sides (bf16: fused Linear; kbit: "
                    "joint quantization, fused by the fast decode step)")
-    p.add_argument("--profile", action="store_true", help="torch profiler on one eager step (first batch)")
+    p.add_argument("--profile", action="store_true",
+                   help="step profile of the bf16 and kbit rows (kbit.bench.step_profile): table, JSON, timeline")
+    p.add_argument("--ceiling-tbps", type=float, default=None,
+                   help="read ceiling for the profile's roofline (default: measured once)")
+    p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers of each model")
+    p.add_argument("--profile-eager", action="store_true",
+                   help="profile timeline from the eager step (no CUDA-graph replay under the profiler)")
     p.add_argument("--quick", action="store_true", help="k = 4, batch 1 and 16, 16 steps, 3 reps")
     p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test of the script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
