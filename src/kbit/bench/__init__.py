@@ -16,4 +16,7 @@ Layers, bottom up:
 ``suite``     the model-shape suite (``suites/models.json``: published configs -> layer shapes, tune / held-out).
 ``summary``   a suite run's per-family summary (vs humming, vs bf16, per M), CSV and plot.
 ``tune``      ``kbit tune``: config search per (GPU, k, N, K, M bucket) into ``kbit.tuning.tuned`` tables.
+``step_trace`` a decode step's profiler trace -> kernels in order, each named by its module, gaps, bytes, totals.
+``step_profile`` one decode step profiled (module ranges, bytes each must read, graph replay) -> ``step_trace``.
+``step_report`` the step profile as a table, a kernel listing, JSON and a timeline plot.
 """
