@@ -253,7 +253,7 @@ class KbitLinear(nn.Module):
                                           scale_format=self.scale_format, bias=self.bias, **self._fmt())
         if dispatch.serves(x, self.out_features, self.in_features, self.k):
             if self.auto_repack and not capturing():
-                return self.repack_for_kernels().forward(x)
+                return self.repack_for_kernels().forward_rotated(x)  # x is rotated already
             # the small-M kernel would cache a repacked copy beside ours: the choice without it
             return dispatch.linear(*self._parts(x), mma=False, **self._kw())
         return dispatch.linear(x, self.codes, self.scales, self.tensor_scale, self.codebook, k=self.k,
