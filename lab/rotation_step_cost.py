@@ -89,8 +89,11 @@ def decode_step(args):
     for rnd in range(2):
         for name, mods in (("unrotated", plain), ("rotated", rot)):
             use(model, mods)
-            row = bench_e2e.time_decode(model, 1, args.ctx, args.steps, args.reps, graph=True,
-                                        profile=args.profile and rnd == 1)
+            prof = None
+            if args.profile and rnd == 1 and args.out:  # kbit.bench.step_profile's table, files beside the log
+                prof = dict(stem=Path(args.out) / f"step-{name}", title=f"{name} llama3-8b k={args.k} b1",
+                            ceiling=(3.07, "assumed H100 read ceiling"))
+            row = bench_e2e.time_decode(model, 1, args.ctx, args.steps, args.reps, graph=True, profile=prof)
             times[name].append(row["ms_per_step"])
             log(f"| {name} | {row['ms_per_step']:.4f} | {row['ms_per_step_min']:.4f} | {row['ms_per_step_max']:.4f} "
                 f"| {row['logits_finite']} |")
