@@ -158,6 +158,7 @@ def test_gpu_rotated_layer_paths(dtype, K):
             out = q(static_x)
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, q(x)), M
+        # split-K adds parts in arrival order (KBIT_DETERMINISTIC fixes it): equal up to the output's rounding
+        assert _rel(out, q(x)) < 2e-3, M
         f = torch.compile(q, fullgraph=True)
         assert _rel(f(x), ref) < tol, M
