@@ -179,7 +179,7 @@ def test_layers_two_ranks(tmp_path):
 def test_layers_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_layers, "nccl", torch.bfloat16, 2e-2)
+    _spawn(tmp_path, _check_layers, "nccl", torch.bfloat16, 2e-2, backend="nccl")
 
 
 # a Llama-like stack with the module names of transformers' Llama (so LLAMA_PLAN applies)
@@ -258,7 +258,7 @@ def test_llama_stack_two_ranks(tmp_path):
 def test_llama_stack_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_stack, "nccl", torch.bfloat16, 3e-2)
+    _spawn(tmp_path, _check_stack, "nccl", torch.bfloat16, 3e-2, backend="nccl")
 
 
 def _check_checkpoint(rank, world, path, x, want_up, want_down):

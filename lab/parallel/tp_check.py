@@ -6,9 +6,9 @@ stack at TP = 2 against one GPU.
 
 Each rank builds the same k-bit stack (rank 0's packed weights broadcast), keeps a whole copy as the one-GPU
 baseline and parallelizes another with ``kbit.parallel.LLAMA_PLAN``. The blocks are the projections of a Llama
-decoder layer (q/k/v/o, gate/up/down at Llama-3-8B sizes) with element-wise glue instead of attention and norms:
-what TP changes (the weight shards and two all-reduces a block) is all there; a decode step's attention is not.
-Steps are timed as CUDA-graph replays (``--no-graph``: eager), the slower rank's median reported.
+decoder layer (q/k/v/o, gate/up/down at Llama-3-8B sizes) with element-wise glue instead of attention and norms
+without weights: what TP changes (the weight shards and two all-reduces a block) is all there; a decode step's
+attention is not. Steps are timed as CUDA-graph replays (``--no-graph``: eager), the slower rank's median reported.
 """
 
 from __future__ import annotations
@@ -58,9 +58,13 @@ class Block(nn.Module):
         super().__init__()
         self.self_attn, self.mlp = Attention(lin, d), MLP(lin, d)
 
-    def forward(self, x):
-        x = x + self.self_attn(x)
-        return x + self.mlp(x)
+    def forward(self, x):  # pre-norm (RMS, no weight) as in Llama: random weights would overflow bf16 by layer 32
+        x = x + self.self_attn(_rms(x))
+        return x + self.mlp(_rms(x))
+
+
+def _rms(x):
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
 
 
 class Stack(nn.Module):
