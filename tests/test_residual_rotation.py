@@ -72,6 +72,19 @@ def test_same_function_float64(case):
             assert torch.all(norm.weight == (0.0 if case == "gemma3_text" else 1.0))
 
 
+@pytest.mark.parametrize("case", ["qwen2", "qwen3_moe", "phi3", "gemma3_text"])
+def test_orthogonal_kind_same_function(case):
+    model = tiny(case)
+    exact_norms(model)
+    want = logits(model)
+    report = rotate_residual(model, kind="orthogonal")
+    torch.testing.assert_close(logits(model), want, rtol=1e-10, atol=1e-10)
+    assert report.kind == "orthogonal" and report.block == model.config.hidden_size
+    assert getattr(model.config, MARK)["kind"] == "orthogonal"
+    with pytest.raises(ValueError, match="kind"):
+        rotate_residual(tiny(case), kind="givens")
+
+
 @pytest.mark.parametrize("case", ["llama", "qwen3_moe", "phi3", "gemma3_text"])
 def test_same_function_float32(case):
     model = tiny(case, torch.float32)

@@ -30,6 +30,7 @@ is refused, which is every trained Gemma3 checkpoint seen so far.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,10 +38,42 @@ import torch
 from torch import nn
 
 from kbit.calibrate.rotation import RandomHadamard
-from kbit.utils.checks import check_int, fail
+from kbit.utils.checks import check_choice, check_int, fail
 
 #: the config attribute that marks a rotated model (saved in config.json with it; a second call refuses)
 MARK = "kbit_residual_rotation"
+#: ``R`` over the hidden size: a randomized Hadamard (mixes blocks of the largest power of two dividing H), or a
+#: seeded random orthogonal matrix (mixes all H channels; fine here because ``R`` is never applied online)
+KINDS = ("hadamard", "orthogonal")
+
+
+@dataclass(frozen=True)
+class RandomOrthogonal:
+    """A dense random orthogonal ``R [K, K]`` (QR of a seeded float64 Gaussian, signs fixed so it is Haar
+    distributed), with :class:`RandomHadamard`'s ``rotate``: ``x @ R`` along the last dimension."""
+
+    K: int
+    seed: int = 0
+
+    @property
+    def block(self) -> int:
+        return self.K
+
+    def __post_init__(self):
+        check_int("K", self.K, minimum=1)
+        check_int("seed", self.seed, minimum=0)
+
+    @functools.cached_property
+    def matrix(self) -> torch.Tensor:
+        """``R [K, K]`` in float64 (made once: every weight of a model is multiplied by it)."""
+        g = torch.Generator().manual_seed(self.seed)
+        q, r = torch.linalg.qr(torch.randn(self.K, self.K, generator=g, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.K:
+            fail(ValueError, "x", f"last dimension K={self.K}", tuple(x.shape))
+        return x @ self.matrix.to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -69,8 +102,9 @@ class RotationReport:
     ----------
     model_type : the family (``config.model_type``).
     seed : the seed of ``R`` and of the per-head ``Q`` (:class:`RandomHadamard`).
-    hidden_size, block : ``R [H, H]`` and its Hadamard block (the largest power of two dividing H): each block of
-        ``block`` channels is mixed, not the whole row.
+    kind : ``R``'s kind (:data:`KINDS`).
+    hidden_size, block : ``R [H, H]`` and the number of channels it mixes: the Hadamard block (the largest power
+        of two dividing H), or H for ``orthogonal``.
     head_dim, head_block : the same for ``Q``.
     folded_norms : how many RMSNorm weights were folded into the Linears after them.
     rotated : names of the weights changed (parameters, e.g. ``model.layers.0.self_attn.q_proj.weight``).
@@ -83,6 +117,7 @@ class RotationReport:
 
     model_type: str
     seed: int
+    kind: str
     hidden_size: int
     block: int
     head_dim: int
@@ -262,7 +297,7 @@ def _check_model(model: nn.Module) -> tuple[str, Family]:
     return model_type, FAMILIES[model_type]
 
 
-def _plan(model: nn.Module, seed: int) -> tuple[_Plan, RotationReport, dict]:
+def _plan(model: nn.Module, seed: int, kind: str) -> tuple[_Plan, RotationReport, dict]:
     """Every edit of the model and the report's fixed fields; raises before anything changes."""
     model_type, family = _check_model(model)
     config = model.config
@@ -276,7 +311,8 @@ def _plan(model: nn.Module, seed: int) -> tuple[_Plan, RotationReport, dict]:
     if not isinstance(emb, nn.Embedding) or emb.weight.shape[-1] != H:
         fail(ValueError, "model.embed_tokens", f"an nn.Embedding of width {H}", type(emb).__name__)
     d = getattr(layers[0].self_attn, "head_dim", None) or H // config.num_attention_heads
-    R, Q = RandomHadamard(H, seed), RandomHadamard(d, seed)
+    R = RandomHadamard(H, seed) if kind == "hadamard" else RandomOrthogonal(H, seed)
+    Q = RandomHadamard(d, seed)
     plan = _Plan()
     online = []
     for i, layer in enumerate(layers):
@@ -303,20 +339,22 @@ def _plan(model: nn.Module, seed: int) -> tuple[_Plan, RotationReport, dict]:
     untie = tied and not torch.all(g == 1)
     extra = dict(untie=untie, head=head, emb=emb, head_ops=(_scale_cols(g), _cols(R)))
     plan.add("model.embed_tokens.weight", emb.weight, _cols(R), matrix=True)
-    report = dict(model_type=model_type, seed=seed, hidden_size=H, block=R.block, head_dim=d, head_block=Q.block,
-                  folded_norms=len(plan.norms), online_inputs=tuple(online),
+    report = dict(model_type=model_type, seed=seed, kind=kind, hidden_size=H, block=R.block, head_dim=d,
+                  head_block=Q.block, folded_norms=len(plan.norms), online_inputs=tuple(online),
                   untied_bytes=head.weight.numel() * head.weight.element_size() if untie else 0)
     return plan, report, extra
 
 
 @torch.no_grad()
-def rotate_residual(model: nn.Module, seed: int = 0) -> RotationReport:
+def rotate_residual(model: nn.Module, seed: int = 0, kind: str = "hadamard") -> RotationReport:
     """Rotate ``model``'s residual stream by a randomized Hadamard ``R`` in place (see the module docstring).
 
     Parameters
     ----------
     model : a float Hugging Face causal LM of a family in :data:`FAMILIES`, not quantized yet.
     seed : the seed of ``R`` (hidden size) and of the per-head ``Q`` (head_dim).
+    kind : ``R``'s kind (:data:`KINDS`): ``"hadamard"`` (:class:`RandomHadamard`) or ``"orthogonal"``
+        (:class:`RandomOrthogonal`, all H channels mixed). ``Q`` is always a randomized Hadamard.
 
     Returns
     -------
@@ -331,7 +369,8 @@ def rotate_residual(model: nn.Module, seed: int = 0) -> RotationReport:
     >>> report = rotate_residual(model)  # then quantize q/k/v, gate/up, o_proj, lm_head with rotation=None
     """
     check_int("seed", seed, minimum=0)
-    plan, fields, extra = _plan(model, seed)
+    check_choice("kind", kind, KINDS)
+    plan, fields, extra = _plan(model, seed, kind)
     head = extra["head"]
     if extra["untie"]:  # the head's own tensor, copied before the embedding is rotated
         head.weight = nn.Parameter(extra["emb"].weight.detach().clone(), requires_grad=False)
@@ -350,6 +389,7 @@ def rotate_residual(model: nn.Module, seed: int = 0) -> RotationReport:
     for w, value in plan.norms:
         w.fill_(value)
     after = [max_to_rms(p) for p in plan.matrices]
-    setattr(model.config, MARK, {"seed": seed, "block": fields["block"], "head_block": fields["head_block"]})
+    setattr(model.config, MARK, {"seed": seed, "kind": kind, "block": fields["block"],
+                                 "head_block": fields["head_block"]})
     return RotationReport(**fields, rotated=tuple(plan.names[p] for p in plan.ops),
                           incoherence_before=sum(before) / len(before), incoherence_after=sum(after) / len(after))
