@@ -15,7 +15,9 @@ unrotated model over the first ``--tokens`` tokens of kbit.eval.judges.lee_text(
   input rotated too (what the fused silu_mul kernel could do online), simulated the same way;
 - rounding ``rtn`` (kbit.eval.methods.fake_quant) or, with ``--gptq``, ``gptq`` (the study's one-pass GPTQ with
   Hessians of the prepared float model on ``--calib-batches`` x 512 tokens from token 40000 of the same text);
-- ``residual float``: rotate_residual alone (KL ~ 0: the float function is unchanged).
+- ``residual float``: rotate_residual alone (KL ~ 0: the float function is unchanged);
+- ``--kinds hadamard,orthogonal``: the residual rows for each kind of R (``residual (orthogonal)``: a dense random
+  orthogonal R mixing all H channels; the Hadamard mixes blocks of the largest power of two dividing H, 64 here).
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ def targets_of(model) -> dict[str, nn.Linear]:
 
 
 @torch.no_grad()
-def variant(base, prep: str, rounding: str | None, k: int, seed: int, calib, a) -> tuple[nn.Module, dict]:
-    """A quantized copy of ``base``: ``prep`` (PREPS), then ``rounding`` (None: float) of every decoder Linear."""
+def variant(base, prep: str, rounding: str | None, k: int, seed: int, kind: str, calib, a
+            ) -> tuple[nn.Module, dict]:
+    """A quantized copy of ``base``: ``prep`` (PREPS; ``kind`` of the residual R), then ``rounding`` (None:
+    float) of every decoder Linear."""
     model = copy.deepcopy(base)
     info = {}
     if prep.startswith("residual"):
-        report = rotate_residual(model, seed=seed)
+        report = rotate_residual(model, seed=seed, kind=kind)
         info = dict(block=report.block, head_block=report.head_block, untied_bytes=report.untied_bytes,
                     incoherence_before=round(report.incoherence_before, 4),
                     incoherence_after=round(report.incoherence_after, 4))
@@ -78,6 +82,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--gptq", action="store_true", help="also the GPTQ rows (minutes each on the CPU)")
+    p.add_argument("--preps", default=",".join(PREPS))
+    p.add_argument("--kinds", default="hadamard", help="kinds of the residual R (kbit.calibrate.residual.KINDS)")
     p.add_argument("--calib-batches", type=int, default=8)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -89,15 +95,19 @@ def main() -> int:
     calib = [ids[40000 + i * 512:40000 + (i + 1) * 512][None] for i in range(a.calib_batches)]
     judge = Judge(base, ids[: a.tokens], a.window)
     seeds = [int(s) for s in a.seeds.split(",")]
-    plan = [("residual", None, 0, s) for s in seeds]
+    kinds, preps = a.kinds.split(","), a.preps.split(",")
+    runs = [(prep, kind, s) for prep in preps for kind in (kinds if "residual" in prep else ["-"])
+            for s in (seeds if "residual" in prep else [0])]
+    plan = [("residual", None, 0, kind, s) for kind in kinds for s in seeds]
     for k in map(int, a.k.split(",")):
         for rounding in ("rtn", "gptq") if a.gptq else ("rtn",):
-            plan += [(prep, rounding, k, s) for prep in PREPS for s in (seeds if "residual" in prep else [0])]
+            plan += [(prep, rounding, k, kind, s) for prep, kind, s in runs]
     rows = [dict(variant="unquantized", **judge.baseline())]
-    for prep, rounding, k, seed in plan:
+    for prep, rounding, k, kind, seed in plan:
         start = time.perf_counter()
-        judge.model, info = variant(base, prep, rounding, k, seed, calib, a)
-        name = f"{prep} + {rounding} {k}" if rounding else f"{prep} float"
+        judge.model, info = variant(base, prep, rounding, k, seed, kind, calib, a)
+        label = prep if kind in ("-", "hadamard") else prep.replace("residual", f"residual ({kind})")
+        name = f"{label} + {rounding} {k}" if rounding else f"{label} float"
         row = dict(variant=name, k=k if rounding else None, seed=seed if "residual" in prep else None,
                    **judge.score(), **info)
         rows.append(dict(row, seconds=round(time.perf_counter() - start, 1)))
