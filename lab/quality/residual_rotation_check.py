@@ -15,6 +15,7 @@ unrotated model over the first ``--tokens`` tokens of kbit.eval.judges.lee_text(
   input rotated too (what the fused silu_mul kernel could do online), simulated the same way;
 - rounding ``rtn`` (kbit.eval.methods.fake_quant) or, with ``--gptq``, ``gptq`` (the study's one-pass GPTQ with
   Hessians of the prepared float model on ``--calib-batches`` x 512 tokens from token 40000 of the same text);
+- diagnostics (``--preps fold,fold + online rot``): the norms folded as rotate_residual does, no residual R;
 - ``residual float``: rotate_residual alone (KL ~ 0: the float function is unchanged);
 - ``--kinds hadamard,orthogonal``: the residual rows for each kind of R (``residual (orthogonal)``: a dense random
   orthogonal R mixing all H channels; the Hadamard mixes blocks of the largest power of two dividing H, 64 here).
@@ -42,6 +43,20 @@ from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.hf.generate import load_default_model
 
 PREPS = ("plain", "online rot", "residual", "residual + down online")
+FOLD_PREPS = ("fold", "fold + online rot")  # diagnostics (--preps): the norm folding alone, no residual R
+
+
+@torch.no_grad()
+def fold_norms(model) -> None:
+    """Fold every decoder RMSNorm weight into the Linears reading its output and set it to one (Llama layout):
+    rotate_residual's first step without its rotation."""
+    for layer in model.model.layers:
+        for norm, readers in ((layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
+                              (layer.post_attention_layernorm, ("gate_proj", "up_proj"))):
+            for r in readers:
+                block = layer.self_attn if r in ("q_proj", "k_proj", "v_proj") else layer.mlp
+                getattr(block, r).weight.mul_(norm.weight)
+            norm.weight.fill_(1.0)
 
 
 def targets_of(model) -> dict[str, nn.Linear]:
@@ -61,11 +76,13 @@ def variant(base, prep: str, rounding: str | None, k: int, seed: int, kind: str,
         info = dict(block=report.block, head_block=report.head_block, untied_bytes=report.untied_bytes,
                     incoherence_before=round(report.incoherence_before, 4),
                     incoherence_after=round(report.incoherence_after, 4))
+    elif prep.startswith("fold"):
+        fold_norms(model)
     if rounding is None:
         return model.eval(), info
     targets = targets_of(model)
     hessians = collect_hessians(model, targets, calib) if rounding == "gptq" else None
-    online = {n for n in targets if prep == "online rot" or (prep.endswith("down online") and "down_proj" in n)}
+    online = {n for n in targets if prep.endswith("online rot") or (prep.endswith("down online") and "down_proj" in n)}
     for rotated in (False, True):  # the study's methods: rtn, rot, gptq, rot+gptq
         part = {n: m for n, m in targets.items() if (n in online) == rotated}
         method = ("rot+gptq" if rotated else "gptq") if rounding == "gptq" else ("rot" if rotated else "rtn")
@@ -96,6 +113,8 @@ def main() -> int:
     judge = Judge(base, ids[: a.tokens], a.window)
     seeds = [int(s) for s in a.seeds.split(",")]
     kinds, preps = a.kinds.split(","), a.preps.split(",")
+    if set(preps) - set(PREPS + FOLD_PREPS):
+        p.error(f"--preps: expected some of {PREPS + FOLD_PREPS}, got {preps}")
     runs = [(prep, kind, s) for prep in preps for kind in (kinds if "residual" in prep else ["-"])
             for s in (seeds if "residual" in prep else [0])]
     plan = [("residual", None, 0, kind, s) for kind in kinds for s in seeds]
