@@ -85,9 +85,11 @@ def decode_step(args):
     config.num_hidden_layers = args.layers
     model = bench_e2e.build_kbit(config, "cuda", k=args.k, fuse_proj=True)
     plain, rot = module_sets(model)  # before any decoder repacks (weight() reads the canonical layout)
-    times, profiles = {"unrotated": [], "rotated": []}, {}
+    # quantize_model(rotation="residual"): the residual stream rotated offline, only down_proj rotated online
+    residual = {key: (rot if key[1] == "mlp.down_proj" else plain)[key] for key in plain}
+    times, profiles = {"unrotated": [], "rotated": [], "residual": []}, {}
     for rnd in range(2):
-        for name, mods in (("unrotated", plain), ("rotated", rot)):
+        for name, mods in (("unrotated", plain), ("rotated", rot), ("residual", residual)):
             use(model, mods)
             prof = None
             if args.profile and rnd == 1 and args.out:  # kbit.bench.step_profile's table, files beside the log
@@ -106,6 +108,9 @@ def decode_step(args):
     per_layer = (r - u) / args.layers
     log(f"\nstep: unrotated {u:.4f} ms, rotated {r:.4f} ms: {1e3 * (r - u):+.1f} us ({100 * (r - u) / u:+.2f}%); "
         f"{1e3 * per_layer:+.2f} us a layer")
+    res = statistics.median(times["residual"])
+    log(f"step: residual (only down_proj rotated online) {res:.4f} ms: {1e3 * (res - u):+.1f} us "
+        f"({100 * (res - u) / u:+.2f}%); {1e3 * (res - u) / args.layers:+.2f} us a layer")
     if args.layers != 32:  # the step also reads lm_head (1 GB in bf16): scale the added time, not the fraction
         log(f"a 32-layer step would add {1e3 * 32 * per_layer:.1f} us: divide by bench_e2e's llama3-8b k = {args.k} "
             "batch-1 step for the fraction")

@@ -173,8 +173,14 @@ def test_fuse_group_needs_one_rotation():
 
 
 # ------------------------------------------------------------------------------------------ GPU
+def residual_kbit_llama(k=4, device="cpu", dtype=torch.float32):
+    """``quantize_model(rotation="residual")``: the residual stream rotated offline, only down_proj online."""
+    model = llama(vocab=256, hidden=256, inter=1536)
+    return quantize_model(model, k=k, progress=False, rotation="residual").to(device, dtype)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["float", "kbit"])
+@pytest.mark.parametrize("variant", ["float", "kbit", "residual"])
 def test_gpu_rotated_step(variant):
     """bf16 on CUDA: the fast step in CUDA graphs equals its eager run, and the rotated model's fast step follows
     the unrotated reference (float: the unrotated model's fast step; kbit: the model's own forward)."""
@@ -183,7 +189,8 @@ def test_gpu_rotated_step(variant):
         model = rotate_float_model(plain, head_seed=5)
         _, ref_l, _ = fast_greedy(plain, torch.tensor(PROMPT, device="cuda"), 8, graph=True)
     else:
-        model = rotated_kbit_llama(device="cuda", dtype=torch.bfloat16)
+        build = rotated_kbit_llama if variant == "kbit" else residual_kbit_llama
+        model = build(device="cuda", dtype=torch.bfloat16)
         _, ref_l = dynamic_greedy(model, torch.tensor(PROMPT, device="cuda"), 8)
     ids = torch.tensor(PROMPT, device="cuda")
     eager_t, eager_l, _ = fast_greedy(model, ids, 8)

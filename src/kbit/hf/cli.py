@@ -25,8 +25,7 @@ from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
-from kbit.hf.quantize_model import quantize_model, save_quantized
-from kbit.ops.quantize import ROTATIONS
+from kbit.hf.quantize_model import MODEL_ROTATIONS, quantize_model, save_quantized
 
 #: Files copied from the source folder next to the checkpoint (those that exist): the tokenizer of every
 #: common family (fast and slow), its chat template, and the generation config.
@@ -54,8 +53,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", type=_override, action="append", default=[],
                    help="PATTERN=JSON per-module settings, e.g. 'down_proj={\"k\": 4}'; PATTERN alone skips it")
     p.add_argument("--encoder", action="store_true", help="load with AutoModel instead of AutoModelForCausalLM")
-    p.add_argument("--rotation", choices=ROTATIONS, default=None,
-                   help="quantize rotated weights (randomized Hadamard along K; the layers rotate their inputs)")
+    p.add_argument("--rotation", choices=MODEL_ROTATIONS, default=None,
+                   help="hadamard: quantize rotated weights (randomized Hadamard along K; the layers rotate their "
+                        "inputs); residual: rotate the residual stream offline first (only down_proj rotates "
+                        "its input)")
     p.add_argument("--seed", type=int, default=0, help="seed of the rotation's random signs")
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "

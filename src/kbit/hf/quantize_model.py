@@ -6,7 +6,10 @@ Which modules are quantized comes from the table in :mod:`kbit.hf.models` (by ``
 (``lm_head``).
 
 ``rotation="hadamard"`` quantizes every weight rotated along K (``kbit.quantize``; one rotation per input width
-and seed, so the q/k/v and gate/up groups share theirs); ``calibration`` rounds the decoder layers' Linears with
+and seed, so the q/k/v and gate/up groups share theirs), each layer rotating its input online;
+``rotation="residual"`` rotates the model's residual stream once, offline (``kbit.calibrate.rotate_residual``), so
+only down_proj rotates its input online (in the fast decode step: inside the SiLU * up kernel);
+``calibration`` rounds the decoder layers' Linears with
 GPTQ on Hessians from a little text, layer by layer (:mod:`kbit.hf.calibration`).
 """
 
@@ -15,7 +18,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
+from kbit.calibrate.residual import rotate_residual
+from kbit.format import codebooks
+from kbit.format.spec import (
+    DEFAULT_BLOCKSIZE,
+    DEFAULT_K,
+    DEFAULT_SCALE_FORMAT,
+    KbitWeight,
+    check_blocksize,
+    check_k,
+    check_scale_format,
+)
 from kbit.hf.calibration import calibrate_planned
 from kbit.hf.checkpoint import load_quantized, save_quantized
 from kbit.hf.experts import KbitExperts
@@ -24,10 +37,12 @@ from kbit.nn import KbitLinear
 from kbit.ops.quantize import ROTATIONS, quantize
 from kbit.utils.checks import check_int, fail
 
-__all__ = ["JOINT_GROUPS", "load_quantized", "plan", "quantize_model", "save_quantized"]
+__all__ = ["JOINT_GROUPS", "MODEL_ROTATIONS", "load_quantized", "plan", "quantize_model", "save_quantized"]
 OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation", "skip")
 #: the format keys of a planned module (``kbit.quantize``'s arguments)
 FORMAT_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation")
+#: ``quantize_model(rotation=)``: a rotation of every weight (``kbit.ops.quantize.ROTATIONS``), or "residual"
+MODEL_ROTATIONS = (*ROTATIONS, "residual")
 
 
 def _overrides(overrides) -> list[tuple[str, dict]]:
@@ -120,10 +135,15 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     device : where to quantize and keep the new modules (``"cuda"``: each float weight is copied there, quantized
         and dropped, so the device holds the k-bit modules plus one float weight at a time); ``None``: each
         weight's own device. The rest of the model is not moved.
-    rotation : ``None`` or ``"hadamard"``: every weight quantized as ``W R`` (``kbit.quantize``), its
-        ``KbitLinear`` rotating its input; an override may set ``"rotation"`` per module. One rotation per input
-        width and ``seed``, so q/k/v and gate/up (one input each) share one. Fused MoE experts are refused
-        (override them with ``{"rotation": None}``).
+    rotation : ``None``, ``"hadamard"`` or ``"residual"``. ``"hadamard"``: every weight quantized as ``W R``
+        (``kbit.quantize``), its ``KbitLinear`` rotating its input; an override may set ``"rotation"`` per
+        module. One rotation per input width and ``seed``, so q/k/v and gate/up (one input each) share one. Fused
+        MoE experts are refused (override them with ``{"rotation": None}``). ``"residual"``: first
+        ``kbit.calibrate.rotate_residual(model, seed)`` (the float model's norms folded and its residual stream
+        rotated: the same function, flatter weights; a tied lm_head is untied), then every weight quantized as it
+        is but the Linears whose input the residual rotation cannot reach (down_proj), which get ``"hadamard"``
+        (fused experts stay unrotated). Supported families: ``kbit.calibrate.residual.FAMILIES``; checked before
+        anything changes.
     seed : the seed of the rotations' random signs.
     calibration : ``None`` (round to nearest), or text (a str or a list of str; ``tokenizer`` makes it
         :data:`kbit.hf.calibration.SEQ_LEN`-token windows, at most :data:`kbit.hf.calibration.BATCHES`) or
@@ -136,7 +156,8 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
         ``config._name_or_path``, local files only).
 
     All or nothing (without ``calibration``): every planned module is quantized into a new module first and
-    swapped in only when all succeeded, so an error leaves ``model`` as it was.
+    swapped in only when all succeeded, so an error leaves ``model`` as it was (with ``rotation="residual"``: its
+    float weights rotated, the same function).
 
     Returns
     -------
@@ -147,8 +168,17 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()  # doctest: +SKIP
     >>> kbit.quantize_model(model, k=4, overrides={r"down_proj": {"k": 5}})  # doctest: +SKIP
     """
-    todo = plan(model, k, blocksize, codebook, scale_format, overrides, include, rotation)
+    if rotation is not None and rotation not in MODEL_ROTATIONS:
+        fail(ValueError, "rotation", f"None or one of {MODEL_ROTATIONS}", repr(rotation))
+    residual = rotation == "residual"
+    todo = plan(model, k, blocksize, codebook, scale_format, overrides, include, None if residual else rotation)
     check_int("seed", seed, minimum=0)
+    if residual:  # the formats, then (rotate_residual) the whole model are checked before any weight changes
+        for cfg in todo.values():
+            check_format(cfg)
+        for name in rotate_residual(model, seed=seed).online_inputs:
+            if name in todo and todo[name]["kind"] == "linear":
+                todo[name]["rotation"] = "hadamard"
     groups = _joint_groups(model, todo) if joint else {}
     bar = _progress(len(todo), progress)
     try:
@@ -162,6 +192,13 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     for name, module in new.items():  # nothing above changed the model: now swap everything in
         model.set_submodule(name, module)
     return model
+
+
+def check_format(cfg: dict) -> None:
+    """A planned module's format as ``kbit.quantize`` checks it (ValueError / TypeError naming the argument)."""
+    k, blocksize = check_k(cfg["k"]), check_blocksize(cfg["blocksize"])
+    check_scale_format(cfg["scale_format"])
+    codebooks.resolve(cfg["codebook"], k, blocksize)
 
 
 def _quantize_all(model: nn.Module, todo: dict, groups: dict, seed: int, device, bar) -> dict[str, nn.Module]:
