@@ -20,20 +20,13 @@ from torch import nn
 
 from kbit.calibrate.residual import rotate_residual
 from kbit.format import codebooks
-from kbit.format.spec import (
-    DEFAULT_BLOCKSIZE,
-    DEFAULT_K,
-    DEFAULT_SCALE_FORMAT,
-    KbitWeight,
-    check_blocksize,
-    check_k,
-    check_scale_format,
-)
+from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
 from kbit.hf.calibration import calibrate_planned
 from kbit.hf.checkpoint import load_quantized, save_quantized
 from kbit.hf.experts import KbitExperts
 from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
+from kbit.ops._checks import check_format
 from kbit.ops.quantize import ROTATIONS, quantize
 from kbit.utils.checks import check_int, fail
 
@@ -175,7 +168,7 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     check_int("seed", seed, minimum=0)
     if residual:  # the formats, then (rotate_residual) the whole model are checked before any weight changes
         for cfg in todo.values():
-            check_format(cfg)
+            _check_planned(cfg)
         for name in rotate_residual(model, seed=seed).online_inputs:
             if name in todo and todo[name]["kind"] == "linear":
                 todo[name]["rotation"] = "hadamard"
@@ -194,11 +187,10 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     return model
 
 
-def check_format(cfg: dict) -> None:
+def _check_planned(cfg: dict) -> None:
     """A planned module's format as ``kbit.quantize`` checks it (ValueError / TypeError naming the argument)."""
-    k, blocksize = check_k(cfg["k"]), check_blocksize(cfg["blocksize"])
-    check_scale_format(cfg["scale_format"])
-    codebooks.resolve(cfg["codebook"], k, blocksize)
+    check_format(cfg["k"], cfg["blocksize"], cfg["scale_format"])
+    codebooks.resolve(cfg["codebook"], cfg["k"], cfg["blocksize"])
 
 
 def _quantize_all(model: nn.Module, todo: dict, groups: dict, seed: int, device, bar) -> dict[str, nn.Module]:
