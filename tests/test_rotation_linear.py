@@ -139,6 +139,7 @@ def test_rotated_weight_file_round_trip(tmp_path):
 @pytest.mark.parametrize("K", [4096, 5120, 2880])
 def test_gpu_rotated_layer_paths(dtype, K):
     """GEMV (M = 1), mid-M (7, 64) and large-M (300) paths, canonical and repacked, eager and in a CUDA graph."""
+    torch._dynamo.reset()  # one compile per M below; the cases of a worker would pass dynamo's recompile limit
     torch.manual_seed(0)
     lin = nn.Linear(K, 512, device="cuda", dtype=dtype)
     q = KbitLinear.from_linear(lin, k=3, rotation="hadamard", seed=1)
