@@ -184,3 +184,17 @@ def test_save_pretrained_round_trip(case, tmp_path):
     assert torch.equal(logits(back), want)
     with pytest.raises(ValueError, match="rotated already"):
         rotate_residual(back)
+
+
+def test_rotated_model_quantizes_like_any_model():
+    from kbit.hf import quantize_model
+    from kbit.nn import KbitLinear
+
+    model = tiny("qwen3", torch.float32)
+    rotate_residual(model)
+    float_logits = logits(model)
+    quantize_model(model, k=5, progress=False)
+    assert isinstance(model.model.layers[0].self_attn.o_proj, KbitLinear)
+    got = logits(model)
+    assert torch.isfinite(got).all()
+    assert float((got - float_logits).norm() / float_logits.norm()) < 0.1  # 5-bit rounding (~0.05 here either way)

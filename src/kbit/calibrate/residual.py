@@ -25,7 +25,11 @@ Supported families and what differs between them are :data:`FAMILIES`; anything 
 changes. Gemma3's sandwich norms (``post_attention_layernorm`` / ``post_feedforward_layernorm``, on the output of
 o_proj / down_proj before the residual add) commute with ``R`` only when their weight is one constant (``RMSNorm(y R)
 diag(c) = RMSNorm(y) diag(c) R`` needs ``diag(c)`` to commute with ``R``): a model whose post norms are not constant
-is refused, which is every trained Gemma3 checkpoint seen so far.
+is refused: Gemma-3-270M's are not (layer 0's post_attention_layernorm weight runs from -1.0 to 51.5), so trained
+Gemma3 checkpoints are refused; tiny random ones (post norms initialised to zero) are rotated.
+
+Measured on SmolLM2 (``benchmarks/results/cpu/residual-rotation-smollm2-2026-11-26.md``): followed by RTN the
+rotation loses quality (mostly through the norm folding); followed by GPTQ it gains (k = 3 KL 1.01 -> 0.58).
 """
 
 from __future__ import annotations
