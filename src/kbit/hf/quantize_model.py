@@ -15,6 +15,8 @@ GPTQ on Hessians from a little text, layer by layer (:mod:`kbit.hf.calibration`)
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -27,7 +29,7 @@ from kbit.hf.experts import KbitExperts
 from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
 from kbit.ops._checks import check_format
-from kbit.ops.quantize import ROTATIONS, quantize
+from kbit.ops.quantize import ROTATIONS, KbitQualityWarning, quantize
 from kbit.utils.checks import check_int, fail
 
 __all__ = ["JOINT_GROUPS", "MODEL_ROTATIONS", "load_quantized", "plan", "quantize_model", "save_quantized"]
@@ -169,6 +171,11 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     if residual:  # the formats, then (rotate_residual) the whole model are checked before any weight changes
         for cfg in todo.values():
             _check_planned(cfg)
+        if calibration is None:
+            warnings.warn("rotation='residual' with round-to-nearest: folding the norms into the weights made "
+                          "rounding lose more than no rotation at all (benchmarks/results/cpu/residual-rotation-"
+                          "smollm2-2026-11-26.md); pass calibration= (GPTQ), with which it helps",
+                          KbitQualityWarning, stacklevel=2)
         for name in rotate_residual(model, seed=seed).online_inputs:
             if name in todo and todo[name]["kind"] == "linear":
                 todo[name]["rotation"] = "hadamard"
