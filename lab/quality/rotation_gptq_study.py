@@ -215,6 +215,20 @@ def _commit() -> str:
         return "unknown"
 
 
+def _save(a, argv, judge, linears, base, rows, t0) -> None:
+    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+              "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
+              "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
+              "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
+              "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
+              "quantized_linears": linears, "scales": a.scales, "damp": a.damp,
+              "hessians": "sequential" if a.sequential else "unquantized model, one pass",
+              "baseline": base, "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", choices=MODELS)
@@ -263,18 +277,9 @@ def main(argv=None) -> int:
             rows.append({"k": k, "method": method, "codebook": codebook, "bits": k + 0.25, **m,
                          "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
-              "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
-              "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
-              "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
-              "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
-              "quantized_linears": len(targets), "scales": a.scales, "damp": a.damp,
-              "hessians": "sequential" if a.sequential else "unquantized model, one pass",
-              "baseline": base, "rows": rows,
-              "seconds": round(time.perf_counter() - t0, 1)}
+            if a.out is not None:  # after every row, so a run stopped early keeps what it measured
+                _save(a, argv, judge, len(targets), base, rows, t0)
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.out}")
     return 0
 
