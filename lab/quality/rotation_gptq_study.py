@@ -189,16 +189,23 @@ def apply(model, targets, method, k, codebook, calib, hessians, a):
             lin.weight.data = rtn_weight(lin.weight.data, k, codebook, rotate)
         return
     if not a.sequential:
-        # the same projection of every layer as one stack: one GPTQ loop for all of them
+        # the same projection of every layer as one stack: one GPTQ loop for all of them; a stack is cut into
+        # chunks so that GPTQ's float64 Hessian factors (about four K x K matrices each) stay under --stack-gb
+        # (the whole stack of Qwen2.5-0.5B's 24 down_proj, K = 4864, took 24 GB). Each matrix of a stack is
+        # rounded on its own, so the chunking does not change the result.
         groups: dict = {}
         for n in targets:
             groups.setdefault(n.split(".", 1)[1], []).append(n)
-        for names in groups.values():
-            W = torch.stack([targets[n].weight.data for n in names])
-            H = torch.stack([hessians[n] for n in names])
-            W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
-            for n, w in zip(names, W_hat, strict=True):
-                targets[n].weight.data = w.clone()
+        for all_names in groups.values():
+            K = targets[all_names[0]].in_features
+            chunk = max(1, int(a.stack_gb * 2**30) // (4 * 8 * K * K))
+            for i in range(0, len(all_names), chunk):
+                names = all_names[i:i + chunk]
+                W = torch.stack([targets[n].weight.data for n in names])
+                H = torch.stack([hessians[n] for n in names])
+                W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
+                for n, w in zip(names, W_hat, strict=True):
+                    targets[n].weight.data = w.clone()
         return
 
     def fn(_name, lin, H):
@@ -222,7 +229,8 @@ def _save(a, argv, judge, linears, base, rows, t0) -> None:
               "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
               "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
               "quantized_linears": linears, "scales": a.scales, "damp": a.damp,
-              "hessians": "sequential" if a.sequential else "unquantized model, one pass",
+              "hessians": "sequential" if a.sequential else "unquantized model, one pass"
+              if any("gptq" in m for m in a.methods.split(",")) else "none (no GPTQ method)",
               "baseline": base, "rows": rows,
               "seconds": round(time.perf_counter() - t0, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--sequential", action="store_true",
                    help="GPTQ's layer-by-layer Hessians with quantized predecessors (default: one pass on the "
                         "unquantized model, shared by every k and method)")
+    p.add_argument("--stack-gb", type=float, default=2.0,
+                   help="memory for GPTQ's float64 factors of one stack of projections (no effect on results)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-batches", type=int, default=16)
@@ -261,7 +271,8 @@ def main(argv=None) -> int:
     targets = {f"{i}.{n}": m for i, layer in enumerate(layers) for n, m in layer.named_modules()
                if isinstance(m, nn.Linear)}
     original = {n: m.weight.data.clone() for n, m in targets.items()}
-    hessians = None if a.sequential else collect_hessians(model, targets, calib)
+    gptq = any("gptq" in m for m in a.methods.split(","))
+    hessians = collect_hessians(model, targets, calib) if gptq and not a.sequential else None
     base = judge.baseline()
     print(f"{a.model}: {len(targets)} linears, {judge.windows.numel()} tokens, baseline {base}, "
           f"{time.perf_counter() - t0:.0f}s", flush=True)
