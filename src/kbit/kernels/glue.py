@@ -41,13 +41,9 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stride_ro, H, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < H
-    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
-    _pdl_enter(PDL)
+def _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES: tl.constexpr):
+    """Row ``row``'s residual add (``r = x + res``, stored to ``ResOut``) and ``r * rsqrt(mean(r^2) + eps)``, rounded
+    to x's dtype as transformers rounds (returned in float32, before the norm weight)."""
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
@@ -55,7 +51,18 @@ def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stri
         tl.store(ResOut + row * stride_ro + offs, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    h = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    return (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stride_ro, H, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
+    _pdl_enter(PDL)
+    h = _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
     tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=ok)
 
 
@@ -70,14 +77,7 @@ def add_rms_norm_rot_kernel(X, Res, W, Signs, Y, ResOut, stride_x, stride_r, str
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # weight and signs: no dependency, before the wait
     s = tl.load(Signs + offs, mask=ok, other=0).to(tl.float32)
     _pdl_enter(PDL)
-    x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
-    if HAS_RES:
-        r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(ResOut + row * stride_ro + offs, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    h = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    h = _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
     y = (w * h).to(Y.dtype.element_ty).to(tl.float32)  # what the unrotated kernel stores
     y = hadamard_butterflies(y * s, BLOCK, LOG_B) * scale
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
