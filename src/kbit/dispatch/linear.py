@@ -134,8 +134,8 @@ CPU_WEIGHTS = TensorCache(max_entries=4096)
 
 def cpu_product_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The dtype the CPU path multiplies in for inputs of ``x_dtype``: bfloat16 for bfloat16 (oneDNN's bf16 GEMM
-    accumulates in float32 and reads half the bytes: 2-2.5x faster than float32 at M = 1..512 on an AVX512-BF16
-    CPU, ``docs/notes``), else float32 (float16 GEMM on the CPU measured 4-10x slower than float32 from M = 4)."""
+    accumulates in float32 and reads half the bytes: 1.9-2.5x faster than float32 at M = 1..512 on an AVX512-BF16
+    CPU, ``docs/notes``), else float32 (float16 GEMM on the CPU measured 1.1-4.8x slower than float32 from M = 4)."""
     return torch.bfloat16 if x_dtype == torch.bfloat16 else torch.float32
 
 

@@ -33,7 +33,7 @@ def _sm_count(index: int) -> int:
 @functools.cache
 def cpu_decode_dtype() -> torch.dtype:
     """The dtype a model decodes in fastest on this CPU: bfloat16 where the CPU multiplies bfloat16 natively
-    (AVX512-BF16 or AMX, and oneDNN takes bf16: half the bytes of float32; SmolLM2-135M decoded 1.3-1.5x faster in
+    (AVX512-BF16 or AMX, and oneDNN takes bf16: half the bytes of float32; SmolLM2-135M decoded 1.2-1.5x faster in
     bfloat16 than in float32 on 2 AVX512-BF16 cores, ``docs/notes``), else float32 (bfloat16 is emulated there)."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
