@@ -88,17 +88,23 @@ def _rotation_signs(rotation, signs, width, device, name):
     return check_rotation(rotation, signs, width, device, name)
 
 
-def _norm_launch(x, residual, weight, eps):
+def _norm_launch(x, residual, weight, eps, signs=None, block=0):
+    """The (residual add +) RMSNorm kernel; with ``signs``, the one storing the row times the rotation of blocks of
+    ``block`` (``add_rms_norm_rot_kernel``)."""
     R, H = x.shape
-    xd = _up(x)
-    rd = _up(residual)
+    xd, rd = _up(x), _up(residual)
+    rs = rd if rd is not None else xd
     y = torch.empty_like(xd)
     r_out = torch.empty_like(xd) if residual is not None else y
-    block = triton.next_power_of_2(H)
-    _k.add_rms_norm_kernel[(R,)](
-        xd, rd if rd is not None else xd, _up(weight), y, r_out,
-        xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=max(1, min(16, block // 256)), **launch_kw(x.device))
+    width = triton.next_power_of_2(H)
+    rows = (xd.stride(0), rs.stride(0), y.stride(0), r_out.stride(0), H, float(eps))
+    kw = dict(HAS_RES=residual is not None, BLOCK=width, num_warps=max(1, min(16, width // 256)),
+              **launch_kw(x.device))
+    if signs is None:
+        _k.add_rms_norm_kernel[(R,)](xd, rs, _up(weight), y, r_out, *rows, **kw)
+    else:
+        _k.add_rms_norm_rot_kernel[(R,)](xd, rs, _up(weight), signs, y, r_out, *rows, block ** -0.5,
+                                         LOG_B=block.bit_length() - 1, **kw)
     return y.to(x.dtype), r_out.to(x.dtype)
 
 
@@ -127,27 +133,12 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def _norm_rot_launch(x, residual, weight, eps, signs, block):
-    R, H = x.shape
-    xd = _up(x)
-    rd = _up(residual)
-    y = torch.empty_like(xd)
-    r_out = torch.empty_like(xd) if residual is not None else y
-    width = triton.next_power_of_2(H)
-    _k.add_rms_norm_rot_kernel[(R,)](
-        xd, rd if rd is not None else xd, _up(weight), signs, y, r_out,
-        xd.stride(0), (rd if rd is not None else xd).stride(0), y.stride(0), r_out.stride(0), H, float(eps),
-        block ** -0.5, HAS_RES=residual is not None, BLOCK=width, LOG_B=block.bit_length() - 1,
-        num_warps=max(1, min(16, width // 256)), **launch_kw(x.device))
-    return y.to(x.dtype), r_out.to(x.dtype)
-
-
 @torch.library.custom_op("kbit::rms_norm_rotated", mutates_args=())
 def _rms_norm_rot_op(x: torch.Tensor, weight: torch.Tensor, eps: float, signs: torch.Tensor,
                      block: int) -> torch.Tensor:
     if not _use_triton(x):
         return hadamard_reference(rms_norm_reference(x, weight, eps)[0], signs, block)
-    return _norm_rot_launch(x, None, weight, eps, signs, block)[0]
+    return _norm_launch(x, None, weight, eps, signs, block)[0]
 
 
 @_rms_norm_rot_op.register_fake
@@ -161,7 +152,7 @@ def _add_rms_norm_rot_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.
     if not _use_triton(x):
         y, r = rms_norm_reference(x, weight, eps, residual)
         return hadamard_reference(y, signs, block), r
-    return _norm_rot_launch(x, residual, weight, eps, signs, block)
+    return _norm_launch(x, residual, weight, eps, signs, block)
 
 
 @_add_rms_norm_rot_op.register_fake
