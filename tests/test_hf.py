@@ -161,6 +161,40 @@ def test_load_does_not_build_float_linear_weights(tmp_path, monkeypatch):
     assert torch.equal(out(loaded, ids()), out(model, ids()))
 
 
+@pytest.mark.parametrize("model_type, kwargs", [
+    ("llama", dict(k=3, overrides={r"lm_head": {"k": 5}})),  # tied embeddings, head quantized
+    ("qwen3", dict(k=4, rotation="hadamard", seed=3)),
+    ("qwen3_moe", dict(k=4, overrides={r"down_proj": {"k": 5}})),
+])
+def test_quantize_model_then_save_pretrained_round_trip(model_type, kwargs, tmp_path):
+    """A model quantized by quantize_model saves with transformers' own save_pretrained, as one loaded with
+    KbitConfig does, and from_pretrained / load_quantized read it back bit-exact."""
+    model = tiny(model_type)
+    assert getattr(model, "hf_quantizer", None) is None
+    quantize_model(model, progress=False, **kwargs)
+    assert model.hf_quantizer is not None and model.config.quantization_config.modules
+    x = ids()
+    want = out(model, x)
+    model.save_pretrained(tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "kbit" and qc["k"] == kwargs["k"]
+    assert set(qc["modules"]) == {n for n, m in model.named_modules() if isinstance(m, (KbitLinear, KbitExperts))}
+    for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), load_quantized(tmp_path)):
+        assert torch.equal(out(loaded, x), want)
+    save_quantized(model, tmp_path / "kbit")  # kbit's own writer agrees on the config
+    again = json.loads((tmp_path / "kbit" / "config.json").read_text())["quantization_config"]
+    assert again["modules"] == qc["modules"]
+
+
+def test_quantize_model_twice_keeps_one_config():
+    model = tiny("qwen3")
+    quantize_model(model, k=4, include=[r"o_proj"], progress=False)
+    first = model.config.quantization_config
+    quantize_model(model, k=5, include=[r"down_proj"], progress=False)
+    assert model.config.quantization_config is first
+    assert {m["k"] for m in first.modules.values()} == {4, 5}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_moe_experts_quantized_and_round_trip(model_type, tmp_path):
     model = tiny(model_type)

@@ -192,8 +192,10 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
         config.quantization_config = quantization_config_for(model, table)
         config.architectures = [type(model).__name__]
         emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
-        if _head_is_quantized(model) and old_tie and getattr(getattr(emb, "weight", None), "numel", int)() > 0:
-            config.tie_word_embeddings = False  # the k-bit lm_head and the float embedding are two tensors now
+        if _head_is_quantized(model) and getattr(emb, "weight", None) is not None:
+            # an emptied embedding (kbit generate's checkpoints) can only come back from the k-bit head, which a
+            # tied config tells the loader; a kept one is a second tensor now (quantize_model untied the config)
+            config.tie_word_embeddings = emb.weight.numel() == 0
         try:
             config.save_pretrained(tmp)
         finally:
@@ -219,12 +221,14 @@ def _head_is_quantized(model: nn.Module) -> bool:
 
 def untie_quantized_head(model: nn.Module) -> None:
     """After ``lm_head`` of a model with tied embeddings was quantized: the two are separate tensors, so the config
-    says so (transformers would otherwise tie them again on load, over the k-bit module)."""
+    says so (transformers would otherwise tie them again on load, over the k-bit module). ``model._kbit_tied_head``
+    remembers that they were tied: ``kbit.hf.generate.save_checkpoint`` then stores the embedding as the k-bit head."""
     if not _head_is_quantized(model):
         return
     for cfg in {id(c): c for c in (model.config, getattr(model.config, "get_text_config", lambda: None)())
                 if c is not None}.values():
         if getattr(cfg, "tie_word_embeddings", False):
+            model._kbit_tied_head = True
             cfg.tie_word_embeddings = False
     tied = getattr(model, "all_tied_weights_keys", None)
     if isinstance(tied, dict):

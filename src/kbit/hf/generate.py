@@ -215,7 +215,8 @@ def save_checkpoint(model, directory, tokenizer=None) -> Path:
     by dequantizing ``lm_head`` (the tied weight in k bits; for SmolLM2-135M ~56 MB less than bf16)."""
     directory = Path(directory)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and isinstance(head, KbitLinear)
+    tied = isinstance(head, KbitLinear) and (bool(getattr(model.config, "tie_word_embeddings", False))
+                                             or getattr(model, "_kbit_tied_head", False))  # untie_quantized_head
     if tied:
         full = emb.weight
         emb.weight = torch.nn.Parameter(full.new_empty(0), requires_grad=False)  # not saved

@@ -24,7 +24,8 @@ from kbit.calibrate.residual import rotate_residual
 from kbit.format import codebooks
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
 from kbit.hf.calibration import calibrate_planned
-from kbit.hf.checkpoint import load_quantized, save_quantized
+from kbit.hf.checkpoint import load_quantized, module_table, save_quantized, untie_quantized_head
+from kbit.hf.config import KbitConfig, quantization_config_for
 from kbit.hf.experts import KbitExperts
 from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
@@ -191,7 +192,35 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
             bar.close()
     for name, module in new.items():  # nothing above changed the model: now swap everything in
         model.set_submodule(name, module)
+    _attach_quantizer(model)
     return model
+
+
+def _attach_quantizer(model: nn.Module) -> None:
+    """Make a transformers model quantized here what loading with :class:`KbitConfig` makes it: its config gets
+    ``quantization_config`` (with the module table) and the model transformers' quantizer of it, so that
+    ``model.save_pretrained`` writes a kbit checkpoint (without the quantizer, transformers would try to save the
+    modules' format dicts as tensors). Called again on a model loaded through
+    :class:`KbitConfig`, it only refreshes the module table of that config."""
+    try:  # transformers is optional: a plain nn.Module has no save_pretrained to serve
+        from transformers import PreTrainedModel
+        from transformers.quantizers import AutoHfQuantizer
+    except ImportError:
+        return
+    if not isinstance(model, PreTrainedModel):
+        return
+    untie_quantized_head(model)
+    table = module_table(model)
+    if not table:
+        return
+    qc = getattr(model.config, "quantization_config", None)
+    if not isinstance(qc, KbitConfig):
+        settings = quantization_config_for(model, table)
+        qc = KbitConfig(**{key: v for key, v in settings.items() if key != "quant_method"})
+        model.config.quantization_config = qc
+    qc.modules = table
+    if getattr(model, "hf_quantizer", None) is None:
+        model.hf_quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=True)
 
 
 def _check_planned(cfg: dict) -> None:
