@@ -20,6 +20,7 @@ from kbit.nn import KbitLinear
 from kbit.parallel import (
     ALLREDUCE_TABLE,
     LLAMA_PLAN,
+    PACKED_LLAMA_PLAN,
     AllReduceConfig,
     ColumnParallelKbitLinear,
     RowParallelKbitLinear,
@@ -382,22 +383,24 @@ def test_packed_ranges_and_shards():
         split_rows(qw, (1, 2))
 
 
-def _check_packed(rank, world):
+def _check_packed(rank, world, backend, dtype, rtol):
+    dev = _device(backend)
     torch.manual_seed(9)
     parts = (96, 32, 32)  # q, k, v widths: every part split on its own
     qw = kbit.quantize(torch.randn(sum(parts), 200), k=4, blocksize=32)
     bias = torch.randn(sum(parts))
     x = torch.randn(3, 200, dtype=torch.float64)
     ref = x @ dequantize_reference(qw, torch.float64).T + bias.double()
-    lin = KbitLinear.from_weight(qw, bias, torch.float32)
+    lin = KbitLinear.from_weight(qw.to(dev), bias, dtype)
     lin.packed_parts = parts
     col = ColumnParallelKbitLinear.from_linear(lin, parts="packed")
     assert col.local_parts == [48, 16, 16] and col.ranges == packed_ranges(parts, rank, world, 16)
-    y = col(x.float()).double()
+    xd = x.to(dev, dtype)
+    y = col(xd).double().cpu()
     want = torch.cat([ref[:, a:b] for a, b in col.ranges], dim=-1)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=rtol, atol=rtol * ref.abs().max().item())
     col.gather_output = True
-    torch.testing.assert_close(col(x.float()).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(col(xd).double().cpu(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
     halves = ColumnParallelKbitLinear.from_linear(KbitLinear.from_weight(qw, None, torch.float32), parts="packed")
     assert halves.parts == (80, 80)
     with pytest.raises(ValueError, match="parts: expected None, 'packed' or a tuple"):
@@ -407,7 +410,66 @@ def _check_packed(rank, world):
 
 
 def test_packed_columns_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_packed)
+    _spawn(tmp_path, _check_packed, "gloo", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_columns_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_packed, "nccl", torch.bfloat16, 2e-2, backend="nccl")
+
+
+class _PackedBlock(nn.Module):
+    """A block with q/k/v and gate/up packed (the names of PACKED_LLAMA_PLAN)."""
+
+    def __init__(self, hidden=200, width=128, kv=64, inter=330):
+        super().__init__()
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+        self.parts = (width, kv, kv)
+        self.self_attn.qkv_proj = nn.Linear(hidden, width + 2 * kv, bias=False)
+        self.self_attn.o_proj = nn.Linear(width, hidden, bias=True)
+        self.mlp.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        a = self.self_attn
+        parts = getattr(a.qkv_proj, "local_parts", None) or a.qkv_proj.packed_parts
+        q, k, v = a.qkv_proj(x).split(list(parts), dim=-1)
+        g = q.shape[-1] // k.shape[-1]  # query heads a KV head: whole heads on every rank
+        x = x + a.o_proj(q * torch.sigmoid(k).repeat_interleave(g, -1) + v.repeat_interleave(g, -1))
+        gate, up = self.mlp.gate_up_proj(x).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(nn.functional.silu(gate) * up)
+
+
+def _check_packed_stack(rank, world):
+    torch.manual_seed(4)
+    model = nn.Sequential()
+    model.layers = nn.ModuleList(_PackedBlock() for _ in range(2))
+    for block in model.layers:
+        for parent, name in ((block.self_attn, "qkv_proj"), (block.self_attn, "o_proj"), (block.mlp, "gate_up_proj"),
+                             (block.mlp, "down_proj")):
+            setattr(parent, name, KbitLinear.from_linear(getattr(parent, name), k=4, blocksize=32))
+        block.self_attn.qkv_proj.packed_parts = block.parts
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(1))
+
+    def run(m):
+        y = x
+        for block in m.layers:
+            y = block(y)
+        return y
+
+    with torch.no_grad():
+        want = run(model)
+        replaced = parallelize_kbit(model, PACKED_LLAMA_PLAN)
+        assert len(replaced) == 8 and replaced["layers.0.mlp.gate_up_proj"] == "packed_colwise"
+        assert model.layers[0].mlp.gate_up_proj.local_parts == [(192, 138)[rank]] * 2
+        got = run(model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_stack_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_packed_stack)
 
 
 # -- the all-reduce: choice by message size, symmetric memory against NCCL -------------------------------------
