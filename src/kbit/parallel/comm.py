@@ -44,8 +44,10 @@ __all__ = ["ALLREDUCE_TABLE", "METHODS", "AllReduceConfig", "all_reduce_sum", "a
 #: ways to sum a tensor over the group
 METHODS = ("nccl", "one_shot", "two_shot")
 
-#: the symmetric-memory ops each method needs (``torch.ops.symm_mem``)
-_OPS = {"one_shot": ("one_shot_all_reduce_copy_out",), "two_shot": ("two_shot_all_reduce_out",)}
+#: the ``torch.ops.symm_mem`` ops a method runs on, the first present of each list (one-shot copies the partial
+#: product into the buffer inside its kernel where this torch has ``_copy_out``, else in a copy of its own)
+_OPS = {"one_shot": (("one_shot_all_reduce_copy_out", "one_shot_all_reduce_out"),),
+        "two_shot": (("two_shot_all_reduce_out",),)}
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def symm_mem_missing(method: str) -> list[str]:
     """The ``torch.ops.symm_mem`` ops ``method`` needs that this torch lacks ([] for NCCL)."""
     check_choice("method", method, METHODS)
     ops = getattr(torch.ops, "symm_mem", None) if symm_mem is not None else None
-    return [op for op in _OPS.get(method, ()) if ops is None or not hasattr(ops, op)]
+    return [" or ".join(names) for names in _OPS.get(method, ())
+            if ops is None or not any(hasattr(ops, n) for n in names)]
 
 
 def _group_name(group) -> str:
@@ -187,7 +190,10 @@ def all_reduce_sum(y: torch.Tensor, group=None, config: AllReduceConfig | None =
 
 def _symm_all_reduce(y: torch.Tensor, view: torch.Tensor, method: str, name: str) -> torch.Tensor:
     out = torch.empty_like(y)
-    if method == "one_shot":
-        return torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, y, "sum", name, out)
+    ops = torch.ops.symm_mem
+    if method == "one_shot" and hasattr(ops, "one_shot_all_reduce_copy_out"):
+        return ops.one_shot_all_reduce_copy_out(view, y, "sum", name, out)
     view.copy_(y)
-    return torch.ops.symm_mem.two_shot_all_reduce_out(view, "sum", name, out)
+    if method == "one_shot":
+        return ops.one_shot_all_reduce_out(view, "sum", name, out)
+    return ops.two_shot_all_reduce_out(view, "sum", name, out)
