@@ -5,7 +5,8 @@ tp_check stack on one GPU and at TP = 2, by kernel family and by kernel, against
     torchrun --nproc-per-node 2 lab/parallel/tp_profile.py --layers 32 --batches 1 --comm nccl --top 25
 
 "busy" is the sum of kernel times a step; "step" the replay's wall time (CUDA events), so ``step - busy`` is
-time the GPU of rank 0 waited (launch gaps inside the graph, the peer in a collective's barrier). The all-reduce
+time the GPU of rank 0 waited (launch gaps inside the graph, the peer in a collective's barrier). One block's
+kernels are also listed in order with the gap before each. The all-reduce
 rows include the wait for the slower rank. Families: kbit GEMV kernels, all-reduce (NCCL or symmetric memory),
 glue (norms, SiLU * up, the attention stand-in, copies).
 """
@@ -53,8 +54,8 @@ def graph_of(fn):
     return g
 
 
-def kernel_times(fn, steps: int) -> dict[str, tuple[float, float]]:
-    """{kernel name: (calls a step, us a step)} over ``steps`` replays of ``fn``'s graph on this rank."""
+def profile_step(fn, steps: int):
+    """Device events (kernels, copies) of ``steps`` replays of ``fn``'s graph on this rank, in start order."""
     g = graph_of(fn)
     dist.barrier()
     torch.cuda.synchronize()
@@ -62,14 +63,31 @@ def kernel_times(fn, steps: int) -> dict[str, tuple[float, float]]:
         for _ in range(steps):
             g.replay()
         torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def kernel_times(events, steps: int) -> dict[str, tuple[float, float]]:
+    """{kernel name: (calls a step, us a step)}."""
     out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = e.time_range.elapsed_us()  # a device event's own span (kernel, memcpy, memset)
+    for e in events:
         out[e.name][0] += 1 / steps
-        out[e.name][1] += t / steps
+        out[e.name][1] += e.time_range.elapsed_us() / steps  # a device event's own span
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def one_block(events, steps: int, layers: int) -> list[tuple[str, float, float]]:
+    """(name, us, gap before it in us) of the kernels of the second block of the last replay: the kernels of a
+    step are the same each replay, ``layers`` blocks of the same sequence (the first block's norm differs)."""
+    n = len(events) // steps
+    last = events[-n:]
+    per = n // layers
+    block = last[per:2 * per]
+    out, prev = [], last[per - 1].time_range.end
+    for e in block:
+        out.append((e.name, e.time_range.elapsed_us(), e.time_range.start - prev))
+        prev = e.time_range.end
+    return out
 
 
 def main():
@@ -99,7 +117,8 @@ def main():
             x = torch.randn(batch, HIDDEN, device=device, dtype=torch.bfloat16)
             for label, model in (("one GPU", whole), (f"TP={world}", tp)):
                 step = step_ms(lambda x=x, m=model: m(x), True) * 1000
-                kt = kernel_times(lambda x=x, m=model: m(x), args.steps)
+                events = profile_step(lambda x=x, m=model: m(x), args.steps)
+                kt = kernel_times(events, args.steps)
                 fam: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
                 for name, (calls, us) in kt.items():
                     fam[family(name)][0] += calls
@@ -111,6 +130,9 @@ def main():
                 say("| kernel | calls/step | us/step | us/call |\n|---|---|---|---|")
                 for name, (calls, us) in sorted(kt.items(), key=lambda kv: -kv[1][1])[:args.top]:
                     say(f"| {name[:90]} | {calls:.0f} | {us:.1f} | {us / max(calls, 1e-9):.2f} |")
+                say("one block's kernels in order (us, gap before it us): " + "; ".join(
+                    f"{family(nm)}:{nm[:28]} {us:.1f} (+{gap:.1f})" for nm, us, gap in one_block(events, args.steps,
+                                                                                               args.layers)))
     say("\n| batch | config | step us | busy us | kbit GEMV us (n) | all-reduce us (n) | glue us (n) |"
         "\n|---|---|---|---|---|---|---|")
     for batch, label, step, busy, fam in summary:
