@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         for name, lin in layers.items():
             setattr(self, name, lin)
 
-    def forward(self, x):
+    def forward(self, x, partial=False):
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).split(_parts(self.qkv_proj), dim=-1)
         else:
@@ -86,7 +88,8 @@ class Attention(nn.Module):
         # k * v of its KV head, heads whole on every rank, so a shard computes its heads' part exactly
         b, w = k.shape
         d = self.head_dim
-        return self.o_proj((q.view(b, w // d, -1, d) * (k * v).view(b, w // d, 1, d)).view(b, -1))
+        z = (q.view(b, w // d, -1, d) * (k * v).view(b, w // d, 1, d)).view(b, -1)
+        return self.o_proj.partial(z) if partial else self.o_proj(z)
 
 
 class MLP(nn.Module):
@@ -95,12 +98,13 @@ class MLP(nn.Module):
         for name, lin in layers.items():
             setattr(self, name, lin)
 
-    def forward(self, x):
+    def forward(self, x, partial=False):
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).split(_parts(self.gate_up_proj), dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(_silu_mul(gate, up))
+        z = _silu_mul(gate, up)
+        return self.down_proj.partial(z) if partial else self.down_proj(z)
 
 
 class Block(nn.Module):
@@ -111,13 +115,19 @@ class Block(nn.Module):
         self.register_buffer("norm1", torch.ones(hidden, dtype=torch.bfloat16, device=device))
         self.register_buffer("norm2", torch.ones(hidden, dtype=torch.bfloat16, device=device))
 
-    def forward(self, delta, res):
-        h, res = _norm(delta, res, self.norm1)
-        h, res = _norm(self.self_attn(h), res, self.norm2)
-        return self.mlp(h), res
+    def forward(self, delta, res, fuse=None):
+        """``fuse`` (TP only): ``(partial, res, w, eps) -> (h, r)``, the all-reduce of the row-parallel layers'
+        partial products fused into the residual add + RMSNorm that reads them (``delta`` is then a partial)."""
+        h, res = _norm(delta, res, self.norm1) if fuse is None or delta is None else fuse(delta, res, self.norm1, EPS)
+        a = self.self_attn(h, partial=fuse is not None)
+        h, res = _norm(a, res, self.norm2) if fuse is None else fuse(a, res, self.norm2, EPS)
+        return self.mlp(h, partial=fuse is not None), res
 
 
 class Stack(nn.Module):
+    #: see Block.forward; set on the TP copy to time the fused all-reduce + norm
+    fuse = None
+
     def __init__(self, blocks):
         super().__init__()
         self.layers = nn.ModuleList(blocks)
@@ -125,7 +135,9 @@ class Stack(nn.Module):
     def forward(self, x):
         delta, res = None, x
         for layer in self.layers:
-            delta, res = layer(delta, res)
+            delta, res = layer(delta, res, self.fuse)
+        if self.fuse is not None:
+            delta = parallel_linear.all_reduce_sum(delta)
         return res + delta
 
 
@@ -213,11 +225,16 @@ def step_ms(fn, graph: bool, iters: int = 20, reps: int = 15) -> float:
     return t.item()
 
 
-def set_comm(model: nn.Module, comm: str, max_bytes: int):
+def set_comm(model: nn.Module, comm: str, max_bytes: int, fused=None):
     """Pin the all-reduce of every row-parallel layer: ``auto`` (the table), ``nccl``, ``one_shot``, ``two_shot``;
-    ``none`` replaces it by nothing (wrong sums: timing only). Returns the function to restore."""
+    ``none`` replaces it by nothing (wrong sums: timing only); ``fused`` runs the stack with ``fused`` (the
+    all-reduce inside the next residual add + RMSNorm, lab/parallel/fused_ar_norm.py). Returns the function to
+    restore."""
     configs = {"auto": None, "nccl": AllReduceConfig(), "one_shot": AllReduceConfig(one_shot_max_bytes=max_bytes),
-               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes), "none": None}
+               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes), "none": None, "fused": None}
+    if comm == "fused":
+        model.fuse = fused
+        return lambda: setattr(model, "fuse", None)
     for m in model.modules():
         if isinstance(m, RowParallelKbitLinear):
             m.comm = configs[comm]
@@ -233,18 +250,27 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return err.item()
 
 
-def check(whole, tp, ref, batches, d, device, say) -> bool:
+def check(whole, tp, ref, batches, d, device, say, comms, fused) -> bool:
+    """One GPU and TP (with each all-reduce of ``comms`` but ``none``) against the float64 reference."""
     ok = True
-    say("| batch | max abs(one GPU - f64) / max abs(f64) | max abs(TP - f64) / ... | TP / one GPU | "
-        "max abs(TP - one GPU) / ... |\n|---|---|---|---|---|")
+    say("| batch | TP all-reduce | max abs(one GPU - f64) / max abs(f64) | max abs(TP - f64) / ... | TP / one GPU | "
+        "max abs(TP - one GPU) / ... |\n|---|---|---|---|---|---|")
+    max_bytes = max(batches) * d["hidden"] * 2
     for batch in batches:
         gx = torch.Generator(device=device).manual_seed(batch)
         x = torch.randn(batch, d["hidden"], device=device, generator=gx).to(whole.layers[0].norm1.dtype)
         want = ref(x.double())
-        one, got = whole(x), tp(x)
-        e1, e2, e12 = rel_err(one, want), rel_err(got, want), rel_err(got, one.double())
-        ok &= e2 <= 1.5 * e1 + 1e-6
-        say(f"| {batch} | {e1:.2e} | {e2:.2e} | {e2 / max(e1, 1e-30):.2f} | {e12:.2e} |")
+        one = whole(x)
+        e1 = rel_err(one, want)
+        for c in [c for c in comms if c != "none"]:
+            restore = set_comm(tp, c, max_bytes, fused)
+            try:
+                got = tp(x)
+            finally:
+                restore()
+            e2, e12 = rel_err(got, want), rel_err(got, one.double())
+            ok &= e2 <= 1.5 * e1 + 1e-6
+            say(f"| {batch} | {c} | {e1:.2e} | {e2:.2e} | {e2 / max(e1, 1e-30):.2f} | {e12:.2e} |")
     return ok
 
 
@@ -255,7 +281,8 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--layout", choices=("packed", "separate"), default="packed")
     p.add_argument("--comms", nargs="+", default=["auto", "nccl", "none"],
-                   choices=("auto", "nccl", "one_shot", "two_shot", "none"), help="all-reduces to time TP with")
+                   choices=("auto", "nccl", "one_shot", "two_shot", "none", "fused"),
+                   help="all-reduces to time TP with (fused: lab/parallel/fused_ar_norm.py's kernel, also checked)")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-graph", action="store_true")
@@ -279,10 +306,21 @@ def main():
     say(f"TP={world}, {args.layers} Llama-3-8B-shaped blocks (/{args.shrink}) at k={args.k}, layout {args.layout} "
         f"({len(replaced) // args.layers} k-bit layers a block): rank 0 holds {held:.1f} MiB of "
         f"{sum(b.numel() * b.element_size() for b in whole.buffers()) / 2**20:.1f} MiB")
+    if args.cpu:
+        args.comms = [c for c in args.comms if c in ("auto", "nccl", "fused")]  # gloo: the others need CUDA
+    fused = None
+    if "fused" in args.comms and args.cpu:  # the same sums in two steps (checks the stack's fused path)
+        def fused(p, r, w, eps):
+            return _norm(parallel_linear.all_reduce_sum(p), r, w)
+    elif "fused" in args.comms:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/parallel/fused_ar_norm.py: CUDA only
+        from fused_ar_norm import FusedAllReduceNorm
+
+        fused = FusedAllReduceNorm(max(args.batches), d["hidden"], device)
     ok = True
     with torch.no_grad():
         if not args.no_check:
-            ok = check(whole, tp, f64_twin(whole), args.batches, d, device, say)
+            ok = check(whole, tp, f64_twin(whole), args.batches, d, device, say, args.comms, fused)
             say("correct (TP within 1.5x the one-GPU error against float64)" if ok else
                 "WRONG: TP's error against float64 exceeds 1.5x the one-GPU error")
         if not args.no_timing:
@@ -295,7 +333,7 @@ def main():
                 t1 = step_ms(lambda x=x: whole(x), not args.no_graph)
                 ts = []
                 for c in args.comms:
-                    restore = set_comm(tp, c, max_bytes)
+                    restore = set_comm(tp, c, max_bytes, fused)
                     try:
                         ts.append(step_ms(lambda x=x: tp(x), not args.no_graph))
                     finally:

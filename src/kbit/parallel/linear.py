@@ -215,14 +215,19 @@ class RowParallelKbitLinear(nn.Module):
                                input_is_parallel=input_is_parallel, unit=unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x)
+        if self.world > 1:
+            y = all_reduce_sum(y, self.group, self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``x[..., start:stop] @ W[:, start:stop].T``: no all-reduce, no bias. For a
+        caller that fuses the sum over the group into the kernel that reads it next (then adds ``bias``)."""
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 fail(ValueError, "x", f"last dimension {self.in_features} (the full input)", x.shape[-1])
             x = x[..., self.start:self.stop].contiguous()  # the kernels read rows of x as dense vectors
-        y = self.shard(x)
-        if self.world > 1:
-            y = all_reduce_sum(y, self.group, self.comm)
-        return y if self.bias is None else y + self.bias
+        return self.shard(x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, columns={self.start}:"
