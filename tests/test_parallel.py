@@ -505,6 +505,12 @@ def _check_allreduce_fallback(rank, world):
     row.comm = eager
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
     assert row(x).shape == (2, 8)
+    # the un-reduced partial products add up to the layer's output (a caller may fuse that sum)
+    part = row.partial(x)
+    summed = part.clone()
+    dist.all_reduce(summed)
+    torch.testing.assert_close(summed, row(x), rtol=0, atol=0)
+    assert not torch.equal(part, summed)
 
 
 def test_allreduce_fallback_two_ranks(tmp_path):
