@@ -28,7 +28,7 @@ import triton.language as tl
 from kbit.ops.glue import add_rms_norm
 from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
 
-SPIN_LIMIT = 1 << 24  # polls of one wait (far longer than any peer takes); then the kernel gives up
+SPIN_LIMIT = 1 << 18  # polls of one wait (well under a second; a peer takes microseconds); then the kernel gives up
 
 
 @triton.jit
@@ -175,7 +175,9 @@ def main():
         ok &= bool(good.item())
         t_nccl = graph_us(lambda: unfused(AllReduceConfig()), args.calls, args.reps)
         t_one = graph_us(lambda: unfused(one_shot), args.calls, args.reps)
-        t_fused = graph_us(lambda x=x, res=res, w=w: fused(x, res, w, eps), args.calls, args.reps)
+        t_fused = float("nan")  # not timed where wrong: a broken barrier spins to its limit at every call
+        if good.item():
+            t_fused = graph_us(lambda x=x, res=res, w=w: fused(x, res, w, eps), args.calls, args.reps)
         verdict = "yes" if good.item() else "WRONG"
         say(f"| {b} | {t_nccl:.1f} | {t_one:.1f} | {t_fused:.1f} | {dh:.1e} / {dr:.1e} | {verdict} |")
     say("fused kernel correct" if ok else "WRONG: the fused kernel differs from all-reduce + add_rms_norm")
