@@ -80,9 +80,8 @@ class AllReduceConfig:
 
 #: (gpu key of ``kbit.tuning.tables.gpu_key``, world size) -> config; other keys use ``("generic", world)``, then
 #: NCCL only. Measure a GPU with ``lab/parallel/allreduce_bench.py`` and add its "proposed row".
-#: h200 x 2 (torch 2.11, CUDA graphs, bf16 [batch, 4096]; 2026-11-26, tpcomm 7b0abfa): one-shot 7.3 / 8.3 / 11.3 /
-#: 15.2 us at 8 / 128 / 512 / 1024 KiB against NCCL's 9.5 / 10.3 / 13.1 / 17.0; two-shot fastest at 2 MiB (19.5 us,
-#: NCCL 29.6). The generic bound is lower: PyTorch's note has one-shot beat NCCL below about 400 KB on 8 x H100.
+#: The h200 row is that script's on 2 x H200 (torch 2.11): one-shot the fastest up to 1 MiB, two-shot at 2 MiB.
+#: The generic bound is lower: PyTorch's note has one-shot beat NCCL below about 400 KB on 8 x H100.
 ALLREDUCE_TABLE: dict[tuple[str, int], AllReduceConfig] = {
     ("h200", 2): AllReduceConfig(one_shot_max_bytes=1024 * 1024, two_shot_max_bytes=2048 * 1024),
     ("generic", 2): AllReduceConfig(one_shot_max_bytes=256 * 1024),
