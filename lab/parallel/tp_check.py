@@ -225,22 +225,26 @@ def step_ms(fn, graph: bool, iters: int = 20, reps: int = 15) -> float:
     return t.item()
 
 
-def set_comm(model: nn.Module, comm: str, max_bytes: int, fused=None):
+def set_comm(model: nn.Module, comm: str, max_bytes: int, extras: dict | None = None):
     """Pin the all-reduce of every row-parallel layer: ``auto`` (the table), ``nccl``, ``one_shot``, ``two_shot``;
-    ``none`` replaces it by nothing (wrong sums: timing only); ``fused`` runs the stack with ``fused`` (the
-    all-reduce inside the next residual add + RMSNorm, lab/parallel/fused_ar_norm.py). Returns the function to
-    restore."""
+    ``none`` replaces it by nothing (wrong sums: timing only); ``fused`` runs the stack with ``extras["fused"]``
+    (the all-reduce inside the next residual add + RMSNorm, lab/parallel/fused_ar_norm.py); ``lamport`` sums with
+    ``extras["lamport"]`` (lab/parallel/lamport_ar.py). Returns the function to restore."""
     configs = {"auto": None, "nccl": AllReduceConfig(), "one_shot": AllReduceConfig(one_shot_max_bytes=max_bytes),
-               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes), "none": None, "fused": None}
+               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes)}
     if comm == "fused":
-        model.fuse = fused
+        model.fuse = extras["fused"]
         return lambda: setattr(model, "fuse", None)
     for m in model.modules():
         if isinstance(m, RowParallelKbitLinear):
-            m.comm = configs[comm]
+            m.comm = configs.get(comm)
     real = parallel_linear.all_reduce_sum
     if comm == "none":
         parallel_linear.all_reduce_sum = lambda y, group=None, config=None: y
+    elif comm == "lamport":
+        lam = extras["lamport"]
+        parallel_linear.all_reduce_sum = lambda y, group=None, config=None: lam(y) if y.numel() <= lam.max_n else \
+            real(y, group, config)
     return lambda: setattr(parallel_linear, "all_reduce_sum", real)
 
 
@@ -250,7 +254,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return err.item()
 
 
-def check(whole, tp, ref, batches, d, device, say, comms, fused) -> bool:
+def check(whole, tp, ref, batches, d, device, say, comms, extras) -> bool:
     """One GPU and TP (with each all-reduce of ``comms`` but ``none``) against the float64 reference."""
     ok = True
     say("| batch | TP all-reduce | max abs(one GPU - f64) / max abs(f64) | max abs(TP - f64) / ... | TP / one GPU | "
@@ -263,7 +267,7 @@ def check(whole, tp, ref, batches, d, device, say, comms, fused) -> bool:
         one = whole(x)
         e1 = rel_err(one, want)
         for c in [c for c in comms if c != "none"]:
-            restore = set_comm(tp, c, max_bytes, fused)
+            restore = set_comm(tp, c, max_bytes, extras)
             try:
                 got = tp(x)
             finally:
@@ -281,8 +285,8 @@ def main():
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--layout", choices=("packed", "separate"), default="packed")
     p.add_argument("--comms", nargs="+", default=["auto", "nccl", "none"],
-                   choices=("auto", "nccl", "one_shot", "two_shot", "none", "fused"),
-                   help="all-reduces to time TP with (fused: lab/parallel/fused_ar_norm.py's kernel, also checked)")
+                   choices=("auto", "nccl", "one_shot", "two_shot", "none", "fused", "lamport"),
+                   help="all-reduces to time TP with (fused, lamport: the lab/parallel experiments; checked too)")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-graph", action="store_true")
@@ -308,19 +312,24 @@ def main():
         f"{sum(b.numel() * b.element_size() for b in whole.buffers()) / 2**20:.1f} MiB")
     if args.cpu:
         args.comms = [c for c in args.comms if c in ("auto", "nccl", "fused")]  # gloo: the others need CUDA
-    fused = None
+    extras = {}
     if "fused" in args.comms and args.cpu:  # the same sums in two steps (checks the stack's fused path)
         def fused(p, r, w, eps):
             return _norm(parallel_linear.all_reduce_sum(p), r, w)
-    elif "fused" in args.comms:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/parallel/fused_ar_norm.py: CUDA only
+        extras["fused"] = fused
+    elif {"fused", "lamport"} & set(args.comms):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the lab/parallel experiments: CUDA only
         from fused_ar_norm import FusedAllReduceNorm
+        from lamport_ar import LamportAllReduce
 
-        fused = FusedAllReduceNorm(max(args.batches), d["hidden"], device)
+        if "fused" in args.comms:
+            extras["fused"] = FusedAllReduceNorm(max(args.batches), d["hidden"], device)
+        if "lamport" in args.comms:
+            extras["lamport"] = LamportAllReduce(max(args.batches) * d["hidden"], device)
     ok = True
     with torch.no_grad():
         if not args.no_check:
-            ok = check(whole, tp, f64_twin(whole), args.batches, d, device, say, args.comms, fused)
+            ok = check(whole, tp, f64_twin(whole), args.batches, d, device, say, args.comms, extras)
             say("correct (TP within 1.5x the one-GPU error against float64)" if ok else
                 "WRONG: TP's error against float64 exceeds 1.5x the one-GPU error")
         if not args.no_timing:
@@ -333,7 +342,7 @@ def main():
                 t1 = step_ms(lambda x=x: whole(x), not args.no_graph)
                 ts = []
                 for c in args.comms:
-                    restore = set_comm(tp, c, max_bytes, fused)
+                    restore = set_comm(tp, c, max_bytes, extras)
                     try:
                         ts.append(step_ms(lambda x=x: tp(x), not args.no_graph))
                     finally:
