@@ -46,12 +46,18 @@ def _check_linear(name: str, linear) -> KbitLinear:
 def gather_last_dim(y: torch.Tensor, sizes: list[int], group=None) -> torch.Tensor:
     """All-gather ``y [..., sizes[rank]]`` from every rank and concatenate along the last dimension.
 
-    Shards of unequal width are padded to the widest for the collective (``all_gather`` moves equal sizes)."""
+    One ``all_gather_into_tensor`` into ``[world, ..., max(sizes)]``; shards of unequal width are padded to the
+    widest for the collective (it moves equal sizes)."""
     width = max(sizes)
-    padded = torch.nn.functional.pad(y, (0, width - y.shape[-1])).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[..., :s] for p, s in zip(parts, sizes, strict=True)], dim=-1)
+    if y.shape[-1] != width:
+        y = torch.nn.functional.pad(y, (0, width - y.shape[-1]))
+    y = y.contiguous()
+    flat = y.new_empty(len(sizes) * y.numel())  # concatenated along dim 0: the form every backend takes
+    dist.all_gather_into_tensor(flat, y.reshape(-1), group=group)
+    out = flat.view(len(sizes), *y.shape)
+    if all(s == width for s in sizes):  # [world, ..., width] -> [..., world * width]: one copy
+        return out.movedim(0, -2).reshape(*y.shape[:-1], len(sizes) * width)
+    return torch.cat([out[r, ..., :s] for r, s in enumerate(sizes)], dim=-1)
 
 
 class ColumnParallelKbitLinear(nn.Module):
