@@ -17,6 +17,7 @@ from torch import nn
 import kbit
 from kbit.format.reference import dequantize_reference
 from kbit.nn import KbitLinear
+from kbit.ops.allreduce import LamportBuffer, all_reduce_reference, lamport_all_reduce
 from kbit.parallel import (
     ALLREDUCE_TABLE,
     LLAMA_PLAN,
@@ -482,6 +483,13 @@ def test_allreduce_config_choice():
     assert c.buffer_bytes == 4096
     assert AllReduceConfig().method(1) == "nccl"
     assert AllReduceConfig(two_shot_max_bytes=100).method(50) == "two_shot"
+    lam = AllReduceConfig(lamport_max_bytes=512, one_shot_max_bytes=1024)
+    assert [lam.method(256), lam.method(256, torch.float32), lam.method(1000)] == ["lamport", "one_shot", "one_shot"]
+    assert ALLREDUCE_TABLE[("h200", 2)].lamport_max_bytes > 0
+    with pytest.raises(ValueError, match=r"lamport_max_bytes: expected an int in \[0, inf\], got -2"):
+        AllReduceConfig(lamport_max_bytes=-2)
+    with pytest.raises(ValueError, match="device: expected a CUDA device"):
+        LamportBuffer(100, "cpu")
     with pytest.raises(ValueError, match=r"one_shot_max_bytes: expected an int in \[0, inf\], got -1"):
         AllReduceConfig(one_shot_max_bytes=-1)
     assert allreduce_config("cpu", 2) == AllReduceConfig()  # no symmetric memory off CUDA
@@ -492,9 +500,10 @@ def test_allreduce_config_choice():
 
 def _check_allreduce_fallback(rank, world):
     y = torch.full((4, 100), float(rank + 1))
-    eager = AllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
+    eager = AllReduceConfig(lamport_max_bytes=1 << 10, one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
     assert choose_method(y, None, eager) == "nccl"  # gloo and CPU tensors: NCCL's path (the backend's all_reduce)
-    for method in (None, "one_shot", "two_shot", "nccl"):
+    assert choose_method(y.bfloat16(), None, eager) == "nccl"
+    for method in (None, "one_shot", "two_shot", "lamport", "nccl"):
         out = all_reduce_sum(y.clone(), None, eager, method)
         assert torch.equal(out, torch.full((4, 100), 3.0)), method
     with pytest.raises(TypeError, match="y: expected a torch.Tensor, got list"):
@@ -520,7 +529,8 @@ def test_allreduce_fallback_two_ranks(tmp_path):
 def _check_symm(rank, world):
     dev = _device("nccl")
     cfg = AllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
-    assert choose_method(torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)) == "one_shot"
+    # the table's choice at batch 1: Lamport where measured (h200), else one-shot
+    assert choose_method(torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)) in ("lamport", "one_shot")
     assert choose_method(torch.empty(1, 3, dtype=torch.bfloat16, device=dev), None, cfg) == "nccl"  # 6 bytes
     for shape, dtype in (((1, 4096), torch.bfloat16), ((64, 4096), torch.bfloat16), ((3, 100), torch.bfloat16),
                          ((5, 36), torch.float32), ((1, 3), torch.bfloat16)):
@@ -528,7 +538,7 @@ def _check_symm(rank, world):
         x = torch.randn(shape, device=dev, generator=g).to(dtype)
         want = x.clone()
         dist.all_reduce(want)
-        for method in ("one_shot", "two_shot"):
+        for method in ("one_shot", "two_shot", "lamport"):
             got = all_reduce_sum(x.clone(), None, cfg, method)
             torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=f"{method} {shape} {dtype}")
             # in a CUDA graph: new data in the captured input, summed again
@@ -549,6 +559,43 @@ def _check_symm(rank, world):
     want = row(x)
     row.comm = cfg
     torch.testing.assert_close(row(x), want, rtol=1e-2, atol=1e-2)
+
+
+def _check_lamport(rank, world):
+    """The barrier-free all-reduce equals NCCL's bf16 sum bit for bit: sizes that change from call to call, -0.0 in
+    the payload, and replays of a CUDA graph of several calls (the slots and call counters cycle on the device)."""
+    dev = _device("nccl")
+    buf = LamportBuffer(64 * 4096, dev)
+    sizes = [4096, 100, 64 * 4096, 8, 3 * 4096]
+    for rep in range(3):
+        for n in sizes:
+            x = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(rank * 1000 + n + rep))
+            x = x.to(torch.bfloat16)
+            x[::7] = -0.0
+            assert torch.equal(lamport_all_reduce(x, buf), all_reduce_reference(x)), (n, rep)
+    xs = [torch.zeros(n, dtype=torch.bfloat16, device=dev) for n in sizes]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [lamport_all_reduce(x, buf) for x in xs]
+    for rep in range(4):
+        for x in xs:
+            x.copy_(torch.randn(x.numel(), device=dev, generator=torch.Generator(device=dev).manual_seed(
+                rep * 7 + x.numel() + 100 * rank)).to(torch.bfloat16))
+        wants = [all_reduce_reference(x) for x in xs]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w) for o, w in zip(outs, wants, strict=True)), rep
+    with pytest.raises(ValueError, match=r"y: expected at most 262144 elements"):
+        lamport_all_reduce(torch.zeros(64 * 4096 + 1, dtype=torch.bfloat16, device=dev), buf)
+    with pytest.raises(TypeError, match="y: expected dtype torch.bfloat16"):
+        lamport_all_reduce(torch.zeros(8, device=dev), buf)
+
+
+@pytest.mark.gpu
+def test_lamport_all_reduce_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_lamport, backend="nccl")
 
 
 @pytest.mark.gpu

@@ -1,17 +1,13 @@
-"""Experiment: a barrier-free one-shot all-reduce for decode-sized messages ("Lamport" style: the data carries its
-own arrival flag), against NCCL and PyTorch's symmetric-memory one-shot, in CUDA graphs.
+"""The barrier-free one-shot all-reduce (``kbit.ops.allreduce``, "Lamport" style: the data carries its own arrival
+flag) against NCCL and PyTorch's symmetric-memory one-shot, in CUDA graphs, with a bit-for-bit check against NCCL.
 
     torchrun --nproc-per-node 2 lab/parallel/lamport_ar.py
     torchrun --nproc-per-node 2 lab/parallel/lamport_ar.py --batches 1 16 64 --hidden 4096
 
 PyTorch's one-shot kernel meets its peers twice through signal pads (before loading their buffers and after),
-each a round trip over NVLink. Here every rank stores its partial product straight into each peer's buffer
-(remote stores) and polls its own buffer until no element still holds the sentinel (bf16 -0.0; a payload's -0.0
-is sent as +0.0, the same number), sums, and clears the slot of the call before for reuse. Three slots in turn:
-during call c a peer may write slots c and c + 1 of this rank's buffer, never c - 1 (it needs this rank's
-data of c + 1 first), so that one is cleared. Each of the P programs keeps its own call counter and last size in
-device memory, so CUDA-graph replays go on counting. Every poll is bounded (``SPIN_LIMIT``): a broken protocol
-prints WRONG, not a hang.
+each a round trip over NVLink; the Lamport kernel stores its partial product straight into each peer's buffer and
+polls its own (see kbit.kernels.allreduce). The check: varying sizes, -0.0 in the payload, eager calls and replays
+of a CUDA graph of several calls, each sum equal to NCCL's.
 """
 
 from __future__ import annotations
@@ -21,80 +17,20 @@ import statistics
 
 import torch
 import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
-import triton
-import triton.language as tl
 
+from kbit.ops.allreduce import LamportBuffer, all_reduce_reference, lamport_all_reduce
 from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
-
-SENTINEL = tl.constexpr(-32768)  # bf16 -0.0 as int16 bits
-SPIN_LIMIT = 1 << 18
-PROGRAMS, BLOCK = 16, 2048  # programs a call (fixed: their counters must advance together), elements a chunk
-
-
-@triton.jit
-def _lamport(x, bufs, out, state, n, max_n, limit, rank: tl.constexpr, world: tl.constexpr, P: tl.constexpr,
-             BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    call = tl.load(state + pid)
-    prev_n = tl.load(state + P + pid)
-    slot = call % 3
-    old = (call + 2) % 3  # the slot of the call before: no peer writes it now
-    ptrs = bufs.to(tl.pointer_type(tl.uint64))
-    mine = tl.multiple_of(tl.load(ptrs + rank).to(tl.pointer_type(tl.int16)), 16)
-    offs = tl.arange(0, BLOCK)
-    # 1. this rank's partial product into every peer's buffer (region `rank` of slot `slot`)
-    for start in range(pid * BLOCK, n, P * BLOCK):
-        m = start + offs < n
-        v = tl.load(x.to(tl.pointer_type(tl.int16)) + start + offs, mask=m, other=0)
-        v = tl.where(v == SENTINEL, 0, v)  # -0.0 -> +0.0: the sentinel never travels as data
-        for peer in tl.static_range(world):
-            if peer != rank:
-                theirs = tl.multiple_of(tl.load(ptrs + peer).to(tl.pointer_type(tl.int16)), 16)
-                tl.store(theirs + (slot * world + rank) * max_n + start + offs, v, mask=m)
-    # 2. wait for every peer's data in this rank's buffer, sum with this rank's own
-    for start in range(pid * BLOCK, n, P * BLOCK):
-        m = start + offs < n
-        acc = tl.load(x + start + offs, mask=m, other=0.0).to(tl.float32)
-        for peer in tl.static_range(world):
-            if peer != rank:
-                src = mine + (slot * world + peer) * max_n + start + offs
-                v = tl.load(src, mask=m, other=0, volatile=True)
-                k = 0
-                while (tl.max(((v == SENTINEL) & m).to(tl.int32), axis=0) != 0) & (k < limit):
-                    v = tl.load(src, mask=m, other=0, volatile=True)
-                    k += 1
-                acc += v.to(tl.bfloat16, bitcast=True).to(tl.float32)
-        tl.store(out + start + offs, acc.to(tl.bfloat16), mask=m)
-    # 3. clear the slot of the call before (this rank's buffer, every peer's region), then count this call
-    for start in range(pid * BLOCK, prev_n, P * BLOCK):  # whole chunks (max_n is a multiple of BLOCK)
-        for peer in tl.static_range(world):
-            if peer != rank:
-                tl.store(mine + (old * world + peer) * max_n + start + offs, tl.full([BLOCK], SENTINEL, tl.int16))
-    tl.store(state + pid, call + 1)
-    tl.store(state + P + pid, n)
 
 
 class LamportAllReduce:
-    """Sum of a bf16 tensor of at most ``max_numel`` elements over the group, one launch, no barrier."""
+    """``lamport_all_reduce`` on a buffer of ``max_numel`` elements for the default group."""
 
-    def __init__(self, max_numel: int, device, group=None):
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.max_n = -(-max_numel // BLOCK) * BLOCK
-        self.buf = symm_mem.empty(3 * self.world * self.max_n, dtype=torch.int16, device=device)
-        self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
-        self.buf.fill_(SENTINEL.value)
-        self.state = torch.zeros(2 * PROGRAMS, dtype=torch.int32, device=device)  # call counters, last sizes
-        torch.cuda.synchronize(device)
-        dist.barrier(self.group)  # every buffer holds sentinels before any peer writes into it
+    def __init__(self, max_numel: int, device):
+        self.buffer = LamportBuffer(max_numel, device)
+        self.max_n = self.buffer.capacity
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        assert y.dtype == torch.bfloat16 and y.is_contiguous() and y.numel() <= self.max_n
-        out = torch.empty_like(y)
-        _lamport[(PROGRAMS,)](y, self.handle.buffer_ptrs_dev, out, self.state, y.numel(), self.max_n, SPIN_LIMIT,
-                              rank=self.rank, world=self.world, P=PROGRAMS, BLOCK=BLOCK, num_warps=8)
-        return out
+        return lamport_all_reduce(y, self.buffer)
 
 
 def graph_us(fn, calls: int, reps: int) -> float:
@@ -135,9 +71,7 @@ def check(lam: LamportAllReduce, sizes, device) -> bool:
             g = torch.Generator(device=device).manual_seed(1000 * dist.get_rank() + n + rep)
             x = torch.randn(n, device=device, generator=g).to(torch.bfloat16)
             x[::7] = -0.0  # payload zeros of both signs
-            want = x.clone()
-            dist.all_reduce(want)
-            ok &= torch.equal(lam(x), want)
+            ok &= torch.equal(lam(x), all_reduce_reference(x))
     xs = [torch.zeros(n, device=device, dtype=torch.bfloat16) for n in sizes]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -147,9 +81,7 @@ def check(lam: LamportAllReduce, sizes, device) -> bool:
         for x in xs:
             x.copy_(torch.randn(x.numel(), device=device, generator=torch.Generator(device=device).manual_seed(
                 7 * rep + x.numel() + 100 * dist.get_rank())).to(torch.bfloat16))
-            w = x.clone()
-            dist.all_reduce(w)
-            wants.append(w)
+            wants.append(all_reduce_reference(x))
         graph.replay()
         torch.cuda.synchronize()
         ok &= all(torch.equal(o, w) for o, w in zip(outs, wants, strict=True))

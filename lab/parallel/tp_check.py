@@ -227,11 +227,12 @@ def step_ms(fn, graph: bool, iters: int = 20, reps: int = 15) -> float:
 
 def set_comm(model: nn.Module, comm: str, max_bytes: int, extras: dict | None = None):
     """Pin the all-reduce of every row-parallel layer: ``auto`` (the table), ``nccl``, ``one_shot``, ``two_shot``;
-    ``none`` replaces it by nothing (wrong sums: timing only); ``fused`` runs the stack with ``extras["fused"]``
-    (the all-reduce inside the next residual add + RMSNorm, lab/parallel/fused_ar_norm.py); ``lamport`` sums with
-    ``extras["lamport"]`` (lab/parallel/lamport_ar.py). Returns the function to restore."""
+    ``lamport`` (the barrier-free kernel of kbit.ops.allreduce); ``none`` replaces it by nothing (wrong sums: timing
+    only); ``fused`` runs the stack with ``extras["fused"]`` (the all-reduce inside the next residual add + RMSNorm,
+    lab/parallel/fused_ar_norm.py). Returns the function to restore."""
     configs = {"auto": None, "nccl": AllReduceConfig(), "one_shot": AllReduceConfig(one_shot_max_bytes=max_bytes),
-               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes)}
+               "two_shot": AllReduceConfig(two_shot_max_bytes=max_bytes),
+               "lamport": AllReduceConfig(lamport_max_bytes=max_bytes)}
     if comm == "fused":
         model.fuse = extras["fused"]
         return lambda: setattr(model, "fuse", None)
@@ -241,10 +242,6 @@ def set_comm(model: nn.Module, comm: str, max_bytes: int, extras: dict | None = 
     real = parallel_linear.all_reduce_sum
     if comm == "none":
         parallel_linear.all_reduce_sum = lambda y, group=None, config=None: y
-    elif comm == "lamport":
-        lam = extras["lamport"]
-        parallel_linear.all_reduce_sum = lambda y, group=None, config=None: lam(y) if y.numel() <= lam.max_n else \
-            real(y, group, config)
     return lambda: setattr(parallel_linear, "all_reduce_sum", real)
 
 
@@ -286,7 +283,7 @@ def main():
     p.add_argument("--layout", choices=("packed", "separate"), default="packed")
     p.add_argument("--comms", nargs="+", default=["auto", "nccl", "none"],
                    choices=("auto", "nccl", "one_shot", "two_shot", "none", "fused", "lamport"),
-                   help="all-reduces to time TP with (fused, lamport: the lab/parallel experiments; checked too)")
+                   help="all-reduces to time TP with (each also checked against float64; fused: the lab experiment)")
     p.add_argument("--no-timing", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--no-graph", action="store_true")
@@ -311,21 +308,17 @@ def main():
         f"({len(replaced) // args.layers} k-bit layers a block): rank 0 holds {held:.1f} MiB of "
         f"{sum(b.numel() * b.element_size() for b in whole.buffers()) / 2**20:.1f} MiB")
     if args.cpu:
-        args.comms = [c for c in args.comms if c in ("auto", "nccl", "fused")]  # gloo: the others need CUDA
+        args.comms = [c for c in args.comms if c in ("auto", "nccl", "fused", "lamport")]  # gloo: NCCL's path
     extras = {}
     if "fused" in args.comms and args.cpu:  # the same sums in two steps (checks the stack's fused path)
         def fused(p, r, w, eps):
             return _norm(parallel_linear.all_reduce_sum(p), r, w)
         extras["fused"] = fused
-    elif {"fused", "lamport"} & set(args.comms):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the lab/parallel experiments: CUDA only
+    elif "fused" in args.comms:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/parallel/fused_ar_norm.py: CUDA only
         from fused_ar_norm import FusedAllReduceNorm
-        from lamport_ar import LamportAllReduce
 
-        if "fused" in args.comms:
-            extras["fused"] = FusedAllReduceNorm(max(args.batches), d["hidden"], device)
-        if "lamport" in args.comms:
-            extras["lamport"] = LamportAllReduce(max(args.batches) * d["hidden"], device)
+        extras["fused"] = FusedAllReduceNorm(max(args.batches), d["hidden"], device)
     ok = True
     with torch.no_grad():
         if not args.no_check:
