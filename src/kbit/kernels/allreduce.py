@@ -9,8 +9,8 @@
 Three slots in turn: during call c a peer may write slots c and c + 1 of this rank's buffer, never c - 1 (to start
 c + 2 it needs this rank's data of c + 1, sent after this call ends), so slot c - 1 is cleared now. Each of the
 ``P`` programs owns the chunks ``pid, pid + P, ...`` of ``BLOCK`` elements, and keeps its own call counter and last
-message size in ``state`` (``[2P]`` int32, device memory), so replays of a CUDA graph go on counting. Each poll is
-bounded by ``limit`` loads: a broken peer gives a wrong sum, not a hang.
+message size in ``state`` (``[2P]`` int32, device memory), so replays of a CUDA graph go on counting. Each poll
+stops after ``limit`` loads (the launcher passes a limit of hours: a late peer must not turn into a wrong sum).
 """
 
 import triton

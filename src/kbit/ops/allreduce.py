@@ -26,8 +26,10 @@ __all__ = ["LamportBuffer", "all_reduce_reference", "lamport_all_reduce"]
 
 #: programs a call (fixed: each keeps its own call counter) and bf16 elements a chunk
 PROGRAMS, BLOCK = 16, 2048
-#: loads of one poll before the kernel gives up on a peer (microseconds are normal; this is well under a second)
-SPIN_LIMIT = 1 << 18
+#: loads of one poll before the kernel gives up on a peer: none in practice (hours). A peer may be late by anything
+#: (its first call compiles the kernel, its host stalls) and giving up would return a wrong sum; like NCCL's, the
+#: wait lasts until the data comes
+SPIN_LIMIT = 2**31 - 1
 
 
 class LamportBuffer:
