@@ -8,9 +8,10 @@
 
 Three slots in turn: during call c a peer may write slots c and c + 1 of this rank's buffer, never c - 1 (to start
 c + 2 it needs this rank's data of c + 1, sent after this call ends), so slot c - 1 is cleared now. Each of the
-``P`` programs owns the chunks ``pid, pid + P, ...`` of ``BLOCK`` elements, and keeps its own call counter and last
-message size in ``state`` (``[2P]`` int32, device memory), so replays of a CUDA graph go on counting. Each poll
-stops after ``limit`` loads (the launcher passes a limit of hours: a late peer must not turn into a wrong sum).
+``P`` programs owns the chunks ``pid, pid + P, ...`` of ``BLOCK`` elements, and keeps its own slot (its call
+count modulo 3) and last message size in ``state`` (``[2P]`` int32, device memory), so replays of a CUDA graph
+go on counting. Each poll stops after ``limit`` loads (the launcher passes a limit of hours: a late peer must not
+turn into a wrong sum).
 """
 
 import triton
@@ -24,10 +25,9 @@ SENTINEL = tl.constexpr(-32768)
 def lamport_all_reduce_kernel(x, bufs, out, state, n, max_n, limit, rank: tl.constexpr, world: tl.constexpr,
                               P: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    call = tl.load(state + pid)
+    slot = tl.load(state + pid)  # this call's slot, 0..2 (the count modulo 3: it never overflows)
     prev_n = tl.load(state + P + pid)
-    slot = call % 3
-    old = (call + 2) % 3  # the slot of the call before: no peer writes it now
+    old = (slot + 2) % 3  # the slot of the call before: no peer writes it now
     ptrs = bufs.to(tl.pointer_type(tl.uint64))
     mine = tl.multiple_of(tl.load(ptrs + rank).to(tl.pointer_type(tl.int16)), 16)
     offs = tl.arange(0, BLOCK)
@@ -59,5 +59,5 @@ def lamport_all_reduce_kernel(x, bufs, out, state, n, max_n, limit, rank: tl.con
         for peer in tl.static_range(world):
             if peer != rank:
                 tl.store(mine + (old * world + peer) * max_n + start + offs, tl.full([BLOCK], SENTINEL, tl.int16))
-    tl.store(state + pid, call + 1)
+    tl.store(state + pid, (slot + 1) % 3)
     tl.store(state + P + pid, n)

@@ -2,7 +2,7 @@
 (:func:`kbit.kernels.allreduce.lamport_all_reduce_kernel`), and its reference (``torch.distributed.all_reduce``).
 
 :class:`LamportBuffer` holds one process group's receive buffer (``torch.distributed._symmetric_memory``: three
-slots of ``world`` regions of ``capacity`` elements, every peer's mapped here) and the kernel's per-program call
+slots of ``world`` regions of ``capacity`` elements, every peer's mapped here) and the kernel's per-program slot
 counters; making one is collective (a rendezvous and a barrier), so every rank makes it at the same point, outside
 CUDA-graph capture. Its calls must come in the same order with the same sizes on every rank (as any collective's)
 and from one stream at a time. Measured on 2 x H200 (benchmarks/results/h200x2/tp-comm-2026-11-26.md): 3.3 us at
@@ -47,7 +47,7 @@ class LamportBuffer:
         self.buf = symm_mem.empty(3 * self.world * self.capacity, dtype=torch.int16, device=device)
         self.handle = symm_mem.rendezvous(self.buf, self.group.group_name)
         self.buf.fill_(_k.SENTINEL.value)
-        self.state = torch.zeros(2 * PROGRAMS, dtype=torch.int32, device=device)  # call counters, last sizes
+        self.state = torch.zeros(2 * PROGRAMS, dtype=torch.int32, device=device)  # slots (calls mod 3), last sizes
         torch.cuda.synchronize(device)
         dist.barrier(self.group)  # every buffer holds sentinels before any peer writes into it
 
