@@ -17,14 +17,24 @@ from torch import nn
 import kbit
 from kbit.format.reference import dequantize_reference
 from kbit.nn import KbitLinear
+from kbit.ops.allreduce import LamportBuffer, all_reduce_reference, lamport_all_reduce
 from kbit.parallel import (
+    ALLREDUCE_TABLE,
     LLAMA_PLAN,
+    PACKED_LLAMA_PLAN,
+    AllReduceConfig,
     ColumnParallelKbitLinear,
     RowParallelKbitLinear,
+    all_reduce_sum,
+    allreduce_config,
+    choose_method,
+    packed_ranges,
     parallelize_kbit,
     shard_range,
     shard_weight,
+    split_rows,
 )
+from kbit.parallel.comm import symm_mem_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -346,3 +356,253 @@ def _check_errors(rank, world):
 
 def test_layer_errors_two_ranks(tmp_path):
     _spawn(tmp_path, _check_errors)
+
+
+# -- packed weights (q/k/v, gate/up side by side) ---------------------------------------------------------------
+
+
+def test_packed_ranges_and_shards():
+    assert packed_ranges((64, 32), 1, 2, 16) == [(32, 64), (80, 96)]
+    assert packed_ranges((100, 48, 48), 0, 2, 16) == [(0, 64), (100, 132), (148, 180)]
+    torch.manual_seed(5)
+    qw = kbit.quantize(torch.randn(100 + 48 + 48, 96), k=3, blocksize=32)
+    full = dequantize_reference(qw)
+    for rank in range(2):
+        s = shard_weight(qw, 0, rank, 2, 16, parts=(100, 48, 48))
+        want = torch.cat([full[a:b] for a, b in packed_ranges((100, 48, 48), rank, 2, 16)])
+        assert torch.equal(dequantize_reference(s), want)
+    members = split_rows(qw, (100, 48, 48))
+    assert [m.shape for m in members] == [(100, 96), (48, 96), (48, 96)]
+    assert torch.equal(torch.cat([dequantize_reference(m) for m in members]), full)
+    with pytest.raises(ValueError, match=r"parts: expected row counts summing to N = 196, got \(100, 48\)"):
+        shard_weight(qw, 0, 0, 2, parts=(100, 48))
+    with pytest.raises(ValueError, match="parts: expected None for a split of K"):
+        shard_weight(qw, 1, 0, 2, parts=(100, 48, 48))
+    with pytest.raises(ValueError, match=r"parts\[1\]: expected an int in \[1, inf\], got 0"):
+        packed_ranges((10, 0), 0, 1)
+    with pytest.raises(ValueError, match="parts: expected row counts summing to N = 196"):
+        split_rows(qw, (1, 2))
+
+
+def _check_packed(rank, world, backend, dtype, rtol):
+    dev = _device(backend)
+    torch.manual_seed(9)
+    parts = (96, 32, 32)  # q, k, v widths: every part split on its own
+    qw = kbit.quantize(torch.randn(sum(parts), 200), k=4, blocksize=32)
+    bias = torch.randn(sum(parts))
+    x = torch.randn(3, 200, dtype=torch.float64)
+    ref = x @ dequantize_reference(qw, torch.float64).T + bias.double()
+    lin = KbitLinear.from_weight(qw.to(dev), bias, dtype)
+    lin.packed_parts = parts
+    col = ColumnParallelKbitLinear.from_linear(lin, parts="packed")
+    assert col.local_parts == [48, 16, 16] and col.ranges == packed_ranges(parts, rank, world, 16)
+    xd = x.to(dev, dtype)
+    y = col(xd).double().cpu()
+    want = torch.cat([ref[:, a:b] for a, b in col.ranges], dim=-1)
+    torch.testing.assert_close(y, want, rtol=rtol, atol=rtol * ref.abs().max().item())
+    col.gather_output = True
+    torch.testing.assert_close(col(xd).double().cpu(), ref, rtol=rtol, atol=rtol * ref.abs().max().item())
+    halves = ColumnParallelKbitLinear.from_linear(KbitLinear.from_weight(qw, None, torch.float32), parts="packed")
+    assert halves.parts == (80, 80)
+    with pytest.raises(ValueError, match="parts: expected None, 'packed' or a tuple"):
+        ColumnParallelKbitLinear.from_linear(lin, parts="qkv")
+    with pytest.raises(ValueError, match=r"parts: expected row counts summing to out_features = 160"):
+        ColumnParallelKbitLinear(col.shard, 160, parts=(96, 32))
+
+
+def test_packed_columns_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_packed, "gloo", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+def test_packed_columns_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_packed, "nccl", torch.bfloat16, 2e-2, backend="nccl")
+
+
+class _PackedBlock(nn.Module):
+    """A block with q/k/v and gate/up packed (the names of PACKED_LLAMA_PLAN)."""
+
+    def __init__(self, hidden=200, width=128, kv=64, inter=330):
+        super().__init__()
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+        self.parts = (width, kv, kv)
+        self.self_attn.qkv_proj = nn.Linear(hidden, width + 2 * kv, bias=False)
+        self.self_attn.o_proj = nn.Linear(width, hidden, bias=True)
+        self.mlp.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        a = self.self_attn
+        parts = getattr(a.qkv_proj, "local_parts", None) or a.qkv_proj.packed_parts
+        q, k, v = a.qkv_proj(x).split(list(parts), dim=-1)
+        g = q.shape[-1] // k.shape[-1]  # query heads a KV head: whole heads on every rank
+        x = x + a.o_proj(q * torch.sigmoid(k).repeat_interleave(g, -1) + v.repeat_interleave(g, -1))
+        gate, up = self.mlp.gate_up_proj(x).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(nn.functional.silu(gate) * up)
+
+
+def _check_packed_stack(rank, world):
+    torch.manual_seed(4)
+    model = nn.Sequential()
+    model.layers = nn.ModuleList(_PackedBlock() for _ in range(2))
+    for block in model.layers:
+        for parent, name in ((block.self_attn, "qkv_proj"), (block.self_attn, "o_proj"), (block.mlp, "gate_up_proj"),
+                             (block.mlp, "down_proj")):
+            setattr(parent, name, KbitLinear.from_linear(getattr(parent, name), k=4, blocksize=32))
+        block.self_attn.qkv_proj.packed_parts = block.parts
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(1))
+
+    def run(m):
+        y = x
+        for block in m.layers:
+            y = block(y)
+        return y
+
+    with torch.no_grad():
+        want = run(model)
+        replaced = parallelize_kbit(model, PACKED_LLAMA_PLAN)
+        assert len(replaced) == 8 and replaced["layers.0.mlp.gate_up_proj"] == "packed_colwise"
+        assert model.layers[0].mlp.gate_up_proj.local_parts == [(192, 138)[rank]] * 2
+        got = run(model)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_stack_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_packed_stack)
+
+
+# -- the all-reduce: choice by message size, symmetric memory against NCCL -------------------------------------
+
+
+def test_allreduce_config_choice():
+    c = AllReduceConfig(one_shot_max_bytes=1024, two_shot_max_bytes=4096)
+    assert [c.method(n) for n in (8, 1024, 1025, 4096, 4097)] == ["one_shot", "one_shot", "two_shot", "two_shot",
+                                                                   "nccl"]
+    assert c.buffer_bytes == 4096
+    assert AllReduceConfig().method(1) == "nccl"
+    assert AllReduceConfig(two_shot_max_bytes=100).method(50) == "two_shot"
+    lam = AllReduceConfig(lamport_max_bytes=512, one_shot_max_bytes=1024)
+    assert [lam.method(256), lam.method(256, torch.float32), lam.method(1000)] == ["lamport", "one_shot", "one_shot"]
+    assert ALLREDUCE_TABLE[("h200", 2)].lamport_max_bytes > 0
+    with pytest.raises(ValueError, match=r"lamport_max_bytes: expected an int in \[0, inf\], got -2"):
+        AllReduceConfig(lamport_max_bytes=-2)
+    with pytest.raises(ValueError, match="device: expected a CUDA device"):
+        LamportBuffer(100, "cpu")
+    with pytest.raises(ValueError, match=r"one_shot_max_bytes: expected an int in \[0, inf\], got -1"):
+        AllReduceConfig(one_shot_max_bytes=-1)
+    assert allreduce_config("cpu", 2) == AllReduceConfig()  # no symmetric memory off CUDA
+    assert ALLREDUCE_TABLE[("generic", 2)].one_shot_max_bytes > 0
+    with pytest.raises(ValueError, match="method: expected one of"):
+        symm_mem_missing("ring")
+
+
+def _check_allreduce_fallback(rank, world):
+    y = torch.full((4, 100), float(rank + 1))
+    eager = AllReduceConfig(lamport_max_bytes=1 << 10, one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
+    assert choose_method(y, None, eager) == "nccl"  # gloo and CPU tensors: NCCL's path (the backend's all_reduce)
+    assert choose_method(y.bfloat16(), None, eager) == "nccl"
+    for method in (None, "one_shot", "two_shot", "lamport", "nccl"):
+        out = all_reduce_sum(y.clone(), None, eager, method)
+        assert torch.equal(out, torch.full((4, 100), 3.0)), method
+    with pytest.raises(TypeError, match="y: expected a torch.Tensor, got list"):
+        all_reduce_sum([1.0])
+    row = RowParallelKbitLinear.from_weight(kbit.quantize(torch.randn(8, 64, generator=torch.Generator()
+                                                                      .manual_seed(0)), k=4, blocksize=32),
+                                            dtype=torch.float32)
+    row.comm = eager
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1))
+    assert row(x).shape == (2, 8)
+    # the un-reduced partial products add up to the layer's output (a caller may fuse that sum)
+    part = row.partial(x)
+    summed = part.clone()
+    dist.all_reduce(summed)
+    torch.testing.assert_close(summed, row(x), rtol=0, atol=0)
+    assert not torch.equal(part, summed)
+
+
+def test_allreduce_fallback_two_ranks(tmp_path):
+    _spawn(tmp_path, _check_allreduce_fallback)
+
+
+def _check_symm(rank, world):
+    dev = _device("nccl")
+    cfg = AllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
+    # the table's choice at batch 1: Lamport where measured (h200), else one-shot
+    assert choose_method(torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)) in ("lamport", "one_shot")
+    assert choose_method(torch.empty(1, 3, dtype=torch.bfloat16, device=dev), None, cfg) == "nccl"  # 6 bytes
+    for shape, dtype in (((1, 4096), torch.bfloat16), ((64, 4096), torch.bfloat16), ((3, 100), torch.bfloat16),
+                         ((5, 36), torch.float32), ((1, 3), torch.bfloat16)):
+        g = torch.Generator(device=dev).manual_seed(100 * rank + shape[1])
+        x = torch.randn(shape, device=dev, generator=g).to(dtype)
+        want = x.clone()
+        dist.all_reduce(want)
+        for method in ("one_shot", "two_shot", "lamport"):
+            got = all_reduce_sum(x.clone(), None, cfg, method)
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, msg=f"{method} {shape} {dtype}")
+            # in a CUDA graph: new data in the captured input, summed again
+            static = x.clone()
+            all_reduce_sum(static.clone(), None, cfg, method)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = all_reduce_sum(static, None, cfg, method)
+            static.copy_(x * 2)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, want * 2, rtol=1e-2, atol=1e-2, msg=f"graph {method} {shape}")
+    # a row-parallel layer: symmetric memory gives NCCL's result
+    qw = kbit.quantize(torch.randn(4096, 1024, generator=torch.Generator().manual_seed(3)), k=4).to(dev)
+    row = RowParallelKbitLinear.from_weight(qw, torch.randn(4096), input_is_parallel=False)
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(4)).to(dev, torch.bfloat16)
+    row.comm = AllReduceConfig()
+    want = row(x)
+    row.comm = cfg
+    torch.testing.assert_close(row(x), want, rtol=1e-2, atol=1e-2)
+
+
+def _check_lamport(rank, world):
+    """The barrier-free all-reduce equals NCCL's bf16 sum bit for bit: sizes that change from call to call, -0.0 in
+    the payload, and replays of a CUDA graph of several calls (the slots and call counters cycle on the device)."""
+    dev = _device("nccl")
+    buf = LamportBuffer(64 * 4096, dev)
+    sizes = [4096, 100, 64 * 4096, 8, 3 * 4096]
+    for rep in range(3):
+        for n in sizes:
+            x = torch.randn(n, device=dev, generator=torch.Generator(device=dev).manual_seed(rank * 1000 + n + rep))
+            x = x.to(torch.bfloat16)
+            x[::7] = -0.0
+            assert torch.equal(lamport_all_reduce(x, buf), all_reduce_reference(x)), (n, rep)
+    xs = [torch.zeros(n, dtype=torch.bfloat16, device=dev) for n in sizes]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [lamport_all_reduce(x, buf) for x in xs]
+    for rep in range(4):
+        for x in xs:
+            x.copy_(torch.randn(x.numel(), device=dev, generator=torch.Generator(device=dev).manual_seed(
+                rep * 7 + x.numel() + 100 * rank)).to(torch.bfloat16))
+        wants = [all_reduce_reference(x) for x in xs]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w) for o, w in zip(outs, wants, strict=True)), rep
+    with pytest.raises(ValueError, match=r"y: expected at most 262144 elements"):
+        lamport_all_reduce(torch.zeros(64 * 4096 + 1, dtype=torch.bfloat16, device=dev), buf)
+    with pytest.raises(TypeError, match="y: expected dtype torch.bfloat16"):
+        lamport_all_reduce(torch.zeros(8, device=dev), buf)
+
+
+@pytest.mark.gpu
+def test_lamport_all_reduce_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(tmp_path, _check_lamport, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_symmetric_memory_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    missing = symm_mem_missing("one_shot") + symm_mem_missing("two_shot")
+    if missing:
+        pytest.skip(f"this torch lacks torch.ops.symm_mem.{missing}")
+    _spawn(tmp_path, _check_symm, backend="nccl")

@@ -23,7 +23,8 @@ from torch import nn
 
 from kbit.format.spec import KbitWeight
 from kbit.nn.linear import KbitLinear
-from kbit.parallel.shard import COLUMN_UNIT, shard_range, shard_weight
+from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
+from kbit.parallel.shard import COLUMN_UNIT, packed_ranges, shard_range, shard_weight
 from kbit.utils.checks import fail
 
 __all__ = ["ColumnParallelKbitLinear", "RowParallelKbitLinear"]
@@ -45,12 +46,18 @@ def _check_linear(name: str, linear) -> KbitLinear:
 def gather_last_dim(y: torch.Tensor, sizes: list[int], group=None) -> torch.Tensor:
     """All-gather ``y [..., sizes[rank]]`` from every rank and concatenate along the last dimension.
 
-    Shards of unequal width are padded to the widest for the collective (``all_gather`` moves equal sizes)."""
+    One ``all_gather_into_tensor`` into ``[world, ..., max(sizes)]``; shards of unequal width are padded to the
+    widest for the collective (it moves equal sizes)."""
     width = max(sizes)
-    padded = torch.nn.functional.pad(y, (0, width - y.shape[-1])).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[..., :s] for p, s in zip(parts, sizes, strict=True)], dim=-1)
+    if y.shape[-1] != width:
+        y = torch.nn.functional.pad(y, (0, width - y.shape[-1]))
+    y = y.contiguous()
+    flat = y.new_empty(len(sizes) * y.numel())  # concatenated along dim 0: the form every backend takes
+    dist.all_gather_into_tensor(flat, y.reshape(-1), group=group)
+    out = flat.view(len(sizes), *y.shape)
+    if all(s == width for s in sizes):  # [world, ..., width] -> [..., world * width]: one copy
+        return out.movedim(0, -2).reshape(*y.shape[:-1], len(sizes) * width)
+    return torch.cat([out[r, ..., :s] for r, s in enumerate(sizes)], dim=-1)
 
 
 class ColumnParallelKbitLinear(nn.Module):
@@ -58,60 +65,96 @@ class ColumnParallelKbitLinear(nn.Module):
 
     Parameters
     ----------
-    shard : this rank's ``KbitLinear`` (rows ``start:stop`` of W and of the bias).
+    shard : this rank's ``KbitLinear`` (rows ``start:stop`` of W and of the bias; with ``parts``, this rank's slice
+        of every part, in order).
     out_features : N of the whole weight.
     group : the ``torch.distributed`` process group (None: the default group).
     gather_output : all-gather the full ``[..., out_features]`` output on every rank (else each rank returns its
-        ``[..., stop - start]`` slice).
+        ``[..., shard.out_features]`` slice).
     unit : the split is in whole units of rows (:func:`kbit.parallel.shard_range`).
+    parts : None, or the row counts of the parts a packed weight holds side by side (q/k/v, or gate/up): each part
+        is split over the ranks on its own (:func:`kbit.parallel.packed_ranges`), so one kernel computes this rank's
+        slice of each, and the local output is those slices side by side (``local_parts`` columns each).
 
-    Buffers: those of ``shard`` (``self.shard``); ``start``, ``stop`` say which rows this rank holds.
+    Buffers: those of ``shard`` (``self.shard``); ``ranges`` lists this rank's rows of W (one ``(start, stop)`` a
+    part); ``start``, ``stop`` are its first range.
     """
 
     def __init__(self, shard: KbitLinear, out_features: int, *, group=None, gather_output: bool = False,
-                 unit: int = COLUMN_UNIT):
+                 unit: int = COLUMN_UNIT, parts=None):
         super().__init__()
         self.shard = _check_linear("shard", shard)
         self.group = group
         self.rank, self.world = _rank_world(group)
         self.unit = unit
-        self.sizes = [b - a for a, b in (shard_range(out_features, r, self.world, unit) for r in range(self.world))]
-        self.start, self.stop = shard_range(out_features, self.rank, self.world, unit)
-        if shard.out_features != self.stop - self.start:
-            fail(ValueError, "shard", f"out_features {self.stop - self.start} (rows {self.start}:{self.stop} of "
+        self.parts = None if parts is None else tuple(parts)
+        if self.parts is not None and sum(self.parts) != out_features:
+            fail(ValueError, "parts", f"row counts summing to out_features = {out_features}", repr(self.parts))
+        spans = [self._ranges(out_features, r) for r in range(self.world)]
+        #: [rank][part] rows of each rank's slice of each part
+        self.part_sizes = [[b - a for a, b in rs] for rs in spans]
+        self.sizes = [sum(p) for p in self.part_sizes]
+        self.ranges = spans[self.rank]
+        self.local_parts = self.part_sizes[self.rank]
+        self.start, self.stop = self.ranges[0]
+        if shard.out_features != self.sizes[self.rank]:
+            fail(ValueError, "shard", f"out_features {self.sizes[self.rank]} (rows {self._rows()} of "
                  f"{out_features} on rank {self.rank} of {self.world}, unit {unit})", shard.out_features)
         self.in_features, self.out_features = shard.in_features, int(out_features)
         self.gather_output = bool(gather_output)
 
-    @classmethod
-    def from_weight(cls, qw: KbitWeight, bias: torch.Tensor | None = None, *, group=None,
-                    dtype: torch.dtype = torch.bfloat16, gather_output: bool = False, unit: int = COLUMN_UNIT
-                    ) -> ColumnParallelKbitLinear:
-        """This rank's part of the layer with the whole weight ``qw [N, K]`` (packed; no float copy is made)."""
-        rank, world = _rank_world(group)
-        shard = shard_weight(qw, 0, rank, world, unit)
-        start, stop = shard_range(qw.N, rank, world, unit)
-        b = None if bias is None else bias[start:stop]
-        return cls(KbitLinear.from_weight(shard, b, dtype), qw.N, group=group, gather_output=gather_output,
-                   unit=unit)
+    def _ranges(self, out_features: int, rank: int) -> list[tuple[int, int]]:
+        if self.parts is None:
+            return [shard_range(out_features, rank, self.world, self.unit)]
+        return packed_ranges(self.parts, rank, self.world, self.unit)
+
+    def _rows(self) -> str:
+        return ", ".join(f"{a}:{b}" for a, b in self.ranges)
 
     @classmethod
-    def from_linear(cls, linear: KbitLinear, *, group=None, gather_output: bool = False, unit: int = COLUMN_UNIT
-                    ) -> ColumnParallelKbitLinear:
-        """This rank's part of ``linear`` (its canonical weight and bias are sliced; ``linear`` can be freed)."""
+    def from_weight(cls, qw: KbitWeight, bias: torch.Tensor | None = None, *, group=None,
+                    dtype: torch.dtype = torch.bfloat16, gather_output: bool = False, unit: int = COLUMN_UNIT,
+                    parts=None) -> ColumnParallelKbitLinear:
+        """This rank's part of the layer with the whole weight ``qw [N, K]`` (packed; no float copy is made)."""
+        rank, world = _rank_world(group)
+        shard = shard_weight(qw, 0, rank, world, unit, parts=parts)
+        if bias is not None:
+            ranges = [shard_range(qw.N, rank, world, unit)] if parts is None else \
+                packed_ranges(parts, rank, world, unit)
+            bias = torch.cat([bias[a:b] for a, b in ranges])
+        return cls(KbitLinear.from_weight(shard, bias, dtype), qw.N, group=group, gather_output=gather_output,
+                   unit=unit, parts=parts)
+
+    @classmethod
+    def from_linear(cls, linear: KbitLinear, *, group=None, gather_output: bool = False, unit: int = COLUMN_UNIT,
+                    parts=None) -> ColumnParallelKbitLinear:
+        """This rank's part of ``linear`` (its canonical weight and bias are sliced; ``linear`` can be freed).
+
+        ``parts="packed"``: the layer's ``packed_parts`` attribute (set where a packed layer is built), else two
+        equal halves (transformers' ``"packed_colwise"``: a gate/up weight)."""
         linear = _check_linear("linear", linear)
+        if isinstance(parts, str):
+            if parts != "packed":
+                fail(ValueError, "parts", "None, 'packed' or a tuple of row counts", repr(parts))
+            n = linear.out_features
+            parts = getattr(linear, "packed_parts", None) or (n // 2, n - n // 2)
         return cls.from_weight(linear.weight(), linear.bias, group=group, dtype=linear.dtype,
-                               gather_output=gather_output, unit=unit)
+                               gather_output=gather_output, unit=unit, parts=parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.shard(x)
         if self.gather_output and self.world > 1:
             y = gather_last_dim(y, self.sizes, self.group)
+            if self.parts is not None:  # rank-major [r0: p0 p1 .., r1: p0 p1 ..] -> part-major
+                pieces = y.split([n for sizes in self.part_sizes for n in sizes], dim=-1)
+                nparts = len(self.parts)
+                y = torch.cat([pieces[r * nparts + p] for p in range(nparts) for r in range(self.world)], dim=-1)
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, rows={self.start}:{self.stop}, "
-                f"rank={self.rank}/{self.world}, gather_output={self.gather_output}")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rows={self._rows()}, "
+                f"rank={self.rank}/{self.world}, gather_output={self.gather_output}"
+                + (f", parts={self.parts}" if self.parts is not None else ""))
 
 
 class RowParallelKbitLinear(nn.Module):
@@ -128,7 +171,15 @@ class RowParallelKbitLinear(nn.Module):
         column-parallel layer split with the same unit); False: it is the full ``[..., in_features]`` and each
         rank takes its slice.
     unit : the split is in whole units of columns, a multiple of the blocksize (default: the blocksize).
+
+    ``comm``: None (the all-reduce is chosen by message size from :data:`kbit.parallel.ALLREDUCE_TABLE` for the
+    device: symmetric-memory one-shot / two-shot for small messages, NCCL otherwise), or an
+    :class:`~kbit.parallel.AllReduceConfig` that pins the choice (tests, benchmarks). The symmetric buffer is made
+    at the first eligible forward: run one eager forward before capturing a CUDA graph.
     """
+
+    #: see the class docstring
+    comm: AllReduceConfig | None = None
 
     def __init__(self, shard: KbitLinear, in_features: int, bias: torch.Tensor | None = None, *, group=None,
                  input_is_parallel: bool = True, unit: int | None = None):
@@ -170,14 +221,19 @@ class RowParallelKbitLinear(nn.Module):
                                input_is_parallel=input_is_parallel, unit=unit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.partial(x)
+        if self.world > 1:
+            y = all_reduce_sum(y, self.group, self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``x[..., start:stop] @ W[:, start:stop].T``: no all-reduce, no bias. For a
+        caller that fuses the sum over the group into the kernel that reads it next (then adds ``bias``)."""
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 fail(ValueError, "x", f"last dimension {self.in_features} (the full input)", x.shape[-1])
             x = x[..., self.start:self.stop].contiguous()  # the kernels read rows of x as dense vectors
-        y = self.shard(x)
-        if self.world > 1:
-            dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return self.shard(x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, columns={self.start}:"

@@ -14,13 +14,16 @@ from kbit.parallel.linear import ColumnParallelKbitLinear, RowParallelKbitLinear
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["LLAMA_PLAN", "STYLES", "parallelize_kbit"]
+__all__ = ["LLAMA_PLAN", "PACKED_LLAMA_PLAN", "STYLES", "parallelize_kbit"]
 
 #: style name (transformers' ``ParallelInterface`` names) -> (parallel class, keyword arguments)
 STYLES: dict[str, tuple[type, dict]] = {
     "colwise": (ColumnParallelKbitLinear, {"gather_output": False}),
     "colwise_gather_output": (ColumnParallelKbitLinear, {"gather_output": True}),
     "colwise_rep": (ColumnParallelKbitLinear, {"gather_output": True}),
+    # a packed weight (q/k/v or gate/up side by side): every part split on its own; parts from the layer's
+    # ``packed_parts``, else two halves
+    "packed_colwise": (ColumnParallelKbitLinear, {"gather_output": False, "parts": "packed"}),
     "rowwise": (RowParallelKbitLinear, {"input_is_parallel": True}),
     "rowwise_split_input": (RowParallelKbitLinear, {"input_is_parallel": False}),
     "rowwise_rep": (RowParallelKbitLinear, {"input_is_parallel": False}),
@@ -35,6 +38,16 @@ LLAMA_PLAN: dict[str, str] = {
     "layers.*.self_attn.o_proj": "rowwise",
     "layers.*.mlp.gate_proj": "colwise",
     "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+#: the same blocks with q/k/v and gate/up packed into one layer each (``qkv_proj`` with ``packed_parts`` (q, k, v)
+#: rows, ``gate_up_proj``): a rank runs 4 k-bit kernels a block instead of 7
+PACKED_LLAMA_PLAN: dict[str, str] = {
+    "layers.*.self_attn.qkv_proj": "packed_colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_up_proj": "packed_colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
 

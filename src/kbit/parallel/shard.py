@@ -19,7 +19,7 @@ from kbit.format.pack import PLANES
 from kbit.format.spec import KbitWeight, padded_k
 from kbit.utils.checks import check_choice, check_int, fail
 
-__all__ = ["COLUMN_UNIT", "shard_range", "shard_weight"]
+__all__ = ["COLUMN_UNIT", "packed_ranges", "shard_range", "shard_weight", "split_rows"]
 
 #: rows per unit of a column split by default: shards stay multiples of 16 rows (the GEMV / MMA tile height), and
 #: only the last rank's shard is short where N is not a multiple of ``16 * world``
@@ -47,6 +47,42 @@ def shard_range(size: int, rank: int, world: int, unit: int = 1) -> tuple[int, i
     return first * unit, min(size, (first + count) * unit)
 
 
+def packed_ranges(parts, rank: int, world: int, unit: int = COLUMN_UNIT) -> list[tuple[int, int]]:
+    """Rank ``rank``'s rows of a packed weight whose N is ``parts`` side by side (q/k/v, gate/up): each part is split
+    over the ranks on its own (:func:`shard_range`), so a rank holds a slice of every part. Returns the absolute
+    ``(start, stop)`` of each part's slice. Example: ``parts=(64, 32), world=2`` -> rank 1 ``[(32, 64), (80, 96)]``.
+    """
+    if not isinstance(parts, (tuple, list)) or not parts:
+        fail(TypeError, "parts", "a non-empty tuple of row counts", repr(parts))
+    out, offset = [], 0
+    for i, n in enumerate(parts):
+        check_int(f"parts[{i}]", n, minimum=1)
+        a, b = shard_range(n, rank, world, unit)
+        out.append((offset + a, offset + b))
+        offset += n
+    return out
+
+
+def _rows(qw: KbitWeight, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return qw.codes[..., start:stop, :], qw.scales[..., start:stop, :]
+
+
+def split_rows(qw: KbitWeight, parts) -> list[KbitWeight]:
+    """``qw`` (``[..., N, K]``) cut along N into ``parts`` rows each (``sum(parts) == N``): the members of a weight
+    quantized jointly (one tensor scale), as views of its codes and scales."""
+    if not isinstance(qw, KbitWeight):
+        fail(TypeError, "qw", "a KbitWeight", type(qw).__name__)
+    if sum(parts) != qw.N:
+        fail(ValueError, "parts", f"row counts summing to N = {qw.N}", repr(tuple(parts)))
+    out, lo = [], 0
+    for n in parts:
+        codes, scales = _rows(qw, lo, lo + n)
+        out.append(KbitWeight(codes, scales, qw.tensor_scale, qw.codebook, qw.shape[:-2] + (n, qw.K), qw.k,
+                              qw.blocksize, qw.scale_format, qw.codebook_name, qw.rotation))
+        lo += n
+    return out
+
+
 def _slice_k(qw: KbitWeight, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of columns ``start:stop`` (``start`` on a block boundary; ``stop`` too, or ``stop == K``)."""
     kp = qw.padded_k
@@ -61,7 +97,8 @@ def _slice_k(qw: KbitWeight, start: int, stop: int) -> tuple[torch.Tensor, torch
     return codes, scales
 
 
-def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | None = None) -> KbitWeight:
+def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | None = None, parts=None
+                 ) -> KbitWeight:
     """Rank ``rank``'s shard of ``qw`` (``[..., N, K]``) split along ``dim`` over ``world`` ranks.
 
     Parameters
@@ -74,6 +111,8 @@ def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | No
         ``qw.blocksize`` columns for ``dim=1``; for ``dim=1`` it must be a multiple of ``qw.blocksize``. Use the
         same unit for a column-parallel layer and the row-parallel layer that reads its output (an MLP's up and
         down projections), so that their splits of the shared dimension agree.
+    parts : ``dim=0`` only: N is these parts side by side (a packed q/k/v or gate/up weight); each part is split on
+        its own and the shard holds this rank's slice of every part, in order (:func:`packed_ranges`).
 
     Returns
     -------
@@ -84,11 +123,20 @@ def shard_weight(qw: KbitWeight, dim: int, rank: int, world: int, unit: int | No
     if not isinstance(qw, KbitWeight):
         fail(TypeError, "qw", "a KbitWeight", type(qw).__name__)
     check_choice("dim", dim, (0, 1))
+    if parts is not None and dim != 0:
+        fail(ValueError, "parts", "None for a split of K (dim 1)", repr(parts))
     if dim == 0:
         unit = COLUMN_UNIT if unit is None else unit
-        start, stop = shard_range(qw.N, rank, world, unit)
-        codes, scales = qw.codes[..., start:stop, :].clone(), qw.scales[..., start:stop, :].clone()
-        shape = qw.shape[:-2] + (stop - start, qw.K)
+        if parts is None:
+            ranges = [shard_range(qw.N, rank, world, unit)]
+        else:
+            if sum(parts) != qw.N:
+                fail(ValueError, "parts", f"row counts summing to N = {qw.N}", repr(tuple(parts)))
+            ranges = packed_ranges(parts, rank, world, unit)
+        pieces = [_rows(qw, a, b) for a, b in ranges]
+        codes = torch.cat([c for c, _ in pieces], dim=-2)  # a copy even for one piece: the whole can be freed
+        scales = torch.cat([s for _, s in pieces], dim=-2)
+        shape = qw.shape[:-2] + (sum(b - a for a, b in ranges), qw.K)
     else:
         if qw.rotation is not None:  # R spans all of K (its signs come from one seed over K): no shard holds it
             fail(ValueError, "qw", "an unrotated weight for a split of K (dim 1)", f"rotation {qw.rotation}")
