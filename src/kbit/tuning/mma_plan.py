@@ -182,7 +182,7 @@ def _grid_k3(st, build, k, N, K, epi, ng):
     # the CTA-local fix-up: where x is not staged (with XS it streamed slower) and not in deterministic mode
     if defines["XS"] or defines.get("DET"):
         return
-    lfx = lfx_defines(Nt, S, st["grid"], W, epi)
+    lfx = lfx_defines(Nt, S, st["grid"], W, epi, ng)
     if lfx:  # static shared slots; kept only at the same occupancy
         kern_l = build(3, {**defines, **lfx})
         if kern_l.occupancy(W * 32, st["shared"]) >= occ:
