@@ -14,7 +14,10 @@ family          config                                       serves
 
 The spaces are the values the rule tables (``configs/*.json``) and the labs already use, crossed, not every legal
 launch: a few dozen configs a family, so that one (shape, M) is searched in seconds. ``quick`` keeps a handful
-(the current default and its nearest neighbours).
+(the current default and its nearest neighbours) and, where kernel 7 runs, only the families that came near the
+best in the first tuning run (:data:`QUICK_FAMILIES`). Configs that cannot launch on the shape (their plan refuses
+them: shared memory) are left out of every space (:func:`infeasible` says why), so that no trial fails by design.
+Dequantize + cuBLAS is a candidate at every M above 8 (it is the one that wins at large M on small weights).
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ from dataclasses import asdict, dataclass, field
 from kbit.tuning.gemm import GemmConfig
 from kbit.tuning.gemv import GemvConfig
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, n_groups
+from kbit.tuning.mma_plan import check_config
 
-__all__ = ["FAMILIES", "Candidate", "candidate_from_dict", "search_space"]
+__all__ = ["FAMILIES", "QUICK_FAMILIES", "Candidate", "candidate_from_dict", "infeasible", "search_space"]
 
 FAMILIES = ("mma", "large", "fused", "gemv", "dequant_mm")
+#: the quick space's families by M where kernel 7 runs (sm_90): in the first tuning run (H200, k = 4, five shapes,
+#: ``benchmarks/results/h200/tune-part-2026-11-25-*``) the Triton fused GEMM took 2.2-5.0x the best at M = 16 and
+#: 256, and kernels 1, 3, 4 (in chunks of 64 rows) 2.8-4.7x at M = 256, while kernel 7 was within 1.16-1.35x at
+#: M = 16; dequantize + cuBLAS stays at every M above 8 (no build to pay, and the best at M = 256 on 2880x4096)
+QUICK_FAMILIES = ((8, ("mma",)), (MAX_M, ("mma", "large", "dequant_mm")), (None, ("large", "dequant_mm")))
 _CONFIG_TYPES = {"mma": MmaConfig, "large": LargeConfig, "fused": GemmConfig, "gemv": GemvConfig}
 
 
@@ -113,12 +122,40 @@ def _gemv(M: int, K: int, quick: bool) -> list[GemvConfig]:
     return out[:4] if quick else out
 
 
+def _chunks(M: int) -> list[int]:
+    """Row counts of the launches of kernels 1, 3, 4 for ``M`` rows (chunks of :data:`MAX_M`)."""
+    return sorted({min(M, MAX_M)} | ({M % MAX_M} if M > MAX_M and M % MAX_M else set()))
+
+
+def infeasible(cand: Candidate, k: int, M: int, N: int, K: int) -> str | None:
+    """Why ``cand`` cannot launch for ``M`` rows on a k-bit ``[N, K]`` weight (its plan's refusal: e.g. kernel 3's x
+    slices over the shared memory), or None. Arithmetic only: a build's limits are the plan's to respect."""
+    if cand.family not in ("mma", "large"):
+        return None
+    try:
+        for m in _chunks(M) if cand.family == "mma" else [M]:
+            check_config(k, m, N, K, cand.config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _quick_families(M: int) -> tuple[str, ...]:
+    for bound, fams in QUICK_FAMILIES:
+        if bound is None or M <= bound:
+            return fams
+    return FAMILIES
+
+
 def search_space(k: int, M: int, N: int, K: int, *, cuda: bool = True, sm90: bool = True,
                  families: tuple[str, ...] | None = None, quick: bool = False) -> list[Candidate]:
-    """The candidates of ``families`` (default: every family that serves M here) for ``M`` rows on a k-bit
-    ``[N, K]`` weight. ``cuda``: the NVRTC kernels run; ``sm90``: kernel 7 too (an H100-class GPU)."""
+    """The candidates of ``families`` (default: every family that serves M here; ``quick`` on sm_90:
+    :data:`QUICK_FAMILIES`) for ``M`` rows on a k-bit ``[N, K]`` weight, without those that cannot launch there
+    (:func:`infeasible`). ``cuda``: the NVRTC kernels run; ``sm90``: kernel 7 too (an H100-class GPU)."""
     if families is None:
         families = tuple(f for f in FAMILIES if f != "gemv" or not cuda)
+        if quick and cuda and sm90:
+            families = tuple(f for f in families if f in _quick_families(M))
     for f in families:
         if f not in FAMILIES:
             raise ValueError(f"families: expected a subset of {FAMILIES}, got {f!r}")
@@ -133,4 +170,4 @@ def search_space(k: int, M: int, N: int, K: int, *, cuda: bool = True, sm90: boo
         out += [Candidate("gemv", c) for c in _gemv(M, K, quick)]
     if "dequant_mm" in families and M > 8:
         out.append(Candidate("dequant_mm"))
-    return out
+    return [c for c in out if infeasible(c, k, M, N, K) is None]
