@@ -3,6 +3,7 @@
     kbit tune --suite models --split tune --k 4 --m 1,16,256 --budget-s 500 --out tuned-h100.json
     kbit tune --model path/to/hf_model --k 4              # a model's own shapes, into the cache directory
     kbit tune --fit tuned-h100.json --evaluate held-out-h100.json   # no GPU: fit the rule, report it held out
+    kbit tune --fit tuned-h100.json --package src/kbit/tuning/configs/tuned-h100.json   # the table kbit ships
 
 Each candidate of :func:`kbit.tuning.space.search_space` is timed as ``kbit bench`` times (cold L2: weight copies
 exceeding 8 x L2, one CUDA graph over them, median of the replays), after its first output was checked against the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +27,7 @@ import torch
 from kbit.bench import suite as suite_mod
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
+from kbit.bench.tune_build import Prebuilder
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes
 from kbit.dispatch import linear as dispatch_linear
 from kbit.ops import gemm, gemv, gemv_mma
@@ -33,7 +36,7 @@ from kbit.ops.mma.layout import repacked
 from kbit.tuning.mma import large_ok
 from kbit.tuning.space import FAMILIES, Candidate, search_space
 from kbit.tuning.tables import gpu_key, m_bucket
-from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules
+from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, fit_rules
 from kbit.utils.device import sm_count
 
 BF16 = torch.bfloat16
@@ -220,12 +223,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
     p.add_argument("--families", default=None, help="suite: only these model families (comma list)")
     p.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
-    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes, evenly over the sizes")
+    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes (--order says which)")
+    p.add_argument("--order", choices=("size", "bands"), default="size",
+                   help="size: largest first (--max-shapes: evenly over the sizes); bands: every N x K band of the "
+                        "fitted rule and model family in turn, so that a run cut short by --budget-s covers them")
     p.add_argument("--k", type=_ints, default="4", help="bits per weight (default 4)")
     p.add_argument("--m", type=_ints, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
     p.add_argument("--kernels", default=None, help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
     p.add_argument("--quick", action="store_true", help="a handful of configs a family instead of the full space")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--build-workers", type=int, default=None,
+                   help="CPU processes compiling the CUDA kernels ahead of the timing (default: CPUs - 2; 0: none)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting entries after this many seconds")
     p.add_argument("--retune", action="store_true", help="measure entries already in the table again")
     p.add_argument("--out", default=None, help="the tuned table (default <cache_dir>/tuned/<gpu>.json)")
@@ -233,6 +241,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="no GPU: fit the default rule on this table and store it there")
     p.add_argument("--evaluate", nargs="*", default=None, metavar="TABLE_JSON",
                    help="with --fit: report the rule on these tables (e.g. the held-out half)")
+    p.add_argument("--package", default=None, metavar="OUT_JSON",
+                   help="with --fit: also write the table without its trials (entries' best and the rules), the form "
+                        "shipped as kbit/tuning/configs/tuned-<gpu>.json")
 
 
 def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -241,6 +252,7 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
     given = [n for n in ("shapes", "model", "suite") if getattr(args, n)]
     if len(given) != 1:
         raise ValueError(f"shapes: expected exactly one of --shapes, --model, --suite, got {given or 'none'}")
+    family: dict = {}
     if args.shapes:
         shapes = list(args.shapes)
     elif args.model:
@@ -252,12 +264,15 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
     else:
         fams = [f.strip() for f in args.families.split(",")] if args.families else None
         models = suite_mod.load_models(args.suite)
+        sel = suite_mod.select(models, families_=fams, split=args.split)
+        family = suite_mod.shape_families(sel)
         if args.split == "held-out":  # judged on shapes the tune half does not have
             shapes = suite_mod.unseen_shapes(models, families_=fams)
         else:
-            shapes = suite_mod.dense_shapes(suite_mod.select(models, families_=fams, split=args.split))
-    shapes = suite_mod.spread(shapes, args.max_shapes)
-    return shapes
+            shapes = suite_mod.dense_shapes(sel)
+    if getattr(args, "order", "size") == "bands":
+        return suite_mod.by_bands(shapes, NK_EDGES, family)[:args.max_shapes]
+    return suite_mod.spread(shapes, args.max_shapes)
 
 
 def fit_main(args: argparse.Namespace) -> int:
@@ -268,6 +283,10 @@ def fit_main(args: argparse.Namespace) -> int:
     lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
     for path in args.evaluate or ():
         lines += evaluation_lines(evaluate(rules, TunedTable.load(path)), path)
+    if getattr(args, "package", None):
+        out = table.packaged().save(args.package)
+        lines.append(f"packaged table (no trials): {out} ({out.stat().st_size} bytes); ship it as "
+                     f"src/kbit/tuning/configs/tuned-{table.gpu}.json")
     print("\n".join(lines))
     return 0
 
@@ -290,8 +309,21 @@ def main(args: argparse.Namespace) -> int:
     table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=git_commit(),
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
-    done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
-                       budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+    workers = args.build_workers if args.build_workers is not None else max(0, (os.cpu_count() or 2) - 2)
+    prebuild = None
+    if workers > 0 and kernels_available(dev):
+        prebuild = Prebuilder(dev, sm_count(dev), large_ok(dev), workers)
+        todo = [s for s in shapes if args.retune or any((k, *s, m_bucket(M)) not in table.entries
+                                                        for k in args.k for M in args.m)]
+        _log(f"prebuild: {prebuild.submit(todo, args.k, args.m, families=families, quick=args.quick)} builds "
+             f"queued on {workers} CPU processes")
+    try:
+        done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
+                           budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+    finally:
+        if prebuild is not None:
+            _log(f"prebuild: {prebuild.done()} of {len(prebuild.futures)} builds done ahead")
+            prebuild.close()
     table.save(path)
     print("\n".join(summary_lines(table, done)))
     print(f"{len(done)} entries tuned; {len(table.entries)} in {path}")

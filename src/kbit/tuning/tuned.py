@@ -16,6 +16,11 @@ smallest geometric-mean slowdown (time / that shape's best) over the tuned shape
 (k, M bucket) with no band bound after them as the catch-all. Conditions use the vocabulary of the rule tables in
 ``configs/default.json``. :func:`evaluate` replays a rule on other tuned entries (the held-out half of the suite).
 
+Where the dispatcher looks (:func:`tuned_candidate`), first answer wins: the user's own table in the cache directory
+(``kbit tune`` wrote it on their GPU), then the table shipped with kbit for that GPU (``configs/tuned-<gpu>.json``,
+package data: :func:`packaged_path`; its entries without the trials, made by :meth:`TunedTable.packaged`), then
+nothing (the built-in rule tables decide). A shipped table that cannot be read fails loudly, naming its path.
+
 Nothing here searches: a shape that is neither in the table nor matched by a rule gets None (the built-in rules
 and heuristics then decide), so a first call never runs a search inline.
 """
@@ -36,13 +41,19 @@ from kbit.tuning import mma as _tmma
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
-__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "rule_matches",
-           "tuned_candidate", "reload_tuned"]
+__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "packaged_path",
+           "packaged_table", "rule_matches", "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
+_CONFIGS = Path(__file__).with_name("configs")
 #: bands of N x K weight elements the fitted rule distinguishes (the bounds the built-in rule tables use, and 5e8)
 NK_EDGES = (2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8)
+
+
+def packaged_path(gpu: str) -> Path:
+    """``kbit/tuning/configs/tuned-<gpu>.json``: the tuned table shipped for one GPU (it may not exist)."""
+    return _CONFIGS / f"tuned-{gpu}.json"
 
 
 def default_path(gpu: str) -> Path:
@@ -138,9 +149,34 @@ class TunedTable:
 
     @classmethod
     def load(cls, path: str | Path) -> TunedTable:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The table at ``path``; a file that is not a whole tuned table (bad JSON, another format, an entry or rule
+        that names no known candidate) is a ``ValueError`` naming the path."""
+        path = Path(path)
+        try:
+            t = cls.from_dict(json.loads(path.read_text()))
+            for e in t.entries.values():
+                candidate_from_dict(e["best"])
+            for r in t.rules:
+                candidate_from_dict(r)
+                for name, v in r["if"].items():  # one at a time: the matcher stops at the first that fails
+                    rule_matches({name: v}, 1, 1, 1, 1)  # an unknown condition is a ValueError
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+            raise ValueError(f"tuned table {path}: expected a {FORMAT!r} table (kbit tune), got an unreadable one: "
+                             f"{type(e).__name__}: {e}") from e
+        return t
+
+    def packaged(self) -> TunedTable:
+        """A copy without the trials (each entry keeps its best and the dispatcher's time before tuning) and with the
+        rules: the form shipped as package data (:func:`packaged_path`)."""
+        t = TunedTable(self.gpu, self.meta)
+        t.entries = {key: {"best": e["best"], "current_us": e.get("current_us")} for key, e in self.entries.items()}
+        t.rules = list(self.rules)
+        return t
 
     def trials(self, key: tuple[int, int, int, int]) -> list[Trial]:
+        if "trials" not in self.entries[key]:
+            raise ValueError(f"table: expected the trials of {key} (a table kbit tune wrote), got a packaged table "
+                             "that holds only the best")
         return [_trial(t) for t in self.entries[key]["trials"]]
 
 
@@ -150,24 +186,36 @@ def _active(cache: str, gpu: str) -> TunedTable | None:
     return TunedTable.load(path) if path.is_file() else None
 
 
-def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | None:
-    """What this GPU's tuned table in the cache directory says for ``M`` rows on a k-bit [N, K] weight (exact entry,
-    then fitted rule), or None: no cache directory, no table, or nothing for this shape. Never searches.
+@functools.lru_cache(maxsize=16)
+def packaged_table(gpu: str) -> TunedTable | None:
+    """The tuned table kbit ships for ``gpu`` (:func:`packaged_path`), or None where it ships none; a shipped file
+    that cannot be read is a ``ValueError`` naming its path (a broken install, never silently the built-in rules)."""
+    path = packaged_path(gpu)
+    return TunedTable.load(path) if path.is_file() else None
 
-    The hook a dispatcher consults before its built-in rules, on every eager launch: the table is read once a
-    process (no file access on the hot path), as the dispatcher keeps its own choices; :func:`reload_tuned` reads it
-    again."""
+
+def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | None:
+    """What the tuned tables say for ``M`` rows on a k-bit [N, K] weight on ``gpu``: the user's table in the cache
+    directory first (exact entry, then its fitted rules), then the table shipped for the GPU (the same), else None.
+    Never searches.
+
+    The hook a dispatcher consults before its built-in rules, on every eager launch: the tables are read once a
+    process (no file access on the hot path), as the dispatcher keeps its own choices; :func:`reload_tuned` reads
+    them again."""
     cache = options.get().cache_dir
-    if not cache:
-        return None
-    table = _active(cache, gpu)
-    return None if table is None else table.lookup(k, M, N, K)
+    own = _active(cache, gpu) if cache else None
+    cand = None if own is None else own.lookup(k, M, N, K)
+    if cand is None:
+        shipped = packaged_table(gpu)
+        cand = None if shipped is None else shipped.lookup(k, M, N, K)
+    return cand
 
 
 def reload_tuned() -> None:
     """Read the tuned tables again at the next lookup (e.g. after ``kbit tune`` wrote one in this process). The
     dispatcher's own caches (``kbit.dispatch.linear._choice``, ``kbit.ops.gemv_mma.PLANS``) are cleared apart."""
     _active.cache_clear()
+    packaged_table.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------ the fitted rule
