@@ -103,7 +103,12 @@ class Prebuilder:
         failed = sum(1 for f in self.futures if f.done() and not f.cancelled() and f.exception() is not None)
         if failed:
             print(f"prebuild: {failed} builds failed (the tuner reports each candidate's own error)", file=sys.stderr)
+        procs = list(getattr(self.pool, "_processes", {}).values())
         self.pool.shutdown(wait=False, cancel_futures=True)
+        # builds still running are for entries the tuner will not reach: end them rather than wait (a build cut
+        # short leaves only its temporary file; the cache's writes are atomic renames)
+        for proc in procs:
+            proc.terminate()
 
     def __enter__(self) -> Prebuilder:
         return self
