@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -191,6 +192,15 @@ def summary_lines(table: TunedTable, keys: Sequence[tuple] | None = None) -> lis
     return lines
 
 
+def dispatcher_line(table: TunedTable, keys: Sequence[tuple]) -> str:
+    """How the dispatcher (as it chose when the entry was measured) did against the best candidate on ``keys``."""
+    r = sorted(e["current_us"] / e["best"]["us"] for e in (table.entries[key] for key in keys) if e.get("current_us"))
+    if not r:
+        return "dispatcher / best: no entry"
+    return (f"dispatcher / best candidate over {len(r)} entries: median {statistics.median(r):.3f}, worst "
+            f"{r[-1]:.3f}; within 5% on {sum(v <= 1.05 for v in r)} of {len(r)}")
+
+
 def evaluation_lines(ev: dict, what: str) -> list[str]:
     def f(v, fmt=".3f"):
         return "-" if v is None else format(v, fmt)
@@ -326,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
             prebuild.close()
     table.save(path)
     print("\n".join(summary_lines(table, done)))
+    print(dispatcher_line(table, done))
     print(f"{len(done)} entries tuned; {len(table.entries)} in {path}")
     return 0
 
