@@ -242,3 +242,20 @@ def test_dispatch_points(tmp_path, capsys):
     assert DP.main([str(path)]) == 0
     assert "H200, commit abc" in capsys.readouterr().out
     assert "no point" in DP.points_markdown([])
+
+
+def test_fit_prefers_no_far_off_shape():
+    """Where no candidate is within 5% of the best on every shape of a band, the rule takes the smallest worst
+    slowdown, not the smallest geometric mean (one shape 16% off outweighs 8% on three)."""
+    t = TunedTable("h200")
+    for i, a in enumerate([1.0, 1.0, 1.0, 1.25]):
+        t.add(4, 4096 + 16 * i, 4096, 256, [Trial(K7, 100 * a), Trial(DQ, 108.0), Trial(K1, 100.0)])
+    (band, catch_all) = tuned.fit_rules(t)
+    assert band["family"] == catch_all["family"] == "mma" and band["fit"]["worst_slowdown"] == 1.0  # K1: best
+    t = TunedTable("h200")
+    for i, a in enumerate([1.0, 1.0, 1.0, 1.25]):
+        t.add(4, 4096 + 16 * i, 4096, 256, [Trial(K7, 100 * a), Trial(DQ, 108.0), Trial(K1, 300.0 - 50 * a)])
+    rule = tuned.fit_rules(t)[0]
+    # kernel 7: 1.0, 1.0, 1.0, 125 / 108 (geomean 1.037, worst 1.157); dequantize + cuBLAS: 1.08 x 3, 1.0 (1.059)
+    assert rule["family"] == "dequant_mm" and rule["fit"]["worst_slowdown"] == 1.08
+    assert rule["fit"]["geomean_slowdown"] == pytest.approx(1.08 ** 0.75, abs=1e-4)

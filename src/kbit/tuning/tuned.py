@@ -9,11 +9,13 @@ A tuned table is a JSON file per GPU (``<cache_dir>/tuned/<gpu>.json`` by defaul
          "current_us": 48.3,                      # the dispatcher's choice before tuning, timed in the same run
          "trials": [{"family": ..., "config": ..., "us": ...}, ...]}}}},   # every candidate timed (us null: failed)
      "rules": [{"if": {"k": [4], "M_min": 9, "M_max": 16, "NK_min": 50000000, "NK_below": 100000000},
-                "family": ..., "config": ..., "fit": {"shapes": 7, "geomean_slowdown": 1.02}}, ...]}
+                "family": ..., "config": ...,
+                "fit": {"shapes": 7, "geomean_slowdown": 1.02, "worst_slowdown": 1.04}}, ...]}
 
-The rule (:func:`fit_rules`): per (k, M bucket) and per band of N x K (:data:`NK_EDGES`), the candidate with the
-smallest geometric-mean slowdown (time / that shape's best) over the tuned shapes of the band; one rule per
-(k, M bucket) with no band bound after them as the catch-all. Conditions use the vocabulary of the rule tables in
+The rule (:func:`fit_rules`): per (k, M bucket) and per band of N x K (:data:`NK_EDGES`), of the candidates within
+:data:`WITHIN` of the best on every tuned shape of the band the one with the smallest geometric-mean slowdown
+(time / that shape's best), else the one with the smallest worst slowdown; one rule per (k, M bucket) with no band
+bound after them as the catch-all. Conditions use the vocabulary of the rule tables in
 ``configs/default.json``. :func:`evaluate` replays a rule on other tuned entries (the held-out half of the suite).
 
 Where the dispatcher looks (:func:`tuned_candidate`), first answer wins: the user's own table in the cache directory
@@ -41,14 +43,16 @@ from kbit.tuning import mma as _tmma
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
-__all__ = ["FORMAT", "NK_EDGES", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules", "packaged_path",
-           "packaged_table", "rule_matches", "tuned_candidate", "reload_tuned"]
+__all__ = ["FORMAT", "NK_EDGES", "WITHIN", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules",
+           "packaged_path", "packaged_table", "rule_matches", "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
 _CONFIGS = Path(__file__).with_name("configs")
 #: bands of N x K weight elements the fitted rule distinguishes (the bounds the built-in rule tables use, and 5e8)
 NK_EDGES = (2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8)
+#: a fitted rule prefers candidates within this of each tuned shape's best (the dispatcher's bar in issue 32)
+WITHIN = 1.05
 
 
 def packaged_path(gpu: str) -> Path:
@@ -247,18 +251,27 @@ def _slowdowns(table: TunedTable, keys: list) -> dict[str, list[float]]:
     return out
 
 
-def _pick(slow: dict[str, list[float]], n: int) -> tuple[str, float] | None:
-    """The candidate timed on the most of the ``n`` shapes (all, where some are), smallest geomean slowdown first."""
+def _pick(slow: dict[str, list[float]], n: int) -> tuple[str, float, float] | None:
+    """(candidate key, geomean slowdown, worst slowdown) of the candidate timed on the most of the ``n`` shapes (all,
+    where some are): of those within :data:`WITHIN` of each shape's best on every shape, the smallest geometric
+    mean; where none is, the smallest worst slowdown (the bar is per point: one shape far off weighs more than a
+    few percent on the others)."""
     if not slow:
         return None
     cover = max(len(v) for v in slow.values())
     pool = {c: v for c, v in slow.items() if len(v) == cover}
-    best = min(pool, key=lambda c: (statistics.geometric_mean(pool[c]), c))
-    return best, statistics.geometric_mean(pool[best])
+    ok = [c for c, v in pool.items() if max(v) <= WITHIN]
+    if ok:
+        best = min(ok, key=lambda c: (statistics.geometric_mean(pool[c]), c))
+    else:
+        best = min(pool, key=lambda c: (max(pool[c]), statistics.geometric_mean(pool[c]), c))
+    return best, statistics.geometric_mean(pool[best]), max(pool[best])
 
 
-def _rule(cond: dict, cand_key: str, gm: float, n: int) -> dict:
-    return {"if": cond, **json.loads(cand_key), "fit": {"shapes": n, "geomean_slowdown": round(gm, 4)}}
+def _rule(cond: dict, picked: tuple[str, float, float], n: int) -> dict:
+    cand_key, gm, worst = picked
+    return {"if": cond, **json.loads(cand_key),
+            "fit": {"shapes": n, "geomean_slowdown": round(gm, 4), "worst_slowdown": round(worst, 4)}}
 
 
 def fit_rules(table: TunedTable) -> list[dict]:
@@ -277,10 +290,10 @@ def fit_rules(table: TunedTable) -> list[dict]:
             picked = _pick(_slowdowns(table, bkeys), len(bkeys))
             if picked:
                 cond = {**m_cond, **({"NK_min": lo} if lo else {}), **({"NK_below": hi} if hi else {})}
-                rules.append(_rule(cond, picked[0], picked[1], len(bkeys)))
+                rules.append(_rule(cond, picked, len(bkeys)))
         picked = _pick(_slowdowns(table, keys), len(keys))
         if picked:
-            rules.append(_rule(m_cond, picked[0], picked[1], len(keys)))
+            rules.append(_rule(m_cond, picked, len(keys)))
     table.rules = rules
     return rules
 
