@@ -10,7 +10,11 @@ exceeding 8 x L2, one CUDA graph over them, median of the replays), after its fi
 dispatcher's; the dispatcher's own choice is timed in the same run (``current_us``). Entries go into a
 :class:`kbit.tuning.tuned.TunedTable` (default ``<cache_dir>/tuned/<gpu>.json``), written after each entry, so a run
 cut short keeps what it finished; a later run skips entries already there (``--retune``: measure them again).
-The last lines printed are a short table: per entry the best candidate, its time, and the dispatcher's.
+``--order bands`` takes the shapes so that a run cut short still covers every N x K band of the fitted rule and the
+model families (``kbit.bench.suite.by_bands``); the CUDA kernels are compiled ahead by a pool of CPU processes
+(``kbit.bench.tune_build``), as compiling, not timing, bounds a run. The last lines printed are a short table: per
+entry the best candidate, its time, and the dispatcher's (before tuning where no table was installed), then the
+dispatcher / best line.
 """
 from __future__ import annotations
 
