@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import types
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from kbit.bench import dispatch_points as DP
 from kbit.bench import suite as S
 from kbit.bench import tune as T
 from kbit.bench.tune_build import candidate_builds
+from kbit.ops import gemv_mma
 from kbit.tuning import mma_units as TU
 from kbit.tuning import tuned
 from kbit.tuning.mma import LargeConfig, MmaConfig
@@ -22,6 +24,7 @@ from kbit.tuning.mma_plan import check_config, make_plan
 from kbit.tuning.space import Candidate, candidate_from_dict, infeasible, search_space
 from kbit.tuning.tables import gpu_key
 from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, reload_tuned, tuned_candidate
+from kbit.utils import device as udev
 
 K1 = Candidate("mma", MmaConfig(1, 8, min_ctas=2))
 K3 = Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True))
@@ -297,3 +300,68 @@ def test_gpu_shipped_table_candidates_run():
         y = T.candidate_call(cand, qw)(x).float()
         ref = T.candidate_call(None, qw)(x).float()
         assert float((y - ref).norm() / ref.norm()) < T.MAX_REL_ERR, (cand, M)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+class _Heating:
+    """A made-up GPU that slows by 3% a call up to 10% (as a compute-bound H200 slows as it heats), over fixed true
+    times."""
+
+    def __init__(self, true: dict):
+        self.true, self.calls = true, 0
+
+    def __call__(self, cand):
+        self.calls += 1
+        return self.true[None if cand is None else cand.key] * min(1 + 0.03 * self.calls, 1.1)
+
+
+def test_confirm_times_finalists_beside_the_dispatcher():
+    true = {None: 100.0, K1.key: 100.0, K3.key: 97.0, K7.key: 150.0, DQ.key: 99.0}
+    heat = _Heating(true)
+    cur0 = heat(None)
+    trials = T.tune_entry(4, 4096, 4096, 16, [K1, K7, DQ, K3], heat)
+    assert min(trials, key=lambda t: t.us).candidate == K1 and cur0 < min(t.us for t in trials)  # order bias
+    trials2, cur = T.confirm(trials, heat, top=3)
+    assert [t.candidate for t in trials2] == [K1, K7, DQ, K3] and trials2[1].us == trials[1].us  # K7: no finalist
+    assert min(trials2, key=lambda t: t.us).candidate == K3 and cur > min(t.us for t in trials2)
+    assert cur == pytest.approx(110.0) and trials2[3].us == pytest.approx(97.0 * 1.1)
+    assert T.confirm(trials, heat, top=3, deadline=0.0) == (trials, None)
+
+
+def test_tune_shapes_adds_the_builtin_choice():
+    class Meas:
+        def set_m(self, M, seed):
+            return 10.0
+
+        def __call__(self, cand):
+            return 5.0 if cand == K7 else 10.0
+
+    table = TunedTable("h200")
+    done = T.tune_shapes(table, [(28672, 4096)], [4], [1], measure_for=lambda N, K, k: Meas(), cuda=True,
+                         sm90=True, quick=True, builtin_for=lambda k, M, N, K: K7)
+    e = table.entries[done[0]]
+    assert e["best"]["family"] == "large" and e["current_us"] == 10.0  # kernel 7 is not in the M = 1 space
+    assert sum(t["family"] == "large" for t in e["trials"]) == 1
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132, name="H200"))
+    monkeypatch.setattr(T, "kernels_available", lambda device: True)
+    udev._sm_count.cache_clear()
+    yield torch.device("cuda", 0)
+    udev._sm_count.cache_clear()
+
+
+def test_builtin_candidate(fake_h200):
+    with options.override(cache_dir=None):  # the built-in rules, never a tuned table (kbit may ship one for h200)
+        want = gemv_mma._tmma.default_config(4, 1, 28672, 4096, sm90=True, sms=132, gpu="h200")
+        assert T.builtin_candidate(4, 1, 28672, 4096, fake_h200) == Candidate("mma", want)
+        big = T.builtin_candidate(4, 256, 28672, 4096, fake_h200)
+        assert big.family == "large" and big.config == gemv_mma.large_config(4, 256, 28672, 4096)
+        assert T.builtin_candidate(4, 128, 2048, 2048, fake_h200).family in ("dequant_mm", "fused")
