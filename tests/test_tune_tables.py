@@ -23,7 +23,7 @@ from kbit.tuning.mma import LargeConfig, MmaConfig
 from kbit.tuning.mma_plan import check_config, make_plan
 from kbit.tuning.space import Candidate, candidate_from_dict, infeasible, search_space
 from kbit.tuning.tables import gpu_key
-from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, reload_tuned, tuned_candidate
+from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, reload_tuned, tuned_candidate
 from kbit.utils import device as udev
 
 K1 = Candidate("mma", MmaConfig(1, 8, min_ctas=2))
@@ -80,17 +80,20 @@ def test_lookup_order_user_then_shipped_then_none(shipped):
                           rules=[_rule(DQ, k=[4], M_min=129, M_max=256)]))
     assert path.name == "tuned-h200.json" and path.parent == tuned._CONFIGS
     assert tuned_candidate(4, 16, 28672, 4096, "h200") == K3  # the shipped entry
-    assert tuned_candidate(4, 200, 5120, 5120, "h200") == DQ  # the shipped rule, on a shape never tuned
-    assert tuned_candidate(4, 1, 5120, 5120, "h200") is None  # neither
+    assert tuned_candidate(4, 200, 5120, 5120, "h200") == K7  # a shape never tuned: the nearest tuned shape's pick
+    assert tuned_candidate(2, 200, 5120, 5120, "h200") is None  # no k = 2 entry, no k = 2 rule
+    assert tuned_candidate(4, 1, 5120, 5120, "h200") is None  # no entry of M's bucket, no rule
     assert tuned_candidate(4, 16, 28672, 4096, "h100") is None  # a GPU kbit ships no table for
-    # the user's own table wins where it answers (entry or rule); elsewhere the shipped one still answers
-    _table("h200", {(4, 16, 28672, 4096): (K1, K3)}, rules=[_rule(K7, k=[4], M_min=129, M_max=256, N_min=8192)]) \
-        .save(default_path("h200"))
+    # the user's own table wins where it answers; an entry of the very shape (either table) before a generalisation
+    _table("h200", {(4, 16, 28672, 4096): (K1, K3), (4, 1, 8192, 8192): (K3, K1)},
+           rules=[_rule(DQ, k=[4], M_min=129, M_max=256, N_min=8192)]).save(default_path("h200"))
     reload_tuned()
-    assert tuned_candidate(4, 16, 28672, 4096, "h200") == K1
-    assert tuned_candidate(4, 200, 28672, 5120, "h200") == K7  # the user's rule (N >= 8192)
-    assert tuned_candidate(4, 200, 5120, 5120, "h200") == DQ  # the user's rule does not match: the shipped one
-    assert tuned_candidate(4, 256, 28672, 4096, "h200") == K7
+    assert tuned_candidate(4, 16, 28672, 4096, "h200") == K1  # the user's entry
+    assert tuned_candidate(4, 16, 7680, 5120, "h200") == K1  # the user's nearest shape
+    assert tuned_candidate(4, 1, 5120, 5120, "h200") == K3  # the user's nearest shape (the shipped one has none)
+    assert tuned_candidate(4, 200, 28672, 5120, "h200") == DQ  # the user's rule (N >= 8192)
+    assert tuned_candidate(4, 200, 5120, 5120, "h200") == K7  # the user's rule does not match: the shipped nearest
+    assert tuned_candidate(4, 256, 28672, 4096, "h200") == K7  # the shipped entry before the user's rule
 
 
 @pytest.mark.parametrize("text", ['{"format": "kbit-tuned", "version": 1, "gpu": "h200", "entries": {"4": {', "[]",
@@ -98,7 +101,10 @@ def test_lookup_order_user_then_shipped_then_none(shipped):
                                   '{"format": "kbit-tuned", "version": 1, "gpu": "h200", "rules": '
                                   '[{"if": {"k": [4], "color": 1}, "family": "dequant_mm", "config": null}]}',
                                   '{"format": "kbit-tuned", "version": 1, "gpu": "h200", "entries": {"4": {"64x64": '
-                                  '{"16": {"best": {"family": "cutlass", "config": null}}}}}}'])
+                                  '{"16": {"best": {"family": "cutlass", "config": null}}}}}}',
+                                  '{"format": "kbit-tuned", "version": 1, "gpu": "h200", "candidates": [], "entries": '
+                                  '{"4": {"64x64": {"16": {"best": {"family": "dequant_mm", "config": null}, '
+                                  '"times": [[3, 1.0]]}}}}}'])
 def test_damaged_shipped_table_fails_loudly_with_its_path(shipped, text):
     path = tuned.packaged_path("h200")
     path.write_text(text)
@@ -114,11 +120,15 @@ def test_packaged_form(tmp_path):
     p = t.packaged().save(tmp_path / "p.json")
     back = TunedTable.load(p)
     e = back.entries[(4, 28672, 4096, 16)]
-    assert set(e) == {"best", "current_us"} and e["current_us"] == 15.0 and back.rules == t.rules
-    assert back.lookup(4, 16, 28672, 4096) == K3 and back.meta == t.meta
-    with pytest.raises(ValueError, match="packaged table"):
-        back.trials((4, 28672, 4096, 16))
+    assert set(e) == {"best", "current_us", "times"} and e["current_us"] == 15.0 and back.rules == t.rules
+    assert back.lookup(4, 16, 28672, 4096) == K3 and back.meta == t.meta and back.candidates == [K3, K1]
+    assert back.trials((4, 28672, 4096, 16)) == t.trials((4, 28672, 4096, 16))  # times by candidate index
+    assert back.packaged().as_dict() == back.as_dict()
     assert "trials" in t.entries[(4, 28672, 4096, 16)]  # the original keeps them
+    del back.entries[(4, 28672, 4096, 16)]["times"]
+    with pytest.raises(ValueError, match="only the best"):
+        back.trials((4, 28672, 4096, 16))
+    assert back.nearest(4, 16, 20000, 4096) == K3  # without trials: the nearest shape's best
 
 
 def test_cli_fit_package(tmp_path, capsys):
@@ -365,3 +375,22 @@ def test_builtin_candidate(fake_h200):
         big = T.builtin_candidate(4, 256, 28672, 4096, fake_h200)
         assert big.family == "large" and big.config == gemv_mma.large_config(4, 256, 28672, 4096)
         assert T.builtin_candidate(4, 128, 2048, 2048, fake_h200).family in ("dequant_mm", "fused")
+
+
+def test_nearest_shapes_pick():
+    """An untuned shape takes, over the 3 nearest tuned shapes (log N, log K), the candidate within 5% of the best
+    on each, else the one with the smallest worst slowdown."""
+    t = TunedTable("h200")
+    for (N, K), us in {(4096, 4096): (10, 10.4, 30), (8192, 4096): (10, 10.3, 30), (4096, 8192): (12, 10, 30),
+                       (65536, 16384): (30, 30, 10)}.items():
+        t.add(4, N, K, 16, [Trial(K1, us[0]), Trial(K3, us[1]), Trial(DQ, us[2])])
+    assert t.nearest(4, 16, 6000, 5000) == K3  # K1 is 20% off on 4096x8192
+    assert t.nearest(4, 16, 60000, 16384) == K3  # the three nearest include the far-off small shapes too
+    assert t.nearest(4, 1, 6000, 5000) is None and t.nearest(2, 16, 6000, 5000) is None
+    assert t.lookup(4, 9, 4096, 4096) == K1  # an entry of the very shape
+    fitted = TunedTable("h200")
+    fitted.entries = {key: e for key, e in t.entries.items() if key[1] != 8192}
+    held = TunedTable("h200")
+    held.entries = {key: e for key, e in t.entries.items() if key[1] == 8192}
+    ev = evaluate([], held, fitted=fitted)
+    assert ev["covered"] == 1 and ev["rows"][0]["slowdown"] == pytest.approx(10.3 / 10)

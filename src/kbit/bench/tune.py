@@ -255,10 +255,10 @@ def dispatcher_line(table: TunedTable, keys: Sequence[tuple]) -> str:
             f"{r[-1]:.3f}; within 5% on {sum(v <= 1.05 for v in r)} of {len(r)}")
 
 
-def evaluation_lines(ev: dict, what: str) -> list[str]:
+def evaluation_lines(ev: dict, what: str, how: str = "fitted rule") -> list[str]:
     def f(v, fmt=".3f"):
         return "-" if v is None else format(v, fmt)
-    return [f"fitted rule on {what}: {ev['covered']} of {ev['entries']} entries covered; time / best: median "
+    return [f"{how} on {what}: {ev['covered']} of {ev['entries']} entries covered; time / best: median "
             f"{f(ev['median'])}, worst {f(ev['worst'])}; within 5% of the best on {f(ev['within_5pct'], '.0%')}; "
             f"dispatcher before / rule: median {f(ev['vs_current_median'])}"]
 
@@ -346,7 +346,9 @@ def fit_main(args: argparse.Namespace) -> int:
     print(f"{len(rules)} rules fitted on {len(table.entries)} entries of {args.fit} (stored there)")
     lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
     for path in args.evaluate or ():
-        lines += evaluation_lines(evaluate(rules, TunedTable.load(path)), path)
+        held = TunedTable.load(path)
+        lines += evaluation_lines(evaluate(rules, held), path)
+        lines += evaluation_lines(evaluate(rules, held, fitted=table), path, "the table's lookup (nearest shapes)")
     if getattr(args, "package", None):
         out = table.packaged().save(args.package)
         lines.append(f"packaged table (no trials): {out} ({out.stat().st_size} bytes); ship it as "
