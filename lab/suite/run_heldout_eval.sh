@@ -7,10 +7,9 @@
 #   Here, once: bash /work/shared/tools/fetch_peer_wheels.sh      (makes .whl/ in the repo root; git ignores it)
 #   Device tool: run(command="bash lab/suite/run_heldout_eval.sh", carry=[".whl"], timeout_s=600)
 #
-# The table: src/kbit/tuning/configs/tuned-<gpu>.json where the tree ships one (the packaged table: copy there the
-# tuned-<gpu>.json that lab/suite/run_tune_suite.sh returned), else, on the machine that just ran that script, its
-# table from /tmp/kbit-tune, installed as the user's table of the cache directory. Without either the run goes on
-# (the built-in rules) and says so. Written to $OUT: heldout-k4-*.json / -k2-*.json (results), their summaries,
+# The table: on the machine that just ran lab/suite/run_tune_suite.sh, its table from /tmp/kbit-tune, installed as
+# the user's table of the cache directory (it wins over a packaged one); else src/kbit/tuning/configs/tuned-<gpu>.json
+# where the tree ships one. Without either the run goes on (the built-in rules) and says so. Written to $OUT: heldout-k4-*.json / -k2-*.json (results), their summaries,
 # points-k4.md / points-k2.md (per point), run.log. Printed last: the per-point tables' closing lines.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,11 +27,11 @@ export PYTHONPATH="$PEERS:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 gpu=$(python -c "import torch; from kbit.tuning.tables import gpu_key; print(gpu_key(torch.device('cuda')))")
-if [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
-  echo "table: packaged src/kbit/tuning/configs/tuned-$gpu.json"
-elif [ -e "$STATE/tuned-$gpu.json" ]; then
+if [ -e "$STATE/tuned-$gpu.json" ]; then  # the user's table wins over a packaged one
   mkdir -p "$KBIT_CACHE_DIR/tuned" && cp "$STATE/tuned-$gpu.json" "$KBIT_CACHE_DIR/tuned/$gpu.json"
-  echo "table: $STATE/tuned-$gpu.json installed as $KBIT_CACHE_DIR/tuned/$gpu.json"
+  echo "table: $STATE/tuned-$gpu.json (this machine's run_tune_suite.sh) installed as $KBIT_CACHE_DIR/tuned/$gpu.json"
+elif [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
+  echo "table: packaged src/kbit/tuning/configs/tuned-$gpu.json"
 else
   echo "table: NONE for $gpu (the dispatcher uses its built-in rules)"
 fi

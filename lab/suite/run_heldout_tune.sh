@@ -7,7 +7,7 @@
 #
 #   Device tool: run(command="bash lab/suite/run_heldout_tune.sh", timeout_s=600)
 #
-# The table: as lab/suite/run_heldout_eval.sh finds it (packaged, else /tmp/kbit-tune of the warm machine). Written
+# The table: as lab/suite/run_heldout_eval.sh finds it (/tmp/kbit-tune of the warm machine, else packaged). Written
 # to $OUT: tuned-held-out.json, heldout-tune.log, fit.txt. Printed last: the entries (best, dispatcher, their ratio)
 # and the "dispatcher / best candidate" line.
 set -uo pipefail
@@ -20,11 +20,11 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 KBIT_
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 git log --oneline -1 2>/dev/null || true
 gpu=$(python -c "import torch; from kbit.tuning.tables import gpu_key; print(gpu_key(torch.device('cuda')))")
-if [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
-  echo "table: packaged src/kbit/tuning/configs/tuned-$gpu.json"
-elif [ -e "$STATE/tuned-$gpu.json" ]; then
+if [ -e "$STATE/tuned-$gpu.json" ]; then  # the user's table wins over a packaged one
   mkdir -p "$KBIT_CACHE_DIR/tuned" && cp "$STATE/tuned-$gpu.json" "$KBIT_CACHE_DIR/tuned/$gpu.json"
-  echo "table: $STATE/tuned-$gpu.json installed as $KBIT_CACHE_DIR/tuned/$gpu.json"
+  echo "table: $STATE/tuned-$gpu.json (this machine's run_tune_suite.sh) installed as $KBIT_CACHE_DIR/tuned/$gpu.json"
+elif [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
+  echo "table: packaged src/kbit/tuning/configs/tuned-$gpu.json"
 else
   echo "table: NONE for $gpu (the dispatcher uses its built-in rules)"
 fi

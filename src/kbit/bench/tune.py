@@ -306,7 +306,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evaluate", nargs="*", default=None, metavar="TABLE_JSON",
                    help="with --fit: report the rule on these tables (e.g. the held-out half)")
     p.add_argument("--package", default=None, metavar="OUT_JSON",
-                   help="with --fit: also write the table without its trials (entries' best and the rules), the form "
+                   help="with --fit: also write the packaged table (entries' best and times, the rules), the form "
                         "shipped as kbit/tuning/configs/tuned-<gpu>.json")
 
 
@@ -350,8 +350,8 @@ def fit_main(args: argparse.Namespace) -> int:
         lines += evaluation_lines(evaluate(rules, held), path)
         lines += evaluation_lines(evaluate(rules, held, fitted=table), path, "the table's lookup (nearest shapes)")
     if getattr(args, "package", None):
-        out = table.packaged().save(args.package)
-        lines.append(f"packaged table (no trials): {out} ({out.stat().st_size} bytes); ship it as "
+        out = table.packaged().save(args.package, indent=None)
+        lines.append(f"packaged table (best, times): {out} ({out.stat().st_size} bytes); ship it as "
                      f"src/kbit/tuning/configs/tuned-{table.gpu}.json")
     print("\n".join(lines))
     return 0

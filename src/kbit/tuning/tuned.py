@@ -163,11 +163,13 @@ class TunedTable:
             out["candidates"] = [c.as_dict() for c in self.candidates]
         return out
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, indent: int | None = 1) -> Path:
+        """Writes the table to ``path`` (``indent`` None: one line, as the packaged tables are kept)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.as_dict(), indent=1, allow_nan=False) + "\n")
+        text = json.dumps(self.as_dict(), indent=indent, allow_nan=False, separators=None if indent else (",", ":"))
+        tmp.write_text(text + "\n")
         tmp.replace(path)  # a reader never sees half a file
         return path
 
