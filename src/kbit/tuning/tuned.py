@@ -140,8 +140,9 @@ class TunedTable:
         """For a shape not tuned: of the :data:`NEAREST` tuned shapes of this k and M bucket nearest to [N, K]
         (distance ``|log N / N'| + |log K / K'|``), the candidate a fitted rule would take over them (:func:`fit_rules`:
         within :data:`WITHIN` of the best on each, else the smallest worst slowdown); None without such shapes.
-        Judged by leaving each model family out of the H200 suite table of 2026-11-26 in turn (523 entries): within
-        5% of the best on 76% of the entries, worst 1.82x, against 68% and 3.64x for the banded rules."""
+        Judged by leaving each model family out of the H200 suite table of 2026-11-26 in turn (523 entries;
+        ``lab/suite/cv_families.py``): within 5% of the best on 76% of the entries, worst 1.82x, against 68% and
+        3.64x for the banded rules and 64% and 5.12x for the built-in rules."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
