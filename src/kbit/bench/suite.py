@@ -38,8 +38,9 @@ from pathlib import Path
 from kbit.bench.moe import MoeShape
 from kbit.utils.checks import check_choice
 
-__all__ = ["SPLITS", "Layer", "Model", "dense_shapes", "families", "layers", "load_models", "model_from_config",
-           "moe_shapes", "select", "split_of", "spread", "suite_markdown", "unseen_shapes"]
+__all__ = ["SPLITS", "Layer", "Model", "by_bands", "dense_shapes", "families", "layers", "load_models",
+           "model_from_config", "moe_shapes", "select", "shape_families", "split_of", "spread", "suite_markdown",
+           "unseen_shapes"]
 
 SUITES = Path(__file__).with_name("suites")
 SPLITS = ("tune", "held-out")
@@ -233,6 +234,42 @@ def spread(shapes: list, n: int | None) -> list:
         return list(shapes[:max(n, 0)])
     idx = sorted({round(i * (len(shapes) - 1) / (n - 1)) for i in range(n)})
     return [shapes[i] for i in idx]
+
+
+def shape_families(sel: Iterable[Layer]) -> dict[tuple[int, int], str]:
+    """(N, K) -> the family of the first dense layer of ``sel`` with that shape."""
+    out: dict[tuple[int, int], str] = {}
+    for lay in sel:
+        if lay.dense:
+            out.setdefault((lay.N, lay.K), lay.family)
+    return out
+
+
+def by_bands(shapes: Sequence[tuple[int, int]], edges: Sequence[int],
+             family: dict[tuple[int, int], str] | None = None) -> list[tuple[int, int]]:
+    """``shapes`` reordered so that any first few cover every band of N x K (bounds ``edges``) and, within a band,
+    the model families (``family``: shape -> family) in turn: rounds over the bands, largest band first, each
+    taking the largest shape left of the family picked least so far. A run cut short by its budget (``kbit tune``)
+    then holds shapes of every size and family rather than the largest only."""
+    family = family or {}
+
+    def band(s):
+        return sum(s[0] * s[1] >= e for e in edges)
+
+    left: dict[int, list] = {}
+    for s in sorted(dict.fromkeys(shapes), key=lambda s: (-s[0] * s[1], s)):
+        left.setdefault(band(s), []).append(s)
+    picks: dict[str, int] = {}
+    out = []
+    while any(left.values()):
+        for b in sorted(left, reverse=True):
+            if not left[b]:
+                continue
+            s = min(left[b], key=lambda s: (picks.get(family.get(s, ""), 0), -s[0] * s[1], s))
+            left[b].remove(s)
+            picks[family.get(s, "")] = picks.get(family.get(s, ""), 0) + 1
+            out.append(s)
+    return out
 
 
 def unseen_shapes(models: Sequence[Model] | None = None, **select_kw) -> list[tuple[int, int]]:

@@ -3,18 +3,25 @@
     kbit tune --suite models --split tune --k 4 --m 1,16,256 --budget-s 500 --out tuned-h100.json
     kbit tune --model path/to/hf_model --k 4              # a model's own shapes, into the cache directory
     kbit tune --fit tuned-h100.json --evaluate held-out-h100.json   # no GPU: fit the rule, report it held out
+    kbit tune --fit tuned-h100.json --package src/kbit/tuning/configs/tuned-h100.json   # the table kbit ships
 
 Each candidate of :func:`kbit.tuning.space.search_space` is timed as ``kbit bench`` times (cold L2: weight copies
 exceeding 8 x L2, one CUDA graph over them, median of the replays), after its first output was checked against the
 dispatcher's; the dispatcher's own choice is timed in the same run (``current_us``). Entries go into a
 :class:`kbit.tuning.tuned.TunedTable` (default ``<cache_dir>/tuned/<gpu>.json``), written after each entry, so a run
 cut short keeps what it finished; a later run skips entries already there (``--retune``: measure them again).
-The last lines printed are a short table: per entry the best candidate, its time, and the dispatcher's.
+``--order bands`` takes the shapes so that a run cut short still covers every N x K band of the fitted rule and the
+model families (``kbit.bench.suite.by_bands``); the CUDA kernels are compiled ahead by a pool of CPU processes
+(``kbit.bench.tune_build``), as compiling, not timing, bounds a run. The last lines printed are a short table: per
+entry the best candidate, its time, and the dispatcher's (before tuning where no table was installed), then the
+dispatcher / best line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,15 +32,16 @@ import torch
 from kbit.bench import suite as suite_mod
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
+from kbit.bench.tune_build import Prebuilder
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes
 from kbit.dispatch import linear as dispatch_linear
 from kbit.ops import gemm, gemv, gemv_mma
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import repacked
-from kbit.tuning.mma import large_ok
+from kbit.tuning.mma import MAX_M, default_config, large_config, large_ok, uses_large
 from kbit.tuning.space import FAMILIES, Candidate, search_space
 from kbit.tuning.tables import gpu_key, m_bucket
-from kbit.tuning.tuned import Trial, TunedTable, default_path, evaluate, fit_rules
+from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, fit_rules
 from kbit.utils.device import sm_count
 
 BF16 = torch.bfloat16
@@ -114,6 +122,43 @@ def tune_entry(k: int, N: int, K: int, M: int, cands: Sequence[Candidate],
     return trials
 
 
+def confirm(trials: list[Trial], measure: Callable[[Candidate | None], float], top: int = 3,
+            deadline: float | None = None) -> tuple[list[Trial], float | None]:
+    """The ``top`` fastest trials timed again back to back, then the dispatcher (``measure(None)``): their new times
+    replace the first ones, so that the finalists and the dispatcher are compared in one stretch of the run. A GPU
+    that slows as it heats (compute-bound M, H200, ``tune-suite`` run of 2026-11-26: the dispatcher timed first took
+    0.84-1.07x the time of the same config timed later) would otherwise favour whatever was timed first. Returns
+    (trials, the dispatcher's new time, or None where ``deadline`` passed first)."""
+    timed = sorted((t for t in trials if t.us is not None), key=lambda t: t.us)[:top]
+    again: dict[str, float] = {}
+    for t in timed:
+        if deadline is not None and time.time() > deadline:
+            return trials, None
+        try:
+            again[t.candidate.key] = float(measure(t.candidate))
+        except Exception as e:  # noqa: BLE001 - it ran once; keep its first time if it fails now
+            _log(f"    confirm {t.candidate.family}: {type(e).__name__}: {str(e)[:120]}")
+    cur = float(measure(None)) if deadline is None or time.time() <= deadline else None
+    return [Trial(t.candidate, again.get(t.candidate.key, t.us)) for t in trials], cur
+
+
+def builtin_candidate(k: int, M: int, N: int, K: int, device) -> Candidate | None:
+    """The kernel and config the dispatcher's built-in rules choose (no tuned table) as a candidate, so that a tuned
+    entry can keep it: a table then never picks slower than the rules it replaces. None where that is the Triton
+    GEMV (not in the CUDA spaces)."""
+    mma = kernels_available(device)
+    large = mma and large_ok(device)
+    ch = dispatch_linear.pick(M, N, K, k, device, mma=mma, large=large)
+    if ch.kernel != "gemv":
+        return Candidate("dequant_mm") if ch.kernel == "dequant_mm" else Candidate("fused", ch.config)
+    if not mma:
+        return None
+    if uses_large(M, N, K, device):
+        return Candidate("large", large_config(k, M, N, K))
+    return Candidate("mma", default_config(k, min(M, MAX_M), N, K, sm90=large, sms=sm_count(device),
+                                           gpu=gpu_key(device)))
+
+
 def _short(d: dict) -> str:
     cfg = d.get("config") or {}
     return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
@@ -131,11 +176,14 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 budget_s: float | None = None, retune: bool = False, seed: int = 0,
                 save: Callable[[TunedTable], object] | None = None,
                 measure_for: Callable[[int, int, int], Measure] | None = None,
-                cuda: bool | None = None, sm90: bool | None = None) -> list[tuple]:
+                builtin_for: Callable[[int, int, int, int], Candidate | None] | None = None,
+                cuda: bool | None = None, sm90: bool | None = None, confirm_top: int = 3) -> list[tuple]:
     """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``); returns the keys tuned.
 
     ``measure_for(N, K, k)``: the :class:`Measure` of a weight (default: a quantized random weight on the GPU);
-    ``cuda`` / ``sm90``: whether the CUDA kernels / kernel 7 run (default: asked of the GPU)."""
+    ``builtin_for(k, M, N, K)``: the built-in rules' choice, added to the candidates (default:
+    :func:`builtin_candidate` on the GPU); ``cuda`` / ``sm90``: whether the CUDA kernels / kernel 7 run (default:
+    asked of the GPU); ``confirm_top``: finalists timed again beside the dispatcher (:func:`confirm`; 0: none)."""
     if measure_for is None:
         dev = torch.device("cuda")
         l2 = l2_bytes(dev)
@@ -143,6 +191,9 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
 
         def measure_for(N, K, k):
             return Measure(quantized_weight(N, K, k, seed, dev), reps, l2)
+
+        def builtin_for(k, M, N, K):
+            return builtin_candidate(k, M, N, K, dev)
     deadline = None if budget_s is None else time.time() + budget_s
     done = []
     for N, K in shapes:
@@ -159,8 +210,15 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                     break
                 cur = meas.set_m(M, seed)
                 cands = search_space(k, M, N, K, cuda=bool(cuda), sm90=bool(sm90), families=families, quick=quick)
+                own = builtin_for(k, M, N, K) if builtin_for is not None else None
+                if own is not None and own not in cands:
+                    cands.append(own)
                 t0 = time.time()
                 trials = tune_entry(k, N, K, M, cands, meas, deadline)
+                if trials is not None and confirm_top and any(t.us is not None for t in trials):
+                    trials, cur2 = confirm(trials, meas, confirm_top, deadline)
+                    trials = None if cur2 is None else trials
+                    cur = cur if cur2 is None else cur2
                 if trials is None or not any(t.us is not None for t in trials):
                     _log(f"{N}x{K} k={k} M={M}: not stored ({'budget' if trials is None else 'nothing ran'})")
                     continue
@@ -188,10 +246,19 @@ def summary_lines(table: TunedTable, keys: Sequence[tuple] | None = None) -> lis
     return lines
 
 
-def evaluation_lines(ev: dict, what: str) -> list[str]:
+def dispatcher_line(table: TunedTable, keys: Sequence[tuple]) -> str:
+    """How the dispatcher (as it chose when the entry was measured) did against the best candidate on ``keys``."""
+    r = sorted(e["current_us"] / e["best"]["us"] for e in (table.entries[key] for key in keys) if e.get("current_us"))
+    if not r:
+        return "dispatcher / best: no entry"
+    return (f"dispatcher / best candidate over {len(r)} entries: median {statistics.median(r):.3f}, worst "
+            f"{r[-1]:.3f}; within 5% on {sum(v <= 1.05 for v in r)} of {len(r)}")
+
+
+def evaluation_lines(ev: dict, what: str, how: str = "fitted rule") -> list[str]:
     def f(v, fmt=".3f"):
         return "-" if v is None else format(v, fmt)
-    return [f"fitted rule on {what}: {ev['covered']} of {ev['entries']} entries covered; time / best: median "
+    return [f"{how} on {what}: {ev['covered']} of {ev['entries']} entries covered; time / best: median "
             f"{f(ev['median'])}, worst {f(ev['worst'])}; within 5% of the best on {f(ev['within_5pct'], '.0%')}; "
             f"dispatcher before / rule: median {f(ev['vs_current_median'])}"]
 
@@ -220,12 +287,17 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
     p.add_argument("--families", default=None, help="suite: only these model families (comma list)")
     p.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
-    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes, evenly over the sizes")
+    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes (--order says which)")
+    p.add_argument("--order", choices=("size", "bands"), default="size",
+                   help="size: largest first (--max-shapes: evenly over the sizes); bands: every N x K band of the "
+                        "fitted rule and model family in turn, so that a run cut short by --budget-s covers them")
     p.add_argument("--k", type=_ints, default="4", help="bits per weight (default 4)")
     p.add_argument("--m", type=_ints, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
     p.add_argument("--kernels", default=None, help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
     p.add_argument("--quick", action="store_true", help="a handful of configs a family instead of the full space")
     p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--build-workers", type=int, default=None,
+                   help="CPU processes compiling the CUDA kernels ahead of the timing (default: CPUs - 2; 0: none)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting entries after this many seconds")
     p.add_argument("--retune", action="store_true", help="measure entries already in the table again")
     p.add_argument("--out", default=None, help="the tuned table (default <cache_dir>/tuned/<gpu>.json)")
@@ -233,6 +305,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="no GPU: fit the default rule on this table and store it there")
     p.add_argument("--evaluate", nargs="*", default=None, metavar="TABLE_JSON",
                    help="with --fit: report the rule on these tables (e.g. the held-out half)")
+    p.add_argument("--package", default=None, metavar="OUT_JSON",
+                   help="with --fit: also write the packaged table (entries' best and times, the rules), the form "
+                        "shipped as kbit/tuning/configs/tuned-<gpu>.json")
 
 
 def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
@@ -241,6 +316,7 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
     given = [n for n in ("shapes", "model", "suite") if getattr(args, n)]
     if len(given) != 1:
         raise ValueError(f"shapes: expected exactly one of --shapes, --model, --suite, got {given or 'none'}")
+    family: dict = {}
     if args.shapes:
         shapes = list(args.shapes)
     elif args.model:
@@ -252,12 +328,15 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
     else:
         fams = [f.strip() for f in args.families.split(",")] if args.families else None
         models = suite_mod.load_models(args.suite)
+        sel = suite_mod.select(models, families_=fams, split=args.split)
+        family = suite_mod.shape_families(sel)
         if args.split == "held-out":  # judged on shapes the tune half does not have
             shapes = suite_mod.unseen_shapes(models, families_=fams)
         else:
-            shapes = suite_mod.dense_shapes(suite_mod.select(models, families_=fams, split=args.split))
-    shapes = suite_mod.spread(shapes, args.max_shapes)
-    return shapes
+            shapes = suite_mod.dense_shapes(sel)
+    if getattr(args, "order", "size") == "bands":
+        return suite_mod.by_bands(shapes, NK_EDGES, family)[:args.max_shapes]
+    return suite_mod.spread(shapes, args.max_shapes)
 
 
 def fit_main(args: argparse.Namespace) -> int:
@@ -267,7 +346,13 @@ def fit_main(args: argparse.Namespace) -> int:
     print(f"{len(rules)} rules fitted on {len(table.entries)} entries of {args.fit} (stored there)")
     lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
     for path in args.evaluate or ():
-        lines += evaluation_lines(evaluate(rules, TunedTable.load(path)), path)
+        held = TunedTable.load(path)
+        lines += evaluation_lines(evaluate(rules, held), path)
+        lines += evaluation_lines(evaluate(rules, held, fitted=table), path, "the table's lookup (nearest shapes)")
+    if getattr(args, "package", None):
+        out = table.packaged().save(args.package, indent=None)
+        lines.append(f"packaged table (best, times): {out} ({out.stat().st_size} bytes); ship it as "
+                     f"src/kbit/tuning/configs/tuned-{table.gpu}.json")
     print("\n".join(lines))
     return 0
 
@@ -290,10 +375,24 @@ def main(args: argparse.Namespace) -> int:
     table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=git_commit(),
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
-    done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
-                       budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+    workers = args.build_workers if args.build_workers is not None else max(0, (os.cpu_count() or 2) - 2)
+    prebuild = None
+    if workers > 0 and kernels_available(dev):
+        prebuild = Prebuilder(dev, sm_count(dev), large_ok(dev), workers)
+        todo = [s for s in shapes if args.retune or any((k, *s, m_bucket(M)) not in table.entries
+                                                        for k in args.k for M in args.m)]
+        _log(f"prebuild: {prebuild.submit(todo, args.k, args.m, families=families, quick=args.quick)} builds "
+             f"queued on {workers} CPU processes")
+    try:
+        done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
+                           budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+    finally:
+        if prebuild is not None:
+            _log(f"prebuild: {prebuild.done()} of {len(prebuild.futures)} builds done ahead")
+            prebuild.close()
     table.save(path)
     print("\n".join(summary_lines(table, done)))
+    print(dispatcher_line(table, done))
     print(f"{len(done)} entries tuned; {len(table.entries)} in {path}")
     return 0
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "large_defines", "make_plan", "prologue_config",
-           "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
+           "prologue_config", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -146,6 +146,17 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi):
     return kernel, defines, shared, W, ng
 
 
+def check_config(k: int, M: int, N: int, K: int, config: MmaConfig | LargeConfig, scale_format: str = "log8") -> int:
+    """Raises the ``ValueError`` that :func:`make_plan` would raise for ``config`` on one launch of ``M`` rows (e.g.
+    kernel 3's x slices over the shared memory), from the arithmetic alone (no build); returns the dynamic shared
+    bytes of the launch. What depends on the build (occupancy, registers) is not checked."""
+    S = -(-K // SEG)
+    _, _, shared, _, _ = _defines(k, M, N, K, S, scale_format, config, False, 0, 0)
+    if shared > SMEM_MAX:
+        raise ValueError(f"config: {config} needs {shared} bytes of shared memory for M={M}, more than {SMEM_MAX}")
+    return shared
+
+
 def _splits(n_tiles, nsteps, slots, max_split, divide):
     """K splits: the fewest (within 5% of the best) that fill ``slots`` evenly; at most ``max_split``."""
     best, best_eff = 1, 0.0
@@ -182,7 +193,7 @@ def _grid_k3(st, build, k, N, K, epi, ng):
     # the CTA-local fix-up: where x is not staged (with XS it streamed slower) and not in deterministic mode
     if defines["XS"] or defines.get("DET"):
         return
-    lfx = lfx_defines(Nt, S, st["grid"], W, epi)
+    lfx = lfx_defines(Nt, S, st["grid"], W, epi, ng)
     if lfx:  # static shared slots; kept only at the same occupancy
         kern_l = build(3, {**defines, **lfx})
         if kern_l.occupancy(W * 32, st["shared"]) >= occ:

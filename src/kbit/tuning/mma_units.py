@@ -9,7 +9,8 @@ arithmetic on the launch geometry, shared by the rule tables (:mod:`kbit.tuning.
 
 from __future__ import annotations
 
-__all__ = ["CAU_IDLE_US", "CAU_MAX_SLOT_BYTES", "CAU_MIN_EFF", "LFX_MAX_UNITS", "cau_plan", "lfx_defines", "read_us"]
+__all__ = ["CAU_IDLE_US", "CAU_MAX_SLOT_BYTES", "CAU_MIN_EFF", "LFX_MAX_SLOT_BYTES", "LFX_MAX_UNITS", "cau_plan",
+           "lfx_defines", "read_us"]
 
 #: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs, and the SM time
 #: left idle by whole units a CTA, (1 - eff) x the weights' read time, is at most CAU_IDLE_US: the split-K fix-up it
@@ -20,6 +21,12 @@ CAU_IDLE_US = 1.5
 CAU_MAX_SLOT_BYTES = 32768
 #: LFX: at most this many units (tiles; EPI: gate / up pairs) a CTA's range
 LFX_MAX_UNITS = 64
+#: LFX's shared slots (``MAXW * LFW * NG`` x 512 bytes, static ``__shared__`` in the kernel): at most this many bytes
+#: a CTA. Static shared data is capped at 48 KiB a build (ptxas: "uses too much shared data (0x10460 bytes, 0xc000
+#: max)" for 8 warps, LFW 2, NG 8, i.e. kernel 3 at M = 33..64 with 2 CTAs an SM); the slots' sizes are powers of two
+#: times 512, so the next size down, 32 KiB (CAU's cap too), leaves room for the counters and the kernel's other
+#: static arrays
+LFX_MAX_SLOT_BYTES = 32768
 
 
 def read_us(k: int, N: int, K: int) -> float:
@@ -64,11 +71,12 @@ def cau_plan(Nt, S, W, occ, sms, epi, ng=1, est_us=0.0):
     return w, o, dict(CAU=1, LFW=lfw), upc, grid
 
 
-def lfx_defines(Nt, S, grid, W, epi):
+def lfx_defines(Nt, S, grid, W, epi, ng=1):
     """Defines of the CTA-local fix-up for a grid of ``grid`` CTAs of ``W`` warps over Nt x S (tile, segment) pairs,
     ranges as the kernel cuts them: ``LFU`` = the most units a CTA's range touches (its shared counters), ``LFW`` =
     shared slots a warp (a part of a tile each: 2; EPI: the most tiles a warp's range touches); None where a CTA
-    would touch more than LFX_MAX_UNITS units."""
+    would touch more than LFX_MAX_UNITS units, or its slots of ``ng`` token groups would take more than
+    LFX_MAX_SLOT_BYTES."""
     T, TW, U = Nt * S, grid * W, (2 if epi else 1) * S
     lfu, lfw = 1, 2
     for b in range(grid):
@@ -80,4 +88,6 @@ def lfx_defines(Nt, S, grid, W, epi):
             j0, j1 = T * gw // TW, T * (gw + 1) // TW
             if j1 > j0:
                 lfw = max(lfw, (j1 - 1) // S - j0 // S + 1)
-    return dict(LFX=1, LFU=lfu, LFW=lfw) if lfu <= LFX_MAX_UNITS else None
+    if lfu > LFX_MAX_UNITS or W * lfw * ng * 512 > LFX_MAX_SLOT_BYTES:
+        return None
+    return dict(LFX=1, LFU=lfu, LFW=lfw)

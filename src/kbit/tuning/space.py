@@ -14,7 +14,10 @@ family          config                                       serves
 
 The spaces are the values the rule tables (``configs/*.json``) and the labs already use, crossed, not every legal
 launch: a few dozen configs a family, so that one (shape, M) is searched in seconds. ``quick`` keeps a handful
-(the current default and its nearest neighbours).
+(the current default and its nearest neighbours) and, where kernel 7 runs, only the families that came near the
+best in the first tuning run (:data:`QUICK_FAMILIES`). Configs that cannot launch on the shape (their plan refuses
+them: shared memory) are left out of every space (:func:`infeasible` says why), so that no trial fails by design.
+Dequantize + cuBLAS is a candidate at every M above 8 (it is the one that wins at large M on small weights).
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ from dataclasses import asdict, dataclass, field
 from kbit.tuning.gemm import GemmConfig
 from kbit.tuning.gemv import GemvConfig
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, n_groups
+from kbit.tuning.mma_plan import check_config
 
-__all__ = ["FAMILIES", "Candidate", "candidate_from_dict", "search_space"]
+__all__ = ["FAMILIES", "QUICK_FAMILIES", "Candidate", "candidate_from_dict", "infeasible", "search_space"]
 
 FAMILIES = ("mma", "large", "fused", "gemv", "dequant_mm")
+#: the quick space's families by M where kernel 7 runs (sm_90): in the first tuning run (H200, k = 4, five shapes,
+#: ``benchmarks/results/h200/tune-part-2026-11-25-*``) the Triton fused GEMM took 2.2-5.0x the best at M = 16 and
+#: 256, and kernels 1, 3, 4 (in chunks of 64 rows) 2.8-4.7x at M = 256, while kernel 7 was within 1.16-1.35x at
+#: M = 16; dequantize + cuBLAS stays at every M above 8 (no build to pay, and the best at M = 256 on 2880x4096)
+QUICK_FAMILIES = ((8, ("mma",)), (MAX_M, ("mma", "large", "dequant_mm")), (None, ("large", "dequant_mm")))
 _CONFIG_TYPES = {"mma": MmaConfig, "large": LargeConfig, "fused": GemmConfig, "gemv": GemvConfig}
 
 
@@ -76,9 +85,10 @@ def _mma(M: int, quick: bool) -> list[MmaConfig]:
                                                                                   x_smem=True, x_slice=8)]
     if n_groups(M) >= 2:  # kernel 4 (pipelined, shared-memory stages) serves two or more token groups
         out += [MmaConfig(4, w, rows_per_warp=r, stages=s) for w, r, s in itertools.product((8, 16), (1, 2), (2, 3))]
-    if quick:
-        keep = {MmaConfig(1, 8, min_ctas=2), MmaConfig(1, 4, min_ctas=4), MmaConfig(3, 8, min_ctas=2, ring=2,
-                                                                                    x_smem=True),
+    if quick:  # kernel 1 with 3 CTAs an SM: the built-in rules' choice at M = 1 on small weights took 0.83-0.94x
+        # the time of the best other quick config there (H200, tune-suite run of 2026-11-26, k = 2..4, 4608x3584)
+        keep = {MmaConfig(1, 8, min_ctas=2), MmaConfig(1, 8, min_ctas=3), MmaConfig(1, 4, min_ctas=4),
+                MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True),
                 MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8), MmaConfig(4, 8, stages=2),
                 MmaConfig(4, 16, stages=2)}
         out = [c for c in out if c in keep]
@@ -89,8 +99,9 @@ def _large(M: int, quick: bool) -> list[LargeConfig]:
     groups = [g for g in (4, 8, 16, 32) if g == 4 or 8 * g <= 2 * max(M, 32)]  # tiles of at most 2 x M tokens
     out = [LargeConfig(warps=w, groups=g, stages=s, stream_k=sk)
            for w, g, s, sk in itertools.product((8, 12, 16), groups, (4, 6), (False, True))]
-    if quick:
-        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4) and c.warps in (8, 12)]
+    if quick:  # 8 warps: where kernel 7 was the best family in the first tuning run (tune-part-2026-11-25, H200,
+        # k = 4, M = 256 on 4 shapes), its best 8-warp config took 0.57-0.996x the time of the best 12-warp one
+        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4) and c.warps == 8]
     return out
 
 
@@ -113,12 +124,40 @@ def _gemv(M: int, K: int, quick: bool) -> list[GemvConfig]:
     return out[:4] if quick else out
 
 
+def _chunks(M: int) -> list[int]:
+    """Row counts of the launches of kernels 1, 3, 4 for ``M`` rows (chunks of :data:`MAX_M`)."""
+    return sorted({min(M, MAX_M)} | ({M % MAX_M} if M > MAX_M and M % MAX_M else set()))
+
+
+def infeasible(cand: Candidate, k: int, M: int, N: int, K: int) -> str | None:
+    """Why ``cand`` cannot launch for ``M`` rows on a k-bit ``[N, K]`` weight (its plan's refusal: e.g. kernel 3's x
+    slices over the shared memory), or None. Arithmetic only: a build's limits are the plan's to respect."""
+    if cand.family not in ("mma", "large"):
+        return None
+    try:
+        for m in _chunks(M) if cand.family == "mma" else [M]:
+            check_config(k, m, N, K, cand.config)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _quick_families(M: int) -> tuple[str, ...]:
+    for bound, fams in QUICK_FAMILIES:
+        if bound is None or M <= bound:
+            return fams
+    return FAMILIES
+
+
 def search_space(k: int, M: int, N: int, K: int, *, cuda: bool = True, sm90: bool = True,
                  families: tuple[str, ...] | None = None, quick: bool = False) -> list[Candidate]:
-    """The candidates of ``families`` (default: every family that serves M here) for ``M`` rows on a k-bit
-    ``[N, K]`` weight. ``cuda``: the NVRTC kernels run; ``sm90``: kernel 7 too (an H100-class GPU)."""
+    """The candidates of ``families`` (default: every family that serves M here; ``quick`` on sm_90:
+    :data:`QUICK_FAMILIES`) for ``M`` rows on a k-bit ``[N, K]`` weight, without those that cannot launch there
+    (:func:`infeasible`). ``cuda``: the NVRTC kernels run; ``sm90``: kernel 7 too (an H100-class GPU)."""
     if families is None:
         families = tuple(f for f in FAMILIES if f != "gemv" or not cuda)
+        if quick and cuda and sm90:
+            families = tuple(f for f in families if f in _quick_families(M))
     for f in families:
         if f not in FAMILIES:
             raise ValueError(f"families: expected a subset of {FAMILIES}, got {f!r}")
@@ -133,4 +172,4 @@ def search_space(k: int, M: int, N: int, K: int, *, cuda: bool = True, sm90: boo
         out += [Candidate("gemv", c) for c in _gemv(M, K, quick)]
     if "dequant_mm" in families and M > 8:
         out.append(Candidate("dequant_mm"))
-    return out
+    return [c for c in out if infeasible(c, k, M, N, K) is None]

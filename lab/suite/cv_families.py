@@ -1,0 +1,47 @@
+"""How a tuned table generalises to shapes never tuned, without a GPU: each model family of the suite's tune half
+is left out in turn, the rules are fitted on the other families' entries, and the left-out entries are looked up
+(a) by the fitted rules alone, (b) as the dispatcher looks them up (nearest tuned shapes, then the rules); each
+pick's time is read from the left-out entry's own trials. The built-in rules' choice is the dispatcher's time
+(``current_us``) where no table was installed in that run.
+
+    PYTHONPATH=src python lab/suite/cv_families.py TUNED_JSON     # a table of kbit tune (with its trials)
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+from kbit.bench import suite as S
+from kbit.tuning.tuned import TunedTable, evaluate, fit_rules
+
+
+def main(path: str) -> None:
+    table = TunedTable.load(path)
+    fam = S.shape_families(S.select(S.load_models(), split="tune"))
+    rows: dict[str, list] = {"rules": [], "lookup": []}
+    for f in sorted({fam[(k[1], k[2])] for k in table.entries}):
+        fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
+        for key, e in table.entries.items():
+            (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e
+        rules = fit_rules(fitted)
+        rows["rules"] += evaluate(rules, held)["rows"]
+        rows["lookup"] += evaluate(rules, held, fitted=fitted)["rows"]
+    builtin = [dict(M=r["M"], slowdown=table.entries[(r["k"], r["N"], r["K"], r["M"])]["current_us"] / r["best_us"])
+               for r in rows["rules"] if table.entries[(r["k"], r["N"], r["K"], r["M"])].get("current_us")]
+    print(f"{path}: {len(table.entries)} entries; time / the entry's best, left-out families")
+    print("| pick | entries | median | worst | within 5% | M = 1 | M = 16 | M = 256 | M = 1024 |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for name, rs in (("fitted rules", rows["rules"]), ("nearest shapes, then rules", rows["lookup"]),
+                     ("dispatcher of the run", builtin)):
+        s = [r["slowdown"] for r in rs if r["slowdown"] is not None]
+
+        def within(ms, rs=rs):
+            v = [r["slowdown"] for r in rs if r["M"] in ms]
+            return f"{sum(x is not None and x <= 1.05 for x in v) / len(v):.0%}" if v else "-"
+
+        print(f"| {name} | {len(rs)} | {statistics.median(s):.3f} | {max(s):.2f} | {within({1, 16, 256, 1024})} | "
+              f"{within({1})} | {within({16})} | {within({256})} | {within({1024})} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
