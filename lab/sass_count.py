@@ -72,7 +72,7 @@ def blocks(insns: list) -> list:
         if _BRANCH.match(op):
             targets.update(int(t, 16) for t in re.findall(r"0x([0-9a-f]+)", args))
     out, cur = [], []
-    for i, ins in enumerate(insns):
+    for ins in insns:
         if cur and ins[0] in targets:
             out.append(cur)
             cur = []
@@ -131,18 +131,18 @@ def sass_of(rev, file, defines, cuobjdump) -> str:
         f.flush()
         sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
-    return sass, int(regs.group(1)) if regs else -1
+    regs, local = re.search(r"REG:(\d+)", res), re.search(r"LOCAL:(\d+)", res)
+    return sass, (int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1)
 
 
 def table(rows: list, title: str) -> None:
     cols = [c for c in list(CLASSES) + ["other"] if any(r[2].get(c) for r in rows)]
     print(title)
-    print(f"{'k':>2} {'regs':>4} {'segs':>4} {'total':>6} {'/wt':>5} " + " ".join(f"{c:>5}" for c in cols))
+    print(f"{'k':>2} {'regs':>4} {'spill':>5} {'segs':>4} {'total':>6} {'/wt':>5} " + " ".join(f"{c:>5}" for c in cols))
     for k, regs, c, segs in rows:
         tot = sum(c.values())
         per = 128 * max(segs, 1)
-        print(f"{k:>2} {regs:>4} {segs:>4} {tot / max(segs, 1):>6.0f} {tot / per:>5.2f} "
+        print(f"{k:>2} {regs[0]:>4} {regs[1]:>5} {segs:>4} {tot / max(segs, 1):>6.0f} {tot / per:>5.2f} "
               + " ".join(f"{c.get(x, 0) / per:>5.2f}" for x in cols))
 
 
@@ -186,7 +186,7 @@ def main(argv=None):
                     f" ({'bf16' if a.bf16 else 'fp16'} x, {'fp16' if a.fp16_scales else 'log8'} scales)")
     if a.ref:
         print("difference (worktree - ref), instructions a weight:")
-        for (k, _r, c0, s0), (_k, _r1, c1, s1) in zip(results[a.ref], results[None]):
+        for (k, _r, c0, s0), (_k, _r1, c1, s1) in zip(results[a.ref], results[None], strict=True):
             print(f"k={k}: {sum(c0.values()) / (128 * max(s0, 1)):.3f} -> {sum(c1.values()) / (128 * max(s1, 1)):.3f}")
     return 0
 

@@ -16,6 +16,9 @@
      XS           (optional, default 0) 1: x is staged in shared memory (kernel gemv_mma_streamk)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
+#ifndef K2W /* k = 2: 1 = both PRMT selectors of a code byte group from one IMAD.WIDE (lookup; costs registers) */
+#define K2W 0
+#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -197,9 +200,18 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
      selectors from one IMAD.WIDE save instructions but cost kernel 1 registers: docs/notes/gemv.md.) */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
+#if K2W
+    /* one IMAD.WIDE makes both selectors, no shift: with x = c0 | c1 << 8 | c2 << 16 | c3 << 24 (c <= 3),
+       x * 0x220022 = x * 0x22 + (x * 0x22 << 16) holds bytes 0, 1's selectors in bits 0..15 and bytes 2, 3's in bits
+       32..47 (no carry crosses bit 16 or 32: every partial sum stays below 0xCCCD7676) */
+    const u64 p = (u64)((w[u] >> (2 * s)) & 0x03030303u) * 0x220022u + 0x0000101000001010ull;
+    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)p);
+    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(p >> 32));
+#else
     const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
+#endif
   }
 #elif K_BITS == 3
 #pragma unroll

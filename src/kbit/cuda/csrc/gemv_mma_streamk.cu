@@ -19,6 +19,9 @@
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait */
+#if defined(M1) && M1 && !defined(K2W) /* M = 1 leaves the registers for the wide selector multiply (common.cuh) */
+#define K2W 1
+#endif
 #include "splitk.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
