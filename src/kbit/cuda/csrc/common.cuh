@@ -16,6 +16,12 @@
      XS           (optional, default 0) 1: x is staged in shared memory (kernel gemv_mma_streamk)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
+#ifndef T64 /* k = 4 (kernel 3): 1 = the 64 KB table of one PRMT an address (lookup, scale_t64) */
+#define T64 0
+#endif
+#if T64 && K_BITS != 4
+#error "T64 is the k = 4 table"
+#endif
 #ifndef K2W /* k = 2: 1 = both PRMT selectors of a code byte group from one IMAD.WIDE (lookup; costs registers) */
 #define K2W 0
 #endif
@@ -33,6 +39,8 @@ struct __align__(8) V2 { u32 x, y; };
 #define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
+#elif K_BITS == 4 && T64
+#define TAB_WORDS (256 * 64) /* T64: 256 rows of 256 bytes, see lookup() */
 #elif K_BITS == 4
 #define TAB_WORDS (256 * 32)
 #else
@@ -176,7 +184,8 @@ __device__ __forceinline__ float ldsf(u32 a) {
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
 }
-/* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
+/* what lookup() reads the codebook from: k = 2, the four halves in two registers; T64: the table address (a, uniform)
+   and the lane's byte offset (b); else a (shared) address */
 struct LB { u32 a, b; };
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
@@ -187,7 +196,16 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
 __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
-#if K_BITS == 4
+#if K_BITS == 4 && T64
+  /* T64: row c (256 bytes) of the table holds the pair of code byte c at lane * 4 (and the scale of log8 byte c at
+     128 + lane * 4, scale_t64), so one PRMT makes the offset (code byte -> address byte 1, lane * 4 -> byte 0) and
+     the load adds the table address (LDS [R + UR]): no IMAD a lookup */
+#pragma unroll
+  for (int f = 0; f < 8; ++f) {
+    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+    A[h][r + 2 * j] = lds32(lbb.a + prmt(w[2 * u + (f >> 2)], lbb.b, 0x7604u | ((f & 3) << 4)));
+  }
+#elif K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
@@ -241,6 +259,14 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 #endif
 }
 
+#if T64
+/* log8 scale 2u + r from the T64 table's rows (lookup): one PRMT, no base register */
+__device__ __forceinline__ float scale_t64(const V4* sv, int u, int r, LB lbb) {
+  const u32* s = (const u32*)sv;
+  return bits2f(lds32(lbb.a + 128 + prmt(s[u >> 1], lbb.b, 0x7604u | ((2 * (u & 1) + r) << 4))));
+}
+#endif
+
 /* a table entry's half for code e: its codebook value, or (IDX: kbit_deq_mma) the code itself */
 template <bool IDX>
 __device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
@@ -270,6 +296,8 @@ template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
 #if K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
+#elif K_BITS == 4 && T64
+  return LB{tab, lane << 2};
 #elif K_BITS == 5
   return LB{tab | (lane << 2), 0u};
 #else

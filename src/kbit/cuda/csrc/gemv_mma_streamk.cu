@@ -18,7 +18,9 @@
      M1           0/1: M is 1
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
-     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait */
+     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
+     T64          0/1 (k = 4): the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code pairs then log8
+                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
 #if defined(M1) && M1 && !defined(K2W) /* M = 1 leaves the registers for the wide selector multiply (common.cuh) */
 #define K2W 1
 #endif
@@ -575,6 +577,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
+#if T64 /* the log8 scales in bytes 128..255 of the table's rows, one copy a lane (common.cuh, scale_t64) */
+  for (u32 i = tid; i < 2048; i += blockDim.x) {
+    const u32 v = FP16_SCALES ? 0u : __float_as_uint(e_tab[i >> 3] * ts);
+    sts128(tab + (i >> 3) * 256 + 128 + (i & 7) * 16, v, v);
+  }
+#endif
 #if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32], the 64
           pad bytes put 8-token rows' B-fragment loads in alternate bank halves */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
