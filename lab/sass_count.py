@@ -1,14 +1,14 @@
 """SASS instructions a weight in the M = 1 GEMV's main loop (kernel 3, kbit_gemv_mma_streamk), by class.
 
-Compiles the kernel that serves M = 1 on sm_90 (kernel 3: 8 warps, 2 CTAs an SM, x in shared memory, the register
-ring depth kbit.tuning.mma.PIPE[k]; the defines kbit.tuning.mma_plan._defines gives) at k = 2..5 with NVRTC for
+Compiles the kernel that serves M = 1 on sm_90 (kernel 3 with the defines kbit.tuning.mma_plan.make_plan gives shape
+--shape: 8 or 16 warps, x in shared memory, CTA-aligned units (CAU) on some shapes) at k = 2..5 with NVRTC for
 sm_90, disassembles it with cuobjdump and counts the instructions of the basic blocks that hold the segment code
 (the blocks with HMMA: decode, lookup, scales, mma, accumulate, and the ring's loads and bookkeeping that the
 compiler put among them). A segment is 128 weights a lane (16 rows x 256 columns a warp), so instructions a weight
 = block instructions / (segments in those blocks x 128): issued lane-ops a weight. Needs NVRTC only, no GPU::
 
-    python lab/sass_count.py --nvrtc /path/to/libnvrtc.so.12 [--ref REV] [--bf16] [--fp16-scales] [--k 2 3 4 5]
-        [--file gemv_mma_streamk.cu] [-D NAME=VALUE ...] [--dump DIR]
+    python lab/sass_count.py --nvrtc /path/to/libnvrtc.so.12 [--ref REV] [--shape 65536x5120] [--bf16]
+        [--fp16-scales] [--k 2 3 4 5] [--file gemv_mma_streamk.cu] [-D NAME=VALUE ...] [--dump DIR]
 
 ``--ref REV``: also compile the csrc folder of git revision REV (e.g. the commit before a change) and print both
 tables and the difference. ``--dump DIR``: write each SASS listing there.
@@ -111,14 +111,24 @@ def tree_sources(rev: str | None, file: str) -> tuple[str, dict]:
     return show(f"{CSRC}/{file}"), {n: show(f"{CSRC}/{n}") for n in names if n.endswith(".cuh")}
 
 
-def m1_defines(k: int, bf16: int, fp16_scales: int) -> dict:
-    """Kernel 3's M = 1 defines of the tuned table's config (kernel 3, 8 warps, 2 CTAs, x in shared memory)."""
+def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 5120) -> dict:
+    """The M = 1 defines kbit.tuning.mma_plan.make_plan gives shape N x K (the default rule table's config; kernel
+    3 with 8 warps, 2 CTAs an SM and x in shared memory where that rule picks another kernel) on a 132-SM GPU where
+    2 CTAs fit an SM (no GPU: a stand-in for the built kernel's occupancy)."""
     from kbit.tuning import mma, mma_plan
 
-    cfg = mma.MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True)
-    N, K = 65536, 5120
-    _kern, d, *_ = mma_plan._defines(k, 1, N, K, K // 256, "fp16" if fp16_scales else "log8", cfg, False, 0, 0)
-    return {**d, "BF16": bf16}
+    class _Built:
+        num_regs = 128
+
+        def occupancy(self, block, shared):
+            return 2
+
+    cfg = mma.default_config(k, 1, N, K)
+    if getattr(cfg, "kernel", None) != 3:
+        cfg = mma.MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True)
+    p = mma_plan.make_plan(k, 1, N, K, "fp16" if fp16_scales else "log8", cfg, sms=132,
+                           build=lambda kernel, defines: _Built())
+    return {**p.defines, "BF16": bf16}
 
 
 def sass_of(rev, file, defines, cuobjdump) -> str:
@@ -154,6 +164,7 @@ def main(argv=None):
     p.add_argument("--k", type=int, nargs="*", default=[2, 3, 4, 5])
     p.add_argument("--bf16", action="store_true", help="bf16 activations (default fp16)")
     p.add_argument("--fp16-scales", action="store_true", help="fp16 block scales (default log8 bytes)")
+    p.add_argument("--shape", default="65536x5120", help="N x K of the plan whose defines are compiled")
     p.add_argument("--file", default="gemv_mma_streamk.cu")
     p.add_argument("--kernel", default="kbit_gemv_mma_streamk")
     p.add_argument("-D", dest="defs", action="append", default=[], help="NAME=VALUE: override a define")
@@ -173,7 +184,8 @@ def main(argv=None):
     for rev, title in trees:
         rows = []
         for k in a.k:
-            d = {**m1_defines(k, int(a.bf16), int(a.fp16_scales)), **over}
+            N, K = (int(v) for v in a.shape.split("x"))
+            d = {**m1_defines(k, int(a.bf16), int(a.fp16_scales), N, K), **over}
             sass, regs = sass_of(rev, a.file, d, cuobjdump)
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)

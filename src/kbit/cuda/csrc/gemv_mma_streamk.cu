@@ -646,9 +646,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
                    bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
   }
 #elif CAU
-  if (j0 < j1)
-    stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-                 bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+  /* j0, j1 are the same in every lane of a warp; redux.sync says so to ptxas (its result is a uniform register), so
+     that the loop before the CTA barrier is not divergent and T64's table address stays the loads' uniform
+     operand (else an IADD a lookup) */
+  const int uj0 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j0), uj1 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j1);
+  stream_range(buf, codes, scales, uj0, uj1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
   __syncthreads();
   cau_reduce(cu_lo, cu_hi, lane, M, N, y, y_stride, bias, bias_kind);
 #else
