@@ -52,7 +52,7 @@ def run_case(N, K, k, ref, t64_on, dev):
     # the old build's defines and shared bytes (a plan that already sets T64 reserved the 64 KB table)
     d = {**{n: v for n, v in p.defines.items() if n != "T64"}, "BF16": 1}
     shared0 = p.shared - p.defines.get("T64", 0) * (T64_TABLE - table_smem(4))
-    t64 = int(t64_on and k == 4 and not d.get("XK") and shared0 - table_smem(4) + T64_TABLE <= XS_MAX)
+    t64 = int(t64_on and k == 4 and not d.get("XK") and shared0 - table_smem(4) + T64_TABLE <= XS_MAX - 8 * 1024)
     new_shared = shared0 + t64 * (T64_TABLE - table_smem(4))
     old, new = build(ref, d, dev), build(None, {**d, **({"T64": 1} if t64 else {})}, dev)
     ws_all = L.copies(N, K, k)
