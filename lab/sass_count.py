@@ -8,7 +8,7 @@ compiler put among them). A segment is 128 weights a lane (16 rows x 256 columns
 = block instructions / (segments in those blocks x 128): issued lane-ops a weight. Needs NVRTC only, no GPU::
 
     python lab/sass_count.py --nvrtc /path/to/libnvrtc.so.12 [--ref REV] [--shape 65536x5120] [--bf16]
-        [--fp16-scales] [--k 2 3 4 5] [--file gemv_mma_streamk.cu] [-D NAME=VALUE ...] [--dump DIR]
+        [--fp16-scales] [--k 2 3 4 5] [--config 1,8,2] [-D NAME=VALUE ...] [--dump DIR]
 
 ``--ref REV``: also compile the csrc folder of git revision REV (e.g. the commit before a change) and print both
 tables and the difference. ``--dump DIR``: write each SASS listing there.
@@ -35,6 +35,8 @@ CLASSES = {
     "LDG": ("LDG",), "SHFL": ("SHFL",), "BRA": ("BRA", "BSSY", "BSYNC"), "HMMA": ("HMMA",),
     "MOV": ("MOV", "IMAD.MOV"), "SETP": ("ISETP", "FSETP"), "SEL": ("SEL", "FSEL"),
 }
+#: kernel -> (file, kernel name)
+FILES = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk")}
 _BRANCH = re.compile(r"\b(BRA|BRX|JMP|EXIT|RET|CALL)\b")
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 
@@ -111,10 +113,11 @@ def tree_sources(rev: str | None, file: str) -> tuple[str, dict]:
     return show(f"{CSRC}/{file}"), {n: show(f"{CSRC}/{n}") for n in names if n.endswith(".cuh")}
 
 
-def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 5120) -> dict:
+def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 5120, config=None) -> dict:
     """The M = 1 defines kbit.tuning.mma_plan.make_plan gives shape N x K (the default rule table's config; kernel
     3 with 8 warps, 2 CTAs an SM and x in shared memory where that rule picks another kernel) on a 132-SM GPU where
-    2 CTAs fit an SM (no GPU: a stand-in for the built kernel's occupancy)."""
+    2 CTAs fit an SM (no GPU: a stand-in for the built kernel's occupancy); config (kernel, warps, CTAs an SM): pin
+    one (kernel 1 compiles gemv_mma_split.cu)."""
     from kbit.tuning import mma, mma_plan
 
     class _Built:
@@ -123,8 +126,9 @@ def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 512
         def occupancy(self, block, shared):
             return 2
 
-    cfg = mma.default_config(k, 1, N, K)
-    if getattr(cfg, "kernel", None) != 3:
+    cfg = mma.MmaConfig(kernel=config[0], warps=config[1], min_ctas=config[2]) if config else \
+        mma.default_config(k, 1, N, K)
+    if getattr(cfg, "kernel", None) not in (1, 3):
         cfg = mma.MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True)
     p = mma_plan.make_plan(k, 1, N, K, "fp16" if fp16_scales else "log8", cfg, sms=132,
                            build=lambda kernel, defines: _Built())
@@ -165,8 +169,8 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 activations (default fp16)")
     p.add_argument("--fp16-scales", action="store_true", help="fp16 block scales (default log8 bytes)")
     p.add_argument("--shape", default="65536x5120", help="N x K of the plan whose defines are compiled")
-    p.add_argument("--file", default="gemv_mma_streamk.cu")
-    p.add_argument("--kernel", default="kbit_gemv_mma_streamk")
+    p.add_argument("--config", default=None, help="KERNEL,WARPS,CTAS (1 or 3): pin the config (kernel 1: "
+                   "gemv_mma_split.cu)")
     p.add_argument("-D", dest="defs", action="append", default=[], help="NAME=VALUE: override a define")
     p.add_argument("--dump", default=None, help="folder for the SASS listings")
     a = p.parse_args(argv)
@@ -185,7 +189,9 @@ def main(argv=None):
         rows = []
         for k in a.k:
             N, K = (int(v) for v in a.shape.split("x"))
-            d = {**m1_defines(k, int(a.bf16), int(a.fp16_scales), N, K), **over}
+            cfg = tuple(int(v) for v in a.config.split(",")) if a.config else None
+            d = {**m1_defines(k, int(a.bf16), int(a.fp16_scales), N, K, cfg), **over}
+            a.file, a.kernel = FILES[1 if "K1WO" in d else 3]
             sass, regs = sass_of(rev, a.file, d, cuobjdump)
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)
@@ -194,7 +200,7 @@ def main(argv=None):
             c, segs = hot_counts(parse(sass, a.kernel), d.get("NG", 1))
             rows.append((k, regs, c, segs))
         results[rev] = rows
-        table(rows, f"{title}: {a.file} {a.kernel}, instructions a weight (lane-ops), HMMA blocks"
+        table(rows, f"{title}: {a.file}, instructions a weight (lane-ops), HMMA blocks"
                     f" ({'bf16' if a.bf16 else 'fp16'} x, {'fp16' if a.fp16_scales else 'log8'} scales)")
     if a.ref:
         print("difference (worktree - ref), instructions a weight:")

@@ -267,6 +267,17 @@ __device__ __forceinline__ float scale_t64(const V4* sv, int u, int r, LB lbb) {
 }
 #endif
 
+#if T64
+/* the log8 scales e_tab[c] * ts (the values s_sc holds) in bytes 128..255 of the T64 table's rows, one copy a lane */
+__device__ __forceinline__ void build_scale_rows(u32 tab, const float* __restrict__ e_tab, float ts, u32 tid, u32 nt) {
+  for (u32 i = tid; i < 2048; i += nt) {
+    const u32 v = FP16_SCALES ? 0u : __float_as_uint(e_tab[i >> 3] * ts);
+    asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};" :: "r"(tab + (i >> 3) * 256 + 128 + (i & 7) * 16), "r"(v)
+                 : "memory");
+  }
+}
+#endif
+
 /* a table entry's half for code e: its codebook value, or (IDX: kbit_deq_mma) the code itself */
 template <bool IDX>
 __device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
@@ -275,7 +286,7 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 #if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
     const u32 e = i >> 5;
-    s_tab[i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);
+    s_tab[T64 ? i + (e << 5) : i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);  /* T64: row e, word i & 31 */
   }
 #elif K_BITS == 3
   for (u32 i = tid; i < 64 * 32; i += nt) {

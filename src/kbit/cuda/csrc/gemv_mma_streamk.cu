@@ -577,11 +577,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if T64 /* the log8 scales in bytes 128..255 of the table's rows, one copy a lane (common.cuh, scale_t64) */
-  for (u32 i = tid; i < 2048; i += blockDim.x) {
-    const u32 v = FP16_SCALES ? 0u : __float_as_uint(e_tab[i >> 3] * ts);
-    sts128(tab + (i >> 3) * 256 + 128 + (i & 7) * 16, v, v);
-  }
+#if T64
+  build_scale_rows(tab, e_tab, ts, tid, blockDim.x);
 #endif
 #if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32], the 64
           pad bytes put 8-token rows' B-fragment loads in alternate bank halves */
