@@ -8,6 +8,7 @@ may reorder fp32 sums run to run) and against the float64 product of the dequant
 kbit.bench.timing does (cold L2: weight copies > 8 x L2 in one CUDA graph, median of replays). Needs a GPU::
 
     PYTHONUNBUFFERED=1 python lab/m1_sass_ab.py --ref REV [--shapes 65536x5120,...] [--ks 2,3,4,5] [--no-t64]
+        [--jobs 4]
 """
 from __future__ import annotations
 
@@ -108,11 +109,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default="65536x5120,35840x5120,5120x25600,28672x4096,8192x28672")
     ap.add_argument("--ks", default="2,3,4,5")
     ap.add_argument("--no-t64", action="store_true", help="the new kernel without T64 at k = 4")
+    ap.add_argument("--jobs", type=int, default=4, help="threads compiling the kernels (1: one at a time)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda", torch.cuda.current_device())
     cases = [(int(s.split("x")[0]), int(s.split("x")[1]), int(k)) for s in a.shapes.split(",")
              for k in a.ks.split(",")]
-    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+    with concurrent.futures.ThreadPoolExecutor(a.jobs) as ex:
         preps = list(ex.map(lambda c: prepare(*c, a.ref, not a.no_t64, dev), cases))
     for (N, K, k), prep in zip(cases, preps, strict=True):
         run_case(N, K, k, prep, dev)
