@@ -1,4 +1,4 @@
-"""T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows, one PRMT an address) in kernels 1 and 3 at M = 1:
+"""T64 (csrc/common.cuh: the k = 3, 4, 5 lookup table of 256-byte rows) in kernels 1 and 3 at M = 1:
 bit-identical to the same plan built without it (deterministic split-K sums on), and as close to the float64
 reference as the kernels' own tests ask. Where kbit.tuning.mma_plan does not set T64 itself, the test builds the T64
 kernel from the plan's defines and reserves the 64 KB table."""
@@ -22,9 +22,9 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not (CUDA and MC.kernels_available()), reason="needs the CUDA kernel (GPU + NVRTC)")
 
 
-def _weight(N, K_, sf, seed):
+def _weight(N, K_, k, sf, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    codes = torch.randint(-(2**31), 2**31 - 1, (N, K_ * 4 // 32), generator=g, dtype=torch.int32)
+    codes = torch.randint(-(2**31), 2**31 - 1, (N, K_ * k // 32), generator=g, dtype=torch.int32)
     if sf == "log8":
         scales = torch.randint(0, 64, (N, K_ // 32), generator=g, dtype=torch.uint8)
         scales[:, 0] = 255  # an all-zero block
@@ -32,7 +32,7 @@ def _weight(N, K_, sf, seed):
     else:
         scales = (torch.rand(N, K_ // 32, generator=g) + 0.05).half()
         ts = torch.ones(())
-    cb = torch.sort(torch.rand(16, generator=g) * 2 - 1).values
+    cb = torch.sort(torch.rand(2**k, generator=g) * 2 - 1).values
     return [t.cuda() for t in (codes, scales, ts, cb)]
 
 
@@ -59,21 +59,22 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
     (2048, 14336, Mma(1, warps=8, min_ctas=2)),  # kernel 1
     (1000, 4096, Mma(1, warps=4, min_ctas=3)),  # kernel 1, 3 CTAs an SM
 ])
+@pytest.mark.parametrize("k", [3, 4, 5])
 @pytest.mark.parametrize("sf", ["log8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_t64_bit_identical(monkeypatch, N, K_, config, sf, dtype):
+def test_t64_bit_identical(monkeypatch, N, K_, config, k, sf, dtype):
     on = dataclasses.replace(options.get(), deterministic=True)
     monkeypatch.setattr(options, "get", lambda: on)
-    p = MM.plan_launch(4, 1, N, K_, scale_format=sf, config=config)
+    p = MM.plan_launch(k, 1, N, K_, scale_format=sf, config=config)
     base = {n: v for n, v in p.defines.items() if n != "T64"}
     base["BF16"] = int(dtype == torch.bfloat16)
-    shared0 = p.shared - p.defines.get("T64", 0) * (T64_SMEM - table_smem(4))
-    codes, scales, ts, cb = _weight(N, K_, sf, seed=N)
-    rc, rs = LY.repacked(codes, scales, k=4, blocksize=32, scale_format=sf, N=N, K=K_)
+    shared0 = p.shared - p.defines.get("T64", 0) * (T64_SMEM - table_smem(k))
+    codes, scales, ts, cb = _weight(N, K_, k, sf, seed=N + k)
+    rc, rs = LY.repacked(codes, scales, k=k, blocksize=32, scale_format=sf, N=N, K=K_)
     x = torch.randn(1, K_, dtype=dtype, device="cuda", generator=torch.Generator(device="cuda").manual_seed(N))
     y0 = _run(p, base, shared0, x, rc, rs, ts, cb, N)
-    y1 = _run(p, {**base, "T64": 1}, shared0 - table_smem(4) + T64_SMEM, x, rc, rs, ts, cb, N)
+    y1 = _run(p, {**base, "T64": 1}, shared0 - table_smem(k) + T64_SMEM, x, rc, rs, ts, cb, N)
     assert torch.equal(y0, y1), f"T64 differs: max |diff| {(y0.float() - y1.float()).abs().max().item()}"
-    ref = gemv_reference(x, codes, scales, ts, cb, k=4, blocksize=32, scale_format=sf, N=N, K=K_)
+    ref = gemv_reference(x, codes, scales, ts, cb, k=k, blocksize=32, scale_format=sf, N=N, K=K_)
     err = ((y1.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err < (4e-3 if dtype == torch.float16 else 2.4e-2), f"rel err {err:.2e}"
