@@ -1,5 +1,5 @@
 """GPU A/B of the M = 1 kernel (kernel 3 or 1, as the dispatcher picks) built from two csrc trees in one process: git
-revision --ref (the old source) and the worktree (the new one; T64 on at k = 3, 4 where the 64 KB table fits).
+revision --ref (the old source) and the worktree (the new one; T64 on at k = 2, 3, 4 where the 64 KB table fits).
 
 For each shape and k: the M = 1 plan of kbit.ops.gemv_mma (kernel 3 forced if the dispatcher picks neither; bf16 x,
 log8 scales, random weights in layout "mma-v1"), both kernels launched with the plan's grid and arguments (the new
@@ -57,10 +57,10 @@ def prepare(N, K, k, ref, t64_on, dev):
     d = {**{n: v for n, v in p.defines.items() if n != "T64"}, "BF16": 1}
     shared0 = p.shared - p.defines.get("T64", 0) * (T64_TABLE - table_smem(k))
     if p.kernel == 3:
-        t64 = int(t64_on and k in (3, 4) and not d.get("XK")
+        t64 = int(t64_on and k in (2, 3, 4) and not d.get("XK")
                   and shared0 - table_smem(k) + T64_TABLE <= XS_MAX - 8 * 1024)
     else:  # kernel 1: the table alone, at most 3 CTAs an SM fit
-        t64 = int(t64_on and k in (3, 4) and d["MINB"] <= 3)
+        t64 = int(t64_on and k in (2, 3, 4) and d["MINB"] <= 3)
     new_shared = shared0 + t64 * (T64_TABLE - table_smem(k))
     old, new = build(ref, p.kernel, d, dev), build(None, p.kernel, {**d, **({"T64": 1} if t64 else {})}, dev)
     return p, shared0, new_shared, t64, old, new
@@ -109,7 +109,7 @@ def main(argv=None):
     ap.add_argument("--ref", required=True, help="git revision of the old csrc (e.g. bf965aa)")
     ap.add_argument("--shapes", default="65536x5120,35840x5120,5120x25600,28672x4096,8192x28672")
     ap.add_argument("--ks", default="2,3,4,5")
-    ap.add_argument("--no-t64", action="store_true", help="the new kernel without T64 at k = 3, 4")
+    ap.add_argument("--no-t64", action="store_true", help="the new kernel without T64 at k = 2, 3, 4")
     ap.add_argument("--jobs", type=int, default=4, help="threads compiling the kernels (1: one at a time)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -16,11 +16,8 @@
      XS           (optional, default 0) 1: x is staged in shared memory (kernel gemv_mma_streamk)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
-#ifndef T64 /* k = 3, 4, 5: 1 = the 64 KB table of 256-byte rows, no IMAD an address (lookup, scale_t64) */
+#ifndef T64 /* 1 = the 64 KB table of 256-byte rows, no IMAD an address (lookup, scale_t64; k = 2: scales only) */
 #define T64 0
-#endif
-#if T64 && K_BITS == 2
-#error "T64: k = 3, 4, 5 (k = 2 keeps its codebook in registers)"
 #endif
 #ifndef K2W /* k = 2: 1 = both PRMT selectors of a code byte group from one IMAD.WIDE (lookup; costs registers) */
 #define K2W 0
@@ -188,7 +185,11 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; T64: the table address (a, uniform)
    and the lane's byte offset (b); else a (shared) address */
+#if T64 /* t: the table address (uniform), l: the lane's byte offset (scale_t64) */
+struct LB { u32 a, b, t, l; };
+#else
 struct LB { u32 a, b; };
+#endif
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -274,7 +275,7 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 /* log8 scale 2u + r from the T64 table's rows (lookup): one PRMT, no base register */
 __device__ __forceinline__ float scale_t64(const V4* sv, int u, int r, LB lbb) {
   const u32* s = (const u32*)sv;
-  return bits2f(lds32(lbb.a + 128 + prmt(s[u >> 1], lbb.b, 0x7604u | ((2 * (u & 1) + r) << 4))));
+  return bits2f(lds32(lbb.t + 128 + prmt(s[u >> 1], lbb.l, 0x7604u | ((2 * (u & 1) + r) << 4))));
 }
 #endif
 
@@ -316,10 +317,12 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 
 template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
-#if K_BITS == 2
+#if K_BITS == 2 && T64
+  return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16), tab, lane << 2};
+#elif K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
 #elif T64
-  return LB{tab, lane << 2};
+  return LB{tab, lane << 2, tab, lane << 2};
 #elif K_BITS == 5
   return LB{tab | (lane << 2), 0u};
 #else
