@@ -57,7 +57,7 @@ def prepare(N, K, k, ref, t64_on, dev):
     d = {**{n: v for n, v in p.defines.items() if n != "T64"}, "BF16": 1}
     shared0 = p.shared - p.defines.get("T64", 0) * (T64_TABLE - table_smem(k))
     if p.kernel == 3:
-        t64 = int(t64_on and k in (2, 3, 4) and not d.get("XK")
+        t64 = int(t64_on and k in (2, 3, 4) and not d.get("XK") and d["MINB"] <= 2
                   and shared0 - table_smem(k) + T64_TABLE <= XS_MAX - 8 * 1024)
     else:  # kernel 1: the table alone, at most 3 CTAs an SM fit
         t64 = int(t64_on and k in (2, 3, 4) and d["MINB"] <= 3)
