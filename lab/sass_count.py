@@ -5,7 +5,9 @@ Compiles the kernel that serves M = 1 on sm_90 (kernel 3 with the defines kbit.t
 sm_90, disassembles it with cuobjdump and counts the instructions of the basic blocks that hold the segment code
 (the blocks with HMMA: decode, lookup, scales, mma, accumulate, and the ring's loads and bookkeeping that the
 compiler put among them). A segment is 128 weights a lane (16 rows x 256 columns a warp), so instructions a weight
-= block instructions / (segments in those blocks x 128): issued lane-ops a weight. Needs NVRTC only, no GPU::
+= block instructions / (segments in those blocks x 128): issued lane-ops a weight. Compare builds of the same loop
+structure only: where a change moves segment code into blocks without HMMA (e.g. unrolling a loop that branches
+between segments), count the whole loop instead (--dump). Needs NVRTC only, no GPU::
 
     python lab/sass_count.py --nvrtc /path/to/libnvrtc.so.12 [--ref REV] [--shape 65536x5120] [--bf16]
         [--fp16-scales] [--k 2 3 4 5] [--config 1,8,2] [-D NAME=VALUE ...] [--dump DIR]
