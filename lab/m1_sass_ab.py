@@ -50,6 +50,7 @@ def build(rev, kernel, defines, dev):
 
 def prepare(N, K, k, ref, t64_on, dev):
     """The plan of M = 1 and the old and new kernels (compiled in a thread: NVRTC runs outside the GIL)."""
+    torch.cuda.set_device(dev)  # a worker thread has no current CUDA context until it selects the device
     p = MM.plan_launch(k, 1, N, K)
     if p.kernel not in (1, 3):
         p = MM.plan_launch(k, 1, N, K, config=MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True))

@@ -19,9 +19,6 @@
 #ifndef T64 /* 1 = the 64 KB table of 256-byte rows, no IMAD an address (lookup, scale_t64; k = 2: scales only) */
 #define T64 0
 #endif
-#ifndef K2W /* k = 2: 1 = both PRMT selectors of a code byte group from one IMAD.WIDE (lookup; costs registers) */
-#define K2W 0
-#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -218,21 +215,12 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
   /* register lookup (no shared memory): word u holds code (h, j, r, e) at bit 16h + 8e + 4j + 2r, so the 2-bit
      slot s = 2j + r of bytes (2h, 2h + 1) is the pair (e = 0, 1) of A[h][r + 2j]. Each byte c becomes the
      selector nibbles (2c, 2c + 1) of the codebook's halves in lbb.a (entries 0, 1) and lbb.b (2, 3). (Both registers'
-     selectors from one IMAD.WIDE save instructions but cost kernel 1 registers: docs/notes/gemv.md.) */
+     selectors from one IMAD.WIDE save a shift but cost registers: 1.15-1.19x slower at M = 1 on an H200.) */
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-#if K2W
-    /* one IMAD.WIDE makes both selectors, no shift: with x = c0 | c1 << 8 | c2 << 16 | c3 << 24 (c <= 3),
-       x * 0x220022 = x * 0x22 + (x * 0x22 << 16) holds bytes 0, 1's selectors in bits 0..15 and bytes 2, 3's in bits
-       32..47 (no carry crosses bit 16 or 32: every partial sum stays below 0xCCCD7676) */
-    const u64 p = (u64)((w[u] >> (2 * s)) & 0x03030303u) * 0x220022u + 0x0000101000001010ull;
-    A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)p);
-    A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, (u32)(p >> 32));
-#else
     const u32 v = ((w[u] >> (2 * s)) & 0x03030303u) * 0x22u + 0x10101010u;
     A[0][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v);
     A[1][(s & 1) + 2 * (s >> 1)] = prmt(lbb.a, lbb.b, v >> 16);
-#endif
   }
 #elif K_BITS == 3
 #pragma unroll

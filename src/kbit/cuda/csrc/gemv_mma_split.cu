@@ -15,10 +15,6 @@
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      T64          0/1: the 64 KB lookup table of 256-byte rows (common.cuh lookup; k = 2: scales only); the plan
                   must reserve 64 KB for it */
-#if defined(M1) && M1 && !defined(K2W) /* M = 1 (at most 16 warps an SM here) leaves the registers for the wide
-                                          selector multiply (common.cuh): no spills at 8 x 2, 4 x 4, 8 x 3 */
-#define K2W 1
-#endif
 #include "splitk.cuh"
 
 #ifndef K1EARLY

@@ -21,9 +21,6 @@
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
      T64          0/1: the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code entries (k = 3, 4, 5) then
                   log8 scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
-#if defined(M1) && M1 && !defined(K2W) /* M = 1 leaves the registers for the wide selector multiply (common.cuh) */
-#define K2W 1
-#endif
 #include "splitk.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
