@@ -1,4 +1,4 @@
-"""T64 (csrc/common.cuh: the lookup table of 256-byte rows, k = 2: its scale half only) in kernels 1 and 3 at M = 1:
+"""T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows) in kernels 1 and 3 at M = 1:
 bit-identical to the same plan built without it (deterministic split-K sums on), and as close to the float64
 reference as the kernels' own tests ask. Where kbit.tuning.mma_plan does not set T64 itself, the test builds the T64
 kernel from the plan's defines and reserves the 64 KB table."""
@@ -59,7 +59,7 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
     (2048, 14336, Mma(1, warps=8, min_ctas=2)),  # kernel 1
     (1000, 4096, Mma(1, warps=4, min_ctas=3)),  # kernel 1, 3 CTAs an SM
 ])
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("k", [4])
 @pytest.mark.parametrize("sf", ["log8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_t64_bit_identical(monkeypatch, N, K_, config, k, sf, dtype):

@@ -16,8 +16,11 @@
      XS           (optional, default 0) 1: x is staged in shared memory (kernel gemv_mma_streamk)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
-#ifndef T64 /* 1 = the 64 KB table of 256-byte rows, no IMAD an address (lookup, scale_t64; k = 2: scales only) */
+#ifndef T64 /* k = 4 (kernel 3): 1 = the 64 KB table of one PRMT an address (lookup, scale_t64) */
 #define T64 0
+#endif
+#if T64 && K_BITS != 4
+#error "T64 is the k = 4 table"
 #endif
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -29,12 +32,12 @@ struct __align__(8) V2 { u32 x, y; };
 #define NW (4 * K_BITS)        /* code words per lane per segment */
 #define SV (FP16_SCALES ? 2 : 1) /* scale vectors per lane per segment */
 
-#if T64
-#define TAB_WORDS (256 * 64) /* T64: 256 rows of 256 bytes, see lookup() */
-#elif K_BITS == 2
+#if K_BITS == 2
 #define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
+#elif K_BITS == 4 && T64
+#define TAB_WORDS (256 * 64) /* T64: 256 rows of 256 bytes, see lookup() */
 #elif K_BITS == 4
 #define TAB_WORDS (256 * 32)
 #else
@@ -43,9 +46,7 @@ struct __align__(8) V2 { u32 x, y; };
 
 /* the table lives in dynamic shared memory after the pipeline stages, aligned to TAB_ALIGN so that the
    lookup address is (field | lane bits | table address) in one LOP3 (k = 3, 5) */
-#if T64
-#define TAB_ALIGN 128 /* T64: the table address is added, not ORed */
-#elif K_BITS == 3
+#if K_BITS == 3
 #define TAB_ALIGN 8192
 #elif K_BITS == 5
 #define TAB_ALIGN 4096
@@ -182,11 +183,7 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 /* what lookup() reads the codebook from: k = 2, the four halves in two registers; T64: the table address (a, uniform)
    and the lane's byte offset (b); else a (shared) address */
-#if T64 /* t: the table address (uniform), l: the lane's byte offset (scale_t64) */
-struct LB { u32 a, b, t, l; };
-#else
 struct LB { u32 a, b; };
-#endif
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
   u32 r; asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(w), "r"(0x4440 | b)); return r;
@@ -226,11 +223,7 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-#if T64 /* the pair in row p (address byte 1), ORed with the lane offset; the load adds the table address */
-    A[h][r + 2 * j] = lds32(lbb.a + (lbb.b | fld(w, (u * 16 + 2 * f) * 3, 6, 8)));
-#else
     A[h][r + 2 * j] = lds32(lbb.a | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
-#endif
   }
 #else
 #pragma unroll
@@ -238,13 +231,8 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     const int c = u * 16 + 2 * f;
     /* entries are (h, h) words at code * 128 + lane * 4: every lane its own bank, one wavefront a load */
-#if T64 /* code c in row c (address byte 1) */
-    const u32 lo = lds32(lbb.a + (lbb.b | fld(w, c * 5, 5, 8)));
-    const u32 hi = lds32(lbb.a + (lbb.b | fld(w, (c + 1) * 5, 5, 8)));
-#else
     const u32 lo = lds32(lbb.a | fld(w, c * 5, 5, 7));
     const u32 hi = lds32(lbb.a | fld(w, (c + 1) * 5, 5, 7));
-#endif
     A[h][r + 2 * j] = prmt(lo, hi, 0x7610u);
   }
 #endif
@@ -263,7 +251,7 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 /* log8 scale 2u + r from the T64 table's rows (lookup): one PRMT, no base register */
 __device__ __forceinline__ float scale_t64(const V4* sv, int u, int r, LB lbb) {
   const u32* s = (const u32*)sv;
-  return bits2f(lds32(lbb.t + 128 + prmt(s[u >> 1], lbb.l, 0x7604u | ((2 * (u & 1) + r) << 4))));
+  return bits2f(lds32(lbb.a + 128 + prmt(s[u >> 1], lbb.b, 0x7604u | ((2 * (u & 1) + r) << 4))));
 }
 #endif
 
@@ -291,26 +279,24 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 #elif K_BITS == 3
   for (u32 i = tid; i < 64 * 32; i += nt) {
     const u32 e = i >> 5;
-    s_tab[T64 ? i + (e << 5) : i] = cbv<IDX>(cb, e & 7) | (cbv<IDX>(cb, e >> 3) << 16);
+    s_tab[i] = cbv<IDX>(cb, e & 7) | (cbv<IDX>(cb, e >> 3) << 16);
   }
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
   for (u32 i = tid; i < 32 * 32; i += nt) {
     const u32 v = cbv<IDX>(cb, i >> 5);
-    s_tab[T64 ? i + ((i >> 5) << 5) : i] = v | (v << 16);
+    s_tab[i] = v | (v << 16);
   }
 #endif
 }
 
 template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
-#if K_BITS == 2 && T64
-  return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16), tab, lane << 2};
-#elif K_BITS == 2
+#if K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
-#elif T64
-  return LB{tab, lane << 2, tab, lane << 2};
+#elif K_BITS == 4 && T64
+  return LB{tab, lane << 2};
 #elif K_BITS == 5
   return LB{tab | (lane << 2), 0u};
 #else

@@ -13,8 +13,8 @@
      M1           0/1: M is 1
      K1WO         0/1: a warp's partial sums each, added in warp order (else shared-memory atomics)
      DET          0/1: fixed-order split-K sums (bit-identical runs)
-     T64          0/1: the 64 KB lookup table of 256-byte rows (common.cuh lookup; k = 2: scales only); the plan
-                  must reserve 64 KB for it */
+     T64          0/1 (k = 4): the 64 KB lookup table of one PRMT an address (common.cuh lookup); the plan must
+                  reserve 64 KB for it */
 #include "splitk.cuh"
 
 #ifndef K1EARLY

@@ -19,8 +19,8 @@
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
-     T64          0/1: the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code entries (k = 3, 4, 5) then
-                  log8 scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
+     T64          0/1 (k = 4): the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code pairs then log8
+                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
 #include "splitk.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */

@@ -200,14 +200,14 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
   for (u32 i = tid; i < 512; i += nt) {
     const u32 e = i >> 3;
     const u32 v = cbh(c, e & 7) | (cbh(c, e >> 3) << 16);
-    sts128(tab + (T64 ? e * 256 + (i & 7) * 16 : i * 16), v, v);
+    sts128(tab + i * 16, v, v);
   }
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
 #else
   for (u32 i = tid; i < 256; i += nt) {
     const u32 h = cbh(c, i >> 3);
-    sts128(tab + (T64 ? (i >> 3) * 256 + (i & 7) * 16 : i * 16), h | (h << 16), h | (h << 16));
+    sts128(tab + i * 16, h | (h << 16), h | (h << 16));
   }
 #endif
 }
