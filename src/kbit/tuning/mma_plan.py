@@ -23,6 +23,10 @@ KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_stream
 SMEM_MAX = 227 * 1024
 #: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
+#: kernels 1 and 3, M = 1, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of 256 bytes,
+#: code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
+T64_SMEM = 65536 + 128
+T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -92,9 +96,16 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
-        xs = int(cfg.x_smem and table_smem(k) + M * S * SEG * 2 <= XS_MAX)
-        shared = table_smem(k) + xs * M * S * SEG * 2
+        # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
+        # left for the static slots of CTA-aligned units)
+        t64 = int(k in T64_K and M == 1 and cfg.min_ctas <= 2
+                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
+        tab = T64_SMEM if t64 else table_smem(k)
+        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
+        shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
+    if not xk and t64:
+        defines["T64"] = 1
     if pro:
         if not xs:
             raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
@@ -125,6 +136,8 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi):
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
+        if k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
+            defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
         kernel, W = 4, cfg.warps
