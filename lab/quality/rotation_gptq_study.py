@@ -176,8 +176,9 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def collect_hessians(model, targets, calib) -> dict:
-    """``X^T X`` of every target's inputs on the unquantized model (one pass; the head is skipped).
+def collect_hessians(model, targets, calib, stop_at=None) -> dict:
+    """``X^T X`` of every target's inputs on the unquantized model (one pass, ending before the module
+    ``stop_at`` runs: default the head).
 
     A Linear called on the very tensor the Linear before it read (q/k/v, gate/up) shares that one's Hessian
     (the same tensor object in the returned dict): the sums would be equal, bit for bit."""
@@ -201,7 +202,7 @@ def collect_hessians(model, targets, calib) -> dict:
     def stop(*_):
         raise _Stop
 
-    handles.append(model.get_output_embeddings().register_forward_pre_hook(stop))
+    handles.append((stop_at or model.get_output_embeddings()).register_forward_pre_hook(stop))
     try:
         for ids in calib:
             try:
@@ -254,14 +255,18 @@ class FactorStore:
     def has_hessians(self) -> bool:
         return (self.root / "hessians.json").exists()
 
-    def save_hessians(self, hessians: dict) -> None:
-        """Write each distinct Hessian once; ``hessians.json`` maps every target to its file (written last)."""
+    def save_hessians(self, hessians: dict) -> dict:
+        """Write each distinct Hessian once; returns target name -> file (for :meth:`finish`)."""
         files, written = {}, {}
         for n, H in hessians.items():
             if id(H) not in written:
                 written[id(H)] = f"H-{n}.pt"
                 self._save(H, self.root / written[id(H)])
             files[n] = written[id(H)]
+        return files
+
+    def finish(self, files: dict) -> None:
+        """``hessians.json``, mapping every target to its file: written last, it marks the Hessians complete."""
         (self.root / "hessians.json").write_text(json.dumps(files, indent=0) + "\n")
 
     def _hessian(self, name: str) -> torch.Tensor:
@@ -400,7 +405,16 @@ def factor_store(model, targets, calib, a) -> tuple[FactorStore, dict]:
     prep = {}
     t = time.perf_counter()
     if not store.has_hessians:
-        store.save_hessians(collect_hessians(model, targets, calib))
+        # --hessian-passes: the layers in that many contiguous parts, one calibration pass each (ending before
+        # the next part), so only one part's Hessians are in memory (the same inputs, so the same sums)
+        _, layers = decoder_layers(model)
+        parts = a.hessian_passes
+        files = {}
+        for j in range(parts):
+            lo, hi = j * len(layers) // parts, (j + 1) * len(layers) // parts
+            sub = {n: m for n, m in targets.items() if lo <= int(n.split(".", 1)[0]) < hi}
+            files |= store.save_hessians(collect_hessians(model, sub, calib, layers[hi] if hi < len(layers) else None))
+        store.finish(files)
         prep["hessians"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
     methods = [m for m in a.methods.split(",") if "gptq" in m]
@@ -429,6 +443,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib-len", type=int, default=512)
     p.add_argument("--calib-offset", type=int, default=40000)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hessian-passes", type=int, default=1,
+                   help="calibration passes, each summing the Hessians of one part of the layers (less memory; "
+                        "no effect on results)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="Hessians and GPTQ factors (default /tmp/kbit-judges/<model>/gptq-<calibration settings>; "
                         "reused by a later run with the same settings; no effect on results)")
