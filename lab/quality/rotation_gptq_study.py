@@ -276,30 +276,63 @@ class FactorStore:
     def _path(self, names: list[str], rotate: bool) -> Path:
         return self.root / f"U-{'rot' if rotate else 'plain'}-{self.tag}-{names[0]}-{len(names)}.pt"
 
-    def prepare(self, rotations) -> None:
-        """Compute every missing factor (``rotations``: the rotate flags the methods need)."""
+    def prepare(self, rotations, reverse: bool = False) -> None:
+        """Compute every missing factor (``rotations``: the rotate flags the methods need); ``reverse``: last
+        chunk first (a second process can work from the other end)."""
         for rotate in rotations:
-            for names in self.chunks:
+            for names in (self.chunks[::-1] if reverse else self.chunks):
                 if not self._path(names, rotate).exists():
                     self._save(self._compute(names, rotate), self._path(names, rotate))
 
     @torch.no_grad()
     def _compute(self, names: list[str], rotate: bool) -> torch.Tensor:
+        U = lean_factor(self._damped_input(names, rotate), float(self.damp))
+        if U is None:
+            U = damped_inverse_factor(self._damped_input(names, rotate), float(self.damp)).to(torch.float32)
+        return U
+
+    def _damped_input(self, names: list[str], rotate: bool) -> torch.Tensor:
+        """The float64 ``[B, Kp, Kp]`` Hessians gptq_quantize factors: rotated for ``rot+gptq``, zero-padded."""
         K = self.targets[names[0]].in_features
         H = torch.stack([self._hessian(n) for n in names])
         if rotate:  # as gptq_weight
             H = RandomHadamard(K).rotate_hessian(H.double())
         kp = padded_k(K, DEFAULT_BLOCKSIZE)  # as gptq_quantize
-        Hp = torch.zeros(H.shape[0], kp, kp, dtype=torch.float64)
-        Hp[:, :K, :K] = H.to(torch.float64).reshape(-1, K, K)
-        del H
-        return damped_inverse_factor(Hp, float(self.damp)).to(torch.float32)
+        if kp == K:
+            Hp = H.to(torch.float64).reshape(-1, K, K).contiguous()
+        else:
+            Hp = torch.zeros(H.shape[0], kp, kp, dtype=torch.float64)
+            Hp[:, :K, :K] = H.to(torch.float64).reshape(-1, K, K)
+        return Hp
 
     def factor(self, names: list[str], rotate: bool) -> torch.Tensor:
         path = self._path(names, rotate)
         if not path.exists():
             self._save(self._compute(names, rotate), path)
         return torch.load(path)
+
+
+def lean_factor(Hp: torch.Tensor, damp: float) -> torch.Tensor | None:
+    """``damped_inverse_factor(Hp, damp).to(float32)`` with two K x K float64 temporaries instead of about six
+    (Hp is emptied): the same float64 operations on the same values, in place where that keeps them. None
+    where a matrix needs more damping (the caller then runs the library's retry loop)."""
+    if Hp.dtype != torch.float64 or not Hp.is_contiguous():
+        raise ValueError(f"Hp: expected a contiguous float64 tensor, got {Hp.dtype}")
+    diag = torch.diagonal(Hp, dim1=-2, dim2=-1)
+    diag[diag == 0] = 1.0
+    lam = damp * diag.mean(-1)
+    Hp.add_(0.0)  # H + lam * I: every off-diagonal entry gains lam * 0 = +0.0 (turning -0.0 into +0.0) ...
+    diag.add_(lam[..., None])  # ... and the diagonal lam * 1
+    L, info = torch.linalg.cholesky_ex(Hp)
+    del diag
+    Hp.set_()  # frees its storage now, although the caller still holds the tensor
+    if bool((info != 0).any()):
+        return None
+    inverse = torch.cholesky_inverse(L)
+    del L
+    U, info2 = torch.linalg.cholesky_ex(inverse, upper=True)
+    del inverse
+    return None if bool((info2 != 0).any()) else U.to(torch.float32)
 
 
 @torch.no_grad()
@@ -398,9 +431,39 @@ def originals(model, targets, state: dict) -> dict:
     return out
 
 
+def _cache_root(a) -> Path:
+    return a.cache_dir or CACHE / a.model / f"gptq-{a.calib_batches}x{a.calib_len}-at{a.calib_offset}"
+
+
+def _rotations(a) -> list[bool]:
+    """The rotate flags of the GPTQ methods asked for (the factors they need)."""
+    return sorted({m.startswith("rot") for m in a.methods.split(",") if "gptq" in m})
+
+
+def factors_only(a) -> int:
+    """``--factors-only``: compute the missing GPTQ factors from the Hessians on disk, without the weights (a
+    second process beside a run, from the other end with ``--reverse``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency of the study
+
+    config = AutoConfig.from_pretrained(CACHE / a.model)
+    config.quantization_config = None
+    with torch.device("meta"):  # names and shapes only
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _, layers = decoder_layers(model)
+    targets = {f"{i}.{n}": m for i, layer in enumerate(layers) for n, m in layer.named_modules()
+               if isinstance(m, nn.Linear)}
+    store = FactorStore(_cache_root(a), targets, a.stack_gb, a.damp)
+    if not store.has_hessians:
+        raise SystemExit(f"no Hessians under {store.root}: run the study once first")
+    t = time.perf_counter()
+    store.prepare(_rotations(a), reverse=a.reverse)
+    print(f"factors under {store.root}: {time.perf_counter() - t:.0f}s", flush=True)
+    return 0
+
+
 def factor_store(model, targets, calib, a) -> tuple[FactorStore, dict]:
     """The FactorStore of this run's settings, with every Hessian and factor the methods need on disk."""
-    root = a.cache_dir or CACHE / a.model / f"gptq-{a.calib_batches}x{a.calib_len}-at{a.calib_offset}"
+    root = _cache_root(a)
     store = FactorStore(root, targets, a.stack_gb, a.damp)
     prep = {}
     t = time.perf_counter()
@@ -417,8 +480,7 @@ def factor_store(model, targets, calib, a) -> tuple[FactorStore, dict]:
         store.finish(files)
         prep["hessians"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
-    methods = [m for m in a.methods.split(",") if "gptq" in m]
-    store.prepare(sorted({m.startswith("rot") for m in methods}))
+    store.prepare(_rotations(a))
     prep["factors"] = round(time.perf_counter() - t, 1)
     print(f"Hessians and factors under {root}: {prep}", flush=True)
     return store, prep
@@ -446,12 +508,17 @@ def main(argv=None) -> int:
     p.add_argument("--hessian-passes", type=int, default=1,
                    help="calibration passes, each summing the Hessians of one part of the layers (less memory; "
                         "no effect on results)")
+    p.add_argument("--factors-only", action="store_true",
+                   help="only compute the missing GPTQ factors from Hessians already on disk (see factors_only)")
+    p.add_argument("--reverse", action="store_true", help="with --factors-only: last stack chunk first")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="Hessians and GPTQ factors (default /tmp/kbit-judges/<model>/gptq-<calibration settings>; "
                         "reused by a later run with the same settings; no effect on results)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.factors_only:
+        return factors_only(a)
     t0 = time.perf_counter()
     model, tok = load(a.model)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0]
