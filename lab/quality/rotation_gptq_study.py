@@ -269,9 +269,14 @@ class FactorStore:
         """``hessians.json``, mapping every target to its file: written last, it marks the Hessians complete."""
         (self.root / "hessians.json").write_text(json.dumps(files, indent=0) + "\n")
 
+    def _file(self, name: str) -> Path:
+        """The Hessian file of ``name``; before ``hessians.json`` exists (a pass still running), its own file."""
+        if self.has_hessians:
+            return self.root / json.loads((self.root / "hessians.json").read_text())[name]
+        return self.root / f"H-{name}.pt"
+
     def _hessian(self, name: str) -> torch.Tensor:
-        files = json.loads((self.root / "hessians.json").read_text())
-        return torch.load(self.root / files[name])
+        return torch.load(self._file(name))
 
     def _path(self, names: list[str], rotate: bool) -> Path:
         return self.root / f"U-{'rot' if rotate else 'plain'}-{self.tag}-{names[0]}-{len(names)}.pt"
@@ -281,7 +286,8 @@ class FactorStore:
         chunk first (a second process can work from the other end)."""
         for rotate in rotations:
             for names in (self.chunks[::-1] if reverse else self.chunks):
-                if not self._path(names, rotate).exists():
+                ready = all(self._file(n).exists() for n in names)  # all are, once hessians.json is written
+                if ready and not self._path(names, rotate).exists():
                     self._save(self._compute(names, rotate), self._path(names, rotate))
 
     @torch.no_grad()
@@ -442,7 +448,8 @@ def _rotations(a) -> list[bool]:
 
 def factors_only(a) -> int:
     """``--factors-only``: compute the missing GPTQ factors from the Hessians on disk, without the weights (a
-    second process beside a run, from the other end with ``--reverse``)."""
+    second process beside a run, from the other end with ``--reverse``; while the run's calibration passes
+    still go, the chunks of the layers already written)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # optional dependency of the study
 
     config = AutoConfig.from_pretrained(CACHE / a.model)
@@ -453,10 +460,8 @@ def factors_only(a) -> int:
     targets = {f"{i}.{n}": m for i, layer in enumerate(layers) for n, m in layer.named_modules()
                if isinstance(m, nn.Linear)}
     store = FactorStore(_cache_root(a), targets, a.stack_gb, a.damp)
-    if not store.has_hessians:
-        raise SystemExit(f"no Hessians under {store.root}: run the study once first")
     t = time.perf_counter()
-    store.prepare(_rotations(a), reverse=a.reverse)
+    store.prepare(_rotations(a), reverse=a.reverse)  # the chunks whose Hessians are on disk by now
     print(f"factors under {store.root}: {time.perf_counter() - t:.0f}s", flush=True)
     return 0
 
