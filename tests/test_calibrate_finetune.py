@@ -222,3 +222,33 @@ def test_argument_errors():
         finetune(model, {"layers.0.up": qw}, batches * 2, teacher)
     with pytest.raises(ValueError, match="weights: expected at least one"):
         finetune(model, {}, batches, teacher)
+
+
+def test_free_codes_export_what_the_forward_pass_computes():
+    """With free codes the latent values round to the nearest level each pass; moved across a midpoint, a code
+    changes, and the export dequantizes to the forward pass's weight."""
+    qw = _rounded(16, 64, 2, "hadamard")
+    t = TunableWeight(qw, free_codes=True)
+    torch.testing.assert_close(t().double(), _float_weight(qw), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        t.latent.add_(torch.randn(t.latent.shape, generator=torch.Generator().manual_seed(3)) * 0.4)
+    expected = t().double()
+    out = t.to_weight()
+    torch.testing.assert_close(_float_weight(out), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(unpack(out.codes, 2, out.padded_k), unpack(qw.codes, 2, qw.padded_k))
+
+
+def test_finetune_with_free_codes_lowers_kl():
+    torch.manual_seed(2)
+    model = _TinyLM(n=1).eval()
+    batches = [torch.randint(0, 64, (2, 16)) for _ in range(2)]
+    teacher = teacher_targets(model, batches, top=64)
+    names = decoder_linear_names(model)
+    qws = {n: kbit.quantize(model.get_submodule(n).weight.detach(), k=2) for n in names}
+    tuned = finetune(model, qws, batches, teacher, FinetuneConfig(steps=40, lr_codes=0.02, norms=False))
+    plain = _TinyLM(n=1).eval()
+    plain.load_state_dict(model.state_dict())
+    _install(plain, qws)
+    before = _kl(plain, batches, teacher)
+    _install(plain, tuned)
+    assert _kl(plain, batches, teacher) < 0.7 * before

@@ -78,6 +78,22 @@ def install(model, weights: dict) -> None:
         model.get_submodule(n).weight.data = unrotate_weight(w, qw.rotation) if qw.rotation is not None else w
 
 
+def table(results: list[dict]) -> str:
+    """Markdown rows of every results file: the k = 2 bar is top-1 >= 0.6 and ppl <= 3x unquantized."""
+    lines = ["| judge | method | bits/weight | ppl | ppl / unquantized | KL | top-1 | bar met | train KL per epoch |"
+             " seconds |", "|---|---|--:|--:|--:|--:|--:|---|---|--:|"]
+    for r in results:
+        base = r["baseline"]
+        lines.append(f"| {r['model']} | unquantized | 32 | {base['ppl']:.2f} | 1 | 0 | 1 | | | |")
+        for row in r["rows"]:
+            met = "yes" if row["top1"] >= 0.6 and row["ppl_ratio"] <= 3 else "no"
+            epochs = ", ".join(f"{v:.3f}" for v in row["train_kl_per_epoch"])
+            lines.append(f"| {r['model']} | {row['method']} | {row['bits']} | {row['ppl']:.2f} | "
+                         f"{row['ppl_ratio']:.2f}x | {row['kl']:.4f} | {row['top1']:.3f} | {met} | {epochs} | "
+                         f"{row['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -95,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr-q", type=float, default=FinetuneConfig.lr_q)
     p.add_argument("--lr-codebook", type=float, default=FinetuneConfig.lr_codebook)
     p.add_argument("--lr-norm", type=float, default=FinetuneConfig.lr_norm)
+    p.add_argument("--lr-codes", type=float, default=0.0, help="> 0: free codes (latent values, straight-through)")
     p.add_argument("--no-norms", action="store_true")
     p.add_argument("--top", type=int, default=128)
     p.add_argument("--tokens", type=int, default=2048)
@@ -105,7 +122,12 @@ def main(argv=None) -> int:
     p.add_argument("--calib-offset", type=int, default=40000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--table", type=Path, nargs="+", default=None,
+                   help="print the markdown table of these results files and exit")
     a = p.parse_args(argv)
+    if a.table:
+        print(table([json.loads(f.read_text()) for f in a.table]), end="")
+        return 0
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     study = _study()
@@ -127,10 +149,17 @@ def main(argv=None) -> int:
     for steps in [int(s) for s in a.steps.split(",")]:
         t = time.perf_counter()
         cfg = FinetuneConfig(steps=steps, lr_q=a.lr_q, lr_codebook=a.lr_codebook, lr_norm=a.lr_norm,
-                             norms=not a.no_norms)
+                             norms=not a.no_norms, lr_codes=a.lr_codes)
         norms = {n: p.data.clone() for n, p in model.named_parameters() if p.dim() == 1}
         trace: list[float] = []
-        tuned = finetune(model, qws, tune, teacher, cfg, log=lambda _s, v, tr=trace: tr.append(v)) if steps else qws
+
+        def log(step, loss, tr=trace, t=t):
+            tr.append(loss)
+            if (step + 1) % len(tune) == 0:
+                print(f"step {step + 1}: mean KL {sum(tr[-len(tune):]) / len(tune):.4f}, "
+                      f"{time.perf_counter() - t:.0f}s", flush=True)
+
+        tuned = finetune(model, qws, tune, teacher, cfg, log=log) if steps else qws
         install(model, tuned)
         m = judge.score()
         for n in names:
@@ -140,7 +169,8 @@ def main(argv=None) -> int:
                 p.data.copy_(norms[n])
         per_epoch = [round(sum(trace[i:i + len(tune)]) / len(trace[i:i + len(tune)]), 4)
                      for i in range(0, len(trace), len(tune))]
-        rows.append({"k": a.k, "method": "rot+gptq" + (f"+tune{steps}" if steps else ""), "bits": a.k + 0.25,
+        method = "rot+gptq" + (f"+tune{steps}" + ("+codes" if a.lr_codes > 0 else "") if steps else "")
+        rows.append({"k": a.k, "method": method, "bits": a.k + 0.25,
                      **m, "ppl_ratio": m["ppl"] / base["ppl"], "train_kl_per_epoch": per_epoch,
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
@@ -151,7 +181,8 @@ def main(argv=None) -> int:
                       "calib_tokens": a.calib_batches * a.calib_len, "tune_tokens": a.tune_batches * a.calib_len,
                       "calib_offset": a.calib_offset, "text": "gensim test_data/lee_background.cor",
                       "damp": a.damp, "top": a.top, "lr_q": a.lr_q, "lr_codebook": a.lr_codebook,
-                      "lr_norm": a.lr_norm, "norms": not a.no_norms, "quantized_linears": len(names),
+                      "lr_norm": a.lr_norm, "lr_codes": a.lr_codes, "norms": not a.no_norms,
+                      "quantized_linears": len(names),
                       "baseline": base, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -25,6 +25,7 @@ from torch import nn
 
 from kbit.calibrate.model import decoder_layers
 from kbit.calibrate.rotation import hadamard
+from kbit.format import codebooks as cbs
 from kbit.format.pack import pack, unpack
 from kbit.format.spec import LOG8_STEPS_PER_OCTAVE, ZERO_BLOCK, KbitWeight
 from kbit.utils.checks import check_int, fail
@@ -46,7 +47,7 @@ class TunableWeight(nn.Module):
     continuous, rounded straight-through). :meth:`to_weight` exports the stored form.
     """
 
-    def __init__(self, qw: KbitWeight):
+    def __init__(self, qw: KbitWeight, free_codes: bool = False):
         super().__init__()
         if not isinstance(qw, KbitWeight):
             fail(TypeError, "qw", "a kbit.format.KbitWeight", type(qw).__name__)
@@ -61,6 +62,10 @@ class TunableWeight(nn.Module):
         self.register_buffer("tensor_scale", qw.tensor_scale.to(torch.float32).clone())
         self.codebook = nn.Parameter(qw.codebook.to(torch.float32).clone())
         self.q = nn.Parameter(torch.where(self.zero, 0, qw.scales.to(torch.int64)).to(torch.float32))
+        # free codes: a latent value per weight in codebook units, started on its level and re-rounded to the
+        # nearest level on every forward pass (straight-through), so a code changes once its value crosses a
+        # midpoint
+        self.latent = nn.Parameter(qw.codebook.to(torch.float32)[self.codes]) if free_codes else None
 
     def scales(self) -> torch.Tensor:
         """float32 block scales ``[N, nb]`` on the log8 grid (straight-through in :attr:`q`)."""
@@ -68,9 +73,22 @@ class TunableWeight(nn.Module):
         s = self.tensor_scale * torch.exp2(-q / LOG8_STEPS_PER_OCTAVE)
         return torch.where(self.zero, torch.zeros_like(s), s)
 
+    def current_codes(self) -> torch.Tensor:
+        """int32 codes ``[N, nb, blocksize]`` in the order of :attr:`codebook` (the latent values rounded to its
+        nearest level with free codes; a codebook that lost its order is sorted for the rounding)."""
+        if self.latent is None:
+            return self.codes
+        cb = self.codebook.detach()
+        order = torch.argsort(cb)
+        c = torch.bucketize(self.latent.detach(), cbs.midpoints(cb[order]), right=False)
+        return order[c].to(torch.int32)
+
     def forward(self) -> torch.Tensor:
         N, K = self.shape
-        W = (self.codebook[self.codes] * self.scales()[..., None]).reshape(N, -1)[:, :K]
+        values = self.codebook[self.current_codes()]
+        if self.latent is not None:
+            values = values + (self.latent - self.latent.detach())
+        W = (values * self.scales()[..., None]).reshape(N, -1)[:, :K]
         if self.rotation is not None:  # the stored weight is W R: the layer's weight is (W R) R^T
             b = self.rotation.block
             h = hadamard(b, W.dtype, W.device)
@@ -92,7 +110,7 @@ class TunableWeight(nn.Module):
         ts = self.tensor_scale * m
         q = torch.round(self.q.detach().clamp(0, MAX_Q)).to(torch.uint8)
         q = torch.where(self.zero, torch.full_like(q, ZERO_BLOCK), q)
-        codes = pack(rank[self.codes.long()].reshape(self.shape[0], -1), self.k)
+        codes = pack(rank[self.current_codes().long()].reshape(self.shape[0], -1), self.k)
         return KbitWeight(codes, q, ts, cb, self.shape, self.k, self.blocksize, "log8", "custom", self.rotation)
 
 
@@ -165,13 +183,15 @@ class FinetuneConfig:
     """Optimiser settings of :func:`finetune` (Adam, learning rate per parameter group, cosine decay to 0).
 
     ``lr_q`` is in log8 steps (1/16 octave) per step, ``lr_codebook`` in codebook units (levels in [-1, 1]),
-    ``lr_norm`` absolute on the norm gains; ``norms=False`` leaves the gains alone."""
+    ``lr_norm`` absolute on the norm gains; ``norms=False`` leaves the gains alone. ``lr_codes`` > 0 frees the
+    codes (:class:`TunableWeight` ``free_codes``: latent values in codebook units, rounded straight-through)."""
 
     steps: int = 200
     lr_q: float = 0.05
     lr_codebook: float = 1e-3
     lr_norm: float = 1e-3
     norms: bool = True
+    lr_codes: float = 0.0
 
 
 def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Sequence[torch.Tensor],
@@ -194,7 +214,7 @@ def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Seque
     if not weights:
         fail(ValueError, "weights", "at least one module name -> KbitWeight", 0)
     originals = {n: model.get_submodule(n) for n in weights}
-    tunables = {n: TunableWeight(qw) for n, qw in weights.items()}
+    tunables = {n: TunableWeight(qw, free_codes=config.lr_codes > 0) for n, qw in weights.items()}
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
@@ -203,6 +223,8 @@ def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Seque
               {"params": [t.codebook for t in tunables.values()], "lr": config.lr_codebook}]
     if norms:
         groups.append({"params": norms, "lr": config.lr_norm})
+    if config.lr_codes > 0:
+        groups.append({"params": [t.latent for t in tunables.values()], "lr": config.lr_codes})
     for p in norms:
         p.requires_grad_(True)
     opt = torch.optim.Adam(groups, betas=(0.9, 0.99))
@@ -219,7 +241,7 @@ def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Seque
             opt.step()
             sched.step()
             if log is not None:
-                log(step, float(loss))
+                log(step, float(loss.detach()))
     finally:
         for n, m in originals.items():
             model.set_submodule(n, m)
