@@ -126,10 +126,12 @@ def main(argv=None) -> int:
                    help="print the markdown table of these results files and exit")
     a = p.parse_args(argv)
     if a.table:
-        print(table([json.loads(f.read_text()) for f in a.table]), end="")
+        runs = [json.loads(f.read_text()) for f in a.table]  # a run, or a judge's file {"runs": [...]}
+        print(table([r for d in runs for r in d.get("runs", [d])]), end="")
         return 0
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
+    commit = _commit()  # the code that runs, not what is committed while it runs
     study = _study()
     model, tok = study.load(a.model)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0]
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
                      "seconds": round(time.perf_counter() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
         if a.out is not None:
-            result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+            result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": commit,
                       "command": "PYTHONPATH=src python lab/quality/k2_study.py " + " ".join(argv or sys.argv[1:]),
                       "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
                       "calib_tokens": a.calib_batches * a.calib_len, "tune_tokens": a.tune_batches * a.calib_len,
