@@ -216,8 +216,14 @@ def test_argument_errors():
         teacher_targets(model, [], top=4)
     with pytest.raises(TypeError, match="config: expected a FinetuneConfig"):
         finetune(model, {"layers.0.up": qw}, batches, teacher, config={"steps": 3})
-    with pytest.raises(ValueError, match="config.steps: expected"):
-        finetune(model, {"layers.0.up": qw}, batches, teacher, FinetuneConfig(steps=-1))
+    with pytest.raises(ValueError, match="steps: expected"):
+        FinetuneConfig(steps=-1)
+    with pytest.raises(ValueError, match="lr_q: expected a finite float >= 0, got -0.1"):
+        FinetuneConfig(lr_q=-0.1)
+    with pytest.raises(ValueError, match=r"weights\[\('layers.0.up',\)\]: expected 96 rows"):
+        finetune(model, {("layers.0.up",): kbit.quantize(torch.randn(95, 64), k=2)}, batches, teacher)
+    with pytest.raises(TypeError, match="weights: expected names of modules with out_features"):
+        finetune(model, {"layers.0.norm": qw}, batches, teacher)
     with pytest.raises(ValueError, match="batches: expected the 1 batches"):
         finetune(model, {"layers.0.up": qw}, batches * 2, teacher)
     with pytest.raises(ValueError, match="weights: expected at least one"):
@@ -252,3 +258,35 @@ def test_finetune_with_free_codes_lowers_kl():
     before = _kl(plain, batches, teacher)
     _install(plain, tuned)
     assert _kl(plain, batches, teacher) < 0.7 * before
+
+
+def test_joint_weight_of_two_modules_is_tuned_as_one():
+    """A tuple of names is one weight (one codebook) whose rows feed those modules in order (q/k/v, gate/up)."""
+    torch.manual_seed(4)
+    model = _TinyLM(n=1).eval()
+    model.layers[0].gate = nn.Linear(64, 96, bias=False)
+    model.layers[0].forward = lambda h, m=model.layers[0]: h + m.down(
+        torch.nn.functional.silu(m.gate(m.norm(h))) * m.up(m.norm(h)))
+    batches = [torch.randint(0, 64, (2, 16)) for _ in range(2)]
+    teacher = teacher_targets(model, batches, top=64)
+    key = ("layers.0.gate", "layers.0.up")
+    joint = kbit.quantize(torch.cat([model.layers[0].gate.weight, model.layers[0].up.weight]).detach(), k=2,
+                          rotation="hadamard")
+    same = finetune(model, {key: joint}, batches, teacher, FinetuneConfig(steps=0))
+    torch.testing.assert_close(_float_weight(same[key]), _float_weight(joint))
+    plain = _TinyLM(n=1).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    plain.layers[0].gate = nn.Linear(64, 96, bias=False)
+    plain.layers[0].forward = lambda h, m=plain.layers[0]: h + m.down(
+        torch.nn.functional.silu(m.gate(m.norm(h))) * m.up(m.norm(h)))
+
+    def install_joint(qw):
+        W = _float_weight(qw).float()
+        plain.layers[0].gate.weight.data, plain.layers[0].up.weight.data = W[:96].clone(), W[96:].clone()
+
+    install_joint(joint)
+    before = _kl(plain, batches, teacher)
+    tuned = finetune(model, {key: joint}, batches, teacher, FinetuneConfig(steps=30, lr_q=0.1, norms=False))
+    assert tuned[key].shape == (192, 64) and tuned[key].rotation == joint.rotation
+    install_joint(tuned[key])
+    assert _kl(plain, batches, teacher) < before

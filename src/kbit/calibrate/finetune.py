@@ -83,12 +83,14 @@ class TunableWeight(nn.Module):
         c = torch.bucketize(self.latent.detach(), cbs.midpoints(cb[order]), right=False)
         return order[c].to(torch.int32)
 
-    def forward(self) -> torch.Tensor:
-        N, K = self.shape
-        values = self.codebook[self.current_codes()]
+    def forward(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight's ``rows`` (all by default: a member of a joint q/k/v weight takes its own)."""
+        K = self.shape[1]
+        values = self.codebook[self.current_codes()[rows]]
         if self.latent is not None:
-            values = values + (self.latent - self.latent.detach())
-        W = (values * self.scales()[..., None]).reshape(N, -1)[:, :K]
+            values = values + (self.latent[rows] - self.latent[rows].detach())
+        N = values.shape[0]
+        W = (values * self.scales()[rows][..., None]).reshape(N, -1)[:, :K]
         if self.rotation is not None:  # the stored weight is W R: the layer's weight is (W R) R^T
             b = self.rotation.block
             h = hadamard(b, W.dtype, W.device)
@@ -117,13 +119,14 @@ class TunableWeight(nn.Module):
 class _TunedLinear(nn.Module):
     """Stands in for a Linear while tuning: ``x @ W^T + bias`` with ``W`` from a :class:`TunableWeight`."""
 
-    def __init__(self, weight: TunableWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: TunableWeight, bias: torch.Tensor | None, rows: slice):
         super().__init__()
         self.tunable = weight
         self.bias = bias
+        self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        W = self.tunable()
+        W = self.tunable(self.rows)
         return nn.functional.linear(x, W.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
@@ -193,11 +196,26 @@ class FinetuneConfig:
     norms: bool = True
     lr_codes: float = 0.0
 
+    def __post_init__(self):
+        check_int("steps", self.steps, minimum=0)
+        for name in ("lr_q", "lr_codebook", "lr_norm", "lr_codes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                fail(ValueError, name, "a finite float >= 0", repr(v))
 
-def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Sequence[torch.Tensor],
+
+def _out_features(module: nn.Module) -> int:
+    n = getattr(module, "out_features", None)
+    if not isinstance(n, int):
+        fail(TypeError, "weights", "names of modules with out_features (nn.Linear, KbitLinear)", type(module).__name__)
+    return n
+
+
+def finetune(model: nn.Module, weights: Mapping[str | tuple[str, ...], KbitWeight], batches: Sequence[torch.Tensor],
              teacher: TeacherTargets, config: FinetuneConfig = FinetuneConfig(),
-             log: Callable[[int, float], None] | None = None) -> dict[str, KbitWeight]:
-    """Tune ``weights`` (module name in ``model`` -> its quantized weight, codes fixed) and, with
+             log: Callable[[int, float], None] | None = None) -> dict[str | tuple[str, ...], KbitWeight]:
+    """Tune ``weights`` (module name in ``model`` -> its quantized weight, codes fixed; or a tuple of names -> the
+    joint weight of those modules, their rows in that order, e.g. q/k/v with one codebook) and, with
     ``config.norms``, the norm gains of ``model`` (in place) to lower :func:`sparse_kl` against ``teacher`` on
     ``batches`` (the batches ``teacher`` was recorded on, visited in turn, one per step).
 
@@ -208,13 +226,23 @@ def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Seque
     """
     if not isinstance(config, FinetuneConfig):
         fail(TypeError, "config", "a FinetuneConfig", type(config).__name__)
-    check_int("config.steps", config.steps, minimum=0)
     if len(batches) != len(teacher.logp):
         fail(ValueError, "batches", f"the {len(teacher.logp)} batches the teacher was recorded on", len(batches))
     if not weights:
         fail(ValueError, "weights", "at least one module name -> KbitWeight", 0)
-    originals = {n: model.get_submodule(n) for n in weights}
-    tunables = {n: TunableWeight(qw, free_codes=config.lr_codes > 0) for n, qw in weights.items()}
+    members = {key: (key,) if isinstance(key, str) else tuple(key) for key in weights}
+    originals = {n: model.get_submodule(n) for names in members.values() for n in names}
+    tunables = {key: TunableWeight(qw, free_codes=config.lr_codes > 0) for key, qw in weights.items()}
+    stand_ins = {}
+    for key, names in members.items():
+        start = 0
+        for n in names:
+            rows = _out_features(originals[n])
+            stand_ins[n] = _TunedLinear(tunables[key], getattr(originals[n], "bias", None),
+                                        slice(start, start + rows))
+            start += rows
+        if start != weights[key].N:
+            fail(ValueError, f"weights[{key!r}]", f"{start} rows (the modules' outputs together)", weights[key].N)
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
@@ -231,8 +259,8 @@ def finetune(model: nn.Module, weights: Mapping[str, KbitWeight], batches: Seque
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / max(config.steps, 1)))).item())
     try:
-        for n, t in tunables.items():
-            model.set_submodule(n, _TunedLinear(t, getattr(originals[n], "bias", None)))
+        for n, m in stand_ins.items():
+            model.set_submodule(n, m)
         for step in range(config.steps):
             b = step % len(batches)
             loss = sparse_kl(_logits(model, batches[b]), teacher.logp[b], teacher.index[b])
