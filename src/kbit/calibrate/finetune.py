@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from kbit.calibrate.model import decoder_layers
@@ -126,7 +127,9 @@ class _TunedLinear(nn.Module):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        W = self.tunable(self.rows)
+        # the weight is made again in the backward pass instead of keeping its intermediates (the gathered levels,
+        # the scaled and the rotated weight: three float32 copies of every weight of the model)
+        W = torch.utils.checkpoint.checkpoint(self.tunable, self.rows, use_reentrant=False)
         return nn.functional.linear(x, W.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
