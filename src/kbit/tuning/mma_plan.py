@@ -86,7 +86,7 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
     return defines, D * xc + table_smem(k) + 1024
 
 
-def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
+def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
@@ -98,7 +98,7 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
     else:
         # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
         # left for the static slots of CTA-aligned units)
-        t64 = int(k in T64_K and M == 1 and cfg.min_ctas <= 2
+        t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
                   and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
         tab = T64_SMEM if t64 else table_smem(k)
         xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
@@ -124,19 +124,19 @@ def _k4_defines(k, ng, cfg: MmaConfig, scale_format):
     return defines, D * stage + table_smem(k)
 
 
-def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi):
+def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
         defines, shared = large_defines(k, cfg)
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
-        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det)
+        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
         kernel, W = 3, cfg.warps
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
-        if k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
+        if t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
             defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
@@ -266,16 +266,17 @@ def _ws_floats(st, kernel, M, ng) -> int:
 
 
 def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
-         deterministic: bool = False, pro: int = 0, epi: int = 0) -> MmaPlan:
+         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False) -> MmaPlan:
     """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs.
 
     ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
-    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``.
+    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
+    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
-    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi)
+    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64)
     kern = build(kernel, defines)
     occ = kern.occupancy(W * 32, shared)
     cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0
