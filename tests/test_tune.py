@@ -214,16 +214,17 @@ def test_families_constant():
 
 
 def test_tuned_candidate_from_cache(tmp_path):
-    """The dispatcher's hook: None without a table; the table's entry, then its rule, once one is in the cache."""
+    """The dispatcher's hook on a GPU kbit ships no table for: None without a table; the table's entry, then its
+    rule, once one is in the cache."""
     with options.override(cache_dir=str(tmp_path)):
-        assert tuned_candidate(4, 16, 28672, 4096, "h100") is None
+        assert tuned_candidate(4, 16, 28672, 4096, "l40s") is None
         t = _table(TUNE)
         fit_rules(t)
-        t.save(default_path("h100"))
+        t.save(default_path("l40s"))
         reload_tuned()  # the table is read once a process
         want = t.lookup(4, 16, 28672, 4096)
-        assert want is not None and tuned_candidate(4, 16, 28672, 4096, "h100") == want
-        assert tuned_candidate(4, 1, 777, 4096, "h100") is not None  # the fitted rule
+        assert want is not None and tuned_candidate(4, 16, 28672, 4096, "l40s") == want
+        assert tuned_candidate(4, 1, 777, 4096, "l40s") is not None  # the fitted rule
         assert tuned_candidate(4, 16, 28672, 4096, "a100") is None
 
 

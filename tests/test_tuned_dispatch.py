@@ -9,6 +9,7 @@ import torch
 from kbit import options
 from kbit.dispatch import linear as D
 from kbit.ops import gemv_mma
+from kbit.tuning import tuned
 from kbit.tuning.gemm import Choice, GemmConfig
 from kbit.tuning.mma import LargeConfig, MmaConfig
 from kbit.tuning.space import Candidate
@@ -22,10 +23,14 @@ def h100(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: types.SimpleNamespace(multi_processor_count=132, name="H100"))
+    # these tests are about the user's table alone: the table kbit ships for the H100 is hidden
+    monkeypatch.setattr(tuned, "packaged_path", lambda gpu: tmp_path / "no-packaged-table.json")
     udev._sm_count.cache_clear()
+    tuned.reload_tuned()
     with options.override(cache_dir=str(tmp_path)):
         yield torch.device("cuda", 0)
     udev._sm_count.cache_clear()
+    tuned.reload_tuned()
 
 
 def _save(entries):

@@ -49,7 +49,7 @@ common=(--suite models --split held-out --suite-parts dense --pick "$PICK" --m 1
         --out "$OUT")
 timeout 330 python -m kbit.cli bench "${common[@]}" --k 4 --budget-s 270 --name heldout-k4 >"$OUT/run.log" 2>&1
 echo "k=4 bench exit $? after $(( $(date +%s) - T0 )) s"
-left=$(( 500 - ($(date +%s) - T0) ))
+left=$(( ${TOTAL_S:-500} - ($(date +%s) - T0) ))
 if [ "$left" -gt 90 ]; then  # k = 2 with what is left (the shapes largest first, as the bench orders them)
   timeout $(( left + 40 )) python -m kbit.cli bench "${common[@]}" --k 2 --budget-s $(( left - 30 )) --no-ceiling \
     --name heldout-k2 >>"$OUT/run.log" 2>&1
