@@ -16,7 +16,7 @@ from kbit.parallel.moe import ExpertParallelKbitMoE
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["LLAMA_PLAN", "PACKED_LLAMA_PLAN", "QWEN3_MOE_PLAN", "STYLES", "parallelize_kbit"]
+__all__ = ["LLAMA_PLAN", "PACKED_LLAMA_PLAN", "QWEN3_MOE_PLAN", "STYLES", "parallelize_kbit", "planned_modules"]
 
 #: style name (transformers' ``ParallelInterface`` names) -> (parallel class, keyword arguments)
 STYLES: dict[str, tuple[type, dict]] = {
@@ -72,7 +72,7 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(r"(?:^|.*\.)" + body + "$")
 
 
-def _matches(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+def planned_modules(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
     """(module name, style) of every module a pattern of ``plan`` matches (the first matching pattern wins)."""
     compiled = [(_regex(p), s) for p, s in plan.items()]
     out = []
@@ -117,7 +117,7 @@ def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group
     for pattern, style in plan.items():
         if style not in STYLES:
             fail(ValueError, f"plan[{pattern!r}]", f"one of {tuple(STYLES)}", repr(style))
-    found = _matches(model, plan)
+    found = planned_modules(model, plan)
     if not found:
         fail(ValueError, "plan", "patterns matching at least one module of the model", f"no match for {list(plan)}")
     if unit is None:
