@@ -273,3 +273,20 @@ def test_expert_parallel_cuda_graph_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _spawn(tmp_path, _check_graph, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_big_model_script_two_gpus():
+    """lab/parallel/big_model.py at 2 layers: writes a sharded checkpoint per rank, loads it, decodes."""
+    import os
+    import shutil
+    import subprocess
+
+    if torch.cuda.device_count() < 2 or shutil.which("torchrun") is None:
+        pytest.skip("needs 2 GPUs and torchrun")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "src"))
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", os.path.join(root, "lab/parallel/big_model.py"),
+                          "--layers", "2", "--steps", "4"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("| yes |") == 2, out.stdout[-3000:]
