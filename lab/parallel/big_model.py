@@ -40,12 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kbit.nn import KbitLinear, KbitMoE
-from kbit.parallel import ShardWriter, load_sharded, shard_layout, shard_specs, write_index
+from kbit.ops.glue import rms_norm
+from kbit.parallel import ShardWriter, all_reduce_sum, load_sharded, shard_layout, shard_specs, write_index
 from kbit.parallel.checkpoint import INDEX_NAME, rank_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN = {"layers.*.attn.qkv_proj": "packed_colwise", "layers.*.attn.o_proj": "rowwise", "layers.*.mlp": "ep",
-        "lm_head": "colwise_rep"}
+        "lm_head": "colwise"}
 #: --cpu: a tiny model of the same structure (2 query heads and 1 KV head a rank)
 CPU_SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "vocab_size": 1000,
@@ -79,9 +80,7 @@ class Attention(nn.Module):
 
 
 def norm(x, w):
-    if x.is_cuda:
-        from kbit.ops.glue import rms_norm  # CUDA / Triton only: the CPU check runs plain torch
-
+    if x.is_cuda:  # one kernel (Triton); the CPU check runs plain torch
         return rms_norm(x, w, EPS)
     h = x.float()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * w
@@ -116,8 +115,21 @@ class Model(nn.Module):
         x = self.embed(ids)
         for layer, (ck, cv) in zip(self.layers, caches, strict=True):
             x = layer(x, ck, cv, pos)
-        ids.copy_(self.lm_head(norm(x, self.norm)).argmax(-1))
+        ids.copy_(vocab_argmax(self.lm_head(norm(x, self.norm)), self.lm_head.start))
         pos.add_(1).remainder_(caches[0][0].shape[2])
+
+
+def vocab_argmax(logits: torch.Tensor, start: int) -> torch.Tensor:
+    """The greedy token of logits split over the ranks by vocabulary (``lm_head`` column-parallel, rows
+    ``start:...`` here): each rank's best (value, id) in its row of a ``[world, B, 2]`` table, summed over the ranks
+    (one small all-reduce instead of gathering ``[B, vocab]``); ties go to the lower id, as ``argmax``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    val, idx = logits.float().max(-1)
+    table = torch.zeros(world, logits.shape[0], 2, dtype=torch.float32, device=logits.device)
+    table[rank] = torch.stack([val, (idx + start).float()], -1)  # ids < 2**24: exact in float32
+    table = all_reduce_sum(table)
+    best = table[..., 0].argmax(0, keepdim=True)
+    return table[..., 1].gather(0, best).squeeze(0).long()
 
 
 # -- writing ---------------------------------------------------------------------------------------------------
