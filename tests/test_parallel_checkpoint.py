@@ -212,3 +212,5 @@ def test_layout_of_a_meta_skeleton():
     assert meta["modules"]["layers.0.attn.qkv"]["ranges"][1] == [[32, 64], [96, 128], [160, 192]]
     with pytest.raises(ValueError, match="plan: expected patterns matching"):
         shard_layout(_Model(device="meta"), {"nothing": "colwise"}, 2)
+    with pytest.raises(ValueError, match="module 'layers.0.attn.qkv' .* world 3.*: size: expected at least 3 units"):
+        shard_layout(_Model(device="meta"), PLAN, 3)

@@ -74,7 +74,8 @@ def _stacks(E, H, I, g):
 
 
 #: (E, H, I, top_k, T, dtype, plan, options): odd E (uneven expert ranges), padded H and I, a top_k above one
-#: rank's expert count, the sigmoid router with groups, a shared expert, the fused router (fp16 GEMV steps)
+#: rank's expert count, the sigmoid router with groups, a shared expert, the fused router (fp16 GEMV steps), a
+#: gate_up stack quantized under a Hadamard rotation of H
 CASES = [
     (7, 72, 40, 3, 5, torch.float32, None, {}),
     (5, 64, 48, 4, 3, torch.float32, None, {"norm_topk_prob": False}),
@@ -82,6 +83,7 @@ CASES = [
                                             "routed_scaling_factor": 2.0, "shared": True}),
     (6, 64, 32, 2, 1, torch.float16, MoePlan("gemv", "gemv"), {"router_weight": True}),
     (9, 64, 32, 2, 4, torch.float16, MoePlan("gemv", "gemv"), {}),
+    (6, 64, 32, 2, 3, torch.float32, None, {"rotation": "hadamard"}),
 ]
 
 

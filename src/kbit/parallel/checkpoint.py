@@ -99,7 +99,12 @@ def shard_layout(model: nn.Module, plan: dict[str, str], world: int, unit: int |
         fail(ValueError, "plan", "patterns matching at least one module of the model", f"no match for {list(plan)}")
     if unit is None:
         unit = plan_unit([model.get_submodule(n) for n, s in found if STYLES[s][0] is not ExpertParallelKbitMoE])
-    modules = {n: _describe(model.get_submodule(n), s, unit, world) for n, s in found}
+    modules = {}
+    for n, s in found:
+        try:
+            modules[n] = _describe(model.get_submodule(n), s, unit, world)
+        except ValueError as e:  # a dimension too small to split over the ranks: say which module
+            raise ValueError(f"module {n!r} (style {s!r}, world {world}): {e}") from e
     replicated, extra = {}, {}
     for key, v in model.state_dict(keep_vars=True).items():
         owner, _, leaf = key.rpartition(".")

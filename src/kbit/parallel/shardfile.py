@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -60,11 +62,13 @@ class ShardWriter:
     :meth:`write` per tensor in any order, then :meth:`close` (returns the file's record for the index).
 
     ``weights``: the file's ``kbit.weights`` entries (a quantized weight ``P`` -> its parameters, its parts
-    ``P.codes`` ... among ``specs``); ``metadata``: further metadata entries (str -> str).
+    ``P.codes`` ... among ``specs``); ``metadata``: further metadata entries (str -> str). ``workers`` threads
+    store the tensors and take their CRC-32 while the caller makes the next ones (zlib and ``os.pwrite`` release
+    the GIL); at most ``2 * workers`` tensors wait in host memory.
     """
 
     def __init__(self, path, specs: dict[str, tuple[torch.dtype, tuple]], weights: dict[str, dict],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, workers: int = 4):
         self.path = os.fspath(path)
         self.specs = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in specs.items()}
         for n, (d, _) in self.specs.items():
@@ -85,6 +89,9 @@ class ShardWriter:
         self.tmp = os.path.join(folder, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}.tmp")
         self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close / abort)
         self.file.truncate(8 + self.header_bytes + self.data_bytes)
+        self.workers = max(1, workers)
+        self.pool = ThreadPoolExecutor(max_workers=self.workers)
+        self.pending: deque = deque()
 
     def _metadata(self, crcs: dict[str, int]) -> dict[str, str]:
         meta = dict(self.extra)
@@ -112,14 +119,30 @@ class ShardWriter:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
             got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
             fail(ValueError, f"tensor {name!r}", f"dtype {dtype}, shape {shape}", got)
-        t = t.detach().contiguous().cpu()
+        self.crc[name] = None  # claimed; the CRC-32 comes with the store
+        while len(self.pending) >= 2 * self.workers:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(self._store, name, t.detach().contiguous().cpu()))
+
+    def _store(self, name: str, t: torch.Tensor) -> None:
         if t.numel():
-            self.file.seek(8 + self.header_bytes + self.offsets[name][0])
-            self.file.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            at, done = 8 + self.header_bytes + self.offsets[name][0], 0
+            while done < len(data):
+                done += os.pwrite(self.file.fileno(), data[done:], at + done)
         self.crc[name] = tensor_crc32(t)
+
+    def _drain(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
 
     def close(self) -> dict:
         """Write the header, rename the file into place; returns ``{"file", "bytes", "metadata_crc32"}``."""
+        try:
+            self._drain()
+        except BaseException:
+            self.abort()
+            raise
         missing = sorted(set(self.specs) - set(self.crc))
         if missing:
             self.abort()
@@ -133,12 +156,15 @@ class ShardWriter:
         self.file.write(self.header_bytes.to_bytes(8, "little"))
         self.file.write(head)
         self.file.close()
+        self.pool.shutdown()
         os.replace(self.tmp, self.path)
         return {"file": os.path.basename(self.path), "bytes": 8 + self.header_bytes + self.data_bytes,
                 "metadata_crc32": meta_crc}
 
     def abort(self) -> None:
         """Close and delete the unfinished file."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pending.clear()
         if not self.file.closed:
             self.file.close()
         if os.path.exists(self.tmp):
