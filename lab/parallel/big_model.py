@@ -271,7 +271,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's 94)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--context", type=int, default=1024, help="KV cache positions read every step")
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: see the module docstring)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
