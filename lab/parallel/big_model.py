@@ -69,10 +69,14 @@ class Attention(nn.Module):
         self.qkv_proj.packed_parts = (hq * d, hkv * d, hkv * d)
         self.o_proj = KbitLinear(hq * d, c["hidden_size"], bias=False, **kw)
 
+    def parts(self) -> list[int]:
+        """Widths of q, k, v in this rank's ``qkv_proj`` output (column-parallel: its slice of each)."""
+        return list(getattr(self.qkv_proj, "local_parts", None) or self.qkv_proj.packed_parts)
+
     def forward(self, x, cache_k, cache_v, pos):
         """x ``[B, H]``; the caches ``[B, kv heads, S, D]`` (this rank's heads); ``pos`` int64 ``[1]``."""
         B, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.local_parts), dim=-1)
+        q, k, v = self.qkv_proj(x).split(list(self.parts()), dim=-1)
         cache_k.index_copy_(2, pos, k.view(B, -1, 1, d))
         cache_v.index_copy_(2, pos, v.view(B, -1, 1, d))
         a = F.scaled_dot_product_attention(q.view(B, -1, 1, d), cache_k, cache_v, enable_gqa=True)
@@ -110,12 +114,25 @@ class Model(nn.Module):
         self.norm = nn.Parameter(torch.ones(c["hidden_size"], dtype=dtype, device=device))
         self.lm_head = KbitLinear(c["hidden_size"], c["vocab_size"], bias=False, **kw)
 
-    def step(self, ids, caches, pos):
-        """One greedy step in place: ``ids [B]`` become the next tokens, ``pos`` advances (mod the context)."""
+    def new_caches(self, batch: int, context: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V caches ``[batch, kv heads here, context, head_dim]`` for every layer."""
+        attn = self.layers[0].attn
+        shape = (batch, attn.parts()[1] // attn.head_dim, context, attn.head_dim)
+        return [(torch.zeros(shape, dtype=self.norm.dtype, device=device),
+                 torch.zeros(shape, dtype=self.norm.dtype, device=device)) for _ in self.layers]
+
+    def logits(self, ids, caches, pos):
+        """This rank's logits ``[B, vocab here]`` of a step (the caches written at ``pos``)."""
         x = self.embed(ids)
         for layer, (ck, cv) in zip(self.layers, caches, strict=True):
             x = layer(x, ck, cv, pos)
-        ids.copy_(vocab_argmax(self.lm_head(norm(x, self.norm)), self.lm_head.start))
+        return self.lm_head(norm(x, self.norm))
+
+    def step(self, ids, caches, pos):
+        """One greedy step in place: ``ids [B]`` become the next tokens, ``pos`` advances (mod the context)."""
+        logits = self.logits(ids, caches, pos)
+        start = getattr(self.lm_head, "start", None)  # column-parallel: the vocabulary is split over the ranks
+        ids.copy_(logits.argmax(-1) if start is None else vocab_argmax(logits, start))
         pos.add_(1).remainder_(caches[0][0].shape[2])
 
 
@@ -199,52 +216,60 @@ def pick_dir(arg: str | None, need: int) -> tuple[str | None, str]:
 # -- decoding --------------------------------------------------------------------------------------------------
 
 
-def timed_decode(model, c, batch, args, device, rank, say) -> list[int]:
-    """Greedy decoding at ``batch``: tokens/s over ``args.steps`` steps (a CUDA graph of one step, replayed)."""
-    world = dist.get_world_size()
-    hkv, d = c["num_key_value_heads"] // world, c["head_dim"]
-    dtype = model.norm.dtype
-    caches = [(torch.zeros(batch, hkv, args.context, d, dtype=dtype, device=device),
-               torch.zeros(batch, hkv, args.context, d, dtype=dtype, device=device)) for _ in model.layers]
-    ids = torch.arange(batch, device=device) * 7 + 1
-    pos = torch.zeros(1, dtype=torch.long, device=device)
+def decode(model, batch: int, steps: int, context: int, device, graph: bool = True, say=print):
+    """Greedy decoding of ``steps`` steps at ``batch`` from fixed start tokens and empty caches, as CUDA-graph
+    replays of one step where ``graph`` (else, or where capture fails, eager steps).
+
+    Returns (tokens int64 ``[steps, batch]`` on the CPU, seconds of the timed steps, "CUDA graph" or "eager")."""
+    caches = model.new_caches(batch, context, device)
+    start = torch.arange(batch, device=device) * 7 + 1
+    ids, pos = start.clone(), torch.zeros(1, dtype=torch.long, device=device)
     run, mode = (lambda: model.step(ids, caches, pos)), "eager"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         for _ in range(2):  # compiles, repacks, makes the all-reduce buffers
             run()
-        if device.type == "cuda" and not args.no_graph:
+        if device.type == "cuda" and graph:
             try:
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
                     run()
                 torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                cuda_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cuda_graph):
                     run()
-                run, mode = graph.replay, "CUDA graph"
+                run, mode = cuda_graph.replay, "CUDA graph"
             except RuntimeError as e:  # report and time eagerly instead
                 say(f"batch {batch}: CUDA graph capture failed ({e}); eager steps")
+        ids.copy_(start)  # the timed steps start from the same state whatever ran before
+        pos.zero_()
+        for ck, cv in caches:
+            ck.zero_()
+            cv.zero_()
+        out = torch.empty(steps, batch, dtype=torch.long, device=device)
         dist.barrier()
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
-        tokens = []
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for i in range(steps):
             run()
-            tokens.append(ids[0:1].clone())
+            out[i].copy_(ids)
         sync()
         dt = time.perf_counter() - t0
-    tokens = torch.cat(tokens)
-    mine = tokens.cpu().tolist()
-    every = [None] * world
-    dist.all_gather_object(every, mine)
+    return out.cpu(), dt, mode
+
+
+def timed_decode(model, batch: int, args, device, say) -> torch.Tensor:
+    """:func:`decode` and its table row: ms a step, tokens/s (the slower rank), whether the ranks chose the same
+    tokens."""
+    tokens, dt, mode = decode(model, batch, args.steps, args.context, device, not args.no_graph, say)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tokens.tolist())
     agree = all(t == every[0] for t in every)
     rate = torch.tensor([batch * args.steps / dt], device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(rate, op=dist.ReduceOp.MIN)
-    say(f"| {batch} | {mode} | {1e3 * dt / args.steps:.2f} | {rate.item():.1f} | "
-        f"{'yes' if agree else 'NO'} |")
-    return mine
+    say(f"| {batch} | {mode} | {1e3 * dt / args.steps:.2f} | {rate.item():.1f} | {'yes' if agree else 'NO'} |")
+    return tokens
 
 
 def anon_gib() -> float:
@@ -322,7 +347,7 @@ def main():
             say(line)
         say("\n| batch | step | ms/step | tokens/s | ranks agree |\n|---|---|---|---|---|")
         for batch in args.batches:
-            timed_decode(model, c, batch, args, device, rank, say)
+            timed_decode(model, batch, args, device, say)
         dist.all_gather_object(lines, memory_line(f"rank {rank} after decoding", device, t0))
         for line in lines:
             say(line)
