@@ -216,9 +216,11 @@ def pick_dir(arg: str | None, need: int) -> tuple[str | None, str]:
 # -- decoding --------------------------------------------------------------------------------------------------
 
 
-def decode(model, batch: int, steps: int, context: int, device, graph: bool = True, say=print):
+def decode(model, batch: int, steps: int, context: int, device, graph: bool = True, say=print, forced=None):
     """Greedy decoding of ``steps`` steps at ``batch`` from fixed start tokens and empty caches, as CUDA-graph
-    replays of one step where ``graph`` (else, or where capture fails, eager steps).
+    replays of one step where ``graph`` (else, or where capture fails, eager steps). ``forced`` (int64
+    ``[steps, batch]``): step ``i`` reads ``forced[i - 1]`` instead of the model's own last tokens (teacher
+    forcing: each step's choice from the same history as the model that made ``forced``).
 
     Returns (tokens int64 ``[steps, batch]`` on the CPU, seconds of the timed steps, "CUDA graph" or "eager")."""
     caches = model.new_caches(batch, context, device)
@@ -248,10 +250,13 @@ def decode(model, batch: int, steps: int, context: int, device, graph: bool = Tr
             ck.zero_()
             cv.zero_()
         out = torch.empty(steps, batch, dtype=torch.long, device=device)
+        forced = None if forced is None else forced.to(device)
         dist.barrier()
         sync()
         t0 = time.perf_counter()
         for i in range(steps):
+            if forced is not None and i:
+                ids.copy_(forced[i - 1])
             run()
             out[i].copy_(ids)
         sync()
