@@ -4,6 +4,7 @@ equal to the unsharded model's; a file of another world size, a damaged, truncat
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -21,11 +22,15 @@ from kbit.parallel import (
     ExpertParallelKbitMoE,
     RowParallelKbitLinear,
     ShardReader,
+    ShardWriter,
     load_sharded,
     read_index,
     save_sharded,
     shard_layout,
+    shard_specs,
+    write_index,
 )
+from kbit.parallel.checkpoint import rank_file, shard_tensors
 
 PLAN = {"layers.*.attn.qkv": "packed_colwise", "layers.*.attn.o": "rowwise", "layers.*.mlp": "ep",
         "lm_head": "colwise_rep"}
@@ -214,3 +219,28 @@ def test_layout_of_a_meta_skeleton():
         shard_layout(_Model(device="meta"), {"nothing": "colwise"}, 2)
     with pytest.raises(ValueError, match="module 'layers.0.attn.qkv' .* world 3.*: size: expected at least 3 units"):
         shard_layout(_Model(device="meta"), PLAN, 3)
+
+
+def _check_inconsistent(rank, world, directory):
+    with pytest.raises(ValueError, match=r"directory: expected the same replicated .* first \['embed.weight'\]"):
+        load_sharded(directory, model=_Model(device="meta"), device="cpu")
+
+
+def test_replicated_tensors_must_agree_two_ranks(tmp_path):
+    """Rank files written each from its own source (as big_model.py does) must hold the same replicated tensors."""
+    model = _whole(seed=6)
+    index = save_sharded(model, tmp_path / "c", PLAN, world=2)
+    layout = {k: v for k, v in index.items() if k != "files"}
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.embed.weight.add_(1.0)
+    specs, weights = shard_specs(layout, 1)
+    writer = ShardWriter(tmp_path / "c" / rank_file(1, 2), specs, weights)
+    for name, d in layout["modules"].items():
+        for key, t in shard_tensors(other.get_submodule(name), d, name, 1).items():
+            writer.write(key, t)
+    state = other.state_dict()
+    for key in layout["replicated"]:
+        writer.write(key, state[key])
+    write_index(tmp_path / "c", layout, [index["files"][0], writer.close()])
+    _spawn(tmp_path, _check_inconsistent, str(tmp_path / "c"))

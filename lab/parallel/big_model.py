@@ -175,6 +175,12 @@ def random_tensor(name: str, dtype: torch.dtype, shape, rank: int, device, repli
 
 
 
+def same_on_every_rank(name: str, layout: dict) -> bool:
+    """Whether tensor ``name`` of a rank file is replicated: the unplanned tensors, and an expert-parallel block's
+    router (every rank routes every token with the whole router); shards differ by rank."""
+    return name in layout["replicated"] or name.rsplit(".", 1)[-1] in ("router_weight", "correction_bias")
+
+
 def write_rank(layout: dict, directory: str, rank: int, world: int, device) -> dict:
     """This rank's file, tensor by tensor in layer order; returns its record for the index."""
     specs, weights = shard_specs(layout, rank)
@@ -184,7 +190,7 @@ def write_rank(layout: dict, directory: str, rank: int, world: int, device) -> d
                          {"kbit.shard": json.dumps({"rank": rank, "world": world})})
     try:
         for name, (dtype, shape) in specs.items():
-            writer.write(name, random_tensor(name, dtype, shape, rank, device, name in layout["replicated"],
+            writer.write(name, random_tensor(name, dtype, shape, rank, device, same_on_every_rank(name, layout),
                                              tensor_scales))
     except BaseException:
         writer.abort()

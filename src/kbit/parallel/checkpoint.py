@@ -308,6 +308,29 @@ def _open_rank_file(directory, index: dict, rank: int) -> ShardReader:
     return reader
 
 
+def _replicated_names(index: dict) -> list[str]:
+    """The tensors every rank's file holds whole: the unplanned ones, routers, row-parallel biases."""
+    out = list(index["replicated"])
+    for name, d in index["modules"].items():
+        if d["class"] == "KbitMoE":
+            out += [f"{name}.{k}" for k in ("router_weight", "correction_bias") if d[k]]
+        elif d["bias"] and STYLES[d["style"]][0] is not ColumnParallelKbitLinear:
+            out.append(f"{name}.bias")
+    return out
+
+
+def _check_replicated(index: dict, reader: ShardReader, group) -> None:
+    """Every rank's file holds the same replicated tensors (their recorded CRC-32s agree; one small collective):
+    ranks that routed or normalised with different weights would compute silently different models."""
+    mine = {n: reader.records[n]["crc32"] for n in _replicated_names(index)}
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    bad = sorted(n for n in mine if any(e.get(n) != mine[n] for e in every))
+    if bad:
+        fail(ValueError, "directory", "the same replicated tensors in every rank's file",
+             f"{len(bad)} that differ between ranks, first {bad[:5]}")
+
+
 def _install(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, module)
@@ -348,6 +371,7 @@ def load_sharded(directory, rank: int | None = None, *, model: nn.Module | None 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     reader = _open_rank_file(directory, index, rank)
+    _check_replicated(index, reader, group)
 
     def fetch(names):  # a module's tensors, checked (threads: zlib releases the GIL)
         return {n: reader.get(n, verify) for n in names}
