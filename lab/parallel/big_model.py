@@ -22,6 +22,9 @@ No model is ever built in bf16, nor whole: every rank
 
 The files go to ``--dir`` (default: the first of /dev/shm, $TMPDIR or /tmp, and the current directory with room
 for them) and are deleted at the end unless ``--keep`` (``--reuse`` loads an existing checkpoint directory).
+Without room for every rank's file at once (or with ``--one-at-a-time``), the index is written from a dry pass
+(the checksums of the seeded data) and each rank in turn writes its file, loads it and deletes it: the same
+checkpoint files, never all on disk together.
 """
 
 from __future__ import annotations
@@ -181,13 +184,16 @@ def same_on_every_rank(name: str, layout: dict) -> bool:
     return name in layout["replicated"] or name.rsplit(".", 1)[-1] in ("router_weight", "correction_bias")
 
 
-def write_rank(layout: dict, directory: str, rank: int, world: int, device) -> dict:
-    """This rank's file, tensor by tensor in layer order; returns its record for the index."""
+def write_rank(layout: dict, directory: str, rank: int, world: int, device, dry_run: bool = False
+               ) -> tuple[dict, dict]:
+    """This rank's file, tensor by tensor in layer order (``dry_run``: only the checksums; the data is seeded, so
+    a later real write gives the same file). Returns its record for the index and the CRC-32s of its replicated
+    tensors."""
     specs, weights = shard_specs(layout, rank)
     # a weight's absmax about 3 / sqrt(K): its entries ~ 1 / sqrt(K), so a layer keeps the scale of its input
     tensor_scales = {name: 3.0 * meta["shape"][-1] ** -0.5 for name, meta in weights.items()}
     writer = ShardWriter(os.path.join(directory, rank_file(rank, world)), specs, weights,
-                         {"kbit.shard": json.dumps({"rank": rank, "world": world})})
+                         {"kbit.shard": json.dumps({"rank": rank, "world": world})}, dry_run=dry_run)
     try:
         for name, (dtype, shape) in specs.items():
             writer.write(name, random_tensor(name, dtype, shape, rank, device, same_on_every_rank(name, layout),
@@ -195,7 +201,8 @@ def write_rank(layout: dict, directory: str, rank: int, world: int, device) -> d
     except BaseException:
         writer.abort()
         raise
-    return writer.close()
+    record = writer.close()
+    return record, {n: writer.crc[n] for n in specs if same_on_every_rank(n, layout)}
 
 
 def file_bytes(layout: dict, rank: int) -> int:
@@ -211,7 +218,7 @@ def pick_dir(arg: str | None, need: int) -> tuple[str | None, str]:
             path = os.path.dirname(path) or "."
         return shutil.disk_usage(path).free
 
-    cands = [arg] if arg else ["/dev/shm", os.environ.get("TMPDIR", "/tmp"), "/tmp", os.getcwd()]
+    cands = [arg] if arg else list(dict.fromkeys(["/dev/shm", os.environ.get("TMPDIR", "/tmp"), "/tmp", os.getcwd()]))
     note = "free: " + ", ".join(f"{c} {free(c) / 2**30:.1f} GiB" for c in cands if c)
     for c in cands:
         if c and free(c) >= need + 2 * 2**30:
@@ -293,14 +300,14 @@ def anon_gib() -> float:
         return float("nan")
 
 
-def memory_line(tag: str, device, t0: float) -> str:
+def memory_line(tag: str, device, seconds: float) -> str:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     host = f"host peak RSS {rss:.1f} GiB (anonymous now {anon_gib():.1f})"
     if device.type == "cuda":
         torch.cuda.synchronize()
-        return (f"{tag}: {time.perf_counter() - t0:.1f} s, GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+        return (f"{tag}: {seconds:.1f} s, GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
                 f" (now {torch.cuda.memory_allocated() / 2**30:.2f}), {host}")
-    return f"{tag}: {time.perf_counter() - t0:.1f} s, {host}"
+    return f"{tag}: {seconds:.1f} s, {host}"
 
 
 def main():
@@ -312,6 +319,8 @@ def main():
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: see the module docstring)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files")
     p.add_argument("--reuse", action="store_true", help="load --dir as it is (written by an earlier --keep run)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="each rank writes, loads and deletes its file in turn (chosen anyway without room for all)")
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, a tiny model of the same structure")
     args = p.parse_args()
@@ -329,38 +338,27 @@ def main():
     sizes = [file_bytes(layout, r) for r in range(world)]
     say(f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_experts']} experts top "
         f"{c['num_experts_per_tok']}, k=4, world {world}: files {' + '.join(f'{s / 2**30:.2f}' for s in sizes)} GiB")
-    box = [(args.dir, "") if args.reuse else pick_dir(args.dir, sum(sizes)) if rank == 0 else None]
+    box = [storage(args, sizes) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    directory, note = box[0]
+    directory, note, one_at_a_time = box[0]
     say(note)
     if directory is None:
         dist.destroy_process_group()
-        raise SystemExit(f"no room for the checkpoint ({sum(sizes) / 2**30:.1f} GiB); pass --dir or --layers")
+        raise SystemExit(f"no room for the checkpoint ({max(sizes) / 2**30:.1f} GiB a rank); pass --dir or --layers")
     try:
-        t0 = time.perf_counter()
-        if not args.reuse:
-            os.makedirs(directory, exist_ok=True)
-            record = write_rank(layout, directory, rank, world, device)
-            records = [None] * world
-            dist.all_gather_object(records, record)
-            if rank == 0:
-                write_index(directory, layout, records)
-            dist.barrier()
-            say(memory_line(f"written to {directory} (rank 0)", device, t0))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        model = load_sharded(directory, model=Model(c, dtype), device=device)
+        model, notes = write_and_load(layout, directory, one_at_a_time, args.reuse, c, dtype, device)
         held = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
-        lines = [None] * world
-        dist.all_gather_object(lines, memory_line(f"rank {rank} loaded {held / 2**30:.2f} GiB", device, t0))
-        for line in lines:
+        notes.append(memory_line(f"rank {rank} loaded {held / 2**30:.2f} GiB", device, notes.pop()))
+        every = [None] * world
+        dist.all_gather_object(every, notes)
+        for line in (line for lines in every for line in lines):
             say(line)
         say("\n| batch | step | ms/step | tokens/s | ranks agree |\n|---|---|---|---|---|")
+        t0 = time.perf_counter()
         for batch in args.batches:
             timed_decode(model, batch, args, device, say)
-        dist.all_gather_object(lines, memory_line(f"rank {rank} after decoding", device, t0))
-        for line in lines:
+        dist.all_gather_object(every, memory_line(f"rank {rank} after decoding", device, time.perf_counter() - t0))
+        for line in every:
             say(line)
     finally:
         dist.barrier()
@@ -374,6 +372,58 @@ def main():
                 if not os.listdir(directory):
                     os.rmdir(directory)
         dist.destroy_process_group()
+
+
+def storage(args, sizes: list[int]) -> tuple[str | None, str, bool]:
+    """(folder, note on free space, one rank file at a time): room for every rank's file at once, else (or with
+    ``--one-at-a-time``) for the largest; ``--reuse``: the folder as it is."""
+    if args.reuse:
+        return args.dir, "", False
+    directory, note = (None, "") if args.one_at_a_time else pick_dir(args.dir, sum(sizes))
+    if directory is not None:
+        return directory, note, False
+    directory, note = pick_dir(args.dir, max(sizes))
+    return directory, note + ("; one rank file at a time" if directory else ""), True
+
+
+def write_and_load(layout: dict, directory: str, one_at_a_time: bool, reuse: bool, c: dict, dtype, device):
+    """Write the checkpoint and load this rank's part. Together: every rank writes its file, rank 0 the index,
+    then every rank loads its own. One at a time (no room for all files at once): the index from a dry pass (the
+    checksums of the seeded data), then each rank in turn writes its file, loads it and deletes it. Returns the
+    model and this rank's notes, the last being its load time in seconds."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    notes, t0 = [], time.perf_counter()
+    if not reuse:
+        os.makedirs(directory, exist_ok=True)
+        record, replicated = write_rank(layout, directory, rank, world, device, dry_run=one_at_a_time)
+        every = [None] * world
+        dist.all_gather_object(every, (record, replicated))
+        if any(rep != every[0][1] for _, rep in every):
+            raise SystemExit("the ranks' replicated tensors differ (a seeding bug of this script)")
+        if rank == 0:
+            write_index(directory, layout, [rec for rec, _ in every])
+        dist.barrier()
+        what = "checksummed (dry pass)" if one_at_a_time else f"wrote {rank_file(rank, world)}"
+        notes.append(memory_line(f"rank {rank} {what}", device, time.perf_counter() - t0))
+    model = None
+    for turn in range(world) if one_at_a_time else [rank]:
+        if turn == rank:
+            if one_at_a_time:
+                t0 = time.perf_counter()
+                write_rank(layout, directory, rank, world, device)
+                notes.append(memory_line(f"rank {rank} wrote {rank_file(rank, world)}", device,
+                                         time.perf_counter() - t0))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            model = load_sharded(directory, model=Model(c, dtype), device=device,
+                                 check_replicated=not one_at_a_time)  # checked above, from the checksums
+            load_s = time.perf_counter() - t0
+            if one_at_a_time:
+                os.unlink(os.path.join(directory, rank_file(rank, world)))
+        if one_at_a_time:
+            dist.barrier()
+    return model, notes + [load_s]
 
 
 if __name__ == "__main__":

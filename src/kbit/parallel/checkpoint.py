@@ -337,7 +337,7 @@ def _install(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def load_sharded(directory, rank: int | None = None, *, model: nn.Module | None = None, group=None,
-                 device=None, verify: bool = True):
+                 device=None, verify: bool = True, check_replicated: bool = True):
     """Build this rank's part of a sharded checkpoint from its own file only (module docstring).
 
     Parameters
@@ -353,6 +353,9 @@ def load_sharded(directory, rank: int | None = None, *, model: nn.Module | None 
         module is read (a memory-mapped view of the file), checked and moved on its own, so at most a few
         modules' tensors are in host memory at once.
     verify : check every tensor's CRC-32 (the metadata's is always checked).
+    check_replicated : check that every rank's file holds the same replicated tensors (their recorded CRC-32s,
+        one small all-gather: every rank must call ``load_sharded`` at once). False: no collective at all, so
+        that ranks may load one after another.
 
     Returns ``model``, or ``{"modules": {name: parallel module}, "replicated": {name: tensor}}``.
     """
@@ -371,7 +374,8 @@ def load_sharded(directory, rank: int | None = None, *, model: nn.Module | None 
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     reader = _open_rank_file(directory, index, rank)
-    _check_replicated(index, reader, group)
+    if check_replicated:
+        _check_replicated(index, reader, group)
 
     def fetch(names):  # a module's tensors, checked (threads: zlib releases the GIL)
         return {n: reader.get(n, verify) for n in names}

@@ -64,11 +64,12 @@ class ShardWriter:
     ``weights``: the file's ``kbit.weights`` entries (a quantized weight ``P`` -> its parameters, its parts
     ``P.codes`` ... among ``specs``); ``metadata``: further metadata entries (str -> str). ``workers`` threads
     store the tensors and take their CRC-32 while the caller makes the next ones (zlib and ``os.pwrite`` release
-    the GIL); at most ``2 * workers`` tensors wait in host memory.
+    the GIL); at most ``2 * workers`` tensors wait in host memory. ``dry_run``: no file, only the checksums, so
+    that :meth:`close` gives the record the file will have (for an index written before the file is).
     """
 
     def __init__(self, path, specs: dict[str, tuple[torch.dtype, tuple]], weights: dict[str, dict],
-                 metadata: dict[str, str] | None = None, workers: int = 4):
+                 metadata: dict[str, str] | None = None, workers: int = 4, dry_run: bool = False):
         self.path = os.fspath(path)
         self.specs = {n: (d, tuple(int(s) for s in shape)) for n, (d, shape) in specs.items()}
         for n, (d, _) in self.specs.items():
@@ -87,8 +88,10 @@ class ShardWriter:
         self.header_bytes = -(-len(self._header({n: _MAX_CRC for n in self.specs}, _MAX_CRC)) // 8) * 8
         folder = os.path.dirname(self.path) or "."
         self.tmp = os.path.join(folder, f".{os.path.basename(self.path)}.{uuid.uuid4().hex}.tmp")
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close / abort)
-        self.file.truncate(8 + self.header_bytes + self.data_bytes)
+        self.dry_run = bool(dry_run)
+        self.file = None if self.dry_run else open(self.tmp, "wb")  # noqa: SIM115 (closed in close / abort)
+        if self.file is not None:
+            self.file.truncate(8 + self.header_bytes + self.data_bytes)
         self.workers = max(1, workers)
         self.pool = ThreadPoolExecutor(max_workers=self.workers)
         self.pending: deque = deque()
@@ -125,7 +128,7 @@ class ShardWriter:
         self.pending.append(self.pool.submit(self._store, name, t.detach().contiguous().cpu()))
 
     def _store(self, name: str, t: torch.Tensor) -> None:
-        if t.numel():
+        if t.numel() and self.file is not None:
             data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             at, done = 8 + self.header_bytes + self.offsets[name][0], 0
             while done < len(data):
@@ -152,12 +155,13 @@ class ShardWriter:
         meta_crc = metadata_crc32(meta)
         head = self._header(self.crc, meta_crc)
         head += b" " * (self.header_bytes - len(head))
-        self.file.seek(0)
-        self.file.write(self.header_bytes.to_bytes(8, "little"))
-        self.file.write(head)
-        self.file.close()
         self.pool.shutdown()
-        os.replace(self.tmp, self.path)
+        if self.file is not None:
+            self.file.seek(0)
+            self.file.write(self.header_bytes.to_bytes(8, "little"))
+            self.file.write(head)
+            self.file.close()
+            os.replace(self.tmp, self.path)
         return {"file": os.path.basename(self.path), "bytes": 8 + self.header_bytes + self.data_bytes,
                 "metadata_crc32": meta_crc}
 
@@ -165,7 +169,7 @@ class ShardWriter:
         """Close and delete the unfinished file."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pending.clear()
-        if not self.file.closed:
+        if self.file is not None and not self.file.closed:
             self.file.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
