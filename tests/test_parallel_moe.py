@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import kbit
@@ -21,6 +23,7 @@ from kbit.parallel import (
     ColumnParallelKbitLinear,
     ExpertParallelKbitMoE,
     expert_range,
+    localize_pairs,
     parallelize_kbit,
     shard_experts,
 )
@@ -67,6 +70,31 @@ def test_shard_experts_and_errors():
     moe = KbitMoE.from_weights(qw[:2].to("cpu"), kbit.quantize(torch.randn(2, 40, 12), k=3, blocksize=32), 1)
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         ExpertParallelKbitMoE.from_moe(moe)
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 9), E=st.integers(2, 20), world=st.integers(1, 4), data=st.data())
+def test_localize_pairs_fuzz(T, E, world, data):
+    """Every rank's pairs: ids in range, the local pairs kept with their weights, every other pair weighted 0 and
+    sent to an expert its token uses here (or local expert 0); over the ranks each pair is counted once."""
+    world = min(world, E)
+    top_k = data.draw(st.integers(1, E))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, top_k, generator=g)
+    total = torch.zeros(T, top_k)
+    for rank in range(world):
+        a, b = expert_range(E, rank, world)
+        lw, lid = localize_pairs(w, ids, a, b)
+        mine = (ids >= a) & (ids < b)
+        assert lid.dtype == torch.int32 and bool(((lid >= 0) & (lid < b - a)).all())
+        assert torch.equal(lid[mine], (ids - a)[mine]) and torch.equal(lw[mine], w[mine])
+        assert bool((lw[~mine] == 0).all())
+        for t in range(T):
+            used = set((ids[t][mine[t]] - a).tolist()) or {0}
+            assert set(lid[t].tolist()) <= used
+        total += lw
+    assert torch.equal(total, w)
 
 
 def _stacks(E, H, I, g):

@@ -37,7 +37,7 @@ from kbit.tuning.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T
 from kbit.utils.checks import check_int, fail
 from kbit.utils.device import interpreting
 
-__all__ = ["ExpertParallelKbitMoE", "expert_range", "shard_experts"]
+__all__ = ["ExpertParallelKbitMoE", "expert_range", "localize_pairs", "shard_experts"]
 
 
 def expert_range(num_experts: int, rank: int, world: int) -> tuple[int, int]:
@@ -55,6 +55,20 @@ def shard_experts(qw: KbitWeight, start: int, stop: int) -> KbitWeight:
     return KbitWeight(qw.codes[start:stop].clone(), qw.scales[start:stop].clone(),
                       qw.tensor_scale[start:stop].clone(), qw.codebook, (stop - start, *qw.shape[1:]), qw.k,
                       qw.blocksize, qw.scale_format, qw.codebook_name, qw.rotation)
+
+
+def localize_pairs(weights: torch.Tensor, ids: torch.Tensor, start: int, stop: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global choice ``(weights [T, top_k], ids [T, top_k])`` as the pairs of the rank holding experts
+    ``start:stop``: ids relative to ``start``; a pair of another rank's expert weighted 0 and sent to its token's
+    first local expert (local expert 0 where the token has none), so every id is in ``[0, stop - start)`` and at
+    decode no pair reads a weight the step does not read anyway. Torch ops, no sync; returns int32 ids."""
+    local = ids - start
+    mine = (ids >= start) & (ids < stop)
+    first = mine.to(torch.int32).argmax(dim=1, keepdim=True)  # the first local slot (0 where none)
+    fallback = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, first), 0)
+    local = torch.where(mine, local, fallback).to(torch.int32)
+    return torch.where(mine, weights, 0.0).to(weights.dtype), local
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -138,15 +152,8 @@ class ExpertParallelKbitMoE(nn.Module):
 
     # -- routing ----------------------------------------------------------------------------------------------
     def localize(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global choice ``(weights [T, top_k], ids [T, top_k])`` as this rank's pairs: ids relative to
-        ``start``, a pair of another rank's expert weighted 0 and sent to its token's first local expert (local
-        expert 0 where the token has none), so every id is in ``[0, stop - start)``. Torch ops, no sync."""
-        local = ids - self.start
-        mine = (ids >= self.start) & (ids < self.stop)
-        first = mine.to(torch.int32).argmax(dim=1, keepdim=True)  # the first local slot (0 where none)
-        fallback = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, first), 0)
-        local = torch.where(mine, local, fallback).to(torch.int32)
-        return torch.where(mine, weights, 0.0).to(weights.dtype), local
+        """:func:`localize_pairs` for this rank's experts ``start:stop``."""
+        return localize_pairs(weights, ids, self.start, self.stop)
 
     def _router_kw(self) -> dict:
         return dict(router=self.router, renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
