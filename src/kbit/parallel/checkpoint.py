@@ -107,8 +107,7 @@ def shard_layout(model: nn.Module, plan: dict[str, str], world: int, unit: int |
             raise ValueError(f"module {n!r} (style {s!r}, world {world}): {e}") from e
     replicated, extra = {}, {}
     for key, v in model.state_dict(keep_vars=True).items():
-        owner, _, leaf = key.rpartition(".")
-        if owner in modules:  # the planned module's own tensors (a KbitMoE's shared expert is replicated)
+        if key.rpartition(".")[0] in modules:  # a planned module's own tensors (a KbitMoE's shared expert: replicated)
             continue
         if isinstance(v, torch.Tensor):
             replicated[key] = [str(v.dtype).removeprefix("torch."), list(v.shape)]
