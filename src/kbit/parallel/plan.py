@@ -10,11 +10,13 @@ import re
 from torch import nn
 
 from kbit.nn.linear import KbitLinear
+from kbit.nn.moe import KbitMoE
 from kbit.parallel.linear import ColumnParallelKbitLinear, RowParallelKbitLinear
+from kbit.parallel.moe import ExpertParallelKbitMoE
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["LLAMA_PLAN", "PACKED_LLAMA_PLAN", "STYLES", "parallelize_kbit"]
+__all__ = ["LLAMA_PLAN", "PACKED_LLAMA_PLAN", "QWEN3_MOE_PLAN", "STYLES", "parallelize_kbit", "planned_modules"]
 
 #: style name (transformers' ``ParallelInterface`` names) -> (parallel class, keyword arguments)
 STYLES: dict[str, tuple[type, dict]] = {
@@ -27,6 +29,8 @@ STYLES: dict[str, tuple[type, dict]] = {
     "rowwise": (RowParallelKbitLinear, {"input_is_parallel": True}),
     "rowwise_split_input": (RowParallelKbitLinear, {"input_is_parallel": False}),
     "rowwise_rep": (RowParallelKbitLinear, {"input_is_parallel": False}),
+    # a KbitMoE block: its experts split over the ranks, the router replicated, one all-reduce of [T, H]
+    "ep": (ExpertParallelKbitMoE, {}),
 }
 
 #: Llama-style decoder blocks (transformers' ``LlamaConfig.base_model_tp_plan``): attention heads and the MLP's
@@ -52,12 +56,23 @@ PACKED_LLAMA_PLAN: dict[str, str] = {
 }
 
 
+#: Qwen3-MoE-style blocks (q/k/v colwise, o rowwise, the sparse MoE block ``mlp`` a ``KbitMoE``, expert parallel):
+#: two all-reduces a block, as the dense plan
+QWEN3_MOE_PLAN: dict[str, str] = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp": "ep",
+}
+
+
 def _regex(pattern: str) -> re.Pattern:
     body = re.escape(pattern).replace(r"\*", r"[^.]+")
     return re.compile(r"(?:^|.*\.)" + body + "$")
 
 
-def _matches(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+def planned_modules(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
     """(module name, style) of every module a pattern of ``plan`` matches (the first matching pattern wins)."""
     compiled = [(_regex(p), s) for p, s in plan.items()]
     out = []
@@ -65,8 +80,9 @@ def _matches(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
         style = next((s for rx, s in compiled if rx.match(name)), None)
         if style is None:
             continue
-        if not isinstance(module, KbitLinear):
-            fail(TypeError, f"module {name!r} (style {style!r})", "a KbitLinear", type(module).__name__)
+        want = KbitMoE if STYLES[style][0] is ExpertParallelKbitMoE else KbitLinear
+        if not isinstance(module, want):
+            fail(TypeError, f"module {name!r} (style {style!r})", f"a {want.__name__}", type(module).__name__)
         out.append((name, style))
     return out
 
@@ -82,7 +98,8 @@ def plan_unit(modules: list[KbitLinear]) -> int:
 
 def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group=None, unit: int | None = None
                      ) -> dict[str, str]:
-    """Replace (in place) the ``KbitLinear`` modules that ``plan`` names by their parallel versions on this rank.
+    """Replace (in place) the ``KbitLinear`` / ``KbitMoE`` modules that ``plan`` names by their parallel versions on
+    this rank (``"ep"``: :class:`~kbit.parallel.ExpertParallelKbitMoE`).
 
     Parameters
     ----------
@@ -94,20 +111,23 @@ def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group
         and ``head_dim`` is a multiple of the unit (true for 128 / 64 with blocksize <= 64).
 
     Returns ``{module name: style}`` of the replaced modules. ValueError for an unknown style or a plan that
-    matches nothing; TypeError where a pattern matches a module that is not a ``KbitLinear``.
+    matches nothing; TypeError where a pattern matches a module of another class than its style takes.
     """
     plan = dict(LLAMA_PLAN if plan is None else plan)
     for pattern, style in plan.items():
         if style not in STYLES:
             fail(ValueError, f"plan[{pattern!r}]", f"one of {tuple(STYLES)}", repr(style))
-    found = _matches(model, plan)
+    found = planned_modules(model, plan)
     if not found:
         fail(ValueError, "plan", "patterns matching at least one module of the model", f"no match for {list(plan)}")
     if unit is None:
-        unit = plan_unit([model.get_submodule(n) for n, _ in found])
+        unit = plan_unit([model.get_submodule(n) for n, s in found if STYLES[s][0] is not ExpertParallelKbitMoE])
     for name, style in found:
         cls, kwargs = STYLES[style]
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, cls.from_linear(getattr(parent, child), group=group, unit=unit, **kwargs))
+        old = getattr(parent, child)
+        new = cls.from_moe(old, group=group) if cls is ExpertParallelKbitMoE else \
+            cls.from_linear(old, group=group, unit=unit, **kwargs)
+        setattr(parent, child, new)
     return dict(found)
