@@ -23,10 +23,14 @@ KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_stream
 SMEM_MAX = 227 * 1024
 #: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
-#: kernels 1 and 3, M = 1, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of 256 bytes,
-#: code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
+#: kernels 1 and 3, M <= T64_MAX_M, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of
+#: 256 bytes, code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
 T64_SMEM = 65536 + 128
 T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
+#: T64 up to this M: kernel 3 (kernel 1: up to 8, one token group), where the table fits beside x at the config's
+#: CTAs an SM. At M > 1 the lookup's IMAD is 0.6 of kernel 3's 2.6-3.2 SASS instructions a weight (lab/m16_sass.py);
+#: not with LFX, whose loop ptxas keeps divergent (the table address then costs an IADD a lookup instead)
+T64_MAX_M = 16
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -89,22 +93,29 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
+    # T64 at M > 1 was measured on plain launches only (no prologue / epilogue: lab/m16_ab.py)
+    t64_ok = t64_ok and k in T64_K and (M == 1 or (M <= T64_MAX_M and not pro and not epi))
+    t64 = 0
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
         xs = 1
-        shared = table_smem(k) + M * (xk * SEG + 32) * 2
+        x_bytes = M * (xk * SEG + 32) * 2
+        # T64 where the config's CTAs an SM still fit (2 KB a CTA for the static arrays and the driver's reserve)
+        t64 = int(t64_ok and cfg.min_ctas * (T64_SMEM + x_bytes + 2048) <= SMEM_MAX)
+        shared = (T64_SMEM if t64 else table_smem(k)) + x_bytes
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
         # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
-        # left for the static slots of CTA-aligned units)
-        t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
-                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
+        # left for the static slots of CTA-aligned units), or where x is read from global memory anyway
+        x_bytes = (M + bool(pro)) * S * SEG * 2
+        t64 = int(t64_ok and cfg.min_ctas <= 2 and (not cfg.x_smem or T64_SMEM + x_bytes <= XS_MAX - 8 * 1024
+                                                     or (M > 1 and table_smem(k) + x_bytes > XS_MAX)))
         tab = T64_SMEM if t64 else table_smem(k)
         xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
         shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
-    if not xk and t64:
+    if t64:
         defines["T64"] = 1
     if pro:
         if not xs:
@@ -136,7 +147,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
-        if t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
+        if t64_ok and k in T64_K and ng == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
             defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
@@ -208,10 +219,15 @@ def _grid_k3(st, build, k, N, K, epi, ng):
         return
     lfx = lfx_defines(Nt, S, st["grid"], W, epi, ng)
     if lfx:  # static shared slots; kept only at the same occupancy
-        kern_l = build(3, {**defines, **lfx})
-        if kern_l.occupancy(W * 32, st["shared"]) >= occ:
-            defines.update(lfx)
-            st.update(kern=kern_l, lfx=True)
+        # T64 at M > 1 gains nothing with LFX (T64_MAX_M): its table is left out there
+        drop = bool(defines.get("T64")) and not defines.get("M1")
+        defs_l = {**{d: v for d, v in defines.items() if not (drop and d == "T64")}, **lfx}
+        shared_l = st["shared"] - drop * (T64_SMEM - table_smem(k))
+        kern_l = build(3, defs_l)
+        if kern_l.occupancy(W * 32, shared_l) >= occ:
+            defines.clear()
+            defines.update(defs_l)
+            st.update(kern=kern_l, lfx=True, shared=shared_l)
 
 
 def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
@@ -273,7 +289,7 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
     gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
-    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
+    lookup table up to :data:`T64_MAX_M` (:data:`T64_K`; sm_90 only, where the planner enables it).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
     kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64)
@@ -288,7 +304,7 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     if ws4 != defines.get("WS4", 0):
         defines["WS4"] = ws4
         st["kern"] = build(kernel, defines)
-    return MmaPlan(kernel=kernel, defines=defines, warps=st["W"], grid=st["grid"], shared=shared,
+    return MmaPlan(kernel=kernel, defines=defines, warps=st["W"], grid=st["grid"], shared=st["shared"],
                    splits=st["splits"], sps=st["sps"], Nt=Nt, S=S, regs=st["kern"].num_regs,
                    ctas_per_sm=st["occ"], n_cnt=st["n_cnt"], ws_floats=_ws_floats(st, kernel, M, ng),
                    use_ws=kernel in (3, 4) or st["splits"] > 1 or bool(defines.get("SK")))

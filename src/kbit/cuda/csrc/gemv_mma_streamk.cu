@@ -263,6 +263,14 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
 #error "LFX and CAU exclude each other"
 #endif
 struct Lfx { int half_t, cj0, cj1, u_lo; };
+/* UNI(v): a warp-uniform range bound through redux.sync, whose result ptxas knows to be uniform (a uniform register),
+   so that the streaming loop is not divergent and T64's table address stays the loads' uniform operand (else an
+   IADD a lookup: 0.6 instructions a weight at M > 1). M = 1 builds were uniform without it and keep their SASS. */
+#if T64 && !M1
+#define UNI(v) ((int)__reduce_min_sync(0xffffffffu, (unsigned)(v)))
+#else
+#define UNI(v) (v)
+#endif
 #if LFX || CAU
 #if DET || XK
 #error "LFX, CAU: not with DET or XK"
@@ -651,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #else
   Lfx lf;
   int nslot = 0;
-  stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
+  stream_range(buf, codes, scales, UNI(j0), UNI(j1), n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
                bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
 #endif
 }
