@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import hashlib
 import math
 import os
@@ -33,7 +34,7 @@ from sass_count import tree_sources  # noqa: E402
 from kbit.bench.timing import time_calls  # noqa: E402
 from kbit.cuda import runtime, sources  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
-from kbit.tuning.mma import large_config  # noqa: E402
+from kbit.tuning.mma import MmaConfig, large_config  # noqa: E402
 from kbit.tuning.mma_plan import KERNELS, make_plan  # noqa: E402
 from kbit.utils.device import sm_count  # noqa: E402
 
@@ -82,9 +83,9 @@ def build(rev, kernel, defines, dev):
     return ev[1]
 
 
-def prepare(N, K, k, M, ref, dev):
-    """(config, old plan, new plan, old kernel, new kernel); compiled in a worker thread (NVRTC runs outside the
-    GIL)."""
+def prepare(N, K, k, M, ref, dev, alt=True):
+    """(config, [(old plan, old kernel), (new plan, new kernel)], [(name, plan, kernel) of other configs]); compiled
+    in a worker thread (NVRTC runs outside the GIL)."""
     torch.cuda.set_device(dev)  # a worker thread has no current CUDA context until it selects the device
     if MM._large_here(k, M, N, K, dev):
         cfg = MM._tuned(k, M, N, K, dev, "large") or large_config(k, M, N, K)
@@ -96,7 +97,20 @@ def prepare(N, K, k, M, ref, dev):
         p = make_plan(k, M, N, K, "log8", cfg, sms=sms,
                       build=lambda kernel, d, rev=rev: build(rev, kernel, {**d, "BF16": 1}, dev), t64=t64)
         plans.append((p, build(rev, p.kernel, {**p.defines, "BF16": 1}, dev)))
-    return cfg, plans
+    alts = []  # other configs of the worktree, timed beside (data for the tables, not part of the A/B)
+    d = plans[1][0].defines
+    if alt and sm90 and k == 4 and isinstance(cfg, MmaConfig) and cfg.kernel == 3:
+        if d.get("XS") and not d.get("XK") and not d.get("T64"):  # T64 with x from global memory instead of XS
+            alts.append(("T64 x-global", dataclasses.replace(cfg, x_smem=False)))
+        if M > 8 and not d.get("XK"):  # the K-sliced M = 16 config
+            alts.append(("XK8", MmaConfig(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8)))
+    out = []
+    for name, c in alts:
+        p = make_plan(k, M, N, K, "log8", c, sms=sms,
+                      build=lambda kernel, d: build(None, kernel, {**d, "BF16": 1}, dev), t64=sm90)
+        if p.defines.get("T64"):  # (x from global memory on a route that takes LFX: no T64 there, no news)
+            out.append((name, p, build(None, p.kernel, {**p.defines, "BF16": 1}, dev)))
+    return cfg, plans, out
 
 
 def x_for(p, x):
@@ -115,7 +129,7 @@ def desc(d):
 
 
 def run_case(N, K, k, M, prep, W, x_all, ref_all, dev):
-    cfg, ((po, ko), (pn, kn)) = prep
+    cfg, ((po, ko), (pn, kn)), alts = prep
     x, ref = x_all[:M].contiguous(), ref_all[:M]
     y = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     xo, xn = x_for(po, x), x_for(pn, x)
@@ -141,12 +155,20 @@ def run_case(N, K, k, M, prep, W, x_all, ref_all, dev):
     t_new = time_calls([(lambda w=w: call(pn, kn, xn, w)) for w in W]).us
     t_old2 = time_calls([(lambda w=w: call(po, ko, xo, w)) for w in W]).us
     ratio = t_new / min(t_old, t_old2)
+    extra = ""
+    for name, pa, ka in alts:
+        xa = x_for(pa, x)
+        call(pa, ka, xa, w0)
+        torch.cuda.synchronize()
+        err = rel(y.double())
+        ta = time_calls([(lambda w=w, pa=pa, ka=ka, xa=xa: call(pa, ka, xa, w)) for w in W]).us
+        extra += f" | alt {name} ({desc(pa.defines)}) {ta:.2f} us ({ta / min(t_old, t_old2):.3f}x, rel err {err:.3g})"
     d_old, d_new = desc(po.defines), desc(pn.defines)
     print(f"{N}x{K} k={k} M={M} kernel {pn.kernel} {d_old}{' -> ' + d_new if d_new != d_old else ''}"
           f" regs {ko.num_regs}->{kn.num_regs} ctas/SM {po.ctas_per_sm}->{pn.ctas_per_sm} grid {po.grid}->{pn.grid} | "
           f"old {t_old:.2f}/{t_old2:.2f} us new {t_new:.2f} us ({ratio:.3f}x) | max|old-old| "
           f"{(outs[1] - outs[0]).abs().max().item():.3g} max|new-old| {(outs[2] - outs[0]).abs().max().item():.3g} "
-          f"rel err old {rel(outs[0]):.3g} new {rel(outs[2]):.3g}", flush=True)
+          f"rel err old {rel(outs[0]):.3g} new {rel(outs[2]):.3g}{extra}", flush=True)
     return ratio
 
 
@@ -158,6 +180,7 @@ def main(argv=None):
     ap.add_argument("--ks", default="2,4")
     ap.add_argument("--ms", default="2,4,8,16,32,64")
     ap.add_argument("--jobs", type=int, default=12, help="threads compiling the kernels")
+    ap.add_argument("--no-alt", action="store_true", help="time no other configs beside the A/B")
     a = ap.parse_args(argv)
     dev = torch.device("cuda", torch.cuda.current_device())
     print(f"device {torch.cuda.get_device_name(dev)}, ref {a.ref}", flush=True)
@@ -166,7 +189,7 @@ def main(argv=None):
               for k in a.ks.split(",")]
     cases = [(N, K, k, M) for N, K, k in groups for M in ms]
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as ex:
-        preps = dict(zip(cases, ex.map(lambda c: prepare(*c, a.ref, dev), cases), strict=True))
+        preps = dict(zip(cases, ex.map(lambda c: prepare(*c, a.ref, dev, not a.no_alt), cases), strict=True))
     print("built", flush=True)
     ratios: dict = {}
     for N, K, k in groups:
