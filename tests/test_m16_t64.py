@@ -1,6 +1,6 @@
 """T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows) in kernels 1 and 3 at M = 2..16: where
 kbit.tuning.mma_plan plans it (CPU, fake builds), and on the GPU bit-identical to the same plan built without it
-(deterministic split-K sums on; K-sliced builds, which deterministic mode does not take, within fp32 reordering) and
+(deterministic split-K sums on; K-sliced and LFX builds, outside deterministic mode, within fp32 reordering) and
 as close to the float64 reference as the kernels' own tests ask."""
 
 import dataclasses
@@ -45,9 +45,9 @@ CFGS = (Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True), Mma(3, warps=8, min_ct
 
 def test_t64_mid_m_plans():
     """T64 changes exactly the plans of kernel 3 up to M = T64_MAX_M and kernel 1 up to M = 8 at k = 4 where the
-    table fits at the config's CTAs an SM, and never an LFX build at M > 1 nor a prologue at M > 1: the define and
-    the table's bytes in place of the 16-entry table's, everything else as without it."""
-    seen = set()
+    table fits at the config's CTAs an SM, and never a prologue at M > 1: the define and the table's bytes in place
+    of the 16-entry table's, everything else as without it."""
+    seen, seen_lfx = set(), set()
     for N, K in ((4096, 4096), (28672, 4096), (9216, 4096), (5120, 17408), (1000, 1000)):
         for k in (2, 4):
             for M in (2, 4, 8, 12, 16, 24):
@@ -58,12 +58,13 @@ def test_t64_mid_m_plans():
                         continue
                     seen.add((cfg.kernel, M <= 8, bool(on.defines.get("XK")), bool(on.defines.get("XS"))))
                     assert k == 4 and M <= (TP.T64_MAX_M if cfg.kernel == 3 else 8)
-                    assert not on.defines.get("LFX")
+                    seen_lfx.add(bool(on.defines.get("LFX")))
                     assert {n: v for n, v in on.defines.items() if n != "T64"} == off.defines
                     assert on.shared - off.shared == TP.T64_SMEM - TP.table_smem(4) and on.shared <= TP.SMEM_MAX
                     if on.defines.get("XS") and not on.defines.get("XK"):
                         assert on.shared <= TP.XS_MAX
     assert {(3, True, False, True), (3, False, True, True), (3, False, False, False), (1, True, False, False)} <= seen
+    assert seen_lfx == {False, True}
     p = _plan(4, 2, 4096, 4096, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True), pro=2)
     assert "T64" not in p.defines and p.defines["PRO"] == 2
 
@@ -98,22 +99,24 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("N,K_,M,config", [
-    (6144, 4096, 2, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)),  # x staged, CTA-aligned units
-    (5000, 4096, 3, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)),  # odd tile count
-    (4100, 5120, 4, Mma(3, warps=8, min_ctas=2)),  # x from global memory, N not a multiple of 16
-    (9216, 4096, 8, Mma(3, warps=8, min_ctas=2)),
-    (6144, 4096, 12, Mma(3, warps=16, min_ctas=1, ring=2)),  # two token groups, M not a multiple of 8
-    (5120, 17408, 16, Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8)),  # K slices (the M = 16 route)
-    (5000, 8192, 13, Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8)),  # K slices, odd N and M
-    (2048, 14336, 3, Mma(1, warps=8, min_ctas=2)),  # kernel 1
-    (1000, 4096, 8, Mma(1, warps=4, min_ctas=3)),  # kernel 1, 3 CTAs an SM
+@pytest.mark.parametrize("N,K_,M,config,det", [
+    (6144, 4096, 2, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True), True),  # x staged, CTA-aligned units
+    (5000, 4096, 3, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True), True),  # odd tile count
+    (4100, 5120, 4, Mma(3, warps=8, min_ctas=2), True),  # x from global memory, N not a multiple of 16
+    (9216, 4096, 8, Mma(3, warps=8, min_ctas=2), True),
+    (6144, 4096, 12, Mma(3, warps=16, min_ctas=1, ring=2), True),  # two token groups, M not a multiple of 8
+    (9216, 4096, 16, Mma(3, warps=8, min_ctas=2, ring=2), False),  # the CTA-local fix-up (LFX, not deterministic)
+    (5120, 17408, 16, Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8), False),  # K slices (M = 16)
+    (5000, 8192, 13, Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8), False),  # odd N and M
+    (2048, 14336, 3, Mma(1, warps=8, min_ctas=2), True),  # kernel 1
+    (1000, 4096, 8, Mma(1, warps=4, min_ctas=3), True),  # kernel 1, 3 CTAs an SM
 ])
 @pytest.mark.parametrize("sf", ["log8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_t64_mid_m_bit_identical(monkeypatch, N, K_, M, config, sf, dtype):
+def test_t64_mid_m_bit_identical(monkeypatch, N, K_, M, config, det, sf, dtype):
+    """det False: split-K parts added in arrival order (K slices: deterministic mode does not take them)."""
     k = 4
-    on = dataclasses.replace(options.get(), deterministic=not config.x_slice)  # K slices: no deterministic mode
+    on = dataclasses.replace(options.get(), deterministic=det)
     monkeypatch.setattr(options, "get", lambda: on)
     p = MM.plan_launch(k, M, N, K_, scale_format=sf, config=config)
     if not p.defines.get("T64"):  # the plan of this GPU leaves it out: build it from the plan's defines anyway
@@ -134,7 +137,7 @@ def test_t64_mid_m_bit_identical(monkeypatch, N, K_, M, config, sf, dtype):
     for y in (y0, y1):
         err = ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         assert err < tol, f"rel err {err:.2e}"
-    if config.x_slice:  # split-K parts added in arrival order: the last bit may differ
+    if not det:  # split-K parts added in arrival order: the last bit may differ
         d = ((y0.double() - y1.double()).norm() / y0.double().norm()).item()
         assert d < 1e-2, f"T64 differs: relative {d:.2e}"
     else:

@@ -28,8 +28,8 @@ XS_MAX = 110 * 1024
 T64_SMEM = 65536 + 128
 T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
 #: T64 up to this M: kernel 3 (kernel 1: up to 8, one token group), where the table fits beside x at the config's
-#: CTAs an SM. At M > 1 the lookup's IMAD is 0.6 of kernel 3's 2.6-3.2 SASS instructions a weight (lab/m16_sass.py);
-#: not with LFX, whose loop ptxas keeps divergent (the table address then costs an IADD a lookup instead)
+#: CTAs an SM. At M > 1 the lookup's IMAD is 0.5-0.7 of kernel 3's 2.6-3.2 SASS instructions a weight
+#: (lab/m16_sass.py)
 T64_MAX_M = 16
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
@@ -219,15 +219,10 @@ def _grid_k3(st, build, k, N, K, epi, ng):
         return
     lfx = lfx_defines(Nt, S, st["grid"], W, epi, ng)
     if lfx:  # static shared slots; kept only at the same occupancy
-        # T64 at M > 1 gains nothing with LFX (T64_MAX_M): its table is left out there
-        drop = bool(defines.get("T64")) and not defines.get("M1")
-        defs_l = {**{d: v for d, v in defines.items() if not (drop and d == "T64")}, **lfx}
-        shared_l = st["shared"] - drop * (T64_SMEM - table_smem(k))
-        kern_l = build(3, defs_l)
-        if kern_l.occupancy(W * 32, shared_l) >= occ:
-            defines.clear()
-            defines.update(defs_l)
-            st.update(kern=kern_l, lfx=True, shared=shared_l)
+        kern_l = build(3, {**defines, **lfx})
+        if kern_l.occupancy(W * 32, st["shared"]) >= occ:
+            defines.update(lfx)
+            st.update(kern=kern_l, lfx=True)
 
 
 def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
