@@ -1,7 +1,7 @@
-"""T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows) in kernels 1 and 3 at M = 2..16: where
-kbit.tuning.mma_plan plans it (CPU, fake builds), and on the GPU bit-identical to the same plan built without it
-(deterministic split-K sums on; K-sliced and LFX builds, outside deterministic mode, within fp32 reordering) and
-as close to the float64 reference as the kernels' own tests ask."""
+"""T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows) in kernels 1 and 3 at M = 2..16 and in kernel 7 on
+tiles of up to 64 tokens: where kbit.tuning.mma_plan plans it (CPU, fake builds), and on the GPU bit-identical to the
+same plan built without it (deterministic split-K sums on; K-sliced, LFX and kernel 7 builds, outside deterministic
+mode, within fp32 reordering) and as close to the float64 reference as the kernels' own tests ask."""
 
 import dataclasses
 import types
@@ -16,6 +16,7 @@ from kbit.ops.mma import common as MC
 from kbit.ops.mma import layout as LY
 from kbit.ops.reference import gemv_reference
 from kbit.tuning import mma_plan as TP
+from kbit.tuning.mma import LargeConfig as Lg
 from kbit.tuning.mma import MmaConfig as Mma
 
 CUDA = torch.cuda.is_available()
@@ -69,6 +70,22 @@ def test_t64_mid_m_plans():
     assert "T64" not in p.defines and p.defines["PRO"] == 2
 
 
+def test_t64_kernel7_plans():
+    """Kernel 7 (dense) takes T64 at k = 4 on tiles of at most T64_LARGE_GROUPS token groups, with the same stages
+    where they fit; never grouped (MoE) builds."""
+    for k in (2, 4):
+        for groups, warps in ((4, 8), (8, 12), (8, 16), (16, 12), (32, 8)):
+            cfg = Lg(warps=warps, groups=groups, stages=6, stream_k=True)
+            on, off = _plan(k, 8 * groups, 28672, 4096, cfg), _plan(k, 8 * groups, 28672, 4096, cfg, t64=False)
+            if k == 4 and groups <= TP.T64_LARGE_GROUPS:
+                assert {n: v for n, v in on.defines.items() if n != "T64"} == off.defines and on.defines["T64"] == 1
+                assert on.shared - off.shared == TP.T64_SMEM - TP.table_smem(4) and on.shared <= TP.SMEM_MAX
+            else:
+                assert (on.defines, on.shared) == (off.defines, off.shared)
+            d, _ = TP.large_defines(k, cfg, grouped=True, t64=True)
+            assert "T64" not in d
+
+
 def _weight(N, K_, k, sf, seed):
     g = torch.Generator(device="cpu").manual_seed(seed)
     codes = torch.randint(-(2**31), 2**31 - 1, (N, K_ * k // 32), generator=g, dtype=torch.int32)
@@ -88,9 +105,12 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
     dev, M = x.device, x.shape[0]
     kern = KC.compile_kernel(*TP.KERNELS[p.kernel], defines, dev)
     x2 = MC.prep_x(x, p.S)
+    x_stride = x2.stride(0)
+    if p.defines.get("XB"):  # kernel 7: x as its bulk-copy tiles (as gemv_mma.launch makes them)
+        x2, x_stride = MC.x_tiles(x2, 8 * p.defines["NG"], p.S), p.S * 4
     y = torch.full((M, N), float("nan"), dtype=x.dtype, device=dev)
     ws, cnt = MC.workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
-    args = MM._kernel_args(p, rc, rs, ts, cb, x2.data_ptr(), y.data_ptr(), None, ws, cnt, M, N, x2.stride(0),
+    args = MM._kernel_args(p, rc, rs, ts, cb, x2.data_ptr(), y.data_ptr(), None, ws, cnt, M, N, x_stride,
                            y.stride(0))
     kern((p.grid,), p.warps * 32, MM._ARGS_FMT, *args, shared=shared, pdl=True)
     torch.cuda.synchronize()
@@ -110,12 +130,17 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
     (5000, 8192, 13, Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True, x_slice=8), False),  # odd N and M
     (2048, 14336, 3, Mma(1, warps=8, min_ctas=2), True),  # kernel 1
     (1000, 4096, 8, Mma(1, warps=4, min_ctas=3), True),  # kernel 1, 3 CTAs an SM
+    (9216, 4096, 32, Lg(warps=8, groups=4, stages=6, stream_k=True), False),  # kernel 7 (stream-K: arrival order)
+    (5000, 5120, 50, Lg(warps=12, groups=8, stages=6, stream_k=True), False),  # kernel 7, odd N and M
+    (4096, 14336, 64, Lg(warps=16, groups=8, stages=6, stream_k=True), False),  # kernel 7, 16 warps
 ])
 @pytest.mark.parametrize("sf", ["log8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_t64_mid_m_bit_identical(monkeypatch, N, K_, M, config, det, sf, dtype):
     """det False: split-K parts added in arrival order (K slices: deterministic mode does not take them)."""
     k = 4
+    if isinstance(config, Lg) and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("kernel 7 runs on sm_90 only")
     on = dataclasses.replace(options.get(), deterministic=det)
     monkeypatch.setattr(options, "get", lambda: on)
     p = MM.plan_launch(k, M, N, K_, scale_format=sf, config=config)

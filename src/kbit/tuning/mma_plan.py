@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
-           "prologue_config", "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "T64_LARGE_GROUPS", "T64_MAX_M", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config",
+           "large_defines", "make_plan", "prologue_config", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -31,6 +31,9 @@ T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26);
 #: CTAs an SM. At M > 1 the lookup's IMAD is 0.5-0.7 of kernel 3's 2.6-3.2 SASS instructions a weight
 #: (lab/m16_sass.py)
 T64_MAX_M = 16
+#: kernel 7 (dense) takes T64 on tiles of at most this many 8-token groups (M <= 64 configs; larger tiles would
+#: lose x stages to the table): the lookup's IMAD is 0.25 of its 2.70 instructions a weight at M = 32
+T64_LARGE_GROUPS = 8
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -74,11 +77,14 @@ def table_smem(k: int) -> int:
     return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
 
 
-def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict, int]:
+def large_defines(k: int, cfg: LargeConfig, grouped: bool = False, t64: bool = False) -> tuple[dict, int]:
     """(defines, dynamic shared bytes) of kernel 7 with ``cfg``; ``grouped``: the MoE form (``GRP``: x pre-tiled per
-    block of a block table, no split K; ``kbit.ops.grouped_mma``)."""
+    block of a block table, no split K; ``kbit.ops.grouped_mma``); ``t64``: the 64 KB lookup table where k is in
+    :data:`T64_K` and the tiles hold at most :data:`T64_LARGE_GROUPS` token groups (dense only)."""
+    t64 = t64 and not grouped and k in T64_K and cfg.groups <= T64_LARGE_GROUPS
+    tab = T64_SMEM if t64 else table_smem(k)
     xc = 8 * cfg.groups * 128  # x bytes a 64-column chunk
-    D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - table_smem(k)) // xc))
+    D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - tab) // xc))
     # raster, x_swizzle, x_bulk are fixed in wgmma.cu (LargeConfig checks them); their defines stay in the set so
     # that the build's key is what it was
     defines = dict(K_BITS=k, NG=cfg.groups, D=D, MAXW=cfg.warps, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=cfg.raster,
@@ -87,7 +93,9 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
         defines["SK"] = 1
     if grouped:
         defines["GRP"] = 1
-    return defines, D * xc + table_smem(k) + 1024
+    if t64:
+        defines["T64"] = 1
+    return defines, D * xc + tab + 1024
 
 
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
@@ -139,7 +147,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
-        defines, shared = large_defines(k, cfg)
+        defines, shared = large_defines(k, cfg, t64=t64_ok)
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
         defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
