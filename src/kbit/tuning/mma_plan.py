@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
+from kbit.tuning.mma import BIG, MAX_M, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
 __all__ = ["KERNELS", "SMEM_MAX", "T64_LARGE_GROUPS", "T64_MAX_M", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config",
@@ -31,8 +31,8 @@ T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26);
 #: CTAs an SM. At M > 1 the lookup's IMAD is 0.5-0.7 of kernel 3's 2.6-3.2 SASS instructions a weight
 #: (lab/m16_sass.py)
 T64_MAX_M = 16
-#: kernel 7 (dense) takes T64 on tiles of at most this many 8-token groups (M <= 64 configs; larger tiles would
-#: lose x stages to the table): the lookup's IMAD is 0.25 of its 2.70 instructions a weight at M = 32
+#: kernel 7 (dense, M <= 64) takes T64 on tiles of at most this many 8-token groups (larger tiles would lose x
+#: stages to the table): the lookup's IMAD is 0.25 of its 2.70 instructions a weight at M = 32
 T64_LARGE_GROUPS = 8
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
@@ -147,7 +147,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
-        defines, shared = large_defines(k, cfg, t64=t64_ok)
+        defines, shared = large_defines(k, cfg, t64=t64_ok and M <= MAX_M)  # T64 measured up to M = 64 only
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
         defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
