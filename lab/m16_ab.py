@@ -157,12 +157,16 @@ def run_case(N, K, k, M, prep, W, x_all, ref_all, dev):
     ratio = t_new / min(t_old, t_old2)
     extra = ""
     for name, pa, ka in alts:
-        xa = x_for(pa, x)
-        call(pa, ka, xa, w0)
-        torch.cuda.synchronize()
-        err = rel(y.double())
-        ta = time_calls([(lambda w=w, pa=pa, ka=ka, xa=xa: call(pa, ka, xa, w)) for w in W]).us
-        extra += f" | alt {name} ({desc(pa.defines)}) {ta:.2f} us ({ta / min(t_old, t_old2):.3f}x, rel err {err:.3g})"
+        try:
+            xa = x_for(pa, x)
+            call(pa, ka, xa, w0)
+            torch.cuda.synchronize()
+            err = rel(y.double())
+            ta = time_calls([(lambda w=w, pa=pa, ka=ka, xa=xa: call(pa, ka, xa, w)) for w in W]).us
+            extra += (f" | alt {name} ({desc(pa.defines)}) {ta:.2f} us ({ta / min(t_old, t_old2):.3f}x, "
+                      f"rel err {err:.3g})")
+        except Exception as e:  # noqa: BLE001 -- an alternative's failure leaves the A/B line standing
+            extra += f" | alt {name} failed: {type(e).__name__}: {e}"
     d_old, d_new = desc(po.defines), desc(pn.defines)
     print(f"{N}x{K} k={k} M={M} kernel {pn.kernel} {d_old}{' -> ' + d_new if d_new != d_old else ''}"
           f" regs {ko.num_regs}->{kn.num_regs} ctas/SM {po.ctas_per_sm}->{pn.ctas_per_sm} grid {po.grid}->{pn.grid} | "
@@ -188,8 +192,15 @@ def main(argv=None):
     groups = [(int(s.split("x")[0]), int(s.split("x")[1]), int(k)) for s in a.shapes.split(",")
               for k in a.ks.split(",")]
     cases = [(N, K, k, M) for N, K, k in groups for M in ms]
+    def safe_prepare(c):
+        try:
+            return prepare(*c, a.ref, dev, not a.no_alt)
+        except Exception as e:  # noqa: BLE001 -- one failed build must not lose the whole run
+            print(f"{c}: build failed: {type(e).__name__}: {e}", flush=True)
+            return None
+
     with concurrent.futures.ThreadPoolExecutor(a.jobs) as ex:
-        preps = dict(zip(cases, ex.map(lambda c: prepare(*c, a.ref, dev, not a.no_alt), cases), strict=True))
+        preps = dict(zip(cases, ex.map(safe_prepare, cases), strict=True))
     print("built", flush=True)
     ratios: dict = {}
     for N, K, k in groups:
@@ -201,7 +212,15 @@ def main(argv=None):
         ref_all = x_all.double() @ Wd.double().T
         del Wd
         for M in ms:
-            ratios.setdefault((k, M), []).append(run_case(N, K, k, M, preps[(N, K, k, M)], W, x_all, ref_all, dev))
+            if preps[(N, K, k, M)] is None:
+                continue
+            try:
+                r = run_case(N, K, k, M, preps[(N, K, k, M)], W, x_all, ref_all, dev)
+            except Exception as e:  # noqa: BLE001 -- report and go on with the next case
+                print(f"{N}x{K} k={k} M={M}: failed: {type(e).__name__}: {e}", flush=True)
+                torch.cuda.synchronize()
+                continue
+            ratios.setdefault((k, M), []).append(r)
         del ref_all
         torch.cuda.empty_cache()
     print("geomean new / old time by (k, M):")
