@@ -1,6 +1,7 @@
 """GPU A/B of the mid-M launches (M = 2..64, the kernel and config the dispatcher picks) built from two csrc trees and
 two plans in one process: git revision --ref with the plan of before (T64 at M = 1 only) against the worktree with
-its plan (``kbit.tuning.mma_plan.make_plan`` as it is now: T64 up to M = 16, ``lab/m16_sass.py``).
+its plan (``kbit.tuning.mma_plan.make_plan`` with T64 up to ``--t64-max-m`` (16) in kernels 1 / 3 and on kernel 7
+tiles of up to ``--t64-large-groups`` (8) token groups: the library's knobs, off by default; ``lab/m16_sass.py``).
 
 For each shape, k and M: the config of ``kbit.ops.gemv_mma`` (tuned table, then rules; kernel 7 where the dispatcher
 runs it), the old plan (``make_plan(..., t64=False)`` at M > 1: what the planner did before) and the new one (``t64``
@@ -34,6 +35,7 @@ from sass_count import tree_sources  # noqa: E402
 from kbit.bench.timing import time_calls  # noqa: E402
 from kbit.cuda import runtime, sources  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
+from kbit.tuning import mma_plan as TP  # noqa: E402
 from kbit.tuning.mma import MmaConfig, large_config  # noqa: E402
 from kbit.tuning.mma_plan import KERNELS, SMEM_MAX, T64_SMEM, make_plan, table_smem  # noqa: E402
 from kbit.utils.device import sm_count  # noqa: E402
@@ -193,7 +195,12 @@ def main(argv=None):
     ap.add_argument("--ms", default="2,4,8,16,32,64")
     ap.add_argument("--jobs", type=int, default=12, help="threads compiling the kernels")
     ap.add_argument("--no-alt", action="store_true", help="time no other configs beside the A/B")
+    ap.add_argument("--t64-max-m", type=int, default=16, help="kbit.tuning.mma_plan.T64_MAX_M of the new plans (16: "
+                    "T64 at M = 2..16 as measured at 8f1ffd6; the library's default is 1)")
+    ap.add_argument("--t64-large-groups", type=int, default=8, help="T64_LARGE_GROUPS of the new plans (kernel 7; "
+                    "0: off, the library's default)")
     a = ap.parse_args(argv)
+    TP.T64_MAX_M, TP.T64_LARGE_GROUPS = a.t64_max_m, a.t64_large_groups  # before any plan; the old plans ignore them
     dev = torch.device("cuda", torch.cuda.current_device())
     print(f"device {torch.cuda.get_device_name(dev)}, ref {a.ref}", flush=True)
     ms = [int(m) for m in a.ms.split(",")]

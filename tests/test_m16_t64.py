@@ -1,5 +1,6 @@
 """T64 (csrc/common.cuh: the k = 4 lookup table of 256-byte rows) in kernels 1 and 3 at M = 2..16 and in kernel 7 on
-tiles of up to 64 tokens: where kbit.tuning.mma_plan plans it (CPU, fake builds), and on the GPU bit-identical to the
+tiles of up to 64 tokens, planned only when kbit.tuning.mma_plan's knobs T64_MAX_M / T64_LARGE_GROUPS say so (off by
+default): where the plan takes it (CPU, fake builds), and on the GPU bit-identical to the
 same plan built without it (deterministic split-K sums on; K-sliced, LFX and kernel 7 builds, outside deterministic
 mode, within fp32 reordering) and as close to the float64 reference as the kernels' own tests ask."""
 
@@ -44,10 +45,28 @@ CFGS = (Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True), Mma(3, warps=8, min_ct
         Mma(1, warps=4, min_ctas=4))
 
 
-def test_t64_mid_m_plans():
-    """T64 changes exactly the plans of kernel 3 up to M = T64_MAX_M and kernel 1 up to M = 8 at k = 4 where the
-    table fits at the config's CTAs an SM, and never a prologue at M > 1: the define and the table's bytes in place
-    of the 16-entry table's, everything else as without it."""
+@pytest.fixture
+def t64_mid(monkeypatch):
+    """T64 planned at M > 1 (off by default: measured no faster, kbit.tuning.mma_plan.T64_MAX_M)."""
+    monkeypatch.setattr(TP, "T64_MAX_M", 16)
+    monkeypatch.setattr(TP, "T64_LARGE_GROUPS", 8)
+
+
+def test_t64_off_at_m_above_1_by_default():
+    """With the default knobs no launch at M > 1 takes T64 (kernels 1, 3, 7), M = 1 keeps it."""
+    for M in (1, 2, 8, 16, 32, 64):
+        for cfg in (*CFGS, Lg(warps=8, groups=4, stages=6, stream_k=True), Lg(warps=12, groups=8, stages=6)):
+            if getattr(cfg, "x_slice", 0) and M > 16:  # x slices of 16+ tokens do not fit
+                continue
+            p = _plan(4, M, 9216, 4096, cfg)
+            assert bool(p.defines.get("T64")) == (M == 1 and cfg.kernel in (1, 3) and not cfg.x_slice
+                                                  and cfg.min_ctas <= 3), (M, cfg, p.defines)
+
+
+def test_t64_mid_m_plans(t64_mid):
+    """With T64_MAX_M = 16: T64 changes exactly the plans of kernel 3 up to M = 16 and kernel 1 up to M = 8 at k = 4
+    where the table fits at the config's CTAs an SM, and never a prologue at M > 1: the define and the table's bytes
+    in place of the 16-entry table's, everything else as without it."""
     seen, seen_lfx = set(), set()
     for N, K in ((4096, 4096), (28672, 4096), (9216, 4096), (5120, 17408), (1000, 1000)):
         for k in (2, 4):
@@ -70,9 +89,9 @@ def test_t64_mid_m_plans():
     assert "T64" not in p.defines and p.defines["PRO"] == 2
 
 
-def test_t64_kernel7_plans():
-    """Kernel 7 (dense) takes T64 at k = 4 on tiles of at most T64_LARGE_GROUPS token groups, with the same stages
-    where they fit; never grouped (MoE) builds."""
+def test_t64_kernel7_plans(t64_mid):
+    """With T64_LARGE_GROUPS = 8: kernel 7 (dense, M <= 64) takes T64 at k = 4 on tiles of at most 8 token groups,
+    with the same stages where they fit; never grouped (MoE) builds."""
     for k in (2, 4):
         for groups, warps in ((4, 8), (8, 12), (8, 16), (16, 12), (32, 8)):
             cfg = Lg(warps=warps, groups=groups, stages=6, stream_k=True)
@@ -136,7 +155,7 @@ def _run(p, defines, shared, x, rc, rs, ts, cb, N):
 ])
 @pytest.mark.parametrize("sf", ["log8", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_t64_mid_m_bit_identical(monkeypatch, N, K_, M, config, det, sf, dtype):
+def test_t64_mid_m_bit_identical(monkeypatch, t64_mid, N, K_, M, config, det, sf, dtype):
     """det False: split-K parts added in arrival order (K slices: deterministic mode does not take them)."""
     k = 4
     if isinstance(config, Lg) and torch.cuda.get_device_capability() != (9, 0):

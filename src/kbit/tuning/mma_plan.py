@@ -27,13 +27,15 @@ XS_MAX = 110 * 1024
 #: 256 bytes, code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
 T64_SMEM = 65536 + 128
 T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
-#: T64 up to this M: kernel 3 (kernel 1: up to 8, one token group), where the table fits beside x at the config's
-#: CTAs an SM. At M > 1 the lookup's IMAD is 0.5-0.7 of kernel 3's 2.6-3.2 SASS instructions a weight
-#: (lab/m16_sass.py)
-T64_MAX_M = 16
+#: T64 up to this M: kernel 3 (kernel 1: up to min(this, 8), one token group), where the table fits beside x at
+#: the config's CTAs an SM. 1 (off at M > 1): at M = 2..16 it takes the lookup's IMAD out (0.5-0.7 of 2.6-3.2 SASS
+#: instructions a weight, lab/m16_sass.py) but measured no faster (H200, lab/m16_ab.py at 8f1ffd6 with 16: new / old
+#: 0.979-1.066, geomean per M 1.00-1.025; benchmarks/results/h200/m16-ab-2026-11-26.md). 16 plans it again.
+T64_MAX_M = 1
 #: kernel 7 (dense, M <= 64) takes T64 on tiles of at most this many 8-token groups (larger tiles would lose x
-#: stages to the table): the lookup's IMAD is 0.25 of its 2.70 instructions a weight at M = 32
-T64_LARGE_GROUPS = 8
+#: stages to the table); 0: off (the default: 2.70 -> 2.45 instructions a weight at M = 32, not measured in time,
+#: and the same cut in kernels 1 / 3 gained nothing)
+T64_LARGE_GROUPS = 0
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -108,7 +110,7 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
         xs = 1
         x_bytes = M * (xk * SEG + 32) * 2
         # T64 where the config's CTAs an SM still fit (2 KB a CTA for the static arrays and the driver's reserve)
-        t64 = int(t64_ok and cfg.min_ctas * (T64_SMEM + x_bytes + 2048) <= SMEM_MAX)
+        t64 = int(t64_ok and M > 1 and cfg.min_ctas * (T64_SMEM + x_bytes + 2048) <= SMEM_MAX)
         shared = (T64_SMEM if t64 else table_smem(k)) + x_bytes
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
@@ -155,7 +157,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
-        if t64_ok and k in T64_K and ng == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
+        if t64_ok and k in T64_K and M <= min(T64_MAX_M, 8) and cfg.min_ctas <= 3:  # T64 (at most 3 CTAs an SM fit)
             defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
