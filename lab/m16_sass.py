@@ -12,7 +12,7 @@ HGMMA x 8 (kernel 7). Columns are issued lane-ops a weight; "/wt.tok" divides th
 Needs NVRTC only::
 
     python lab/m16_sass.py --nvrtc /path/to/libnvrtc.so.12 [--shapes 65536x5120,...] [--ks 2,4] [--ms 1,2,4,8,16,32]
-        [--ref REV] [--bf16] [--dump DIR] [-D NAME=VALUE ...] [--t64-max-m 16] [--t64-large-groups 8]
+        [--ref REV] [--bf16] [--dump DIR] [-D NAME=VALUE ...]
 
 ``--ref REV``: the csrc folder of git revision REV too (same plan and defines), printed above the worktree's rows.
 """
@@ -154,17 +154,7 @@ def main(argv=None):
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--dump", default=None)
     ap.add_argument("-D", dest="defs", action="append", default=[])
-    ap.add_argument("--t64-max-m", type=int, default=None, help="kbit.tuning.mma_plan.T64_MAX_M for the plans "
-                    "(16: T64 at M = 2..16; default: the library's, 1)")
-    ap.add_argument("--t64-large-groups", type=int, default=None, help="T64_LARGE_GROUPS (kernel 7; 8: T64 on "
-                    "tiles of <= 64 tokens; default: the library's, 0)")
     a = ap.parse_args(argv)
-    from kbit.tuning import mma_plan
-
-    if a.t64_max_m is not None:
-        mma_plan.T64_MAX_M = a.t64_max_m
-    if a.t64_large_groups is not None:
-        mma_plan.T64_LARGE_GROUPS = a.t64_large_groups
     from kbit import options
 
     options.set_options(nvrtc_lib=a.nvrtc, cache_dir=None)

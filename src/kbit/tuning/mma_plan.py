@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kbit.tuning.mma import BIG, MAX_M, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
+from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "SMEM_MAX", "T64_LARGE_GROUPS", "T64_MAX_M", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config",
-           "large_defines", "make_plan", "prologue_config", "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
+           "prologue_config", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -23,19 +23,10 @@ KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_stream
 SMEM_MAX = 227 * 1024
 #: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
-#: kernels 1 and 3, M <= T64_MAX_M, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of
-#: 256 bytes, code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
+#: kernels 1 and 3, M = 1, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of 256 bytes,
+#: code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
 T64_SMEM = 65536 + 128
 T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
-#: T64 up to this M: kernel 3 (kernel 1: up to min(this, 8), one token group), where the table fits beside x at
-#: the config's CTAs an SM. 1 (off at M > 1): at M = 2..16 it takes the lookup's IMAD out (0.5-0.7 of 2.6-3.2 SASS
-#: instructions a weight, lab/m16_sass.py) but measured no faster (H200, lab/m16_ab.py at 8f1ffd6 with 16: new / old
-#: 0.979-1.066, geomean per M 1.00-1.025; benchmarks/results/h200/m16-ab-2026-11-26.md). 16 plans it again.
-T64_MAX_M = 1
-#: kernel 7 (dense, M <= 64) takes T64 on tiles of at most this many 8-token groups (larger tiles would lose x
-#: stages to the table); 0: off (the default: 2.70 -> 2.45 instructions a weight at M = 32, not measured in time,
-#: and the same cut in kernels 1 / 3 gained nothing)
-T64_LARGE_GROUPS = 0
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -79,14 +70,11 @@ def table_smem(k: int) -> int:
     return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
 
 
-def large_defines(k: int, cfg: LargeConfig, grouped: bool = False, t64: bool = False) -> tuple[dict, int]:
+def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict, int]:
     """(defines, dynamic shared bytes) of kernel 7 with ``cfg``; ``grouped``: the MoE form (``GRP``: x pre-tiled per
-    block of a block table, no split K; ``kbit.ops.grouped_mma``); ``t64``: the 64 KB lookup table where k is in
-    :data:`T64_K` and the tiles hold at most :data:`T64_LARGE_GROUPS` token groups (dense only)."""
-    t64 = t64 and not grouped and k in T64_K and cfg.groups <= T64_LARGE_GROUPS
-    tab = T64_SMEM if t64 else table_smem(k)
+    block of a block table, no split K; ``kbit.ops.grouped_mma``)."""
     xc = 8 * cfg.groups * 128  # x bytes a 64-column chunk
-    D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - tab) // xc))
+    D = max(3, min(cfg.stages, 8, (SMEM_MAX - 2048 - 1024 - table_smem(k)) // xc))
     # raster, x_swizzle, x_bulk are fixed in wgmma.cu (LargeConfig checks them); their defines stay in the set so
     # that the build's key is what it was
     defines = dict(K_BITS=k, NG=cfg.groups, D=D, MAXW=cfg.warps, MINB=1, RT=1, ARCH_SPECIFIC=1, AB=2, GM=cfg.raster,
@@ -95,37 +83,28 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False, t64: bool = F
         defines["SK"] = 1
     if grouped:
         defines["GRP"] = 1
-    if t64:
-        defines["T64"] = 1
-    return defines, D * xc + tab + 1024
+    return defines, D * xc + table_smem(k) + 1024
 
 
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
-    # T64 at M > 1 was measured on plain launches only (no prologue / epilogue: lab/m16_ab.py)
-    t64_ok = t64_ok and k in T64_K and (M == 1 or (M <= T64_MAX_M and not pro and not epi))
-    t64 = 0
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
         xs = 1
-        x_bytes = M * (xk * SEG + 32) * 2
-        # T64 where the config's CTAs an SM still fit (2 KB a CTA for the static arrays and the driver's reserve)
-        t64 = int(t64_ok and M > 1 and cfg.min_ctas * (T64_SMEM + x_bytes + 2048) <= SMEM_MAX)
-        shared = (T64_SMEM if t64 else table_smem(k)) + x_bytes
+        shared = table_smem(k) + M * (xk * SEG + 32) * 2
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
         # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
-        # left for the static slots of CTA-aligned units), or where x is read from global memory anyway
-        x_bytes = (M + bool(pro)) * S * SEG * 2
-        t64 = int(t64_ok and cfg.min_ctas <= 2 and (not cfg.x_smem or T64_SMEM + x_bytes <= XS_MAX - 8 * 1024
-                                                     or (M > 1 and table_smem(k) + x_bytes > XS_MAX)))
+        # left for the static slots of CTA-aligned units)
+        t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
+                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
         tab = T64_SMEM if t64 else table_smem(k)
         xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
         shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
-    if t64:
+    if not xk and t64:
         defines["T64"] = 1
     if pro:
         if not xs:
@@ -149,7 +128,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
-        defines, shared = large_defines(k, cfg, t64=t64_ok and M <= MAX_M)  # T64 measured up to M = 64 only
+        defines, shared = large_defines(k, cfg)
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
         defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
@@ -157,7 +136,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
-        if t64_ok and k in T64_K and M <= min(T64_MAX_M, 8) and cfg.min_ctas <= 3:  # T64 (at most 3 CTAs an SM fit)
+        if t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
             defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
@@ -294,7 +273,7 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
     gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
-    lookup table up to :data:`T64_MAX_M` (:data:`T64_K`; sm_90 only, where the planner enables it).
+    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
     kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64)
@@ -309,7 +288,7 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     if ws4 != defines.get("WS4", 0):
         defines["WS4"] = ws4
         st["kern"] = build(kernel, defines)
-    return MmaPlan(kernel=kernel, defines=defines, warps=st["W"], grid=st["grid"], shared=st["shared"],
+    return MmaPlan(kernel=kernel, defines=defines, warps=st["W"], grid=st["grid"], shared=shared,
                    splits=st["splits"], sps=st["sps"], Nt=Nt, S=S, regs=st["kern"].num_regs,
                    ctas_per_sm=st["occ"], n_cnt=st["n_cnt"], ws_floats=_ws_floats(st, kernel, M, ng),
                    use_ws=kernel in (3, 4) or st["splits"] > 1 or bool(defines.get("SK")))

@@ -263,15 +263,6 @@ __device__ __forceinline__ void finish_silu_det(float (&acc)[NG][4], int tile, i
 #error "LFX and CAU exclude each other"
 #endif
 struct Lfx { int half_t, cj0, cj1, u_lo; };
-/* UNI(v): v through redux.sync, whose result ptxas knows to be warp-uniform (a uniform register). T64 builds at M > 1
-   take their table address through it: else ptxas keeps (or, short of registers, recomputes every segment) the
-   address in a plain register and adds it to every lookup (an IADD a lookup, 0.6 instructions a weight; LFX builds
-   at M = 8 / 16 also rebuilt it from the shared window base each segment). M = 1 builds keep their SASS. */
-#if T64 && !M1
-#define UNI(v) ((int)__reduce_min_sync(0xffffffffu, (unsigned)(v)))
-#else
-#define UNI(v) (v)
-#endif
 #if LFX || CAU
 #if DET || XK
 #error "LFX, CAU: not with DET or XK"
@@ -616,11 +607,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #if !CAU /* (CAU: every warp meets the CTA barrier at the end) */
   if (j0 >= j1) return;
 #endif
-#if T64 && !M1
-  const LB lbb = {(u32)UNI(tab), lane << 2};  /* the table address as a uniform register (see UNI) */
-#else
   const LB lbb = lane_bits(tab, lane, cb);
-#endif
   const u32 sc_base = smem_addr(s_sc);
   const u16* xr[NG];
 #pragma unroll

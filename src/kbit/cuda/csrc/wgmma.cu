@@ -217,11 +217,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_wgmma(
 #endif
 #pragma unroll
   for (int s = 0; s < D - LAG; ++s) { issue(s); cp_commit(); }
-#if T64 /* the table address as a uniform register (redux.sync), so that a lookup is PRMT + LDS [R+UR] */
-  const LB lbb = {__reduce_min_sync(0xffffffffu, tab), lane << 2};
-#else
   const LB lbb = lane_bits(tab, lane, cb);
-#endif
   const u32 sc2_base = smem_addr(s_sc2);
   float acc[NG][4];
 #pragma unroll
