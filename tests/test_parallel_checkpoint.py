@@ -244,3 +244,46 @@ def test_replicated_tensors_must_agree_two_ranks(tmp_path):
         writer.write(key, state[key])
     write_index(tmp_path / "c", layout, [index["files"][0], writer.close()])
     _spawn(tmp_path, _check_inconsistent, str(tmp_path / "c"))
+
+
+def _check_hf_load(rank, world, shards, folder, ids, want):
+    """A rank builds the transformers model from the folder's config alone (kbit.hf.empty_quantized: nothing
+    read) and fills it from its own shard file."""
+    from kbit.hf import empty_quantized
+
+    model = load_sharded(shards, model=empty_quantized(folder), device="cpu")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, ColumnParallelKbitLinear)
+    assert not any(t.is_meta for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, f"rank {rank}: the loaded shards differ from the whole model by {err:.2e}"
+
+
+def test_hf_model_from_a_sharded_checkpoint(tmp_path):
+    """quantize_model -> save_quantized -> save_sharded; on 2 ranks each loads only its file into the skeleton of
+    the saved folder, and the logits equal the whole model's."""
+    transformers = pytest.importorskip("transformers")
+    from kbit.parallel import LLAMA_PLAN
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    model = kbit.quantize_model(transformers.LlamaForCausalLM(cfg).eval(), k=4)
+    kbit.save_quantized(model, tmp_path / "folder")
+    save_sharded(model, tmp_path / "shards", LLAMA_PLAN, world=2)
+    ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits.double()
+    _spawn(tmp_path, _check_hf_load, str(tmp_path / "shards"), str(tmp_path / "folder"), ids, want)
+
+
+def test_empty_quantized_refuses_a_plain_folder(tmp_path):
+    pytest.importorskip("transformers")
+    from kbit.hf import empty_quantized
+
+    with pytest.raises(ValueError, match="directory"):
+        empty_quantized(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="quant_method"):
+        empty_quantized(tmp_path)

@@ -6,7 +6,10 @@ model on one device.
 
 Each rank loads the packed checkpoint on the CPU (``kbit.load_quantized``), keeps its shards
 (``kbit.parallel.parallelize_kbit`` with the model's ``base_model_tp_plan``, else ``LLAMA_PLAN``) and moves the
-model to its GPU. ``--check`` (default on) also decodes with a whole copy on rank's device and compares the tokens.
+model to its GPU. ``--shards DIR``: rank 0 first writes the sharded checkpoint there if it is not there yet
+(``kbit.parallel.save_sharded``), then each rank builds the model from the folder's config alone
+(``kbit.hf.empty_quantized``) and reads only its own file (``kbit.parallel.load_sharded``). ``--check`` (default
+on) also decodes with a whole copy on rank's device and compares the tokens.
 transformers' ``generate`` with its dynamic cache runs the step (the cache holds this rank's KV heads).
 """
 
@@ -14,12 +17,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 
 import torch
 import torch.distributed as dist
 
 import kbit
-from kbit.parallel import LLAMA_PLAN, parallelize_kbit
+from kbit.hf import empty_quantized
+from kbit.parallel import (
+    LLAMA_PLAN,
+    ColumnParallelKbitLinear,
+    RowParallelKbitLinear,
+    load_sharded,
+    parallelize_kbit,
+    save_sharded,
+)
 
 
 def greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
@@ -34,6 +46,7 @@ def main():
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU")
     p.add_argument("--no-check", action="store_true", help="skip decoding with a whole copy")
+    p.add_argument("--shards", default=None, help="a sharded checkpoint folder (written from CHECKPOINT if absent)")
     args = p.parse_args()
     dist.init_process_group("gloo" if args.cpu else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,11 +55,22 @@ def main():
     else:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    model = kbit.load_quantized(args.checkpoint, device="cpu")  # packed weights only, no float copy
-    whole = None if args.no_check else copy.deepcopy(model).to(device)
-    plan = getattr(model.config, "base_model_tp_plan", None) or LLAMA_PLAN
-    replaced = parallelize_kbit(model, plan)
-    model.to(device)
+    if args.shards:
+        skeleton = empty_quantized(args.checkpoint)
+        plan = getattr(skeleton.config, "base_model_tp_plan", None) or LLAMA_PLAN
+        if rank == 0 and not os.path.exists(os.path.join(args.shards, "kbit-sharded.json")):
+            save_sharded(kbit.load_quantized(args.checkpoint, device="cpu"), args.shards, plan, world)
+        dist.barrier()
+        model = load_sharded(args.shards, model=skeleton, device=device)
+        replaced = [n for n, m in model.named_modules() if isinstance(m, (ColumnParallelKbitLinear,
+                                                                          RowParallelKbitLinear))]
+        whole = None if args.no_check else kbit.load_quantized(args.checkpoint, device=device)
+    else:
+        model = kbit.load_quantized(args.checkpoint, device="cpu")  # packed weights only, no float copy
+        whole = None if args.no_check else copy.deepcopy(model).to(device)
+        plan = getattr(model.config, "base_model_tp_plan", None) or LLAMA_PLAN
+        replaced = parallelize_kbit(model, plan)
+        model.to(device)
     held = sum(b.numel() * b.element_size() for b in model.buffers()) / 2**20
     ids = torch.tensor([args.prompt_ids], device=device)
     tokens = greedy(model, ids, args.steps)

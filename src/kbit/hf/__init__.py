@@ -7,12 +7,12 @@ installed).
 Needs ``transformers`` only to load checkpoints (``pip install 'kbit[hf]'``).
 """
 
-from kbit.hf.checkpoint import load_quantized, save_quantized
+from kbit.hf.checkpoint import empty_quantized, load_quantized, save_quantized
 from kbit.hf.config import KbitConfig
 from kbit.hf.experts import KbitExperts
 from kbit.hf.models import MODELS, ModelSpec
 from kbit.hf.quantize_model import plan, quantize_model
 from kbit.hf.quantizer import register_with_transformers
 
-__all__ = ["MODELS", "KbitConfig", "KbitExperts", "ModelSpec", "load_quantized", "plan", "quantize_model",
-           "register_with_transformers", "save_quantized"]
+__all__ = ["MODELS", "KbitConfig", "KbitExperts", "ModelSpec", "empty_quantized", "load_quantized", "plan",
+           "quantize_model", "register_with_transformers", "save_quantized"]

@@ -404,14 +404,44 @@ def load_quantized(directory: str | os.PathLike, device: str | torch.device = "c
         # block_sparse_moe), which transformers' loader maps back; it loads through kbit's quantizer
         model = model_class.from_pretrained(directory, device_map=str(device), local_files_only=True)
         return model.eval()
+    model = _skeleton(transformers, directory, qc, model_class, str(config_path))
+    _check_headers(model, headers)
+    _fill(model, files, device)
+    return model.eval()
+
+
+def _skeleton(transformers, directory: Path, qc: dict, model_class, where: str) -> nn.Module:
+    """The model of ``directory``'s config with its parameters on the meta device, its buffers computed and its
+    quantized modules as empty k-bit shells."""
     config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     config.quantization_config = qc
     with _params_on_meta():
         model = model_class(config)
-    build_shells(model, qc.get("modules"), str(config_path))
-    _check_headers(model, headers)
-    _fill(model, files, device)
-    return model.eval()
+    build_shells(model, qc.get("modules"), where)
+    return model
+
+
+def empty_quantized(directory: str | os.PathLike, model_class=None) -> nn.Module:
+    """The model of a quantized checkpoint folder (:func:`load_quantized`'s folders) with no weight read: its
+    parameters on the meta device, its buffers computed (a rotary ``inv_freq``), its quantized modules as empty
+    k-bit modules of the right shapes. A skeleton for loaders that fill the model themselves, e.g.
+    ``kbit.parallel.load_sharded(shards, model=empty_quantized(folder))``, where each rank reads only its file.
+
+    model_class : the transformers class to build (default: ``config.json``'s ``architectures[0]``).
+    ValueError names the file on a folder that is not a kbit checkpoint."""
+    import transformers  # transformers is optional (kbit[hf]): needed only for a transformers model
+
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        fail(ValueError, "directory", "a checkpoint folder with a config.json", os.fspath(directory))
+    raw = _read_json(config_path)
+    qc = raw.get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        fail(ValueError, f"{config_path}: quantization_config.quant_method", repr(QUANT_METHOD),
+             repr(qc.get("quant_method")) if isinstance(qc, dict) else "no quantization_config")
+    model_class = model_class or _model_class(transformers, raw, config_path)
+    return _skeleton(transformers, directory, qc, model_class, str(config_path)).eval()
 
 
 def _is_kbit_file(path: Path) -> bool:
