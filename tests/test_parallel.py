@@ -11,7 +11,6 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import kbit
@@ -35,6 +34,7 @@ from kbit.parallel import (
     split_rows,
 )
 from kbit.parallel.comm import symm_mem_missing
+from ranks import device, spawn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -126,26 +126,10 @@ def test_parallelize_errors():
 # -- 2 processes ----------------------------------------------------------------------------------------------
 
 
-def _worker(rank, world, init_file, backend, fn_name, args):
-    torch.set_num_threads(1)  # two ranks on a shared CPU
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        globals()[fn_name](rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
-def _spawn(tmp_path, fn, *args, backend="gloo", world=2):
-    # fork on the CPU: a spawned rank re-imports torch and kbit, ~10-20 s of a test; CUDA needs spawn
-    method = "spawn" if backend == "nccl" else "fork"
-    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), backend, fn.__name__, args),
-                       nprocs=world, join=True, start_method=method)
 
 
-def _device(backend):
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 #: (N, K, blocksize): N not a multiple of 32 (uneven column shards), K padded, K split on block boundaries
@@ -153,7 +137,7 @@ SHAPES = [(100, 200, 32), (72, 300, 64), (50, 520, 128)]
 
 
 def _check_layers(rank, world, backend, dtype, rtol):
-    dev = _device(backend)
+    dev = device(backend)
     for k in (2, 3, 4, 5):
         for N, K, bs in SHAPES:
             g = torch.Generator().manual_seed(1000 * k + N)  # the same weights and inputs on every rank
@@ -182,14 +166,14 @@ def _check_layers(rank, world, backend, dtype, rtol):
 
 
 def test_layers_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_layers, "gloo", torch.float32, 1e-5)
+    spawn(tmp_path, _check_layers, "gloo", torch.float32, 1e-5)
 
 
 @pytest.mark.gpu
 def test_layers_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_layers, "nccl", torch.bfloat16, 2e-2, backend="nccl")
+    spawn(tmp_path, _check_layers, "nccl", torch.bfloat16, 2e-2, backend="nccl")
 
 
 # a Llama-like stack with the module names of transformers' Llama (so LLAMA_PLAN applies)
@@ -246,7 +230,7 @@ def _stack(seed, dtype=torch.float32, device="cpu"):
 
 
 def _check_stack(rank, world, backend, dtype, rtol):
-    dev = _device(backend)
+    dev = device(backend)
     model = _stack(seed=7, dtype=dtype, device=dev)
     x = torch.randn(2, 3, 200, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
     with torch.no_grad():
@@ -261,14 +245,14 @@ def _check_stack(rank, world, backend, dtype, rtol):
 
 
 def test_llama_stack_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_stack, "gloo", torch.float32, 1e-5)
+    spawn(tmp_path, _check_stack, "gloo", torch.float32, 1e-5)
 
 
 @pytest.mark.gpu
 def test_llama_stack_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_stack, "nccl", torch.bfloat16, 3e-2, backend="nccl")
+    spawn(tmp_path, _check_stack, "nccl", torch.bfloat16, 3e-2, backend="nccl")
 
 
 def _check_checkpoint(rank, world, path, x, want_up, want_down):
@@ -296,7 +280,7 @@ def test_shards_from_checkpoint(tmp_path):
     x = torch.randn(4, 200)
     want_up = x.double() @ dequantize_reference(qu, torch.float64).T
     want_down = want_up.float().double() @ dequantize_reference(qd, torch.float64).T + bias.double()
-    _spawn(tmp_path, _check_checkpoint, str(path), x, want_up, want_down)
+    spawn(tmp_path, _check_checkpoint, str(path), x, want_up, want_down)
 
 
 @pytest.mark.gpu
@@ -335,7 +319,7 @@ def _check_hf_llama(rank, world, dtype, rtol):
 
 def test_hf_llama_two_ranks(tmp_path):
     pytest.importorskip("transformers")
-    _spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
+    spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
 
 
 def _check_errors(rank, world):
@@ -355,7 +339,7 @@ def _check_errors(rank, world):
 
 
 def test_layer_errors_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_errors)
+    spawn(tmp_path, _check_errors)
 
 
 # -- packed weights (q/k/v, gate/up side by side) ---------------------------------------------------------------
@@ -385,7 +369,7 @@ def test_packed_ranges_and_shards():
 
 
 def _check_packed(rank, world, backend, dtype, rtol):
-    dev = _device(backend)
+    dev = device(backend)
     torch.manual_seed(9)
     parts = (96, 32, 32)  # q, k, v widths: every part split on its own
     qw = kbit.quantize(torch.randn(sum(parts), 200), k=4, blocksize=32)
@@ -411,14 +395,14 @@ def _check_packed(rank, world, backend, dtype, rtol):
 
 
 def test_packed_columns_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_packed, "gloo", torch.float32, 1e-5)
+    spawn(tmp_path, _check_packed, "gloo", torch.float32, 1e-5)
 
 
 @pytest.mark.gpu
 def test_packed_columns_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_packed, "nccl", torch.bfloat16, 2e-2, backend="nccl")
+    spawn(tmp_path, _check_packed, "nccl", torch.bfloat16, 2e-2, backend="nccl")
 
 
 class _PackedBlock(nn.Module):
@@ -470,7 +454,7 @@ def _check_packed_stack(rank, world):
 
 
 def test_packed_stack_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_packed_stack)
+    spawn(tmp_path, _check_packed_stack)
 
 
 # -- the all-reduce: choice by message size, symmetric memory against NCCL -------------------------------------
@@ -523,11 +507,11 @@ def _check_allreduce_fallback(rank, world):
 
 
 def test_allreduce_fallback_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_allreduce_fallback)
+    spawn(tmp_path, _check_allreduce_fallback)
 
 
 def _check_symm(rank, world):
-    dev = _device("nccl")
+    dev = device("nccl")
     cfg = AllReduceConfig(one_shot_max_bytes=1 << 20, two_shot_max_bytes=1 << 21)
     # the table's choice at batch 1: Lamport where measured (h200), else one-shot
     assert choose_method(torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)) in ("lamport", "one_shot")
@@ -564,7 +548,7 @@ def _check_symm(rank, world):
 def _check_lamport(rank, world):
     """The barrier-free all-reduce equals NCCL's bf16 sum bit for bit: sizes that change from call to call, -0.0 in
     the payload, and replays of a CUDA graph of several calls (the slots and call counters cycle on the device)."""
-    dev = _device("nccl")
+    dev = device("nccl")
     buf = LamportBuffer(64 * 4096, dev)
     sizes = [4096, 100, 64 * 4096, 8, 3 * 4096]
     for rep in range(3):
@@ -595,7 +579,7 @@ def _check_lamport(rank, world):
 def test_lamport_all_reduce_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_lamport, backend="nccl")
+    spawn(tmp_path, _check_lamport, backend="nccl")
 
 
 @pytest.mark.gpu
@@ -605,4 +589,4 @@ def test_symmetric_memory_two_gpus(tmp_path):
     missing = symm_mem_missing("one_shot") + symm_mem_missing("two_shot")
     if missing:
         pytest.skip(f"this torch lacks torch.ops.symm_mem.{missing}")
-    _spawn(tmp_path, _check_symm, backend="nccl")
+    spawn(tmp_path, _check_symm, backend="nccl")

@@ -10,8 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import kbit
@@ -31,6 +29,7 @@ from kbit.parallel import (
     write_index,
 )
 from kbit.parallel.checkpoint import rank_file, shard_tensors
+from ranks import spawn
 
 PLAN = {"layers.*.attn.qkv": "packed_colwise", "layers.*.attn.o": "rowwise", "layers.*.mlp": "ep",
         "lm_head": "colwise_rep"}
@@ -89,18 +88,8 @@ def _whole(seed=0) -> _Model:
     return model
 
 
-def _worker(rank, world, init_file, fn_name, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        globals()[fn_name](rank, world, *args)
-    finally:
-        dist.destroy_process_group()
 
 
-def _spawn(tmp_path, fn, *args, world=2):
-    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), fn.__name__, args), nprocs=world,
-                       join=True, start_method="fork")
 
 
 def _check_load(rank, world, directory, ids, want):
@@ -146,7 +135,7 @@ def test_save_and_load_two_ranks(tmp_path):
     part = kbit.load_file(tmp_path / "ckpt" / "rank-1-of-2.kbit.safetensors")
     assert part["layers.0.mlp.gate_up"].shape == (3, 2 * I, H) and part["layers.0.attn.o.weight"].shape == (H, 32)
     assert torch.equal(part["embed.weight"], model.embed.weight.detach())
-    _spawn(tmp_path, _check_load, str(tmp_path / "ckpt"), ids, want)
+    spawn(tmp_path, _check_load, str(tmp_path / "ckpt"), ids, want)
 
 
 def _check_refused(rank, world, other, damaged):
@@ -169,7 +158,7 @@ def test_other_world_and_damaged_file_two_ranks(tmp_path):
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x10  # in the tensor data (the last tensors are uint8 scales)
     path.write_bytes(bytes(data))
-    _spawn(tmp_path, _check_refused, str(tmp_path / "one"), str(tmp_path / "two"))
+    spawn(tmp_path, _check_refused, str(tmp_path / "one"), str(tmp_path / "two"))
 
 
 def test_damage_detected_without_ranks(tmp_path):
@@ -243,7 +232,7 @@ def test_replicated_tensors_must_agree_two_ranks(tmp_path):
     for key in layout["replicated"]:
         writer.write(key, state[key])
     write_index(tmp_path / "c", layout, [index["files"][0], writer.close()])
-    _spawn(tmp_path, _check_inconsistent, str(tmp_path / "c"))
+    spawn(tmp_path, _check_inconsistent, str(tmp_path / "c"))
 
 
 def _check_hf_load(rank, world, shards, folder, ids, want):
@@ -275,7 +264,7 @@ def test_hf_model_from_a_sharded_checkpoint(tmp_path):
     ids = torch.randint(0, 100, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits.double()
-    _spawn(tmp_path, _check_hf_load, str(tmp_path / "shards"), str(tmp_path / "folder"), ids, want)
+    spawn(tmp_path, _check_hf_load, str(tmp_path / "shards"), str(tmp_path / "folder"), ids, want)
 
 
 def test_empty_quantized_refuses_a_plain_folder(tmp_path):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -27,27 +25,7 @@ from kbit.parallel import (
     parallelize_kbit,
     shard_experts,
 )
-
-
-def _worker(rank, world, init_file, backend, fn_name, args):
-    torch.set_num_threads(1)  # two ranks on a shared CPU
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        globals()[fn_name](rank, world, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(tmp_path, fn, *args, backend="gloo", world=2):
-    method = "spawn" if backend == "nccl" else "fork"  # fork on the CPU: no re-import of torch and kbit
-    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), backend, fn.__name__, args),
-                       nprocs=world, join=True, start_method=method)
-
-
-def _device(backend):
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+from ranks import device, spawn
 
 
 @pytest.mark.parametrize("E, world, expect", [
@@ -131,7 +109,7 @@ def _case_module(case, g, device):
 
 
 def _check_ep(rank, world, backend, rtol):
-    dev = _device(backend)
+    dev = device(backend)
     for i, case in enumerate(CASES):
         E, H, I, top_k, T, dtype, plan, opts = case
         if backend == "nccl" and dtype == torch.float32:
@@ -167,7 +145,7 @@ def _check_ep(rank, world, backend, rtol):
 
 
 def test_expert_parallel_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_ep, "gloo", 1e-5)
+    spawn(tmp_path, _check_ep, "gloo", 1e-5)
 
 
 def _check_localize(rank, world):
@@ -192,7 +170,7 @@ def _check_localize(rank, world):
 
 
 def test_localize_and_errors_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_localize)
+    spawn(tmp_path, _check_localize)
 
 
 class _Attention(nn.Module):
@@ -249,7 +227,7 @@ def _check_plan(rank, world):
 
 
 def test_parallelize_ep_plan_two_ranks(tmp_path):
-    _spawn(tmp_path, _check_plan)
+    spawn(tmp_path, _check_plan)
 
 
 def test_ep_style_needs_a_kbit_moe():
@@ -264,7 +242,7 @@ def test_ep_style_needs_a_kbit_moe():
 
 def _check_graph(rank, world):
     """The EP step at decode sizes captured in a CUDA graph (no host sync) replays to the eager result."""
-    dev = _device("nccl")
+    dev = device("nccl")
     g = torch.Generator().manual_seed(3)
     E, H, I, top_k = 127, 1024, 384, 8  # odd E: 64 and 63 experts
     moe = KbitMoE.from_float(*_stacks(E, H, I, g), top_k=top_k, k=4, dtype=torch.bfloat16,
@@ -297,14 +275,14 @@ def _check_graph(rank, world):
 def test_expert_parallel_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_ep, "nccl", 2e-2, backend="nccl")
+    spawn(tmp_path, _check_ep, "nccl", 2e-2, backend="nccl")
 
 
 @pytest.mark.gpu
 def test_expert_parallel_cuda_graph_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    _spawn(tmp_path, _check_graph, backend="nccl")
+    spawn(tmp_path, _check_graph, backend="nccl")
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ from kbit.ops.mma.layout import RepackedWeight, repack_stack, unrepack_stack
 
 # --- end of the layout block ---
 
-__all__ = ["KbitMoE"]
+__all__ = ["KbitMoE", "add_shared_expert"]
 
 _STACKS = ("gate_up", "down")
 _PARTS = ("codes", "scales", "tensor_scale", "codebook")
@@ -343,11 +343,7 @@ class KbitMoE(nn.Module):
         routing = self.route(router_logits, plan)
         xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
         out = moe_experts(xr, routing, *self.kernel_weights(), plan)
-        if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                s = torch.sigmoid(self.shared_expert_gate(x)) * s
-            out = out + s
+        out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
         return out.reshape(hidden.shape)
 
     def _reference_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -361,11 +357,7 @@ class KbitMoE(nn.Module):
         if self.rotation is not None:  # the weight W itself: x is not rotated on this path
             gate_up = unrotate_weight(gate_up, self.rotation)
         out = moe_reference(x, w, ids, gate_up, dequantize_reference(self.down_weight())).to(x.dtype)
-        if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                s = torch.sigmoid(self.shared_expert_gate(x)) * s
-            out = out + s
+        out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
         return out
 
     # -- state dict ---------------------------------------------------------------------------------------
@@ -418,6 +410,17 @@ class KbitMoE(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
+
+
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared_expert, shared_expert_gate) -> torch.Tensor:
+    """``out`` plus the shared expert's output on ``x`` (times ``sigmoid(gate(x))`` where a gate is given), as
+    Qwen2-MoE-style blocks add it; ``out`` as it is without a shared expert."""
+    if shared_expert is None:
+        return out
+    s = shared_expert(x)
+    if shared_expert_gate is not None:
+        s = torch.sigmoid(shared_expert_gate(x)) * s
+    return out + s
 
 
 def _is_silu(act) -> bool:

@@ -25,7 +25,7 @@ from torch import nn
 from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
-from kbit.nn.moe import KbitMoE
+from kbit.nn.moe import KbitMoE, add_shared_expert
 from kbit.ops.hadamard import rotate
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
@@ -235,11 +235,7 @@ class ExpertParallelKbitMoE(nn.Module):
         out = self.partial(x, router_logits, plan)
         if self.world > 1 and out.shape[0]:
             out = all_reduce_sum(out.contiguous(), self.group, self.comm)
-        if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                s = torch.sigmoid(self.shared_expert_gate(x)) * s
-            out = out + s
+        out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
         return out.reshape(hidden.shape)
 
     def extra_repr(self) -> str:
