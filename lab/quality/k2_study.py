@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--tune-batches", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=512)
     p.add_argument("--calib-offset", type=int, default=40000)
+    p.add_argument("--tune-offset", type=int, default=None,
+                   help="first token of the tuning windows (default: --calib-offset)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--table", type=Path, nargs="+", default=None,
@@ -135,17 +137,20 @@ def main(argv=None) -> int:
     study = _study()
     model, tok = study.load(a.model)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0]
+    tune_offset = a.calib_offset if a.tune_offset is None else a.tune_offset
     windows = [ids[a.calib_offset + i * a.calib_len:a.calib_offset + (i + 1) * a.calib_len][None]
-               for i in range(max(a.calib_batches, a.tune_batches))]
-    if windows[-1].numel() < a.calib_len or a.calib_offset < a.tokens:
+               for i in range(a.calib_batches)]
+    tune = [ids[tune_offset + i * a.calib_len:tune_offset + (i + 1) * a.calib_len][None]
+            for i in range(a.tune_batches)]
+    if windows[-1].numel() < a.calib_len or tune[-1].numel() < a.calib_len or min(a.calib_offset,
+                                                                                  tune_offset) < a.tokens:
         raise SystemExit(f"text has {ids.numel()} tokens: evaluation and calibration ranges do not fit apart")
     judge = study.Judge(model, ids[:a.tokens], a.window)
     base = judge.baseline()
     names = decoder_linear_names(model)
     original = {n: model.get_submodule(n).weight.data.clone() for n in names}
-    tune = windows[:a.tune_batches]
     teacher = teacher_targets(model, tune, top=a.top)
-    qws = rounded(model, names, windows[:a.calib_batches], a, study)
+    qws = rounded(model, names, windows, a, study)
     print(f"{a.model}: {len(names)} linears, baseline {base}, {time.perf_counter() - t0:.0f}s", flush=True)
     rows = []
     for steps in [int(s) for s in a.steps.split(",")]:
@@ -157,8 +162,8 @@ def main(argv=None) -> int:
 
         def log(step, loss, tr=trace, t=t):
             tr.append(loss)
-            if (step + 1) % len(tune) == 0:
-                print(f"step {step + 1}: mean KL {sum(tr[-len(tune):]) / len(tune):.4f}, "
+            if (step + 1) % 16 == 0:
+                print(f"step {step + 1}: mean KL of the last 16 {sum(tr[-16:]) / 16:.4f}, "
                       f"{time.perf_counter() - t:.0f}s", flush=True)
 
         tuned = finetune(model, qws, tune, teacher, cfg, log=log) if steps else qws
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
                 p.data.copy_(norms[n])
         per_epoch = [round(sum(trace[i:i + len(tune)]) / len(trace[i:i + len(tune)]), 4)
                      for i in range(0, len(trace), len(tune))]
-        method = "rot+gptq" + (f"+tune{steps}" + ("+codes" if a.lr_codes > 0 else "") if steps else "")
+        method = "rot+gptq" + (f"+tune{steps}/{len(tune)}w" + (f"+codes{a.lr_codes:g}" if a.lr_codes > 0 else "")
+                               if steps else "")
         rows.append({"k": a.k, "method": method, "bits": a.k + 0.25,
                      **m, "ppl_ratio": m["ppl"] / base["ppl"], "train_kl_per_epoch": per_epoch,
                      "seconds": round(time.perf_counter() - t, 1)})
@@ -181,7 +187,8 @@ def main(argv=None) -> int:
                       "command": "PYTHONPATH=src python lab/quality/k2_study.py " + " ".join(argv or sys.argv[1:]),
                       "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
                       "calib_tokens": a.calib_batches * a.calib_len, "tune_tokens": a.tune_batches * a.calib_len,
-                      "calib_offset": a.calib_offset, "text": "gensim test_data/lee_background.cor",
+                      "calib_offset": a.calib_offset, "tune_offset": tune_offset,
+                      "text": "gensim test_data/lee_background.cor",
                       "damp": a.damp, "top": a.top, "lr_q": a.lr_q, "lr_codebook": a.lr_codebook,
                       "lr_norm": a.lr_norm, "lr_codes": a.lr_codes, "norms": not a.no_norms,
                       "quantized_linears": len(names),
