@@ -30,7 +30,14 @@ from pathlib import Path
 
 import torch
 
-from kbit.calibrate import FinetuneConfig, decoder_linear_names, finetune, gptq_quantize, teacher_targets
+from kbit.calibrate import (
+    FinetuneConfig,
+    calibrate_layers,
+    decoder_linear_names,
+    finetune,
+    gptq_quantize,
+    teacher_targets,
+)
 from kbit.eval.judges import lee_text
 from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.reference import dequantize_reference
@@ -47,11 +54,37 @@ def _study():
     return mod
 
 
+def sequential(model, names, calib, a) -> dict:
+    """name -> KbitWeight from rot+gptq layer by layer (``kbit.calibrate.calibrate_layers``): each layer's
+    Hessians from what its fake-quantized predecessors produce; the model's weights are restored after."""
+    original = {n: model.get_submodule(n).weight.data.clone() for n in names}
+    out = {}
+
+    def fake_quant(name, linear, H):
+        qw = gptq_quantize(linear.weight.data, H, k=a.k, codebook=DEFAULT_CODEBOOK[a.k], damp=a.damp,
+                           rotation="hadamard")
+        out[name] = qw
+        install(model, {name: qw})
+        return None
+
+    calibrate_layers(model, calib, fake_quant)
+    for n in names:
+        model.get_submodule(n).weight.data = original[n]
+    return out
+
+
 def rounded(model, names, calib, a, study) -> dict:
-    """name -> KbitWeight from rot+gptq; each projection of all layers as one stack (cached under /tmp)."""
-    path = CACHE / f"{a.model}-k{a.k}-damp{a.damp}-c{len(calib)}x{a.calib_len}-{a.calib_offset}.pt"
+    """name -> KbitWeight from rot+gptq; each projection of all layers as one stack, or ``--sequential`` (cached
+    under /tmp)."""
+    seq = "-seq" if a.sequential else ""
+    path = CACHE / f"{a.model}-k{a.k}-damp{a.damp}-c{len(calib)}x{a.calib_len}-{a.calib_offset}{seq}.pt"
     if path.exists():
         return torch.load(path, weights_only=False)
+    if a.sequential:
+        out = sequential(model, names, calib, a)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        torch.save(out, path)
+        return out
     mods = {n: model.get_submodule(n) for n in names}
     hessians = study.collect_hessians(model, mods, calib)
     groups: dict = {}
@@ -113,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr-norm", type=float, default=FinetuneConfig.lr_norm)
     p.add_argument("--lr-codes", type=float, default=0.0, help="> 0: free codes (latent values, straight-through)")
     p.add_argument("--no-norms", action="store_true")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warmup")
+    p.add_argument("--sequential", action="store_true",
+                   help="GPTQ layer by layer on the fake-quantized predecessors' outputs (default: one pass)")
     p.add_argument("--top", type=int, default=128)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=512)
@@ -149,14 +185,20 @@ def main(argv=None) -> int:
     base = judge.baseline()
     names = decoder_linear_names(model)
     original = {n: model.get_submodule(n).weight.data.clone() for n in names}
-    teacher = teacher_targets(model, tune, top=a.top)
+    path = CACHE / f"{a.model}-teacher-top{a.top}-{len(tune)}x{a.calib_len}-{tune_offset}.pt"
+    if path.exists():  # the unquantized model's targets: minutes on one core for 128 windows
+        teacher = torch.load(path, weights_only=False)
+    else:
+        teacher = teacher_targets(model, tune, top=a.top)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        torch.save(teacher, path)
     qws = rounded(model, names, windows, a, study)
     print(f"{a.model}: {len(names)} linears, baseline {base}, {time.perf_counter() - t0:.0f}s", flush=True)
     rows = []
     for steps in [int(s) for s in a.steps.split(",")]:
         t = time.perf_counter()
         cfg = FinetuneConfig(steps=steps, lr_q=a.lr_q, lr_codebook=a.lr_codebook, lr_norm=a.lr_norm,
-                             norms=not a.no_norms, lr_codes=a.lr_codes)
+                             norms=not a.no_norms, lr_codes=a.lr_codes, warmup=a.warmup)
         norms = {n: p.data.clone() for n, p in model.named_parameters() if p.dim() == 1}
         trace: list[float] = []
 
@@ -176,8 +218,9 @@ def main(argv=None) -> int:
                 p.data.copy_(norms[n])
         per_epoch = [round(sum(trace[i:i + len(tune)]) / len(trace[i:i + len(tune)]), 4)
                      for i in range(0, len(trace), len(tune))]
-        method = "rot+gptq" + (f"+tune{steps}/{len(tune)}w" + (f"+codes{a.lr_codes:g}" if a.lr_codes > 0 else "")
-                               if steps else "")
+        method = ("rot+seqgptq" if a.sequential else "rot+gptq") + (
+            f"+tune{steps}/{len(tune)}w" + (f"+codes{a.lr_codes:g}" if a.lr_codes > 0 else "")
+            + (f"+warmup{a.warmup}" if a.warmup else "") if steps else "")
         rows.append({"k": a.k, "method": method, "bits": a.k + 0.25,
                      **m, "ppl_ratio": m["ppl"] / base["ppl"], "train_kl_per_epoch": per_epoch,
                      "seconds": round(time.perf_counter() - t, 1)})
@@ -191,6 +234,7 @@ def main(argv=None) -> int:
                       "text": "gensim test_data/lee_background.cor",
                       "damp": a.damp, "top": a.top, "lr_q": a.lr_q, "lr_codebook": a.lr_codebook,
                       "lr_norm": a.lr_norm, "lr_codes": a.lr_codes, "norms": not a.no_norms,
+                      "warmup": a.warmup, "sequential": a.sequential,
                       "quantized_linears": len(names),
                       "baseline": base, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
             a.out.parent.mkdir(parents=True, exist_ok=True)
