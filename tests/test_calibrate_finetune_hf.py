@@ -133,3 +133,20 @@ def test_cli_finetune_steps(tmp_path, capsys):
         torch.testing.assert_close(load_quantized(dst)(x).logits, expected(x).logits, rtol=0, atol=0)
     assert main(["quantize", str(src), str(tmp_path / "o"), "--finetune-steps", "3"]) == 1
     assert "--finetune-steps: expected --calibrate as well" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_of_a_bfloat16_model_on_the_device():
+    """The whole flow on the GPU in bfloat16 (teacher, GPTQ, tuning, install): the tuned modules stay on the device
+    in bfloat16, rotated, and the tuned model is closer to the float one than the GPTQ-only model."""
+    calib = batches(4, 0)
+    ref = tiny(3).cuda()
+    plain = tiny(3).to("cuda", torch.bfloat16)
+    tuned = tiny(3).to("cuda", torch.bfloat16)
+    quantize_model(plain, k=2, rotation="hadamard", calibration=calib, progress=False)
+    quantize_model(tuned, k=2, rotation="hadamard", calibration=calib, progress=False,
+                   finetune=FinetuneConfig(steps=24, lr_q=0.2, lr_codebook=1e-2, lr_norm=1e-2))
+    lins = [m for m in tuned.modules() if isinstance(m, KbitLinear)]
+    assert len(lins) == 14 and all(m.codes.is_cuda and m.dtype == torch.bfloat16 and m.rotation for m in lins)
+    held_out = [x.cuda() for x in batches(3, 100)]
+    assert kl(tuned, ref, held_out) < kl(plain, ref, held_out)
