@@ -257,10 +257,12 @@ def finetune(model: nn.Module, weights: Mapping[str | tuple[str, ...], KbitWeigh
     for p, _ in frozen:
         p.requires_grad_(False)
     norms = _norm_parameters(model, set()) if config.norms else []
+    # Adam steps a float32 copy of a half-precision gain: lr_norm's 1e-3 is below bfloat16's resolution near 1
+    masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in norms]
     groups = [{"params": [t.q for t in tunables.values()], "lr": config.lr_q},
               {"params": [t.codebook for t in tunables.values()], "lr": config.lr_codebook}]
     if norms:
-        groups.append({"params": norms, "lr": config.lr_norm})
+        groups.append({"params": masters, "lr": config.lr_norm})
     if config.lr_codes > 0:
         groups.append({"params": [t.latent for t in tunables.values()], "lr": config.lr_codes})
     for p in norms:
@@ -270,7 +272,7 @@ def finetune(model: nn.Module, weights: Mapping[str | tuple[str, ...], KbitWeigh
     try:
         for n, m in stand_ins.items():
             model.set_submodule(n, m)
-        _steps(model, opt, sched, batches, teacher, config.steps, log)
+        _steps(model, opt, sched, batches, teacher, config.steps, log, list(zip(norms, masters, strict=True)))
     finally:
         for n, m in originals.items():
             model.set_submodule(n, m)
@@ -287,13 +289,20 @@ def _lr_factor(step: int, steps: int, warmup: int) -> float:
 
 
 @torch.enable_grad()  # a caller inside torch.no_grad() (quantize_model's may be) still gets its gradients
-def _steps(model, opt, sched, batches, teacher: TeacherTargets, steps: int, log) -> None:
+def _steps(model, opt, sched, batches, teacher: TeacherTargets, steps: int, log, masters: list) -> None:
+    """``steps`` Adam steps; ``masters``: (a model parameter, the float32 copy the optimizer steps)."""
+    masters = [(p, m) for p, m in masters if m is not p]
     for step in range(steps):
         b = step % len(batches)
         loss = sparse_kl(_logits(model, batches[b]), teacher.logp[b], teacher.index[b])
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        for p, m in masters:
+            m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
         opt.step()
+        with torch.no_grad():
+            for p, m in masters:
+                p.copy_(m)
         sched.step()
         if log is not None:
             log(step, float(loss.detach()))
