@@ -111,17 +111,29 @@ def install(model, weights: dict) -> None:
         model.get_submodule(n).weight.data = unrotate_weight(w, qw.rotation) if qw.rotation is not None else w
 
 
+def _label(run: dict, row: dict) -> str:
+    """The row's method, with the learning rates that differ from FinetuneConfig's defaults."""
+    lrs = [f"{key} {run[key]:g}" for key in ("lr_q", "lr_codebook", "lr_norm")
+           if key in run and run[key] != getattr(FinetuneConfig, key)]
+    return row["method"] + (f" ({', '.join(lrs)})" if lrs and "tune" in row["method"] else "")
+
+
 def table(results: list[dict]) -> str:
-    """Markdown rows of every results file: the k = 2 bar is top-1 >= 0.6 and ppl <= 3x unquantized."""
-    lines = ["| judge | method | bits/weight | ppl | ppl / unquantized | KL | top-1 | bar met | train KL per epoch |"
+    """Markdown rows of every results file: the k = 2 bar is top-1 >= 0.6 and ppl <= 3x unquantized. The train
+    KL is per pass over the tuning windows, or per 16 steps where a row has ``train_kl_per_16_steps``."""
+    lines = ["| judge | method | bits/weight | ppl | ppl / unquantized | KL | top-1 | bar met | train KL |"
              " seconds |", "|---|---|--:|--:|--:|--:|--:|---|---|--:|"]
     for r in results:
+        if not r["rows"]:  # a run stopped before its first row (its "stopped" says why)
+            continue
         base = r["baseline"]
         lines.append(f"| {r['model']} | unquantized | 32 | {base['ppl']:.2f} | 1 | 0 | 1 | | | |")
         for row in r["rows"]:
             met = "yes" if row["top1"] >= 0.6 and row["ppl_ratio"] <= 3 else "no"
-            epochs = ", ".join(f"{v:.3f}" for v in row["train_kl_per_epoch"])
-            lines.append(f"| {r['model']} | {row['method']} | {row['bits']} | {row['ppl']:.2f} | "
+            trace = row.get("train_kl_per_16_steps", row["train_kl_per_epoch"])
+            epochs = ", ".join(f"{v:.3f}" for v in trace) + (" (per 16 steps)" if "train_kl_per_16_steps" in row
+                                                             and trace else "")
+            lines.append(f"| {r['model']} | {_label(r, row)} | {row['bits']} | {row['ppl']:.2f} | "
                          f"{row['ppl_ratio']:.2f}x | {row['kl']:.4f} | {row['top1']:.3f} | {met} | {epochs} | "
                          f"{row['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
