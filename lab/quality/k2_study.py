@@ -134,7 +134,7 @@ def table(results: list[dict]) -> str:
             epochs = ", ".join(f"{v:.3f}" for v in trace) + (" (per 16 steps)" if "train_kl_per_16_steps" in row
                                                              and trace else "")
             lines.append(f"| {r['model']} | {_label(r, row)} | {row['bits']} | {row['ppl']:.2f} | "
-                         f"{row['ppl_ratio']:.2f}x | {row['kl']:.4f} | {row['top1']:.3f} | {met} | {epochs} | "
+                         f"{row['ppl_ratio']:.2f}x | {row['kl']:.4f} | {row['top1']:.4f} | {met} | {epochs} | "
                          f"{row['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
