@@ -112,9 +112,8 @@ def install(model, weights: dict) -> None:
 
 
 def _label(run: dict, row: dict) -> str:
-    """The row's method, with the learning rates that differ from FinetuneConfig's defaults."""
-    lrs = [f"{key} {run[key]:g}" for key in ("lr_q", "lr_codebook", "lr_norm")
-           if key in run and run[key] != getattr(FinetuneConfig, key)]
+    """The row's method, with its learning rates where it was tuned."""
+    lrs = [f"{key} {run[key]:g}" for key in ("lr_q", "lr_codebook", "lr_norm") if key in run]
     return row["method"] + (f" ({', '.join(lrs)})" if lrs and "tune" in row["method"] else "")
 
 
