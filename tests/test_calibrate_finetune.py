@@ -290,3 +290,18 @@ def test_joint_weight_of_two_modules_is_tuned_as_one():
     assert tuned[key].shape == (192, 64) and tuned[key].rotation == joint.rotation
     install_joint(tuned[key])
     assert _kl(plain, batches, teacher) < before
+
+
+def test_half_precision_gains_are_tuned_through_float32_copies():
+    """lr_norm 1e-3 on bfloat16 gains: each step alone would round back to 1.0; the float32 copies accumulate
+    the steps, and the gains stay bfloat16 parameters."""
+    torch.manual_seed(4)
+    model = _TinyLM(n=1).eval().to(torch.bfloat16)
+    batches = [torch.randint(0, 64, (1, 12)) for _ in range(2)]
+    teacher = teacher_targets(model, batches, top=16)
+    name = "layers.0.up"
+    qw = kbit.quantize(model.get_submodule(name).weight.detach().float(), k=2)
+    finetune(model, {name: qw}, batches, teacher, FinetuneConfig(steps=4, lr_norm=1e-3))
+    gains = model.layers[0].norm.weight
+    assert gains.dtype == torch.bfloat16 and isinstance(gains, nn.Parameter)
+    assert not torch.equal(gains, torch.ones_like(gains))

@@ -3,6 +3,7 @@
     kbit quantize path/to/model out_dir --k 4
     kbit quantize path/to/model out_dir --k 3 --override 'mlp.down_proj={"k": 4}' --override 'lm_head={}'
     kbit quantize path/to/model out_dir --k 3 --rotation hadamard --calibrate [text.txt]
+    kbit quantize path/to/model out_dir --k 2 --rotation hadamard --calibrate --finetune-steps 200
 
 Loads with ``transformers.AutoModelForCausalLM`` (``AutoModel`` for encoders) from a local directory, never
 from a hub, and refuses (writing nothing) a model that transformers loads with missing, newly initialized or
@@ -13,7 +14,9 @@ config, so ``kbit generate --model out_dir`` runs on it.
 ``--rotation hadamard`` quantizes rotated weights (``kbit.quantize_model(rotation=)``); ``--calibrate FILE`` rounds
 the decoder layers with GPTQ on Hessians from the text of FILE (UTF-8), ``--calibrate`` alone from the second half
 of the Lee corpus in gensim's wheel (``kbit.hf.calibration.default_calibration_text``), with the model's own
-tokenizer; it runs the float model on the CPU, layer by layer.
+tokenizer; it runs the float model on the CPU, layer by layer. ``--finetune-steps N`` then tunes the rounded
+weights' codebooks, block scales and the norm gains for N steps against the float model on that text
+(``kbit.quantize_model(finetune=N)``; the format is unchanged).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "
                         "the Lee corpus of gensim's wheel, second half)")
+    p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
+                   help="with --calibrate: then tune the codebooks, block scales and norm gains for N steps (one "
+                        f"{SEQ_LEN}-token window each) against the float model's next-token distribution")
 
 
 def check_loading_info(info: dict, cls_name: str, encoder: bool) -> None:
@@ -89,6 +95,9 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 def main(args: argparse.Namespace) -> int:
     import transformers  # transformers is optional (kbit[hf]): imported when the command runs
 
+    if args.finetune_steps and args.calibrate is None:  # before the model loads: minutes for a large one
+        raise ValueError(f"--finetune-steps: expected --calibrate as well (the tuning runs on the calibration "
+                         f"text), got --finetune-steps {args.finetune_steps} alone")
     src = Path(args.model)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"model: expected a Hugging Face model folder with a config.json, got {str(src)!r}; "
@@ -106,10 +115,12 @@ def main(args: argparse.Namespace) -> int:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     quantize_model(model, k=args.k, blocksize=args.blocksize, codebook=args.codebook,
                    scale_format=args.scale_format, overrides=dict(args.override) or None, rotation=args.rotation,
-                   seed=args.seed, calibration=calibration, tokenizer=tokenizer)
+                   seed=args.seed, calibration=calibration, tokenizer=tokenizer,
+                   finetune=args.finetune_steps or None)
     save_quantized(model, args.out)
     copied = copy_side_files(src, Path(args.out))
     how = "".join([f", rotation={args.rotation}" if args.rotation else "",
-                   f", calibrated on {args.calibrate or 'the Lee corpus'}" if calibration is not None else ""])
+                   f", calibrated on {args.calibrate or 'the Lee corpus'}" if calibration is not None else "",
+                   f", tuned {args.finetune_steps} steps" if args.finetune_steps else ""])
     print(f"wrote {args.out} (k={args.k}{how}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
     return 0

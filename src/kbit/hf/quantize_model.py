@@ -10,7 +10,8 @@ and seed, so the q/k/v and gate/up groups share theirs), each layer rotating its
 ``rotation="residual"`` rotates the model's residual stream once, offline (``kbit.calibrate.rotate_residual``), so
 only down_proj rotates its input online (in the fast decode step: inside the SiLU * up kernel);
 ``calibration`` rounds the decoder layers' Linears with
-GPTQ on Hessians from a little text, layer by layer (:mod:`kbit.hf.calibration`).
+GPTQ on Hessians from a little text, layer by layer (:mod:`kbit.hf.calibration`); ``finetune`` then tunes the
+rounded weights end to end against the unquantized model on that text (``kbit.calibrate.finetune``).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import warnings
 import torch
 from torch import nn
 
+from kbit.calibrate.finetune import teacher_targets
 from kbit.calibrate.residual import rotate_residual
 from kbit.format import codebooks
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, KbitWeight
-from kbit.hf.calibration import calibrate_planned
+from kbit.hf.calibration import TEACHER_TOP, calibrate_planned, calibration_batches, tune_config
 from kbit.hf.checkpoint import load_quantized, module_table, save_quantized, untie_quantized_head
 from kbit.hf.config import KbitConfig, quantization_config_for
 from kbit.hf.experts import KbitExperts
@@ -110,7 +112,7 @@ JOINT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAULT_BLOCKSIZE, codebook=None,
                    scale_format: str = DEFAULT_SCALE_FORMAT, overrides: dict | None = None, include=None,
                    progress: bool = True, joint: bool = True, device=None, rotation=None, seed: int = 0,
-                   calibration=None, tokenizer=None) -> nn.Module:
+                   calibration=None, tokenizer=None, finetune=None) -> nn.Module:
     """Replace the Linear layers (and fused MoE experts) of a transformers model by k-bit ones, in place.
 
     Parameters
@@ -150,6 +152,13 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
         midway leaves the layers done so far quantized.
     tokenizer : turns text ``calibration`` into tokens (default: ``AutoTokenizer`` of the model's own folder,
         ``config._name_or_path``, local files only).
+    finetune : ``None`` or ``0`` (off), a number of steps, or a :class:`kbit.calibrate.FinetuneConfig`: after
+        GPTQ, tune the rounded weights' codebooks and log8 block scales and the model's norm gains (in place; the
+        codes and the format unchanged) to lower the KL divergence from the unquantized model's next-token
+        distribution on the calibration windows (one window a step, Adam, cosine decay;
+        ``kbit.calibrate.finetune``). The unquantized model's top-:data:`kbit.hf.calibration.TEACHER_TOP`
+        log-probabilities are recorded first, before any layer changes. Needs ``calibration`` and a model whose
+        forward returns ``.logits`` (a causal LM); the model runs forward and backward where it is.
 
     All or nothing (without ``calibration``): every planned module is quantized into a new module first and
     swapped in only when all succeeded, so an error leaves ``model`` as it was (with ``rotation="residual"``: its
@@ -169,6 +178,7 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     residual = rotation == "residual"
     todo = plan(model, k, blocksize, codebook, scale_format, overrides, include, None if residual else rotation)
     check_int("seed", seed, minimum=0)
+    tuning = tune_config(finetune, calibration)
     if residual:  # the formats, then (rotate_residual) the whole model are checked before any weight changes
         for cfg in todo.values():
             _check_planned(cfg)
@@ -184,7 +194,15 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
     bar = _progress(len(todo), progress)
     try:
         if calibration is not None:
-            done = calibrate_planned(model, todo, groups, calibration, tokenizer, seed, device, bar, _split_joint)
+            batches = calibration_batches(model, calibration, tokenizer)
+            tune = None if tuning is None else (
+                teacher_targets(model, batches, top=TEACHER_TOP), tuning,
+                _progress(tuning.steps, progress, "kbit finetune", "step"))
+            try:
+                done = calibrate_planned(model, todo, groups, batches, seed, device, bar, _split_joint, tune)
+            finally:
+                if tune is not None and tune[2] is not None:
+                    tune[2].close()
             todo = {n: c for n, c in todo.items() if n not in done}
         new = _quantize_all(model, todo, groups, seed, device, bar)
     finally:
@@ -302,12 +320,14 @@ def _quantize_joint(mods: list[nn.Linear], kw: dict, device=None) -> list[KbitLi
     return _split_joint(mods, qw, device)
 
 
-def _split_joint(mods: list[nn.Linear], qw: KbitWeight, device=None) -> list[KbitLinear]:
+def _split_joint(mods: list[nn.Module], qw: KbitWeight, device=None, dtype=None) -> list[KbitLinear]:
     """One KbitLinear per module of a jointly quantized ``qw`` (its rows; the tensor scale, codebook and rotation
-    shared), on ``device`` (default: qw's)."""
-    w0 = mods[0].weight
+    shared), on ``device`` (default: qw's), in ``dtype`` (default: from the ``nn.Linear`` modules' weights)."""
     device = torch.device(device if device is not None else qw.device)
-    dtype = w0.dtype if (w0.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda") else torch.bfloat16
+    if dtype is None:
+        w0 = mods[0].weight
+        dtype = w0.dtype if (w0.dtype in (torch.float16, torch.bfloat16) or device.type != "cuda") \
+            else torch.bfloat16
     out, lo = [], 0
     for m in mods:
         hi = lo + m.out_features
@@ -319,11 +339,11 @@ def _split_joint(mods: list[nn.Linear], qw: KbitWeight, device=None) -> list[Kbi
     return out
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "kbit quantize", unit: str = "module"):
     if not enabled or total == 0:
         return None
     try:  # tqdm is optional: no progress bar without it
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="kbit quantize", unit="module")
+    return tqdm(total=total, desc=desc, unit=unit)
