@@ -150,3 +150,15 @@ def test_gpu_tuning_of_a_bfloat16_model_on_the_device():
     assert len(lins) == 14 and all(m.codes.is_cuda and m.dtype == torch.bfloat16 and m.rotation for m in lins)
     held_out = [x.cuda() for x in batches(3, 100)]
     assert kl(tuned, ref, held_out) < kl(plain, ref, held_out)
+
+
+def test_config_records_what_calibration_did(quantized, tmp_path):
+    """config.json says how the weights were rounded (not the text): GPTQ's tokens, the tuning steps; a saved
+    checkpoint keeps it and loads."""
+    _, plain, tuned = quantized
+    assert plain.config.quantization_config.calibration == "gptq on 256 tokens (4 batches)"
+    assert tuned.config.quantization_config.calibration.endswith(", then 24 end-to-end tuning steps "
+                                                                 "(kbit.calibrate.finetune)")
+    save_quantized(tuned, tmp_path / "q")
+    back = load_quantized(tmp_path / "q")
+    assert back.config.quantization_config["calibration"] == tuned.config.quantization_config.calibration

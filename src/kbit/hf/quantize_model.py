@@ -210,16 +210,25 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
             bar.close()
     for name, module in new.items():  # nothing above changed the model: now swap everything in
         model.set_submodule(name, module)
-    _attach_quantizer(model)
+    _attach_quantizer(model, None if calibration is None else _calibration_record(batches, tuning))
     return model
 
 
-def _attach_quantizer(model: nn.Module) -> None:
+def _calibration_record(batches: list, tuning) -> str:
+    """What calibration did, for ``quantization_config.calibration`` in ``config.json`` (the text itself is not
+    kept: it may be the user's own)."""
+    tokens = sum(int(b.numel()) for b in batches)
+    out = f"gptq on {tokens} tokens ({len(batches)} batch{'es' if len(batches) > 1 else ''})"
+    return out if tuning is None else out + f", then {tuning.steps} end-to-end tuning steps (kbit.calibrate.finetune)"
+
+
+def _attach_quantizer(model: nn.Module, calibration: str | None = None) -> None:
     """Make a transformers model quantized here what loading with :class:`KbitConfig` makes it: its config gets
     ``quantization_config`` (with the module table) and the model transformers' quantizer of it, so that
     ``model.save_pretrained`` writes a kbit checkpoint (without the quantizer, transformers would try to save the
     modules' format dicts as tensors). Called again on a model loaded through
-    :class:`KbitConfig`, it only refreshes the module table of that config."""
+    :class:`KbitConfig`, it only refreshes the module table of that config. ``calibration``: what calibrated
+    rounding did, recorded as the config's ``calibration``."""
     try:  # transformers is optional: a plain nn.Module has no save_pretrained to serve
         from transformers import PreTrainedModel
         from transformers.quantizers import AutoHfQuantizer
@@ -237,6 +246,8 @@ def _attach_quantizer(model: nn.Module) -> None:
         qc = KbitConfig(**{key: v for key, v in settings.items() if key != "quant_method"})
         model.config.quantization_config = qc
     qc.modules = table
+    if calibration is not None:
+        qc.calibration = calibration
     if getattr(model, "hf_quantizer", None) is None:
         model.hf_quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=True)
 
