@@ -117,9 +117,15 @@ def allreduce_config(device, world: int) -> AllReduceConfig:
 def symm_mem_missing(method: str) -> list[str]:
     """The ``torch.ops.symm_mem`` ops ``method`` needs that this torch lacks ([] for NCCL)."""
     check_choice("method", method, METHODS)
+    return list(_missing(method))
+
+
+@functools.cache
+def _missing(method: str) -> tuple[str, ...]:
+    # once a process: which ops torch has does not change, and the choice runs on every eager all-reduce
     ops = getattr(torch.ops, "symm_mem", None) if symm_mem is not None else None
-    return [" or ".join(names) for names in _OPS.get(method, ())
-            if ops is None or not any(hasattr(ops, n) for n in names)]
+    return tuple(" or ".join(names) for names in _OPS.get(method, ())
+                 if ops is None or not any(hasattr(ops, n) for n in names))
 
 
 def _group_name(group) -> str:
@@ -142,29 +148,40 @@ _BUFFERS: dict[tuple[str, int, torch.dtype], torch.Tensor | None] = {}
 _RETIRED: list = []
 
 
-def _buffer(group, device: torch.device, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
-    """The group's symmetric buffer of at least ``nbytes`` (made now, collectively, if it is not yet)."""
-    key = (_group_name(group), device.index, dtype)
-    old = _BUFFERS.get(key, False)
-    if old is None or (old is not False and old.numel() * old.element_size() >= nbytes):
+def _grown(cache: dict, key, fits, make):
+    """``cache[key]`` where it ``fits``; else a new one from ``make()`` (collective: every rank gets here at once),
+    the old one retired; None where symmetric memory failed once (NCCL from then on) or inside a graph capture."""
+    old = cache.get(key, False)
+    if old is None or (old is not False and fits(old)):
         return old
     if torch.cuda.is_current_stream_capturing():
         return None  # allocation and rendezvous cannot be captured: NCCL in this graph
     if old is not False:
         _RETIRED.append(old)
     try:
+        buf = make()
+    except (RuntimeError, NotImplementedError, ValueError) as err:
+        warnings.warn(f"kbit.parallel: symmetric memory unavailable ({err}); all-reduces use NCCL", stacklevel=4)
+        buf = None
+    cache[key] = buf
+    return buf
+
+
+def _buffer(group, device: torch.device, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
+    """The group's symmetric buffer of at least ``nbytes`` (made now, collectively, if it is not yet)."""
+    name = _group_name(group)
+
+    def make():
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             with warnings.catch_warnings():  # deprecated (a no-op) in newer torch, required in older
                 warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(key[0])
+                symm_mem.enable_symm_mem_for_group(name)
         esize = torch.empty((), dtype=dtype).element_size()
         buf = symm_mem.empty(-(-nbytes // esize), dtype=dtype, device=device)
-        symm_mem.rendezvous(buf, key[0])
-    except (RuntimeError, NotImplementedError, ValueError) as err:
-        warnings.warn(f"kbit.parallel: symmetric memory unavailable ({err}); all-reduces use NCCL", stacklevel=3)
-        buf = None
-    _BUFFERS[key] = buf
-    return buf
+        symm_mem.rendezvous(buf, name)
+        return buf
+
+    return _grown(_BUFFERS, (name, device.index, dtype), lambda b: b.numel() * b.element_size() >= nbytes, make)
 
 
 #: (group name, device index) -> the barrier-free all-reduce's buffer, or None where it could not be made
@@ -173,21 +190,8 @@ _LAMPORT: dict[tuple[str, int], LamportBuffer | None] = {}
 
 def _lamport_buffer(group, device: torch.device, numel: int) -> LamportBuffer | None:
     """The group's Lamport buffer for messages of ``numel`` elements (made now, collectively, if it is not yet)."""
-    key = (_group_name(group), device.index)
-    old = _LAMPORT.get(key, False)
-    if old is None or (old is not False and old.capacity >= numel):
-        return old
-    if torch.cuda.is_current_stream_capturing():
-        return None  # allocation and rendezvous cannot be captured: NCCL in this graph
-    if old is not False:
-        _RETIRED.append(old)
-    try:
-        buf = LamportBuffer(numel, device, group)
-    except (RuntimeError, NotImplementedError, ValueError) as err:
-        warnings.warn(f"kbit.parallel: symmetric memory unavailable ({err}); all-reduces use NCCL", stacklevel=3)
-        buf = None
-    _LAMPORT[key] = buf
-    return buf
+    return _grown(_LAMPORT, (_group_name(group), device.index), lambda b: b.capacity >= numel,
+                  lambda: LamportBuffer(numel, device, group))
 
 
 def choose_method(y: torch.Tensor, group=None, config: AllReduceConfig | None = None) -> str:
@@ -195,7 +199,7 @@ def choose_method(y: torch.Tensor, group=None, config: AllReduceConfig | None = 
     world = dist.get_world_size(group)
     config = allreduce_config(y.device, world) if config is None else config
     method = config.method(y.numel() * y.element_size(), y.dtype)
-    if method == "nccl" or symm_mem_missing(method) or not _eligible(y, group, method):
+    if method == "nccl" or _missing(method) or not _eligible(y, group, method):
         return "nccl"
     return method
 
@@ -213,7 +217,7 @@ def all_reduce_sum(y: torch.Tensor, group=None, config: AllReduceConfig | None =
         method = choose_method(y, group, config)
     else:
         check_choice("method", method, METHODS)
-        if method != "nccl" and (symm_mem_missing(method) or not _eligible(y, group, method)):
+        if method != "nccl" and (_missing(method) or not _eligible(y, group, method)):
             method = "nccl"
     if method != "nccl" and config is None:
         config = allreduce_config(y.device, dist.get_world_size(group))
