@@ -392,9 +392,7 @@ def load_quantized(directory: str | os.PathLike, device: str | torch.device = "c
     qc = raw.get("quantization_config")
     if qc is None and (directory / LEGACY_CONFIG_NAME).is_file():
         return _load_legacy(directory, device, model_class, raw)
-    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
-        fail(ValueError, f"{config_path}: quantization_config.quant_method", repr(QUANT_METHOD),
-             repr(qc.get("quant_method")) if isinstance(qc, dict) else "no quantization_config")
+    _check_quant_method(qc, config_path)
     files = weight_files(directory)
     headers = read_headers(files)
     check_config_sizes(raw, headers, str(config_path))
@@ -408,6 +406,12 @@ def load_quantized(directory: str | os.PathLike, device: str | torch.device = "c
     _check_headers(model, headers)
     _fill(model, files, device)
     return model.eval()
+
+
+def _check_quant_method(qc, config_path: Path) -> None:
+    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+        fail(ValueError, f"{config_path}: quantization_config.quant_method", repr(QUANT_METHOD),
+             repr(qc.get("quant_method")) if isinstance(qc, dict) else "no quantization_config")
 
 
 def _skeleton(transformers, directory: Path, qc: dict, model_class, where: str) -> nn.Module:
@@ -437,9 +441,7 @@ def empty_quantized(directory: str | os.PathLike, model_class=None) -> nn.Module
         fail(ValueError, "directory", "a checkpoint folder with a config.json", os.fspath(directory))
     raw = _read_json(config_path)
     qc = raw.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
-        fail(ValueError, f"{config_path}: quantization_config.quant_method", repr(QUANT_METHOD),
-             repr(qc.get("quant_method")) if isinstance(qc, dict) else "no quantization_config")
+    _check_quant_method(qc, config_path)
     model_class = model_class or _model_class(transformers, raw, config_path)
     return _skeleton(transformers, directory, qc, model_class, str(config_path)).eval()
 
