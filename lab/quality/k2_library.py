@@ -60,6 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--tune-batches", type=int, default=128)
     p.add_argument("--tune-offset", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1, help="tuning windows a step (a batch of --batch windows)")
+    p.add_argument("--ids", type=Path, default=None,
+                   help="the Lee corpus as token ids (torch.save of a 1-D tensor), for a machine without the "
+                        "tokenizer or gensim (lab/quality/judge_parts.py)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--out", type=Path, default=None)
@@ -67,18 +71,19 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     study = _study()
     dtype = getattr(torch, a.dtype)
-    model, tok = study.load(a.model)
-    ids = tok(lee_text(), return_tensors="pt").input_ids[0]
+    model, tok = study.load(a.model, tokenizer=a.ids is None)
+    ids = tok(lee_text(), return_tensors="pt").input_ids[0] if a.ids is None else torch.load(a.ids).long()
     tune = [ids[a.tune_offset + i * a.window:a.tune_offset + (i + 1) * a.window][None] for i in range(a.tune_batches)]
     if tune[-1].numel() < a.window or a.tune_offset < a.tokens:
         raise SystemExit(f"text has {ids.numel()} tokens: evaluation and tuning ranges do not fit apart")
+    tune = [torch.cat(tune[i:i + a.batch]) for i in range(0, len(tune) - a.batch + 1, a.batch)]
     judge = study.Judge(model.to(a.device, dtype), ids[:a.tokens].to(a.device), a.window)
     base = judge.baseline()
     print(f"{a.model}: baseline {base}, {time.perf_counter() - t0:.0f}s", flush=True)
     rows = []
     for steps in [int(s) for s in a.steps.split(",")]:
         t = time.perf_counter()
-        model = study.load(a.model)[0].to(a.device, dtype)
+        model = study.load(a.model, tokenizer=False)[0].to(a.device, dtype)
         cfg = FinetuneConfig(steps=steps, lr_q=a.lr_q, lr_codebook=a.lr_codebook, lr_norm=a.lr_norm, warmup=a.warmup)
         quantize_model(model, k=a.k, rotation="hadamard", calibration=tune, finetune=cfg if steps else None)
         if a.device == "cuda":
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - t
         judge.model = model
         m = judge.score()
-        rows.append({"k": a.k, "method": "rot+gptq" + (f"+tune{steps}/{len(tune)}w" if steps else ""),
+        rows.append({"k": a.k, "method": "rot+gptq" + (f"+tune{steps}/{len(tune)}x{a.batch}w" if steps else ""),
                      "bits": a.k + 0.25, **m, "ppl_ratio": m["ppl"] / base["ppl"],
                      "quantize_seconds": round(seconds, 1)})
         print(json.dumps(rows[-1]), flush=True)
@@ -98,7 +103,8 @@ def main(argv=None) -> int:
                 "command": "PYTHONPATH=src python lab/quality/k2_library.py " + " ".join(argv or sys.argv[1:]),
                 "torch": torch.__version__, "machine": platform.machine(),
                 "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "dtype": a.dtype,
-                "eval_tokens": judge.windows.numel(), "tune_tokens": a.tune_batches * a.window,
+                "eval_tokens": judge.windows.numel(), "tune_tokens": len(tune) * a.batch * a.window,
+                "batch": a.batch,
                 "tune_offset": a.tune_offset, "lr_q": a.lr_q, "lr_codebook": a.lr_codebook, "lr_norm": a.lr_norm,
                 "warmup": a.warmup, "baseline": base, "rows": rows}, indent=1) + "\n")
     return 0

@@ -90,9 +90,10 @@ def _join_parts(parts: list[Path], out: Path) -> Path:
     return out
 
 
-def load(name: str):
+def load(name: str, tokenizer: bool = True):
     """(model float32, tokenizer), from the GGUF the package ships (dequantized by transformers); kept under
-    /tmp/kbit-judges as safetensors because converting Gemma's tokenizer takes minutes."""
+    /tmp/kbit-judges as safetensors because converting Gemma's tokenizer takes minutes. ``tokenizer=False``: the
+    tokenizer is None (a cache made by ``lab/quality/judge_parts.py`` on a machine without the packages has none)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # optional dependency of the study
 
     cached = CACHE / name
@@ -104,7 +105,7 @@ def load(name: str):
         model.config.save_pretrained(cached)  # a GGUF-loaded model refuses save_pretrained: config + state dict
         tok.save_pretrained(cached)
         torch.save(model.state_dict(), cached / "weights.pt")
-    tok = AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(cached) if tokenizer else None
     config = AutoConfig.from_pretrained(cached)
     config.quantization_config = None
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
