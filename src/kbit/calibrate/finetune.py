@@ -41,6 +41,24 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
+class _Lookup(torch.autograd.Function):
+    """``codebook[codes]`` whose backward sums the gradient of each level in one histogram pass (``bincount``).
+    Every weight hits one of only 2^k levels, and the generic index backward (sorting, then accumulating per
+    index) took 98.7% of a tuning step's GPU time (3.4 s a step for a 135M model on an H200, 2026-11-26)."""
+
+    @staticmethod
+    def forward(ctx, codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(codes)
+        ctx.levels = codebook.numel()
+        return codebook[codes]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (codes,) = ctx.saved_tensors
+        g = torch.bincount(codes.reshape(-1), weights=grad.reshape(-1).float(), minlength=ctx.levels)
+        return g.to(grad.dtype), None
+
+
 class TunableWeight(nn.Module):
     """A 2-D log8 :class:`~kbit.format.KbitWeight` with its codebook and block scales as parameters.
 
@@ -74,8 +92,10 @@ class TunableWeight(nn.Module):
         # copies to a GPU stalled each step (3.8 s a step for a 135M model on an H100, 2026-11-26)
         if self.rotation is not None:
             K = self.shape[1]
-            self.register_buffer("_h", hadamard(self.rotation.block, torch.float32), persistent=False)
-            self.register_buffer("_signs", self.rotation.signs(K, torch.float32), persistent=False)
+            self.register_buffer("_h", hadamard(self.rotation.block, torch.float32, codes.device),
+                                 persistent=False)
+            self.register_buffer("_signs", self.rotation.signs(K, torch.float32, codes.device),
+                                 persistent=False)
 
     def scales(self) -> torch.Tensor:
         """float32 block scales ``[N, nb]`` on the log8 grid (straight-through in :attr:`q`)."""
@@ -96,7 +116,7 @@ class TunableWeight(nn.Module):
     def forward(self, rows: slice = slice(None)) -> torch.Tensor:
         """The weight's ``rows`` (all by default: a member of a joint q/k/v weight takes its own)."""
         K = self.shape[1]
-        values = self.codebook[self.current_codes()[rows]]
+        values = _Lookup.apply(self.codebook, self.current_codes()[rows])
         if self.latent is not None:
             values = values + (self.latent[rows] - self.latent[rows].detach())
         N = values.shape[0]
