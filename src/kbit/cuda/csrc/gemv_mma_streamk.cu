@@ -20,8 +20,12 @@
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
      T64          0/1 (k = 4): the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code pairs then log8
-                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
+                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it
+     ROT          0 or b: x R of the staged x (rotate_x.cuh; XS only, after the PRO norm; XK: slices of whole
+                  blocks), the Hadamard rotation block b of a layer quantized under a rotation
+     ROT_SCR      floats of shared scratch after x (and the norm weight) for ROT > 256 */
 #include "splitk.cuh"
+#include "rotate_x.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
 #define XK 0
@@ -509,6 +513,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
 #endif
+#if ROT /* the K signs of the rotation (int8 +1/-1) and K */
+    , const signed char* __restrict__ r_signs, int r_k
+#endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
@@ -602,6 +609,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     ((V4*)sx)[i] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
 #endif
+#endif
+#if ROT /* x R of the staged columns [c_lo, c_lo + ncols): whole rotation blocks (the plan checks XK slices) */
+  {
+    const int c_lo = s_lo * SEG, ncols = min(ns * SEG, r_k - c_lo);
+    float* scr = (float*)((V4*)sx + (M + (PRO ? 1 : 0)) * xv);  /* after x and the norm weight */
+    __syncthreads();  /* every row staged (PRO: normalised) */
+    rotate_staged((V4*)sx, xv, M, ncols, r_signs + c_lo, scr, tid, lane);
+  }
 #endif
   __syncthreads();
 #if !CAU /* (CAU: every warp meets the CTA barrier at the end) */

@@ -1,0 +1,132 @@
+/* ROT: the incoherence rotation x R of x staged in shared memory (kernel 3, kbit.ops.gemv_mma), in place, before
+   the MMA loop reads it. R = diag(signs) * blockdiag(H_b, ...) / sqrt(b) along K with b = ROT (a power of two
+   >= 8 dividing K; signs int8 +1/-1, kbit.ops._rotation), the definition of kbit.ops.hadamard.rotate: signs, then
+   log2(b) butterfly stages (a, c) -> (a + c, a - c), then 1/sqrt(b), all in float32, and one rounding to the
+   activation dtype at the store (the staged row itself is what the unrotated kernel would have staged).
+
+   A thread takes 8 contiguous columns (one 16-byte vector; stages 1, 2, 4 in registers) and a warp 256 aligned
+   columns (stages 8 .. 128 by warp shuffles), so b <= 256 needs no shared exchange and no barrier inside. For
+   b > 256 the remaining stages (256 .. b/2) mix 256-column chunks held by different warps: the first pass writes
+   float32 values to a scratch of ROT_SCR floats (whole blocks), a barrier, then a thread takes one column of a
+   block's 256-column chunks (b / 256 values at stride 256) and ends the transform in registers. Barriers: the
+   caller's one before (the staged rows complete), two a round of ROT_SCR / b blocks (none for b <= 256).
+
+   Defines: ROT (0: none; else b), ROT_SCR (floats of scratch, a multiple of ROT; ROT > 256 only). */
+#ifndef ROT
+#define ROT 0
+#endif
+#if ROT
+#ifndef ROT_SCR
+#define ROT_SCR 0
+#endif
+#if ROT < 8 || (ROT & (ROT - 1))
+#error "ROT: the rotation block must be a power of two >= 8"
+#endif
+#if ROT > 256 && (ROT_SCR < ROT || ROT_SCR % ROT)
+#error "ROT_SCR: blocks over 256 columns need a float scratch of whole blocks"
+#endif
+#if !XS
+#error "ROT: the rotation works on x staged in shared memory (XS)"
+#endif
+#define ROT_SH (ROT < 256 ? ROT : 256) /* the block's columns a warp holds */
+
+/* f <- the 8 columns of v times their signs (sg: the signs of these columns) */
+__device__ __forceinline__ void rot_in(float (&f)[8], const V4& v, const signed char* __restrict__ sg) {
+  const uint2 s = *(const uint2*)sg;
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int sb = (int)(signed char)(((e < 4 ? s.x : s.y) >> (8 * (e & 3))) & 0xFFu);
+    f[e] = h2f((w[e >> 1] >> (16 * (e & 1))) & 0xFFFFu) * (float)sb;
+  }
+}
+/* the stages below 256 of 8 columns a lane, 256 columns a warp (every lane of the warp takes part) */
+__device__ __forceinline__ void rot_low(float (&f)[8], u32 lane) {
+#pragma unroll
+  for (int h = 1; h < 8 && h < ROT; h <<= 1)
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (!(e & h)) {
+        const float a = f[e], c = f[e + h];
+        f[e] = a + c;
+        f[e + h] = a - c;
+      }
+#pragma unroll
+  for (int m = 1; 8 * m < ROT_SH; m <<= 1) {  /* lane ^ m holds the columns 8 m away */
+    const bool hi = lane & m;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float o = __shfl_xor_sync(0xffffffffu, f[e], m);
+      f[e] = hi ? o - f[e] : f[e] + o;
+    }
+  }
+}
+__device__ __forceinline__ V4 rot_pack(const float (&f)[8], float sc) {
+  V4 r;
+  r.x = (u32)f2h(f[0] * sc) | ((u32)f2h(f[1] * sc) << 16);
+  r.y = (u32)f2h(f[2] * sc) | ((u32)f2h(f[3] * sc) << 16);
+  r.z = (u32)f2h(f[4] * sc) | ((u32)f2h(f[5] * sc) << 16);
+  r.w = (u32)f2h(f[6] * sc) | ((u32)f2h(f[7] * sc) << 16);
+  return r;
+}
+/* x R in place on the M staged rows (row stride xv vectors) of sx, columns [0, ncols) (whole blocks); sg: the
+   signs of the staged columns (signs + the first staged column). Every thread of the CTA calls it. scr: ROT_SCR
+   floats of shared scratch (b > 256). The caller syncs before (rows staged) and after (the MMA loop reads). */
+__device__ __forceinline__ void rotate_staged(V4* sx, int xv, int M, int ncols, const signed char* __restrict__ sg,
+                                              float* scr, u32 tid, u32 lane) {
+  const float sc = 1.0f / sqrtf((float)ROT);
+  const int bd = (int)blockDim.x, nvr = ncols >> 3;  /* vectors of a row to rotate */
+#if ROT <= 256
+  const int nvp = (nvr + 31) & ~31;  /* padded to whole warps: the shuffles need all 32 lanes */
+  (void)scr;
+  for (int i = (int)tid; i < M * nvp; i += bd) {
+    const int tok = i / nvp, c = i - tok * nvp;
+    float f[8];
+    V4* p = sx + tok * xv + c;
+    if (c < nvr) {
+      rot_in(f, *p, sg + 8 * c);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = 0.0f;
+    }
+    rot_low(f, lane);
+    if (c < nvr) *p = rot_pack(f, sc);
+  }
+#else
+  constexpr int VB = ROT / 8, R2 = ROT / 256, BPR = ROT_SCR / ROT;  /* vectors a block, chunks, blocks a round */
+  const int nbr = ncols / ROT, nblk = M * nbr;
+  for (int q0 = 0; q0 < nblk; q0 += BPR) {
+    const int nq = min(BPR, nblk - q0);
+    if (q0) __syncthreads();  /* the previous round's second pass has read the scratch */
+    for (int i = (int)tid; i < nq * VB; i += bd) {  /* VB % 32 == 0: whole warps */
+      const int q = q0 + i / VB, tok = q / nbr, c = (q - tok * nbr) * VB + i % VB;
+      float f[8];
+      rot_in(f, sx[tok * xv + c], sg + 8 * c);
+      rot_low(f, lane);
+      float4* d = (float4*)(scr + 8 * i);
+      d[0] = make_float4(f[0], f[1], f[2], f[3]);
+      d[1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    __syncthreads();
+    for (int j = (int)tid; j < nq * 256; j += bd) {  /* column cc of block q's 256-column chunks */
+      const int b = j >> 8, cc = j & 255, q = q0 + b, tok = q / nbr;
+      float h[R2];
+#pragma unroll
+      for (int r = 0; r < R2; ++r) h[r] = scr[b * ROT + 256 * r + cc];
+#pragma unroll
+      for (int s = 1; s < R2; s <<= 1)
+#pragma unroll
+        for (int r = 0; r < R2; ++r)
+          if (!(r & s)) {
+            const float a = h[r], c = h[r + s];
+            h[r] = a + c;
+            h[r + s] = a - c;
+          }
+      u16* d = (u16*)(sx + tok * xv) + (q - tok * nbr) * ROT + cc;
+#pragma unroll
+      for (int r = 0; r < R2; ++r) d[256 * r] = f2h(h[r] * sc);
+    }
+  }
+#endif
+}
+#endif
