@@ -182,6 +182,11 @@ class FastDecodeStep:
         self.rot_down = [shared_rotation([layer.mlp.down_proj], dev) if dense else None
                          for layer, dense in zip(self.layers, self.dense, strict=True)]
         self.rot_head = shared_rotation([model.lm_head], dev) if hasattr(model.lm_head, "in_features") else None
+        if kernels_available(dev):  # rotated o_proj / down_proj: held in layout "mma-v1" for kernel 3's ROT now
+            for layer, ro, rd in zip(self.layers, self.rot_o, self.rot_down, strict=True):
+                for m, rot in ((layer.self_attn.o_proj, ro), (getattr(layer.mlp, "down_proj", None), rd)):
+                    if rot is not None and type(m) is KbitLinear and m.auto_repack:
+                        m.repack_for_kernels()
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
     def _attend(self, q, kc, vc, length, scale, pos):
