@@ -16,7 +16,7 @@ from kbit.nn import KbitLinear
 from kbit.ops import gemv_mma, glue
 from kbit.ops._rotation import hadamard_reference, rotation_signs
 from kbit.tuning.mma import PIPE, MmaConfig
-from kbit.tuning.mma_plan import ROT_SCR_MAX, XS_MAX, make_plan, rot_scratch, rotation_config, table_smem
+from kbit.tuning.mma_plan import ROT_SCR_MAX, XS_MAX, make_plan, rot_smem, rotation_config, table_smem
 
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
@@ -48,17 +48,22 @@ def test_plan_rotates_whole_x(K, block):
     for M, pro in ((1, 0), (1, 2), (4, 2), (8, 0)):
         cfg = rotation_config(3, M, 1024, K, block, _cfg(3), pro=pro)
         S = -(-K // 256)
-        fits = table_smem(3) + (M + bool(pro)) * S * 512 + 4 * rot_scratch(block, M, K) <= XS_MAX
-        assert (cfg is not None) == fits, (M, pro)
-        if not fits:
+        rb = rot_smem(block, M, K, pro, table_smem(3) + (M + bool(pro)) * S * 512)
+        assert (cfg is not None) == (rb is not None), (M, pro)
+        if rb is None:
             continue
         assert cfg.kernel == 3 and cfg.x_smem
         p = _plan(3, M, 1024, K, cfg, pro=pro, rot=block)
         assert p.defines["ROT"] == block and p.defines["XS"] == 1 and p.defines.get("PRO", 0) == pro
-        scr = rot_scratch(block, M, K)
-        assert p.defines.get("ROT_SCR", 0) == scr and scr % max(block, 1) == 0 and scr <= max(block, ROT_SCR_MAX)
-        assert (scr == 0) == (block <= 256)
-        assert p.shared <= XS_MAX
+        scr = p.defines.get("ROT_SCR", 0)
+        assert scr == rb[1] and (scr == 0) == (block <= 256) and scr % block == 0
+        assert p.defines.get("ROT_ONE", 0) == int(0 < scr and scr >= M * K)  # every row's first pass held at once
+        assert p.shared <= XS_MAX and p.shared == table_smem(3) + (M + bool(pro)) * S * 512 + rb[0]
+    # Llama-3-8B at M = 1: q/k/v (add + norm, block 4096) and down_proj (block 2048) hold all rows: one pass
+    assert _plan(3, 1, 6144, 4096, _cfg(3), pro=2, rot=4096).defines["ROT_ONE"] == 1
+    assert _plan(3, 1, 4096, 14336, _cfg(3), rot=2048).defines["ROT_ONE"] == 1
+    d = _plan(3, 2, 4096, 14336, _cfg(3), rot=2048).defines  # two rows of 14336: rounds of the scratch
+    assert d["ROT_ONE"] == 0 and d["ROT_SCR"] % 2048 == 0 and d["ROT_SCR"] <= ROT_SCR_MAX
 
 
 def test_plan_grows_x_slices_to_whole_blocks():
@@ -114,7 +119,9 @@ def _nvrtc_ok() -> bool:
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC not loadable here (options.nvrtc_lib / KBIT_NVRTC_LIB)")
 @pytest.mark.parametrize("k,M,K,block,pro,epi,x_slice", [(3, 1, 4096, 4096, 2, 0, 0), (3, 1, 14336, 2048, 0, 0, 0),
                                                          (4, 8, 4096, 64, 2, 1, 0), (2, 2, 14336, 2048, 0, 0, 8),
-                                                         (5, 3, 2880, 64, 0, 0, 0), (3, 1, 8192, 8192, 2, 1, 0)])
+                                                         (5, 3, 2880, 64, 0, 0, 0), (3, 1, 8192, 8192, 2, 1, 0),
+                                                         (3, 2, 14336, 2048, 0, 0, 0), (4, 4, 4096, 4096, 2, 1, 0),
+                                                         (3, 5, 11008, 256, 0, 0, 5)])
 def test_rotating_builds_compile_for_sm90(k, M, K, block, pro, epi, x_slice):
     cfg = rotation_config(k, M, 4096, K, block, _cfg(k, x_slice), pro=pro)
     p = _plan(k, M, 4096, K, cfg, pro=pro, epi=epi, rot=block)
@@ -217,6 +224,37 @@ def test_rot_x_slices_gpu(dtype, M, K, x_slice):
                     None, y, k=k, scale_format=lin.scale_format, N=N, K=K, M=M, config=cfg, rot=(block, signs))
     torch.cuda.synchronize()
     want = hadamard_reference(x.double(), signs.double(), block) @ _w64(lin).T.cuda()
+    assert torch.isfinite(y).all() and _rel(y, want) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,K,block,pro,one", [(1, 4096, 4096, 2, 1), (4, 4096, 4096, 2, 0), (1, 14336, 2048, 0, 1),
+                                               (2, 14336, 2048, 0, 0), (8, 4096, 512, 0, 0), (3, 1024, 1024, 2, 1),
+                                               (7, 576, 64, 2, None), (6, 2880, 64, 1, None)])
+def test_rot_modes_gpu(dtype, M, K, block, pro, one):
+    """Each way rotate_x.cuh works (ROT_ONE 1: the norm / staging loop fills the scratch, one pass after; 0: rounds
+    of the scratch after the staging; None: blocks of 256 columns or fewer, in registers) against float64."""
+    k, N = 3, 768
+    cfg = rotation_config(k, M, N, K, block, _cfg(k), pro=pro)  # x staged whole (no K slices): the mode is fixed
+    plan = gemv_mma.plan_launch(k, M, N, K, config=cfg, pro=pro, rot=block)
+    assert plan.defines.get("ROT_ONE") == one and plan.defines["ROT"] == block
+    lin = _lin(N, K, k, dtype, M * K + pro, block)
+    g = torch.Generator().manual_seed(M + K)
+    x = torch.randn(M, K, generator=g).to(dtype).cuda()
+    res = torch.randn(M, K, generator=g).to(dtype).cuda()
+    w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).cuda()
+    signs = rotation_signs(lin.rotation, K, x.device)
+    y = torch.full((M, N), float("nan"), dtype=dtype, device="cuda")
+    r = torch.full_like(res, float("nan"))
+    p = (pro, res if pro == 2 else None, r if pro == 2 else None, w, 1e-5) if pro else None
+    gemv_mma.launch(x if pro else gemv_mma.prep_x(x, lin.codes.shape[1]), lin.codes, lin.scales, lin.tensor_scale,
+                    lin.codebook, None, y, k=k, scale_format=lin.scale_format, N=N, K=K, M=M, config=cfg, pro=p,
+                    rot=(block, signs))
+    torch.cuda.synchronize()
+    h = _pre64(x, res, w, pro)
+    h = h.to(dtype).double() if pro else h
+    want = hadamard_reference(h, signs.double(), block) @ _w64(lin).T.cuda()
     assert torch.isfinite(y).all() and _rel(y, want) < TOL[dtype]
 
 

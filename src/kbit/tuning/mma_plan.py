@@ -14,7 +14,7 @@ from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_conf
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
 __all__ = ["KERNELS", "ROT_SCR_MAX", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines",
-           "make_plan", "prologue_config", "rot_scratch", "rotation_config", "table_smem"]
+           "make_plan", "prologue_config", "rot_smem", "rotation_config", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -89,12 +89,20 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
     return defines, D * xc + table_smem(k) + 1024
 
 
-def rot_scratch(rot: int, M: int, K: int) -> int:
-    """Floats of kernel 3's rotation scratch (``ROT_SCR``) for block ``rot`` on ``M`` rows of ``K`` columns: 0 for
-    blocks up to 256 columns (no shared exchange), else whole blocks, at most :data:`ROT_SCR_MAX` (one at least)."""
+def rot_smem(rot: int, M: int, cols: int, pro: int, used: int) -> tuple[int, int] | None:
+    """(shared bytes added, ``ROT_SCR`` floats) of kernel 3's rotation (block ``rot``) on ``M`` staged rows of
+    ``cols`` columns, ``used`` bytes of the CTA's shared memory taken already (table, x, norm weight); None where it
+    does not fit in :data:`XS_MAX`. Blocks over 256 columns need a float32 scratch: all the rows' (``ROT_ONE``: one
+    pass, one barrier) where it fits, else rounds of whole blocks (at most :data:`ROT_SCR_MAX` floats). With a
+    prologue the signs are staged in shared memory too (before the PDL wait)."""
+    sg = -(-cols // 16) * 16 if pro else 0
+    room = XS_MAX - used - sg
+    if room < 0:
+        return None
     if rot <= 256:
-        return 0
-    return max(rot, min(ROT_SCR_MAX, M * K) // rot * rot)
+        return sg, 0
+    scr = M * cols if 4 * M * cols <= room else min(ROT_SCR_MAX, room // 4) // rot * rot
+    return (sg + 4 * scr, scr) if scr >= rot else None
 
 
 def _check_rot(rot, K, xk):
@@ -109,24 +117,33 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False, rot=0,
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK);
     ``rot``: the rotation block of ``ROT`` (x R of the staged x; ``K`` the true width)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
-    scr = 0
+    rb = None  # the rotation's (shared bytes, ROT_SCR floats)
     if rot:
         _check_rot(rot, K, xk)
-        scr = rot_scratch(rot, M, min(K, xk * SEG) if xk else K)
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
         xs = 1
-        shared = table_smem(k) + M * (xk * SEG + 32) * 2 + 4 * scr
+        shared = table_smem(k) + M * (xk * SEG + 32) * 2
+        if rot:
+            rb = rot_smem(rot, M, xk * SEG, 0, shared)
+            if rb is None:
+                raise ValueError(f"rot: x slices of {xk} segments for M={M} leave no room for the rotation's scratch "
+                                 f"of {rot} floats in {XS_MAX} bytes of shared memory")
+            shared += rb[0]
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
-        # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
-        # left for the static slots of CTA-aligned units)
+        # T64 where x (and a prologue's norm weight, and a rotation's scratch) still fits beside the 64 KB table
+        # with 2 CTAs an SM (8 KB left for the static slots of CTA-aligned units)
+        x_pro = (M + bool(pro)) * S * SEG * 2
+        rb64 = rot_smem(rot, M, K, pro, T64_SMEM + x_pro + 8 * 1024) if rot else (0, 0)
         t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
-                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 + 4 * scr <= XS_MAX - 8 * 1024))
+                  and (not cfg.x_smem or (T64_SMEM + x_pro <= XS_MAX - 8 * 1024 and rb64 is not None)))
         tab = T64_SMEM if t64 else table_smem(k)
-        xs = int(cfg.x_smem and tab + M * S * SEG * 2 + 4 * scr <= XS_MAX)
-        shared = tab + xs * (M * S * SEG * 2 + 4 * scr)
+        if rot:
+            rb = rb64 if t64 else rot_smem(rot, M, K, pro, tab + x_pro)
+        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX and (rb is not None or not rot))
+        shared = tab + xs * (M * S * SEG * 2 + (rb[0] if rb else 0))
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if not xk and t64:
         defines["T64"] = 1
@@ -140,8 +157,9 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False, rot=0,
             raise ValueError(f"rot: the rotation needs kernel 3 with x in shared memory that fits, got config {cfg} "
                              f"for M={M}, K={K}")
         defines["ROT"] = rot
-        if scr:
-            defines["ROT_SCR"] = scr
+        if rb[1]:
+            defines["ROT_SCR"] = rb[1]
+            defines["ROT_ONE"] = int(rb[1] >= M * (xk * SEG if xk else K))
     if epi:
         defines["EPI"] = epi
     return defines, shared
@@ -346,13 +364,13 @@ def rotation_config(k: int, M: int, N: int, K: int, rot: int, base: MmaConfig | 
                     pro: int = 0) -> MmaConfig | None:
     """The kernel-3 config of a launch that rotates its staged x (``ROT`` = ``rot``, after a prologue ``pro``), or
     None when it does not apply (M > 8, a block that is not a power of two >= 8 dividing K, or x, the norm weight
-    and the scratch not fitting in shared memory beside the lookup table). ``base``: the config the unrotated launch
-    would take (default: :func:`kbit.tuning.mma.default_config`); kept where it stages x, else x staged whole;
-    its K slices grown to whole rotation blocks."""
+    and the rotation's scratch not fitting in shared memory beside the lookup table: :func:`rot_smem`). ``base``:
+    the config the unrotated launch would take (default: :func:`kbit.tuning.mma.default_config`); kept where it
+    stages x, else x staged whole; its K slices grown to whole rotation blocks."""
     if not 1 <= M <= 8 or rot < 8 or rot & (rot - 1) or K % rot:
         return None
     S = -(-K // SEG)
-    whole = table_smem(k) + (M + bool(pro)) * S * SEG * 2 + 4 * rot_scratch(rot, M, K) <= XS_MAX
+    whole = rot_smem(rot, M, K, pro, table_smem(k) + (M + bool(pro)) * S * SEG * 2) is not None
     cfg = base if base is not None else default_config(k, M, N, K)
     if pro:
         cfg = prologue_config(k, M, N, K)
@@ -365,7 +383,7 @@ def rotation_config(k: int, M: int, N: int, K: int, rot: int, base: MmaConfig | 
         per = max(rot // SEG, 1)
         xk = -(-cfg.x_slice // per) * per
         if xk < S:
-            shared = table_smem(k) + M * (xk * SEG + 32) * 2 + 4 * rot_scratch(rot, M, xk * SEG)
-            return replace(cfg, x_slice=xk) if shared <= SMEM_MAX else None
+            used = table_smem(k) + M * (xk * SEG + 32) * 2
+            return replace(cfg, x_slice=xk) if rot_smem(rot, M, xk * SEG, 0, used) is not None else None
         cfg = replace(cfg, x_slice=0)
     return cfg if whole else None
