@@ -23,7 +23,8 @@
                   scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it
      ROT          0 or b: x R of the staged x (rotate_x.cuh; XS only, after the PRO norm; XK: slices of whole
                   blocks), the Hadamard rotation block b of a layer quantized under a rotation
-     ROT_SCR      floats of shared scratch after x (and the norm weight) for ROT > 256 */
+     ROT_SCR      floats of shared scratch after x (and the norm weight) for ROT > 256; then (PRO) the K signs
+     ROT_ONE      0/1: the scratch holds every staged row (one pass after the staging, not rounds) */
 #include "splitk.cuh"
 #include "rotate_x.cuh"
 
