@@ -1,9 +1,6 @@
-"""GPU lab (issue 35): what the online rotation costs in the fast decode step. At M <= 8 the step's GEMVs (kernel 3)
-rotate their staged x themselves (``ROT``: after the residual add + RMSNorm prologue of q/k/v and gate/up, gate/up
-keeping its SiLU * up epilogue; on the staged x of o_proj and down_proj; kbit.dispatch.prologue), so the rotated
-step has the unrotated step's launches; elsewhere the kernels that produce x rotate it (kbit.ops.glue's residual
-add + RMSNorm and SiLU * up with ``rotation=``; o_proj's input through a standalone ``kbit.ops.hadamard.rotate``).
-The bars: <= 3% of the batch-1 decode step, <= 5% at M = 1024.
+"""GPU lab (issue 35): what the online rotation costs where the fast decode step fuses it into the kernels that
+produce x (kbit.ops.glue's residual add + RMSNorm and SiLU * up with ``rotation=``; o_proj's input through a
+standalone ``kbit.ops.hadamard.rotate``). The bars: <= 3% of the batch-1 decode step, <= 5% at M = 1024.
 
 1. The decode step (``kbit.hf.decode.StaticDecoder``, its fast step in one CUDA graph, batch 1, ``--ctx`` cached
    positions): a Llama-3-8B-shaped model (random weights, k = 3, ``--layers`` decoder layers, q/k/v and gate/up
@@ -11,10 +8,9 @@ The bars: <= 3% of the batch-1 decode step, <= 5% at M = 1024.
    gate/up one, o_proj and down_proj one each). Timed alternately (unrotated, rotated, twice); the added time a
    layer is also given as a fraction of a 32-layer step extrapolated from the unrotated one.
 2. A decoder layer's parts at M = 1 (cold-L2 weight copies) and M = 1024: each input's producer + layer(s),
-   unrotated (kernel 3's norm prologue / SiLU epilogue where they run) against rotated by the glue kernels (the
-   norm / SiLU * up kernel rotating its row, and rotate + o_proj), against rotated by kernel 3's ``ROT`` (what the
-   step runs at M <= 8; at M = 1024 the same calls fall back to the glue kernels): attention input (add + norm,
-   q/k/v), o_proj, MLP (add + norm, gate/up, SiLU * up, down), and rotate() + layer as the unfused alternative.
+   unrotated (today's step: kernel 3's norm prologue / SiLU epilogue where they run) against rotated (the norm /
+   SiLU * up kernel rotating its row, and rotate + o_proj): attention input (add + norm, q/k/v), o_proj, MLP
+   (add + norm, gate/up, SiLU * up, down), and rotate() + layer as the unfused alternative.
 
 The weights are not rotated: a layer's speed does not depend on their values. Before KbitLinear carries a rotation
 itself (``rotation`` / ``forward_rotated``), the rotated layers are stand-ins: the same k-bit layer with those two
@@ -26,7 +22,6 @@ attributes (``forward_rotated`` is its plain forward, on an input that is ``x R`
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
 import statistics
@@ -41,7 +36,7 @@ import bench_e2e  # noqa: E402
 import torch  # noqa: E402
 
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
-from kbit.dispatch.prologue import add_rms_norm_linear, rotated_linear  # noqa: E402
+from kbit.dispatch.prologue import add_rms_norm_linear  # noqa: E402
 from kbit.format import Rotation  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
 from kbit.ops.glue import add_rms_norm, silu_mul  # noqa: E402
@@ -132,20 +127,8 @@ def _layers(N, K, k, copies):
     return out
 
 
-def _rot(lins, rot):
-    """The same layers (shared buffers) quantized under ``rot`` as far as the kernels know: the weights' values do
-    not change a launch's speed."""
-    out = []
-    for lin in lins:
-        m = copy.copy(lin)
-        m.rotation = rot
-        out.append(m)
-    return out
-
-
 def parts(M, k, copies_for):
-    """{part: (unrotated us, rotated by glue kernels us, rotate() + layer us, rotated by kernel 3's ROT us)} for the
-    decoder layer's parts at M rows."""
+    """{part: (unrotated us, rotated us, rotate() + layer us)} for the decoder layer's parts at M rows."""
     dt, dev = torch.bfloat16, "cuda"
     x, res = torch.randn(M, H, device=dev, dtype=dt), torch.randn(M, H, device=dev, dtype=dt)
     nw = 1 + 0.1 * torch.randn(H, device=dev, dtype=dt)
@@ -159,39 +142,32 @@ def parts(M, k, copies_for):
     down = _layers(H, I, k, copies_for(H, I))
     n = max(len(gu), len(down))
     mlp = [(gu[j % len(gu)], down[j % len(down)]) for j in range(n)]
-    qkv_r, o_r, down_r = _rot(qkv, rh), _rot(o, rh2), _rot(down, ri)
-    mlp_r = [(a, b) for a, b in zip(_rot([a for a, _ in mlp], rh2), _rot([b for _, b in mlp], ri), strict=True)]
     cases = {
         "attention input": (
             [lambda q=q: add_rms_norm_linear(x, res, nw, 1e-5, q) for q in qkv],
             [lambda q=q: q(add_rms_norm(x, res, nw, 1e-5, rh, sh)[0]) for q in qkv],
-            [lambda q=q: q(rotate(add_rms_norm(x, res, nw, 1e-5)[0], rh, sh)) for q in qkv],
-            [lambda q=q: add_rms_norm_linear(x, res, nw, 1e-5, q, signs=sh) for q in qkv_r]),
+            [lambda q=q: q(rotate(add_rms_norm(x, res, nw, 1e-5)[0], rh, sh)) for q in qkv]),
         "o_proj": (
             [lambda q=q: q(o_in) for q in o],
             [lambda q=q: q(rotate(o_in, rh2, sh2)) for q in o],
-            [lambda q=q: q(rotate(o_in, rh2, sh2)) for q in o],
-            [lambda q=q: rotated_linear(o_in, q, sh2) for q in o_r]),
+            [lambda q=q: q(rotate(o_in, rh2, sh2)) for q in o]),
         "MLP": (
             [lambda a=a, b=b: b(add_rms_norm_linear(x, res, nw, 1e-5, a, silu_mul=True)[0]) for a, b in mlp],
             [lambda a=a, b=b: b(_silu(a(add_rms_norm(x, res, nw, 1e-5, rh2, sh2)[0]), ri, si)) for a, b in mlp],
             [lambda a=a, b=b: b(rotate(_silu(a(rotate(add_rms_norm(x, res, nw, 1e-5)[0], rh2, sh2))), ri, si))
-             for a, b in mlp],
-            [lambda a=a, b=b: rotated_linear(add_rms_norm_linear(x, res, nw, 1e-5, a, silu_mul=True, signs=sh2)[0],
-                                             b, si) for a, b in mlp_r]),
+             for a, b in mlp]),
         "down alone (SiLU * up + down)": (
             [lambda b=b: b(silu_mul(g, u)) for b in down],
             [lambda b=b: b(silu_mul(g, u, ri, si)) for b in down],
-            [lambda b=b: b(rotate(silu_mul(g, u), ri, si)) for b in down],
-            [lambda b=b: rotated_linear(silu_mul(g, u), b, si) for b in down_r]),
+            [lambda b=b: b(rotate(silu_mul(g, u), ri, si)) for b in down]),
     }
     out = {}
-    for name, (plain, fused, separate, in_k3) in cases.items():
-        t = [time_calls(c).us for c in (plain, fused, separate, in_k3)]
+    for name, (plain, fused, separate) in cases.items():
+        t = [time_calls(c).us for c in (plain, fused, separate)]
         out[name] = t
         log(f"| {M} | {name} | {t[0]:.2f} | {t[1]:.2f} | {t[1] - t[0]:+.2f} ({100 * (t[1] - t[0]) / t[0]:+.1f}%) | "
-            f"{t[2]:.2f} ({100 * (t[2] - t[0]) / t[0]:+.1f}%) | {t[3]:.2f} ({100 * (t[3] - t[0]) / t[0]:+.1f}%) |")
-    del qkv, o, gu, down, mlp, qkv_r, o_r, down_r, mlp_r
+            f"{t[2]:.2f} ({100 * (t[2] - t[0]) / t[0]:+.1f}%) |")
+    del qkv, o, gu, down, mlp
     torch.cuda.empty_cache()
     return out
 
@@ -228,19 +204,17 @@ def main():
     def copies_for(N, K):  # weight copies for cold L2 at M = 1 (k-bit bytes ~ N * K * (k + 0.25) / 8)
         return copies_for_cold_l2(int(N * K * (args.k + 0.25) / 8), l2)
 
-    log("\n## a decoder layer's parts: producer + layer(s), unrotated vs rotation in the glue kernels vs rotate() + "
-        "layer vs rotation in kernel 3 (ROT) (CUDA-graph replay, median of 15)\n")
-    log("| M | part | unrotated us | glue-kernel rotation us (added) | rotate() + layer us (added) | "
-        "kernel-3 ROT us (added) |")
-    log("|--:|---|--:|--:|--:|--:|")
+    log("\n## a decoder layer's parts: producer + layer(s), unrotated vs fused rotation vs rotate() + layer "
+        "(CUDA-graph replay, median of 15)\n")
+    log("| M | part | unrotated us | fused rotation us (added) | rotate() + layer us (added) |")
+    log("|--:|---|--:|--:|--:|")
     for M in (1,) if args.quick else (1, 1024):
         res = parts(M, args.k, copies_for if M == 1 else (lambda N, K: 1))
         main_parts = ("attention input", "o_proj", "MLP")
         u = sum(res[p][0] for p in main_parts)
         f = sum(res[p][1] for p in main_parts)
-        r3 = sum(res[p][3] for p in main_parts)
         log(f"| {M} | layer (attention input + o_proj + MLP; attention itself not included) | {u:.2f} | {f:.2f} "
-            f"({100 * (f - u) / u:+.1f}%) | | {r3:.2f} ({100 * (r3 - u) / u:+.1f}%) |")
+            f"({100 * (f - u) / u:+.1f}%) | |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "rotation_step_cost.log").write_text("\n".join(LINES) + "\n")

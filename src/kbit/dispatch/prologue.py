@@ -16,13 +16,9 @@ rows and x staged in shared memory fitting (``kbit.tuning.mma_plan.prologue_conf
 Anything else runs the same computation as separate steps (the torch ops of :mod:`kbit.ops.glue` and the module),
 so it works for any module and device, and under ``torch.compile`` (traced as those steps).
 
-A layer quantized under a rotation (``lin.rotation``, a :class:`kbit.format.Rotation`) needs ``x R``: kernel 3's
-``ROT`` multiplies the staged (and, with ``PRO``, normalised) x by ``R`` in shared memory before its MMA loop, so
-:func:`add_rms_norm_linear` stays one launch, and :func:`rotated_linear` (o_proj, down_proj: x from the attention or
-from the gate/up GEMV's SiLU * up epilogue) is one launch too. Where kernel 3 cannot rotate (the conditions above,
-or x and the rotation's scratch not fitting in shared memory: ``kbit.tuning.mma_plan.rotation_config``), the norm
-kernel of :mod:`kbit.ops.glue` rotates the row it produces and the layer takes it as it is
-(``lin.forward_rotated``), and :func:`rotated_linear` is ``lin(x)`` (which rotates first).
+A layer quantized under a rotation (``lin.rotation``, a :class:`kbit.format.Rotation`) needs ``x R``, which kernel
+3's prologue does not make: there the norm kernel of :mod:`kbit.ops.glue` rotates the row it produces and the layer
+takes it as it is (``lin.forward_rotated``); unrotated layers take the path above unchanged.
 
 Not done: SiLU * up as the down GEMV's x prologue. Every CTA would recompute the whole activation (14336 values at
 Llama-3-8B shapes), which cost more than the separate kernel.
@@ -34,58 +30,28 @@ import torch
 
 from kbit.ops import gemv_mma
 from kbit.ops._checks import check_bias
-from kbit.ops.gemv_mma import EPI_SILU, PRO_ADD_NORM, rotation_launch_config
+from kbit.ops.gemv_mma import EPI_SILU, PRO_ADD_NORM
 from kbit.ops.glue import add_rms_norm, check_norm, silu_mul
-from kbit.ops.hadamard import rotate, rotation_signs
-from kbit.ops.mma.common import kernels_available, prep_x
+from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT
 from kbit.tuning.mma_plan import prologue_config
 
-__all__ = ["add_rms_norm_linear", "rotated_linear", "rotated_linear_fuses"]
+__all__ = ["add_rms_norm_linear"]
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def _kernel3_ok(x: torch.Tensor, lin, K: int) -> bool:
-    """Whether kernel 3 may run ``lin`` on rows ``x [M, K]`` here (before the shape's config is looked up)."""
-    return (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda
-            and x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and K % 8 == 0 and _rows_ok(x)
-            and kernels_available(x.device) and not torch.compiler.is_compiling())
-
-
-def _launch(x, lin, y, cfg, *, pro=None, epi=0, rot=None, signs=None) -> None:
-    """One kernel 3 launch of ``lin`` on ``x`` into ``y`` (``rot``: the layer's rotation, ``signs`` its int8 signs
-    or None: the cached ones)."""
-    N, K = lin.out_features, lin.in_features
-    check_bias(lin.bias, N, x.device, (torch.float16, torch.bfloat16, torch.float32))  # the kernel reads N values
-    bias = lin.bias.contiguous() if lin.bias is not None else None
-    r = None
-    if rot is not None:
-        r = (rot.block, rotation_signs(rot, K, x.device) if signs is None else signs)
-    gemv_mma.launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
-                    scale_format=lin.scale_format, N=N, K=K, M=x.shape[0], config=cfg, pro=pro, epi=epi, rot=r)
-
-
-def _check_signs(signs, K: int, device) -> None:
-    if signs is not None and (signs.dtype != torch.int8 or tuple(signs.shape) != (K,) or signs.device != device
-                              or not signs.is_contiguous()):
-        raise ValueError(f"signs: expected a contiguous int8 tensor of shape ({K},) on {device}, got "
-                         f"{signs.dtype} {tuple(signs.shape)} on {signs.device}")
-
-
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, lin, *,
-                        silu_mul: bool = False, signs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``r = residual + x``; ``z = lin(rms_norm(r) * weight)``; returns ``(z, r)``, or with ``silu_mul``
     ``(silu(z[:, :N/2]) * z[:, N/2:], r)`` (``lin`` a fused gate/up projection, gate rows first): the
     :func:`kbit.ops.glue.add_rms_norm`, the module and :func:`kbit.ops.glue.silu_mul` in one kernel where it can
     (see the module doc), as separate steps otherwise. ``x``, ``residual`` ``[M, K]``, ``weight [K]``.
     The fused launch needs ``lin`` to be exactly a ``kbit.nn.KbitLinear`` in layout "mma-v1" (its class says so
     with ``fuses_prologue``; a subclass may change the forward). A ``lin`` with a ``rotation`` (not None) gets
-    ``rms_norm(r) R``: from kernel 3's ``ROT`` in the same launch where it runs, else from the norm kernel through
-    ``lin.forward_rotated``; ``signs``: the rotation's int8 ``[K]`` signs on x's device (default: the cached ones;
-    pass them to keep a CUDA graph capture free of host work)."""
+    ``rms_norm(r) R`` from the norm kernel through ``lin.forward_rotated``."""
     check_norm(x, weight, eps, residual)
     K = x.shape[1]
     N = getattr(lin, "out_features", None)
@@ -94,62 +60,30 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     if silu_mul and (N is None or N % 2):
         raise ValueError(f"lin: silu_mul needs an even out_features (gate and up halves), got {N}")
     rotation = getattr(lin, "rotation", None)
-    _check_signs(signs, K, x.device)
+    if rotation is not None:  # x R from the norm kernel (see the module doc)
+        h, r = add_rms_norm(x, residual, weight, eps, rotation=rotation)
+        z = lin.forward_rotated(h)
+        return (_silu_halves(z, N) if silu_mul else z), r
     M = x.shape[0]
     cfg = None
-    if (_kernel3_ok(x, lin, K) and weight.dtype == x.dtype and residual.is_contiguous() and _rows_ok(residual)):
-        if rotation is None:
-            cfg = prologue_config(lin.k, M, N, K)
-        else:
-            cfg = rotation_launch_config(lin.k, M, N, K, rotation.block, x.device, pro=PRO_ADD_NORM)
+    if (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
+            and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual)
+            and kernels_available(x.device) and not torch.compiler.is_compiling()):
+        cfg = prologue_config(lin.k, M, N, K)
     if cfg is None:
-        if rotation is not None:  # x R from the norm kernel (see the module doc)
-            h, r = add_rms_norm(x, residual, weight, eps, rotation=rotation, signs=signs)
-            z = lin.forward_rotated(h)
-        else:
-            h, r = add_rms_norm(x, residual, weight, eps)
-            z = lin(h)
+        h, r = add_rms_norm(x, residual, weight, eps)
+        z = lin(h)
         return (_silu_halves(z, N) if silu_mul else z), r
     epi = EPI_SILU if silu_mul and N % 32 == 0 else 0
     y = torch.empty(M, N // 2 if epi else N, dtype=x.dtype, device=x.device)
     r = torch.empty_like(residual)
-    _launch(x, lin, y, cfg, pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi, rot=rotation, signs=signs)
+    check_bias(lin.bias, N, x.device, (torch.float16, torch.bfloat16, torch.float32))  # the kernel reads N values
+    bias = lin.bias.contiguous() if lin.bias is not None else None
+    gemv_mma.launch(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, bias, y, k=lin.k,
+                    scale_format=lin.scale_format, N=N, K=K, M=M, config=cfg,
+                    pro=(PRO_ADD_NORM, residual, r, weight, eps), epi=epi)
     return (_silu_halves(y, N) if silu_mul and not epi else y), r
-
-
-def rotated_linear(x: torch.Tensor, lin, signs: torch.Tensor | None = None) -> torch.Tensor:
-    """``lin(x)`` for a layer quantized under a rotation (``lin.rotation``; ``x [M, K]`` not rotated): one kernel 3
-    launch that multiplies its staged x by ``R`` (``ROT``) where it runs (see the module doc), else ``lin(x)``
-    (``rotate`` and the layer). An unrotated ``lin``: ``lin(x)``. ``signs``: as in :func:`add_rms_norm_linear`."""
-    rotation = getattr(lin, "rotation", None)
-    if rotation is None or not isinstance(x, torch.Tensor) or x.dim() != 2:
-        return lin(x)
-    K, N = x.shape[1], lin.out_features
-    if lin.in_features != K:
-        raise ValueError(f"lin: expected in_features {K} (x's width), got {lin.in_features}")
-    _check_signs(signs, K, x.device)
-    cfg = None
-    if _kernel3_ok(x, lin, K):
-        cfg = rotation_launch_config(lin.k, x.shape[0], N, K, rotation.block, x.device)
-    if cfg is None:
-        return lin(x) if signs is None else lin.forward_rotated(rotate(x, rotation, signs))
-    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    _launch(prep_x(x, lin.codes.shape[1]), lin, y, cfg, rot=rotation, signs=signs)
-    return y
-
-
-def rotated_linear_fuses(lin, M: int, dtype: torch.dtype, device) -> bool:
-    """Whether :func:`rotated_linear` runs ``lin`` on ``M`` rows of ``dtype`` on ``device`` as one rotating kernel 3
-    launch (x rows 16-byte aligned, as a fresh tensor's are); False for an unrotated ``lin``."""
-    rotation = getattr(lin, "rotation", None)
-    if rotation is None or not 1 <= M <= 8:
-        return False
-    dev = torch.device(device)
-    ok = (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and dev.type == "cuda"
-          and dtype in (torch.float16, torch.bfloat16) and lin.in_features % 8 == 0  # contiguous rows: aligned
-          and kernels_available(dev) and not torch.compiler.is_compiling())
-    return bool(ok) and rotation_launch_config(lin.k, M, lin.out_features, lin.in_features, rotation.block,
-                                               dev) is not None
 
 
 def _silu_halves(z: torch.Tensor, N: int) -> torch.Tensor:

@@ -10,14 +10,11 @@ projections and MLPs are the model's own modules (``KbitLinear``, ``nn.Linear``,
 fused parts), so bf16 and k-bit models take the same path.
 
 Rotated layers (issue 35): a projection quantized under a rotation (``lin.rotation``, a :class:`kbit.format.Rotation`;
-``lin.forward_rotated(x R)`` the layer without its own transform) gets ``x R`` inside the small-M GEMV where kernel 3
-runs (kbit.dispatch.prologue: ``ROT`` after the residual add + RMSNorm prologue for q/k/v and gate/up, gate/up
-keeping its SiLU * up epilogue; ``ROT`` on the staged x of o_proj and down_proj), so a rotated step has the unrotated
-step's launches. Elsewhere it gets ``x R`` from the kernel that produces x: the residual add + RMSNorm kernel for
-q/k/v and gate/up (each group shares one rotation), SiLU * up for down_proj, the final norm for a rotated lm_head;
-o_proj's input comes from the attention, so there ``kbit.ops.hadamard.rotate`` runs on its own. Projections whose
-group members differ in rotation run their own ``forward`` (it rotates). Unrotated models take the path they always
-took (kbit.dispatch.prologue's fused GEMV glue included).
+``lin.forward_rotated(x R)`` the layer without its own transform) gets ``x R`` from the kernel that produces x: the
+residual add + RMSNorm kernel for q/k/v and gate/up (each group shares one rotation), SiLU * up for down_proj,
+the final norm for a rotated lm_head; o_proj's input comes from the attention, so there ``kbit.ops.hadamard.rotate``
+runs on its own. Projections whose group members differ in rotation run their own ``forward`` (it rotates).
+Unrotated models take the path they always took (kbit.dispatch.prologue's fused GEMV glue included).
 
 Supported: ``model_type`` in :data:`MODEL_TYPES` (dense or MoE MLPs), no sliding window within the cache length,
 head dims a power of two; :func:`unsupported_reason` says why not otherwise (the decoder then uses transformers'
@@ -28,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kbit.dispatch.prologue import add_rms_norm_linear, rotated_linear, rotated_linear_fuses
+from kbit.dispatch.prologue import add_rms_norm_linear
 from kbit.nn import KbitLinear
 from kbit.ops import attention as A
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
@@ -182,11 +179,6 @@ class FastDecodeStep:
         self.rot_down = [shared_rotation([layer.mlp.down_proj], dev) if dense else None
                          for layer, dense in zip(self.layers, self.dense, strict=True)]
         self.rot_head = shared_rotation([model.lm_head], dev) if hasattr(model.lm_head, "in_features") else None
-        if kernels_available(dev):  # rotated o_proj / down_proj: held in layout "mma-v1" for kernel 3's ROT now
-            for layer, ro, rd in zip(self.layers, self.rot_o, self.rot_down, strict=True):
-                for m, rot in ((layer.self_attn.o_proj, ro), (getattr(layer.mlp, "down_proj", None), rd)):
-                    if rot is not None and type(m) is KbitLinear and m.auto_repack:
-                        m.repack_for_kernels()
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
     def _attend(self, q, kc, vc, length, scale, pos):
@@ -222,35 +214,30 @@ class FastDecodeStep:
         return mlp.down_proj(silu_mul(mlp.gate_proj(y), mlp.up_proj(y))), res
 
     def _mlp_rotated(self, i, x, res):
-        """:meth:`_mlp` of a dense MLP with a rotated input. Where kernel 3 runs both: the gate/up GEMV with the add
-        + norm prologue, ``ROT`` and the SiLU * up epilogue, then down_proj's GEMV rotating its staged x. Else the
-        fused gate/up GEMV (``ROT`` where it runs, else the norm kernel makes ``y R``) and SiLU * up making ``a R'``
-        for down_proj."""
+        """:meth:`_mlp` of a dense MLP with a rotated input: the norm kernel makes ``y R`` for gate/up, SiLU * up
+        makes ``a R'`` for down_proj (kernel 3's SiLU epilogue does not rotate)."""
         layer = self.layers[i]
         mlp, n = layer.mlp, layer.post_attention_layernorm
         rgu, rd = self.rot_gate_up[i], self.rot_down[i]
-        if self.gate_up[i] is not None and self.gate_up[i][1][0] == self.gate_up[i][1][1] and \
-                (rd is None or rotated_linear_fuses(mlp.down_proj, x.shape[0], x.dtype, x.device)):
-            act, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, self.gate_up[i][0], silu_mul=True,
-                                           signs=rgu[1] if rgu else None)
-            return (mlp.down_proj(act) if rd is None else rotated_linear(act, mlp.down_proj, rd[1])), res
-        if self.gate_up[i] is not None:  # the fused prologue (rotating where kernel 3 runs)
+        if rgu is None and self.gate_up[i] is not None:  # unrotated gate/up: the fused prologue where it runs
             fused, (ng, _) = self.gate_up[i]
-            gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused, signs=rgu[1] if rgu else None)
+            gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
             g, u = gu[:, :ng], gu[:, ng:]
         else:
             y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(rgu or ()))
-            g, u = _proj(mlp.gate_proj, y, rgu), _proj(mlp.up_proj, y, rgu)
+            if self.gate_up[i] is not None:
+                fused, (ng, _) = self.gate_up[i]
+                gu = _proj(fused, y, rgu)
+                g, u = gu[:, :ng], gu[:, ng:]
+            else:
+                g, u = _proj(mlp.gate_proj, y, rgu), _proj(mlp.up_proj, y, rgu)
         return _proj(mlp.down_proj, silu_mul(g, u, *(rd or ())), rd), res
 
     def _qkv(self, i, x, res):
         """The residual add + input RMSNorm and q/k/v: returns ``(q, k, v, new residual)``."""
         n, att = self.layers[i].input_layernorm, self.layers[i].self_attn
         rot = self.rot_qkv[i]
-        if rot is not None and res is not None and self.qkv[i] is not None:  # ROT in the fused GEMV where it runs
-            fused, (nq, nk, _) = self.qkv[i]
-            qkv, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused, signs=rot[1])
-        elif rot is not None:  # y R from the norm kernel
+        if rot is not None:  # y R from the norm kernel
             if res is None:
                 y, res = rms_norm(x, n.weight, n.variance_epsilon, *rot), x
             else:
@@ -292,12 +279,7 @@ class FastDecodeStep:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
             o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
             ro = self.rot_o[i]
-            if ro is None:
-                x = att.o_proj(o)
-            elif rotated_linear_fuses(att.o_proj, B, o.dtype, o.device):  # ROT on o_proj's staged x
-                x = rotated_linear(o, att.o_proj, ro[1])
-            else:
-                x = att.o_proj.forward_rotated(rotate(o, *ro))
+            x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))
             x, res = self._mlp(i, x, res)
         n = inner.norm
         y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(self.rot_head or ()))

@@ -34,15 +34,14 @@ from kbit.ops.mma.common import (
 from kbit.ops.mma.layout import SEG, geometry, repacked
 from kbit.tuning import mma as _tmma
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
-from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, rotation_config, table_smem
+from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
 from kbit.tuning.tables import gpu_key
 from kbit.tuning.tuned import tuned_candidate
 from kbit.utils.checks import fail
 from kbit.utils.device import sm_count
 
 __all__ = ["EPI_SILU", "PRO_ADD_NORM", "PLANS", "PlanCache", "dequant_repacked", "launch", "launch_config",
-           "linear_repacked", "linear_small_m", "plan_launch", "prepare_repacked", "rotation_launch_config",
-           "run_repacked"]
+           "linear_repacked", "linear_small_m", "plan_launch", "prepare_repacked", "run_repacked"]
 
 
 # ------------------------------------------------------------------------------------------------ plans
@@ -57,15 +56,6 @@ def launch_config(k: int, M: int, N: int, K: int, device) -> MmaConfig:
     if tuned is not None:
         return tuned
     return _tmma.default_config(k, M, N, K, sm90=sm90, sms=sm_count(dev) if cuda_dev else None, gpu=gpu_key(dev))
-
-
-def rotation_launch_config(k: int, M: int, N: int, K: int, block: int, device, pro: int = 0) -> MmaConfig | None:
-    """The kernel-3 config of a launch that rotates its staged x (block ``block``; after the prologue ``pro``), from
-    the config the unrotated launch takes on ``device`` (``kbit.tuning.mma_plan.rotation_config``), or None where
-    kernel 3 cannot rotate (M > 8, x not fitting in shared memory, ...: rotate separately)."""
-    dev = torch.device(device)
-    base = None if pro or M > MAX_M or _large_here(k, M, N, K, dev) else launch_config(k, M, N, K, dev)
-    return rotation_config(k, M, N, K, block, base, pro)
 
 
 def _tuned(k: int, M: int, N: int, K: int, dev: torch.device, family: str):
@@ -87,12 +77,10 @@ def _large_here(k: int, M: int, N: int, K: int, dev: torch.device) -> bool:
 
 
 def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
-                config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0,
-                rot: int = 0) -> MmaPlan:
+                config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0) -> MmaPlan:
     """The launch plan (``kbit.tuning.mma_plan.make_plan``) of ``M`` rows on a k-bit ``[N, K]`` weight on ``device``
     (default: the current CUDA device), built with NVRTC; ``config``: pin one (default :func:`launch_config`).
-    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.dispatch.prologue``); ``rot``: the rotation block
-    of ``ROT`` (kernel 3 multiplies its staged x by ``R``; :func:`rotation_launch_config`)."""
+    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.dispatch.prologue``)."""
     dev = torch.device(device or "cuda")
     if config is None:
         config = launch_config(k, M, N, K, dev)
@@ -103,7 +91,7 @@ def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
     sms = sm_count(dev) if dev.type == "cuda" else 0
     t64 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)  # measured on Hopper only
     return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(), pro=pro,
-                     epi=epi, t64=t64, rot=rot)
+                     epi=epi, t64=t64)
 
 
 class PlanCache:
@@ -116,14 +104,12 @@ class PlanCache:
         self._d: dict = {}
         self._on_clear: list = []
 
-    def get(self, k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0, rot=0, K=None) -> tuple[MmaPlan, object]:
-        """(plan, kernel built for x's dtype) of one launch, built on the first call (``K``: the true width where
-        ``rot`` is given; default ``S * 256``)."""
-        K = S * SEG if K is None else K
-        key = (k, M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic(), rot, K if rot else 0)
+    def get(self, k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0) -> tuple[MmaPlan, object]:
+        """(plan, kernel built for x's dtype) of one launch, built on the first call."""
+        key = (k, M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
         hit = self._d.get(key)
         if hit is None:
-            p = plan_launch(k, M, N, K if rot else S * SEG, scale_format, config, dev, pro=kind, epi=epi, rot=rot)
+            p = plan_launch(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
             kern = cuda.compile_kernel(*p.source, {**p.defines, "BF16": int(bf16)}, dev)
             if len(self._d) >= self.max_entries:
                 self._d.clear()
@@ -170,16 +156,13 @@ def _kernel_args(p: MmaPlan, rcodes, rscales, tensor_scale, codebook, x_ptr, y_p
 
 
 def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, config=None, pro=None,
-           epi=0, rot=None) -> None:
+           epi=0) -> None:
     """One launch on x rows ``x2 [M, S * 256]`` (16-byte aligned rows: :func:`kbit.ops.mma.common.prep_x`) into
     ``y``; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
-    :func:`plan_launch`; ``rot``: ``(block, signs)`` of the rotation kernel 3 applies to its staged x (signs int8
-    ``[K]`` on x's device; ``config`` from :func:`rotation_launch_config`)."""
+    :func:`plan_launch`."""
     dev = x2.device
     kind = pro[0] if pro else 0
-    block = rot[0] if rot else 0
-    p, kern = PLANS.get(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi,
-                        block, K)
+    p, kern = PLANS.get(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
     x_stride = x2.stride(0)
     if p.defines.get("XB"):
         x2 = x_tiles(x2, 8 * p.defines["NG"], p.S)
@@ -194,8 +177,6 @@ def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_for
         fmt, extra = "QQQfii", (res.data_ptr() if res is not None else 0,
                                 res_out.data_ptr() if res_out is not None else 0,
                                 nw.data_ptr(), float(eps), K, res.stride(0) if res is not None else 0)
-    if block:
-        fmt, extra = fmt + "Qi", (*extra, rot[1].data_ptr(), K)
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, x2.data_ptr(), y.data_ptr(), bias, ws, cnt, M,
                         N, x_stride, y.stride(0))
     kern((p.grid,), p.warps * 32, _ARGS_FMT + fmt, *args, *extra, shared=p.shared, pdl=True)

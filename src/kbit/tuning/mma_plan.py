@@ -8,13 +8,13 @@ tests can run it with a fake build.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
-__all__ = ["KERNELS", "ROT_SCR_MAX", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines",
-           "make_plan", "prologue_config", "rot_smem", "rotation_config", "table_smem"]
+__all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
+           "prologue_config", "table_smem"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -37,9 +37,6 @@ K1WO_K = (3, 4, 5)
 #: split-K workspace: a lane's four partial sums by one ``red.global.add.v4.f32`` (``WS4``) where a tile has more
 #: parts than this (with fewer parts the read-back waits for one 16-byte load at a time and was slower)
 WS4_PARTS = 4
-#: kernel 3 with ROT: float32 scratch of the rotation's second pass (blocks over 256 columns) at most, in floats
-#: (at least one block); fewer rounds of two CTA barriers each with more
-ROT_SCR_MAX = 8192
 
 
 @dataclass(frozen=True)
@@ -89,61 +86,23 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
     return defines, D * xc + table_smem(k) + 1024
 
 
-def rot_smem(rot: int, M: int, cols: int, pro: int, used: int) -> tuple[int, int] | None:
-    """(shared bytes added, ``ROT_SCR`` floats) of kernel 3's rotation (block ``rot``) on ``M`` staged rows of
-    ``cols`` columns, ``used`` bytes of the CTA's shared memory taken already (table, x, norm weight); None where it
-    does not fit in :data:`XS_MAX`. Blocks over 256 columns need a float32 scratch: all the rows' (``ROT_ONE``: one
-    pass, one barrier) where it fits, else rounds of whole blocks (at most :data:`ROT_SCR_MAX` floats). With a
-    prologue the signs are staged in shared memory too (before the PDL wait)."""
-    sg = -(-cols // 16) * 16 if pro else 0
-    room = XS_MAX - used - sg
-    if room < 0:
-        return None
-    if rot <= 256:
-        return sg, 0
-    scr = M * cols if 4 * M * cols <= room else min(ROT_SCR_MAX, room // 4) // rot * rot
-    return (sg + 4 * scr, scr) if scr >= rot else None
-
-
-def _check_rot(rot, K, xk):
-    if rot < 8 or rot & (rot - 1) or K % rot:
-        raise ValueError(f"rot: a rotation block that is a power of two >= 8 dividing K={K}, got {rot}")
-    if xk and (xk * SEG) % rot:
-        raise ValueError(f"rot: x slices of {xk} segments ({xk * SEG} columns) are not whole rotation blocks of "
-                         f"{rot}; pin a config with x_slice a multiple of {max(rot // SEG, 1)} or none")
-
-
-def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False, rot=0, K=0):
-    """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK);
-    ``rot``: the rotation block of ``ROT`` (x R of the staged x; ``K`` the true width)."""
+def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
+    """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
-    rb = None  # the rotation's (shared bytes, ROT_SCR floats)
-    if rot:
-        _check_rot(rot, K, xk)
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
         xs = 1
         shared = table_smem(k) + M * (xk * SEG + 32) * 2
-        if rot:
-            rb = rot_smem(rot, M, xk * SEG, 0, shared)
-            if rb is None:
-                raise ValueError(f"rot: x slices of {xk} segments for M={M} leave no room for the rotation's scratch "
-                                 f"of {rot} floats in {XS_MAX} bytes of shared memory")
-            shared += rb[0]
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
-        # T64 where x (and a prologue's norm weight, and a rotation's scratch) still fits beside the 64 KB table
-        # with 2 CTAs an SM (8 KB left for the static slots of CTA-aligned units)
-        x_pro = (M + bool(pro)) * S * SEG * 2
-        rb64 = rot_smem(rot, M, K, pro, T64_SMEM + x_pro + 8 * 1024) if rot else (0, 0)
+        # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
+        # left for the static slots of CTA-aligned units)
         t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
-                  and (not cfg.x_smem or (T64_SMEM + x_pro <= XS_MAX - 8 * 1024 and rb64 is not None)))
+                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
         tab = T64_SMEM if t64 else table_smem(k)
-        if rot:
-            rb = rb64 if t64 else rot_smem(rot, M, K, pro, tab + x_pro)
-        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX and (rb is not None or not rot))
-        shared = tab + xs * (M * S * SEG * 2 + (rb[0] if rb else 0))
+        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
+        shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if not xk and t64:
         defines["T64"] = 1
@@ -152,14 +111,6 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False, rot=0,
             raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
         defines["PRO"] = pro
         shared += S * SEG * 2  # the norm weight
-    if rot:
-        if not xs:
-            raise ValueError(f"rot: the rotation needs kernel 3 with x in shared memory that fits, got config {cfg} "
-                             f"for M={M}, K={K}")
-        defines["ROT"] = rot
-        if rb[1]:
-            defines["ROT_SCR"] = rb[1]
-            defines["ROT_ONE"] = int(rb[1] >= M * (xk * SEG if xk else K))
     if epi:
         defines["EPI"] = epi
     return defines, shared
@@ -173,14 +124,14 @@ def _k4_defines(k, ng, cfg: MmaConfig, scale_format):
     return defines, D * stage + table_smem(k)
 
 
-def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False, rot=0):
+def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
         defines, shared = large_defines(k, cfg)
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
-        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok, rot, K)
+        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
         kernel, W = 3, cfg.warps
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
@@ -190,8 +141,8 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False, rot=
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
         kernel, W = 4, cfg.warps
-    if (pro or epi or rot) and kernel != 3:
-        raise ValueError(f"pro, epi, rot: a prologue, epilogue or rotation needs kernel 3, got config {cfg}")
+    if (pro or epi) and kernel != 3:
+        raise ValueError(f"pro, epi: a prologue or epilogue needs kernel 3, got config {cfg}")
     if kernel in (1, 3):
         defines["L2PF"] = L2PF[kernel] if N * K < BIG else 0
     if kernel == 1 and ng == 1 and N * K < BIG:  # kernel 1 issues its first loads before the PDL wait
@@ -315,19 +266,17 @@ def _ws_floats(st, kernel, M, ng) -> int:
 
 
 def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
-         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False, rot: int = 0) -> MmaPlan:
+         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False) -> MmaPlan:
     """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs.
 
     ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
     gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
-    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it). ``rot``: the
-    rotation block of a layer quantized under a rotation (``ROT``: kernel 3 multiplies its staged x by ``R``; x in
-    shared memory, K slices of whole blocks; ValueError otherwise).
+    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
-    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64, rot)
+    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64)
     kern = build(kernel, defines)
     occ = kern.occupancy(W * 32, shared)
     cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0
@@ -358,32 +307,3 @@ def prologue_config(k: int, M: int, N: int, K: int) -> MmaConfig | None:
     if cfg.kernel == 3 and cfg.x_smem:
         return cfg
     return MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)
-
-
-def rotation_config(k: int, M: int, N: int, K: int, rot: int, base: MmaConfig | LargeConfig | None = None,
-                    pro: int = 0) -> MmaConfig | None:
-    """The kernel-3 config of a launch that rotates its staged x (``ROT`` = ``rot``, after a prologue ``pro``), or
-    None when it does not apply (M > 8, a block that is not a power of two >= 8 dividing K, or x, the norm weight
-    and the rotation's scratch not fitting in shared memory beside the lookup table: :func:`rot_smem`). ``base``:
-    the config the unrotated launch would take (default: :func:`kbit.tuning.mma.default_config`); kept where it
-    stages x, else x staged whole; its K slices grown to whole rotation blocks."""
-    if not 1 <= M <= 8 or rot < 8 or rot & (rot - 1) or K % rot:
-        return None
-    S = -(-K // SEG)
-    whole = rot_smem(rot, M, K, pro, table_smem(k) + (M + bool(pro)) * S * SEG * 2) is not None
-    cfg = base if base is not None else default_config(k, M, N, K)
-    if pro:
-        cfg = prologue_config(k, M, N, K)
-        if cfg is None or not whole:
-            return None
-        return replace(cfg, x_slice=0) if cfg.x_slice else cfg
-    if not isinstance(cfg, MmaConfig) or cfg.kernel != 3 or not cfg.x_smem:
-        cfg = MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)
-    if cfg.x_slice and cfg.x_slice < S:  # K slices: whole blocks a slice, and the slice's shared bytes fit
-        per = max(rot // SEG, 1)
-        xk = -(-cfg.x_slice // per) * per
-        if xk < S:
-            used = table_smem(k) + M * (xk * SEG + 32) * 2
-            return replace(cfg, x_slice=xk) if rot_smem(rot, M, xk * SEG, 0, used) is not None else None
-        cfg = replace(cfg, x_slice=0)
-    return cfg if whole else None

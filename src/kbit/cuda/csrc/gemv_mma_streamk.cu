@@ -20,13 +20,8 @@
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
      T64          0/1 (k = 4): the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code pairs then log8
-                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it
-     ROT          0 or b: x R of the staged x (rotate_x.cuh; XS only, after the PRO norm; XK: slices of whole
-                  blocks), the Hadamard rotation block b of a layer quantized under a rotation
-     ROT_SCR      floats of shared scratch after x (and the norm weight) for ROT > 256; then (PRO) the K signs
-     ROT_ONE      0/1: the scratch holds every staged row (one pass after the staging, not rounds) */
+                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
 #include "splitk.cuh"
-#include "rotate_x.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
 #define XK 0
@@ -79,11 +74,7 @@ __device__ __forceinline__ void stage_w(V4* sw, const u16* __restrict__ nw, int 
 __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16* __restrict__ x, int x_stride,
                                                  int M, int xv, const u16* __restrict__ res,
                                                  u16* __restrict__ res_out, float eps, int kin, int r_stride,
-                                                 u32 tid, u32 lane, u32 warp, u32 W
-#if ROT /* the signs of the row (shared memory) and the rotation's scratch: the norm's output rotated (rotate_x.cuh) */
-                                                 , const signed char* sg, float* scr
-#endif
-                                                 ) {
+                                                 u32 tid, u32 lane, u32 warp, u32 W) {
   const int nv = kin >> 3;  /* 8-column vectors that hold data (kin % 8 == 0) */
   const int bd = (int)blockDim.x;
   for (int tok = 0; tok < M; ++tok) {
@@ -126,21 +117,6 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
     for (u32 w = 0; w < W; ++w) tot += s_pro[w];
     const float rs = rsqrtf(tot / (float)kin + eps);
     __syncthreads();  /* s_pro is reused by the next token */
-#if ROT && ROT_MODE != 3 /* whole warps (the rotation's shuffles): nv rounded up to 32 vectors, zeros past it */
-    for (int c = (int)tid; c < ((nv + 31) & ~31); c += bd) {
-      V4 v = V4{0u, 0u, 0u, 0u};
-      if (c < nv) {
-        const V4 wv = sw[c];
-        v = sx[tok * xv + c];
-        float f[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = vh(wv, e) * rnd(vh(v, e) * rs);
-        v = pack8(f);
-      }
-      v = rot_stage(v, c, nv, sg, scr, tok * nv + c, lane);  /* mode 2: to the scratch (nv == xv) */
-      if (ROT_MODE == 1 && c < nv) sx[tok * xv + c] = v;
-    }
-#else
     for (int c = (int)tid; c < nv; c += bd) {  /* the vectors this thread wrote above */
       const V4 v = sx[tok * xv + c], wv = sw[c];
       float f[8];
@@ -148,7 +124,6 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
       for (int e = 0; e < 8; ++e) f[e] = vh(wv, e) * rnd(vh(v, e) * rs);
       sx[tok * xv + c] = pack8(f);
     }
-#endif
   }
 }
 #endif
@@ -534,9 +509,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
 #endif
-#if ROT /* the K signs of the rotation (int8 +1/-1) and K */
-    , const signed char* __restrict__ r_signs, int r_k
-#endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
@@ -613,60 +585,23 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   V4* sw_ = (V4*)sx + M * xv;
   stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
 #endif
-#if ROT /* the staged columns [c_lo, c_lo + ncols) are whole rotation blocks (the plan checks XK slices); the
-           scratch after x (and the norm weight), then (PRO) the signs, staged before the wait */
-  const int c_lo = s_lo * SEG, ncols = min(ns * SEG, r_k - c_lo), nvr = ncols >> 3;
-  float* scr = (float*)((V4*)sx + (M + (PRO ? 1 : 0)) * xv);
-#if PRO
-  signed char* sg = (signed char*)(scr + ROT_SCR);
-  for (int i = (int)tid; i < nvr; i += (int)blockDim.x) ((uint2*)sg)[i] = ((const uint2*)r_signs)[i];
-#else
-  const signed char* sg = r_signs + c_lo;
-#endif
-#endif
 #endif
   pdl_launch();
   pdl_wait();
 #if XS
 #if PRO
-#if ROT
-  stage_x_prologue((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W, sg,
-                   scr);
-#else
   stage_x_prologue((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
-#endif
 #elif XK
-  for (int i = (int)tid, nv = ns * (SEG / 8); i < M * nv; i += (int)blockDim.x) {  /* M * nv: whole warps */
+  for (int i = (int)tid, nv = ns * (SEG / 8); i < M * nv; i += (int)blockDim.x) {
     const int tok = i / nv, c = i - tok * nv;
-    const V4 v = *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
-#if ROT && ROT_MODE == 1
-    ((V4*)sx)[tok * xv + c] = rot_stage(v, c, nvr, sg, scr, i, lane);
-#elif ROT && ROT_MODE == 2 /* to the scratch (nvr == nv: the slice's rows, whole blocks) */
-    rot_stage(v, c, nvr, sg, scr, i, lane);
-#else
-    ((V4*)sx)[tok * xv + c] = v;
-#endif
+    ((V4*)sx)[tok * xv + c] = *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
   }
 #else
-  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {  /* M * xv: whole warps */
+  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
-    const V4 v = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
-#if ROT && ROT_MODE == 1
-    ((V4*)sx)[i] = rot_stage(v, c, nvr, sg, scr, i, lane);
-#elif ROT && ROT_MODE == 2 /* to the scratch (nvr == xv) */
-    rot_stage(v, c, nvr, sg, scr, i, lane);
-#else
-    ((V4*)sx)[i] = v;
-#endif
+    ((V4*)sx)[i] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
 #endif
-#endif
-#if ROT && ROT_MODE == 2 /* the scratch holds every row's first pass: the second */
-  __syncthreads();
-  rot_high((V4*)sx, xv, 0, M * (ncols / ROT), ncols / ROT, scr, tid);
-#elif ROT && ROT_MODE == 3 /* both passes on the staged rows, in rounds */
-  __syncthreads();  /* every row staged (PRO: normalised) */
-  rotate_staged((V4*)sx, xv, M, ncols, sg, scr, tid, lane);
 #endif
   __syncthreads();
 #if !CAU /* (CAU: every warp meets the CTA barrier at the end) */
