@@ -3,7 +3,7 @@
     kbit quantize path/to/model out_dir --k 4
     kbit quantize path/to/model out_dir --k 3 --override 'mlp.down_proj={"k": 4}' --override 'lm_head={}'
     kbit quantize path/to/model out_dir --k 3 --rotation hadamard --calibrate [text.txt]
-    kbit quantize path/to/model out_dir --k 2 --rotation hadamard --calibrate --finetune-steps 200
+    kbit quantize path/to/model out_dir --k 2 --rotation hadamard --calibrate --finetune-steps 512
 
 Loads with ``transformers.AutoModelForCausalLM`` (``AutoModel`` for encoders) from a local directory, never
 from a hub, and refuses (writing nothing) a model that transformers loads with missing, newly initialized or
