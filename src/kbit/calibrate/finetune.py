@@ -43,8 +43,8 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 class _Lookup(torch.autograd.Function):
     """``codebook[codes]`` whose backward sums the gradient of each level in one histogram pass (``bincount``).
-    Every weight hits one of only 2^k levels, and the generic index backward (sorting, then accumulating per
-    index) took 98.7% of a tuning step's GPU time (3.4 s a step for a 135M model on an H200, 2026-11-26)."""
+    Every weight hits one of only 2^k levels, where the generic index backward (a sort, then an accumulation per
+    index) was nearly all of a tuning step's GPU time (benchmarks/results/h200/quality-k2-gpu-2026-11-26.md)."""
 
     @staticmethod
     def forward(ctx, codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -88,8 +88,8 @@ class TunableWeight(nn.Module):
         # nearest level on every forward pass (straight-through), so a code changes once its value crosses a
         # midpoint
         self.latent = nn.Parameter(qw.codebook.to(torch.float32)[self.codes.long()]) if free_codes else None
-        # R^T's two factors made once and moved with the module: built on the host at every forward pass, their
-        # copies to a GPU stalled each step (3.8 s a step for a 135M model on an H100, 2026-11-26)
+        # R^T's two factors, made once and moved with the module: made on the host at every forward pass, their
+        # copies to a GPU stalled every step
         if self.rotation is not None:
             K = self.shape[1]
             self.register_buffer("_h", hadamard(self.rotation.block, torch.float32, codes.device),
