@@ -37,6 +37,7 @@ from kbit.hf.config import QUANT_METHOD, KbitConfig
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import plan, quantize_model
+from kbit.hf.tp import apply_kbit_tp, check_heads, take_kbit_entries, tp_size_of
 from kbit.nn import KbitLinear
 from kbit.utils.checks import fail
 
@@ -56,6 +57,9 @@ class KbitHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.target = None
+        #: tensor parallelism (``tp_plan="auto"``): the plan entries kbit shards after loading (kbit.hf.tp)
+        self.kbit_tp_plan: dict[str, str] = {}
+        self._tp_override = None
 
     def validate_environment(self, *args, device_map=None, **kwargs):
         devices = set(device_map.values()) if isinstance(device_map, dict) else set()
@@ -79,6 +83,10 @@ class KbitHfQuantizer(HfQuantizer):
     def update_attn_implementation(self, config):
         """Sees the config before the model is built (transformers >= 5.24): absurd sizes fail here, fast."""
         check_config_sizes(config.to_dict(), {}, "config")
+        # a tp_plan dict is merged into the model's plan after _process_model_before_weight_loading: keep the
+        # object transformers merges, to take kbit's entries out of it too
+        override = getattr(getattr(config, "distributed_config", None), "tp_plan", None)
+        self._tp_override = override if isinstance(override, dict) else None
         return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
@@ -98,9 +106,27 @@ class KbitHfQuantizer(HfQuantizer):
                      "calibration=text, tokenizer=tok) or `kbit quantize --calibrate`, then save)",
                      repr(qc.calibration))
             kw = qc.quantize_kwargs()
-            plan(model, kw["k"], kw["blocksize"], kw["codebook"], kw["scale_format"], kw["overrides"],
-                 rotation=kw["rotation"])
+            planned = plan(model, kw["k"], kw["blocksize"], kw["codebook"], kw["scale_format"], kw["overrides"],
+                           rotation=kw["rotation"])
+        self._take_tp_entries(model, qc.modules if self.pre_quantized else planned)
         return model
+
+    def _take_tp_entries(self, model, modules: dict) -> None:
+        """Under tensor parallelism, the ``tp_plan`` entries of the k-bit modules move to ``kbit_tp_plan``
+        (``kbit.hf.tp``): transformers loads those weights whole, kbit shards them after loading."""
+        tp = tp_size_of(model.config)
+        if tp == 1:
+            return
+        kinds = {name: info["kind"] for name, info in modules.items()}
+        self.kbit_tp_plan = take_kbit_entries(model, model.tp_plan, kinds)
+        if self._tp_override:
+            had = bool(self._tp_override)
+            self.kbit_tp_plan |= take_kbit_entries(model, self._tp_override, kinds)
+            if had and not self._tp_override:  # transformers reads an empty tp_plan dict as "no tensor parallel"
+                fail(ValueError, "tp_plan", "'auto', or a dict naming at least one float module besides the k-bit "
+                     "ones", "a dict naming k-bit modules only")
+        blocksize = max((info["blocksize"] for info in modules.values()), default=0)
+        check_heads(model.config, self.kbit_tp_plan, tp, blocksize)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         qc = self.quantization_config
@@ -114,6 +140,7 @@ class KbitHfQuantizer(HfQuantizer):
                 elif isinstance(m, KbitExperts):
                     for w in EXPERT_WEIGHTS:
                         m.weight(w)
+            self._apply_tp(model)
             return model
         quantize_model(model, progress=False, device=self.target, **qc.quantize_kwargs())
         if self.target is not None:
@@ -121,8 +148,13 @@ class KbitHfQuantizer(HfQuantizer):
             if getattr(model, "hf_device_map", None) is not None:
                 model.hf_device_map = {"": str(self.target)}
         untie_quantized_head(model)
-        qc.modules = module_table(model)
+        qc.modules = module_table(model)  # the whole model's table (before the shards replace its modules)
+        self._apply_tp(model)
         return model
+
+    def _apply_tp(self, model) -> None:
+        if self.kbit_tp_plan:
+            apply_kbit_tp(model, self.kbit_tp_plan, tp_size_of(model.config))
 
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
         return quantized_state_dict(model), {}

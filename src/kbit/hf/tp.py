@@ -1,0 +1,121 @@
+"""transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` or ``distributed_config=
+DistributedConfig(tp_size=N)``) with a :class:`~kbit.hf.config.KbitConfig` model: kbit's k-bit layers are sharded by
+:func:`kbit.parallel.parallelize_kbit`, every other module by transformers.
+
+Why not transformers' own styles for the k-bit layers: transformers (5.17 - 5.24) shards *parameters* as DTensors
+(``distributed/tensor_parallel.py``, ``ColwiseParallel.shard_param``: ``Shard(0)`` of the weight) before the
+weights are read, and hooks the module's forward. A k-bit layer holds packed codes and per-block scales in buffers,
+which an element-wise DTensor split does not describe (a K split must fall on whole blocks and cut every bit
+plane of a row); and quantizing while loading would quantize each rank's float slice on its own (another tensor
+scale per rank, q/k/v no longer quantized jointly). So the quantizer takes the plan entries of the modules it
+quantizes out of ``model.tp_plan`` before transformers distributes the model (those weights load whole), and
+shards them after loading with kbit's column- / row-parallel layers: each shard is a bit-exact slice of the whole
+k-bit weight, and the plan names are transformers' own (``colwise``, ``rowwise``, ``packed_colwise``, ...).
+The entries go back into ``model.tp_plan`` afterwards, so that transformers sizes its KV cache for this rank's
+heads (``generation/utils.py``, ``get_kv_heads_per_rank``).
+
+Memory: each rank holds the whole k-bit model (plus one float weight while quantizing) until the post-load hook
+cuts its shards; a sharded kbit checkpoint (:func:`kbit.parallel.load_sharded`) is the way to never hold more.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.distributed as dist
+from torch import nn
+
+from kbit.parallel import STYLES, parallelize_kbit
+from kbit.parallel.shard import COLUMN_UNIT
+from kbit.utils.checks import fail
+
+__all__ = ["apply_kbit_tp", "check_heads", "take_kbit_entries", "tp_size_of"]
+
+#: attention projections whose output columns (colwise) or input columns (rowwise) are whole heads
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+
+
+def tp_size_of(config) -> int:
+    """The tensor-parallel size transformers was asked for (``config.distributed_config.tp_size``), 1 if none."""
+    dc = getattr(config, "distributed_config", None)
+    return int(getattr(dc, "tp_size", None) or 1)
+
+
+def _generic(name: str) -> str:
+    # transformers' plans name layers with "*" for every number component (replace_layer_number_by_wildcard)
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
+def take_kbit_entries(model: nn.Module, plan: dict, kbit_modules: dict[str, str]) -> dict[str, str]:
+    """Move the entries of ``plan`` (transformers' ``tp_plan``, changed in place) that name modules kbit quantizes
+    (``kbit_modules``: name -> ``"linear"`` or ``"experts"``) into the returned plan, for
+    :func:`apply_kbit_tp` after loading. ValueError (naming ``tp_plan``) for an entry kbit cannot honour: a style
+    kbit does not shard with, k-bit experts (tensor parallel experts: not supported), or one entry over both
+    k-bit and float modules."""
+    targets: dict[str, list[str]] = {}
+    for name in kbit_modules:
+        targets.setdefault(_generic(name), []).append(name)
+    taken = {}
+    float_names = {_generic(n) for n, _ in model.named_modules() if n not in kbit_modules}
+    for pattern, style in list(plan.items()):
+        owner = pattern.rsplit(".", 1)[0]  # a parameter entry ("experts.gate_up_proj") belongs to its module
+        names = targets.get(pattern) or targets.get(owner) or []
+        if not names:
+            continue
+        if pattern in float_names and pattern in targets:
+            fail(ValueError, f"tp_plan[{pattern!r}]", "an entry over k-bit modules only (keep all of its layers "
+                 "quantized, or none: KbitConfig.overrides / modules_to_not_convert)", "k-bit and float modules")
+        kinds = {kbit_modules[n] for n in names}
+        if kinds != {"linear"} or pattern not in targets:
+            fail(ValueError, f"tp_plan[{pattern!r}]", "a style for k-bit Linear modules (tensor parallel k-bit "
+                 "experts are not supported: leave them out of tp_plan)", f"{style!r} on k-bit {sorted(kinds)}")
+        if style not in STYLES or style == "ep":
+            fail(ValueError, f"tp_plan[{pattern!r}]", f"a style kbit shards k-bit layers with, one of "
+                 f"{tuple(s for s in STYLES if s != 'ep')}", repr(style))
+        taken[pattern] = plan.pop(pattern)
+    return taken
+
+
+def check_heads(config, plan: dict[str, str], tp_size: int, blocksize: int) -> None:
+    """ValueError (naming ``tp_plan``) where the attention projections of ``plan`` cannot be split on whole heads:
+    the head counts must divide by ``tp_size`` and ``head_dim`` must be a whole number of split units (16 rows,
+    and ``blocksize`` columns for the row-parallel output projection), else a rank would hold part of a head."""
+    heads = [p for p in plan if p.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS]
+    if not heads or tp_size == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_q = getattr(text, "num_attention_heads", None)
+    n_kv = getattr(text, "num_key_value_heads", None) or n_q
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // n_q if n_q else None)
+    if n_q is None or head_dim is None:
+        return
+    for what, n in (("num_attention_heads", n_q), ("num_key_value_heads", n_kv)):
+        if n % tp_size:
+            fail(ValueError, "tp_plan", f"{what} divisible by the tensor-parallel size {tp_size} to split "
+                 f"{heads[0]!r} on whole heads", f"{what}={n}")
+    unit = max(COLUMN_UNIT, blocksize)
+    if head_dim % unit:
+        fail(ValueError, "tp_plan", f"head_dim a multiple of the split unit {unit} (16 rows and the blocksize) to "
+             f"split {heads[0]!r} on whole heads", f"head_dim={head_dim}")
+
+
+def _tp_group(model: nn.Module):
+    # transformers (5.17 - 5.24) keeps the mesh it built in a private attribute and offers no accessor; the tp
+    # axis of a pure tensor-parallel run is the whole world, the default group (None)
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()) and mesh.ndim > 1:
+        return mesh["tp"].get_group()
+    return None
+
+
+def apply_kbit_tp(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
+    """Shard the k-bit layers ``plan`` names over transformers' tensor-parallel group (after loading) and put the
+    entries back into ``model.tp_plan``. Returns ``{module name: style}`` of the replaced modules."""
+    if not dist.is_initialized():
+        fail(RuntimeError, "tp_plan", "torch.distributed initialised (run under torchrun)", "no process group")
+    group = _tp_group(model)
+    if dist.get_world_size(group) != tp_size:
+        fail(ValueError, "tp_plan", f"a tensor-parallel group of {tp_size} ranks", dist.get_world_size(group))
+    replaced = parallelize_kbit(model, plan, group=group)
+    model.tp_plan.update(plan)  # transformers reads it after loading: its KV cache holds this rank's heads
+    return replaced
