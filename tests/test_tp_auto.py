@@ -1,0 +1,154 @@
+"""transformers' ``tp_plan="auto"`` with ``quantization_config=KbitConfig(...)`` (kbit.hf.tp): on 2 gloo ranks (NCCL
+variant marked gpu) a tiny random Llama of odd sizes quantized while loading, and a saved kbit folder loaded with
+``tp_plan="auto"``: the logits and greedy tokens of one process, each rank holding only its shards (bit-exact
+slices, bytes counted), clear errors where the plan cannot be honoured."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from kbit.hf import KbitConfig, save_quantized  # noqa: E402
+from kbit.hf.tp import check_heads, take_kbit_entries  # noqa: E402
+from kbit.nn import KbitLinear  # noqa: E402
+from kbit.ops.dequant import dequantize  # noqa: E402
+from kbit.parallel import ColumnParallelKbitLinear, RowParallelKbitLinear  # noqa: E402
+from ranks import device, spawn  # noqa: E402
+
+# K = 200 and N = 330 are not multiples of the blocksize or of 2 * 16 rows: padded K, a short last shard
+CONFIG = dict(vocab_size=300, hidden_size=200, intermediate_size=330, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, tie_word_embeddings=False)
+QC = dict(k=4, blocksize=32)
+PROMPT = [[1, 5, 7, 9, 11, 200, 17]]
+PARALLEL = (ColumnParallelKbitLinear, RowParallelKbitLinear)
+
+
+def float_folder(path, **over):
+    config = transformers.LlamaConfig(**(CONFIG | over))
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+def load(path, backend: str, tp: bool, **kw):
+    """``from_pretrained`` with ``tp_plan="auto"`` (``tp``) or on this rank's device alone."""
+    if tp:
+        kw["tp_plan"] = "auto"
+    else:
+        kw["device_map"] = str(device(backend))
+    with warnings.catch_warnings():  # transformers 5.24 prefers distributed_config=DistributedConfig(tp_plan=...)
+        warnings.simplefilter("ignore", FutureWarning)
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+
+
+def _as_torchrun(rank, world):
+    # transformers binds the device from LOCAL_RANK, as torchrun sets it
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+
+
+def _kbit_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, KbitLinear)
+               for t in (m.codes, m.scales))
+
+
+def _check_shards(model, whole, rank, world) -> None:
+    """Every k-bit layer is a parallel one; its shard dequantizes to its slice of the whole weight; the ranks'
+    bytes add up to the whole model's and no rank holds more than its part."""
+    names = {n for n, m in model.named_modules() if isinstance(m, PARALLEL)}
+    assert len(names) == 14, sorted(names)
+    for name, m in model.named_modules():
+        if isinstance(m, KbitLinear):
+            assert name.rpartition(".")[0] in names, f"{name} is not a shard"
+    dev = next(model.parameters()).device
+    for name in names:
+        m, w = model.get_submodule(name), dequantize(whole.get_submodule(name).weight(), torch.float32)
+        part = torch.cat([w[a:b] for a, b in m.ranges]) if isinstance(m, ColumnParallelKbitLinear) else \
+            w[:, m.start:m.stop]
+        assert torch.equal(dequantize(m.shard.weight(), torch.float32), part.to(dev)), name
+    local = torch.tensor([_kbit_bytes(model)], dtype=torch.float64, device=dev)
+    total = local.clone()
+    dist.all_reduce(total)
+    assert total.item() == _kbit_bytes(whole), (total.item(), _kbit_bytes(whole))
+    assert local.item() < 0.6 * _kbit_bytes(whole), f"rank {rank} holds {local.item()} of {_kbit_bytes(whole)} bytes"
+
+
+def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
+    _as_torchrun(rank, world)
+    qc = KbitConfig(**QC)
+    whole = load(float_path, backend, False, quantization_config=qc, dtype=dtype)
+    ids = torch.tensor(PROMPT, device=device(backend))
+    with torch.no_grad():
+        want = whole(ids).logits.double()
+    want_tokens = whole.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    for path, kw in ((float_path, dict(quantization_config=KbitConfig(**QC))), (saved_path, {})):
+        model = load(path, backend, True, dtype=dtype, **kw)
+        assert model.tp_size == world
+        _check_shards(model, whole, rank, world)
+        with torch.no_grad():
+            got = model(ids).logits.double()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < rtol, f"rank {rank}, {path}: tensor-parallel logits differ by {err:.2e} of max |logit|"
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+
+
+def _folders(tmp_path):
+    float_path = float_folder(tmp_path / "float")
+    saved = tmp_path / "kbit"
+    save_quantized(load(float_path, "gloo", False, quantization_config=KbitConfig(**QC)), saved)
+    return float_path, str(saved)
+
+
+def test_tp_auto_two_ranks(tmp_path):
+    spawn(tmp_path, _check_tp, "gloo", *_folders(tmp_path), torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+def test_tp_auto_two_gpus(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path), torch.bfloat16, 3e-2, backend="nccl")
+
+
+def _check_errors(rank, world, float_path, mqa_path):
+    _as_torchrun(rank, world)
+    with pytest.raises(ValueError, match=r"tp_plan: expected num_key_value_heads divisible by the tensor-parallel "
+                                         r"size 2 .*, got num_key_value_heads=1"):
+        load(mqa_path, "gloo", True, quantization_config=KbitConfig(**QC))
+    # one plan entry over quantized and float layers: neither kbit nor transformers can shard all of it
+    with pytest.raises(ValueError, match=r"tp_plan\['model.layers.\*.mlp.up_proj'\]: expected an entry over "
+                                         r"k-bit modules only"):
+        load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, modules_to_not_convert=[
+            r"layers\.0\.mlp\.up_proj"]))
+
+
+def test_tp_auto_errors_two_ranks(tmp_path):
+    spawn(tmp_path, _check_errors, float_folder(tmp_path / "float"),
+          float_folder(tmp_path / "mqa", num_key_value_heads=1))
+
+
+def test_plan_split_and_head_checks():
+    config = transformers.LlamaConfig(**CONFIG)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    plan = dict(model.tp_plan)
+    kinds = {n: "linear" for n, m in model.named_modules() if n.endswith(("_proj",))}
+    taken = take_kbit_entries(model, plan, kinds)
+    assert set(taken) == {f"model.layers.*.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                          "mlp.down_proj")}
+    assert plan == {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise"}
+    check_heads(config, taken, 2, 64)
+    with pytest.raises(ValueError, match=r"tp_plan: expected head_dim a multiple of the split unit 128 .*, got "
+                                         r"head_dim=64"):
+        check_heads(config, taken, 2, 128)
+    with pytest.raises(ValueError, match=r"tp_plan\['model.layers.\*.mlp.up_proj'\]: expected a style kbit shards"):
+        take_kbit_entries(model, {"model.layers.*.mlp.up_proj": "sequence_parallel"}, kinds)
