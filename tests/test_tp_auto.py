@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
+from transformers.quantizers.base import HfQuantizer  # noqa: E402
+
 from kbit.hf import KbitConfig, save_quantized  # noqa: E402
 from kbit.hf.tp import check_heads, take_kbit_entries  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
@@ -37,10 +39,11 @@ def float_folder(path, **over):
     return str(path)
 
 
-def load(path, backend: str, tp: bool, **kw):
-    """``from_pretrained`` with ``tp_plan="auto"`` (``tp``) or on this rank's device alone."""
+def load(path, backend: str, tp, **kw):
+    """``from_pretrained`` with ``tp_plan="auto"`` (``tp`` True; a dict: that plan) or on this rank's device
+    alone."""
     if tp:
-        kw["tp_plan"] = "auto"
+        kw["tp_plan"] = "auto" if tp is True else tp
     else:
         kw["device_map"] = str(device(backend))
     with warnings.catch_warnings():  # transformers 5.24 prefers distributed_config=DistributedConfig(tp_plan=...)
@@ -118,7 +121,7 @@ def test_tp_auto_two_gpus(tmp_path):
     spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path), torch.bfloat16, 3e-2, backend="nccl")
 
 
-def _check_errors(rank, world, float_path, mqa_path):
+def _check_plans(rank, world, float_path, mqa_path):
     _as_torchrun(rank, world)
     with pytest.raises(ValueError, match=r"tp_plan: expected num_key_value_heads divisible by the tensor-parallel "
                                          r"size 2 .*, got num_key_value_heads=1"):
@@ -128,10 +131,22 @@ def _check_errors(rank, world, float_path, mqa_path):
                                          r"k-bit modules only"):
         load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, modules_to_not_convert=[
             r"layers\.0\.mlp\.up_proj"]))
+    # a tp_plan dict is merged into the model's plan (transformers >= 5.24): kbit takes its k-bit entries too
+    plan = {"model.layers.*.self_attn.o_proj": "rowwise"}
+    if not hasattr(HfQuantizer, "update_attn_implementation"):  # 5.17 replaces the plan by the dict, unseen
+        with pytest.raises(ValueError, match=r"tp_plan: expected 'auto' with kbit on this transformers version"):
+            load(float_path, "gloo", plan, quantization_config=KbitConfig(**QC))
+        return
+    model = load(float_path, "gloo", plan, quantization_config=KbitConfig(**QC))
+    attn = model.model.layers[1].self_attn
+    assert isinstance(attn.o_proj, RowParallelKbitLinear) and isinstance(attn.q_proj, ColumnParallelKbitLinear)
+    assert type(model.lm_head.weight).__name__ == "DTensor"  # the float entries still go to transformers
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor(PROMPT)).logits).all()
 
 
-def test_tp_auto_errors_two_ranks(tmp_path):
-    spawn(tmp_path, _check_errors, float_folder(tmp_path / "float"),
+def test_tp_auto_errors_and_plan_dict_two_ranks(tmp_path):
+    spawn(tmp_path, _check_plans, float_folder(tmp_path / "float"),
           float_folder(tmp_path / "mqa", num_key_value_heads=1))
 
 
@@ -145,7 +160,8 @@ def test_plan_split_and_head_checks():
     assert set(taken) == {f"model.layers.*.{p}" for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                                                           "mlp.down_proj")}
-    assert plan == {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise"}
+    # transformers keeps the float modules' entries (embed_tokens: 5.24 adds "embedding_rowwise", 5.17 none)
+    assert plan["lm_head"] == "colwise_gather_output" and set(plan) <= {"lm_head", "model.embed_tokens"}
     check_heads(config, taken, 2, 64)
     with pytest.raises(ValueError, match=r"tp_plan: expected head_dim a multiple of the split unit 128 .*, got "
                                          r"head_dim=64"):

@@ -118,15 +118,24 @@ class KbitHfQuantizer(HfQuantizer):
         if tp == 1:
             return
         kinds = {name: info["kind"] for name, info in modules.items()}
-        self.kbit_tp_plan = take_kbit_entries(model, model.tp_plan, kinds)
-        if self._tp_override:
-            had = bool(self._tp_override)
-            self.kbit_tp_plan |= take_kbit_entries(model, self._tp_override, kinds)
-            if had and not self._tp_override:  # transformers reads an empty tp_plan dict as "no tensor parallel"
-                fail(ValueError, "tp_plan", "'auto', or a dict naming at least one float module besides the k-bit "
-                     "ones", "a dict naming k-bit modules only")
-        blocksize = max((info["blocksize"] for info in modules.values()), default=0)
-        check_heads(model.config, self.kbit_tp_plan, tp, blocksize)
+        taken = take_kbit_entries(model, model.tp_plan, kinds)
+        override = getattr(model.config.distributed_config, "tp_plan", None)  # a copy of the one transformers reads
+        if isinstance(override, dict):
+            if not override:  # tp_plan={}: no tensor parallel dense layers (expert parallel only)
+                return
+            if self._tp_override is None:
+                if take_kbit_entries(model, dict(override), kinds):
+                    # transformers < 5.24 replaces model.tp_plan by the dict after this hook, no earlier hook sees it
+                    fail(ValueError, "tp_plan", "'auto' with kbit on this transformers version (or a dict naming "
+                         "float modules only)", "a dict naming k-bit modules")
+            else:
+                taken |= take_kbit_entries(model, self._tp_override, kinds)  # the user's entries win
+                if not self._tp_override and model.tp_plan:
+                    # transformers reads an empty dict as "no tensor parallel dense layers": one of the plan's own
+                    # entries keeps the merge a no-op
+                    self._tp_override.update([next(iter(model.tp_plan.items()))])
+        check_heads(model.config, taken, tp, max((info["blocksize"] for info in modules.values()), default=0))
+        self.kbit_tp_plan = taken
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         qc = self.quantization_config
