@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.quantizers.base import HfQuantizer  # noqa: E402
 
 from kbit.hf import KbitConfig, save_quantized  # noqa: E402
-from kbit.hf.tp import check_heads, take_kbit_entries  # noqa: E402
+from kbit.hf.tp import TensorParallelKbitExperts, check_heads, take_kbit_entries  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
 from kbit.ops.dequant import dequantize  # noqa: E402
 from kbit.parallel import ColumnParallelKbitLinear, RowParallelKbitLinear  # noqa: E402
@@ -57,8 +57,8 @@ def _as_torchrun(rank, world):
 
 
 def _kbit_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for m in model.modules() if isinstance(m, KbitLinear)
-               for t in (m.codes, m.scales))
+    """Bytes of the packed codes and block scales of every k-bit layer and expert stack."""
+    return sum(t.numel() * t.element_size() for n, t in model.named_buffers() if n.endswith((".codes", ".scales")))
 
 
 def _check_shards(model, whole, rank, world) -> None:
@@ -119,6 +119,38 @@ def test_tp_auto_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path), torch.bfloat16, 3e-2, backend="nccl")
+
+
+def _check_moe(rank, world, path):
+    """Qwen3-MoE: attention colwise / rowwise, k-bit experts split along I (``moe_tp_experts``), a dense layer."""
+    _as_torchrun(rank, world)
+    whole = load(path, "gloo", False, quantization_config=KbitConfig(**QC))
+    model = load(path, "gloo", True, quantization_config=KbitConfig(**QC))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, TensorParallelKbitExperts)
+    assert (experts.start, experts.stop) == ((0, 64), (64, 96))[rank]  # I = 96 in units of 32
+    assert isinstance(model.model.layers[1].mlp.down_proj, RowParallelKbitLinear)
+    local = torch.tensor([_kbit_bytes(model)], dtype=torch.float64)
+    total = local.clone()
+    dist.all_reduce(total)
+    assert total.item() == _kbit_bytes(whole) and local.item() < 0.7 * _kbit_bytes(whole)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        want, got = whole(ids).logits.double(), model(ids).logits.double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-4, f"rank {rank}: tensor-parallel MoE logits differ by {err:.2e} of max |logit|"
+    greedy = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(model.generate(ids, **greedy), whole.generate(ids, **greedy))
+
+
+def test_tp_auto_moe_two_ranks(tmp_path):
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", **(CONFIG | dict(hidden_size=96, intermediate_size=80, head_dim=32, moe_intermediate_size=96,
+                                      num_experts=5, num_experts_per_tok=2, decoder_sparse_step=1,
+                                      mlp_only_layers=[1])))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "moe")
+    spawn(tmp_path, _check_moe, str(tmp_path / "moe"))
 
 
 def _check_plans(rank, world, float_path, mqa_path):

@@ -22,14 +22,20 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from kbit.parallel import STYLES, parallelize_kbit
+from kbit.hf.experts import KbitExperts
+from kbit.parallel import STYLES, all_reduce_sum, parallelize_kbit, shard_range, shard_weight
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["apply_kbit_tp", "check_heads", "take_kbit_entries", "tp_size_of"]
+__all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "take_kbit_entries",
+           "tp_size_of"]
+
+#: transformers' tensor-parallel style of fused MoE experts (every expert's intermediate dimension split)
+EXPERT_STYLE = "moe_tp_experts"
 
 #: attention projections whose output columns (colwise) or input columns (rowwise) are whole heads
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
@@ -66,9 +72,17 @@ def take_kbit_entries(model: nn.Module, plan: dict, kbit_modules: dict[str, str]
             fail(ValueError, f"tp_plan[{pattern!r}]", "an entry over k-bit modules only (keep all of its layers "
                  "quantized, or none: KbitConfig.overrides / modules_to_not_convert)", "k-bit and float modules")
         kinds = {kbit_modules[n] for n in names}
+        if kinds == {"experts"}:
+            if pattern not in targets:  # gate_up_proj / down_proj of k-bit experts: buffers, cut by the module entry
+                plan.pop(pattern)
+            elif style != EXPERT_STYLE:
+                fail(ValueError, f"tp_plan[{pattern!r}]", f"{EXPERT_STYLE!r} for k-bit experts", repr(style))
+            else:
+                taken[pattern] = plan.pop(pattern)
+            continue
         if kinds != {"linear"} or pattern not in targets:
-            fail(ValueError, f"tp_plan[{pattern!r}]", "a style for k-bit Linear modules (tensor parallel k-bit "
-                 "experts are not supported: leave them out of tp_plan)", f"{style!r} on k-bit {sorted(kinds)}")
+            fail(ValueError, f"tp_plan[{pattern!r}]", "an entry over k-bit Linear modules or k-bit experts",
+                 f"{style!r} on k-bit {sorted(kinds)}")
         if style not in STYLES or style == "ep":
             fail(ValueError, f"tp_plan[{pattern!r}]", f"a style kbit shards k-bit layers with, one of "
                  f"{tuple(s for s in STYLES if s != 'ep')}", repr(style))
@@ -116,6 +130,46 @@ def apply_kbit_tp(model: nn.Module, plan: dict[str, str], tp_size: int) -> dict[
     group = _tp_group(model)
     if dist.get_world_size(group) != tp_size:
         fail(ValueError, "tp_plan", f"a tensor-parallel group of {tp_size} ranks", dist.get_world_size(group))
-    replaced = parallelize_kbit(model, plan, group=group)
+    linear = {p: s for p, s in plan.items() if s != EXPERT_STYLE}
+    replaced = parallelize_kbit(model, linear, group=group) if linear else {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, KbitExperts) and plan.get(_generic(name)) == EXPERT_STYLE:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, TensorParallelKbitExperts(module, group=group))
+            replaced[name] = EXPERT_STYLE
     model.tp_plan.update(plan)  # transformers reads it after loading: its KV cache holds this rank's heads
     return replaced
+
+
+class TensorParallelKbitExperts(nn.Module):
+    """transformers' ``"moe_tp_experts"`` for :class:`~kbit.hf.experts.KbitExperts`: every expert's intermediate
+    dimension I split over the group (``gate_up_proj [E, 2I, H]``: this rank's rows of the gate part and of the up
+    part, ``down_proj [E, H, I]``: the same columns, on whole blocks), the partial outputs all-reduced. Every rank
+    routes every token (the router is replicated); the shard is an ordinary ``KbitExperts`` (``self.shard``).
+
+    ``start``, ``stop``: this rank's columns of I; the split unit is a whole number of 16 rows and of both
+    blocksizes, so that the down projection's K split falls on blocks and matches the gate / up rows."""
+
+    def __init__(self, experts: KbitExperts, group=None):
+        super().__init__()
+        if not isinstance(experts, KbitExperts):
+            fail(TypeError, "experts", "a KbitExperts", type(experts).__name__)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        gate_up, down = experts.weight("gate_up_proj"), experts.weight("down_proj")
+        inter = experts.intermediate_dim
+        self.unit = max(COLUMN_UNIT, gate_up.blocksize, down.blocksize)
+        self.start, self.stop = shard_range(inter, self.rank, self.world, self.unit)
+        self.shard = KbitExperts(shard_weight(gate_up, 0, self.rank, self.world, self.unit, parts=(inter, inter)),
+                                 shard_weight(down, 1, self.rank, self.world, self.unit), experts.act_fn,
+                                 experts.dtype)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = experts.num_experts, experts.hidden_dim, inter
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        out = self.shard(hidden_states, top_k_index, top_k_weights)
+        return all_reduce_sum(out, self.group) if self.world > 1 else out
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, intermediate_dim={self.intermediate_dim}, columns={self.start}:"
+                f"{self.stop}, rank={self.rank}/{self.world}")
