@@ -101,6 +101,8 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         tokens = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
         assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+    with pytest.raises(ValueError, match="model: expected an unsharded kbit model to save_pretrained"):
+        model.save_pretrained(os.path.join(saved_path, f"again-{rank}"))
 
 
 def _folders(tmp_path):

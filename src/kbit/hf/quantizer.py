@@ -166,6 +166,9 @@ class KbitHfQuantizer(HfQuantizer):
             apply_kbit_tp(model, self.kbit_tp_plan, tp_size_of(model.config))
 
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
+        if self.kbit_tp_plan and tp_size_of(model.config) > 1:  # the shards' keys are not the checkpoint's
+            fail(ValueError, "model", "an unsharded kbit model to save_pretrained (save before loading with "
+                 "tp_plan, or write a sharded checkpoint with kbit.parallel.save_sharded)", "a tensor-parallel model")
         return quantized_state_dict(model), {}
 
     def is_serializable(self, *args, **kwargs) -> bool:
