@@ -123,26 +123,31 @@ def test_tp_auto_two_gpus(tmp_path):
     spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path), torch.bfloat16, 3e-2, backend="nccl")
 
 
-def _check_moe(rank, world, path):
-    """Qwen3-MoE: attention colwise / rowwise, k-bit experts split along I (``moe_tp_experts``), a dense layer."""
+def _check_moe(rank, world, path, saved):
+    """Qwen3-MoE: attention colwise / rowwise, k-bit experts split along I (``moe_tp_experts``), a dense layer;
+    quantized while loading, and from a kbit folder."""
     _as_torchrun(rank, world)
     whole = load(path, "gloo", False, quantization_config=KbitConfig(**QC))
-    model = load(path, "gloo", True, quantization_config=KbitConfig(**QC))
-    experts = model.model.layers[0].mlp.experts
-    assert isinstance(experts, TensorParallelKbitExperts)
-    assert (experts.start, experts.stop) == ((0, 64), (64, 96))[rank]  # I = 96 in units of 32
-    assert isinstance(model.model.layers[1].mlp.down_proj, RowParallelKbitLinear)
-    local = torch.tensor([_kbit_bytes(model)], dtype=torch.float64)
-    total = local.clone()
-    dist.all_reduce(total)
-    assert total.item() == _kbit_bytes(whole) and local.item() < 0.7 * _kbit_bytes(whole)
     ids = torch.tensor(PROMPT)
-    with torch.no_grad():
-        want, got = whole(ids).logits.double(), model(ids).logits.double()
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    assert err < 1e-4, f"rank {rank}: tensor-parallel MoE logits differ by {err:.2e} of max |logit|"
     greedy = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
-    assert torch.equal(model.generate(ids, **greedy), whole.generate(ids, **greedy))
+    with torch.no_grad():
+        want = whole(ids).logits.double()
+    want_tokens = whole.generate(ids, **greedy)
+    for folder, kw in ((path, dict(quantization_config=KbitConfig(**QC))), (saved, {})):
+        model = load(folder, "gloo", True, **kw)
+        experts = model.model.layers[0].mlp.experts
+        assert isinstance(experts, TensorParallelKbitExperts)
+        assert (experts.start, experts.stop) == ((0, 64), (64, 96))[rank]  # I = 96 in units of 32
+        assert isinstance(model.model.layers[1].mlp.down_proj, RowParallelKbitLinear)
+        local = torch.tensor([_kbit_bytes(model)], dtype=torch.float64)
+        total = local.clone()
+        dist.all_reduce(total)
+        assert total.item() == _kbit_bytes(whole) and local.item() < 0.7 * _kbit_bytes(whole)
+        with torch.no_grad():
+            got = model(ids).logits.double()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-4, f"rank {rank}, {folder}: tensor-parallel MoE logits differ by {err:.2e} of max |logit|"
+        assert torch.equal(model.generate(ids, **greedy), want_tokens)
 
 
 def test_tp_auto_moe_two_ranks(tmp_path):
@@ -152,7 +157,8 @@ def test_tp_auto_moe_two_ranks(tmp_path):
                                       mlp_only_layers=[1])))
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "moe")
-    spawn(tmp_path, _check_moe, str(tmp_path / "moe"))
+    save_quantized(load(tmp_path / "moe", "gloo", False, quantization_config=KbitConfig(**QC)), tmp_path / "kbit")
+    spawn(tmp_path, _check_moe, str(tmp_path / "moe"), str(tmp_path / "kbit"))
 
 
 def _check_plans(rank, world, float_path, mqa_path):
@@ -165,6 +171,9 @@ def _check_plans(rank, world, float_path, mqa_path):
                                          r"k-bit modules only"):
         load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, modules_to_not_convert=[
             r"layers\.0\.mlp\.up_proj"]))
+    # a row-parallel split of K would cut a Hadamard rotation (it spans all of K): refused before any weight is read
+    with pytest.raises(ValueError, match=r"tp_plan\['model.layers.\*.self_attn.o_proj'\]: expected unrotated"):
+        load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, rotation="hadamard"))
     # a tp_plan dict is merged into the model's plan (transformers >= 5.24): kbit takes its k-bit entries too
     plan = {"model.layers.*.self_attn.o_proj": "rowwise"}
     if not hasattr(HfQuantizer, "update_attn_implementation"):  # 5.17 replaces the plan by the dict, unseen

@@ -27,12 +27,19 @@ import torch.distributed as dist
 from torch import nn
 
 from kbit.hf.experts import KbitExperts
-from kbit.parallel import STYLES, all_reduce_sum, parallelize_kbit, shard_range, shard_weight
+from kbit.parallel import (
+    STYLES,
+    RowParallelKbitLinear,
+    all_reduce_sum,
+    parallelize_kbit,
+    shard_range,
+    shard_weight,
+)
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "take_kbit_entries",
-           "tp_size_of"]
+__all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "check_rotation",
+           "take_kbit_entries", "tp_size_of"]
 
 #: transformers' tensor-parallel style of fused MoE experts (every expert's intermediate dimension split)
 EXPERT_STYLE = "moe_tp_experts"
@@ -111,6 +118,18 @@ def check_heads(config, plan: dict[str, str], tp_size: int, blocksize: int) -> N
     if head_dim % unit:
         fail(ValueError, "tp_plan", f"head_dim a multiple of the split unit {unit} (16 rows and the blocksize) to "
              f"split {heads[0]!r} on whole heads", f"head_dim={head_dim}")
+
+
+def check_rotation(plan: dict[str, str], modules: dict[str, dict]) -> None:
+    """ValueError (naming the ``tp_plan`` entry) where a split of K (row-parallel layers, the down projection of
+    tensor-parallel experts) would cut a rotated weight (``modules``: name -> format with ``"rotation"``): its
+    Hadamard rotation spans all of K, no shard holds it. Before any weight is read."""
+    rotated = {_generic(n) for n, info in modules.items() if info.get("rotation")}
+    for pattern, style in plan.items():
+        splits_k = style == EXPERT_STYLE or (style in STYLES and STYLES[style][0] is RowParallelKbitLinear)
+        if splits_k and pattern in rotated:
+            fail(ValueError, f"tp_plan[{pattern!r}]", "unrotated k-bit weights for a split of K (a Hadamard "
+                 "rotation spans all of K: keep these layers unrotated, KbitConfig.overrides)", "rotated weights")
 
 
 def _tp_group(model: nn.Module):
