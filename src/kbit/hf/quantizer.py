@@ -37,7 +37,7 @@ from kbit.hf.config import QUANT_METHOD, KbitConfig
 from kbit.hf.experts import WEIGHTS as EXPERT_WEIGHTS
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import plan, quantize_model
-from kbit.hf.tp import apply_kbit_tp, check_heads, check_rotation, take_kbit_entries, tp_size_of
+from kbit.hf.tp import apply_kbit_tp, check_heads, check_k_splits, take_kbit_entries, tp_size_of
 from kbit.nn import KbitLinear
 from kbit.utils.checks import fail
 
@@ -135,7 +135,7 @@ class KbitHfQuantizer(HfQuantizer):
                     # entries keeps the merge a no-op
                     self._tp_override.update([next(iter(model.tp_plan.items()))])
         check_heads(model.config, taken, tp, max((info["blocksize"] for info in modules.values()), default=0))
-        check_rotation(taken, modules)
+        check_k_splits(taken, modules)
         self.kbit_tp_plan = taken
 
     def _process_model_after_weight_loading(self, model, **kwargs):

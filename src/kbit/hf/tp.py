@@ -38,7 +38,7 @@ from kbit.parallel import (
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
-__all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "check_rotation",
+__all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "check_k_splits",
            "take_kbit_entries", "tp_size_of"]
 
 #: transformers' tensor-parallel style of fused MoE experts (every expert's intermediate dimension split)
@@ -120,7 +120,7 @@ def check_heads(config, plan: dict[str, str], tp_size: int, blocksize: int) -> N
              f"split {heads[0]!r} on whole heads", f"head_dim={head_dim}")
 
 
-def check_rotation(plan: dict[str, str], modules: dict[str, dict]) -> None:
+def check_k_splits(plan: dict[str, str], modules: dict[str, dict]) -> None:
     """ValueError (naming the ``tp_plan`` entry) where a split of K (row-parallel layers, the down projection of
     tensor-parallel experts) would cut a rotated weight (``modules``: name -> format with ``"rotation"``): its
     Hadamard rotation spans all of K, no shard holds it. Before any weight is read."""
