@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
+from transformers.distributed import DistributedConfig  # noqa: E402
 from transformers.quantizers.base import HfQuantizer  # noqa: E402
 
 from kbit.hf import KbitConfig, save_quantized  # noqa: E402
@@ -148,6 +149,14 @@ def _check_moe(rank, world, path, saved):
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-4, f"rank {rank}, {folder}: tensor-parallel MoE logits differ by {err:.2e} of max |logit|"
         assert torch.equal(model.generate(ids, **greedy), want_tokens)
+    # transformers' expert parallel would hook k-bit experts whose stacks load whole: refused, naming the argument
+    try:
+        dc = DistributedConfig(tp_size=world, ep_size=world)
+    except TypeError:  # transformers < 5.21
+        dc = DistributedConfig(tp_size=world, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="ep_size: expected 1 with k-bit experts"):
+        transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=dc,
+                                                          quantization_config=KbitConfig(**QC))
 
 
 def test_tp_auto_moe_two_ranks(tmp_path):

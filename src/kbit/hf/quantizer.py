@@ -114,10 +114,16 @@ class KbitHfQuantizer(HfQuantizer):
     def _take_tp_entries(self, model, modules: dict) -> None:
         """Under tensor parallelism, the ``tp_plan`` entries of the k-bit modules move to ``kbit_tp_plan``
         (``kbit.hf.tp``): transformers loads those weights whole, kbit shards them after loading."""
+        kinds = {name: info["kind"] for name, info in modules.items()}
+        dc = getattr(model.config, "distributed_config", None)
+        ep = getattr(dc, "ep_size", None) or (2 if getattr(dc, "enable_expert_parallel", False) else 1)
+        if ep > 1 and "experts" in kinds.values():  # its styles would hook experts whose weights load whole
+            fail(ValueError, "ep_size", "1 with k-bit experts (transformers' expert parallel shards parameters; "
+                 "tp_plan='auto' splits k-bit experts along their intermediate dimension instead)",
+                 getattr(dc, "ep_size", None) or "enable_expert_parallel=True")
         tp = tp_size_of(model.config)
         if tp == 1:
             return
-        kinds = {name: info["kind"] for name, info in modules.items()}
         taken = take_kbit_entries(model, model.tp_plan, kinds)
         override = getattr(model.config.distributed_config, "tp_plan", None)  # a copy of the one transformers reads
         if isinstance(override, dict):
