@@ -172,6 +172,28 @@ def test_tp_auto_moe_two_ranks(tmp_path):
     spawn(tmp_path, _check_moe, str(tmp_path / "moe"), str(tmp_path / "kbit"))
 
 
+def _check_phi3(rank, world, path):
+    """Phi-3's own plan: packed q/k/v and gate/up column-parallel with gathered outputs, o / down row-parallel on
+    a replicated input (its attention slices q, k, v by the whole model's sizes)."""
+    _as_torchrun(rank, world)
+    whole = load(path, "gloo", False, quantization_config=KbitConfig(**QC))
+    model = load(path, "gloo", True, quantization_config=KbitConfig(**QC))
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.gather_output and not layer.mlp.down_proj.input_is_parallel
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        want, got = whole(ids).logits.double(), model(ids).logits.double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-4, f"rank {rank}: tensor-parallel Phi-3 logits differ by {err:.2e} of max |logit|"
+
+
+def test_tp_auto_phi3_two_ranks(tmp_path):
+    config = transformers.AutoConfig.for_model("phi3", **(CONFIG | dict(hidden_size=192, head_dim=48)))
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "phi3")
+    spawn(tmp_path, _check_phi3, str(tmp_path / "phi3"))
+
+
 def _check_plans(rank, world, float_path, mqa_path):
     _as_torchrun(rank, world)
     with pytest.raises(ValueError, match=r"tp_plan: expected num_key_value_heads divisible by the tensor-parallel "

@@ -46,6 +46,9 @@ EXPERT_STYLE = "moe_tp_experts"
 
 #: attention projections whose output columns (colwise) or input columns (rowwise) are whole heads
 _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+#: styles whose split output (colwise) or input (rowwise) the attention sees: heads must stay whole (the gathered
+#: and split-input styles compute every head on every rank)
+_SPLIT_STYLES = ("colwise", "packed_colwise", "rowwise")
 
 
 def tp_size_of(config) -> int:
@@ -62,9 +65,10 @@ def _generic(name: str) -> str:
 def take_kbit_entries(model: nn.Module, plan: dict, kbit_modules: dict[str, str]) -> dict[str, str]:
     """Move the entries of ``plan`` (transformers' ``tp_plan``, changed in place) that name modules kbit quantizes
     (``kbit_modules``: name -> ``"linear"`` or ``"experts"``) into the returned plan, for
-    :func:`apply_kbit_tp` after loading. ValueError (naming ``tp_plan``) for an entry kbit cannot honour: a style
-    kbit does not shard with, k-bit experts (tensor parallel experts: not supported), or one entry over both
-    k-bit and float modules."""
+    :func:`apply_kbit_tp` after loading; the parameter entries of k-bit experts (``experts.gate_up_proj``) are
+    dropped (their module's ``"moe_tp_experts"`` entry cuts both stacks). ValueError (naming the ``tp_plan`` entry)
+    for an entry kbit cannot honour: a style kbit does not shard with, or one entry over both k-bit and float
+    modules."""
     targets: dict[str, list[str]] = {}
     for name in kbit_modules:
         targets.setdefault(_generic(name), []).append(name)
@@ -101,7 +105,7 @@ def check_heads(config, plan: dict[str, str], tp_size: int, blocksize: int) -> N
     """ValueError (naming ``tp_plan``) where the attention projections of ``plan`` cannot be split on whole heads:
     the head counts must divide by ``tp_size`` and ``head_dim`` must be a whole number of split units (16 rows,
     and ``blocksize`` columns for the row-parallel output projection), else a rank would hold part of a head."""
-    heads = [p for p in plan if p.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS]
+    heads = [p for p, style in plan.items() if p.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style in _SPLIT_STYLES]
     if not heads or tp_size == 1:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
