@@ -1,23 +1,27 @@
 """transformers' tensor parallelism (``from_pretrained(..., tp_plan="auto")`` or ``distributed_config=
-DistributedConfig(tp_size=N)``) with a :class:`~kbit.hf.config.KbitConfig` model: kbit's k-bit layers are sharded by
-:func:`kbit.parallel.parallelize_kbit`, every other module by transformers.
+DistributedConfig(tp_size=N)``, under torchrun) with a :class:`~kbit.hf.config.KbitConfig` model, quantized while
+loading or loaded from a kbit folder: kbit's k-bit layers are sharded by :func:`kbit.parallel.parallelize_kbit`
+(experts by :class:`TensorParallelKbitExperts`), every other module (embeddings, a float ``lm_head``) by
+transformers, with the model's own plan names (``colwise``, ``rowwise``, ``colwise_gather_output``,
+``moe_tp_experts``, ...).
 
 Why not transformers' own styles for the k-bit layers: transformers (5.17 - 5.24) shards *parameters* as DTensors
-(``distributed/tensor_parallel.py``, ``ColwiseParallel.shard_param``: ``Shard(0)`` of the weight) before the
-weights are read, and hooks the module's forward. A k-bit layer holds packed codes and per-block scales in buffers,
-which an element-wise DTensor split does not describe (a K split must fall on whole blocks and cut every bit
-plane of a row); and quantizing while loading would quantize each rank's float slice on its own (another tensor
-scale per rank, q/k/v no longer quantized jointly). So the quantizer takes the plan entries of the modules it
-quantizes out of ``model.tp_plan`` before transformers distributes the model (those weights load whole), and
-shards them after loading with kbit's column- / row-parallel layers: each shard is a bit-exact slice of the whole
-k-bit weight, and the plan names are transformers' own (``colwise``, ``rowwise``, ``packed_colwise``, ...).
-The entries go back into ``model.tp_plan`` afterwards, so that transformers sizes its KV cache for this rank's
-heads (``generation/utils.py``, ``get_kv_heads_per_rank``).
+(``distributed/tensor_parallel.py``, ``apply_tensor_parallelism``) before the weights are read, and hooks the
+module's forward. A k-bit layer holds packed codes and per-block scales in buffers, which it leaves whole (the
+hooks would then take a whole output for a shard), and an element-wise DTensor split does not describe them anyway
+(a K split must fall on whole blocks and cut every bit plane of a row). Quantizing while loading would see each
+rank's float slice as a DTensor (``quantize`` fails on it) or, sliced, quantize it on its own (another tensor scale
+per rank, q/k/v no longer quantized jointly). transformers offers no quantizer flag for this; the quantizer's
+``_process_model_before_weight_loading`` runs before transformers reads ``model.tp_plan`` (both versions), so
+there it takes the entries of the modules it quantizes out of the plan (those weights then load whole), and its
+post-load hook shards them: each shard a bit-exact slice of the whole k-bit weight. The entries go back into
+``model.tp_plan`` afterwards: transformers sizes its KV cache for this rank's heads from it
+(``get_kv_heads_per_rank``, 5.24).
 
-Memory: each rank holds the whole k-bit model (plus one float weight while quantizing) until the post-load hook
-cuts its shards; a sharded kbit checkpoint (:func:`kbit.parallel.load_sharded`) is the way to never hold more.
+Memory: each rank holds the whole k-bit model (plus one float weight while quantizing, and the float checkpoint
+in host memory) until the post-load hook cuts its shards; a sharded kbit checkpoint
+(:func:`kbit.parallel.load_sharded`) is the way to never hold more than a shard.
 """
-
 from __future__ import annotations
 
 import re
