@@ -204,6 +204,14 @@ def _check_plans(rank, world, float_path, mqa_path):
                                          r"k-bit modules only"):
         load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, modules_to_not_convert=[
             r"layers\.0\.mlp\.up_proj"]))
+    # a quantized lm_head takes the plan's "colwise_gather_output": a k-bit column-parallel head, output gathered
+    qc = dict(QC, quantize_lm_head=True)
+    whole, model = (load(float_path, "gloo", tp, quantization_config=KbitConfig(**qc)) for tp in (False, True))
+    assert isinstance(model.lm_head, ColumnParallelKbitLinear) and model.lm_head.gather_output
+    assert model.lm_head.sizes == [160, 140]  # 300 rows in units of 16
+    with torch.no_grad():
+        want, got = whole(torch.tensor(PROMPT)).logits, model(torch.tensor(PROMPT)).logits
+    assert got.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     # a row-parallel split of K would cut a Hadamard rotation (it spans all of K): refused before any weight is read
     with pytest.raises(ValueError, match=r"tp_plan\['model.layers.\*.self_attn.o_proj'\]: expected unrotated"):
         load(float_path, "gloo", True, quantization_config=KbitConfig(**QC, rotation="hadamard"))
