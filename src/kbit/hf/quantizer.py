@@ -25,6 +25,7 @@ nothing registers.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from kbit.hf.checkpoint import (
     build_shells,
@@ -59,7 +60,7 @@ class KbitHfQuantizer(HfQuantizer):
         self.target = None
         #: tensor parallelism (``tp_plan="auto"``): the plan entries kbit shards after loading (kbit.hf.tp)
         self.kbit_tp_plan: dict[str, str] = {}
-        self._tp_override = None
+        self._tp_override = self._tp_device_map = None
 
     def validate_environment(self, *args, device_map=None, **kwargs):
         devices = set(device_map.values()) if isinstance(device_map, dict) else set()
@@ -69,6 +70,11 @@ class KbitHfQuantizer(HfQuantizer):
 
     def update_device_map(self, device_map):
         if self.pre_quantized:
+            if isinstance(device_map, (dict, torch.device)) and dist.is_initialized():
+                # transformers' tensor parallel binds this rank's device before the config is seen: a dict that
+                # _take_tp_entries can still point at the CPU, so the whole packed weights never reach the GPU
+                self._tp_device_map = device_map if isinstance(device_map, dict) else {"": device_map}
+                return self._tp_device_map
             return device_map
         if isinstance(device_map, dict):
             device_map = next(iter(device_map.values()), None)
@@ -143,6 +149,9 @@ class KbitHfQuantizer(HfQuantizer):
         check_heads(model.config, taken, tp, max((info["blocksize"] for info in modules.values()), default=0))
         check_k_splits(taken, modules)
         self.kbit_tp_plan = taken
+        if self.pre_quantized and self._tp_device_map and set(self._tp_device_map) == {""}:
+            # the packed weights are read on the CPU, sharded there, then the model moves (_apply_tp)
+            self.target, self._tp_device_map[""] = self._tp_device_map[""], torch.device("cpu")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         qc = self.quantization_config
@@ -169,8 +178,11 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
     def _apply_tp(self, model) -> None:
-        if self.kbit_tp_plan:
-            apply_kbit_tp(model, self.kbit_tp_plan, tp_size_of(model.config))
+        if not self.kbit_tp_plan:
+            return
+        apply_kbit_tp(model, self.kbit_tp_plan, tp_size_of(model.config))
+        if self.pre_quantized and self.target is not None:
+            model.to(self.target)
 
     def get_state_dict_and_metadata(self, model, *args, **kwargs):
         if self.kbit_tp_plan and tp_size_of(model.config) > 1:  # the shards' keys are not the checkpoint's
