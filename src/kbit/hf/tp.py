@@ -18,9 +18,10 @@ post-load hook shards them: each shard a bit-exact slice of the whole k-bit weig
 ``model.tp_plan`` afterwards: transformers sizes its KV cache for this rank's heads from it
 (``get_kv_heads_per_rank``, 5.24).
 
-Memory: each rank holds the whole k-bit model (plus one float weight while quantizing, and the float checkpoint
-in host memory) until the post-load hook cuts its shards; a sharded kbit checkpoint
-(:func:`kbit.parallel.load_sharded`) is the way to never hold more than a shard.
+Memory, per rank: from a kbit folder, the whole packed model in host memory (read there, sharded there), then
+only its shards and the replicated modules on its device. Quantizing while loading, the float checkpoint in host
+memory and the whole k-bit model on the device (plus one float weight) until the post-load hook cuts its shards.
+A sharded kbit checkpoint (:func:`kbit.parallel.load_sharded`) is the way to never hold more than a shard.
 """
 from __future__ import annotations
 
