@@ -108,10 +108,11 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
         model.save_pretrained(os.path.join(saved_path, f"again-{rank}"))
 
 
-def _folders(tmp_path):
+def _folders(tmp_path, dtype=torch.float32):
+    """A float folder and the kbit folder of it (quantized here, on the CPU, in ``dtype``)."""
     float_path = float_folder(tmp_path / "float")
     saved = tmp_path / "kbit"
-    save_quantized(load(float_path, "gloo", False, quantization_config=KbitConfig(**QC)), saved)
+    save_quantized(load(float_path, "gloo", False, quantization_config=KbitConfig(**QC), dtype=dtype), saved)
     return float_path, str(saved)
 
 
@@ -123,7 +124,7 @@ def test_tp_auto_two_ranks(tmp_path):
 def test_tp_auto_two_gpus(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path), torch.bfloat16, 3e-2, backend="nccl")
+    spawn(tmp_path, _check_tp, "nccl", *_folders(tmp_path, torch.bfloat16), torch.bfloat16, 3e-2, backend="nccl")
 
 
 def _check_moe(rank, world, path, saved):
