@@ -84,14 +84,15 @@ def _check_shards(model, whole, rank, world) -> None:
 
 
 def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
+    """Quantized while loading, and from a kbit folder: each against the same load on this rank's device alone."""
     _as_torchrun(rank, world)
-    qc = KbitConfig(**QC)
-    whole = load(float_path, backend, False, quantization_config=qc, dtype=dtype)
     ids = torch.tensor(PROMPT, device=device(backend))
-    with torch.no_grad():
-        want = whole(ids).logits.double()
-    want_tokens = whole.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    greedy = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
     for path, kw in ((float_path, dict(quantization_config=KbitConfig(**QC))), (saved_path, {})):
+        whole = load(path, backend, False, dtype=dtype, **kw)
+        with torch.no_grad():
+            want = whole(ids).logits.double()
+        want_tokens = whole.generate(ids, **greedy)
         model = load(path, backend, True, dtype=dtype, **kw)
         assert model.tp_size == world
         _check_shards(model, whole, rank, world)
@@ -99,7 +100,7 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
             got = model(ids).logits.double()
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < rtol, f"rank {rank}, {path}: tensor-parallel logits differ by {err:.2e} of max |logit|"
-        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        tokens = model.generate(ids, **greedy)
         if dtype == torch.float32:  # in bf16 a random tiny model's near-ties may flip (lab/parallel/tp_auto.py
             # checks tokens on full-size layers)
             assert torch.equal(got.argmax(-1), want.argmax(-1))
