@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from rotation_gptq_study import Judge, apply, collect_hessians  # this file's folder is on sys.path
+from rotation_gptq_study import Judge, apply, collect_hessians, load  # this file's folder is on sys.path
 from torch import nn
 
 from kbit.calibrate.residual import rotate_residual
@@ -102,12 +102,15 @@ def main() -> int:
     p.add_argument("--preps", default=",".join(PREPS))
     p.add_argument("--kinds", default="hadamard", help="kinds of the residual R (kbit.calibrate.residual.KINDS)")
     p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--roundings", default=None, help="rtn,gptq (default: rtn, and gptq with --gptq)")
+    p.add_argument("--model", default="smollm2", help="smollm2 (kbit's default model) or a judge of "
+                   "rotation_gptq_study.py (e.g. qwen25coder)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     a.sequential, a.scales, a.damp = False, "updated", 0.1  # the study's GPTQ defaults
-    base, tok = load_default_model(torch.float32)
+    base, tok = load_default_model(torch.float32) if a.model == "smollm2" else load(a.model)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0]
     calib = [ids[40000 + i * 512:40000 + (i + 1) * 512][None] for i in range(a.calib_batches)]
     judge = Judge(base, ids[: a.tokens], a.window)
@@ -119,7 +122,8 @@ def main() -> int:
             for s in (seeds if "residual" in prep else [0])]
     plan = [("residual", None, 0, kind, s) for kind in kinds for s in seeds]
     for k in map(int, a.k.split(",")):
-        for rounding in ("rtn", "gptq") if a.gptq else ("rtn",):
+        roundings = a.roundings.split(",") if a.roundings else ("rtn", "gptq") if a.gptq else ("rtn",)
+        for rounding in roundings:
             plan += [(prep, rounding, k, kind, s) for prep, kind, s in runs]
     rows = [dict(variant="unquantized", **judge.baseline())]
     for prep, rounding, k, kind, seed in plan:
@@ -132,8 +136,10 @@ def main() -> int:
         rows.append(dict(row, seconds=round(time.perf_counter() - start, 1)))
         print(f"{name:<36} seed {seed}  ppl {row['ppl']:9.3f}  KL {row['kl']:.4f}  top-1 {row['top1']:.3f}  "
               f"{rows[-1]['seconds']}s", flush=True)
-    meta = dict(model="SmolLM2-135M-Instruct", tokens=judge.windows.numel(), window=a.window,
-                calib_tokens=len(calib) * 512 if a.gptq else 0, text="gensim test_data/lee_background.cor",
+    gptq = "gptq" in str(a.roundings) or a.gptq
+    meta = dict(model="SmolLM2-135M-Instruct" if a.model == "smollm2" else a.model, tokens=judge.windows.numel(),
+                window=a.window, calib_tokens=len(calib) * 512 if gptq else 0,
+                text="gensim test_data/lee_background.cor",
                 date=dt.date.today().isoformat(), machine=platform.processor() or platform.machine(),
                 torch=torch.__version__, threads=torch.get_num_threads(),
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
