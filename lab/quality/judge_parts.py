@@ -14,29 +14,20 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import rotation_gptq_study as study  # this file's folder is on sys.path
 import torch
 
-HERE = Path(__file__).resolve().parent
 NAMES = ("smollm2", "gemma3")
 SLICE = 50_210_780  # with the ~14 MB working tree, one slice a call stays under the 64 MiB carry
-
-
-def _study():
-    spec = importlib.util.spec_from_file_location("rotation_gptq_study", HERE / "rotation_gptq_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def split(out: Path) -> None:
     from kbit.eval.judges import lee_text
 
-    study = _study()
     meta = out / "meta"
     meta.mkdir(parents=True, exist_ok=True)
     blob, files = b"", []
@@ -56,7 +47,6 @@ def split(out: Path) -> None:
 def join(parts: Path, meta: Path) -> None:
     from transformers import AutoModelForCausalLM  # optional dependency of the study
 
-    study = _study()
     man = json.loads((meta / "manifest.json").read_text())
     blob = b"".join((parts / f"part{i}").read_bytes() for i in range(man["parts"]))
     at = 0

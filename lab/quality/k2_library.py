@@ -15,36 +15,18 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import rotation_gptq_study as study  # this file's folder is on sys.path
 import torch
 
 from kbit.calibrate import FinetuneConfig
 from kbit.eval.judges import lee_text
 from kbit.hf import quantize_model
-
-HERE = Path(__file__).resolve().parent
-
-
-def _study():
-    spec = importlib.util.spec_from_file_location("rotation_gptq_study", HERE / "rotation_gptq_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -69,7 +51,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    study = _study()
     dtype = getattr(torch, a.dtype)
     model, tok = study.load(a.model, tokenizer=a.ids is None)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0] if a.ids is None else torch.load(a.ids).long()
@@ -99,7 +80,7 @@ def main(argv=None) -> int:
         if a.out is not None:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps({
-                "model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+                "model": a.model, "date": dt.date.today().isoformat(), "commit": study.commit(),
                 "command": "PYTHONPATH=src python lab/quality/k2_library.py " + " ".join(argv or sys.argv[1:]),
                 "torch": torch.__version__, "machine": platform.machine(),
                 "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "dtype": a.dtype,

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import rotation_gptq_study as study  # this file's folder is on sys.path
 import torch
 
 from kbit.calibrate import (
@@ -43,15 +42,7 @@ from kbit.format.codebooks import DEFAULT_CODEBOOK
 from kbit.format.reference import dequantize_reference
 from kbit.ops.quantize import unrotate_weight
 
-HERE = Path(__file__).resolve().parent
 CACHE = Path("/tmp/kbit-k2")
-
-
-def _study():
-    spec = importlib.util.spec_from_file_location("rotation_gptq_study", HERE / "rotation_gptq_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def sequential(model, names, calib, a) -> dict:
@@ -138,14 +129,6 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
@@ -180,8 +163,7 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    commit = _commit()  # the code that runs, not what is committed while it runs
-    study = _study()
+    commit = study.commit()  # the code that runs, not what is committed while it runs
     model, tok = study.load(a.model)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0]
     tune_offset = a.calib_offset if a.tune_offset is None else a.tune_offset

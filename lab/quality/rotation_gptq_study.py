@@ -404,7 +404,8 @@ def apply(model, targets, method, k, codebook, calib, hessians, a):
     calibrate_layers(model, calib, fn)
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The checked-out commit (short), or "unknown"."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -413,7 +414,7 @@ def _commit() -> str:
 
 
 def _save(a, argv, judge, linears, base, rows, t0, prep) -> None:
-    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": _commit(),
+    result = {"model": a.model, "date": dt.date.today().isoformat(), "commit": commit(),
               "command": "PYTHONPATH=src python lab/quality/rotation_gptq_study.py " + " ".join(argv or sys.argv[1:]),
               "torch": torch.__version__, "machine": platform.machine(), "eval_tokens": judge.windows.numel(),
               "window": a.window, "calib_tokens": a.calib_batches * a.calib_len, "calib_offset": a.calib_offset,
