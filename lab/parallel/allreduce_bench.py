@@ -17,6 +17,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 from kbit.parallel import comm
 from kbit.parallel.comm import METHODS, AllReduceConfig, all_reduce_sum, symm_mem_missing
@@ -112,11 +113,7 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    say = print if rank == 0 else (lambda *a, **kw: None)
+    rank, world, device, say = init_ranks()
     report_support(say, device)
     big = max(args.batches) * args.hidden * 2
     config = AllReduceConfig(one_shot_max_bytes=big)  # only sizes the symmetric buffer: methods are forced below

@@ -40,6 +40,7 @@ import zlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rank_setup import init_ranks  # this file's folder is on sys.path
 from torch import nn
 
 from kbit.nn import KbitLinear, KbitMoE
@@ -324,16 +325,10 @@ def main():
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, a tiny model of the same structure")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device, dtype, c = torch.device("cpu"), torch.float32, dict(CPU_SHAPE)
-    else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device, dtype, c = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, suite_shape()
+    rank, world, device, say = init_ranks(args.cpu)
+    dtype, c = (torch.float32, dict(CPU_SHAPE)) if args.cpu else (torch.bfloat16, suite_shape())
     if args.layers:
         c["num_hidden_layers"] = args.layers
-    say = print if rank == 0 else (lambda *a, **kw: None)
     layout = shard_layout(Model(c, dtype), PLAN, world)
     sizes = [file_bytes(layout, r) for r in range(world)]
     say(f"{c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['num_experts']} experts top "

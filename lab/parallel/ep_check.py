@@ -29,6 +29,7 @@ from kbit.parallel import load_sharded, parallelize_kbit, save_sharded, shard_la
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # lab/parallel/big_model.py: the model and decoder
 from big_model import CPU_SHAPE, PLAN, Model, decode, file_bytes, pick_dir, random_tensor, suite_shape  # noqa: E402
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 
 def fill_random(model: Model, device) -> None:
@@ -91,15 +92,9 @@ def main():
     p.add_argument("--no-checkpoint", action="store_true", help="skip the sharded checkpoint round trip")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, a tiny model of the same structure")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device, dtype, c = torch.device("cpu"), torch.float32, dict(CPU_SHAPE)
-    else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device, dtype, c = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, suite_shape()
+    rank, world, device, say = init_ranks(args.cpu)
+    dtype, c = (torch.float32, dict(CPU_SHAPE)) if args.cpu else (torch.bfloat16, suite_shape())
     c["num_hidden_layers"] = args.layers
-    say = print if rank == 0 else (lambda *a, **kw: None)
     whole = Model(c, dtype, device=device)
     fill_random(whole, device)
     ep = copy.deepcopy(whole)

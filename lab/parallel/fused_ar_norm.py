@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 from kbit.ops.glue import add_rms_norm
 from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
@@ -142,11 +143,7 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    say = print if rank == 0 else (lambda *a, **kw: None)
+    rank, world, device, say = init_ranks()
     H, eps = args.hidden, 1e-5
     fused = FusedAllReduceNorm(max(args.batches), H, device)
     one_shot = AllReduceConfig(one_shot_max_bytes=max(args.batches) * H * 2)

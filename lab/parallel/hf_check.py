@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 from torch import nn
 
 from kbit.format.reference import dequantize_reference
@@ -167,14 +168,7 @@ def main():
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (checks this script)")
     p.add_argument("--no-reference", action="store_true", help="skip the float32 logits check (its memory)")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    say = print if rank == 0 else (lambda *a, **kw: None)
+    rank, world, device, say = init_ranks(args.cpu)
     model = build(args, device)
     whole = copy.deepcopy(model)
     ref = None if args.no_reference else reference(model)

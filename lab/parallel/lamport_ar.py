@@ -17,6 +17,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 from kbit.ops.allreduce import LamportBuffer, all_reduce_reference, lamport_all_reduce
 from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
@@ -97,11 +98,7 @@ def main():
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    say = print if rank == 0 else (lambda *a, **kw: None)
+    rank, world, device, say = init_ranks()
     big = max(args.batches) * args.hidden
     lam = LamportAllReduce(big, device)
     ok = check(lam, [args.hidden, 3 * args.hidden, 100, big, 8], device)

@@ -21,6 +21,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 import kbit
 from kbit.hf import empty_quantized
@@ -48,13 +49,7 @@ def main():
     p.add_argument("--no-check", action="store_true", help="skip decoding with a whole copy")
     p.add_argument("--shards", default=None, help="a sharded checkpoint folder (written from CHECKPOINT if absent)")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, device, _ = init_ranks(args.cpu)
     if args.shards:
         skeleton = empty_quantized(args.checkpoint)
         plan = getattr(skeleton.config, "base_model_tp_plan", None) or LLAMA_PLAN

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 
 import kbit  # noqa: F401  (registers KbitConfig with transformers)
 from kbit.hf import KbitConfig
@@ -91,13 +92,7 @@ def main():
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU")
     p.add_argument("--no-check", action="store_true", help="skip the whole copy on one device")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, device, _ = init_ranks(args.cpu)
     folder = args.folder
     if args.random:
         folder = args.out or f"/tmp/kbit-tp-auto-{args.random}{'-small' if args.small else ''}"

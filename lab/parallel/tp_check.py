@@ -28,6 +28,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from rank_setup import init_ranks  # this file's folder is on sys.path
 from torch import nn
 
 import kbit
@@ -290,19 +291,13 @@ def main():
     p.add_argument("--shrink", type=int, default=1, help="divide the layer sizes (a quick check)")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, no timing (checks this script)")
     args = p.parse_args()
-    dist.init_process_group("gloo" if args.cpu else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.cpu:
-        device, args.no_timing = torch.device("cpu"), True
-    else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, device, say = init_ranks(args.cpu)
+    args.no_timing = args.no_timing or args.cpu
     d = {n: v // args.shrink for n, v in
          {"hidden": HIDDEN, "q": Q, "kv": KV, "inter": INTER, "head": HEAD_DIM}.items()}
     whole = build(args.layers, args.k, d, device, args.layout)
     tp = copy.deepcopy(whole)
     replaced = parallelize_kbit(tp, PACKED_LLAMA_PLAN if args.layout == "packed" else LLAMA_PLAN)
-    say = print if rank == 0 else (lambda *a, **kw: None)
     held = sum(b.numel() * b.element_size() for b in tp.buffers()) / 2**20
     say(f"TP={world}, {args.layers} Llama-3-8B-shaped blocks (/{args.shrink}) at k={args.k}, layout {args.layout} "
         f"({len(replaced) // args.layers} k-bit layers a block): rank 0 holds {held:.1f} MiB of "

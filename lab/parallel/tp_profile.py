@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_setup import init_ranks  # this file's folder is on sys.path
 from tp_check import HEAD_DIM, HIDDEN, INTER, KV, Q, build, set_comm, step_ms  # noqa: E402  (the same stack)
 
 from kbit.parallel import LLAMA_PLAN, PACKED_LLAMA_PLAN, parallelize_kbit  # noqa: E402
@@ -100,16 +101,12 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12, help="kernels listed a configuration")
     args = p.parse_args()
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
+    rank, world, device, say = init_ranks()
     d = {"hidden": HIDDEN, "q": Q, "kv": KV, "inter": INTER, "head": HEAD_DIM}
     whole = build(args.layers, args.k, d, device, args.layout)
     tp = copy.deepcopy(whole)
     parallelize_kbit(tp, PACKED_LLAMA_PLAN if args.layout == "packed" else LLAMA_PLAN)
     set_comm(tp, args.comm, max(args.batches) * HIDDEN * 2)
-    say = print if rank == 0 else (lambda *a, **kw: None)
     say(f"{args.layers} blocks, layout {args.layout}, TP={world} all-reduce {args.comm}; us per step on rank 0")
     summary = []
     with torch.no_grad():
