@@ -8,6 +8,10 @@ Made here (this machine has the packages): ``python lab/quality/judge_parts.py -
 ``DIR/meta/manifest.json``, ``DIR/meta/<name>-ids.pt`` (the Lee corpus as that judge's token ids, for
 ``k2_library.py --ids``) and ``DIR/p<i>/part<i>``. There: ``python lab/quality/judge_parts.py --join PARTS --meta
 DIR/meta`` (PARTS: the folder the parts were copied to).
+
+``--wiki DIR`` writes ``DIR/<name>-wiki-ids.pt``: the Wikipedia extract gensim ships beside the Lee corpus (about 100
+articles, 3 MB of text once the markup is stripped) as each judge's token ids, tuning text for
+``k2_library.py --tune-ids`` that shares nothing with the Lee evaluation text.
 """
 
 from __future__ import annotations
@@ -44,6 +48,39 @@ def split(out: Path) -> None:
     (meta / "manifest.json").write_text(json.dumps({"files": files, "parts": parts, "slice": SLICE}, indent=1))
 
 
+WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def wiki_text() -> str:
+    """The articles of gensim's Wikipedia test extract as plain text: markup stripped by gensim's own
+    ``filter_wiki``, redirects dropped, and only lines of at least 40 characters kept (the rest are table cells,
+    captions and headings)."""
+    import bz2
+    import os
+
+    import gensim
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = os.path.join(os.path.dirname(gensim.__file__), "test", "test_data", WIKI)
+    articles = []
+    for _title, text, _id in extract_pages(bz2.BZ2File(path)):
+        if text.lower().startswith("#redirect"):
+            continue
+        lines = (ln.replace("'''", "").replace("''", "").strip() for ln in filter_wiki(text).splitlines())
+        articles.append("\n".join(ln for ln in lines if len(ln) >= 40))
+    return "\n\n".join(a for a in articles if a)
+
+
+def wiki_ids(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    text = wiki_text()
+    for name in NAMES:
+        _, tok = study.load(name)
+        ids = tok(text, return_tensors="pt").input_ids[0].to(torch.int32)
+        torch.save(ids, out / f"{name}-wiki-ids.pt")
+        print(f"{name}: {ids.numel()} tokens of Wikipedia text -> {out / f'{name}-wiki-ids.pt'}", flush=True)
+
+
 def join(parts: Path, meta: Path) -> None:
     from transformers import AutoModelForCausalLM  # optional dependency of the study
 
@@ -71,10 +108,13 @@ def main(argv=None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--split", type=Path, help="write the parts, manifest and token ids here")
     g.add_argument("--join", type=Path, help="the folder holding part0 .. partN-1")
+    g.add_argument("--wiki", type=Path, help="write each judge's token ids of gensim's Wikipedia extract here")
     p.add_argument("--meta", type=Path, help="with --join: the folder of manifest.json")
     a = p.parse_args(argv)
     if a.split is not None:
         split(a.split)
+    elif a.wiki is not None:
+        wiki_ids(a.wiki)
     else:
         join(a.join, a.meta)
     return 0

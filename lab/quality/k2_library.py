@@ -8,7 +8,9 @@ Differences from ``k2_study.py`` (a CPU fake-quant study): the real ``KbitLinear
 rounded and tuned jointly (one tensor scale and codebook per group, as ``quantize_model`` stores them); GPTQ's
 sequential Hessians (``calibrate_layers``) on the same ``--tune-batches`` windows the tuning uses; the model in
 ``--dtype`` (the unquantized reference in that dtype too). Evaluation: the first ``--tokens`` tokens of the Lee
-corpus in ``--window`` windows (disjoint from the windows from ``--tune-offset`` on).
+corpus in ``--window`` windows (disjoint from the windows from ``--tune-offset`` on). ``--tune-ids`` takes the
+tuning windows from another text instead (``judge_parts.py --wiki``: gensim's Wikipedia extract, about 1,200
+windows), from its ``--tune-offset``. ``--rotation residual`` runs ``quantize_model(rotation="residual")``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--ids", type=Path, default=None,
                    help="the Lee corpus as token ids (torch.save of a 1-D tensor), for a machine without the "
                         "tokenizer or gensim (lab/quality/judge_parts.py)")
+    p.add_argument("--tune-ids", type=Path, default=None,
+                   help="token ids (torch.save of a 1-D tensor) of the tuning text, when it is not the Lee corpus")
+    p.add_argument("--rotation", default="hadamard", choices=("hadamard", "residual"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--out", type=Path, default=None)
@@ -54,8 +59,9 @@ def main(argv=None) -> int:
     dtype = getattr(torch, a.dtype)
     model, tok = study.load(a.model, tokenizer=a.ids is None)
     ids = tok(lee_text(), return_tensors="pt").input_ids[0] if a.ids is None else torch.load(a.ids).long()
-    tune = [ids[a.tune_offset + i * a.window:a.tune_offset + (i + 1) * a.window][None] for i in range(a.tune_batches)]
-    if tune[-1].numel() < a.window or a.tune_offset < a.tokens:
+    text = ids if a.tune_ids is None else torch.load(a.tune_ids).long()
+    tune = [text[a.tune_offset + i * a.window:a.tune_offset + (i + 1) * a.window][None] for i in range(a.tune_batches)]
+    if tune[-1].numel() < a.window or (a.tune_ids is None and a.tune_offset < a.tokens):
         raise SystemExit(f"text has {ids.numel()} tokens: evaluation and tuning ranges do not fit apart")
     tune = [torch.cat(tune[i:i + a.batch]) for i in range(0, len(tune) - a.batch + 1, a.batch)]
     judge = study.Judge(model.to(a.device, dtype), ids[:a.tokens].to(a.device), a.window)
@@ -66,13 +72,15 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         model = study.load(a.model, tokenizer=False)[0].to(a.device, dtype)
         cfg = FinetuneConfig(steps=steps, lr_q=a.lr_q, lr_codebook=a.lr_codebook, lr_norm=a.lr_norm, warmup=a.warmup)
-        quantize_model(model, k=a.k, rotation="hadamard", calibration=tune, finetune=cfg if steps else None)
+        quantize_model(model, k=a.k, rotation=a.rotation, calibration=tune, finetune=cfg if steps else None)
         if a.device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t
         judge.model = model
         m = judge.score()
-        rows.append({"k": a.k, "method": "rot+gptq" + (f"+tune{steps}/{len(tune)}x{a.batch}w" if steps else ""),
+        method = ("rot+gptq" if a.rotation == "hadamard" else "residual+gptq") + (
+            f"+tune{steps}/{len(tune)}x{a.batch}w" if steps else "")
+        rows.append({"k": a.k, "method": method,
                      "bits": a.k + 0.25, **m, "ppl_ratio": m["ppl"] / base["ppl"],
                      "quantize_seconds": round(seconds, 1)})
         print(json.dumps(rows[-1]), flush=True)
@@ -86,7 +94,9 @@ def main(argv=None) -> int:
                 "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device, "dtype": a.dtype,
                 "eval_tokens": judge.windows.numel(), "tune_tokens": len(tune) * a.batch * a.window,
                 "batch": a.batch,
-                "tune_offset": a.tune_offset, "lr_q": a.lr_q, "lr_codebook": a.lr_codebook, "lr_norm": a.lr_norm,
+                "tune_offset": a.tune_offset,
+                "tune_text": "lee" if a.tune_ids is None else a.tune_ids.name, "rotation": a.rotation,
+                "lr_q": a.lr_q, "lr_codebook": a.lr_codebook, "lr_norm": a.lr_norm,
                 "warmup": a.warmup, "baseline": base, "rows": rows}, indent=1) + "\n")
     return 0
 
