@@ -56,8 +56,8 @@ class Index:
         return self.memo[token]
 
     def suffix(self, tail: str, text: str) -> set[str]:
-        """`-wide.log` after `m1-cfg-sweep-s16-mid.log` names m1-cfg-sweep-s16-wide.log: a file whose name (or
-        stem) ends with the word and whose other part is in the citing text."""
+        """`-run1.json` after `mma-2026-11-21-issue3.md` names mma-2026-11-21-issue3-run1.json: a file whose name
+        (or stem) ends with the word and whose other part is in the citing text."""
         return {f for key, fs in self.by_name.items() if key.endswith(tail) and len(key) > len(tail) + 3
                 and key[:-len(tail)] in text for f in fs}
 
