@@ -46,7 +46,7 @@ class Index:
             name = f.split("/", 1)[1]
             stem = name.split(".", 1)[0]
             self.by_name.setdefault(name, set()).add(f)
-            if len(stem) >= 8 and "-" in stem:  # `e2e-s18-llama` names the .json and the .md
+            if len(stem) >= 8 and "-" in stem:  # `e2e-llama-2026-11-22` names the .json and the .md
                 self.by_name.setdefault(stem, set()).add(f)
 
     def matches(self, token: str) -> tuple[set[str], bool]:
