@@ -13,12 +13,12 @@ RES = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 
 #: the newest results file of each area (H100 unless the folder says otherwise)
-DENSE_M1 = RES / "h100" / "issue3-s17b-2026-11-22.json"
-DENSE_BY_M = RES / "h100" / "issue4-s21-2026-11-23.json"
-MOE = RES / "h100" / "moe-s22-tail-2026-11-23.json"
+DENSE_M1 = RES / "h100" / "issue3-2026-11-22c.json"
+DENSE_BY_M = RES / "h100" / "issue4-2026-11-23.json"
+MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 #: end to end: (model, batch) rows from the newest file that has them
-E2E = [RES / "h100" / name for name in ("e2e-s20-final.json", "e2e-s19-b4-16.json",
-                                        "e2e-s15-b32-b64-2026-11-22.json", "e2e-s19-qwen3.json")]
+E2E = [RES / "h100" / name for name in ("e2e-final-2026-11-23.json", "e2e-b4-16-2026-11-22.json",
+                                        "e2e-b32-b64-2026-11-22.json", "e2e-qwen3-2026-11-22e.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
 KS = (2, 3, 4, 5)
 

@@ -79,7 +79,8 @@ def one(N, K, k, dt):
     eager = [q(xs[i]).clone() for i in range(3)]
     static_x = xs[0].clone()
     graph, static_y = capture(lambda: q(static_x))
-    diff = 0.0  # kernel 1's in-CTA sums are not bit-stable run to run (det-probe-s19.log): a difference, not a bool
+    # kernel 1's in-CTA sums are not bit-stable run to run (det-probe-2026-11-22.log): a difference, not a bool
+    diff = 0.0
     for i in range(3):
         static_x.copy_(xs[i])
         graph.replay()
