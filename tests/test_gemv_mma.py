@@ -130,7 +130,7 @@ def same(cfg, t, k) -> bool:
 
 
 def test_mid_m_routes():
-    """9 <= M <= 64 (session 14, H100): x slices at M <= 16 on tall, big weights (sm_90 only); kernel 7's 32- and
+    """9 <= M <= 64 (2026-11-22, H100): x slices at M <= 16 on tall, big weights (sm_90 only); kernel 7's 32- and
     64-token tiles with stream-K; 16 warps on big weights except k = 5."""
     assert T.default_config(4, 16, 10000, 5120, sm90=True) == XK
     assert T.default_config(4, 16, 10000, 5120) != XK  # other GPUs: not measured there
@@ -145,7 +145,7 @@ def test_mid_m_routes():
 
 
 def test_small_m_x_staged_routes():
-    """M = 2..8 on kernel 3 (session 17, H100, m1-cfg-s17-m2-8.log): x staged in shared memory, a ring of 2, except
+    """M = 2..8 on kernel 3 (2026-11-22, H100, m1-cfg-m2-8-2026-11-22.log): x staged in shared memory, a ring of 2, except
     M = 5..8 on weights of >= BIG elements at k != 4; 8192x28672-like weights: kernel 1 (1, 8, 2) for k = 4 at M = 1
     and k = 5 at M = 2..8."""
     for k in (2, 3, 4, 5):
@@ -163,7 +163,7 @@ def test_small_m_x_staged_routes():
 
 
 def test_one_tile_cta_routes():
-    """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (session 16, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
+    """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (2026-11-22, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
     up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""
     fused_config = TP.prologue_config
 
@@ -424,7 +424,7 @@ def test_mma_gpu_cta_units(monkeypatch, config):
 def test_mma_gpu_kernel1_warp_order(k, config):
     """Kernel 1 at k in ``K1WO_K`` and M <= 8 adds its warps' sums in warp order: correct (bias, N not a multiple
     of 16), and where K is not split across CTAs (splits == 1) 40 repeated calls are bit-identical (with the
-    earlier shared-memory atomics 1-2 of 50 differed on 4096x4096, det-probe-s19.log)."""
+    earlier shared-memory atomics 1-2 of 50 differed on 4096x4096, det-probe-2026-11-22.log)."""
     assert k in TP.K1WO_K
     assert MM.plan_launch(k, 16, 4096, 4096, config=config).defines["K1WO"] == 0
     for N, K_, M, dtype, bias in [(4096, 4096, 1, torch.bfloat16, False), (1000, 4000, 3, torch.float16, True),

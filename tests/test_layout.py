@@ -420,7 +420,7 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     assert q.layout == "mma-v1"
     # live memory is counted in allocator blocks: a cached block less than 1 MB larger than asked is handed out
     # unsplit (PyTorch's large pool), so the canonical codes can sit in a block up to 1 MB larger than they are
-    # and seem to shrink when freed (H100, session 5: 211968 bytes when the kernel 7 tests ran first)
+    # and seem to shrink when freed (H100, 2026-11-22: 211968 bytes when the kernel 7 tests ran first)
     assert abs(_alloc() - _nbytes([y1]) - held) < 0.01 * wbytes + 2**20
     temps = 0 if k == 4 else 48 * 2**20  # k = 3: a chunk's byte-level temporaries (~6 bytes a code, 8M codes)
     assert torch.cuda.max_memory_allocated() - held < 1.25 * wbytes + temps  # repacking: both layouts of a layer

@@ -2,9 +2,9 @@
 
     kbit bench --shapes 28672x4096,4096x14336 --m 1,2,4,8 --k 2,3,4,5 --peers humming,tinygemm \\
                --out benchmarks/results
-    kbit bench --table benchmarks/results/h100/bench-2026-11-21.json
+    kbit bench --table benchmarks/results/h100/issue4-2026-11-23.json
     kbit bench --suite models --split tune --families llama3,qwen2.5 --m 1,16,256 --k 4 --peers humming
-    kbit bench --summary benchmarks/results/h100/suite-2026-11-25.json
+    kbit bench --summary benchmarks/results/h200/suite-part-2026-11-25.json
 
 Shapes are ``NxK`` (the weight is [N, K], ``y = x @ W.T``) or ``llama`` (the five default shapes);
 ``--moe qwen3-30b-a3b`` (default) or ``none``. ``--suite models`` takes the shapes and the expert stacks from the
