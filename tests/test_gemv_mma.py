@@ -145,7 +145,7 @@ def test_mid_m_routes():
 
 
 def test_small_m_x_staged_routes():
-    """M = 2..8 on kernel 3 (2026-11-22, H100, m1-cfg-m2-8-2026-11-22.log): x staged in shared memory, a ring of 2, except
+    """M = 2..8 on kernel 3 (H100, m1-cfg-m2-8-2026-11-22.log): x staged in shared memory, a ring of 2, except
     M = 5..8 on weights of >= BIG elements at k != 4; 8192x28672-like weights: kernel 1 (1, 8, 2) for k = 4 at M = 1
     and k = 5 at M = 2..8."""
     for k in (2, 3, 4, 5):

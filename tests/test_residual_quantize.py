@@ -7,8 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kbit.calibrate.residual import MARK  # noqa: E402
+from kbit.calibrate.residual import MARK, residual_unsupported  # noqa: E402
 from kbit.hf import load_quantized, quantize_model, save_quantized  # noqa: E402
+from kbit.hf.quantize_model import auto_rotation, plan  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
 from kbit.ops.quantize import KbitQualityWarning  # noqa: E402
 from test_hf_quantizer import PROMPT  # noqa: E402
@@ -51,3 +52,45 @@ def test_residual_rotation_refusals():
         quantize_model(model, k=7, rotation="residual", progress=False)
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
     assert not getattr(model.config, MARK, None)
+
+
+def calib(model, n=2, seed=0):
+    V = model.config.get_text_config().vocab_size
+    return [torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(seed + s)) for s in range(n)]
+
+
+def test_auto_rotation_choice():
+    """``rotation="auto"``: none without calibration; the residual rotation where the family supports it; every
+    input rotated online elsewhere (a Gemma-3 model with real post norms), fused experts kept unrotated by
+    overrides that the caller's own entries still beat. Nothing changes while choosing."""
+    llama = tiny("llama", torch.float32)
+    before = {n: p.clone() for n, p in llama.state_dict().items()}
+    assert auto_rotation(llama, None) == (None, None)
+    assert auto_rotation(llama, calib(llama), overrides={"lm_head": None}) == ("residual", {"lm_head": None})
+    assert all(torch.equal(p, before[n]) for n, p in llama.state_dict().items())
+    gemma = tiny("gemma3_text", torch.float32)
+    assert auto_rotation(gemma, calib(gemma))[0] == "residual"  # post norms one constant: supported
+    with torch.no_grad():
+        gemma.model.layers[1].post_feedforward_layernorm.weight.normal_(0.0, 0.3)
+    assert residual_unsupported(gemma) is not None
+    assert auto_rotation(gemma, calib(gemma)) == ("hadamard", None)
+    moe = tiny("qwen3_moe", torch.float32)
+    setattr(moe.config, MARK, {"seed": 0})  # rotated once already: the residual rotation refuses a second time
+    rot, ov = auto_rotation(moe, calib(moe), overrides={"down_proj": {"k": 5}})
+    experts = [n for n in ov if "experts" in n]
+    assert rot == "hadamard" and experts and list(ov)[-1] == "down_proj"  # the caller's entry last: it wins
+    todo = plan(moe, k=4, overrides=ov, rotation=rot)  # without the overrides: refused (experts cannot rotate)
+    assert all((c["rotation"] is None) == (c["kind"] == "experts") for c in todo.values())
+
+
+def test_auto_rotation_quantized():
+    """``quantize_model(rotation="auto", calibration=...)`` is ``rotation="residual"`` on a supported family,
+    bit-exact; without calibration it is no rotation (and no warning about one)."""
+    ids = calib(tiny("llama", torch.float32))
+    a = quantize_model(tiny("llama", torch.float32), k=3, rotation="auto", calibration=ids, progress=False)
+    b = quantize_model(tiny("llama", torch.float32), k=3, rotation="residual", calibration=ids, progress=False)
+    assert getattr(a.config, MARK)["seed"] == 0
+    assert torch.equal(logits(a), logits(b))
+    c = quantize_model(tiny("llama", torch.float32), k=3, rotation="auto", progress=False)
+    assert not getattr(c.config, MARK, None)
+    assert all(m.rotation is None for m in c.modules() if isinstance(m, KbitLinear))

@@ -17,10 +17,10 @@ from kbit.calibrate.finetune import (
 )
 from kbit.calibrate.gptq import Hessian, gptq_quantize
 from kbit.calibrate.model import calibrate_layers, calibrate_model, decoder_layers, token_batches
-from kbit.calibrate.residual import RotationReport, rotate_residual
+from kbit.calibrate.residual import RotationReport, residual_unsupported, rotate_residual
 from kbit.calibrate.rotation import RandomHadamard, hadamard, hadamard_block
 
 __all__ = ["FinetuneConfig", "Hessian", "RandomHadamard", "RotationReport", "TeacherTargets", "TunableWeight",
            "calibrate_layers", "calibrate_model", "decoder_layers", "decoder_linear_names", "finetune",
-           "gptq_quantize", "hadamard", "hadamard_block", "rotate_residual", "sparse_kl", "teacher_targets",
-           "token_batches"]
+           "gptq_quantize", "hadamard", "hadamard_block", "residual_unsupported", "rotate_residual", "sparse_kl",
+           "teacher_targets", "token_batches"]

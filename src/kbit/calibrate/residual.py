@@ -349,6 +349,16 @@ def _plan(model: nn.Module, seed: int, kind: str) -> tuple[_Plan, RotationReport
     return plan, report, extra
 
 
+def residual_unsupported(model: nn.Module) -> str | None:
+    """Why :func:`rotate_residual` would refuse ``model`` (its ValueError's message), or None where it would
+    rotate it. Changes nothing."""
+    try:
+        _plan(model, 0, "hadamard")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @torch.no_grad()
 def rotate_residual(model: nn.Module, seed: int = 0, kind: str = "hadamard") -> RotationReport:
     """Rotate ``model``'s residual stream by a randomized Hadamard ``R`` in place (see the module docstring).

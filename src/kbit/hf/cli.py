@@ -2,8 +2,8 @@
 
     kbit quantize path/to/model out_dir --k 4
     kbit quantize path/to/model out_dir --k 3 --override 'mlp.down_proj={"k": 4}' --override 'lm_head={}'
-    kbit quantize path/to/model out_dir --k 3 --rotation hadamard --calibrate [text.txt]
-    kbit quantize path/to/model out_dir --k 2 --rotation hadamard --calibrate --finetune-steps 512
+    kbit quantize path/to/model out_dir --k 3 --calibrate [text.txt]
+    kbit quantize path/to/model out_dir --k 2 --calibrate --finetune-steps 512
 
 Loads with ``transformers.AutoModelForCausalLM`` (``AutoModel`` for encoders) from a local directory, never
 from a hub, and refuses (writing nothing) a model that transformers loads with missing, newly initialized or
@@ -11,7 +11,9 @@ shape-mismatched weights: quantizing random weights would give a checkpoint that
 Writes the checkpoint with :func:`kbit.save_quantized` and copies the tokenizer files and the generation
 config, so ``kbit generate --model out_dir`` runs on it.
 
-``--rotation hadamard`` quantizes rotated weights (``kbit.quantize_model(rotation=)``); ``--calibrate FILE`` rounds
+``--rotation`` is ``kbit.quantize_model(rotation=)``; the default ``auto`` rotates only with ``--calibrate``
+(the residual rotation where the family supports it, else every input online: ``kbit.hf.quantize_model.
+auto_rotation``, chosen from docs/quality.md's measurements), and ``none`` never does. ``--calibrate FILE`` rounds
 the decoder layers with GPTQ on Hessians from the text of FILE (UTF-8), ``--calibrate`` alone from the second half
 of the Lee corpus in gensim's wheel (``kbit.hf.calibration.default_calibration_text``), with the model's own
 tokenizer; it runs the float model on the CPU, layer by layer. ``--finetune-steps N`` then tunes the rounded
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
-from kbit.hf.quantize_model import MODEL_ROTATIONS, quantize_model, save_quantized
+from kbit.hf.quantize_model import MODEL_ROTATIONS, auto_rotation, quantize_model, save_quantized
 
 #: Files copied from the source folder next to the checkpoint (those that exist): the tokenizer of every
 #: common family (fast and slow), its chat template, and the generation config.
@@ -56,10 +58,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--override", type=_override, action="append", default=[],
                    help="PATTERN=JSON per-module settings, e.g. 'down_proj={\"k\": 4}'; PATTERN alone skips it")
     p.add_argument("--encoder", action="store_true", help="load with AutoModel instead of AutoModelForCausalLM")
-    p.add_argument("--rotation", choices=MODEL_ROTATIONS, default=None,
+    p.add_argument("--rotation", choices=("none", *MODEL_ROTATIONS), default="auto",
                    help="hadamard: quantize rotated weights (randomized Hadamard along K; the layers rotate their "
                         "inputs); residual: rotate the residual stream offline first (only down_proj rotates "
-                        "its input)")
+                        "its input); auto (default): with --calibrate residual where the family supports it, "
+                        "else hadamard; without --calibrate none")
     p.add_argument("--seed", type=int, default=0, help="seed of the rotation's random signs")
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "
@@ -113,13 +116,17 @@ def main(args: argparse.Namespace) -> int:
         calibration = Path(args.calibrate).read_text(encoding="utf-8") if args.calibrate else \
             default_calibration_text()
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+    overrides = dict(args.override) or None
+    requested = None if args.rotation == "none" else args.rotation
+    # "auto" resolved here too (it changes nothing), to say what was chosen
+    rotation = auto_rotation(model, calibration, overrides=overrides)[0] if requested == "auto" else requested
     quantize_model(model, k=args.k, blocksize=args.blocksize, codebook=args.codebook,
-                   scale_format=args.scale_format, overrides=dict(args.override) or None, rotation=args.rotation,
+                   scale_format=args.scale_format, overrides=overrides, rotation=requested,
                    seed=args.seed, calibration=calibration, tokenizer=tokenizer,
                    finetune=args.finetune_steps or None)
     save_quantized(model, args.out)
     copied = copy_side_files(src, Path(args.out))
-    how = "".join([f", rotation={args.rotation}" if args.rotation else "",
+    how = "".join([f", rotation={rotation}" if rotation else "",
                    f", calibrated on {args.calibrate or 'the Lee corpus'}" if calibration is not None else "",
                    f", tuned {args.finetune_steps} steps" if args.finetune_steps else ""])
     print(f"wrote {args.out} (k={args.k}{how}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
