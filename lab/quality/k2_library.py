@@ -50,6 +50,9 @@ def main(argv=None) -> int:
                         "tokenizer or gensim (lab/quality/judge_parts.py)")
     p.add_argument("--tune-ids", type=Path, default=None,
                    help="token ids (torch.save of a 1-D tensor) of the tuning text, when it is not the Lee corpus")
+    p.add_argument("--extra-ids", type=Path, default=None,
+                   help="token ids of a second tuning text: --extra-batches windows of it join the tuning windows")
+    p.add_argument("--extra-batches", type=int, default=0)
     p.add_argument("--rotation", default="hadamard", choices=("hadamard", "residual"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -63,6 +66,13 @@ def main(argv=None) -> int:
     tune = [text[a.tune_offset + i * a.window:a.tune_offset + (i + 1) * a.window][None] for i in range(a.tune_batches)]
     if tune[-1].numel() < a.window or (a.tune_ids is None and a.tune_offset < a.tokens):
         raise SystemExit(f"text has {ids.numel()} tokens: evaluation and tuning ranges do not fit apart")
+    if a.extra_ids is not None:  # more windows from a second text, shuffled in with a fixed seed
+        extra = torch.load(a.extra_ids).long()
+        tune += [extra[i * a.window:(i + 1) * a.window][None] for i in range(a.extra_batches)]
+        if tune[-1].numel() < a.window:
+            raise SystemExit(f"{a.extra_ids}: {extra.numel()} tokens, fewer than --extra-batches windows")
+        order = torch.randperm(len(tune), generator=torch.Generator().manual_seed(0)).tolist()
+        tune = [tune[i] for i in order]
     tune = [torch.cat(tune[i:i + a.batch]) for i in range(0, len(tune) - a.batch + 1, a.batch)]
     judge = study.Judge(model.to(a.device, dtype), ids[:a.tokens].to(a.device), a.window)
     base = judge.baseline()
@@ -95,7 +105,9 @@ def main(argv=None) -> int:
                 "eval_tokens": judge.windows.numel(), "tune_tokens": len(tune) * a.batch * a.window,
                 "batch": a.batch,
                 "tune_offset": a.tune_offset,
-                "tune_text": "lee" if a.tune_ids is None else a.tune_ids.name, "rotation": a.rotation,
+                "tune_text": "lee" if a.tune_ids is None else a.tune_ids.name,
+                "extra_text": None if a.extra_ids is None else [a.extra_ids.name, a.extra_batches],
+                "rotation": a.rotation,
                 "lr_q": a.lr_q, "lr_codebook": a.lr_codebook, "lr_norm": a.lr_norm,
                 "warmup": a.warmup, "baseline": base, "rows": rows}, indent=1) + "\n")
     return 0
