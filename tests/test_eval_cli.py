@@ -45,3 +45,51 @@ def test_unknown_judge_is_one_line(tmp_path, capsys):
     assert main(["eval", "--model", "nope", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("kbit eval: error: --model: expected one of") and len(err.splitlines()) == 1
+
+
+class FakeCausalJudge(FakeJudge):
+    """Takes whole-model methods too: runs each on a tiny Llama (with a word-level tokenizer) and checks that the
+    copy holds k-bit modules while its own model stays float."""
+
+    def __init__(self, tokens=2048, window=512):
+        super().__init__()
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        transformers = pytest.importorskip("transformers")
+        vocab = {w: i for i, w in enumerate(["<unk>", "the", "a", "of", "to", "in", "and"])}
+        tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tk.pre_tokenizer = pre_tokenizers.Whitespace()
+        self.tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=16,
+                                          max_position_embeddings=64)
+        self.model = transformers.LlamaForCausalLM(config).eval()
+        self.models = []
+
+    def score(self, fn):
+        return {"ppl": 1.0, "kl": 0.0, "top1": 1.0}
+
+    def score_model(self, quantize):
+        import copy
+
+        from kbit.nn import KbitLinear
+
+        model = quantize(copy.deepcopy(self.model))
+        self.models.append(model)
+        assert any(isinstance(m, KbitLinear) for m in model.modules())
+        assert not any(isinstance(m, KbitLinear) for m in self.model.modules())
+        return {"ppl": 2.0, "kl": 0.5, "top1": 0.5}
+
+
+def test_calibrate_adds_the_library_row(tmp_path, monkeypatch):
+    """``--calibrate``: one ``kbit/calibrated`` row per k, from quantize_model(rotation="auto", calibration=...)
+    (here the residual rotation: a Llama), after the weight-function rows."""
+    judges = []
+    monkeypatch.setitem(eval_cli.JUDGES, "smollm2", lambda **kw: judges.append(FakeCausalJudge(**kw)) or judges[-1])
+    assert main(["eval", "--model", "smollm2", "--k", "3", "--codebooks", "nf0", "--no-baselines", "--calibrate",
+                 "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("quality-smollm2-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["kbit/nf0", "kbit/calibrated"] and rows[1]["kl"] == 0.5
+    (model,) = judges[0].models
+    assert model.config.kbit_residual_rotation["seed"] == 0

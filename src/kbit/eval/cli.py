@@ -4,11 +4,15 @@
     kbit eval --model smollm2 --tokens 2048 --out benchmarks/results/cpu
     kbit eval --table benchmarks/results/cpu/quality-minilm-2026-11-21.json
     kbit eval --quick                  # both judges, k = 4, default codebook and baselines (< 5 min, 2 cores)
+    kbit eval --model smollm2 --k 2,3,4 --calibrate   # + kbit/calibrated: GPTQ and the measured rotation
 
 Results are written after each row (``--out``, default ``kbit-eval/``), so a stopped run keeps what it
 measured; each row prints its progress. The metrics are explained in docs/eval.md. Every row costs
 ``k + 0.25`` bits per weight (``kbit.eval.methods``). Needs ``pip install 'kbit[eval]'``;
-runs on the CPU (fake-quantized float32 weights: the numbers of KbitLinear's CPU path).
+runs on the CPU (fake-quantized float32 weights: the numbers of KbitLinear's CPU path). ``--calibrate`` adds, for
+the causal-LM judge, the row ``kbit/calibrated`` per k: ``kbit.quantize_model(rotation="auto", calibration=...)``
+on a copy of the float model (the second half of the Lee corpus as calibration text, disjoint from the evaluation
+text at the start of it; real k-bit modules).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from pathlib import Path
 import torch
 
 from kbit.eval.judges import JUDGES, run
-from kbit.eval.methods import methods
+from kbit.eval.methods import calibrated, methods
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
+from kbit.hf.calibration import default_calibration_text
 
 #: ``--quick``: both judges on less text, k = 4 only, the default codebook and the two baselines.
 QUICK = {"model": ["minilm", "smollm2"], "k": [4], "codebooks": [DEFAULT_CODEBOOK[4]], "sentences": 100,
@@ -59,6 +64,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=512, help="SmolLM2: tokens per forward pass (default 512)")
     p.add_argument("--out", type=Path, default=Path("kbit-eval"),
                    help="folder for the JSON results, written after each row (default: kbit-eval/)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also kbit/calibrated per k (GPTQ on the Lee corpus' second half with the rotation "
+                        "quantize_model(rotation='auto') picks; causal-LM judge only, minutes per k)")
     p.add_argument("--quick", action="store_true",
                    help="both judges, k=4, default codebook + baselines, 100 sentences / 512 tokens (< 5 min)")
     p.add_argument("--table", type=Path, default=None, help="render a results JSON as markdown and exit")
@@ -88,6 +96,11 @@ def evaluate_row(name: str, args, start: float) -> dict:
           flush=True)
     judge = JUDGES[name](**kw)
     plan = [(k, methods(k, args.codebooks, baselines=not args.no_baselines)) for k in args.k]
+    if args.calibrate and hasattr(judge, "score_model"):
+        text = default_calibration_text()
+        plan = [(k, [*ms, calibrated(k, text, judge.tok)]) for k, ms in plan]
+    elif args.calibrate:
+        print(f"{name}: --calibrate applies to causal-LM judges only; no kbit/calibrated rows", flush=True)
     total, done = sum(len(ms) for _, ms in plan), []
     result = {"judge": name, **judge.info, "date": dt.date.today().isoformat(),
               "torch": torch.__version__, "machine": platform.machine(),

@@ -15,6 +15,7 @@ Text: ``gensim/test/test_data/lee_background.cor`` (the Lee news corpus, ~60k wo
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 import re
@@ -138,19 +139,26 @@ class SmolLM2:
                      "window": window, "text": "gensim lee_background.cor", "quantized_linears": len(self.targets)}
 
     @torch.no_grad()
-    def _logprobs(self, window: torch.Tensor) -> torch.Tensor:
-        logits = self.model(window[None]).logits[0, :-1].float()
+    def _logprobs(self, window: torch.Tensor, model=None) -> torch.Tensor:
+        logits = (self.model if model is None else model)(window[None]).logits[0, :-1].float()
         return torch.log_softmax(logits, -1)
 
     def score(self, fn) -> dict:
-        nll = kl = agree = count = 0.0
         with fake_quantized(self.model, fn, self.targets):
-            for w, ref in zip(self.windows, self.reference, strict=True):
-                lp = self._logprobs(w)
-                nll += float(-lp.gather(-1, w[1:, None]).sum())
-                kl += float((ref.exp() * (ref - lp)).sum())
-                agree += float((lp.argmax(-1) == ref.argmax(-1)).sum())
-                count += lp.shape[0]
+            return self._score(self.model)
+
+    def score_model(self, quantize) -> dict:
+        """The metrics of ``quantize(copy of the float model)`` (a :class:`kbit.eval.methods.ModelMethod`)."""
+        return self._score(quantize(copy.deepcopy(self.model)))
+
+    def _score(self, model) -> dict:
+        nll = kl = agree = count = 0.0
+        for w, ref in zip(self.windows, self.reference, strict=True):
+            lp = self._logprobs(w, model)
+            nll += float(-lp.gather(-1, w[1:, None]).sum())
+            kl += float((ref.exp() * (ref - lp)).sum())
+            agree += float((lp.argmax(-1) == ref.argmax(-1)).sum())
+            count += lp.shape[0]
         return {"ppl": math.exp(nll / count), "kl": kl / count, "top1": agree / count}
 
     def baseline(self) -> dict:
@@ -172,7 +180,7 @@ def run(judge, methods, log=print, on_row=None) -> list[dict]:
     rows = []
     for m in methods:
         t = time.perf_counter()
-        metrics = judge.score(m.fn)
+        metrics = judge.score_model(m.quantize) if hasattr(m, "quantize") else judge.score(m.fn)
         rows.append({"method": m.name, "k": m.k, "bits": m.bits, **metrics,
                      "seconds": round(time.perf_counter() - t, 2)})
         log(f"{judge.name} k={m.k} {m.name}: " + ", ".join(f"{a}={b:.6g}" for a, b in metrics.items()))

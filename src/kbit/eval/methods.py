@@ -10,6 +10,10 @@ All rows of the comparison cost the same bits per weight, ``k + 0.25`` (plus 32 
 ``nf-b64``
     NF4-style (bitsandbytes): the ``nf0`` codebook (an exact 0, bitsandbytes' construction), blocksize 64,
     float16 absmax scales: ``k + 16/64``. At k = 4 this is NF4 with a float16 absmax.
+``kbit/calibrated`` (``kbit eval --calibrate``)
+    The library's own path on the whole model, not a weight function (:class:`ModelMethod`):
+    ``kbit.quantize_model(rotation="auto", calibration=text)``: GPTQ layer by layer on the calibration text and the
+    rotation docs/quality.md chose (``kbit.hf.quantize_model.auto_rotation``), the default codebook, ``k + 0.25``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from kbit.format import codebooks as cbs
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
 from kbit.format.reference import block_scales, blocks, nearest_codes, normalise
+from kbit.hf.quantize_model import quantize_model
 from kbit.ops.quantize import fit_codebook
 
 
@@ -70,6 +76,24 @@ def fake_quant(W: torch.Tensor, k: int, blocksize: int = 32, codebook=None, scal
     codes = nearest_codes(normalise(b, scale), cb)
     out = (cb[codes] * scale[..., None]).reshape(*W.shape[:-1], -1)
     return out[..., : W.shape[-1]]
+
+
+@dataclass(frozen=True)
+class ModelMethod:
+    """A whole-model quantizer at ``k`` bits: ``quantize(model) -> model`` on a copy of the judge's float model
+    (real k-bit modules; judges with ``score_model`` take it)."""
+
+    name: str
+    k: int
+    bits: float
+    quantize: Callable[[nn.Module], nn.Module]
+
+
+def calibrated(k: int, text: str, tokenizer) -> ModelMethod:
+    """``kbit/calibrated`` at ``k`` (see the module doc): ``text`` tokenized by ``tokenizer``."""
+    return ModelMethod("kbit/calibrated", k, k + 0.25,
+                       lambda model: quantize_model(model, k=k, rotation="auto", calibration=text,
+                                                    tokenizer=tokenizer, progress=False))
 
 
 def _kbit(k: int, codebook, blocksize: int = 32, scale_format: str = "log8"):
