@@ -47,8 +47,9 @@ from kbit.utils.device import cpu_decode_dtype
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PROMPT = "Write a haiku about memory bandwidth."
 #: Printed when the default model is asked for k = 2 (see the README: what k = 2 gives on it).
-K2_WARNING = ("warning: k=2 output of a 135M-parameter model is poor (greedy, this prompt: 'awaawaawa...'); "
-              "use --k 3 or 4 here, k=2 is meant for larger models")
+K2_WARNING = ("warning: k=2 output of a 135M-parameter model rounded to nearest is poor (greedy, this prompt: "
+              "'awaawaawa...'); use --k 3 or 4 here, or on a GPU quantize it with calibration first (kbit quantize "
+              "MODEL OUT --k 2 --calibrate --finetune-steps 512; README, 'Your own model')")
 
 
 def default_model_cache() -> Path | None:
