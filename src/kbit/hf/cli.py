@@ -117,11 +117,11 @@ def main(args: argparse.Namespace) -> int:
             default_calibration_text()
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     overrides = dict(args.override) or None
-    requested = None if args.rotation == "none" else args.rotation
-    # "auto" resolved here too (it changes nothing), to say what was chosen
-    rotation = auto_rotation(model, calibration, overrides=overrides)[0] if requested == "auto" else requested
+    rotation = None if args.rotation == "none" else args.rotation
+    if rotation == "auto":  # resolved here (once), so that the line below can say what was chosen
+        rotation, overrides = auto_rotation(model, calibration, overrides=overrides)
     quantize_model(model, k=args.k, blocksize=args.blocksize, codebook=args.codebook,
-                   scale_format=args.scale_format, overrides=overrides, rotation=requested,
+                   scale_format=args.scale_format, overrides=overrides, rotation=rotation,
                    seed=args.seed, calibration=calibration, tokenizer=tokenizer,
                    finetune=args.finetune_steps or None)
     save_quantized(model, args.out)
