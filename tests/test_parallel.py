@@ -4,6 +4,7 @@ float64 reference."""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import subprocess
@@ -115,21 +116,17 @@ def test_parallelize_errors():
         parallelize_kbit(model, {"layers.*.mlp.up_proj": "columnwise"})
     with pytest.raises(ValueError, match="plan: expected patterns matching at least one module"):
         parallelize_kbit(model, {"decoder.*.fc1": "colwise"})
-    plain = nn.Sequential(nn.Linear(4, 4))
+    plain = nn.Sequential(nn.Linear(4, 4))  # a float layer: column styles only (a bf16 lm_head)
     with pytest.raises(TypeError, match="module '0' .* expected a KbitLinear, got Linear"):
-        parallelize_kbit(plain, {"0": "colwise"})
+        parallelize_kbit(plain, {"0": "rowwise"})
+    with pytest.raises(TypeError, match="module '0' .* expected a KbitLinear, got Linear"):
+        parallelize_kbit(plain, {"0": "packed_colwise"})
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
             parallelize_kbit(model)
 
 
 # -- 2 processes ----------------------------------------------------------------------------------------------
-
-
-
-
-
-
 
 
 #: (N, K, blocksize): N not a multiple of 32 (uneven column shards), K padded, K split on block boundaries
@@ -320,6 +317,48 @@ def _check_hf_llama(rank, world, dtype, rtol):
 def test_hf_llama_two_ranks(tmp_path):
     pytest.importorskip("transformers")
     spawn(tmp_path, _check_hf_llama, torch.float32, 1e-4)
+
+
+def _check_fast_decode_tp(rank, world):
+    """kbit.hf.StaticDecoder's fast step (glue kernels, the interpreter on the CPU) on a model split by
+    parallelize_kbit with the bf16-style float lm_head split by vocabulary: each rank's shards of q/k/v and gate/up
+    are fused into one GEMV as on one device, and the greedy tokens and logits are the whole model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency
+
+    from kbit.hf import quantize_model
+    from kbit.hf.decode import StaticDecoder
+    from kbit.parallel import ColumnParallelLinear
+
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=320, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    quantize_model(model, k=4, blocksize=32, progress=False)
+    whole = copy.deepcopy(model)
+    replaced = parallelize_kbit(model, {**config.base_model_tp_plan, "lm_head": "colwise_rep"})
+    assert replaced["lm_head"] == "colwise_rep" and isinstance(model.lm_head, ColumnParallelLinear)
+    assert model.lm_head.weight.shape == (model.lm_head.stop - model.lm_head.start, 256)
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def run(m):
+        dec = StaticDecoder(m, 2, 16, fast=True)
+        toks, logits = [dec.prefill(ids).clone()], [dec.logits.clone()]
+        for _ in range(4):
+            toks.append(dec.step().clone())
+            logits.append(dec.logits.clone())
+        return dec, torch.stack(toks, 1), torch.stack(logits)
+
+    _, want_t, want_l = run(whole)
+    dec, got_t, got_l = run(model)
+    assert all(f is not None for f in dec._fast.qkv + dec._fast.gate_up)  # one GEMV each on every rank
+    assert dec._fast.qkv[0][0].out_features == (256 + 2 * 128) // world  # this rank's heads of q, k and v
+    assert torch.equal(got_t, want_t)
+    torch.testing.assert_close(got_l, want_l, atol=1e-4, rtol=1e-3)
+
+
+def test_fast_decode_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    spawn(tmp_path, _check_fast_decode_tp)
 
 
 def _check_errors(rank, world):

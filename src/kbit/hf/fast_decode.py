@@ -32,9 +32,10 @@ from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
 from kbit.ops.hadamard import rotate, rotation_signs
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
+from kbit.parallel.linear import ColumnParallelKbitLinear
 from kbit.utils.device import interpreting
 
-__all__ = ["MODEL_TYPES", "FastDecodeStep", "unsupported_reason"]
+__all__ = ["MODEL_TYPES", "FastDecodeStep", "fuse_group", "local_linear", "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
@@ -74,16 +75,31 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
     return None
 
 
+def local_linear(m: nn.Module) -> KbitLinear | None:
+    """The ``KbitLinear`` that computes ``m``'s output on this rank: ``m`` itself, or the shard of a column-parallel
+    layer whose output stays split (``gather_output=False``, unpacked: this rank's heads or intermediate columns,
+    which its own attention or row-parallel projection reads); None for anything else."""
+    if type(m) is KbitLinear:
+        return m
+    if isinstance(m, ColumnParallelKbitLinear) and not m.gather_output and m.parts is None and \
+            type(m.shard) is KbitLinear:
+        return m.shard
+    return None
+
+
 def fuse_group(mods) -> tuple[nn.Module, list[int]] | None:
     """One KbitLinear computing ``mods``' outputs side by side (``None`` unless they can be fused).
 
     The members must be :class:`~kbit.nn.KbitLinear` of one format, input size, tensor scale, codebook and rotation
     (what ``quantize_model(joint=True)`` gives q/k/v and gate/up), on one device, with row counts that are multiples
-    of 16. The fused layer carries the members' rotation (its ``forward_rotated`` is the GEMV on ``x R``).
+    of 16; or column-parallel layers (:func:`local_linear`) over such shards, under tensor parallelism: their shards
+    are fused, so a rank runs one GEMV for its slices of q/k/v (of gate/up) as one GPU runs one for the whole.
+    The fused layer carries the members' rotation (its ``forward_rotated`` is the GEMV on ``x R``).
     Their codes and scales are concatenated (repacked for the small-M kernel first where it runs) and the members
     are re-pointed at row views of the result, so the model keeps working unchanged and no memory is added.
     Returns ``(fused, [rows of each member])``."""
-    if len(mods) < 2 or not all(type(m) is KbitLinear for m in mods):
+    mods = [local_linear(m) for m in mods]
+    if len(mods) < 2 or any(m is None for m in mods):
         return None
     m0 = mods[0]
     attrs = ("in_features", "k", "blocksize", "scale_format", "dtype", "codebook_name")

@@ -27,7 +27,7 @@ from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
 from kbit.parallel.shard import COLUMN_UNIT, packed_ranges, shard_range, shard_weight
 from kbit.utils.checks import fail
 
-__all__ = ["ColumnParallelKbitLinear", "RowParallelKbitLinear"]
+__all__ = ["ColumnParallelKbitLinear", "ColumnParallelLinear", "RowParallelKbitLinear"]
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -155,6 +155,47 @@ class ColumnParallelKbitLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, rows={self._rows()}, "
                 f"rank={self.rank}/{self.world}, gather_output={self.gather_output}"
                 + (f", parts={self.parts}" if self.parts is not None else ""))
+
+
+class ColumnParallelLinear(nn.Module):
+    """A float ``nn.Linear`` split along ``out_features`` (``y_local = x @ W[n0:n1].T + bias[n0:n1]``), the output
+    all-gathered where ``gather_output``: a model's ``lm_head`` left in bf16 (transformers' ``"colwise_rep"``), so
+    that each rank reads its slice of the vocabulary, not all of it, at every decode step.
+
+    ``weight`` ``[stop - start, in_features]`` and ``bias`` are this rank's rows (a copy: the whole layer can be
+    freed); the split is in whole units of ``unit`` rows (:func:`kbit.parallel.shard_range`)."""
+
+    def __init__(self, linear: nn.Linear, *, group=None, gather_output: bool = True, unit: int = COLUMN_UNIT):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            fail(TypeError, "linear", "an nn.Linear", type(linear).__name__)
+        self.group = group
+        self.rank, self.world = _rank_world(group)
+        n = linear.out_features
+        self.sizes = [b - a for a, b in (shard_range(n, r, self.world, unit) for r in range(self.world))]
+        self.start, self.stop = shard_range(n, self.rank, self.world, unit)
+        self.weight = nn.Parameter(linear.weight.detach()[self.start:self.stop].clone(), requires_grad=False)
+        b = linear.bias
+        self.bias = None if b is None else nn.Parameter(b.detach()[self.start:self.stop].clone(), requires_grad=False)
+        self.in_features, self.out_features = linear.in_features, n
+        self.gather_output = bool(gather_output)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group=None, gather_output: bool = True, unit: int = COLUMN_UNIT,
+                    parts=None) -> ColumnParallelLinear:
+        if parts is not None:
+            fail(ValueError, "parts", "None for a float layer (packed float weights are not split)", repr(parts))
+        return cls(linear, group=group, gather_output=gather_output, unit=unit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight, self.bias)
+        if self.gather_output and self.world > 1:
+            y = gather_last_dim(y, self.sizes, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rows={self.start}:{self.stop}, "
+                f"rank={self.rank}/{self.world}, gather_output={self.gather_output}")
 
 
 class RowParallelKbitLinear(nn.Module):

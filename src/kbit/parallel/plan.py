@@ -11,7 +11,7 @@ from torch import nn
 
 from kbit.nn.linear import KbitLinear
 from kbit.nn.moe import KbitMoE
-from kbit.parallel.linear import ColumnParallelKbitLinear, RowParallelKbitLinear
+from kbit.parallel.linear import ColumnParallelKbitLinear, ColumnParallelLinear, RowParallelKbitLinear
 from kbit.parallel.moe import ExpertParallelKbitMoE
 from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
@@ -72,8 +72,16 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(r"(?:^|.*\.)" + body + "$")
 
 
-def planned_modules(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
-    """(module name, style) of every module a pattern of ``plan`` matches (the first matching pattern wins)."""
+def _float_ok(style: str) -> bool:
+    """Whether ``style`` also splits a float ``nn.Linear`` (:class:`~kbit.parallel.ColumnParallelLinear`): the
+    column styles of unpacked layers, e.g. a bf16 ``lm_head``."""
+    cls, kwargs = STYLES[style]
+    return cls is ColumnParallelKbitLinear and "parts" not in kwargs
+
+
+def planned_modules(model: nn.Module, plan: dict[str, str], allow_float: bool = False) -> list[tuple[str, str]]:
+    """(module name, style) of every module a pattern of ``plan`` matches (the first matching pattern wins).
+    ``allow_float``: a column style may also name a float ``nn.Linear``."""
     compiled = [(_regex(p), s) for p, s in plan.items()]
     out = []
     for name, module in model.named_modules():
@@ -81,6 +89,9 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, s
         if style is None:
             continue
         want = KbitMoE if STYLES[style][0] is ExpertParallelKbitMoE else KbitLinear
+        if allow_float and _float_ok(style) and type(module) is nn.Linear:
+            out.append((name, style))
+            continue
         if not isinstance(module, want):
             fail(TypeError, f"module {name!r} (style {style!r})", f"a {want.__name__}", type(module).__name__)
         out.append((name, style))
@@ -99,7 +110,8 @@ def plan_unit(modules: list[KbitLinear]) -> int:
 def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group=None, unit: int | None = None
                      ) -> dict[str, str]:
     """Replace (in place) the ``KbitLinear`` / ``KbitMoE`` modules that ``plan`` names by their parallel versions on
-    this rank (``"ep"``: :class:`~kbit.parallel.ExpertParallelKbitMoE`).
+    this rank (``"ep"``: :class:`~kbit.parallel.ExpertParallelKbitMoE`). A float ``nn.Linear`` under a column style
+    (a bf16 ``lm_head``: ``"colwise_rep"``) becomes a :class:`~kbit.parallel.ColumnParallelLinear`.
 
     Parameters
     ----------
@@ -117,16 +129,18 @@ def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group
     for pattern, style in plan.items():
         if style not in STYLES:
             fail(ValueError, f"plan[{pattern!r}]", f"one of {tuple(STYLES)}", repr(style))
-    found = planned_modules(model, plan)
+    found = planned_modules(model, plan, allow_float=True)
     if not found:
         fail(ValueError, "plan", "patterns matching at least one module of the model", f"no match for {list(plan)}")
     if unit is None:
-        unit = plan_unit([model.get_submodule(n) for n, s in found if STYLES[s][0] is not ExpertParallelKbitMoE])
+        unit = plan_unit([m for m in (model.get_submodule(n) for n, _ in found) if isinstance(m, KbitLinear)])
     for name, style in found:
         cls, kwargs = STYLES[style]
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
+        if type(old) is nn.Linear:
+            cls = ColumnParallelLinear
         new = cls.from_moe(old, group=group) if cls is ExpertParallelKbitMoE else \
             cls.from_linear(old, group=group, unit=unit, **kwargs)
         setattr(parent, child, new)
