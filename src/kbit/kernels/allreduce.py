@@ -12,10 +12,19 @@ c + 2 it needs this rank's data of c + 1, sent after this call ends), so slot c 
 count modulo 3) and last message size in ``state`` (``[2P]`` int32, device memory), so replays of a CUDA graph
 go on counting. Each poll stops after ``limit`` loads (the launcher passes a limit of hours: a late peer must not
 turn into a wrong sum).
+
+``PDL``: launched with programmatic dependent launch (sm_90), the kernel lets the next one launch at once (a k-bit
+GEMV, which reads only weights before its own wait) and waits for the previous one (the row-parallel GEMV that
+wrote ``x``) before it reads anything: its launch and the next kernel's weight loads overlap their neighbours.
 """
 
 import triton
 import triton.language as tl
+
+try:  # triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: PDL is never requested there (see kbit.ops.pdl)
+    gdc_launch_dependents = gdc_wait = None
 
 #: bf16 -0.0 as int16 bits: an empty element of a receive buffer
 SENTINEL = tl.constexpr(-32768)
@@ -23,7 +32,10 @@ SENTINEL = tl.constexpr(-32768)
 
 @triton.jit
 def lamport_all_reduce_kernel(x, bufs, out, state, n, max_n, limit, rank: tl.constexpr, world: tl.constexpr,
-                              P: tl.constexpr, BLOCK: tl.constexpr):
+                              P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # everything below may read what the kernel before wrote (x, and state through the call before)
+        gdc_launch_dependents()
+        gdc_wait()
     pid = tl.program_id(0)
     slot = tl.load(state + pid)  # this call's slot, 0..2 (the count modulo 3: it never overflows)
     prev_n = tl.load(state + P + pid)

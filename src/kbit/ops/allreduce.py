@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover
     symm_mem = None
 
 from kbit.kernels import allreduce as _k
+from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import check_int, check_tensor, fail
 
 __all__ = ["LamportBuffer", "all_reduce_reference", "lamport_all_reduce"]
@@ -63,7 +64,7 @@ def lamport_all_reduce(y: torch.Tensor, buffer: LamportBuffer) -> torch.Tensor:
         return out
     _k.lamport_all_reduce_kernel[(PROGRAMS,)](
         y, buffer.handle.buffer_ptrs_dev, out, buffer.state, y.numel(), buffer.capacity, SPIN_LIMIT,
-        rank=buffer.rank, world=buffer.world, P=PROGRAMS, BLOCK=BLOCK, num_warps=8)
+        rank=buffer.rank, world=buffer.world, P=PROGRAMS, BLOCK=BLOCK, num_warps=8, **launch_kw(y.device))
     return out
 
 
