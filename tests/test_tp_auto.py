@@ -62,9 +62,10 @@ def _kbit_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for n, t in model.named_buffers() if n.endswith((".codes", ".scales")))
 
 
-def _check_shards(model, whole, rank, world) -> None:
+def _check_shards(model, whole, whole_bytes, rank, world) -> None:
     """Every k-bit layer is a parallel one; its shard dequantizes to its slice of the whole weight; the ranks'
-    bytes add up to the whole model's and no rank holds more than its part."""
+    bytes add up to the whole model's (``whole_bytes``, counted before its first forward: on a GPU that repacks the
+    layers into the kernels' padded layout) and no rank holds more than its part."""
     names = {n for n, m in model.named_modules() if isinstance(m, PARALLEL)}
     assert len(names) == 14, sorted(names)
     for name, m in model.named_modules():
@@ -79,8 +80,8 @@ def _check_shards(model, whole, rank, world) -> None:
     local = torch.tensor([_kbit_bytes(model)], dtype=torch.float64, device=dev)
     total = local.clone()
     dist.all_reduce(total)
-    assert total.item() == _kbit_bytes(whole), (total.item(), _kbit_bytes(whole))
-    assert local.item() < 0.6 * _kbit_bytes(whole), f"rank {rank} holds {local.item()} of {_kbit_bytes(whole)} bytes"
+    assert total.item() == whole_bytes, (total.item(), whole_bytes)
+    assert local.item() < 0.6 * whole_bytes, f"rank {rank} holds {local.item()} of {whole_bytes} bytes"
 
 
 def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
@@ -90,12 +91,13 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
     greedy = dict(max_new_tokens=8, do_sample=False, min_new_tokens=8)
     for path, kw in ((float_path, dict(quantization_config=KbitConfig(**QC))), (saved_path, {})):
         whole = load(path, backend, False, dtype=dtype, **kw)
+        whole_bytes = _kbit_bytes(whole)
         with torch.no_grad():
             want = whole(ids).logits.double()
         want_tokens = whole.generate(ids, **greedy)
         model = load(path, backend, True, dtype=dtype, **kw)
         assert model.tp_size == world
-        _check_shards(model, whole, rank, world)
+        _check_shards(model, whole, whole_bytes, rank, world)
         with torch.no_grad():
             got = model(ids).logits.double()
         err = ((got - want).abs().max() / want.abs().max()).item()
