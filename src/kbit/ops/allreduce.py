@@ -27,6 +27,11 @@ __all__ = ["LamportBuffer", "all_reduce_reference", "lamport_all_reduce"]
 
 #: programs a call (fixed: each keeps its own call counter) and bf16 elements a chunk
 PROGRAMS, BLOCK = 16, 2048
+#: messages of at most this many bytes are launched with programmatic dependent launch (sm_90). In the TP = 2 decode
+#: step of a Llama-3-8B-shaped k = 4 model (2 x H200, lab/parallel/ar_pdl_ab.py) PDL took the step from 1.90 to
+#: 1.78 ms at batch 1 (8 KiB messages) and from 2.66 to 2.74 ms at batch 16 (128 KiB): the crossover between was
+#: not measured; 16 KiB keeps batch 1 up to hidden 8192
+PDL_MAX_BYTES = 16 * 1024
 #: loads of one poll before the kernel gives up on a peer: none in practice (hours). A peer may be late by anything
 #: (its first call compiles the kernel, its host stalls) and giving up would return a wrong sum; like NCCL's, the
 #: wait lasts until the data comes
@@ -64,7 +69,8 @@ def lamport_all_reduce(y: torch.Tensor, buffer: LamportBuffer) -> torch.Tensor:
         return out
     _k.lamport_all_reduce_kernel[(PROGRAMS,)](
         y, buffer.handle.buffer_ptrs_dev, out, buffer.state, y.numel(), buffer.capacity, SPIN_LIMIT,
-        rank=buffer.rank, world=buffer.world, P=PROGRAMS, BLOCK=BLOCK, num_warps=8, **launch_kw(y.device))
+        rank=buffer.rank, world=buffer.world, P=PROGRAMS, BLOCK=BLOCK, num_warps=8,
+        **(launch_kw(y.device) if y.numel() * 2 <= PDL_MAX_BYTES else {"PDL": False}))
     return out
 
 
