@@ -97,7 +97,7 @@ def main():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--layout", choices=("packed", "separate"), default="packed")
-    p.add_argument("--comm", choices=("auto", "nccl", "one_shot", "two_shot"), default="auto")
+    p.add_argument("--comm", choices=("auto", "nccl", "one_shot", "two_shot", "lamport"), default="auto")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12, help="kernels listed a configuration")
     args = p.parse_args()

@@ -93,7 +93,8 @@ class AllReduceConfig:
 #: The h200 row is that script's on 2 x H200 (torch 2.11): one-shot the fastest up to 1 MiB, two-shot at 2 MiB;
 #: Lamport (lab/parallel/lamport_ar.py) faster than both at every size measured (up to 512 KiB).
 #: The h100 row is both scripts' on 2 x H100 (torch 2.11, benchmarks/results/h100x2/tp-decode-2026-11-26.md): Lamport
-#: the fastest up to 1 MiB (3.3 us at 8 KiB against NCCL's 10.6), symmetric-memory one-shot never ahead of NCCL.
+#: the fastest up to 1 MiB (3.3 us at 8 KiB against NCCL's 10.6); symmetric-memory one-shot within 1.4 us of NCCL
+#: either way (two scripts disagree on the sign), so not taken.
 #: Two-shot is ahead only at 2 MiB and behind NCCL below it, where it would take float32 messages: left out.
 #: The generic bound is lower: PyTorch's note has one-shot beat NCCL below about 400 KB on 8 x H100.
 ALLREDUCE_TABLE: dict[tuple[str, int], AllReduceConfig] = {
