@@ -195,3 +195,28 @@ def test_moe_dtype_cast_keeps_the_format():
     assert m.dtype == torch.bfloat16 and m.router_weight.dtype == torch.bfloat16
     for n, b in before.items():
         assert m.get_buffer(n).dtype == b.dtype and torch.equal(m.get_buffer(n), b), n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("repack", [False, True])
+def test_gpu_float32_activations(repack):
+    """A float32 x on CUDA (a float32 checkpoint loaded on a GPU) goes to the Triton GEMV, not to the small-M CUDA
+    kernels, which read 16-bit activations: a float32 x read as float16 gave NaN for M = 1..8. Both layouts
+    (canonical, and "mma-v1" after a repack) against the float64 reference; the kernels' own entry refuses it."""
+    from kbit.format.reference import dequantize_reference
+    from kbit.ops import gemv_mma
+
+    torch.manual_seed(0)
+    lin = KbitLinear.from_linear(nn.Linear(1024, 768, bias=True), k=4).to("cuda")
+    if repack:
+        lin.repack_for_kernels()
+    W = dequantize_reference(lin.weight(), torch.float64)
+    for M in (1, 3, 8, 40):
+        x = torch.randn(M, 1024, device="cuda")
+        y = lin(x)
+        assert y.dtype == torch.float32 and torch.isfinite(y).all(), M
+        want = x.double() @ W.T + lin.bias.double()
+        assert ((y.double() - want).abs().max() / want.abs().max()).item() < 1e-3, M
+    if repack:
+        with pytest.raises(TypeError, match="x: expected float16 or bfloat16"):
+            gemv_mma.linear_repacked(x, lin.codes, lin.scales, lin.tensor_scale, lin.codebook, k=4, N=768, K=1024)

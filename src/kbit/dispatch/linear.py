@@ -107,16 +107,19 @@ def serves(x: torch.Tensor, N: int, K: int, k: int) -> bool:
 
 def linear(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32, scale_format="log8", N, K, bias=None,
            mma: bool = True) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` on canonical weight tensors through the kernel :func:`choice` picks for x's GPU; the
-    float32 reference on the CPU. ``mma=False``: choose as if the CUDA small-M kernels did not exist (the table's
+    """``x @ W.T (+ bias)`` on canonical weight tensors through the kernel :func:`choice` picks for x's GPU (a
+    float32 x on a GPU: :func:`dequant_mm` in float32, correct but not fast: decode in bf16); the float32 reference on
+    the CPU. ``mma=False``: choose as if the CUDA small-M kernels did not exist (the table's
     choice; ``kbit.nn.KbitLinear`` in the canonical layout uses it rather than caching a repacked copy)."""
     if not x.is_cuda or options.get().backend == "torch":
         check_linear(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
         return cpu_linear(x, codes, scales, tensor_scale, codebook, k=k, blocksize=blocksize,
                           scale_format=scale_format, N=N, K=K, bias=bias, cache=x.is_cpu)
+    kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, bias=bias)
+    if x.dtype == torch.float32:  # every CUDA GEMV / GEMM kernel reads 16-bit x: W dequantized to float32, cuBLAS
+        return dequant_mm(x, codes, scales, tensor_scale, codebook, **kw)
     M = x.numel() // K if K else 0
     ch = choice(M, N, K, k, x.device) if mma else gemm_choice(M, N, K, k, x.device)
-    kw = dict(k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K, bias=bias)
     if ch.kernel == "gemv":
         if mma:
             return small_m(x, codes, scales, tensor_scale, codebook, **kw)

@@ -182,10 +182,12 @@ def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_for
     kern((p.grid,), p.warps * 32, _ARGS_FMT + fmt, *args, *extra, shared=p.shared, pdl=True)
 
 
-def _need_kernels(device) -> None:
-    if not kernels_available(device):
+def _need_kernels(x) -> None:
+    if not kernels_available(x.device):
         fail(ValueError, "x", "a tensor on a CUDA device where the kernels run (sm_80+, NVRTC found; elsewhere "
-             "kbit.dispatch chooses another backend)", device)
+             "kbit.dispatch chooses another backend)", x.device)
+    if x.dtype not in (torch.float16, torch.bfloat16):  # the kernels read x as 16-bit values
+        fail(TypeError, "x", "float16 or bfloat16 (float32 runs through kbit.dispatch's Triton GEMV)", x.dtype)
 
 
 def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format, N, K, config):
@@ -229,7 +231,7 @@ def linear_small_m(x, codes, scales, tensor_scale, codebook, *, k, blocksize=32,
     :func:`linear_repacked` (``kbit.nn.KbitLinear.repack_for_kernels``).
     """
     check_dense(x, codes, scales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
-    _need_kernels(x.device)
+    _need_kernels(x)
     if x.numel() == 0:
         return x.new_empty(*x.shape[:-1], N)
     rc, rs = repacked(codes, scales, k=k, blocksize=blocksize, scale_format=scale_format, N=N, K=K)
@@ -249,7 +251,7 @@ def linear_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize=
     """:func:`linear_small_m` on a weight held in layout "mma-v1" (``rcodes, rscales`` from
     ``kbit.ops.mma.layout.repack``): no cache, nothing kept."""
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
-    _need_kernels(x.device)
+    _need_kernels(x)
     return _run(x, rcodes, rscales, tensor_scale, codebook, bias, k=k, blocksize=blocksize, scale_format=scale_format,
                 N=N, K=K, config=config)
 
@@ -263,7 +265,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     kernel 7, x not contiguous or K not a multiple of 256). ``kbit.dispatch`` keeps one a signature: the host cost
     of a call is then about that of the launch itself."""
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
-    if not (x.is_cuda and kernels_available(x.device)):
+    if not (x.is_cuda and kernels_available(x.device)) or x.dtype not in (torch.float16, torch.bfloat16):
         return None
     M, S = x.numel() // K, rcodes.shape[1]
     if M > MAX_M or _large_here(k, M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:

@@ -28,10 +28,11 @@ def kernels_available(device=None) -> bool:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether a call on ``x`` may run the CUDA kernels: ``x`` on a GPU where they are :func:`kernels_available`,
-    Triton not interpreting, and ``kbit.options`` not forcing another backend."""
-    return (x.is_cuda and not interpreting() and options.get().backend in ("auto", "cuda")
-            and kernels_available(x.device))
+    """Whether a call on ``x`` may run the CUDA kernels: ``x`` float16 / bfloat16 (the kernels read 16-bit
+    activations; a float32 x read as float16 gave NaN) on a GPU where they are :func:`kernels_available`, Triton not
+    interpreting, and ``kbit.options`` not forcing another backend."""
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and not interpreting()
+            and options.get().backend in ("auto", "cuda") and kernels_available(x.device))
 
 
 def deterministic() -> bool:
