@@ -129,3 +129,34 @@ def test_missing_optional_package_names_the_install(monkeypatch, capsys):
 
     line = error_line("eval", ModuleNotFoundError("No module named 'gensim'", name="gensim"))
     assert "'gensim'" in line and "pip install" in line
+
+
+def test_generate_under_torchrun_splits_the_model(tmp_path):
+    """``torchrun --nproc-per-node 2 -m kbit.cli generate --model DIR --device cpu``: the checkpoint split over two
+    gloo ranks (kbit.hf.tp.shard_loaded) decodes the same greedy text as one process, printed once."""
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=5,
+                                      max_position_embeddings=64)  # head_dim 32: whole heads a rank
+    torch.manual_seed(0)
+    src, dst = tmp_path / "model", tmp_path / "kbit"
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.eos_token = None  # all 6 tokens, whatever the random model picks
+    tok.save_pretrained(src)
+    assert main(["quantize", str(src), str(dst), "--k", "4"]) == 0
+    args = ["generate", "hello world", "--model", str(dst), "--device", "cpu", "--temperature", "0",
+            "--max-new-tokens", "6"]
+
+    def text(cmd):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return out.stdout
+
+    one = text([sys.executable, "-m", "kbit.cli", *args])
+    two = text([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "kbit.cli", *args])
+    assert "[6 tokens in" in two and "2 ranks" in two and two.count("tokens in") == 1, two  # rank 0 prints once
+    assert one.split("\n[")[0] == two.split("\n[")[0] and one.split("\n[")[0].strip(), (one, two)

@@ -629,3 +629,20 @@ def test_symmetric_memory_two_gpus(tmp_path):
     if missing:
         pytest.skip(f"this torch lacks torch.ops.symm_mem.{missing}")
     spawn(tmp_path, _check_symm, backend="nccl")
+
+
+def test_decode_plan():
+    """kbit generate's plan under torchrun: the config's tensor-parallel entries in styles kbit shards (Qwen3's
+    replicated q/k norms left whole), the lm_head by vocabulary where it splits into 16-row units, else whole."""
+    transformers = pytest.importorskip("transformers")
+    from kbit.hf.tp import decode_plan
+
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = transformers.Qwen3ForCausalLM(config)
+    plan = decode_plan(model, 2)
+    assert plan["lm_head"] == "colwise_rep" and plan["layers.*.self_attn.o_proj"] == "rowwise"
+    assert not any("norm" in p for p in plan)
+    assert "lm_head" not in decode_plan(model, 8)  # 64 rows: not 16 for each of 8 ranks
+    with pytest.raises(ValueError, match="model: expected a transformers model whose config has a tensor-parallel"):
+        decode_plan(nn.Sequential(nn.Linear(4, 4)), 2)

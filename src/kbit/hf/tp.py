@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kbit.hf.experts import KbitExperts
+from kbit.nn import KbitLinear
 from kbit.parallel import (
     STYLES,
     RowParallelKbitLinear,
@@ -44,7 +45,7 @@ from kbit.parallel.shard import COLUMN_UNIT
 from kbit.utils.checks import fail
 
 __all__ = ["EXPERT_STYLE", "TensorParallelKbitExperts", "apply_kbit_tp", "check_heads", "check_k_splits",
-           "take_kbit_entries", "tp_size_of"]
+           "decode_plan", "shard_loaded", "take_kbit_entries", "tp_size_of"]
 
 #: transformers' tensor-parallel style of fused MoE experts (every expert's intermediate dimension split)
 EXPERT_STYLE = "moe_tp_experts"
@@ -139,6 +140,36 @@ def check_k_splits(plan: dict[str, str], modules: dict[str, dict]) -> None:
         if splits_k and pattern in rotated:
             fail(ValueError, f"tp_plan[{pattern!r}]", "unrotated k-bit weights for a split of K (a Hadamard "
                  "rotation spans all of K: keep these layers unrotated, KbitConfig.overrides)", "rotated weights")
+
+
+def decode_plan(model: nn.Module, world: int) -> dict[str, str]:
+    """The plan :func:`shard_loaded` splits a loaded model over ``world`` ranks with: the entries of its config's
+    ``base_model_tp_plan`` in styles kbit shards (others, such as Qwen3's replicated q/k norms, or the parameter
+    entries of fused experts, leave their modules whole on every rank, which computes them in full), and the
+    ``lm_head`` split by vocabulary (``"colwise_rep"``) where it has a whole number of 16 rows for every rank (else
+    it stays whole). ValueError where the config has no such plan."""
+    cfg = getattr(model, "config", None)
+    base = getattr(cfg, "base_model_tp_plan", None) or {}
+    plan = {p: s for p, s in base.items() if s in STYLES and s != "ep"}
+    if not plan:
+        fail(ValueError, "model", "a transformers model whose config has a tensor-parallel plan "
+             "(base_model_tp_plan)", f"model_type {getattr(cfg, 'model_type', None)!r} without one")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) in (KbitLinear, nn.Linear) and head.out_features >= world * COLUMN_UNIT:
+        plan["lm_head"] = "colwise_rep"
+    return plan
+
+
+def shard_loaded(model: nn.Module, group=None) -> dict[str, str]:
+    """Split a loaded k-bit transformers model (whole on every rank, e.g. from ``kbit.load_quantized`` on the CPU)
+    over ``group`` with :func:`decode_plan`, in place: this rank keeps its shards (``kbit generate`` under
+    ``torchrun``). ValueError (naming ``tp_plan``) where the heads do not split over the ranks. Returns
+    ``{module name: style}`` of the replaced modules."""
+    world = dist.get_world_size(group)
+    plan = decode_plan(model, world)
+    blocksize = max((m.blocksize for m in model.modules() if isinstance(m, KbitLinear)), default=COLUMN_UNIT)
+    check_heads(model.config, plan, world, blocksize)
+    return parallelize_kbit(model, plan, group=group)
 
 
 def _tp_group(model: nn.Module):

@@ -139,9 +139,11 @@ def parallelize_kbit(model: nn.Module, plan: dict[str, str] | None = None, group
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        if type(old) is nn.Linear:
-            cls = ColumnParallelLinear
-        new = cls.from_moe(old, group=group) if cls is ExpertParallelKbitMoE else \
-            cls.from_linear(old, group=group, unit=unit, **kwargs)
+        if type(old) is nn.Linear:  # float rows split anywhere: 16-row units, not the k-bit layers' blocks
+            new = ColumnParallelLinear.from_linear(old, group=group, unit=COLUMN_UNIT, **kwargs)
+        elif cls is ExpertParallelKbitMoE:
+            new = cls.from_moe(old, group=group)
+        else:
+            new = cls.from_linear(old, group=group, unit=unit, **kwargs)
         setattr(parent, child, new)
     return dict(found)
