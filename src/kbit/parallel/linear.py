@@ -43,17 +43,22 @@ def _check_linear(name: str, linear) -> KbitLinear:
     return linear
 
 
+#: torch 2.13 renamed the collective (the old name warns there); the GPU machines run 2.11, which has the old only
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_last_dim(y: torch.Tensor, sizes: list[int], group=None) -> torch.Tensor:
     """All-gather ``y [..., sizes[rank]]`` from every rank and concatenate along the last dimension.
 
-    One ``all_gather_into_tensor`` into ``[world, ..., max(sizes)]``; shards of unequal width are padded to the
-    widest for the collective (it moves equal sizes)."""
+    One all-gather (``all_gather_single``, ``all_gather_into_tensor`` before torch 2.13) into
+    ``[world, ..., max(sizes)]``; shards of unequal width are padded to the widest for the collective (it moves equal
+    sizes)."""
     width = max(sizes)
     if y.shape[-1] != width:
         y = torch.nn.functional.pad(y, (0, width - y.shape[-1]))
     y = y.contiguous()
     flat = y.new_empty(len(sizes) * y.numel())  # concatenated along dim 0: the form every backend takes
-    dist.all_gather_into_tensor(flat, y.reshape(-1), group=group)
+    _all_gather(flat, y.reshape(-1), group=group)
     out = flat.view(len(sizes), *y.shape)
     if all(s == width for s in sizes):  # [world, ..., width] -> [..., world * width]: one copy
         return out.movedim(0, -2).reshape(*y.shape[:-1], len(sizes) * width)
