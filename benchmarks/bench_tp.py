@@ -1,10 +1,12 @@
-"""Tensor-parallel decode tokens/s (issue 37): a random-initialised Llama-3-8B-shaped transformers model at k bits
-on one GPU against the same model split over the ranks of ``torchrun`` (``kbit.parallel.parallelize_kbit``: q/k/v
-and gate/up column-parallel, o/down row-parallel, the bf16 ``lm_head`` split by vocabulary and gathered), and
-bf16 on one GPU, in one run; the decode loop is bench_e2e's (``kbit.hf.StaticDecoder``, CUDA graphs, a prompt of
-``--ctx`` random tokens, ``--steps`` steps timed with CUDA events, median of ``--reps``; the slower rank's time).
+"""Tensor-parallel decode tokens/s (issue 37): a random-initialised transformers model (bench_e2e's configs:
+Llama-3-8B-, Qwen3-8B-, Qwen3-30B-A3B-shaped) at k bits on one GPU against the same model split over the ranks of
+``torchrun`` (``kbit.parallel.parallelize_kbit``: q/k/v and gate/up column-parallel, o/down row-parallel, MoE blocks
+expert-parallel, the bf16 ``lm_head`` split by vocabulary and gathered), and bf16 on one GPU, in one run; the
+decode loop is bench_e2e's (``kbit.hf.StaticDecoder``, CUDA graphs, a prompt of ``--ctx`` random tokens,
+``--steps`` steps timed with CUDA events, median of ``--reps``; the slower rank's time).
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py [--models llama3-8b] [--k 4] [--batch 1,16,64]
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py [--models llama3-8b,qwen3-30b-a3b] [--k 4] [--batch 1,16,64]
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/bench_tp.py --tiny    # CPU smoke test (gloo, no graphs)
 
 Every rank builds the same weights (one seed), times bf16 and the whole k-bit model on its own GPU (each rank at
 once, on different GPUs), then its shard. Greedy tokens of the TP model are compared with the one-GPU model's
@@ -34,23 +36,46 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_e2e import build_bf16, build_kbit, configs, git_commit, time_decode, weight_bytes, with_layers  # noqa: E402
 
 from kbit.hf.decode import StaticDecoder  # noqa: E402
-from kbit.parallel import LLAMA_PLAN, parallelize_kbit  # noqa: E402
+from kbit.nn import KbitMoE  # noqa: E402
+from kbit.parallel import LLAMA_PLAN, QWEN3_MOE_PLAN, parallelize_kbit  # noqa: E402
 from kbit.tuning.tables import gpu_key  # noqa: E402
 
 #: the dense plan plus the bf16 lm_head split by vocabulary (transformers' LlamaForCausalLM._tp_plan)
 PLAN = {**LLAMA_PLAN, "lm_head": "colwise_rep"}
+#: MoE models (bench_e2e's KbitMoE blocks): attention as above, each block's experts split over the ranks
+MOE_PLAN = {**QWEN3_MOE_PLAN, "lm_head": "colwise_rep"}
+
+
+def tiny_configs() -> dict:
+    """CPU smoke-test models whose heads split over 2 ranks on whole 32-column blocks (bench_e2e's tiny ones do
+    not: a KV head of 16)."""
+    import transformers
+
+    return {
+        "llama-tiny": transformers.LlamaConfig(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256),
+        "qwen3moe-tiny": transformers.Qwen3MoeConfig(
+            hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            vocab_size=96, max_position_embeddings=256),
+    }
+
+
+def plan_of(model) -> dict:
+    return MOE_PLAN if any(isinstance(m, KbitMoE) for m in model.modules()) else PLAN
 TARGETS = {1: 0.75, 16: 0.6}  # issue 37: TP step <= this x the one-GPU step
 
 
 def slowest(ms: float) -> float:
-    t = torch.tensor([ms], device="cuda")
+    t = torch.tensor([ms], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def timed(model, batch: int, args) -> dict:
     dist.barrier()
-    row = time_decode(model, batch, args.ctx, args.steps, args.reps, True)
+    row = time_decode(model, batch, args.ctx, args.steps, args.reps, not args.tiny)
     row["ms_per_step"] = slowest(row["ms_per_step"])
     row["tokens_per_s"] = batch * 1e3 / row["ms_per_step"]
     return row
@@ -59,7 +84,7 @@ def timed(model, batch: int, args) -> dict:
 def greedy(model, ctx: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch-1 greedy tokens ``[steps]`` and their logits ``[steps, V]`` after a random prompt (seed 0)."""
     dev = next(model.parameters()).device
-    dec = StaticDecoder(model, 1, ctx + steps + 8)
+    dec = StaticDecoder(model, 1, ctx + steps + 8, graph=dev.type == "cuda")
     prompt = torch.randint(0, model.config.vocab_size, (1, ctx), device=dev,
                            generator=torch.Generator(device=dev).manual_seed(0))
     toks, logits = [dec.prefill(prompt)[0].clone()], [dec.logits[0].clone()]
@@ -83,7 +108,8 @@ def agreement(whole, tp, ctx: int, steps: int) -> dict:
 def markdown(meta: dict, rows: list) -> str:
     out = [f"# Tensor-parallel decode, {meta['gpu']} x {meta['world']}, {meta['date']}, commit {meta['commit']}", "",
            f"    {meta['command']}", "",
-           "ms per decode step (CUDA graph, context " + str(meta["ctx"]) + ", slower rank), tokens/s; "
+           f"ms per decode step ({'eager, CPU' if meta['gpu'] == 'cpu' else 'CUDA graph'}, context {meta['ctx']}, "
+           "slower rank), tokens/s; "
            "TP / one GPU against issue 37's targets.", "",
            "| model | k | batch | bf16 1 GPU ms | k-bit 1 GPU ms | k-bit TP ms | TP / 1 GPU | target | TP tokens/s | "
            "TP x bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -106,30 +132,38 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (quick runs)")
     p.add_argument("--out", default=os.environ.get("OUT"))
+    p.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, gloo, no graphs (a smoke test)")
     args = p.parse_args(argv)
-    dist.init_process_group("nccl")
+    dist.init_process_group("gloo" if args.tiny else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    if args.tiny:
+        device = torch.device("cpu")
+        args.models = args.models if args.models != "llama3-8b" else "llama-tiny,qwen3moe-tiny"
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{gpu_key(device)}x{world}")
-    meta = {"gpu": torch.cuda.get_device_name(device), "world": world, "commit": git_commit(),
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    meta = {"gpu": gpu, "world": world, "commit": git_commit(),
             "date": datetime.date.today().isoformat(), "ctx": args.ctx, "torch": torch.__version__,
             "command": f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py {' '.join(argv or sys.argv[1:])}"}
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     for name in args.models.split(","):
-        config = with_layers(configs()[name], args.layers)
+        config = with_layers((tiny_configs() if args.tiny else configs())[name], args.layers)
         model = build_bf16(config, device)
         bf16 = {b: timed(model, b, args)["ms_per_step"] for b in batches}
         del model
         gc.collect()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         for k in (int(x) for x in args.k.split(",")):
             whole = build_kbit(config, device, k, fuse_proj=True)
             tp = copy.deepcopy(whole)
-            parallelize_kbit(tp, PLAN)
-            meta["bytes"] = {"whole_gib": weight_bytes(whole) / 2**30, "rank_gib": weight_bytes(tp) / 2**30}
-            meta["agreement"] = agreement(whole, tp, args.ctx, args.steps)
+            parallelize_kbit(tp, plan_of(whole))
+            meta.setdefault("bytes", {})[f"{name} k={k}"] = {"whole_gib": weight_bytes(whole) / 2**30,
+                                                             "rank_gib": weight_bytes(tp) / 2**30}
+            meta.setdefault("agreement", {})[f"{name} k={k}"] = agreement(whole, tp, args.ctx, args.steps)
             for b in batches:
                 one, par = timed(whole, b, args), timed(tp, b, args)
                 rows.append({"model": name, "k": k, "batch": b, "bf16_ms": bf16[b], "one_ms": one["ms_per_step"],
@@ -141,7 +175,8 @@ def main(argv=None) -> int:
                           flush=True)
             del whole, tp
             gc.collect()
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
