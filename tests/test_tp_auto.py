@@ -84,6 +84,15 @@ def _check_shards(model, whole, whole_bytes, rank, world) -> None:
     assert local.item() < 0.6 * whole_bytes, f"rank {rank} holds {local.item()} of {whole_bytes} bytes"
 
 
+def _static_tokens(model, ids, steps: int = 5):
+    from kbit.hf.decode import StaticDecoder
+
+    dec = StaticDecoder(model, 1, ids.shape[1] + steps + 1, fast=True)
+    assert all(f is not None for f in dec._fast.qkv)  # q/k/v: one GEMV a layer, whole or this rank's shards
+    toks = [dec.prefill(ids).clone()] + [dec.step().clone() for _ in range(steps - 1)]
+    return torch.stack(toks)
+
+
 def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
     """Quantized while loading, and from a kbit folder: each against the same load on this rank's device alone."""
     _as_torchrun(rank, world)
@@ -107,6 +116,9 @@ def _check_tp(rank, world, backend, float_path, saved_path, dtype, rtol):
             # checks tokens on full-size layers)
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             assert torch.equal(tokens, want_tokens), (tokens, want_tokens)
+            # StaticDecoder's fast step on the model transformers and kbit split: its fused shard GEMVs, kbit's
+            # all-reduces and transformers' gathered lm_head give the whole model's greedy tokens
+            assert torch.equal(_static_tokens(model, ids), _static_tokens(whole, ids))
     with pytest.raises(ValueError, match="model: expected an unsharded kbit model to save_pretrained"):
         model.save_pretrained(os.path.join(saved_path, f"again-{rank}"))
 
