@@ -11,8 +11,8 @@ decode step (forward, sampler, position and sampler offset advanced on the devic
 On the CPU it is transformers' dynamic cache, op by op (``static=True`` runs the static decoder eagerly).
 Quantized MoE blocks are switched to :class:`kbit.nn.KbitMoE` on CUDA (device-side routing, capturable).
 
-Under ``torchrun`` (``torchrun --nproc-per-node 2 --no-python kbit generate --model DIR``) the model is split over
-the ranks (:func:`kbit.hf.tp.shard_loaded`: its config's tensor-parallel plan, the ``lm_head`` by vocabulary),
+Under ``torchrun`` (``torchrun --nproc-per-node 2 -m kbit.cli generate --model DIR``) the model is split over the
+ranks (:func:`kbit.hf.tp.shard_loaded`: its config's tensor-parallel plan, the ``lm_head`` by vocabulary),
 one GPU a rank (NCCL; gloo with ``--device cpu``); every rank decodes the same tokens, rank 0 prints them.
 
 ``--save DIR`` writes the quantized default model as a kbit checkpoint with its tokenizer; ``--embed-k``
