@@ -47,19 +47,10 @@ MOE_PLAN = {**QWEN3_MOE_PLAN, "lm_head": "colwise_rep"}
 
 
 def tiny_configs() -> dict:
-    """CPU smoke-test models whose heads split over 2 ranks on whole 32-column blocks (bench_e2e's tiny ones do
-    not: a KV head of 16)."""
-    import transformers
-
-    return {
-        "llama-tiny": transformers.LlamaConfig(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=96, max_position_embeddings=256),
-        "qwen3moe-tiny": transformers.Qwen3MoeConfig(
-            hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-            vocab_size=96, max_position_embeddings=256),
-    }
+    """bench_e2e's tiny CPU models, widened so that their heads split over 2 ranks on whole 32-column blocks (a KV
+    head there is 16 wide)."""
+    return {name: type(c)(**(c.to_dict() | dict(hidden_size=128, intermediate_size=256, head_dim=32)))
+            for name, c in configs(tiny=True).items()}
 
 
 def plan_of(model) -> dict:

@@ -38,6 +38,7 @@ from kbit.parallel import (
     RowParallelKbitLinear,
     all_reduce_sum,
     parallelize_kbit,
+    plan_unit,
     shard_range,
     shard_weight,
 )
@@ -167,8 +168,7 @@ def shard_loaded(model: nn.Module, group=None) -> dict[str, str]:
     ``{module name: style}`` of the replaced modules."""
     world = dist.get_world_size(group)
     plan = decode_plan(model, world)
-    blocksize = max((m.blocksize for m in model.modules() if isinstance(m, KbitLinear)), default=COLUMN_UNIT)
-    check_heads(model.config, plan, world, blocksize)
+    check_heads(model.config, plan, world, plan_unit([m for m in model.modules() if isinstance(m, KbitLinear)]))
     return parallelize_kbit(model, plan, group=group)
 
 
