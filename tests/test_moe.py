@@ -131,6 +131,29 @@ def test_route_pairs_vs_reference(router, T, E, top_k, kw, dtype):
     assert torch.equal(rows.cpu(), torch.arange(T * top_k, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("router,T,E,top_k,experts", [
+    ("softmax", 5, 16, 4, (0, 8)),
+    ("softmax", 7, 12, 8, (8, 12)),
+    ("sigmoid", 3, 10, 3, (3, 7)),
+    ("softmax", 4, 6, 6, (0, 6)),
+    ("softmax", 0, 8, 2, (2, 5)),
+])
+def test_route_pairs_local_experts(router, T, E, top_k, experts):
+    """``experts=(start, stop)``: the whole router's choice, written as that rank's pairs
+    (``kbit.parallel.localize_pairs`` of the reference choice)."""
+    from kbit.parallel import localize_pairs
+    g = torch.Generator().manual_seed(T * E + top_k)
+    logits = torch.randn(T, E, generator=g)
+    w, ids, tok, rows = route_pairs(logits.to(DEV), top_k, router=router, experts=experts)
+    w_ref, ids_ref = select_experts_reference(logits, top_k, router=router)
+    lw, lid = localize_pairs(w_ref, ids_ref, *experts)
+    assert torch.equal(ids.cpu(), lid)
+    torch.testing.assert_close(w.double().cpu(), lw, rtol=1e-6, atol=1e-7)
+    assert torch.equal(tok.cpu(), torch.arange(T * top_k, dtype=torch.int32) // top_k)
+    with pytest.raises(ValueError, match=r"experts: expected \(start, stop\) with 0 <= start < stop <= E=8"):
+        route_pairs(torch.randn(2, 8, device=DEV), 2, experts=(3, 9))
+
+
 def test_route_pairs_all_but_few_masked():
     """Fewer finite logits than top_k: the rest is filled with distinct experts (never one twice)."""
     logits = torch.full((2, 8), float("-inf"))

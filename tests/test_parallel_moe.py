@@ -54,7 +54,8 @@ def test_shard_experts_and_errors():
 @given(T=st.integers(1, 9), E=st.integers(2, 20), world=st.integers(1, 4), data=st.data())
 def test_localize_pairs_fuzz(T, E, world, data):
     """Every rank's pairs: ids in range, the local pairs kept with their weights, every other pair weighted 0 and
-    sent to an expert its token uses here (or local expert 0); over the ranks each pair is counted once."""
+    sent to an expert its token uses here (or local expert 0), so that a token's ids change only where a local
+    pair starts; over the ranks each pair is counted once."""
     world = min(world, E)
     top_k = data.draw(st.integers(1, E))
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
@@ -71,6 +72,8 @@ def test_localize_pairs_fuzz(T, E, world, data):
         for t in range(T):
             used = set((ids[t][mine[t]] - a).tolist()) or {0}
             assert set(lid[t].tolist()) <= used
+            runs = [s for s in range(1, top_k) if lid[t, s] != lid[t, s - 1]]
+            assert all(mine[t, s] for s in runs)  # each run opens at a local pair: no expert read twice
         total += lw
     assert torch.equal(total, w)
 
@@ -159,7 +162,7 @@ def _check_localize(rank, world):
         assert lid.tolist() == [[0, 0, 1], [2, 2, 2], [2, 2, 2]]
         assert torch.equal(lw, w * torch.tensor([[0, 1, 1], [0, 0, 1], [1, 0, 0]]))
     else:  # experts 3:5 as 0:2; row 0 has only expert 4 (slot 0)
-        assert lid.tolist() == [[1, 1, 1], [0, 1, 0], [0, 0, 1]]
+        assert lid.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]  # row 1's slot 2 takes slot 1's expert
         assert torch.equal(lw, w * torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]]))
     with pytest.raises(ValueError, match=r"router_logits: expected shape \(2, 5\)"):
         ep(torch.randn(2, 32), torch.randn(2, 4))

@@ -52,16 +52,22 @@ def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y
 
 
 @triton.jit
-def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E, stride_l, scaling,
+def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E, stride_l, scaling, start, stop,
                       TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      LOCAL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per token: router scores, the ``TOP_K`` best experts, their weights, and the pair lists.
 
     Softmax (float32) or sigmoid scores; the choice is on the score (+ ``bias`` for the sigmoid router), the
     highest first, ties to the lower expert index (``torch.topk`` on the CPU, and the set ``torch.topk`` picks
     on the GPU); weights are the chosen scores (without the bias), divided by their sum when ``RENORM``
     (sigmoid: sum + 1e-20), times ``scaling``. Writes, for pair ``p = t * TOP_K + s``: ``w[p]`` (float32),
-    ``ids[p]`` (int32), ``tok[p] = t`` and ``rows[p] = p`` (the grouped GEMV's row lists, in pair order)."""
+    ``ids[p]`` (int32), ``tok[p] = t`` and ``rows[p] = p`` (the grouped GEMV's row lists, in pair order).
+
+    ``LOCAL``: only experts ``start:stop`` are this rank's (expert parallel), and the pairs are written as
+    ``kbit.parallel.localize_pairs`` makes them: ids relative to ``start``; a pair of another rank's expert
+    weighted 0 and sent to the expert of the nearest local slot before it (else the token's first local slot,
+    else local expert 0), so that a token's local experts form runs of equal ids, which the grouped kernels'
+    block tables read once a run."""
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -95,6 +101,17 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E
         w = w / denom
     w = w * scaling
     keep = slot < TOP_K
+    if LOCAL:
+        mine = (ids >= start) & (ids < stop) & keep
+        ids = ids - start
+        # slot j stands in for slot s: the last local j <= s, else the first local slot, else none (-1)
+        before = mine[None, :] & (slot[None, :] <= slot[:, None])
+        src = tl.max(tl.where(before, slot[None, :], -1), axis=1)
+        first = tl.min(tl.where(mine, slot, BLOCK_K), axis=0)
+        src = tl.where(src < 0, first, src)
+        local = tl.sum(tl.where(slot[None, :] == src[:, None], ids[None, :], 0), axis=1)
+        ids = tl.where(src < BLOCK_K, local, 0)
+        w = tl.where(mine, w, 0.0)
     p = t * TOP_K + slot
     tl.store(w_ptr + p, w, mask=keep)
     tl.store(ids_ptr + p, ids, mask=keep)

@@ -104,7 +104,8 @@ def fusable(router: str, n_group: int = 1) -> bool:
 
 
 def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", renormalize: bool = True,
-                correction_bias: torch.Tensor | None = None, scaling: float = 1.0):
+                correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                experts: tuple[int, int] | None = None):
     """:func:`select_experts` (``n_group = 1``) in one Triton launch, plus the pair lists of the grouped GEMV.
 
     Same choice and weights (float32 math; ties to the lower expert index), one program per token, so that a
@@ -114,6 +115,10 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     ----------
     router_logits : float ``[T, E]`` (any float dtype, unit stride along E).
     top_k, router, renormalize, correction_bias, scaling : as :func:`select_experts`.
+    experts : ``(start, stop)``: this rank holds experts ``start:stop`` only (expert parallel). The same choice
+        and weights over all ``E``, written as this rank's pairs (``kbit.parallel.localize_pairs``, in the same
+        launch): ids relative to ``start``, another rank's pairs weighted 0 and sent to a local expert of their
+        token, so that each token's local experts form runs of equal ids. None: all experts.
 
     Returns
     -------
@@ -130,6 +135,7 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     if router == "softmax" and correction_bias is not None:
         raise ValueError("correction_bias applies to router='sigmoid' only")
     T, E = router_logits.shape
+    start, stop = _expert_range(experts, E)
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     dev = router_logits.device
@@ -144,11 +150,22 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     block_e = max(16, 1 << (E - 1).bit_length())
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     route_topk_kernel[(T,)](router_logits, bias, weights, ids, token_ids, row_ids, E, router_logits.stride(0),
-                            float(scaling), TOP_K=top_k, SIGMOID=router == "sigmoid",
-                            HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize), BLOCK_E=block_e,
+                            float(scaling), start, stop, TOP_K=top_k, SIGMOID=router == "sigmoid",
+                            HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize),
+                            LOCAL=experts is not None, BLOCK_E=block_e,
                             BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
                             num_warps=1 if block_e <= 256 else 4)
     return weights, ids, token_ids, row_ids
+
+
+def _expert_range(experts, E: int) -> tuple[int, int]:
+    if experts is None:
+        return 0, E
+    ok = (isinstance(experts, tuple) and len(experts) == 2 and all(isinstance(v, int) for v in experts)
+          and 0 <= experts[0] < experts[1] <= E)
+    if not ok:
+        raise ValueError(f"experts: expected (start, stop) with 0 <= start < stop <= E={E}, got {experts!r}")
+    return experts
 
 
 def select_experts_reference(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax",

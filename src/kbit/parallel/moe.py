@@ -11,8 +11,10 @@ of a fixed size, graph-safe and sync-free; all-to-all would need the per-rank to
 padded buffers of ``T * top_k`` rows. For prefill-sized ``T`` an all-to-all dispatch moves less: future work.
 
 The pair lists keep their fixed size ``P = T * top_k`` (a CUDA graph needs fixed shapes): a pair whose expert is
-another rank's is redirected to one of its token's local experts (its output is computed and weighted 0), so at
-decode it reads no weight that the step does not read anyway; a token with no local expert goes to local expert 0.
+another rank's is redirected to the local expert of the slot before it (:func:`localize_pairs`; its output is
+computed and weighted 0), so a token's pairs form runs of equal experts, which the grouped kernels' block tables
+read once; a token with no local expert goes to local expert 0. The fused router writes the pairs so in its own
+launch.
 """
 
 from __future__ import annotations
@@ -60,14 +62,20 @@ def shard_experts(qw: KbitWeight, start: int, stop: int) -> KbitWeight:
 def localize_pairs(weights: torch.Tensor, ids: torch.Tensor, start: int, stop: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global choice ``(weights [T, top_k], ids [T, top_k])`` as the pairs of the rank holding experts
-    ``start:stop``: ids relative to ``start``; a pair of another rank's expert weighted 0 and sent to its token's
-    first local expert (local expert 0 where the token has none), so every id is in ``[0, stop - start)`` and at
-    decode no pair reads a weight the step does not read anyway. Torch ops, no sync; returns int32 ids."""
+    ``start:stop``: ids relative to ``start``; a pair of another rank's expert weighted 0 and sent to the expert
+    of the nearest local slot before it (else its token's first local slot, else local expert 0). Every id is
+    in ``[0, stop - start)``, at decode no pair reads a weight the step does not read anyway, and a token's
+    local experts form runs of equal ids, which the grouped kernels' block tables read once a run. Torch ops, no
+    sync; returns int32 ids. ``kbit.ops.moe_router.route_pairs(..., experts=(start, stop))`` is the same in
+    the router's launch."""
+    top_k = ids.shape[1]
     local = ids - start
     mine = (ids >= start) & (ids < stop)
-    first = mine.to(torch.int32).argmax(dim=1, keepdim=True)  # the first local slot (0 where none)
-    fallback = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, first), 0)
-    local = torch.where(mine, local, fallback).to(torch.int32)
+    slot = torch.arange(top_k, device=ids.device).expand_as(ids)
+    src = torch.where(mine, slot, -1).cummax(dim=1).values  # the last local slot at or before each slot
+    first = mine.to(torch.int32).argmax(dim=1, keepdim=True).expand_as(ids)  # (0 where none)
+    src = torch.where(src < 0, first, src)
+    local = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, src), 0).to(torch.int32)
     return torch.where(mine, weights, 0.0).to(weights.dtype), local
 
 
@@ -169,8 +177,8 @@ class ExpertParallelKbitMoE(nn.Module):
                                     **self._router_kw())
             w, ids = self.localize(w, ids)
             return align(ids, E_local, w, method=self.local.align_method, checked=True)
-        w, ids, tok, rows = route_pairs(router_logits, self.top_k, **self._router_kw())
-        w, ids = self.localize(w, ids)
+        w, ids, tok, rows = route_pairs(router_logits, self.top_k, experts=(self.start, self.stop),
+                                        **self._router_kw())
         if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
             return pair_order(w, ids, tok, rows, E_local, checked=True)
         return sort_pairs(w, ids, rows, E_local, checked=True)
