@@ -12,7 +12,9 @@ Every rank builds the same weights (one seed), times bf16 and the whole k-bit mo
 once, on different GPUs), then its shard. Greedy tokens of the TP model are compared with the one-GPU model's
 over the timed steps at batch 1 (random weights give near-ties, where bf16 rounding may part them: the step where
 they part is recorded, with the one-GPU top-2 logit gap there). Writes ``tp.json`` / ``tp.md`` to ``$OUT``
-(default benchmarks/results/<gpu>x<world>/) and prints a short table last.
+(default benchmarks/results/<gpu>x<world>/) and prints a short table last. ``--profile`` adds the step profile
+(``kbit.bench.step_profile``, as ``bench_e2e.py --profile``) of each k-bit row, one GPU and TP, under
+``$OUT/profile/``: the kernels of one step with their times and the gaps between them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,7 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import build_bf16, build_kbit, configs, git_commit, time_decode, weight_bytes, with_layers  # noqa: E402
+from bench_e2e import (  # noqa: E402
+    build_bf16,
+    build_kbit,
+    configs,
+    git_commit,
+    read_ceiling,
+    time_decode,
+    weight_bytes,
+    with_layers,
+)
 
 from kbit.hf.decode import StaticDecoder  # noqa: E402
 from kbit.nn import KbitMoE  # noqa: E402
@@ -64,9 +76,17 @@ def slowest(ms: float) -> float:
     return t.item()
 
 
-def timed(model, batch: int, args) -> dict:
+def timed(model, batch: int, args, profile: str | None = None) -> dict:
+    """bench_e2e's decode timing on every rank, the slower rank's time; ``profile``: a file stem (under
+    ``--out``'s ``profile/``) for the step profile of this row (every rank profiles the same step, since the
+    collectives need both; rank 0 writes)."""
     dist.barrier()
-    row = time_decode(model, batch, args.ctx, args.steps, args.reps, not args.tiny)
+    kw = {}
+    if profile and args.profile:
+        base = Path(args.out_dir) / "profile" if dist.get_rank() == 0 else Path(tempfile.mkdtemp())
+        kw["profile"] = dict(stem=base / profile, title=f"{profile} rank {dist.get_rank()}",
+                             ceiling=read_ceiling(None, "cuda"))
+    row = time_decode(model, batch, args.ctx, args.steps, args.reps, not args.tiny, **kw)
     row["ms_per_step"] = slowest(row["ms_per_step"])
     row["tokens_per_s"] = batch * 1e3 / row["ms_per_step"]
     return row
@@ -124,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (quick runs)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     p.add_argument("--tiny", action="store_true", help="tiny configs on the CPU, gloo, no graphs (a smoke test)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the step profile (kbit.bench.step_profile) of the one-GPU and TP k-bit rows, in "
+                        "OUT/profile/")
     args = p.parse_args(argv)
     dist.init_process_group("gloo" if args.tiny else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -134,6 +157,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"{gpu_key(device)}x{world}")
+    args.out_dir = out
+    args.profile = args.profile and device.type == "cuda"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     meta = {"gpu": gpu, "world": world, "commit": git_commit(),
             "date": datetime.date.today().isoformat(), "ctx": args.ctx, "torch": torch.__version__,
@@ -156,7 +181,8 @@ def main(argv=None) -> int:
                                                              "rank_gib": weight_bytes(tp) / 2**30}
             meta.setdefault("agreement", {})[f"{name} k={k}"] = agreement(whole, tp, args.ctx, args.steps)
             for b in batches:
-                one, par = timed(whole, b, args), timed(tp, b, args)
+                one = timed(whole, b, args, f"step-{name}-one-k{k}-b{b}")
+                par = timed(tp, b, args, f"step-{name}-tp{world}-k{k}-b{b}")
                 rows.append({"model": name, "k": k, "batch": b, "bf16_ms": bf16[b], "one_ms": one["ms_per_step"],
                              "tp_ms": par["ms_per_step"], "tp_tokens_per_s": par["tokens_per_s"], "one": one,
                              "tp": par})

@@ -6,11 +6,11 @@ R=$OUT; O=/tmp/tp-out; mkdir -p $O
 trap 'tar czf $R/tp-logs.tgz -C $O . ; cp $O/summary.txt $O/tp*.md $R/ 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src
 nvidia-smi --query-gpu=name --format=csv,noheader > $O/summary.txt
-timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_nn_linear.py tests/test_generate.py \
-  tests/test_parallel.py tests/test_tp_auto.py > $O/tests.log 2>&1
+timeout ${TEST_TIMEOUT:-150} python -m pytest -q -p no:cacheprovider -m "${MARK:-gpu}" ${TESTS:-tests/test_nn_linear.py \
+  tests/test_generate.py tests/test_parallel.py tests/test_tp_auto.py} > $O/tests.log 2>&1
 { echo "## tests"; grep -E "passed|failed|FAILED|ERROR" $O/tests.log | tail -n 12; } >> $O/summary.txt
 timeout ${TP_TIMEOUT:-240} torchrun --nproc-per-node 2 benchmarks/bench_tp.py --models ${TP_MODELS:-llama3-8b,qwen3-30b-a3b} \
-  --batch ${TP_BATCH:-1,16} --out $O/tp > $O/bench_tp.log 2>&1
+  --batch ${TP_BATCH:-1,16} --out $O/tp ${TP_ARGS:-} > $O/bench_tp.log 2>&1
 { echo "## bench_tp rc $?"; tail -n 14 $O/bench_tp.log; } >> $O/summary.txt
 cp $O/tp/*.md $O/ 2>/dev/null
 if [ "${BIG:-1}" = 1 ]; then
