@@ -154,6 +154,31 @@ def test_route_pairs_local_experts(router, T, E, top_k, experts):
         route_pairs(torch.randn(2, 8, device=DEV), 2, experts=(3, 9))
 
 
+@pytest.mark.parametrize("E,top_k,experts", [(16, 4, None), (12, 8, None), (40, 12, (0, 3)), (20, 10, (15, 20)),
+                                               (6, 1, None), (64, 8, (0, 32))])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_route_pairs_block_table(E, top_k, experts, seed):
+    """``blocks=``: one token's block table in the router's launch, equal to ``block_table`` of its ids with 8-row
+    blocks (runs longer than 8, from a rank with few local experts, are cut)."""
+    from kbit.ops.moe_blocks import block_table_reference
+    logits = torch.randn(1, E, generator=torch.Generator().manual_seed(seed)).to(DEV)
+    blk = torch.full((top_k + 1,), -7, dtype=torch.int32, device=DEV)
+    nblk = torch.full((1,), -7, dtype=torch.int32, device=DEV)
+    _, ids, _, _ = route_pairs(logits, top_k, experts=experts, blocks=(blk, nblk))
+    want = block_table_reference(ids.view(-1).cpu(), 8)
+    n = int(nblk)
+    assert n == len(want) - 1 and blk[:n + 1].tolist() == want
+
+
+def test_route_pairs_block_table_errors():
+    with pytest.raises(ValueError, match=r"blocks: the block table is written for one token \(T = 1\), got T = 2"):
+        route_pairs(torch.randn(2, 8, device=DEV), 2, blocks=(torch.empty(3, dtype=torch.int32, device=DEV),
+                                                              torch.empty(1, dtype=torch.int32, device=DEV)))
+    with pytest.raises(ValueError, match=r"blocks: expected \(int32 \[3\], int32 \[1\]\)"):
+        route_pairs(torch.randn(1, 8, device=DEV), 2, blocks=(torch.empty(3, dtype=torch.int64, device=DEV),
+                                                              torch.empty(1, dtype=torch.int32, device=DEV)))
+
+
 def test_route_pairs_all_but_few_masked():
     """Fewer finite logits than top_k: the rest is filled with distinct experts (never one twice)."""
     logits = torch.full((2, 8), float("-inf"))

@@ -65,7 +65,8 @@ from kbit.tuning.moe import (
 from kbit.utils.checks import fail
 
 __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
-           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]
+           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route",
+           "router_blocks"]
 
 MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
 #: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
@@ -196,12 +197,24 @@ def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: i
                                 correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling)
         return align(ids, E, w, method=align_method, checked=True)  # topk indices: in range
+    blocks = router_blocks(T, top_k, plan, router_logits.device)
     w, ids, tok, rows = route_pairs(router_logits, top_k, router=router, renormalize=renormalize,
-                                    correction_bias=correction_bias, scaling=scaling)
+                                    correction_bias=correction_bias, scaling=scaling, blocks=blocks)
     gemm = "gemm" in (plan.gate_up, plan.down)
     if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
-        return pair_order(w, ids, tok, rows, E, checked=True)  # the router kernel's ids are in range
+        # the router kernel's ids are in range
+        return pair_order(w, ids, tok, rows, E, checked=True, blocks=blocks)
     return sort_pairs(w, ids, rows, E, checked=True)
+
+
+def router_blocks(T: int, top_k: int, plan: MoePlan, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Buffers for the block table that ``kbit.ops.moe_router.route_pairs`` writes in the router's launch
+    (``blocks=``), where the step uses one: one token and the grouped GEMM for both projections (the table
+    launch, ~4 us a layer on the critical path of a decode step, goes). Else None."""
+    if T != 1 or plan.gate_up != "gemm" or plan.down != "gemm":
+        return None
+    return (torch.empty(top_k + 1, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
 
 
 # ------------------------------------------------------------------------------------------------ expert matmul
@@ -414,7 +427,8 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
             return _experts_tail_split(hidden, routing, gate_up, down, bt)
         ng = choose_ng(routing.P, E, hidden.device, routing.sorted)
         # one table for both GEMMs; from the group ends where align made them (a group, not a row, at a time)
-        blocks = block_table(routing.expert_ids, 8 * ng, routing.offsets if routing.sorted else None)
+        # the router's table (8-row blocks) serves every ng
+        blocks = routing.blocks or block_table(routing.expert_ids, 8 * ng, routing.offsets if routing.sorted else None)
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
     return combine(y, routing, hidden.dtype)

@@ -9,13 +9,20 @@ dtype and compute in float32.
 import triton
 import triton.language as tl
 
+from kbit.kernels.glue import _pdl_enter
+
+#: rows a block of the run table :func:`route_topk_kernel` writes at most: the grouped GEMM's smallest block (8 NG
+#: rows, NG >= 1), so the table serves every NG
+RUN_BLOCK_ROWS = 8
+
 
 @triton.jit
-def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr):
+def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out[r, c] = silu(gu[r, c]) * gu[r, I + c]`` for ``c < I``: one program per (row, column block).
 
     ``gu`` is the gate_up product ``[P, 2I]`` with the gate in columns ``[0, I)`` and up in ``[I, 2I)``
-    (Hugging Face's ``gate_up_proj`` order)."""
+    (Hugging Face's ``gate_up_proj`` order). ``PDL``: as the glue kernels (``kbit.kernels.glue``)."""
+    _pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -28,12 +35,13 @@ def silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, stride_out, BLOCK: tl.constex
 
 @triton.jit
 def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y, stride_out, TOP_K: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out[t, c] = sum_s w[t, s] * y[pair_rows[t * TOP_K + s], c]``: one program per (token, column block).
 
     Each token's ``TOP_K`` expert rows are summed in a fixed order in float32 (deterministic, no atomics).
     A pair row out of ``[0, P)`` reads row 0 instead (in bounds), makes the token's output NaN and ORs 4 into
-    ``err[0]`` (``kbit.ops._ids``)."""
+    ``err[0]`` (``kbit.ops._ids``). ``PDL``: as the glue kernels (``kbit.kernels.glue``)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -52,9 +60,10 @@ def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y
 
 
 @triton.jit
-def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E, stride_l, scaling, start, stop,
-                      TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                      LOCAL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr, nblk_ptr, E, stride_l,
+                      scaling, start, stop, TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      RENORM: tl.constexpr, LOCAL: tl.constexpr, RUNS: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program per token: router scores, the ``TOP_K`` best experts, their weights, and the pair lists.
 
     Softmax (float32) or sigmoid scores; the choice is on the score (+ ``bias`` for the sigmoid router), the
@@ -67,7 +76,13 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E
     ``kbit.parallel.localize_pairs`` makes them: ids relative to ``start``; a pair of another rank's expert
     weighted 0 and sent to the expert of the nearest local slot before it (else the token's first local slot,
     else local expert 0), so that a token's local experts form runs of equal ids, which the grouped kernels'
-    block tables read once a run."""
+    block tables read once a run.
+
+    ``RUNS`` (one token: one program): also the grouped GEMM's block table of the pairs in this order
+    (``kbit.ops.moe_blocks.block_table``'s format: ``blk[b]`` the first row of block b, ``blk[nblk[0]] = TOP_K``),
+    blocks cut from each run of equal ids every ``RUN_BLOCK_ROWS`` rows, so the step needs no table launch.
+    ``PDL``: as the glue kernels (``kbit.kernels.glue``)."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -112,6 +127,16 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, E
         local = tl.sum(tl.where(slot[None, :] == src[:, None], ids[None, :], 0), axis=1)
         ids = tl.where(src < BLOCK_K, local, 0)
         w = tl.where(mine, w, 0.0)
+    if RUNS:  # slot s opens a run where its id differs from slot s - 1's; a block every RUN_BLOCK_ROWS of a run
+        prev = tl.sum(tl.where(slot[None, :] == slot[:, None] - 1, ids[None, :], 0), axis=1)
+        opens = keep & ((slot == 0) | (ids != prev))
+        run0 = tl.max(tl.where(opens[None, :] & (slot[None, :] <= slot[:, None]), slot[None, :], 0), axis=1)
+        starts = keep & ((slot - run0) % RUN_BLOCK_ROWS == 0)
+        pos = tl.sum(tl.where(starts[None, :] & (slot[None, :] < slot[:, None]), 1, 0), axis=1)
+        tl.store(blk_ptr + pos, slot, mask=starts)
+        n = tl.sum(starts.to(tl.int32), axis=0)
+        tl.store(blk_ptr + n, tl.full([], TOP_K, tl.int32))
+        tl.store(nblk_ptr, n)
     p = t * TOP_K + slot
     tl.store(w_ptr + p, w, mask=keep)
     tl.store(ids_ptr + p, ids, mask=keep)

@@ -424,7 +424,7 @@ def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, 
     p.kernel((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
              e_table(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
              nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=p.build.shared,
-             pdl=pipelined)
+             pdl=True)
     return poison(y, bad)
 
 

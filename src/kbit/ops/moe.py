@@ -21,6 +21,7 @@ import torch
 from kbit.kernels.moe import combine_kernel, silu_mul_kernel
 from kbit.ops._ids import check_ids, error_flag, host_checks
 from kbit.ops.moe_align import MoeRouting
+from kbit.ops.pdl import launch_kw
 
 __all__ = ["combine", "combine_reference", "moe_reference", "relative_error", "silu_mul_gate_up",
            "silu_mul_gate_up_reference"]
@@ -47,7 +48,7 @@ def silu_mul_gate_up(gu: torch.Tensor) -> torch.Tensor:
         return out
     block = _block(I)
     silu_mul_kernel[(P, -(-I // block))](gu, out, I, gu.stride(0), out.stride(0), BLOCK=block,
-                                         num_warps=4 if block >= 512 else 1)
+                                         num_warps=4 if block >= 512 else 1, **launch_kw(gu.device))
     return out
 
 
@@ -77,7 +78,7 @@ def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None 
     block = _block(H)
     combine_kernel[(T, -(-H // block))](y, routing.pair_rows, routing.topk_weights, out, error_flag(y.device),
                                         T * top_k, H, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-                                        num_warps=4 if block >= 512 else 1)
+                                        num_warps=4 if block >= 512 else 1, **launch_kw(y.device))
     return out
 
 

@@ -68,6 +68,10 @@ class MoeRouting:
     #: ids in range by construction (made by kbit's router, ``kbit.dispatch.moe.route``): the grouped GEMMs skip
     #: their device-side id checks (``kbit.ops._ids.guard``). False for ids from elsewhere (checked).
     checked: bool = False
+    #: ``(blk, nblk)``: the grouped GEMM's block table of these rows in 8-row blocks (valid for its every
+    #: ``8 * ng``), made with the routing (``kbit.ops.moe_router.route_pairs(..., blocks=)``), or None (the step
+    #: builds it, ``kbit.ops.moe_blocks.block_table``).
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def has_groups(self) -> bool:
@@ -193,17 +197,19 @@ def _check_pairs(topk_weights, topk_ids, token_ids, row_ids):
 
 
 def pair_order(topk_weights: torch.Tensor, topk_ids: torch.Tensor, token_ids: torch.Tensor, row_ids: torch.Tensor,
-               E: int, checked: bool = False) -> MoeRouting:
+               E: int, checked: bool = False, blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> MoeRouting:
     """A :class:`MoeRouting` whose rows are the pairs in router order (no sort, no launch, no group tables).
 
     ``token_ids`` (``p // top_k``) and ``row_ids`` (``arange(P)``) come with the weights and ids from
     :func:`kbit.ops.moe_router.route_pairs`, which writes them in the same launch; ``row_ids`` also serves
-    as ``pair_rows`` (the identity)."""
+    as ``pair_rows`` (the identity). ``blocks``: the block table ``route_pairs`` wrote with them (one token)."""
     _check_pairs(topk_weights, topk_ids, token_ids, row_ids)
     T, top_k = topk_ids.shape
     return MoeRouting(topk_weights=topk_weights, topk_ids=topk_ids, expert_ids=topk_ids.view(-1),
                       token_ids=token_ids, pair_rows=row_ids, row_ids=row_ids, offsets=None, slot_experts=None,
-                      slot_offsets=None, touched=None, T=T, top_k=top_k, E=E, sorted=False, checked=checked)
+                      slot_offsets=None, touched=None, T=T, top_k=top_k, E=E, sorted=False, checked=checked,
+                      blocks=blocks)
 
 
 _SORT_BLOCK = 64

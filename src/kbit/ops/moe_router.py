@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kbit.kernels.moe import route_topk_kernel
+from kbit.ops.pdl import launch_kw
 
 __all__ = ["ROUTERS", "fusable", "route_pairs", "select_experts", "select_experts_reference"]
 
@@ -105,7 +106,7 @@ def fusable(router: str, n_group: int = 1) -> bool:
 
 def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", renormalize: bool = True,
                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
-                experts: tuple[int, int] | None = None):
+                experts: tuple[int, int] | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
     """:func:`select_experts` (``n_group = 1``) in one Triton launch, plus the pair lists of the grouped GEMV.
 
     Same choice and weights (float32 math; ties to the lower expert index), one program per token, so that a
@@ -119,6 +120,11 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
         and weights over all ``E``, written as this rank's pairs (``kbit.parallel.localize_pairs``, in the same
         launch): ids relative to ``start``, another rank's pairs weighted 0 and sent to a local expert of their
         token, so that each token's local experts form runs of equal ids. None: all experts.
+    blocks : ``(blk int32 [P + 1], nblk int32 [1])`` on the logits' device, one token only (T = 1): filled in the
+        same launch with the grouped GEMM's block table of the pairs in router order
+        (``kbit.ops.moe_blocks.block_table`` of ``ids`` with 8-row blocks, valid for any of the kernel's
+        ``8 * ng``; ``kbit.ops.moe_align.pair_order(..., blocks=)`` carries it), so the step skips the table
+        launch.
 
     Returns
     -------
@@ -136,6 +142,8 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
         raise ValueError("correction_bias applies to router='sigmoid' only")
     T, E = router_logits.shape
     start, stop = _expert_range(experts, E)
+    if blocks is not None:
+        _check_blocks(blocks, T, top_k, router_logits.device)
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     dev = router_logits.device
@@ -147,15 +155,31 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
         return weights, ids, token_ids, row_ids
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
         raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
+
     block_e = max(16, 1 << (E - 1).bit_length())
     bias = correction_bias.contiguous() if correction_bias is not None else weights
-    route_topk_kernel[(T,)](router_logits, bias, weights, ids, token_ids, row_ids, E, router_logits.stride(0),
-                            float(scaling), start, stop, TOP_K=top_k, SIGMOID=router == "sigmoid",
-                            HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize),
-                            LOCAL=experts is not None, BLOCK_E=block_e,
+    blk, nblk = blocks if blocks is not None else (ids, ids)
+    route_topk_kernel[(T,)](router_logits, bias, weights, ids, token_ids, row_ids, blk, nblk, E,
+                            router_logits.stride(0), float(scaling), start, stop, TOP_K=top_k,
+                            SIGMOID=router == "sigmoid", HAS_BIAS=correction_bias is not None,
+                            RENORM=bool(renormalize), LOCAL=experts is not None, RUNS=blocks is not None,
+                            BLOCK_E=block_e, **launch_kw(dev),
                             BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
                             num_warps=1 if block_e <= 256 else 4)
     return weights, ids, token_ids, row_ids
+
+
+def _check_blocks(blocks, T: int, top_k: int, device) -> None:
+    if T != 1:
+        raise ValueError(f"blocks: the block table is written for one token (T = 1), got T = {T}")
+    want = ((top_k + 1,), (1,))
+    ok = (isinstance(blocks, tuple) and len(blocks) == 2
+          and all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 and b.device == device
+                  and tuple(b.shape) == w for b, w in zip(blocks, want, strict=True)))
+    if not ok:
+        got = tuple((b.dtype, tuple(b.shape), b.device) if isinstance(b, torch.Tensor) else type(b).__name__
+                    for b in blocks) if isinstance(blocks, tuple) else type(blocks).__name__
+        raise ValueError(f"blocks: expected (int32 [{top_k + 1}], int32 [1]) on {device}, got {got}")
 
 
 def _expert_range(experts, E: int) -> tuple[int, int]:

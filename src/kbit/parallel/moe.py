@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout
+from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, router_blocks
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
 from kbit.nn.moe import KbitMoE, add_shared_expert
@@ -177,10 +177,11 @@ class ExpertParallelKbitMoE(nn.Module):
                                     **self._router_kw())
             w, ids = self.localize(w, ids)
             return align(ids, E_local, w, method=self.local.align_method, checked=True)
-        w, ids, tok, rows = route_pairs(router_logits, self.top_k, experts=(self.start, self.stop),
+        blocks = router_blocks(T, self.top_k, plan, router_logits.device)
+        w, ids, tok, rows = route_pairs(router_logits, self.top_k, experts=(self.start, self.stop), blocks=blocks,
                                         **self._router_kw())
         if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
-            return pair_order(w, ids, tok, rows, E_local, checked=True)
+            return pair_order(w, ids, tok, rows, E_local, checked=True, blocks=blocks)
         return sort_pairs(w, ids, rows, E_local, checked=True)
 
     def plan_for(self, T: int, plan: MoePlan | None = None, dtype: torch.dtype | None = None,

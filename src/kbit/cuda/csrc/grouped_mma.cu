@@ -61,6 +61,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
   __syncthreads();
   const LB lbb = lane_bits(tab, lane, cb);
   const u32 sc_base = smem_addr(s_sc);
+  pdl_launch();
+  pdl_wait(); /* the table above reads only the codebook: built while the previous kernel ends */
   const int nb = *nblk;
   const int items = nb * n_tiles;
   const long long tile_words = (long long)n_seg * K_BITS * 32;  /* V4s of codes per (expert, tile) */
