@@ -13,7 +13,7 @@ from kbit.kernels.glue import _pdl_enter
 
 #: rows a block of the run table :func:`route_topk_kernel` writes at most: the grouped GEMM's smallest block (8 NG
 #: rows, NG >= 1), so the table serves every NG
-RUN_BLOCK_ROWS = 8
+RUN_BLOCK_ROWS = tl.constexpr(8)
 
 
 @triton.jit
