@@ -141,7 +141,7 @@ def test_route_pairs_vs_reference(router, T, E, top_k, kw, dtype):
 def test_route_pairs_local_experts(router, T, E, top_k, experts):
     """``experts=(start, stop)``: the whole router's choice, written as that rank's pairs
     (``kbit.parallel.localize_pairs`` of the reference choice)."""
-    from kbit.parallel import localize_pairs
+    from kbit.ops.moe_router import localize_pairs
     g = torch.Generator().manual_seed(T * E + top_k)
     logits = torch.randn(T, E, generator=g)
     w, ids, tok, rows = route_pairs(logits.to(DEV), top_k, router=router, experts=experts)

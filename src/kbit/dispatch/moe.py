@@ -50,7 +50,7 @@ from kbit.ops.mma.layout import unrepack_stack
 from kbit.ops.moe import combine, silu_mul_gate_up
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_blocks import block_table, tail_split
-from kbit.ops.moe_router import fusable, route_pairs, select_experts
+from kbit.ops.moe_router import fusable, localize_pairs, route_pairs, select_experts
 from kbit.tuning.moe import (
     GEMM_MAX_ROWS_PER_EXPERT,
     GEMV_MAX_ROWS_PER_EXPERT,
@@ -65,8 +65,7 @@ from kbit.tuning.moe import (
 from kbit.utils.checks import fail
 
 __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
-           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route",
-           "router_blocks"]
+           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]
 
 MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
 #: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
@@ -185,21 +184,27 @@ def plan_for_layout(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dty
 
 def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: int, router: str = "softmax",
           renormalize: bool = True, correction_bias: torch.Tensor | None = None, n_group: int = 1,
-          topk_group: int = 1, scaling: float = 1.0, align_method: str = "sort") -> MoeRouting:
+          topk_group: int = 1, scaling: float = 1.0, align_method: str = "sort",
+          experts: tuple[int, int] | None = None) -> MoeRouting:
     """The step's expert choice as rows for ``plan``. None (or a plan with ``grouped_mm``, or a router that
     ``kbit.ops.moe_router.route_pairs`` does not cover, or more than ``SORT_PAIRS_MAX_T`` tokens): torch ops,
     sorted by expert with the group tables (any kernel). Else one fused launch, rows in router order up to
     ``PAIR_ORDER_MAX_T`` tokens (a plan with the grouped GEMM: only at T = 1, its blocks need each expert's
-    rows adjacent), else sorted in one more launch."""
+    rows adjacent), else sorted in one more launch. ``experts``: ``(start, stop)``, the choice over the whole
+    router written as the pairs of experts ``start:stop`` (expert parallel, ``kbit.ops.moe_router.localize_pairs``;
+    ``E`` is then ``stop - start``)."""
     T = router_logits.shape[0]
     if plan is None or plan.needs_groups or not fusable(router, n_group) or T > SORT_PAIRS_MAX_T:
         w, ids = select_experts(router_logits, top_k, router=router, renormalize=renormalize,
                                 correction_bias=correction_bias, n_group=n_group, topk_group=topk_group,
                                 scaling=scaling)
+        if experts is not None:
+            w, ids = localize_pairs(w, ids, *experts)
         return align(ids, E, w, method=align_method, checked=True)  # topk indices: in range
-    blocks = router_blocks(T, top_k, plan, router_logits.device)
+    blocks = _router_blocks(T, top_k, plan, router_logits.device)
     w, ids, tok, rows = route_pairs(router_logits, top_k, router=router, renormalize=renormalize,
-                                    correction_bias=correction_bias, scaling=scaling, blocks=blocks)
+                                    correction_bias=correction_bias, scaling=scaling, experts=experts,
+                                    blocks=blocks)
     gemm = "gemm" in (plan.gate_up, plan.down)
     if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
         # the router kernel's ids are in range
@@ -207,7 +212,7 @@ def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: i
     return sort_pairs(w, ids, rows, E, checked=True)
 
 
-def router_blocks(T: int, top_k: int, plan: MoePlan, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _router_blocks(T: int, top_k: int, plan: MoePlan, device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Buffers for the block table that ``kbit.ops.moe_router.route_pairs`` writes in the router's launch
     (``blocks=``), where the step uses one: one token and the grouped GEMM for both projections (the table
     launch, ~4 us a layer on the critical path of a decode step, goes). Else None."""

@@ -73,7 +73,7 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, b
     ``ids[p]`` (int32), ``tok[p] = t`` and ``rows[p] = p`` (the grouped GEMV's row lists, in pair order).
 
     ``LOCAL``: only experts ``start:stop`` are this rank's (expert parallel), and the pairs are written as
-    ``kbit.parallel.localize_pairs`` makes them: ids relative to ``start``; a pair of another rank's expert
+    ``kbit.ops.moe_router.localize_pairs`` makes them: ids relative to ``start``; a pair of another rank's expert
     weighted 0 and sent to the expert of the nearest local slot before it (else the token's first local slot,
     else local expert 0), so that a token's local experts form runs of equal ids, which the grouped kernels'
     block tables read once a run.

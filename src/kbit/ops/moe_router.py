@@ -22,7 +22,8 @@ import torch
 from kbit.kernels.moe import route_topk_kernel
 from kbit.ops.pdl import launch_kw
 
-__all__ = ["ROUTERS", "fusable", "route_pairs", "select_experts", "select_experts_reference"]
+__all__ = ["ROUTERS", "fusable", "localize_pairs", "route_pairs", "select_experts",
+           "select_experts_reference"]
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -117,9 +118,9 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     router_logits : float ``[T, E]`` (any float dtype, unit stride along E).
     top_k, router, renormalize, correction_bias, scaling : as :func:`select_experts`.
     experts : ``(start, stop)``: this rank holds experts ``start:stop`` only (expert parallel). The same choice
-        and weights over all ``E``, written as this rank's pairs (``kbit.parallel.localize_pairs``, in the same
-        launch): ids relative to ``start``, another rank's pairs weighted 0 and sent to a local expert of their
-        token, so that each token's local experts form runs of equal ids. None: all experts.
+        and weights over all ``E``, written as this rank's pairs (:func:`localize_pairs`, in the same launch):
+        ids relative to ``start``, another rank's pairs weighted 0 and sent to a local expert of their token, so
+        that each token's local experts form runs of equal ids. None: all experts.
     blocks : ``(blk int32 [P + 1], nblk int32 [1])`` on the logits' device, one token only (T = 1): filled in the
         same launch with the grouped GEMM's block table of the pairs in router order
         (``kbit.ops.moe_blocks.block_table`` of ``ids`` with 8-row blocks, valid for any of the kernel's
@@ -155,7 +156,6 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
         return weights, ids, token_ids, row_ids
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
         raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
-
     block_e = max(16, 1 << (E - 1).bit_length())
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     blk, nblk = blocks if blocks is not None else (ids, ids)
@@ -190,6 +190,26 @@ def _expert_range(experts, E: int) -> tuple[int, int]:
     if not ok:
         raise ValueError(f"experts: expected (start, stop) with 0 <= start < stop <= E={E}, got {experts!r}")
     return experts
+
+
+def localize_pairs(weights: torch.Tensor, ids: torch.Tensor, start: int, stop: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global choice ``(weights [T, top_k], ids [T, top_k])`` as the pairs of the rank holding experts
+    ``start:stop``: ids relative to ``start``; a pair of another rank's expert weighted 0 and sent to the expert
+    of the nearest local slot before it (else its token's first local slot, else local expert 0). Every id is
+    in ``[0, stop - start)``, at decode no pair reads a weight the step does not read anyway, and a token's
+    local experts form runs of equal ids, which the grouped kernels' block tables read once a run. Torch ops, no
+    sync; returns int32 ids. :func:`route_pairs` with ``experts=(start, stop)`` is the same in the router's
+    launch."""
+    top_k = ids.shape[1]
+    local = ids - start
+    mine = (ids >= start) & (ids < stop)
+    slot = torch.arange(top_k, device=ids.device).expand_as(ids)
+    src = torch.where(mine, slot, -1).cummax(dim=1).values  # the last local slot at or before each slot
+    first = mine.to(torch.int32).argmax(dim=1, keepdim=True).expand_as(ids)  # (0 where none)
+    src = torch.where(src < 0, first, src)
+    local = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, src), 0).to(torch.int32)
+    return torch.where(mine, weights, 0.0).to(weights.dtype), local
 
 
 def select_experts_reference(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax",

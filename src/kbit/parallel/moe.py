@@ -24,18 +24,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, router_blocks
+from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, route
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
 from kbit.nn.moe import KbitMoE, add_shared_expert
 from kbit.ops.hadamard import rotate
 from kbit.ops.moe import moe_reference
-from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
-from kbit.ops.moe_router import fusable, route_pairs, select_experts
+from kbit.ops.moe_align import MoeRouting
+from kbit.ops.moe_router import localize_pairs, select_experts
 from kbit.ops.quantize import unrotate_weight
 from kbit.parallel.comm import AllReduceConfig, all_reduce_sum
 from kbit.parallel.shard import shard_range
-from kbit.tuning.moe import PAIR_ORDER_MAX_T, SORT_PAIRS_MAX_T
 from kbit.utils.checks import check_int, fail
 from kbit.utils.device import interpreting
 
@@ -57,26 +56,6 @@ def shard_experts(qw: KbitWeight, start: int, stop: int) -> KbitWeight:
     return KbitWeight(qw.codes[start:stop].clone(), qw.scales[start:stop].clone(),
                       qw.tensor_scale[start:stop].clone(), qw.codebook, (stop - start, *qw.shape[1:]), qw.k,
                       qw.blocksize, qw.scale_format, qw.codebook_name, qw.rotation)
-
-
-def localize_pairs(weights: torch.Tensor, ids: torch.Tensor, start: int, stop: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global choice ``(weights [T, top_k], ids [T, top_k])`` as the pairs of the rank holding experts
-    ``start:stop``: ids relative to ``start``; a pair of another rank's expert weighted 0 and sent to the expert
-    of the nearest local slot before it (else its token's first local slot, else local expert 0). Every id is
-    in ``[0, stop - start)``, at decode no pair reads a weight the step does not read anyway, and a token's
-    local experts form runs of equal ids, which the grouped kernels' block tables read once a run. Torch ops, no
-    sync; returns int32 ids. ``kbit.ops.moe_router.route_pairs(..., experts=(start, stop))`` is the same in
-    the router's launch."""
-    top_k = ids.shape[1]
-    local = ids - start
-    mine = (ids >= start) & (ids < stop)
-    slot = torch.arange(top_k, device=ids.device).expand_as(ids)
-    src = torch.where(mine, slot, -1).cummax(dim=1).values  # the last local slot at or before each slot
-    first = mine.to(torch.int32).argmax(dim=1, keepdim=True).expand_as(ids)  # (0 where none)
-    src = torch.where(src < 0, first, src)
-    local = torch.where(mine.any(dim=1, keepdim=True), local.gather(1, src), 0).to(torch.int32)
-    return torch.where(mine, weights, 0.0).to(weights.dtype), local
 
 
 def _rank_world(group) -> tuple[int, int]:
@@ -168,21 +147,11 @@ class ExpertParallelKbitMoE(nn.Module):
                     scaling=self.routed_scaling_factor)
 
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
-        """This rank's rows for the step (``kbit.dispatch.moe.route`` on the whole router, then
-        :meth:`localize`): sorted with group tables (torch ops) where ``plan`` needs them or is None, else the
-        fused router launch in pair order (T = 1, or GEMV-only steps up to ``PAIR_ORDER_MAX_T`` tokens) or sorted."""
-        T, E_local = router_logits.shape[0], self.stop - self.start
-        if plan is None or plan.needs_groups or not fusable(self.router, self.n_group) or T > SORT_PAIRS_MAX_T:
-            w, ids = select_experts(router_logits, self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-                                    **self._router_kw())
-            w, ids = self.localize(w, ids)
-            return align(ids, E_local, w, method=self.local.align_method, checked=True)
-        blocks = router_blocks(T, self.top_k, plan, router_logits.device)
-        w, ids, tok, rows = route_pairs(router_logits, self.top_k, experts=(self.start, self.stop), blocks=blocks,
-                                        **self._router_kw())
-        if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
-            return pair_order(w, ids, tok, rows, E_local, checked=True, blocks=blocks)
-        return sort_pairs(w, ids, rows, E_local, checked=True)
+        """This rank's rows for the step: ``kbit.dispatch.moe.route`` on the whole router, written as the pairs
+        of experts ``start:stop`` (:func:`localize_pairs`)."""
+        return route(router_logits, plan, top_k=self.top_k, E=self.stop - self.start, n_group=self.n_group,
+                     topk_group=self.topk_group, align_method=self.local.align_method,
+                     experts=(self.start, self.stop), **self._router_kw())
 
     def plan_for(self, T: int, plan: MoePlan | None = None, dtype: torch.dtype | None = None,
                  device=None) -> MoePlan:
