@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -79,11 +78,12 @@ def slowest(ms: float) -> float:
 def timed(model, batch: int, args, profile: str | None = None) -> dict:
     """bench_e2e's decode timing on every rank, the slower rank's time; ``profile``: a file stem (under
     ``--out``'s ``profile/``) for the step profile of this row (every rank profiles the same step, since the
-    collectives need both; rank 0 writes)."""
+    collectives need both; other ranks write theirs under ``profile/rank<r>/``)."""
     dist.barrier()
     kw = {}
     if profile and args.profile:
-        base = Path(args.out_dir) / "profile" if dist.get_rank() == 0 else Path(tempfile.mkdtemp())
+        rank = dist.get_rank()
+        base = Path(args.out_dir) / "profile" / ("" if rank == 0 else f"rank{rank}")
         kw["profile"] = dict(stem=base / profile, title=f"{profile} rank {dist.get_rank()}",
                              ceiling=read_ceiling(None, "cuda"))
     row = time_decode(model, batch, args.ctx, args.steps, args.reps, not args.tiny, **kw)
