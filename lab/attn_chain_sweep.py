@@ -1,0 +1,104 @@
+"""GPU lab (issue 36): the decode attention's launch config measured where it runs, in the whole decode step.
+
+    PYTHONUNBUFFERED=1 python lab/attn_chain_sweep.py [--models llama3-8b,qwen3-30b-a3b] [--layers 8]
+        [--ctx 512,4096] [--batch 1,16] [--out DIR]
+
+The attention of a batch-1 step sits between rope_append and o_proj in a programmatic-dependent-launch chain, so
+its cost is what it adds to the step, not its time alone (``kbit.bench.step_profile`` showed 7-9.5 us a layer on
+an H100 at context 512 for ~1-2 MB of K/V). For each model (bench_e2e's shapes, the first ``--layers`` decoder
+layers, k = 4, q/k/v and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2e's
+``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, and with
+the shipped rule. Prints ms a step and us a layer against the rule, a short table last; writes
+``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_e2e as E  # noqa: E402
+import torch  # noqa: E402
+
+import kbit.ops.attention as A  # noqa: E402
+
+SWEEP = [  # (chunk, block_n, num_warps, num_stages)
+    (32, 32, 2, 1), (64, 32, 2, 1), (64, 64, 4, 1), (128, 64, 4, 2), (256, 64, 4, 2), (512, 64, 4, 2),
+    (128, 32, 2, 2), (256, 128, 8, 2),
+]
+
+
+RULE = A.attention_config
+
+
+def timed(rows: list, args, model, case: dict, label: str, fn) -> float | None:
+    """One step timing with ``fn`` as the attention's config rule; appends its row, returns ms a step."""
+    A.attention_config = fn
+    try:
+        r = E.time_decode(model, case["batch"], case["ctx"], args.steps, args.reps, graph=not args.tiny)
+    except Exception as e:  # noqa: BLE001 (a config may not fit; the sweep goes on)
+        print(f"{case} {label}: {type(e).__name__}: {e}", flush=True)
+        return None
+    finally:
+        A.attention_config = RULE
+    row = dict(case, config=label, ms=r["ms_per_step"])
+    if label == "rule":
+        row["rule"] = repr(RULE(case["batch"] * case["kv_heads"], case["ctx"] + args.steps + 8, case["head_dim"],
+                                132))
+    rows.append(row)
+    print(f"{case['model']:14s} b{case['batch']:<3d} ctx{case['ctx']:<5d} {label:22s} {row['ms']:.4f} ms", flush=True)
+    return row["ms"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama3-8b,qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ctx", default="512,4096")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
+    args = ap.parse_args()
+    dev = "cpu" if args.tiny else "cuda"
+    cfgs = E.configs(tiny=args.tiny)
+    rows: list = []
+    for name in args.models.split(","):
+        config = E.with_layers(cfgs[name], args.layers)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        model = E.build_kbit(config, dev, 4, fuse_proj=True)
+        for ctx in map(int, args.ctx.split(",")):
+            for batch in map(int, args.batch.split(",")):
+                case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
+                base = timed(rows, args, model, case, "rule", RULE)
+                for chunk, bn, w, st in SWEEP:
+                    cfg = A.DecodeAttentionConfig(chunk=chunk, block_n=bn, num_warps=w, num_stages=st)
+                    ms = timed(rows, args, model, case, f"c{chunk}/b{bn}/w{w}/s{st}", lambda *a, c=cfg: c)
+                    if ms is not None and base:
+                        rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                commit=os.environ.get("KBIT_COMMIT", E.git_commit()), layers=args.layers, steps=args.steps,
+                reps=args.reps)
+    (out / "attn_chain_sweep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"\n{meta}\nmodel          batch ctx   config                  ms/step  us/layer vs rule")
+    for r in rows:
+        d = r.get("us_per_layer_vs_rule")
+        print(f"{r['model']:14s} {r['batch']:<5d} {r['ctx']:<5d} {r['config']:22s} {r['ms']:.4f}  "
+              f"{'' if d is None else f'{d:+.2f}'} {r.get('rule', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
