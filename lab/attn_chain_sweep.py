@@ -7,9 +7,9 @@ The attention of a batch-1 step sits between rope_append and o_proj in a program
 its cost is what it adds to the step, not its time alone (``kbit.bench.step_profile`` showed 7-9.5 us a layer on
 an H100 at context 512 for ~1-2 MB of K/V). For each model (bench_e2e's shapes, the first ``--layers`` decoder
 layers, k = 4, q/k/v and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2e's
-``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, and with
-the shipped rule. Prints ms a step and us a layer against the rule, a short table last; writes
-``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
+``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the
+shipped rule and with the rule before d335bfc (``--rules-only``: those two). Prints ms a step and us a layer
+against the rule, a short table last; writes ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
 """
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ SWEEP = [  # (chunk, block_n, num_warps, num_stages)
 
 
 RULE = A.attention_config
+
+
+def rule_before(batch_heads, length, head_dim, sms=A.DEFAULT_SMS):
+    """``attention_config`` before d335bfc's change (4 programs an SM, no split cap, 64-key blocks past 32)."""
+    splits = max(1, (4 * sms) // max(1, batch_heads))
+    chunk = -(-length // splits)
+    block_n = 32 if head_dim > 128 or chunk <= 32 else 64
+    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    if chunk == block_n == 32:
+        return A.DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=1)
+    return A.DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
 
 def timed(rows: list, args, model, case: dict, label: str, fn) -> float | None:
@@ -65,6 +76,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rules-only", action="store_true", help="time the shipped rule and the one before only")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -78,7 +90,10 @@ def main() -> int:
             for batch in map(int, args.batch.split(",")):
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
                 base = timed(rows, args, model, case, "rule", RULE)
-                for chunk, bn, w, st in SWEEP:
+                ms = timed(rows, args, model, case, "rule before", rule_before)
+                if ms is not None and base:
+                    rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                for chunk, bn, w, st in [] if args.rules_only else SWEEP:
                     cfg = A.DecodeAttentionConfig(chunk=chunk, block_n=bn, num_warps=w, num_stages=st)
                     ms = timed(rows, args, model, case, f"c{chunk}/b{bn}/w{w}/s{st}", lambda *a, c=cfg: c)
                     if ms is not None and base:

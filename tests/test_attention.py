@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 from kbit.bench.timing import capture  # noqa: E402
 from kbit.ops.attention import (  # noqa: E402
+    MAX_SPLITS,
     DecodeAttentionConfig,
     attention_config,
     decode_attention,
@@ -228,6 +229,7 @@ def test_pick_config(bh, L, D, sms):
     splits = -(-L // c.chunk)
     assert c.chunk % c.block_n == 0 and c.block_n >= 16
     assert bh * splits <= max(bh, 4 * sms)  # about PROGRAMS_PER_SM per SM, at least one split a head
+    assert splits <= MAX_SPLITS  # the last program of a head merges every split
     if bh >= 4 * sms:
         assert splits == 1
     if D > 128:

@@ -36,6 +36,13 @@ _INT_DTYPES = (torch.int32, torch.int64)
 MASKED = -65504.0  # additive mask values <= this exclude the key (see kbit.kernels.attention.MASKED)
 MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16)
 PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (2-4 do well)
+#: splits a KV head at most: the program that finishes last merges all of them, one after another, so past this many
+#: the merge costs more than the extra programs save (H100, the decode step at context 4096 with 4 and 8 KV heads:
+#: 129 -> 33 splits saved 24 us a layer, 65 -> 33 saved 7; docs/notes/2026-11-26-attention-splits.md)
+MAX_SPLITS = 33
+#: chunks up to this many keys run in blocks of 32 keys with 2 warps (2 stages past one block), which the same
+#: measurements preferred to 64-key blocks with 4 warps
+SMALL_CHUNK = 128
 DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
 COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
 FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
@@ -88,14 +95,17 @@ class DecodeAttentionConfig:
 
 def attention_config(batch_heads: int, length: int, head_dim: int, sms: int = DEFAULT_SMS) -> DecodeAttentionConfig:
     """Split ``length`` (the cache length, not the valid one) so that ``batch_heads * splits`` is about
-    ``PROGRAMS_PER_SM * sms`` programs; chunks are whole blocks of 64 keys (32 for D = 256, or when the
-    chunk would be that short). Tuned in the decode step at Llama-3-8B batch 1 only."""
-    splits = max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads))
+    ``PROGRAMS_PER_SM * sms`` programs, at most ``MAX_SPLITS`` a head; chunks are whole blocks of 64 keys (32 for
+    D = 256, or for chunks up to ``SMALL_CHUNK`` keys). Measured in the decode step (Llama-3-8B and Qwen3-30B-A3B
+    shapes, batch 1, context 512 and 4096, H100); the other batches and contexts are held out."""
+    splits = min(MAX_SPLITS, max(1, (PROGRAMS_PER_SM * sms) // max(1, batch_heads)))
     chunk = -(-length // splits)
-    block_n = 32 if head_dim > 128 or chunk <= 32 else 64
+    block_n = 32 if head_dim > 128 or chunk <= SMALL_CHUNK else 64
     chunk = max(block_n, -(-chunk // block_n) * block_n)
     if chunk == block_n == 32:  # one block a program: 2 warps and no pipeline are faster than 4 warps, 2 stages
         return DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=1)
+    if block_n == 32 and head_dim <= 128:
+        return DecodeAttentionConfig(chunk=chunk, block_n=block_n, num_warps=2, num_stages=2)
     return DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
 
