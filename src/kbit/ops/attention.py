@@ -509,7 +509,8 @@ def rope_decode_attention(
     cache entries it writes are rope_append's, up to the summation order of the q/k norm's sum of squares), writes
     k and v, and folds the new key into its softmax from registers; the q heads are rotated by every program of
     their KV head. Same grid and config as :func:`decode_attention`, capturable in a CUDA graph, no host sync.
-    Steps of several tokens per row, or positions that differ by row, take rope_append then decode_attention.
+    One new token per row, at one position for all rows: the form of rope_append and of the fast decode step
+    (``kbit.hf.fast_decode``); other steps keep rope_append and decode_attention (``new_from``, per-row lengths).
 
     Examples
     --------
