@@ -257,7 +257,7 @@ def rope_split_kernel(
     if QK_NORM:
         wq = tl.load(QN + offs_d).to(tl.float32)
         wqr = tl.load(QN + rot).to(tl.float32)
-    else:
+    else:  # placeholders: _norm_rope_rows reads no weight without QK_NORM
         wq = c
         wqr = c
     start = split * chunk
