@@ -20,7 +20,7 @@ from triton.compiler.errors import CompilationError
 from triton.compiler import ASTSource
 import triton.backends.nvidia.compiler as nvc
 nvc.CUDABackend.make_cubin = staticmethod(lambda *a, **k: b"")
-from kbit.kernels.moe import combine_kernel, route_topk_kernel, silu_mul_kernel
+from kbit.kernels.moe import combine_kernel, route_topk_kernel, router_route_kernel, silu_mul_kernel
 T = GPUTarget("cuda", 90, 32)
 def build(fn, sig, const):
     sig = {**sig, **{c: "constexpr" for c in const}}
@@ -37,6 +37,13 @@ for local, runs, sig_, k in [(True, True, False, 8), (False, True, True, 10), (T
     out[f"route {local} {runs} {sig_} {k}"] = build(route_topk_kernel, route, dict(
         TOP_K=k, SIGMOID=sig_, HAS_BIAS=sig_, RENORM=True, LOCAL=local, RUNS=runs, BLOCK_E=128,
         BLOCK_K=1 << (k - 1).bit_length(), PDL=True))
+hid = {"x_ptr": "*bf16", "wr_ptr": "*bf16", "logits_ptr": "*bf16", "cnt_ptr": "*i32", **{
+    k: v for k, v in route.items() if k not in ("logits_ptr", "stride_l")}, "H": "i32", "stride_x": "i32"}
+hid = {k: hid[k] for k in ("x_ptr", "wr_ptr", "logits_ptr", "cnt_ptr", "bias_ptr", "w_ptr", "ids_ptr", "tok_ptr",
+                           "rows_ptr", "blk_ptr", "nblk_ptr", "E", "H", "stride_x", "scaling", "start", "stop")}
+out["router_route"] = build(router_route_kernel, hid, dict(
+    TOP_K=8, SIGMOID=False, HAS_BIAS=False, RENORM=True, LOCAL=True, RUNS=True, BLOCK_E=128, BLOCK_K=8,
+    CHUNK_E=8, BLOCK_H=512, PDL=True))
 out["silu"] = build(silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "I": "i32", "stride_gu": "i32",
                                       "stride_out": "i32"}, dict(BLOCK=1024, PDL=True))
 out["combine"] = build(combine_kernel, {"y_ptr": "*bf16", "pair_rows_ptr": "*i32", "w_ptr": "*fp32",
@@ -56,4 +63,4 @@ def test_moe_kernels_compile_for_sm90(tmp_path):
     if res.returncode != 0:
         pytest.skip(f"cannot compile for sm_90 here: {res.stderr.strip().splitlines()[-1:]}")
     sizes = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 5 and all(n > 0 for n in sizes.values())
+    assert len(sizes) == 6 and all(n > 0 for n in sizes.values())

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from kbit.tuning.mma import check_wgmma_fixed
 
-__all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS", "GROUPED4_MAX_SEG_NG1",
-           "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS", "TAIL_SPLIT_BT",
-           "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "GroupedMmaConfig", "WgmmaGroupedConfig", "block_groups",
-           "grouped_kernel", "grouped_mma_config", "rows_per_expert", "wgmma_config"]
+__all__ = ["FUSED_ROUTER_MAX_T", "GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS",
+           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS",
+           "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "GroupedMmaConfig", "WgmmaGroupedConfig",
+           "block_groups", "grouped_kernel", "grouped_mma_config", "rows_per_expert", "wgmma_config"]
 
 # ------------------------------------------------------------------------------------------------ MoE plan
 
@@ -36,6 +36,10 @@ GEMV_MAX_ROWS_PER_EXPERT = 4
 #: the GEMV's grid and its weight is re-read from L2. At T = 16 (P = 128) all the GEMV's programs are resident
 #: at once anyway.
 PAIR_ORDER_MAX_T = 16
+#: the router's matrix product in the routing launch (kbit.ops.moe_router.route_pairs_hidden) up to this many
+#: tokens: a decode step's sizes, where two launches cost more than the product (H100, Qwen3-30B-A3B-shaped
+#: step at batch 1: benchmarks/results/h100/e2e-profile-2026-11-26)
+FUSED_ROUTER_MAX_T = 16
 #: The grouped tensor-core GEMM up to this many rows per touched expert, dequantize + ``torch._grouped_mm``
 #: above: the grouped GEMM won at 256 rows an expert (Qwen3-30B-A3B T = 4096, Mixtral T = 1024) and lost at
 #: 1024 (Mixtral T = 4096).
