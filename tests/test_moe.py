@@ -179,16 +179,23 @@ def test_route_pairs_block_table_errors():
                                                               torch.empty(1, dtype=torch.int32, device=DEV)))
 
 
-@pytest.mark.parametrize("T,E,H,top_k,router,experts,runs", [
-    (1, 128, 256, 8, "softmax", None, True),
-    (3, 12, 100, 3, "softmax", None, False),
-    (1, 20, 64, 10, "sigmoid", (5, 9), True),
-    (5, 64, 700, 6, "softmax", (32, 64), False),
+@pytest.mark.parametrize("T,E,H,top_k,router,experts,runs,config", [
+    (1, 128, 256, 8, "softmax", None, True, None),
+    (3, 12, 100, 3, "softmax", None, False, None),
+    (1, 20, 64, 10, "sigmoid", (5, 9), True, None),
+    (5, 64, 700, 6, "softmax", (32, 64), False, None),
+    # pinned programs: one expert each (12 arrivals a token), a short last chunk, columns past H
+    (3, 12, 100, 3, "softmax", None, False, (1, 128, 4)),
+    (2, 20, 64, 10, "sigmoid", (5, 9), False, (8, 64, 2)),
+    (1, 128, 256, 8, "softmax", (0, 64), True, (2, 512, 4)),
 ])
-def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs):
+def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs, config):
     """The router's product in the routing launch: logits as F.linear's (16-bit, up to the order of the sums),
-    the choice on them as route_pairs makes it, the counters left zero for the next call."""
+    the choice on them as route_pairs makes it, the counters left zero for the next call; with the programs of
+    kbit.tuning.moe.fused_router_config or pinned ones."""
     from kbit.ops.moe_router import route_pairs_hidden
+    from kbit.tuning.moe import FusedRouterConfig
+    config = None if config is None else FusedRouterConfig(*config)
     dt = torch.bfloat16 if DEV == "cuda" else torch.float16  # (bf16 arithmetic is not exact under the interpreter)
     g = torch.Generator().manual_seed(T * E + H)
     x, wr = torch.randn(T, H, generator=g).to(dt).to(DEV), (torch.randn(E, H, generator=g) / H**0.5).to(dt).to(DEV)
@@ -197,7 +204,7 @@ def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs):
               torch.empty(1, dtype=torch.int32, device=DEV)) if runs else None
     for _ in range(2):  # a second call on the same counters
         logits, w, ids, tok, rows = route_pairs_hidden(x, wr, top_k, counters=counters, router=router,
-                                                       experts=experts, blocks=blocks)
+                                                       experts=experts, blocks=blocks, config=config)
         ref = (x.double() @ wr.double().T).to(dt)
         assert logits.dtype == dt and logits.shape == (T, E)
         assert (logits.double() - ref.double()).abs().max().item() <= 2 * ref.double().abs().max().item() * 2**-7
@@ -214,6 +221,33 @@ def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs):
         route_pairs_hidden(x.float(), wr, top_k, counters=counters)
     with pytest.raises(ValueError, match="router_weight: expected"):
         route_pairs_hidden(x, wr[:, 1:], top_k, counters=counters)
+    with pytest.raises(ValueError, match=r"config: expected block_h >= H"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, config=FusedRouterConfig(1, 32))
+    with pytest.raises(TypeError, match="config: expected a FusedRouterConfig or None, got tuple"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, config=(1, 1024, 4))
+
+
+@pytest.mark.parametrize("E,H", [(64, 2048), (128, 2048), (32, 2880), (128, 2880), (128, 4096), (256, 4096),
+                                 (64, 7168), (256, 7168)])
+def test_fused_router_config(E, H):
+    """The fused router's programs for the brief's range (H 2048..7168, E 64..256, and gpt-oss's E = 32): whole
+    rows, 64 weight elements a thread, at most 32 columns of x a thread, at least 2 experts a program (else
+    ptxas spread x's loads between the sums), and one token's programs within one wave of a 132-SM H100."""
+    from kbit.tuning.moe import fused_router_config
+    c = fused_router_config(E, H)
+    threads = 32 * c.num_warps
+    assert c.block_h >= H and c.block_h < 2 * H and c.chunk_e >= 2
+    assert c.chunk_e * c.block_h == 64 * threads and c.block_h <= 32 * threads
+    assert -(-E // c.chunk_e) <= 132
+    assert c.num_warps == (4 if H <= 4096 else 8)
+
+
+def test_fused_router_config_errors():
+    from kbit.tuning.moe import FusedRouterConfig, fused_router_config
+    for bad in (dict(chunk_e=3, block_h=64), dict(chunk_e=1, block_h=0), dict(chunk_e=1, block_h=64, num_warps=6)):
+        with pytest.raises(ValueError, match=r"FusedRouterConfig\.\w+: expected a power of two"):
+            FusedRouterConfig(**bad)
+    assert fused_router_config(4, 64).chunk_e == 4  # capped at the experts there are
 
 
 def test_route_pairs_all_but_few_masked():

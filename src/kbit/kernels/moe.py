@@ -166,19 +166,22 @@ def router_route_kernel(x_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids
     rounded to x's dtype as ``F.linear`` returns them) and stores them; the program of token t that arrives last
     (an arrival counter, ``acq_rel``) reads the whole row back and routes it, then resets its counter (``cnt`` is
     zero between calls). Replaces the router's matrix product (a cuBLAS launch) and the routing launch of a
-    decode step with one launch."""
-    _pdl_enter(PDL)
+    decode step with one launch.
+
+    A program holds its whole weight chunk (``CHUNK_E`` rows of ``BLOCK_H >= H`` columns, in registers; sizes:
+    ``kbit.tuning.moe.fused_router_config``) and loads it before the PDL wait: the router weight never depends on
+    the kernel before, so its latency passes while that kernel runs, and after the wait only x, the sums and the
+    routing remain. (Loaded after the wait, tile after tile, the launch ended ~12 us after the norm before it:
+    ``docs/notes/2026-11-26-moe-chain-ep.md``.)"""
     t = tl.program_id(0).to(tl.int64)
     er = tl.program_id(1) * CHUNK_E + tl.arange(0, CHUNK_E)
     eok = er < E
-    acc = tl.zeros([CHUNK_E], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        hok = hh < H
-        xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
-        wv = tl.load(wr_ptr + er[:, None].to(tl.int64) * H + hh[None, :], mask=eok[:, None] & hok[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(wv * xv[None, :], axis=1)
+    hh = tl.arange(0, BLOCK_H)
+    hok = hh < H
+    wv = tl.load(wr_ptr + er[:, None].to(tl.int64) * H + hh[None, :], mask=eok[:, None] & hok[None, :], other=0.0)
+    _pdl_enter(PDL)  # x, the counters and the outputs belong to this step: from here on
+    xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
+    acc = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
     tl.store(logits_ptr + t * E + er, acc.to(logits_ptr.dtype.element_ty), mask=eok)
     arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
