@@ -179,6 +179,77 @@ def test_route_pairs_block_table_errors():
                                                               torch.empty(1, dtype=torch.int32, device=DEV)))
 
 
+@pytest.mark.parametrize("T,E,H,top_k,router,experts,runs,config", [
+    (1, 128, 256, 8, "softmax", None, True, None),
+    (3, 12, 100, 3, "softmax", None, False, None),
+    (1, 20, 64, 10, "sigmoid", (5, 9), True, None),
+    (5, 64, 700, 6, "softmax", (32, 64), False, None),
+    # pinned programs: one expert each (12 arrivals a token), a short last chunk, columns past H
+    (3, 12, 100, 3, "softmax", None, False, (1, 128, 4)),
+    (2, 20, 64, 10, "sigmoid", (5, 9), False, (8, 64, 2)),
+    (1, 128, 256, 8, "softmax", (0, 64), True, (2, 512, 4)),
+])
+def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs, config):
+    """The router's product in the routing launch: logits as F.linear's (16-bit, up to the order of the sums),
+    the choice on them as route_pairs makes it, the counters left zero for the next call; with the programs of
+    kbit.tuning.moe.fused_router_config or pinned ones."""
+    from kbit.ops.moe_router import route_pairs_hidden
+    from kbit.tuning.moe import FusedRouterConfig
+    config = None if config is None else FusedRouterConfig(*config)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16  # (bf16 arithmetic is not exact under the interpreter)
+    g = torch.Generator().manual_seed(T * E + H)
+    x, wr = torch.randn(T, H, generator=g).to(dt).to(DEV), (torch.randn(E, H, generator=g) / H**0.5).to(dt).to(DEV)
+    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
+    blocks = (torch.empty(top_k + 1, dtype=torch.int32, device=DEV),
+              torch.empty(1, dtype=torch.int32, device=DEV)) if runs else None
+    for _ in range(2):  # a second call on the same counters
+        logits, w, ids, tok, rows = route_pairs_hidden(x, wr, top_k, counters=counters, router=router,
+                                                       experts=experts, blocks=blocks, config=config)
+        ref = (x.double() @ wr.double().T).to(dt)
+        assert logits.dtype == dt and logits.shape == (T, E)
+        assert (logits.double() - ref.double()).abs().max().item() <= 2 * ref.double().abs().max().item() * 2**-7
+        assert int(counters.abs().sum()) == 0
+        w2, ids2, tok2, rows2 = route_pairs(logits, top_k, router=router, experts=experts)
+        assert torch.equal(ids, ids2) and torch.equal(w, w2) and torch.equal(tok, tok2) and torch.equal(rows, rows2)
+    if runs:
+        from kbit.ops.moe_blocks import block_table_reference
+        want = block_table_reference(ids.view(-1).cpu(), 8)
+        assert blocks[0][:int(blocks[1]) + 1].tolist() == want
+    with pytest.raises(ValueError, match=r"counters: expected int32 \[>= 1\]"):
+        route_pairs_hidden(x[:1], wr, top_k, counters=counters.long())
+    with pytest.raises(TypeError, match="hidden: expected a 2-D float16 / bfloat16 tensor"):
+        route_pairs_hidden(x.float(), wr, top_k, counters=counters)
+    with pytest.raises(ValueError, match="router_weight: expected"):
+        route_pairs_hidden(x, wr[:, 1:], top_k, counters=counters)
+    with pytest.raises(ValueError, match=r"config: expected block_h >= H"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, config=FusedRouterConfig(1, 32))
+    with pytest.raises(TypeError, match="config: expected a FusedRouterConfig or None, got tuple"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, config=(1, 1024, 4))
+
+
+@pytest.mark.parametrize("E,H", [(64, 2048), (128, 2048), (32, 2880), (128, 2880), (128, 4096), (256, 4096),
+                                 (64, 7168), (256, 7168)])
+def test_fused_router_config(E, H):
+    """The fused router's programs for the brief's range (H 2048..7168, E 64..256, and gpt-oss's E = 32): whole
+    rows, 64 weight elements a thread, at most 32 columns of x a thread, at least 2 experts a program (else
+    ptxas spread x's loads between the sums), and one token's programs within one wave of a 132-SM H100."""
+    from kbit.tuning.moe import fused_router_config
+    c = fused_router_config(E, H)
+    threads = 32 * c.num_warps
+    assert c.block_h >= H and c.block_h < 2 * H and c.chunk_e >= 2
+    assert c.chunk_e * c.block_h == 64 * threads and c.block_h <= 32 * threads
+    assert -(-E // c.chunk_e) <= 132
+    assert c.num_warps == (4 if H <= 4096 else 8)
+
+
+def test_fused_router_config_errors():
+    from kbit.tuning.moe import FusedRouterConfig, fused_router_config
+    for bad in (dict(chunk_e=3, block_h=64), dict(chunk_e=1, block_h=0), dict(chunk_e=1, block_h=64, num_warps=6)):
+        with pytest.raises(ValueError, match=r"FusedRouterConfig\.\w+: expected a power of two"):
+            FusedRouterConfig(**bad)
+    assert fused_router_config(4, 64).chunk_e == 4  # capped at the experts there are
+
+
 def test_route_pairs_all_but_few_masked():
     """Fewer finite logits than top_k: the rest is filled with distinct experts (never one twice)."""
     logits = torch.full((2, 8), float("-inf"))
@@ -610,6 +681,35 @@ def test_gpu_cuda_graph_equals_eager(T, plan):
         eager = m(x2, l2, plan=plan)
         torch.cuda.synchronize()
         assert torch.equal(static_out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,plan", [(1, None), (1, GEMM), (4, None), (16, GEMM)])
+def test_gpu_fused_router(T, plan):
+    """A block with its router weight, called without logits at decode sizes, routes in one launch
+    (kbit.dispatch.moe.route_hidden): the same output as with the logits that launch computed, the same in a
+    CUDA graph, and the arrival counters zero after."""
+    from kbit.ops.moe_router import route_pairs_hidden
+    s = QWEN3_30B
+    g = torch.Generator(device="cuda").manual_seed(T)
+    gu = torch.randn(s["E"], 2 * s["I"], s["H"], device="cuda", generator=g, dtype=torch.bfloat16) / s["H"]**0.5
+    dn = torch.randn(s["E"], s["H"], s["I"], device="cuda", generator=g, dtype=torch.bfloat16) / s["I"]**0.5
+    wr = torch.randn(s["E"], s["H"], device="cuda", generator=g, dtype=torch.bfloat16) / s["H"]**0.5
+    m = KbitMoE.from_float(gu, dn, top_k=s["top_k"], k=4, dtype=torch.bfloat16, router_weight=wr)
+    x = torch.randn(T, s["H"], device="cuda", generator=g).bfloat16()
+    out = m(x, plan=plan)
+    assert m._router_ws is not None and int(m._router_ws.abs().sum()) == 0
+    logits = route_pairs_hidden(x, wr, s["top_k"], counters=torch.zeros(16, dtype=torch.int32, device="cuda"))[0]
+    torch.testing.assert_close(out, m(x, logits, plan=plan), rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = m(x, plan=plan)
+    for _ in range(2):  # new inputs: a different routing each time
+        x.copy_(torch.randn(T, s["H"], device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(static_out, m(x, plan=plan), rtol=2e-2, atol=2e-2)
+    assert int(m._router_ws.abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -183,8 +183,8 @@ def _call_bytes(m: nn.Module, kind: str, args) -> tuple[int, object]:
         ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
         return (0 if ids is None else ids.numel() * m.embedding_dim * m.weight.element_size()), None
     if isinstance(m, KbitMoE):
-        w = m.router_weight
-        return (0 if w is None else w.numel() * w.element_size()), None
+        w = m.router_weight  # keyed: the fused router's range (route_hidden) takes these bytes over
+        return (0 if w is None else w.numel() * w.element_size()), w
     if kind == "attention" or _is_moe_block(m):
         return 0, None
     return module_bytes(m), m
@@ -269,6 +269,9 @@ def _glue_patches(rec: StepRecorder, dec: StaticDecoder, names: dict[int, str], 
     stack.enter_context(_patched(dec, "_pick", rec.wrap(dec._pick, lambda args: "sample", "sampling")))
     stack.enter_context(_patched(nn_moe, "route", rec.wrap(
         nn_moe.route, lambda args: f"layers.{rec.layer}.mlp.route", "MoE routing")))
+    stack.enter_context(_patched(nn_moe, "route_hidden", rec.wrap(  # the router's product + routing, one launch
+        nn_moe.route_hidden, lambda args: f"layers.{rec.layer}.mlp.route", "MoE routing",
+        lambda args: (args[1].numel() * args[1].element_size(), args[1]))))
     stack.enter_context(_patched(nn_moe, "moe_experts", _experts_wrapper(rec, nn_moe.moe_experts)))
 
 

@@ -50,8 +50,9 @@ from kbit.ops.mma.layout import unrepack_stack
 from kbit.ops.moe import combine, silu_mul_gate_up
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_blocks import block_table, tail_split
-from kbit.ops.moe_router import fusable, localize_pairs, route_pairs, select_experts
+from kbit.ops.moe_router import fusable, localize_pairs, route_pairs, route_pairs_hidden, select_experts
 from kbit.tuning.moe import (
+    FUSED_ROUTER_MAX_T,
     GEMM_MAX_ROWS_PER_EXPERT,
     GEMV_MAX_ROWS_PER_EXPERT,
     GEMV_T1_MAX_WEIGHTS,
@@ -64,8 +65,9 @@ from kbit.tuning.moe import (
 )
 from kbit.utils.checks import fail
 
-__all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "gemm_supported", "grouped_gemm",
-           "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route"]
+__all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "fused_router_applies", "gemm_supported",
+           "grouped_gemm", "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route",
+           "route_hidden", "router_workspace"]
 
 MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
 #: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
@@ -205,11 +207,60 @@ def route(router_logits: torch.Tensor, plan: MoePlan | None, *, top_k: int, E: i
     w, ids, tok, rows = route_pairs(router_logits, top_k, router=router, renormalize=renormalize,
                                     correction_bias=correction_bias, scaling=scaling, experts=experts,
                                     blocks=blocks)
-    gemm = "gemm" in (plan.gate_up, plan.down)
-    if T == 1 or (T <= PAIR_ORDER_MAX_T and not gemm):
+    return _pairs_routing(w, ids, tok, rows, T, E, plan, blocks)
+
+
+def _pairs_routing(w, ids, tok, rows, T: int, E: int, plan: MoePlan, blocks=None) -> MoeRouting:
+    """The fused router's pairs of ``T`` tokens as the rows ``plan`` reads: in router order up to
+    ``PAIR_ORDER_MAX_T`` tokens (with the grouped GEMM only at T = 1), else sorted by expert in one more launch."""
+    if T == 1 or (T <= PAIR_ORDER_MAX_T and "gemm" not in (plan.gate_up, plan.down)):
         # the router kernel's ids are in range
         return pair_order(w, ids, tok, rows, E, checked=True, blocks=blocks)
     return sort_pairs(w, ids, rows, E, checked=True)
+
+
+def router_workspace(owner, device) -> torch.Tensor | None:
+    """``owner``'s (a MoE module's) zeroed arrival counters for :func:`route_hidden` on ``device``: made on the
+    first call outside CUDA-graph capture and kept (each launch leaves them zero); None while capturing without
+    them, and off CUDA (the step then takes the unfused router)."""
+    if torch.device(device).type != "cuda":
+        return None
+    ws = getattr(owner, "_router_ws", None)
+    if ws is None or ws.device != device:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        ws = torch.zeros(FUSED_ROUTER_MAX_T, dtype=torch.int32, device=device)
+        owner._router_ws = ws
+    return ws
+
+
+def fused_router_applies(hidden: torch.Tensor, plan: MoePlan | None, counters: torch.Tensor | None,
+                         router: str = "softmax", n_group: int = 1) -> bool:
+    """Whether :func:`route_hidden` takes this step: a CUDA step of 1..``FUSED_ROUTER_MAX_T`` tokens in 16-bit
+    activations on the fused router's path (``plan`` without group tables, a router ``route_pairs`` covers) with
+    a counters workspace of at least T (:func:`router_workspace`)."""
+    T = hidden.shape[0]
+    return (counters is not None and plan is not None and not plan.needs_groups and fusable(router, n_group)
+            and 1 <= T <= min(FUSED_ROUTER_MAX_T, counters.shape[0]) and hidden.is_cuda
+            and hidden.dtype in (torch.float16, torch.bfloat16))
+
+
+def route_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, counters: torch.Tensor, plan: MoePlan, *,
+                 top_k: int, router: str = "softmax", renormalize: bool = True,
+                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                 experts: tuple[int, int] | None = None) -> MoeRouting:
+    """:func:`route` of ``F.linear(hidden, router_weight)`` with the router's product in the routing launch
+    (``kbit.ops.moe_router.route_pairs_hidden``), for a step where :func:`fused_router_applies`. ``counters``:
+    :func:`router_workspace`'s. ``experts``: this rank's ``(start, stop)`` (expert parallel; ids relative to
+    start)."""
+    T = hidden.shape[0]
+    blocks = _router_blocks(T, top_k, plan, hidden.device)
+    _, w, ids, tok, rows = route_pairs_hidden(hidden, router_weight.to(hidden.dtype), top_k, counters=counters,
+                                              router=router, renormalize=renormalize,
+                                              correction_bias=correction_bias, scaling=scaling, experts=experts,
+                                              blocks=blocks)
+    E = router_weight.shape[0] if experts is None else experts[1] - experts[0]
+    return _pairs_routing(w, ids, tok, rows, T, E, plan, blocks)
 
 
 def _router_blocks(T: int, top_k: int, plan: MoePlan, device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -87,6 +87,16 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, b
     e = tl.arange(0, BLOCK_E)
     ok = e < E
     x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr, nblk_ptr, E, scaling, start, stop,
+               TOP_K, SIGMOID, HAS_BIAS, RENORM, LOCAL, RUNS, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr, nblk_ptr, E, scaling, start, stop,
+               TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+               LOCAL: tl.constexpr, RUNS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Token ``t``'s choice from its float32 logits ``x [BLOCK_E]`` (experts ``e``, ``ok = e < E``), written as
+    :func:`route_topk_kernel` says."""
     if SIGMOID:
         score = tl.sigmoid(x)
         choice = score
@@ -142,6 +152,46 @@ def route_topk_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, b
     tl.store(ids_ptr + p, ids, mask=keep)
     tl.store(tok_ptr + p, t.to(tl.int32) + tl.zeros([BLOCK_K], dtype=tl.int32), mask=keep)
     tl.store(rows_ptr + p, p.to(tl.int32), mask=keep)
+
+
+@triton.jit
+def router_route_kernel(x_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr,
+                        nblk_ptr, E, H, stride_x, scaling, start, stop, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, RUNS: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr):
+    """The router's logits and :func:`route_topk_kernel`'s choice in one launch, grid ``(T, cdiv(E, CHUNK_E))``.
+
+    Program ``(t, c)`` computes ``logits[t, c CHUNK_E : (c + 1) CHUNK_E] = wr[chunk] @ x[t]`` (float32 sums,
+    rounded to x's dtype as ``F.linear`` returns them) and stores them; the program of token t that arrives last
+    (an arrival counter, ``acq_rel``) reads the whole row back and routes it, then resets its counter (``cnt`` is
+    zero between calls). Replaces the router's matrix product (a cuBLAS launch) and the routing launch of a
+    decode step with one launch.
+
+    A program holds its whole weight chunk (``CHUNK_E`` rows of ``BLOCK_H >= H`` columns, in registers; sizes:
+    ``kbit.tuning.moe.fused_router_config``) and loads it before the PDL wait: the router weight never depends on
+    the kernel before, so its latency passes while that kernel runs, and after the wait only x, the sums and the
+    routing remain. (Loaded after the wait, tile after tile, the launch ended ~12 us after the norm before it:
+    ``docs/notes/2026-11-26-moe-chain-ep.md``.)"""
+    t = tl.program_id(0).to(tl.int64)
+    er = tl.program_id(1) * CHUNK_E + tl.arange(0, CHUNK_E)
+    eok = er < E
+    hh = tl.arange(0, BLOCK_H)
+    hok = hh < H
+    wv = tl.load(wr_ptr + er[:, None].to(tl.int64) * H + hh[None, :], mask=eok[:, None] & hok[None, :], other=0.0)
+    _pdl_enter(PDL)  # x, the counters and the outputs belong to this step: from here on
+    xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
+    acc = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
+    tl.store(logits_ptr + t * E + er, acc.to(logits_ptr.dtype.element_ty), mask=eok)
+    arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        # .cg: the other programs wrote these (to L2); never a stale line of this SM's L1
+        x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+        _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr, nblk_ptr, E, scaling, start,
+                   stop, TOP_K, SIGMOID, HAS_BIAS, RENORM, LOCAL, RUNS, BLOCK_E, BLOCK_K)
 
 
 @triton.jit

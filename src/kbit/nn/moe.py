@@ -32,7 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, route
+from kbit.dispatch.moe import (
+    MoePlan,
+    fused_router_applies,
+    gemm_supported,
+    moe_experts,
+    plan_for_layout,
+    route,
+    route_hidden,
+    router_workspace,
+)
 from kbit.format.pack import words_per_row
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import (
@@ -327,20 +336,29 @@ class KbitMoE(nn.Module):
         if hidden.shape[-1] != H:
             raise ValueError(f"hidden: expected last dimension H = {H}, got shape {tuple(hidden.shape)}")
         x = hidden.reshape(-1, H)
-        if router_logits is None:
-            if self.router_weight is None:
-                raise ValueError("router_logits: expected a [T, E] tensor (this block stores no router weight)")
-            router_logits = F.linear(x, self.router_weight.to(x.dtype))
-        if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
+        if router_logits is None and self.router_weight is None:
+            raise ValueError("router_logits: expected a [T, E] tensor (this block stores no router weight)")
+        if router_logits is not None and tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             raise ValueError(f"router_logits: expected shape {(x.shape[0], self.num_experts)}, "
                              f"got {tuple(router_logits.shape)}")
         if not x.is_cuda and not interpreting():  # no Triton here: the reference
+            if router_logits is None:
+                router_logits = F.linear(x, self.router_weight.to(x.dtype))
             return self._reference_forward(x, router_logits).reshape(hidden.shape)
         pinned = plan
         plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
         if self._maybe_repack(plan, x):
             plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
-        routing = self.route(router_logits, plan)
+        routing = None
+        ws = router_workspace(self, x.device) if router_logits is None else None
+        if fused_router_applies(x, plan, ws, self.router, self.n_group):  # the router's product in the routing launch
+            routing = route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, router=self.router,
+                                   renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
+                                   scaling=self.routed_scaling_factor)
+        elif router_logits is None:
+            router_logits = F.linear(x, self.router_weight.to(x.dtype))
+        if routing is None:
+            routing = self.route(router_logits, plan)
         xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
         out = moe_experts(xr, routing, *self.kernel_weights(), plan)
         out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from kbit.kernels.moe import route_topk_kernel
+from kbit.kernels.moe import route_topk_kernel, router_route_kernel
 from kbit.ops.pdl import launch_kw
+from kbit.tuning.moe import FusedRouterConfig, fused_router_config
 
-__all__ = ["ROUTERS", "fusable", "localize_pairs", "route_pairs", "select_experts",
+__all__ = ["ROUTERS", "fusable", "localize_pairs", "route_pairs", "route_pairs_hidden", "select_experts",
            "select_experts_reference"]
 
 ROUTERS = ("softmax", "sigmoid")
@@ -167,6 +168,69 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
                             BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
                             num_warps=1 if block_e <= 256 else 4)
     return weights, ids, token_ids, row_ids
+
+
+def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, counters: torch.Tensor,
+                       router: str = "softmax", renormalize: bool = True,
+                       correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
+                       experts: tuple[int, int] | None = None,
+                       blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       config: FusedRouterConfig | None = None):
+    """:func:`route_pairs` of ``F.linear(hidden, router_weight)``, the router's matrix product in the same launch
+    (``kbit.kernels.moe.router_route_kernel``): a decode step's routing in one launch instead of two.
+
+    ``hidden [T, H]`` and ``router_weight [E, H]``: fp16 / bf16 of one dtype; the logits are float32 sums rounded
+    to that dtype (``F.linear``'s result, up to the order of the sums). ``counters``: int32 ``[>= T]`` on their
+    device, all zero (the caller's workspace; the launch leaves it zero). ``config``: the programs
+    (``kbit.tuning.moe.FusedRouterConfig``, ``block_h >= H``); None: ``fused_router_config(E, H)``. Other
+    keywords: :func:`route_pairs`. Returns ``(logits [T, E], weights, ids, token_ids, row_ids)``."""
+    for name, v in (("hidden", hidden), ("router_weight", router_weight)):
+        if not isinstance(v, torch.Tensor) or v.dtype not in (torch.float16, torch.bfloat16) or v.dim() != 2:
+            got = (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise TypeError(f"{name}: expected a 2-D float16 / bfloat16 tensor, got {got}")
+    T, H = hidden.shape
+    E = router_weight.shape[0]
+    if router_weight.dtype != hidden.dtype or router_weight.shape[1] != H or router_weight.device != hidden.device:
+        raise ValueError(f"router_weight: expected [E, {H}] {hidden.dtype} on {hidden.device}, got "
+                         f"{tuple(router_weight.shape)} {router_weight.dtype} on {router_weight.device}")
+    if config is None:
+        config = fused_router_config(E, H)
+    elif not isinstance(config, FusedRouterConfig):
+        raise TypeError(f"config: expected a FusedRouterConfig or None, got {type(config).__name__}")
+    if config.block_h < H:
+        raise ValueError(f"config: expected block_h >= H = {H} (a program holds whole rows), got {config}")
+    if (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1
+            or counters.shape[0] < T or counters.device != hidden.device):
+        got = (counters.dtype, tuple(counters.shape), counters.device) if isinstance(counters, torch.Tensor) \
+            else type(counters).__name__
+        raise ValueError(f"counters: expected int32 [>= {T}] on {hidden.device}, got {got}")
+    logits = torch.empty(T, E, dtype=hidden.dtype, device=hidden.device)
+    _check(logits, top_k, router, 1, 1)
+    if router == "softmax" and correction_bias is not None:
+        raise ValueError("correction_bias applies to router='sigmoid' only")
+    start, stop = _expert_range(experts, E)
+    if blocks is not None:
+        _check_blocks(blocks, T, top_k, hidden.device)
+    if correction_bias is not None and tuple(correction_bias.shape) != (E,):
+        raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
+    dev = hidden.device
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    token_ids = torch.empty(T * top_k, dtype=torch.int32, device=dev)
+    row_ids = torch.empty_like(token_ids)
+    if T == 0:
+        return logits, weights, ids, token_ids, row_ids
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    block_e = max(16, 1 << (E - 1).bit_length())
+    bias = correction_bias.contiguous() if correction_bias is not None else weights
+    blk, nblk = blocks if blocks is not None else (ids, ids)
+    router_route_kernel[(T, -(-E // config.chunk_e))](
+        x, router_weight.contiguous(), logits, counters, bias, weights, ids, token_ids, row_ids, blk, nblk, E, H,
+        x.stride(0), float(scaling), start, stop, TOP_K=top_k, SIGMOID=router == "sigmoid",
+        HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize), LOCAL=experts is not None,
+        RUNS=blocks is not None, BLOCK_E=block_e, BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
+        CHUNK_E=config.chunk_e, BLOCK_H=config.block_h, num_warps=config.num_warps, **launch_kw(dev))
+    return logits, weights, ids, token_ids, row_ids
 
 
 def _check_blocks(blocks, T: int, top_k: int, device) -> None:

@@ -24,7 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kbit.dispatch.moe import MoePlan, gemm_supported, moe_experts, plan_for_layout, route
+from kbit.dispatch.moe import (
+    MoePlan,
+    fused_router_applies,
+    gemm_supported,
+    moe_experts,
+    plan_for_layout,
+    route,
+    route_hidden,
+    router_workspace,
+)
 from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
 from kbit.nn.moe import KbitMoE, add_shared_expert
@@ -174,21 +183,29 @@ class ExpertParallelKbitMoE(nn.Module):
         """This rank's experts' share of the routed output ``[T, H]`` (hidden's dtype): no all-reduce, no
         shared expert. ``hidden [T, H]``; ``router_logits [T, E]`` or None (from ``router_weight``)."""
         x = hidden
-        if router_logits is None:
-            router_logits = self.logits(x)
-        if tuple(router_logits.shape) != (x.shape[0], self.num_experts):
+        if router_logits is None and self.router_weight is None:
+            raise ValueError("router_logits: expected a [T, E] tensor (this block stores no router weight)")
+        if router_logits is not None and tuple(router_logits.shape) != (x.shape[0], self.num_experts):
             fail(ValueError, "router_logits", f"shape {(x.shape[0], self.num_experts)}", tuple(router_logits.shape))
         if x.shape[0] == 0:
             return x.new_zeros(0, self.hidden_size)
         if not x.is_cuda and not interpreting():  # no Triton here: the reference
-            return self._reference_partial(x, router_logits)
+            return self._reference_partial(x, self.logits(x) if router_logits is None else router_logits)
         pinned, local = plan, self.local
         plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
         if (local.layout == "canonical" and local.auto_repack and "gemm" in (plan.gate_up, plan.down)
                 and gemm_supported(x.device, x.dtype) and not torch.cuda.is_current_stream_capturing()):
             local.repack_for_kernels()  # the grouped tensor-core kernel reads layout "mma-v1" (as KbitMoE does)
             plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
-        routing = self.route(router_logits, plan)
+        routing = None
+        ws = router_workspace(self, x.device) if router_logits is None else None
+        if fused_router_applies(x, plan, ws, self.router, self.n_group):  # the router's product in the routing launch
+            routing = route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, experts=(self.start, self.stop),
+                                   **self._router_kw())
+        elif router_logits is None:
+            router_logits = self.logits(x)
+        if routing is None:
+            routing = self.route(router_logits, plan)
         xr = x if local.rotation is None else rotate(x, local.rotation)
         return moe_experts(xr, routing, *local.kernel_weights(), plan)
 

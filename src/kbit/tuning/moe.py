@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from kbit.tuning.mma import check_wgmma_fixed
 
-__all__ = ["GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS", "GROUPED4_MAX_SEG_NG1",
-           "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS", "TAIL_SPLIT_BT",
-           "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "GroupedMmaConfig", "WgmmaGroupedConfig", "block_groups",
-           "grouped_kernel", "grouped_mma_config", "rows_per_expert", "wgmma_config"]
+__all__ = ["FUSED_ROUTER_MAX_T", "GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS",
+           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS",
+           "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "FusedRouterConfig", "GroupedMmaConfig",
+           "WgmmaGroupedConfig", "block_groups", "fused_router_config", "grouped_kernel", "grouped_mma_config",
+           "rows_per_expert", "wgmma_config"]
 
 # ------------------------------------------------------------------------------------------------ MoE plan
 
@@ -36,6 +37,11 @@ GEMV_MAX_ROWS_PER_EXPERT = 4
 #: the GEMV's grid and its weight is re-read from L2. At T = 16 (P = 128) all the GEMV's programs are resident
 #: at once anyway.
 PAIR_ORDER_MAX_T = 16
+#: the router's matrix product in the routing launch (kbit.ops.moe_router.route_pairs_hidden) up to this many
+#: tokens: a decode step's sizes, where two launches cost more than the product (H100, Qwen3-30B-A3B-shaped
+#: step at batch 1: benchmarks/results/h100/e2e-profile-2026-11-26). A first guess for the version that loads
+#: its weight before the PDL wait (:func:`fused_router_config`); lab/moe/router_prefetch_ab.py measures it.
+FUSED_ROUTER_MAX_T = 16
 #: The grouped tensor-core GEMM up to this many rows per touched expert, dequantize + ``torch._grouped_mm``
 #: above: the grouped GEMM won at 256 rows an expert (Qwen3-30B-A3B T = 4096, Mixtral T = 1024) and lost at
 #: 1024 (Mixtral T = 4096).
@@ -46,6 +52,50 @@ SORT_PAIRS_MAX_T = 1024
 #: At T = 1 the Triton GEMV beats the grouped GEMM on experts of up to this many weights (Qwen3-30B-A3B,
 #: Qwen3-Next); on larger experts (Mixtral) the grouped GEMM wins.
 GEMV_T1_MAX_WEIGHTS = 1 << 24
+
+# ------------------------------------------------------------------------------------------------ fused router
+
+
+@dataclass(frozen=True)
+class FusedRouterConfig:
+    """Launch config of ``kbit.kernels.moe.router_route_kernel``, grid ``(T, cdiv(E, chunk_e))``."""
+
+    #: experts (weight rows) a program; it holds them in registers, loaded before its PDL wait
+    chunk_e: int
+    #: columns a program holds: a power of two >= H (whole rows, no loop over H)
+    block_h: int
+    #: warps a program
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("chunk_e", "block_h", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"FusedRouterConfig.{name}: expected a power of two >= 1, got {v!r}")
+
+
+@functools.cache  # called on every launch: one object a (E, H)
+def fused_router_config(E: int, H: int) -> FusedRouterConfig:
+    """The fused router's programs for ``E`` experts of ``H`` columns: whole rows (``block_h`` = H rounded up to
+    a power of two), ``num_warps = block_h / 1024`` (4..16) and 64 weight elements a thread (eight 16-byte
+    loads, 32 registers), at least 2 experts a program.
+
+    Why: the weight (256 KB at E = 64, H = 2048 to 3.5 MB at E = 256, H = 7168) never depends on the kernel
+    before, so every program loads its chunk before the PDL wait, all chunks in flight at once, while that
+    kernel runs (at T = 1 the norm before it holds one SM of 132). That needs the chunks in registers, hence a
+    fixed amount a thread, and all programs of a token resident together: 16 (H = 2048, E = 64; 4 experts of
+    16 KB) to 128 (H = 7168, E = 256; 2 experts of 28 KB, 8 warps) programs a token, one wave on a 132-SM H100
+    at T = 1. Fewer experts a program would only add arrivals on the token's counter and programs the weight
+    does not need; splitting H would need a second reduction across programs. After the wait a thread reads at
+    most 32 columns of x (four 16-byte loads; with more, or with 1 expert a program, ptxas 13 issued them one
+    after another between the sums: SASS of sm_90), and the last program of a token routes it with this many
+    warps (fewer warps, fewer barriers in its reductions)."""
+    block_h = 1 << max(0, H - 1).bit_length()
+    num_warps = min(16, max(4, block_h // 1024))
+    block_e = 1 << max(0, E - 1).bit_length()
+    chunk_e = max(1, min(block_e, max(2, 64 * 32 * num_warps // block_h)))
+    return FusedRouterConfig(chunk_e, block_h, num_warps)
+
 
 # ------------------------------------------------------------------------------------------------ tail split
 
