@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 FAMILIES = [  # (family, regex on the kernel name), first match wins
     ("kbit gemv", r"kbit_gemv|kbit_gemv_mma"),
     ("kbit x tiles", r"kbit_x_tiles"),
-    ("attention", r"attn|attention|sdpa|flash|fmha|split_kernel|combine_kernel"),  # kbit's: (rope_)split_kernel
+    ("attention", r"attn|attention|sdpa|flash|fmha"),
     ("cublas gemm", r"nvjet|gemm|cutlass|splitKreduce"),
     ("rms norm", r"rsqrt|rms|norm"),
     ("rotary", r"cat_mul_neg|rotary|rope"),
@@ -104,10 +104,9 @@ ABLATIONS = ("norm", "rope", "attn", "attn-tiny", "silu", "glue")
 def ablate(part: str):
     """Patch :mod:`kbit.hf.fast_decode` so that ``part`` launches nothing; returns an undo function."""
     import kbit.hf.fast_decode as fd
-    import kbit.ops.attention as A
 
     saved = {n: getattr(fd, n) for n in ("rms_norm", "add_rms_norm", "rope_append", "silu_mul",
-                                         "add_rms_norm_linear", "rope_decode_attention")}
+                                         "add_rms_norm_linear")}
     saved_attend = fd.FastDecodeStep._attend
     parts = {"norm", "rope", "attn", "silu"} if part == "glue" else {part}
     if "norm" in parts:
@@ -116,15 +115,13 @@ def ablate(part: str):
         # the fused prologue path: the projection alone (with silu_mul, its first half: SiLU * up goes too)
         fd.add_rms_norm_linear = lambda x, res, w, eps, lin, silu_mul=False: (
             lin(x)[:, :lin.out_features // 2] if silu_mul else lin(x), res)
-    if "rope" in parts:  # the fused attention without its rotary and KV append: the keys before pos only (no add)
+    if "rope" in parts:
         fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
-        fd.rope_decode_attention = lambda q, k, v, cos, sin, pos, kc, vc, *a, scale, counters: A.decode_attention(
-            q.view(kc.shape[0], kc.shape[1], -1, kc.shape[3]), kc, vc, length=pos, scale=scale, new_from=pos,
-            counters=counters)
     if "attn" in parts:
-        fd.FastDecodeStep._attend = lambda self, i, q, k, v, pos: q
+        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: q
     if "attn-tiny" in parts:  # the attention replaced by one tiny glue kernel (cost of any launch in its place)
-        fd.FastDecodeStep._attend = lambda self, i, q, k, v, pos: saved["silu_mul"](q, q)
+        fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: saved["silu_mul"](
+            q.flatten(1), q.flatten(1)).view(q.shape)
     if "silu" in parts:
         fd.silu_mul = lambda g, u: g
 

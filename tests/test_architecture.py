@@ -44,7 +44,7 @@ CLI_PROTOCOL = {"configure", "main"}
 #: helpers, the PDL launch keywords, the block tables and routing of the grouped kernels; they import no backend
 OPS_SHARED = {"kbit.ops._checks", "kbit.ops._common", "kbit.ops.reference", "kbit.ops.pdl", "kbit.ops.mma",
               "kbit.ops.mma.common", "kbit.ops.mma.layout", "kbit.ops.moe_blocks", "kbit.ops.moe_align",
-              "kbit.ops._ids", "kbit.ops._rotation", "kbit.ops._rope"}
+              "kbit.ops._ids", "kbit.ops._rotation"}
 
 MAX_FILE_LINES = 700
 MAX_FUNCTION_LINES = 100

@@ -3,8 +3,8 @@
 transformers' forward spends about 14 kernels a dense decoder layer on a one-token step besides its four (fused)
 projections: two RMSNorms, two rotary kernels, two KV-cache copies, the attention, two residual adds, SiLU * up
 (on an H100 at Llama-3-8B shapes, about a fifth of a k = 4 step). This step walks the same modules' weights with
-:mod:`kbit.ops.glue`: residual add + RMSNorm in one kernel, (Qwen3) q/k norms + rotary + KV append fused into the
-split-KV attention of :mod:`kbit.ops.attention` over the valid length (one kernel), SiLU * up in one; each launched with
+:mod:`kbit.ops.glue`: residual add + RMSNorm in one kernel, rotary + (Qwen3) q/k norms + KV append in one, the
+split-KV attention of :mod:`kbit.ops.attention` over the valid length, SiLU * up in one; each launched with
 programmatic dependent launch on sm_90, so the next k-bit GEMV starts loading its weights while it runs. The
 projections and MLPs are the model's own modules (``KbitLinear``, ``nn.Linear``, ``KbitMoE``, or the benchmark's
 fused parts), so bf16 and k-bit models take the same path.
@@ -28,7 +28,6 @@ from torch import nn
 from kbit.dispatch.prologue import add_rms_norm_linear
 from kbit.nn import KbitLinear
 from kbit.ops import attention as A
-from kbit.ops.attention import rope_decode_attention
 from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
 from kbit.ops.hadamard import rotate, rotation_signs
 from kbit.ops.mma.common import kernels_available
@@ -198,24 +197,15 @@ class FastDecodeStep:
         self.rot_head = shared_rotation([model.lm_head], dev) if hasattr(model.lm_head, "in_features") else None
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
-    def _attend(self, i, q, k, v, pos):
-        """Layer ``i``'s attention of the step from its raw ``q``/``k``/``v`` at ``pos``: q/k norms (Qwen3), rotary,
-        k and v appended to the cache, attention over ``[0, pos]``; ``[B, Hkv, G, D]``. The one place that picks
-        the path: where the attention kernel runs, one launch (:func:`~kbit.ops.attention.rope_decode_attention`);
-        otherwise rope_append, then the float64 reference attention."""
-        att = self.layers[i].self_attn
-        kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
+    def _attend(self, q, kc, vc, length, scale, pos):
         B, Hkv = kc.shape[:2]
-        norms = (att.q_norm.weight, att.k_norm.weight, att.q_norm.variance_epsilon) if self.qk_norm else ()
-        if (q.is_cuda or interpreting()) and A.supports(q.view(B, Hkv, -1, self.D), kc, vc):
+        qg = q.view(B, Hkv, -1, self.D)
+        if (q.is_cuda or interpreting()) and A.supports(qg, kc, vc):
             if self.counters is None or self.counters.numel() < B * Hkv or self.counters.device != q.device:
                 self.counters = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
             # keys before pos are earlier steps' (settled): loaded before the PDL wait; one launch (counters)
-            return rope_decode_attention(q, k, v, self.cos, self.sin, pos, kc, vc, *norms, scale=att.scaling,
-                                         counters=self.counters)
-        qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, *norms)
-        return A.decode_attention_reference(qr.view(B, Hkv, -1, self.D), kc, vc, length=pos + 1, scale=att.scaling,
-                                            out_dtype=q.dtype)
+            return A.decode_attention(qg, kc, vc, length=length, scale=scale, new_from=pos, counters=self.counters)
+        return A.decode_attention_reference(qg, kc, vc, length=length, scale=scale, out_dtype=q.dtype)
 
     def _mlp(self, i, x, res):
         """The residual add + post-attention RMSNorm and the MLP: returns ``(mlp output, new residual)``. A fused
@@ -292,11 +282,18 @@ class FastDecodeStep:
         inner = self.model.model
         B = ids.shape[0]
         x = inner.embed_tokens(ids).reshape(B, -1)
+        length = pos + 1
         res = None
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
             q, k, v, res = self._qkv(i, x, res)
-            o = self._attend(i, q, k, v, pos).reshape(B, -1)
+            kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
+            if self.qk_norm:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
+                                 att.q_norm.variance_epsilon)
+            else:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
+            o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
             ro = self.rot_o[i]
             x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))
             x, res = self._mlp(i, x, res)

@@ -19,14 +19,6 @@ written before the kernels of the current dependent-launch chain (e.g. in earlie
 loads its first block of those keys before the PDL wait, overlapping the kernels before it; only keys at or
 after ``NewFrom[0]`` (this step's, written by the kernel just before) are read after the wait.
 
-``rope_split_kernel``: the same split programs for the decode step at one position ``p = Pos[0]`` (all rows),
-fused with the step's rotary + KV append (``kbit.kernels.glue.rope_append_kernel``). It takes the raw q/k/v of the
-step (the q/k/v projection's output), applies the optional per-head RMSNorm and the rotary embedding to its G query
-rows, and attends to the cached keys ``[0, p)`` (all written before the current dependent-launch chain: the first
-block is loaded before the PDL wait, as with ``PREFETCH``) plus the new key at p, held in registers: the program
-whose chunk holds p computes it (rope_append_kernel's arithmetic), writes it and the new value into the caches at p
-and folds it into its softmax; no program reads position p from the cache.
-
 Validity of key j for batch row b: ``j < length[b]`` (when a length tensor is given) and, when an additive
 mask is given, ``mask[b, j] > MASKED`` (bool masks: ``mask[b, j]`` true); the mask value is added to the
 scaled score. A row without any valid key gets zeros.
@@ -35,7 +27,7 @@ scaled score. A row without any valid key gets zeros.
 import triton
 import triton.language as tl
 
-from kbit.kernels.glue import _load_head, _norm_rope_rows, _pdl_enter, _rotate
+from kbit.kernels.glue import _pdl_enter
 
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -104,32 +96,6 @@ def _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og,
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(o_base + offs_g[:, None] * stride_og + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
-
-
-@triton.jit
-def _finish(m_i, l_i, acc, Out, PartO, PartM, PartL, Counter, bh, split, S, G, o_base, stride_og,
-            BLOCK_G: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, G_PAD: tl.constexpr,
-            S_PAD: tl.constexpr, SB: tl.constexpr):
-    """A split program's end: with one split, the normalised G rows of KV head ``bh`` to ``o_base``; otherwise its
-    partial, and with ``FOLD`` the merge of all S partials by the program that arrives last."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D)
-    row_ok = offs_g < G
-    if SPLIT:
-        ml = (bh * S + split) * G + offs_g
-        tl.store(PartM + ml, m_i, mask=row_ok)
-        tl.store(PartL + ml, l_i, mask=row_ok)
-        tl.store(PartO + ml[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-        if FOLD:  # the last of the S programs to arrive merges the partials (classic threadfence reduction)
-            tl.debug_barrier()  # every thread's partial stores precede the release of the arrival below
-            arrived = tl.atomic_add(Counter + bh, 1, sem="acq_rel", scope="gpu")
-            if arrived == S - 1:
-                tl.atomic_xchg(Counter + bh, 0, sem="relaxed", scope="gpu")  # ready for the next call
-                _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og, D, G_PAD, S_PAD, SB)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(o_base + offs_g[:, None] * stride_og + offs_d[None, :], out.to(Out.dtype.element_ty),
-                 mask=row_ok[:, None])
 
 
 @triton.jit
@@ -205,93 +171,22 @@ def split_kernel(
             m_i, l_i, acc = _attend_block(q, k_base, v_base, n, valid, tl.zeros([BLOCK_N], tl.float32), m_i, l_i,
                                           acc, stride_kn, stride_vn, qk_scale, offs_d)
 
-    _finish(m_i, l_i, acc, Out, PartO, PartM, PartL, Counter, bh, split, S, G, Out + b * stride_ob + h * stride_oh,
-            stride_og, BLOCK_G, D, SPLIT, FOLD, G_PAD, S_PAD, SB)
-
-
-@triton.jit
-def _attend_one(q, k, v, m_i, l_i, acc, qk_scale):
-    """One key ``k [D]`` and its value ``v [D]`` folded into the online softmax of the rows ``q``, as
-    :func:`_attend_kv` folds a block in which only that key is valid (the probability rounded to v's dtype)."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-    return m_new, l_i, acc
-
-
-@triton.jit
-def rope_split_kernel(
-    Q, Kx, Vx, Cos, Sin, Pos, QN, KN, K, V, Counter, Out, PartO, PartM, PartL,
-    stride_qb, stride_kxb, stride_vxb, stride_cos,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_og,
-    H, G, L, S, chunk, qk_scale, eps,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    SPLIT: tl.constexpr, PDL: tl.constexpr = False, FOLD: tl.constexpr = False,
-    G_PAD: tl.constexpr = 1, S_PAD: tl.constexpr = 1, SB: tl.constexpr = 1,
-):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    dtype = K.dtype.element_ty
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    row_ok = offs_g < G
-    half: tl.constexpr = D // 2
-    rot = (offs_d + half) % D
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-
-    # before the wait: what was settled before this dependent-launch chain began (the position, the tables, the
-    # norm weight, the keys of earlier steps); the raw q/k/v come from the kernel just before
-    p = tl.load(Pos).to(tl.int32)
-    c = tl.load(Cos + p * stride_cos + offs_d).to(tl.float32)
-    sn = tl.load(Sin + p * stride_cos + offs_d).to(tl.float32)
-    if QK_NORM:
-        wq = tl.load(QN + offs_d).to(tl.float32)
-        wqr = tl.load(QN + rot).to(tl.float32)
-    else:  # placeholders: _norm_rope_rows reads no weight without QK_NORM
-        wq = c
-        wqr = c
-    start = split * chunk
-    stop = tl.minimum(start + chunk, L)
-    end = tl.minimum(stop, p)  # the cached keys of this program: [start, end), all before p
-    n = start + offs_n
-    valid0 = n < end
-    k0 = tl.load(k_base + n[:, None] * stride_kn + offs_d[None, :], mask=valid0[:, None], other=0.0)
-    v0 = tl.load(v_base + n[:, None] * stride_vn + offs_d[None, :], mask=valid0[:, None], other=0.0)
-    _pdl_enter(PDL)
-
-    q_ptrs = Q + b * stride_qb + (h * G + offs_g)[:, None] * D
-    qx = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    qxr = tl.load(q_ptrs + rot[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q = _norm_rope_rows(qx, qxr, wq, wqr, c, sn, sign, eps, D, QK_NORM, dtype)
-
-    m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    if (start <= p) & (p < stop):  # this program's chunk holds the new key: it alone appends k and v
-        kx, kxr = _load_head(Kx + b * stride_kxb + h * D, KN, offs_d, rot, eps, D, QK_NORM, dtype)
-        k_new = _rotate(kx, sign * kxr, c, sn, dtype)  # rope_append_kernel's arithmetic, value for value
-        v_new = tl.load(Vx + b * stride_vxb + h * D + offs_d).to(dtype)
-        tl.store(k_base + p * stride_kn + offs_d, k_new)
-        tl.store(v_base + p * stride_vn + offs_d, v_new)
-        m_i, l_i, acc = _attend_one(q, k_new, v_new, m_i, l_i, acc, qk_scale)
-    if start < end:
-        m_i, l_i, acc = _attend_kv(q, k0, v0, valid0, tl.zeros([BLOCK_N], tl.float32), m_i, l_i, acc, qk_scale)
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, k_base, v_base, n0 + offs_n, n0 + offs_n < end,
-                                      tl.zeros([BLOCK_N], tl.float32), m_i, l_i, acc, stride_kn, stride_vn,
-                                      qk_scale, offs_d)
-    _finish(m_i, l_i, acc, Out, PartO, PartM, PartL, Counter, bh, split, S, G, Out + b * stride_ob + h * stride_oh,
-            stride_og, BLOCK_G, D, SPLIT, FOLD, G_PAD, S_PAD, SB)
+    if SPLIT:
+        ml = (bh * S + split) * G + offs_g
+        tl.store(PartM + ml, m_i, mask=row_ok)
+        tl.store(PartL + ml, l_i, mask=row_ok)
+        tl.store(PartO + ml[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FOLD:  # the last of the S programs to arrive merges the partials (classic threadfence reduction)
+            tl.debug_barrier()  # every thread's partial stores precede the release of the arrival below
+            arrived = tl.atomic_add(Counter + bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == S - 1:
+                tl.atomic_xchg(Counter + bh, 0, sem="relaxed", scope="gpu")  # ready for the next call
+                _combine_store(PartO, PartM, PartL, Out, bh, S, G, Out + b * stride_ob + h * stride_oh, stride_og,
+                               D, G_PAD, S_PAD, SB)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

@@ -5,8 +5,6 @@
   ``weight * (r * rsqrt(mean(r^2) + eps))``: the residual add and the next RMSNorm in one pass over the row.
 - :func:`rope_append_kernel`: rotary embedding of q and k (optionally after a per-head RMSNorm of q and k, as in
   Qwen3), k and v written into the static cache at the step's position, the rotated q written out.
-  The decode attention fuses the same step (``kbit.kernels.attention.rope_split_kernel``, with
-  :func:`_load_head`, :func:`_norm_rope_rows` and :func:`_rotate` from here).
 - :func:`silu_mul_kernel`: ``silu(gate) * up`` of a dense MLP (silu rounded first, as transformers does; the MoE
   kernel of :mod:`kbit.kernels.moe` rounds once, on a fused ``[P, 2I]`` input).
 - :func:`add_rms_norm_rot_kernel`, :func:`silu_mul_rot_kernel`: the same, then the row multiplied by a randomized
@@ -95,18 +93,6 @@ def _load_head(base, Wn, offs, rot, eps, D: tl.constexpr, QK_NORM: tl.constexpr,
         x = (tl.load(Wn + offs).to(tl.float32) * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         xr = (tl.load(Wn + rot).to(tl.float32) * (xr * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     return x, xr
-
-
-@triton.jit
-def _norm_rope_rows(x, xr, w, wr, c, s, sign, eps, D: tl.constexpr, QK_NORM: tl.constexpr, dtype: tl.constexpr):
-    """Heads as the rows of ``x [R, D]`` (float32; ``xr`` their rotate-half partners, ``w``/``wr`` the norm weight at
-    those columns): :func:`_load_head`'s RMSNorm, then :func:`_rotate`, with the same roundings, for R heads at
-    once (the decode attention's G query heads of a KV head)."""
-    if QK_NORM:
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-        x = (w[None, :] * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        xr = (wr[None, :] * (xr * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    return _rotate(x, sign[None, :] * xr, c[None, :], s[None, :], dtype)
 
 
 @triton.jit

@@ -2,9 +2,6 @@
 
 ``decode_attention`` is the op (validate -> allocate -> pick config -> launch, registered as
 ``kbit::decode_attention``); ``decode_attention_reference`` is its float64 plain-torch specification.
-``rope_decode_attention`` (``kbit::rope_decode_attention``) is the decode step's rotary + KV append
-(:func:`kbit.ops.glue.rope_append`) fused into it, one launch instead of two; its reference is
-``rope_decode_attention_reference`` (rope_append's reference, then decode_attention's).
 Kernels: ``kbit.kernels.attention``.
 
 Why: SDPA on ``[B, Hkv, G, D]`` queries against a ``[B, Hkv, Lmax, D]`` static cache runs ``B * Hkv``
@@ -21,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from kbit.kernels import attention as _k
-from kbit.ops._rope import check_rope_append, rope_append_reference
 from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import fail
 from kbit.utils.device import interpreting, sm_count
@@ -31,8 +27,6 @@ __all__ = [
     "attention_config",
     "decode_attention",
     "decode_attention_reference",
-    "rope_decode_attention",
-    "rope_decode_attention_reference",
     "supports",
 ]
 
@@ -171,25 +165,6 @@ def _check_inputs(query, key, value, length, mask, scale):
             fail(TypeError, "scale", "a finite float or None", repr(scale))
 
 
-def _check_counters(counters, n: int, device) -> None:
-    if counters is None:
-        return
-    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
-        fail(TypeError, "counters", "an int32 tensor or None",
-             counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__)
-    if counters.device != device or not counters.is_contiguous() or counters.numel() < n:
-        fail(ValueError, "counters", f"a contiguous tensor of at least B * Hkv = {n} elements on {device}",
-             f"{tuple(counters.shape)} on {counters.device}")
-
-
-def _pick(config, B, H, L, D, device) -> DecodeAttentionConfig:
-    if config is None:
-        return attention_config(B * H, L, D, device_sms(device))
-    if not isinstance(config, DecodeAttentionConfig):
-        fail(TypeError, "config", "a DecodeAttentionConfig", type(config).__name__)
-    return config
-
-
 def supports(query, key, value, mask=None) -> bool:
     """Whether ``decode_attention(query, key, value, mask=mask)`` accepts these tensors (no exception)."""
     try:
@@ -238,7 +213,12 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         stride_mb = stride_mn = 0
     S = -(-L // chunk)
     pdl = launch_kw(query.device)  # programmatic dependent launch on sm_90
-    part_o, part_m, part_l = _partials(out, S)
+    if S > 1:
+        part_o = torch.empty(B * H, S, G, D, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
+        part_l = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_m = part_l = out
     fold = S > 1 and counters is not None
     prefetch = new_from is not None and length is not None and mask is None
     G_PAD = _next_pow2(G)
@@ -261,28 +241,11 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if S > 1 and not fold:
-        _combine(out, part_o, part_m, part_l, S, pdl)
+        _k.combine_kernel[(B * H * G,)](
+            part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
+            D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2, **pdl,
+        )
     return out.to(out_dtype)
-
-
-def _partials(out, S):
-    """The float32 partials (acc, running max, sum) of S > 1 splits of each KV head's rows; with one split the
-    kernel writes ``out`` directly and these arguments are placeholders."""
-    if S == 1:
-        return out, out, out
-    B, H, G, D = out.shape
-    return (torch.empty(B * H, S, G, D, dtype=torch.float32, device=out.device),
-            torch.empty(B * H, S, G, dtype=torch.float32, device=out.device),
-            torch.empty(B * H, S, G, dtype=torch.float32, device=out.device))
-
-
-def _combine(out, part_o, part_m, part_l, S, pdl):
-    """The S partials merged into ``out`` by a second kernel (when no arrival counters fold them)."""
-    B, H, G, D = out.shape
-    _k.combine_kernel[(B * H * G,)](
-        part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
-        D=D, S_PAD=_next_pow2(S), BLOCK_S=min(_next_pow2(S), COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2, **pdl,
-    )
 
 
 @_decode_attention_op.register_fake
@@ -361,7 +324,10 @@ def decode_attention(
     _check_inputs(query, key, value, length, mask, scale)
     B, H, G, D = query.shape
     L = key.shape[2]
-    config = _pick(config, B, H, L, D, query.device)
+    if config is None:
+        config = attention_config(B * H, L, D, device_sms(query.device))
+    elif not isinstance(config, DecodeAttentionConfig):
+        fail(TypeError, "config", "a DecodeAttentionConfig", type(config).__name__)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if new_from is not None:
         if not isinstance(new_from, torch.Tensor) or new_from.dtype not in _INT_DTYPES:
@@ -371,168 +337,17 @@ def decode_attention(
             fail(ValueError, "new_from", f"to come with length and have its shape and device "
                  f"({None if length is None else tuple(length.shape)}, {query.device})",
                  f"{tuple(new_from.shape)} on {new_from.device}")
-    _check_counters(counters, B * H, query.device)
+    if counters is not None:
+        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
+            fail(TypeError, "counters", "an int32 tensor or None",
+                 counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__)
+        if counters.device != query.device or not counters.is_contiguous() or counters.numel() < B * H:
+            fail(ValueError, "counters", f"a contiguous tensor of at least B * Hkv = {B * H} elements on "
+                 f"{query.device}", f"{tuple(counters.shape)} on {counters.device}")
     cfg = (scale, config.chunk, config.block_n, config.num_warps, config.num_stages)
     if counters is None:
         return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, *cfg)
     return torch.ops.kbit.decode_attention_counted(query, key, value, length, mask, new_from, counters, *cfg)
-
-
-# ----------------------------------------------------------------- fused: rotary + KV append + attention
-def _check_rope_inputs(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps, scale):
-    check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, _DTYPES)
-    B, H, _, D = k_cache.shape
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != q.dtype:
-            fail(TypeError, name, f"q's dtype {q.dtype}", c.dtype)
-    if D < 16 or D > 256:
-        fail(ValueError, "k_cache", "a head dim (dim 3) in [16, 256]", D)
-    if q.shape[1] % (H * D) or not 1 <= q.shape[1] // (H * D) <= MAX_G:
-        fail(ValueError, "q", f"Hq * D columns, Hq = G * Hkv with 1 <= G <= {MAX_G} (Hkv = {H}, D = {D})",
-             f"shape {tuple(q.shape)}")
-    _check_inputs(q.view(B, H, -1, D), k_cache, v_cache, None, None, scale)  # device, scale
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        fail(ValueError, "eps", "a float > 0", repr(eps))
-
-
-@torch.library.custom_op("kbit::rope_decode_attention", mutates_args=("k_cache", "v_cache"))
-def _rope_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-    eps: float, scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
-) -> torch.Tensor:
-    return _launch_rope(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, None, eps, scale, chunk, block_n,
-                        num_warps, num_stages)
-
-
-@torch.library.custom_op("kbit::rope_decode_attention_counted", mutates_args=("k_cache", "v_cache", "counters"))
-def _rope_attention_counted_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-    counters: torch.Tensor, eps: float, scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
-) -> torch.Tensor:
-    return _launch_rope(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, counters, eps, scale, chunk,
-                        block_n, num_warps, num_stages)
-
-
-def _launch_rope(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, counters, eps, scale, chunk, block_n,
-                 num_warps, num_stages):
-    B, H, L, D = k_cache.shape
-    G = q.shape[1] // (H * D)
-    out_dtype = q.dtype
-    kc, vc = k_cache, v_cache
-    if interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
-        q, k, v, cos, sin = (t.float() for t in (q, k, v, cos, sin))
-        q_norm, k_norm = (None if t is None else t.float() for t in (q_norm, k_norm))
-        kc, vc = k_cache.float(), v_cache.float()
-    out = torch.empty(B, H, G, D, dtype=q.dtype, device=q.device)
-    S = -(-L // chunk)
-    pdl = launch_kw(q.device)  # programmatic dependent launch on sm_90
-    part_o, part_m, part_l = _partials(out, S)
-    fold = S > 1 and counters is not None
-    G_PAD, S_PAD = _next_pow2(G), _next_pow2(S)
-    _k.rope_split_kernel[(B * H, S)](
-        q, k, v, cos, sin, pos, cos if q_norm is None else q_norm, cos if k_norm is None else k_norm, kc, vc,
-        counters if fold else out, out, part_o, part_m, part_l,
-        q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        H, G, L, S, chunk, scale * 1.4426950408889634, eps,
-        BLOCK_N=block_n, BLOCK_G=max(16, G_PAD), D=D, QK_NORM=q_norm is not None, SPLIT=S > 1, FOLD=fold,
-        G_PAD=G_PAD, S_PAD=S_PAD, SB=max(1, min(S_PAD, FOLD_TILE // (G_PAD * D))),
-        num_warps=num_warps, num_stages=num_stages, **pdl,
-    )
-    if S > 1 and not fold:
-        _combine(out, part_o, part_m, part_l, S, pdl)
-    if kc is not k_cache:
-        k_cache.copy_(kc)
-        v_cache.copy_(vc)
-    return out.to(out_dtype)
-
-
-@_rope_attention_op.register_fake
-def _(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps, scale, chunk, block_n, num_warps, num_stages):
-    B, H, _, D = k_cache.shape
-    return q.new_empty(B, H, q.shape[1] // (H * D), D)
-
-
-@_rope_attention_counted_op.register_fake
-def _(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, counters, eps, scale, chunk, block_n, num_warps,
-      num_stages):
-    B, H, _, D = k_cache.shape
-    return q.new_empty(B, H, q.shape[1] // (H * D), D)
-
-
-def rope_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None = None,
-    k_norm: torch.Tensor | None = None, eps: float = 1e-6, *, scale: float | None = None,
-    config: DecodeAttentionConfig | None = None, counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    r"""One decode step's attention from the raw q/k/v projections: :func:`kbit.ops.glue.rope_append` (optional
-    per-head RMSNorm, rotary embedding, k and v appended to the caches at ``pos``) and :func:`decode_attention` over
-    the keys ``[0, pos]``, in one launch.
-
-    Parameters
-    ----------
-    q : torch.Tensor, shape (B, Hq * D), float16 / bfloat16
-        The step's raw queries (before norm and rotary); query head ``kv * G + g`` attends to KV head ``kv``
-        (G = Hq / Hkv). A column slice of a fused q/k/v output is fine (rows contiguous in their last dim).
-    k, v : torch.Tensor, shape (B, Hkv * D), q's dtype and device
-        The step's raw key (before norm and rotary) and value.
-    cos, sin : torch.Tensor, shape (positions, D), same row stride
-        Rotary tables indexed by position (any float dtype; rows at ``pos`` are read).
-    pos : int32 / int64 tensor of one element, on the device
-        The step's position, the same for every row: keys ``[0, pos)`` of the caches are the earlier steps', and
-        must have been written before the kernels of the current programmatic dependent-launch chain (earlier
-        steps, or any ordinary kernel since; they are loaded before the PDL wait). ``pos < L`` (not checked: a
-        device value); the value may change between CUDA-graph replays.
-    k_cache, v_cache : torch.Tensor, shape (B, Hkv, L, D), q's dtype
-        The static caches; position ``pos`` is written (the step's key after norm and rotary, its value).
-    q_norm, k_norm : torch.Tensor, shape (D,), optional
-        Qwen3's per-head RMSNorm weights (both or neither), with ``eps``.
-    scale : float, optional
-        Score scale, default ``1 / sqrt(D)``.
-    config : DecodeAttentionConfig, optional
-        Launch choices; default ``attention_config(B * Hkv, L, D, <SMs of the device>)`` (as decode_attention).
-    counters : int32 tensor of at least B * Hkv zeros, optional
-        As in :func:`decode_attention`: the split program that finishes last merges the partials.
-
-    Returns
-    -------
-    torch.Tensor, shape (B, Hkv, G, D), q's dtype (contiguous)
-
-    Notes
-    -----
-    The program whose split chunk holds ``pos`` computes the new key with rope_append's kernel arithmetic (the
-    cache entries it writes are rope_append's, up to the summation order of the q/k norm's sum of squares), writes
-    k and v, and folds the new key into its softmax from registers; the q heads are rotated by every program of
-    their KV head. Same grid and config as :func:`decode_attention`, capturable in a CUDA graph, no host sync.
-    One new token per row, at one position for all rows: the form of rope_append and of the fast decode step
-    (``kbit.hf.fast_decode``); other steps keep rope_append and decode_attention (``new_from``, per-row lengths).
-
-    Examples
-    --------
-    >>> qkv = torch.randn(1, (32 + 2 * 8) * 128, device="cuda", dtype=torch.bfloat16)
-    >>> q, k, v = qkv[:, :4096], qkv[:, 4096:5120], qkv[:, 5120:]
-    >>> kc = torch.zeros(1, 8, 544, 128, device="cuda", dtype=torch.bfloat16)
-    >>> vc = torch.zeros_like(kc)
-    >>> t = torch.arange(544, device="cuda")[:, None] * 1e-2 * torch.ones(128, device="cuda")
-    >>> pos = torch.tensor([528], device="cuda")
-    >>> rope_decode_attention(q, k, v, t.cos(), t.sin(), pos, kc, vc).shape
-    torch.Size([1, 8, 4, 128])
-    """
-    _check_rope_inputs(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps, scale)
-    B, H, L, D = k_cache.shape
-    config = _pick(config, B, H, L, D, q.device)
-    _check_counters(counters, B * H, q.device)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    args = (q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm)
-    cfg = (float(eps), scale, config.chunk, config.block_n, config.num_warps, config.num_stages)
-    if counters is None:
-        return torch.ops.kbit.rope_decode_attention(*args, *cfg)
-    return torch.ops.kbit.rope_decode_attention_counted(*args, counters, *cfg)
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -563,15 +378,3 @@ def decode_attention_reference(query, key, value, *, length=None, mask=None, sca
     den = p.sum(-1, keepdim=True)
     out = (p @ v) / torch.where(den > 0, den, 1.0)
     return out.to(query.dtype if out_dtype is None else out_dtype)
-
-
-def rope_decode_attention_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, *,
-                                    scale=None, out_dtype=None):
-    """``rope_decode_attention``'s semantics in torch (same arguments): ``rope_append_reference`` (writes the
-    caches), then ``decode_attention_reference`` (float64) over the keys ``[0, pos]``; returns ``out_dtype``
-    (default q's dtype), shape (B, Hkv, G, D)."""
-    B, H, _, D = k_cache.shape
-    qr = rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps)
-    length = pos.reshape(-1)[:1] + 1
-    return decode_attention_reference(qr.reshape(B, H, -1, D), k_cache, v_cache, length=length, scale=scale,
-                                      out_dtype=q.dtype if out_dtype is None else out_dtype)

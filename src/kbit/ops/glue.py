@@ -5,8 +5,7 @@ Torch ops ``kbit::rms_norm``, ``kbit::add_rms_norm``, ``kbit::rope_append`` (wri
 Qwen2/3, Mistral). CUDA tensors run the Triton kernels of :mod:`kbit.kernels.glue`, launched with programmatic
 dependent launch on sm_90 (:mod:`kbit.ops.pdl`) so that the next k-bit GEMV starts streaming its
 weights while they run; CPU tensors run the Triton kernels under ``TRITON_INTERPRET=1`` and the references
-otherwise. The references of the rotary step (and RMSNorm) live in :mod:`kbit.ops._rope`, shared with the decode
-attention that fuses that step (:func:`kbit.ops.attention.rope_decode_attention`), and are re-exported here.
+otherwise.
 
 ``rms_norm``, ``add_rms_norm`` and ``silu_mul`` take an optional ``rotation`` (a :class:`kbit.format.Rotation`):
 the row they produce is then multiplied by ``R`` before the store (``kbit::rms_norm_rotated``,
@@ -21,14 +20,16 @@ import triton
 
 from kbit.format.spec import Rotation
 from kbit.kernels import glue as _k
-from kbit.ops._rope import check_rope_append, check_rows, rms_norm_reference, rope_append_reference
 from kbit.ops._rotation import check_rotation, hadamard_reference
 from kbit.ops.pdl import launch_kw
-from kbit.utils.checks import fail
+from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
 
 __all__ = ["add_rms_norm", "argmax", "check_norm", "rms_norm", "rms_norm_reference", "rope_append",
            "rope_append_reference", "silu_mul", "silu_mul_reference"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
@@ -39,12 +40,32 @@ def _up(t):
     return t.float() if interpreting() and t is not None and t.dtype == torch.bfloat16 else t
 
 
+def _check_rows(name, t, dtype=None, device=None, width=None):
+    """``t`` is a [rows, features] float16/bfloat16/float32 tensor with a contiguous last dim, of ``dtype``,
+    on ``device`` and ``width`` features where given."""
+    check_tensor(name, t, dtype if dtype is not None else _DTYPES, device=device)
+    if t.dim() != 2:
+        fail(ValueError, name, "2 dims [rows, features]", f"shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(ValueError, name, "a contiguous last dim (stride 1)", f"strides {t.stride()}")
+    if width is not None and t.shape[-1] != width:
+        fail(ValueError, name, f"{width} features", f"shape {tuple(t.shape)}")
+
+
 # ------------------------------------------------------------------------------------------ RMSNorm
+def rms_norm_reference(x, weight, eps, residual=None):
+    """transformers' ``residual + x`` (in the activation dtype) then RMSNorm; returns ``(y, new_residual)``."""
+    r = x if residual is None else residual + x
+    h = r.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(r.dtype), r
+
+
 def check_norm(x, weight, eps, residual):
     """The arguments of :func:`add_rms_norm` (``residual`` may be None: :func:`rms_norm`)."""
-    check_rows("x", x)
+    _check_rows("x", x)
     if residual is not None:
-        check_rows("residual", residual, x.dtype, x.device, x.shape[1])
+        _check_rows("residual", residual, x.dtype, x.device, x.shape[1])
         if residual.shape != x.shape:
             fail(ValueError, "residual", f"shape {tuple(x.shape)}", tuple(residual.shape))
     if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],):
@@ -174,6 +195,32 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------------ rotary + cache
+def rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6):
+    """transformers' order: per-head RMSNorm of q and k (Qwen3; when the weights are given), rotate-half rotary
+    with ``cos[pos]``, ``sin[pos]`` (``[L, D]`` tables), k and v written into ``k_cache``/``v_cache``
+    ``[B, Hkv, L, D]`` at ``pos``. ``q [B, Hq * D]``, ``k``/``v [B, Hkv * D]``. Returns the rotated q
+    ``[B, Hq, D]``; the caches are written in place."""
+    B, Hkv, _, D = k_cache.shape
+    qh = q.reshape(B, -1, D)
+    kh = k.reshape(B, Hkv, D)
+    if q_norm is not None:
+        qh = rms_norm_reference(qh.reshape(-1, D), q_norm, eps)[0].reshape(qh.shape)
+        kh = rms_norm_reference(kh.reshape(-1, D), k_norm, eps)[0].reshape(kh.shape)
+    p = pos.reshape(-1)[:1]
+    c = cos.index_select(0, p).to(q.dtype)  # [1, D]
+    s = sin.index_select(0, p).to(q.dtype)
+
+    def rot(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    q_out = qh * c + rot(qh) * s
+    k_out = kh * c + rot(kh) * s
+    k_cache.index_copy_(2, p, k_out.unsqueeze(2).to(k_cache.dtype))
+    v_cache.index_copy_(2, p, v.reshape(B, Hkv, 1, D).to(v_cache.dtype))
+    return q_out
+
+
 @torch.library.custom_op("kbit::rope_append", mutates_args=("k_cache", "v_cache"))
 def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None,
@@ -211,7 +258,33 @@ def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=No
     to ``k_cache``/``v_cache [B, Hkv, L, D]`` at the position ``pos`` (an int tensor of one element, on the
     device: graph-safe), ``cos``/``sin`` ``[L', D]`` tables indexed by position. Returns the rotated q
     ``[B, Hq, D]``. q, k, v may be column slices of one fused projection output."""
-    check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm)
+    _check_rows("q", q)
+    dt, dev = q.dtype, q.device
+    _check_rows("k", k, dt, dev)
+    _check_rows("v", v, dt, dev, k.shape[1])
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4 or c.device != dev or c.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a [B, Hkv, L, D] tensor on {dev} with a contiguous last dim, got "
+                             f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
+    B, Hkv, L, D = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"k_cache: head dim must be a power of two >= 2, got {D}")
+    if q.shape[0] != B or k.shape != (B, Hkv * D) or q.shape[1] % D:
+        raise ValueError(f"q, k: expected [B = {B}, Hq * {D}] and [{B}, {Hkv * D}], got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] != D or t.device != dev or t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a [positions, {D}] table on {dev}, got {tuple(t.shape)}")
+    if not (isinstance(pos, torch.Tensor) and pos.numel() == 1 and pos.dtype in (torch.int32, torch.int64)
+            and pos.device == dev):
+        raise ValueError(f"pos: expected a one-element int32/int64 tensor on {dev}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm, k_norm: give both or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (D,) or w.device != dev):
+            raise ValueError(f"{name}: expected shape ({D},) on {dev}, got {tuple(w.shape)}")
     return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps))
 
 
@@ -265,8 +338,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, rotation: Rotation | None = N
 
     With ``rotation`` (its block dividing I) the result is ``(silu(gate) * up) R``, one kernel: the input of a
     down projection quantized under ``rotation``; ``signs`` int8 ``[I]`` (made and cached when None)."""
-    check_rows("gate", gate)
-    check_rows("up", up, gate.dtype, gate.device, gate.shape[1])
+    _check_rows("gate", gate)
+    _check_rows("up", up, gate.dtype, gate.device, gate.shape[1])
     if up.shape[0] != gate.shape[0]:
         raise ValueError(f"up: expected {gate.shape[0]} rows, got {up.shape[0]}")
     signs = _rotation_signs(rotation, signs, gate.shape[1], gate.device, "gate.shape[1] (I)")
@@ -304,7 +377,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """Index of the largest value of each row of ``x [R, V]`` (the first one on ties; NaN counts as the largest),
     as ``torch.argmax(x, -1)``; two small kernels instead of torch's one-block-a-row reduction, which is slow on
     a vocabulary-sized row."""
-    check_rows("x", x)
+    _check_rows("x", x)
     if x.shape[1] == 0:
         raise ValueError("x: expected at least one column")
     return torch.ops.kbit.argmax(x)
