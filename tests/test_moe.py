@@ -713,6 +713,27 @@ def test_gpu_fused_router(T, plan):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("E,H,top_k", [(128, 2048, 8), (32, 2880, 4), (128, 4096, 8), (256, 7168, 8)])
+def test_gpu_fused_router_routes_its_own_logits(E, H, top_k):
+    """The last program of a token routes from every program's logits: the pairs equal route_pairs of the logits
+    the same launch returned, over many fresh inputs (a missing barrier before the arrival made the last program
+    read logits not yet written, on an H100)."""
+    from kbit.ops.moe_router import route_pairs_hidden
+    g = torch.Generator(device="cuda").manual_seed(E + H)
+    wr = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H**0.5
+    cnt = torch.zeros(16, dtype=torch.int32, device="cuda")
+    for T in (1, 2, 8, 16):
+        for experts in (None, (E // 2, E)):
+            for _ in range(8):
+                x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+                logits, *pairs = route_pairs_hidden(x, wr, top_k, counters=cnt, experts=experts)
+                own = route_pairs(logits, top_k, experts=experts)
+                for a, b in zip(pairs, own, strict=True):
+                    assert torch.equal(a, b), (T, experts)
+    assert int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
 def test_gpu_hf_qwen3_bf16():
     pytest.importorskip("transformers")
     block = _hf_block("qwen3_moe", E=128, H=2048, I=768, top_k=8, norm=True, dtype=torch.bfloat16).cuda()
