@@ -716,8 +716,8 @@ def test_gpu_fused_router(T, plan):
 @pytest.mark.parametrize("E,H,top_k", [(128, 2048, 8), (32, 2880, 4), (128, 4096, 8), (256, 7168, 8)])
 def test_gpu_fused_router_routes_its_own_logits(E, H, top_k):
     """The last program of a token routes from every program's logits: the pairs equal route_pairs of the logits
-    the same launch returned, over many fresh inputs (a missing barrier before the arrival made the last program
-    read logits not yet written, on an H100)."""
+    the same launch returned, over many fresh inputs (the weights to float32 rounding: the launch's routing sums
+    the softmax over more warps than route_topk_kernel, in another order; H100)."""
     from kbit.ops.moe_router import route_pairs_hidden
     g = torch.Generator(device="cuda").manual_seed(E + H)
     wr = torch.randn(E, H, device="cuda", generator=g, dtype=torch.bfloat16) / H**0.5
@@ -728,7 +728,8 @@ def test_gpu_fused_router_routes_its_own_logits(E, H, top_k):
                 x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
                 logits, *pairs = route_pairs_hidden(x, wr, top_k, counters=cnt, experts=experts)
                 own = route_pairs(logits, top_k, experts=experts)
-                for a, b in zip(pairs, own, strict=True):
+                torch.testing.assert_close(pairs[0], own[0], rtol=1e-6, atol=1e-7, msg=f"{T} {experts}")
+                for a, b in zip(pairs[1:], own[1:], strict=True):
                     assert torch.equal(a, b), (T, experts)
     assert int(cnt.abs().sum()) == 0
 

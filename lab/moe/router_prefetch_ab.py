@@ -171,8 +171,11 @@ def check(name: str, m: KbitMoE, wr: torch.Tensor, T: int) -> dict:
         own = route_pairs(logits, top_k, experts=experts)
         ref_logits = F.linear(x, w0)
         unf = route_pairs(ref_logits, top_k, experts=experts)
-        same_own = all(torch.equal(a, b) for a, b in zip(pairs, own, strict=True))
-        rows_same = ((pairs[1] == unf[1]).all(dim=1) & (pairs[0] == unf[0]).all(dim=1)).cpu()
+        # weights to float32 rounding: the fused launch sums the softmax over more warps, in another order
+        same_own = (torch.allclose(pairs[0], own[0], rtol=1e-6, atol=1e-7)
+                    and all(torch.equal(a, b) for a, b in zip(pairs[1:], own[1:], strict=True)))
+        rows_same = ((pairs[1] == unf[1]).all(dim=1)
+                     & torch.isclose(pairs[0], unf[0], rtol=1e-6, atol=1e-7).all(dim=1)).cpu()
         logits_same = (logits == ref_logits).all(dim=1).cpu()
         # a token whose logits are F.linear's bit for bit must route as the unfused path does
         consistent = bool((rows_same | ~logits_same).all())

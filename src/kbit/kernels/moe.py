@@ -183,9 +183,8 @@ def router_route_kernel(x_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids
     xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
     acc = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
     tl.store(logits_ptr + t * E + er, acc.to(logits_ptr.dtype.element_ty), mask=eok)
-    # every thread's logits stores precede the release below (one thread issues a scalar atomic): without the
-    # barrier the last program could route from logits another program has not written yet (seen on an H100:
-    # pairs that differed from the routing of the same kernel's own logits)
+    # every thread's logits stores precede the release below (one thread issues the scalar atomic), as in the
+    # decode attention's fold: else the last program could route from logits another program has not written yet
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
