@@ -38,9 +38,9 @@ GEMV_MAX_ROWS_PER_EXPERT = 4
 #: at once anyway.
 PAIR_ORDER_MAX_T = 16
 #: the router's matrix product in the routing launch (kbit.ops.moe_router.route_pairs_hidden) up to this many
-#: tokens: a decode step's sizes, where two launches cost more than the product (H100, Qwen3-30B-A3B-shaped
-#: step at batch 1: benchmarks/results/h100/e2e-profile-2026-11-26). A first guess for the version that loads
-#: its weight before the PDL wait (:func:`fused_router_config`); lab/moe/router_prefetch_ab.py measures it.
+#: tokens: a decode step's sizes, where two launches cost more than the product. H100, norm + MoE layer, fused /
+#: unfused: 0.89-0.94x at T = 1, 0.98-0.99x at T = 16 on three expert shapes, where the routing alone was 1.02x
+#: for Qwen3-235B-A22B's experts (benchmarks/results/h100/router-prefetch-ab-2026-11-26.log)
 FUSED_ROUTER_MAX_T = 16
 #: The grouped tensor-core GEMM up to this many rows per touched expert, dequantize + ``torch._grouped_mm``
 #: above: the grouped GEMM won at 256 rows an expert (Qwen3-30B-A3B T = 4096, Mixtral T = 1024) and lost at
