@@ -106,6 +106,13 @@ def fusable(router: str, n_group: int = 1) -> bool:
     return router in ROUTERS and n_group == 1
 
 
+def _route_outputs(T: int, top_k: int, dev) -> tuple[torch.Tensor, ...]:
+    """The routing launches' outputs: weights float32 ``[T, top_k]``, ids, token_ids and row_ids int32."""
+    token_ids = torch.empty(T * top_k, dtype=torch.int32, device=dev)
+    return (torch.empty(T, top_k, dtype=torch.float32, device=dev),
+            torch.empty(T, top_k, dtype=torch.int32, device=dev), token_ids, torch.empty_like(token_ids))
+
+
 def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", renormalize: bool = True,
                 correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
                 experts: tuple[int, int] | None = None, blocks: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -149,10 +156,7 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     dev = router_logits.device
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
-    token_ids = torch.empty(T * top_k, dtype=torch.int32, device=dev)
-    row_ids = torch.empty_like(token_ids)
+    weights, ids, token_ids, row_ids = _route_outputs(T, top_k, dev)
     if T == 0:
         return weights, ids, token_ids, row_ids
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
@@ -214,10 +218,7 @@ def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k:
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
         raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
     dev = hidden.device
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
-    token_ids = torch.empty(T * top_k, dtype=torch.int32, device=dev)
-    row_ids = torch.empty_like(token_ids)
+    weights, ids, token_ids, row_ids = _route_outputs(T, top_k, dev)
     if T == 0:
         return logits, weights, ids, token_ids, row_ids
     x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
