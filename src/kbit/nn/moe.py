@@ -349,16 +349,14 @@ class KbitMoE(nn.Module):
         plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
         if self._maybe_repack(plan, x):
             plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
-        routing = None
         ws = router_workspace(self, x.device) if router_logits is None else None
         if fused_router_applies(x, plan, ws, self.router, self.n_group):  # the router's product in the routing launch
             routing = route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, router=self.router,
                                    renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
                                    scaling=self.routed_scaling_factor)
-        elif router_logits is None:
-            router_logits = F.linear(x, self.router_weight.to(x.dtype))
-        if routing is None:
-            routing = self.route(router_logits, plan)
+        else:
+            routing = self.route(F.linear(x, self.router_weight.to(x.dtype)) if router_logits is None
+                                 else router_logits, plan)
         xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
         out = moe_experts(xr, routing, *self.kernel_weights(), plan)
         out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)

@@ -147,31 +147,18 @@ def route_pairs(router_logits: torch.Tensor, top_k: int, *, router: str = "softm
     ([0, 0, 1, 1, 2, 2], [0, 1, 2, 3, 4, 5])
     """
     _check(router_logits, top_k, router, 1, 1)
-    if router == "softmax" and correction_bias is not None:
-        raise ValueError("correction_bias applies to router='sigmoid' only")
     T, E = router_logits.shape
-    start, stop = _expert_range(experts, E)
-    if blocks is not None:
-        _check_blocks(blocks, T, top_k, router_logits.device)
+    _check_routing(T, E, top_k, router, correction_bias, experts, blocks, router_logits.device)
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     dev = router_logits.device
-    weights, ids, token_ids, row_ids = _route_outputs(T, top_k, dev)
+    out = _route_outputs(T, top_k, dev)
     if T == 0:
-        return weights, ids, token_ids, row_ids
-    if correction_bias is not None and tuple(correction_bias.shape) != (E,):
-        raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
-    block_e = max(16, 1 << (E - 1).bit_length())
-    bias = correction_bias.contiguous() if correction_bias is not None else weights
-    blk, nblk = blocks if blocks is not None else (ids, ids)
-    route_topk_kernel[(T,)](router_logits, bias, weights, ids, token_ids, row_ids, blk, nblk, E,
-                            router_logits.stride(0), float(scaling), start, stop, TOP_K=top_k,
-                            SIGMOID=router == "sigmoid", HAS_BIAS=correction_bias is not None,
-                            RENORM=bool(renormalize), LOCAL=experts is not None, RUNS=blocks is not None,
-                            BLOCK_E=block_e, **launch_kw(dev),
-                            BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
-                            num_warps=1 if block_e <= 256 else 4)
-    return weights, ids, token_ids, row_ids
+        return out
+    args, kw = _routing_args(E, top_k, router, renormalize, correction_bias, scaling, experts, blocks, out)
+    route_topk_kernel[(T,)](router_logits, *args[:7], E, router_logits.stride(0), *args[7:], **kw, **launch_kw(dev),
+                            num_warps=1 if kw["BLOCK_E"] <= 256 else 4)
+    return out
 
 
 def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, counters: torch.Tensor,
@@ -210,28 +197,43 @@ def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k:
         raise ValueError(f"counters: expected int32 [>= {T}] on {hidden.device}, got {got}")
     logits = torch.empty(T, E, dtype=hidden.dtype, device=hidden.device)
     _check(logits, top_k, router, 1, 1)
+    _check_routing(T, E, top_k, router, correction_bias, experts, blocks, hidden.device)
+    dev = hidden.device
+    out = _route_outputs(T, top_k, dev)
+    if T == 0:
+        return logits, *out
+    args, kw = _routing_args(E, top_k, router, renormalize, correction_bias, scaling, experts, blocks, out)
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    router_route_kernel[(T, -(-E // config.chunk_e))](
+        x, router_weight.contiguous(), logits, counters, *args[:7], E, H, x.stride(0), *args[7:], **kw,
+        CHUNK_E=config.chunk_e, BLOCK_H=config.block_h, num_warps=config.num_warps, **launch_kw(dev))
+    return logits, *out
+
+
+def _check_routing(T: int, E: int, top_k: int, router: str, correction_bias, experts, blocks, device) -> None:
+    """The argument checks :func:`route_pairs` and :func:`route_pairs_hidden` share (after ``_check``)."""
     if router == "softmax" and correction_bias is not None:
         raise ValueError("correction_bias applies to router='sigmoid' only")
-    start, stop = _expert_range(experts, E)
+    _expert_range(experts, E)
     if blocks is not None:
-        _check_blocks(blocks, T, top_k, hidden.device)
+        _check_blocks(blocks, T, top_k, device)
+
+
+def _routing_args(E: int, top_k: int, router: str, renormalize: bool, correction_bias, scaling: float, experts,
+                  blocks, out: tuple) -> tuple[tuple, dict]:
+    """The routing kernels' shared arguments: ``(bias, weights, ids, token_ids, row_ids, blk, nblk, scaling,
+    start, stop)`` (each kernel puts its own sizes between ``nblk`` and ``scaling``) and the constexprs of
+    ``kbit.kernels.moe._route_row``; checks the bias's shape."""
     if correction_bias is not None and tuple(correction_bias.shape) != (E,):
         raise ValueError(f"correction_bias: expected shape ({E},), got {tuple(correction_bias.shape)}")
-    dev = hidden.device
-    weights, ids, token_ids, row_ids = _route_outputs(T, top_k, dev)
-    if T == 0:
-        return logits, weights, ids, token_ids, row_ids
-    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
-    block_e = max(16, 1 << (E - 1).bit_length())
+    weights, ids = out[0], out[1]
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     blk, nblk = blocks if blocks is not None else (ids, ids)
-    router_route_kernel[(T, -(-E // config.chunk_e))](
-        x, router_weight.contiguous(), logits, counters, bias, weights, ids, token_ids, row_ids, blk, nblk, E, H,
-        x.stride(0), float(scaling), start, stop, TOP_K=top_k, SIGMOID=router == "sigmoid",
-        HAS_BIAS=correction_bias is not None, RENORM=bool(renormalize), LOCAL=experts is not None,
-        RUNS=blocks is not None, BLOCK_E=block_e, BLOCK_K=max(2, 1 << (top_k - 1).bit_length()),
-        CHUNK_E=config.chunk_e, BLOCK_H=config.block_h, num_warps=config.num_warps, **launch_kw(dev))
-    return logits, weights, ids, token_ids, row_ids
+    start, stop = _expert_range(experts, E)
+    kw = dict(TOP_K=top_k, SIGMOID=router == "sigmoid", HAS_BIAS=correction_bias is not None,
+              RENORM=bool(renormalize), LOCAL=experts is not None, RUNS=blocks is not None,
+              BLOCK_E=max(16, 1 << (E - 1).bit_length()), BLOCK_K=max(2, 1 << (top_k - 1).bit_length()))
+    return (bias, *out, blk, nblk, float(scaling), start, stop), kw
 
 
 def _check_blocks(blocks, T: int, top_k: int, device) -> None:

@@ -197,15 +197,12 @@ class ExpertParallelKbitMoE(nn.Module):
                 and gemm_supported(x.device, x.dtype) and not torch.cuda.is_current_stream_capturing()):
             local.repack_for_kernels()  # the grouped tensor-core kernel reads layout "mma-v1" (as KbitMoE does)
             plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
-        routing = None
         ws = router_workspace(self, x.device) if router_logits is None else None
         if fused_router_applies(x, plan, ws, self.router, self.n_group):  # the router's product in the routing launch
             routing = route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, experts=(self.start, self.stop),
                                    **self._router_kw())
-        elif router_logits is None:
-            router_logits = self.logits(x)
-        if routing is None:
-            routing = self.route(router_logits, plan)
+        else:
+            routing = self.route(self.logits(x) if router_logits is None else router_logits, plan)
         xr = x if local.rotation is None else rotate(x, local.rotation)
         return moe_experts(xr, routing, *local.kernel_weights(), plan)
 
