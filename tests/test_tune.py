@@ -22,6 +22,7 @@ from kbit.tuning.tuned import (
     fit_rules,
     reload_tuned,
     rule_matches,
+    serving_bucket,
     tuned_candidate,
 )
 
@@ -139,7 +140,7 @@ def test_table_round_trip_and_lookup(tmp_path):
     path = t.save(tmp_path / "h100.json")
     u = TunedTable.load(path)
     assert u.as_dict() == t.as_dict() and u.meta["sms"] == 132
-    # exact entry: the fastest trial of that bucket (M = 3 looks up bucket 4, not tuned: the rule then)
+    # exact entry: the fastest trial of the tuned bucket that serves M (M = 9..16: bucket 16)
     best = min((x for x in t.trials((4, 28672, 4096, 16)) if x.us), key=lambda x: x.us).candidate
     assert u.lookup(4, 16, 28672, 4096) == best and u.lookup(4, 9, 28672, 4096) == best
     assert u.lookup(4, 1, 28672, 4096) == Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
@@ -147,6 +148,19 @@ def test_table_round_trip_and_lookup(tmp_path):
     assert u.lookup(4, 1, 1000, 1000) is not None  # untuned shape: the rule, never a search
     with pytest.raises(ValueError, match="format"):
         TunedTable.from_dict({"format": "other"})
+
+
+def test_serving_bucket_and_rule_ranges():
+    tuned = (1, 8, 16, 64, 1024, 4096)
+    got = {M: serving_bucket(tuned, M) for M in (1, 2, 8, 9, 16, 17, 64, 65, 1024, 1025, 5000)}
+    assert got == {1: 1, 2: 8, 8: 8, 9: 16, 16: 16, 17: 64, 64: 64, 65: 1024, 1024: 1024, 1025: 4096, 5000: 4096}
+    assert serving_bucket((16, 256), 1) is None and serving_bucket((16, 256), 300) is None
+    assert serving_bucket((1, 16), 2) == 16
+    t = _table(TUNE[:2], ms=(1, 8, 64, 4096))
+    ranges = {(r["if"].get("M_min"), r["if"].get("M_max")) for r in fit_rules(t)}
+    assert ranges == {(1, 1), (2, 8), (9, 64), (65, None)}
+    for M, b in ((1, 1), (5, 8), (40, 64), (2000, 4096), (9000, 4096)):  # a fitted rule covers what its bucket serves
+        assert TunedTable("h100", {}).bucket(4, M) is None and t.bucket(4, M) == b
 
 
 def test_fit_and_evaluate_held_out():

@@ -6,6 +6,8 @@
 #
 #   Device tool: run(command="bash lab/suite/run_tune_suite.sh", timeout_s=600)
 #
+# MS: the M buckets to tune (default 1,16,256,1024). SEED: a tuned table in the tree (e.g. an earlier call's
+# tuned-tune.json, copied into an untracked folder) that a fresh machine starts from: its entries are kept and skipped.
 # A second call on the same warm machine goes on where the first stopped (the table and the CUBIN cache stay in
 # /tmp/kbit-tune there; the table's name holds a digest of the tuner's code, so a changed tuner starts afresh):
 # entries already tuned are skipped. Written to $OUT: tuned-tune.json (every candidate's
@@ -23,9 +25,10 @@ git log --oneline -1 2>/dev/null || true
 # 600 s limit: ~15 s to start python, the budget stops starting candidates at 470 s, one candidate may run past it
 code=$(cat src/kbit/bench/tune.py src/kbit/tuning/*.py | md5sum | cut -c1-8)
 TABLE="$STATE/tuned-tune-$code.json"
+if [ -n "${SEED:-}" ] && [ ! -e "$TABLE" ]; then cp "$SEED" "$TABLE" && echo "seeded from $SEED"; fi
 echo "table: $TABLE ($( [ -e "$TABLE" ] && echo "continued" || echo "new"))"
 timeout 540 python -m kbit.bench.tune --suite models --split tune --order bands --quick --k 2,3,4,5 \
-  --m 1,16,256,1024 --budget-s 470 --out "$TABLE" >>"$STATE/tune-$code.log" 2>&1
+  --m "${MS:-1,16,256,1024}" --budget-s "${BUDGET_S:-470}" --out "$TABLE" >>"$STATE/tune-$code.log" 2>&1
 echo "kbit tune exit $? after $(( $(date +%s) - T0 )) s"
 cp "$STATE/tune-$code.log" "$OUT/tune.log"
 if [ -e "$TABLE" ]; then

@@ -24,6 +24,12 @@ package data: :func:`packaged_path`; made by :meth:`TunedTable.packaged`), each 
 then for a shape never tuned (the nearest tuned shapes, then the fitted rules); then nothing (the built-in rule
 tables decide). A shipped table that cannot be read fails loudly, naming its path.
 
+M buckets: a table answers for M rows from the entries of the smallest bucket it tuned (for that k) that holds M
+(:meth:`TunedTable.bucket`; M = 1 only from bucket 1, where the decode kernels have their own builds, and a bucket
+other than 1 never for M = 1), so a table tuned at M = 1, 8, 16, 64, 256, 1024, 4096 serves every M: a config
+measured at the bucket's upper end runs every row count below it, and measured neighbours are better evidence than
+the built-in rules. Beyond the largest tuned bucket (unless that is the last of ``M_BUCKETS``) the table says nothing.
+
 Nothing here searches: a shape that is neither in the table nor matched by a rule gets None (the built-in rules
 and heuristics then decide), so a first call never runs a search inline.
 """
@@ -45,7 +51,7 @@ from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
 __all__ = ["FORMAT", "NEAREST", "NK_EDGES", "WITHIN", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules",
-           "packaged_path", "packaged_table", "rule_matches", "tuned_candidate", "reload_tuned"]
+           "packaged_path", "packaged_table", "rule_matches", "serving_bucket", "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
@@ -121,14 +127,24 @@ class TunedTable:
         (:func:`tuned_candidate` does)."""
         return self.exact(k, M, N, K) or self.general(k, M, N, K)
 
+    def buckets(self, k: int) -> tuple[int, ...]:
+        """The M buckets this table tuned at ``k``, ascending."""
+        return tuple(sorted({key[3] for key in self.entries if key[0] == k}))
+
+    def bucket(self, k: int, M: int) -> int | None:
+        """The tuned bucket whose entries serve ``M`` rows at ``k`` (see the module docstring), or None."""
+        return serving_bucket(self.buckets(k), M)
+
     def exact(self, k: int, M: int, N: int, K: int) -> Candidate | None:
-        """The best of the entry of exactly this shape and M's bucket, or None."""
-        entry = self.entries.get((k, N, K, m_bucket(M)))
+        """The best of the entry of exactly this shape and the bucket serving M (:meth:`bucket`), or None."""
+        b = self.bucket(k, M)
+        entry = None if b is None else self.entries.get((k, N, K, b))
         return None if entry is None else candidate_from_dict(entry["best"])
 
     def general(self, k: int, M: int, N: int, K: int) -> Candidate | None:
         """For a shape without an entry: :meth:`nearest`, else the first fitted rule that matches, else None."""
-        near = self.nearest(k, m_bucket(M), N, K)
+        b = self.bucket(k, M)
+        near = None if b is None else self.nearest(k, b, N, K)
         if near is not None:
             return near
         for rule in self.rules:
@@ -285,6 +301,26 @@ def reload_tuned() -> None:
 # ------------------------------------------------------------------------------------------------ the fitted rule
 
 
+def serving_bucket(tuned: Iterable[int], M: int) -> int | None:
+    """Of the ``tuned`` M buckets, the one that serves ``M`` rows: 1 for M = 1 (if tuned), else the smallest
+    tuned bucket above 1 that holds ``m_bucket(M)``; None where none does."""
+    if M <= 1:
+        return 1 if 1 in tuned else None
+    b = m_bucket(M)
+    return min((t for t in tuned if t > 1 and t >= b), default=None)
+
+
+def _m_range(tuned: tuple[int, ...], b: int) -> dict:
+    """The M condition of a fitted rule for tuned bucket ``b`` (the rows :func:`serving_bucket` sends to it)."""
+    if b == 1:
+        return {"M_min": 1, "M_max": 1}
+    lower = [t for t in tuned if 1 < t < b]
+    cond = {"M_min": (max(lower) + 1) if lower else 2}
+    if b != M_BUCKETS[-1]:
+        cond["M_max"] = b
+    return cond
+
+
 def rule_matches(cond: dict, k: int, M: int, N: int, K: int) -> bool:
     """Whether a fitted rule's conditions hold: the vocabulary and the matcher of the rule tables in
     ``configs/default.json`` (fitted rules use k, M_min, M_max, N_min, N_max, NK_min, NK_below of it)."""
@@ -341,8 +377,7 @@ def fit_rules(table: TunedTable) -> list[dict]:
         groups[(key[0], key[3])].append(key)
     rules = []
     for (k, b), keys in sorted(groups.items()):
-        i = M_BUCKETS.index(b) if b in M_BUCKETS else 0
-        m_cond = {"k": [k], "M_min": (M_BUCKETS[i - 1] + 1) if i else 1, "M_max": b}
+        m_cond = {"k": [k], **_m_range(table.buckets(k), b)}
         bands: dict[tuple, list] = defaultdict(list)
         for key in keys:
             bands[_band(key[1] * key[2])].append(key)
