@@ -7,6 +7,7 @@
 #
 #   Device tool: run(command="bash lab/suite/run_heldout_tune.sh", timeout_s=600)
 #
+# KS, MS, BUDGET_S: the bits, M buckets and budget (default 4,2; 1,16,256,1024; 470 s).
 # The table: as lab/suite/run_heldout_eval.sh finds it (/tmp/kbit-tune of the warm machine, else packaged). Written
 # to $OUT: tuned-held-out.json, heldout-tune.log, fit.txt. Printed last: the entries (best, dispatcher, their ratio)
 # and the "dispatcher / best candidate" line.
@@ -28,8 +29,8 @@ elif [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
 else
   echo "table: NONE for $gpu (the dispatcher uses its built-in rules)"
 fi
-timeout 540 python -m kbit.bench.tune --suite models --split held-out --order bands --quick --k 4,2 \
-  --m 1,16,256,1024 --budget-s 470 --out "$STATE/tuned-held-out.json" >"$OUT/heldout-tune.log" 2>&1
+timeout 540 python -m kbit.bench.tune --suite models --split held-out --order bands --quick --k "${KS:-4,2}" \
+  --m "${MS:-1,16,256,1024}" --budget-s "${BUDGET_S:-470}" --out "$STATE/tuned-held-out.json" >"$OUT/heldout-tune.log" 2>&1
 echo "kbit tune exit $? after $(( $(date +%s) - T0 )) s"
 [ -e "$STATE/tuned-held-out.json" ] && cp "$STATE/tuned-held-out.json" "$OUT/"
 if [ -e "$STATE/tuned-tune.json" ] && [ -e "$STATE/tuned-held-out.json" ]; then
