@@ -120,7 +120,7 @@ def test_packaged_form(tmp_path):
     p = t.packaged().save(tmp_path / "p.json")
     back = TunedTable.load(p)
     e = back.entries[(4, 28672, 4096, 16)]
-    assert set(e) == {"best", "current_us", "times"} and e["current_us"] == 15.0 and back.rules == t.rules
+    assert set(e) == {"best", "current_us", "times", "builtin"} and e["current_us"] == 15.0 and back.rules == t.rules
     assert back.lookup(4, 16, 28672, 4096) == K3 and back.meta == t.meta and back.candidates == [K3, K1]
     assert back.trials((4, 28672, 4096, 16)) == t.trials((4, 28672, 4096, 16))  # times by candidate index
     assert back.packaged().as_dict() == back.as_dict()
@@ -274,6 +274,34 @@ def test_fit_prefers_no_far_off_shape():
     # kernel 7: 1.0, 1.0, 1.0, 125 / 108 (geomean 1.037, worst 1.157); dequantize + cuBLAS: 1.08 x 3, 1.0 (1.059)
     assert rule["family"] == "dequant_mm" and rule["fit"]["worst_slowdown"] == 1.08
     assert rule["fit"]["geomean_slowdown"] == pytest.approx(1.08 ** 0.75, abs=1e-4)
+
+
+def test_nearest_weighs_the_builtin_choice(tmp_path):
+    """The built-in rules' choice an entry records competes in the nearest-shapes pick: where it is within 5% on
+    every nearest shape with the smallest geometric mean, the table answers "the built-in rules" (None from
+    ``lookup``, and no fitted rule or other table after it); an entry that records none leaves the old pick."""
+    def table(own_us):
+        t = TunedTable("h200")
+        for i in range(3):  # the built-in choice (K1 on shape 0, K3 on the others) against kernel 7 / dequantize
+            own = K1 if i == 0 else K3
+            t.add(4, 4096 + 16 * i, 4096, 64, [Trial(K7, 100.0), Trial(DQ, 103.0), Trial(own, own_us)], builtin=own)
+        tuned.fit_rules(t)
+        return t
+
+    t = table(99.0)
+    assert t.nearest(4, 64, 5000, 4096) == tuned.BUILTIN
+    assert t.lookup(4, 64, 5000, 4096) is None and t.general_answer(4, 64, 5000, 4096) == (True, None)
+    assert t.lookup(4, 64, 4096, 4096) == K1  # a tuned shape: its own best
+    assert table(110.0).nearest(4, 64, 5000, 4096) == K7  # the built-in choice 10% off: the measured pick
+    back = TunedTable.load(t.packaged().save(tmp_path / "p.json"))  # the packaged form keeps the record
+    assert back.builtin_candidate((4, 4096 + 16, 4096, 64)) == K3 and back.nearest(4, 64, 5000, 4096) == tuned.BUILTIN
+    for e in t.entries.values():
+        e["builtin"] = None
+    assert t.nearest(4, 64, 5000, 4096) == K7
+    held = TunedTable("h200")  # an untuned shape: the lookup's "built-in" answer is timed as that entry's choice
+    held.add(4, 5000, 4096, 64, [Trial(K7, 100.0), Trial(DQ, 103.0), Trial(K3, 99.0)], builtin=K3)
+    ev = tuned.evaluate([], held, fitted=table(99.0))
+    assert ev["covered"] == ev["entries"] == 1 and ev["rows"][0]["rule_us"] == 99.0
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -1,8 +1,8 @@
 """How a tuned table generalises to shapes never tuned, without a GPU: each model family of the suite's tune half
 is left out in turn, the rules are fitted on the other families' entries, and the left-out entries are looked up
-(a) by the fitted rules alone, (b) as the dispatcher looks them up (nearest tuned shapes, then the rules); each
-pick's time is read from the left-out entry's own trials. The built-in rules' choice is the dispatcher's time
-(``current_us``) where no table was installed in that run.
+(a) by the fitted rules alone, (b) as the dispatcher looks them up (nearest tuned shapes with the built-in choice
+competing, then the rules); each pick's time is read from the left-out entry's own trials, as is (c) the built-in
+rules' choice (entries record it: ``lab/suite/builtin_annotate.py``).
 
     PYTHONPATH=src python lab/suite/cv_families.py TUNED_JSON     # a table of kbit tune (with its trials)
 """
@@ -26,15 +26,15 @@ def main(path: str) -> None:
         rules = fit_rules(fitted)
         rows["rules"] += evaluate(rules, held)["rows"]
         rows["lookup"] += evaluate(rules, held, fitted=fitted)["rows"]
-    builtin = [dict(M=r["M"], slowdown=table.entries[(r["k"], r["N"], r["K"], r["M"])]["current_us"] / r["best_us"])
-               for r in rows["rules"] if table.entries[(r["k"], r["N"], r["K"], r["M"])].get("current_us")]
+    builtin = [dict(M=r["M"], slowdown=table.builtin_slowdown((r["k"], r["N"], r["K"], r["M"])))
+               for r in rows["rules"]]  # entries that record the built-in choice (lab/suite/builtin_annotate.py)
     buckets = sorted({key[3] for key in table.entries})
     print(f"{path}: {len(table.entries)} entries; time / the entry's best, left-out families; per M bucket: "
           "within 5%")
     print("| pick | entries | median | worst | within 5% | " + " | ".join(f"M = {b}" for b in buckets) + " |")
     print("|---|--:|--:|--:|--:|" + "--:|" * len(buckets))
     for name, rs in (("fitted rules", rows["rules"]), ("nearest shapes, then rules", rows["lookup"]),
-                     ("dispatcher of the run", builtin)):
+                     ("built-in rules", builtin)):
         s = [r["slowdown"] for r in rs if r["slowdown"] is not None]
 
         def within(ms, rs=rs):

@@ -222,7 +222,7 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 if trials is None or not any(t.us is not None for t in trials):
                     _log(f"{N}x{K} k={k} M={M}: not stored ({'budget' if trials is None else 'nothing ran'})")
                     continue
-                e = table.add(k, N, K, M, trials, current_us=cur)
+                e = table.add(k, N, K, M, trials, current_us=cur, builtin=own)
                 done.append((k, N, K, m_bucket(M)))
                 _log(f"{N}x{K} k={k} M={M}: {len(cands)} candidates in {time.time() - t0:.0f} s; best "
                      f"{e['best']['us']:.2f} us {_short(e['best'])}; dispatcher {cur:.2f} us")

@@ -7,6 +7,7 @@ A tuned table is a JSON file per GPU (``<cache_dir>/tuned/<gpu>.json`` by defaul
      "entries": {"<k>": {"<N>x<K>": {"<M bucket>": {
          "best": {"family": "mma", "config": {...}, "us": 40.1},
          "current_us": 48.3,                      # the dispatcher's choice before tuning, timed in the same run
+         "builtin": {"family": "mma", ...},       # the built-in rules' choice (one of the trials), or null
          "trials": [{"family": ..., "config": ..., "us": ...}, ...]}}}},   # every candidate timed (us null: failed)
      "rules": [{"if": {"k": [4], "M_min": 9, "M_max": 16, "NK_min": 50000000, "NK_below": 100000000},
                 "family": ..., "config": ...,
@@ -22,13 +23,17 @@ Where the dispatcher looks (:func:`tuned_candidate`), first answer wins: the use
 (``kbit tune`` wrote it on their GPU), then the table shipped with kbit for that GPU (``configs/tuned-<gpu>.json``,
 package data: :func:`packaged_path`; made by :meth:`TunedTable.packaged`), each first for an entry of the very shape,
 then for a shape never tuned (the nearest tuned shapes, then the fitted rules); then nothing (the built-in rule
-tables decide). A shipped table that cannot be read fails loudly, naming its path.
+tables decide). On the nearest tuned shapes the built-in rules' own choice competes as one more candidate (its time
+on each is that of the trial it chose there): where it wins, the table answers "the built-in rules" for the shape.
+A shipped table that cannot be read fails loudly, naming its path.
 
-M buckets: a table answers for M rows from the entries of the smallest bucket it tuned (for that k) that holds M
-(:meth:`TunedTable.bucket`; M = 1 only from bucket 1, where the decode kernels have their own builds, and a bucket
-other than 1 never for M = 1), so a table tuned at M = 1, 8, 16, 64, 256, 1024, 4096 serves every M: a config
-measured at the bucket's upper end runs every row count below it, and measured neighbours are better evidence than
-the built-in rules. Beyond the largest tuned bucket (unless that is the last of ``M_BUCKETS``) the table says nothing.
+M buckets: a table answers for M rows from the entries of the smallest bucket it tuned (for that k) that holds M, if
+that bucket is less than :data:`SERVE_RATIO` times M (:meth:`TunedTable.bucket`; M = 1 only from bucket 1, where the
+decode kernels have their own builds, and bucket 1 only for M = 1). So a table tuned at M = 1, 4, 8, 16, 64, 128,
+256, 1024 serves every M up to 1024 (a config measured at a bucket's upper end runs every row count below it, and
+measured neighbours are better evidence than the built-in rules), while one tuned at 1, 16, 256, 1024 leaves M =
+2..4 and 17..64 to the built-in rules: a config measured at 256 rows is no evidence for 32. Beyond the largest tuned
+bucket (unless that is the last of ``M_BUCKETS``) the table says nothing.
 
 Nothing here searches: a shape that is neither in the table nor matched by a rule gets None (the built-in rules
 and heuristics then decide), so a first call never runs a search inline.
@@ -50,8 +55,9 @@ from kbit.tuning import mma as _tmma
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
-__all__ = ["FORMAT", "NEAREST", "NK_EDGES", "WITHIN", "Trial", "TunedTable", "default_path", "evaluate", "fit_rules",
-           "packaged_path", "packaged_table", "rule_matches", "serving_bucket", "tuned_candidate", "reload_tuned"]
+__all__ = ["BUILTIN", "FORMAT", "NEAREST", "NK_EDGES", "SERVE_RATIO", "WITHIN", "Trial", "TunedTable", "default_path",
+           "evaluate", "fit_rules", "packaged_path", "packaged_table", "rule_matches", "serving_bucket",
+           "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
@@ -62,6 +68,10 @@ NK_EDGES = (2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8)
 WITHIN = 1.05
 #: an untuned shape takes its pick over this many nearest tuned shapes (:meth:`TunedTable.nearest`)
 NEAREST = 3
+#: a tuned bucket serves M rows only where it is less than this times M (see the module docstring)
+SERVE_RATIO = 4
+#: :meth:`TunedTable.nearest`'s answer where the built-in rules' own choice wins on the nearest tuned shapes
+BUILTIN = "builtin"
 
 
 def packaged_path(gpu: str) -> Path:
@@ -104,14 +114,17 @@ class TunedTable:
         self.candidates: list[Candidate] = []
 
     # -- building
-    def add(self, k: int, N: int, K: int, M: int, trials: Iterable[Trial], current_us: float | None = None) -> dict:
-        """Records the trials of one (k, N, K, M's bucket); the best is the fastest timed one."""
+    def add(self, k: int, N: int, K: int, M: int, trials: Iterable[Trial], current_us: float | None = None,
+            builtin: Candidate | None = None) -> dict:
+        """Records the trials of one (k, N, K, M's bucket); the best is the fastest timed one. ``builtin``: the
+        built-in rules' choice there (one of the trials; :meth:`nearest` weighs it)."""
         trials = list(trials)
         timed = [t for t in trials if t.us is not None and math.isfinite(t.us)]
         if not timed:
             raise ValueError(f"trials: expected at least one timed candidate for k={k} {N}x{K} M={M}, got none")
         best = min(timed, key=lambda t: t.us)
-        entry = dict(best=best.as_dict(), current_us=current_us, trials=[t.as_dict() for t in trials])
+        entry = dict(best=best.as_dict(), current_us=current_us, trials=[t.as_dict() for t in trials],
+                     builtin=None if builtin is None else builtin.as_dict())
         self.entries[(int(k), int(N), int(K), m_bucket(M))] = entry
         return entry
 
@@ -142,23 +155,34 @@ class TunedTable:
         return None if entry is None else candidate_from_dict(entry["best"])
 
     def general(self, k: int, M: int, N: int, K: int) -> Candidate | None:
-        """For a shape without an entry: :meth:`nearest`, else the first fitted rule that matches, else None."""
+        """For a shape without an entry: :meth:`nearest` (None where it says the built-in rules), else the first
+        fitted rule that matches, else None."""
+        answered, cand = self.general_answer(k, M, N, K)
+        return cand if answered else None
+
+    def general_answer(self, k: int, M: int, N: int, K: int) -> tuple[bool, Candidate | None]:
+        """(whether this table answers, its candidate): :meth:`nearest` (its ``BUILTIN`` answer: (True, None), the
+        built-in rules decide), else the first fitted rule that matches; (False, None) where neither does."""
         b = self.bucket(k, M)
         near = None if b is None else self.nearest(k, b, N, K)
+        if near is BUILTIN:
+            return True, None
         if near is not None:
-            return near
+            return True, near
         for rule in self.rules:
             if rule_matches(rule["if"], k, M, N, K):
-                return candidate_from_dict(rule)
-        return None
+                return True, candidate_from_dict(rule)
+        return False, None
 
-    def nearest(self, k: int, bucket: int, N: int, K: int) -> Candidate | None:
+    def nearest(self, k: int, bucket: int, N: int, K: int) -> Candidate | str | None:
         """For a shape not tuned: of the :data:`NEAREST` tuned shapes of this k and M bucket nearest to [N, K]
         (distance ``|log N / N'| + |log K / K'|``), the candidate a fitted rule would take over them (:func:`fit_rules`:
-        within :data:`WITHIN` of the best on each, else the smallest worst slowdown); None without such shapes.
-        Judged by leaving each model family out of the H200 suite table of 2026-11-26 in turn (523 entries;
-        ``lab/suite/cv_families.py``): within 5% of the best on 76% of the entries, worst 1.82x, against 68% and
-        3.64x for the banded rules and 64% and 5.12x for the built-in rules."""
+        within :data:`WITHIN` of the best on each, else the smallest worst slowdown), the built-in rules' choice
+        competing as one more candidate where every one of those entries records it (:data:`BUILTIN` where it
+        wins); None without such shapes. Judged by leaving each model family of the H100 tune table of 2026-11-27
+        out in turn (1267 entries, M = 1..1024; ``lab/suite/cv_families.py``): within 5% of the best on 79% of the
+        entries (worst 2.74x), against 76% (2.82x) without the built-in candidate and 69% (5.04x) for the built-in
+        rules alone."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
@@ -166,8 +190,29 @@ class TunedTable:
         near = keys[:NEAREST]
         if not all("trials" in self.entries[key] or "times" in self.entries[key] for key in near):
             return candidate_from_dict(self.entries[near[0]]["best"])  # no trials kept: the nearest shape's best
-        picked = _pick(_slowdowns(self, near), len(near))
-        return None if picked is None else candidate_from_dict(json.loads(picked[0]))
+        slow = _slowdowns(self, near)
+        own = [self.builtin_slowdown(key) for key in near]
+        if all(v is not None for v in own):
+            slow[BUILTIN] = own
+        picked = _pick(slow, len(near))
+        if picked is None:
+            return None
+        return BUILTIN if picked[0] == BUILTIN else candidate_from_dict(json.loads(picked[0]))
+
+    def builtin_candidate(self, key: tuple[int, int, int, int]) -> Candidate | None:
+        """The built-in rules' choice an entry records (None where it records none)."""
+        own = self.entries[key].get("builtin")
+        if own is None:
+            return None
+        return self.candidates[own] if isinstance(own, int) else candidate_from_dict(own)
+
+    def builtin_slowdown(self, key: tuple[int, int, int, int]) -> float | None:
+        """The built-in rules' choice's time / the best at an entry (None where it records none or was not timed)."""
+        own = self.builtin_candidate(key)
+        if own is None:
+            return None
+        times = {t.candidate: t.us for t in self.trials(key) if t.us is not None}
+        return times[own] / min(times.values()) if own in times else None
 
     # -- JSON
     def as_dict(self) -> dict:
@@ -217,6 +262,7 @@ class TunedTable:
                 candidate_from_dict(e["best"])
                 if "times" in e:
                     t.trials(key)  # every index names a candidate
+                t.builtin_candidate(key)
             for r in t.rules:
                 candidate_from_dict(r)
                 for name, v in r["if"].items():  # one at a time: the matcher stops at the first that fails
@@ -238,7 +284,9 @@ class TunedTable:
                 for tr in self.trials(key):
                     if tr.us is not None:
                         times.append([index.setdefault(tr.candidate, len(index)), round(tr.us, 3)])
-            t.entries[key] = {"best": e["best"], "current_us": e.get("current_us"), "times": times}
+            own = self.builtin_candidate(key)
+            t.entries[key] = {"best": e["best"], "current_us": e.get("current_us"), "times": times,
+                              "builtin": None if own is None else index.setdefault(own, len(index))}
         t.candidates = list(index)
         t.rules = list(self.rules)
         return t
@@ -282,11 +330,14 @@ def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | Non
 @functools.lru_cache(maxsize=65536)
 def _lookup(cache: str | None, gpu: str, k: int, M: int, N: int, K: int) -> Candidate | None:
     tables = [t for t in (_active(cache, gpu) if cache else None, packaged_table(gpu)) if t is not None]
-    for how in ("exact", "general"):  # a measured entry of either table before a generalisation of either
-        for t in tables:
-            cand = getattr(t, how)(k, M, N, K)
-            if cand is not None:
-                return cand
+    for t in tables:  # a measured entry of either table before a generalisation of either
+        cand = t.exact(k, M, N, K)
+        if cand is not None:
+            return cand
+    for t in tables:
+        answered, cand = t.general_answer(k, M, N, K)
+        if answered:
+            return cand  # None: the built-in rules' choice won on the nearest tuned shapes
     return None
 
 
@@ -303,11 +354,12 @@ def reload_tuned() -> None:
 
 def serving_bucket(tuned: Iterable[int], M: int) -> int | None:
     """Of the ``tuned`` M buckets, the one that serves ``M`` rows: 1 for M = 1 (if tuned), else the smallest
-    tuned bucket above 1 that holds ``m_bucket(M)``; None where none does."""
+    tuned bucket above 1 that holds ``m_bucket(M)``, if it is less than :data:`SERVE_RATIO` times M; else None."""
     if M <= 1:
         return 1 if 1 in tuned else None
     b = m_bucket(M)
-    return min((t for t in tuned if t > 1 and t >= b), default=None)
+    t = min((t for t in tuned if t > 1 and t >= b), default=None)
+    return t if t is not None and t < SERVE_RATIO * M else None
 
 
 def _m_range(tuned: tuple[int, ...], b: int) -> dict:
@@ -315,7 +367,7 @@ def _m_range(tuned: tuple[int, ...], b: int) -> dict:
     if b == 1:
         return {"M_min": 1, "M_max": 1}
     lower = [t for t in tuned if 1 < t < b]
-    cond = {"M_min": (max(lower) + 1) if lower else 2}
+    cond = {"M_min": max(max(lower, default=1) + 1, b // SERVE_RATIO + 1)}
     if b != M_BUCKETS[-1]:
         cond["M_max"] = b
     return cond
@@ -407,6 +459,9 @@ def evaluate(rules: list[dict], table: TunedTable, fitted: TunedTable | None = N
     for key in sorted(table.entries):
         k, N, K, b = key
         cand = probe.lookup(k, b, N, K)
+        if cand is None and fitted is not None:
+            answered, _ = fitted.general_answer(k, b, N, K)
+            cand = table.builtin_candidate(key) if answered else None  # the built-in rules' choice here
         trials = {t.candidate.key: t.us for t in table.trials(key) if t.us is not None}
         best = min(trials.values())
         us = trials.get(cand.key) if cand is not None else None
