@@ -7,6 +7,8 @@
 #   Here, once: bash /work/shared/tools/fetch_peer_wheels.sh      (makes .whl/ in the repo root; git ignores it)
 #   Device tool: run(command="bash lab/suite/run_heldout_eval.sh", carry=[".whl"], timeout_s=600)
 #
+# MS: the M list (default 1,16,256,1024); K4_BUDGET_S: the k = 4 part's budget (default 270 s); TOTAL_S: the
+# whole run's (default 500 s; k = 2 runs on what k = 4 left).
 # The table: on the machine that just ran lab/suite/run_tune_suite.sh, its table from /tmp/kbit-tune, installed as
 # the user's table of the cache directory (it wins over a packaged one); else src/kbit/tuning/configs/tuned-<gpu>.json
 # where the tree ships one. Without either the run goes on (the built-in rules) and says so. Written to $OUT: heldout-k4-*.json / -k2-*.json (results), their summaries,
@@ -45,9 +47,10 @@ ms = S.load_models('models')
 fam = S.shape_families(S.select(ms, split='held-out'))
 print(','.join(f'{n}x{k}' for n, k in S.by_bands(S.unseen_shapes(ms), NK_EDGES, fam)[:6]))")
 echo "held-out shapes: $PICK"
-common=(--suite models --split held-out --suite-parts dense --pick "$PICK" --m 1,16,256,1024 --peers humming
+common=(--suite models --split held-out --suite-parts dense --pick "$PICK" --m "${MS:-1,16,256,1024}" --peers humming
         --out "$OUT")
-timeout 330 python -m kbit.cli bench "${common[@]}" --k 4 --budget-s 270 --name heldout-k4 >"$OUT/run.log" 2>&1
+timeout $(( ${K4_BUDGET_S:-270} + 60 )) python -m kbit.cli bench "${common[@]}" --k 4 --budget-s "${K4_BUDGET_S:-270}" \
+  --name heldout-k4 >"$OUT/run.log" 2>&1
 echo "k=4 bench exit $? after $(( $(date +%s) - T0 )) s"
 left=$(( ${TOTAL_S:-500} - ($(date +%s) - T0) ))
 if [ "$left" -gt 90 ]; then  # k = 2 with what is left (the shapes largest first, as the bench orders them)
