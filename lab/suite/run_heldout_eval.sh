@@ -14,6 +14,7 @@
 # where the tree ships one. Without either the run goes on (the built-in rules) and says so. Written to $OUT: heldout-k4-*.json / -k2-*.json (results), their summaries,
 # points-k4.md / points-k2.md (per point), run.log. Printed last: the per-point tables' closing lines.
 set -uo pipefail
+# KBIT_COMMIT: the commit the results name (the device copy's git data can be stale)
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 OUT=${OUT:-/tmp/heldout-out}
@@ -49,12 +50,12 @@ print(','.join(f'{n}x{k}' for n, k in S.by_bands(S.unseen_shapes(ms), NK_EDGES, 
 echo "held-out shapes: $PICK"
 common=(--suite models --split held-out --suite-parts dense --pick "$PICK" --m "${MS:-1,16,256,1024}" --peers humming
         --out "$OUT")
-timeout $(( ${K4_BUDGET_S:-270} + 60 )) python -m kbit.cli bench "${common[@]}" --k 4 --budget-s "${K4_BUDGET_S:-270}" \
+timeout $(( ${K4_BUDGET_S:-270} + 60 )) python -m kbit.cli bench "${common[@]}" ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --k 4 --budget-s "${K4_BUDGET_S:-270}" \
   --name heldout-k4 >"$OUT/run.log" 2>&1
 echo "k=4 bench exit $? after $(( $(date +%s) - T0 )) s"
 left=$(( ${TOTAL_S:-500} - ($(date +%s) - T0) ))
 if [ "$left" -gt 90 ]; then  # k = 2 with what is left (the shapes largest first, as the bench orders them)
-  timeout $(( left + 40 )) python -m kbit.cli bench "${common[@]}" --k 2 --budget-s $(( left - 30 )) --no-ceiling \
+  timeout $(( left + 40 )) python -m kbit.cli bench "${common[@]}" ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --k 2 --budget-s $(( left - 30 )) --no-ceiling \
     --name heldout-k2 >>"$OUT/run.log" 2>&1
   echo "k=2 bench exit $? after $(( $(date +%s) - T0 )) s"
 fi

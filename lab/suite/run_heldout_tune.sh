@@ -12,6 +12,7 @@
 # to $OUT: tuned-held-out.json, heldout-tune.log, fit.txt. Printed last: the entries (best, dispatcher, their ratio)
 # and the "dispatcher / best candidate" line.
 set -uo pipefail
+# KBIT_COMMIT: the commit the results name (the device copy's git data can be stale)
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 OUT=${OUT:-/tmp/heldout-tune-out}
@@ -29,7 +30,7 @@ elif [ -e "src/kbit/tuning/configs/tuned-$gpu.json" ]; then
 else
   echo "table: NONE for $gpu (the dispatcher uses its built-in rules)"
 fi
-timeout 540 python -m kbit.bench.tune --suite models --split held-out --order bands --quick --k "${KS:-4,2}" \
+timeout 540 python -m kbit.bench.tune ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --suite models --split held-out --order bands --quick --k "${KS:-4,2}" \
   --m "${MS:-1,16,256,1024}" --budget-s "${BUDGET_S:-470}" --out "$STATE/tuned-held-out.json" >"$OUT/heldout-tune.log" 2>&1
 echo "kbit tune exit $? after $(( $(date +%s) - T0 )) s"
 [ -e "$STATE/tuned-held-out.json" ] && cp "$STATE/tuned-held-out.json" "$OUT/"

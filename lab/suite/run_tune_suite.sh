@@ -14,6 +14,7 @@
 # time per entry, with the fitted rules), tuned-<gpu>.json (the packaged form: copy it to
 # src/kbit/tuning/configs/), tune.log, fit.txt. Printed last: the tuned entries and the rule's report.
 set -uo pipefail
+# KBIT_COMMIT: the commit the results name (the device copy's git data can be stale)
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 OUT=${OUT:-/tmp/tune-out}
@@ -27,7 +28,7 @@ code=$(cat src/kbit/bench/tune.py src/kbit/tuning/*.py | md5sum | cut -c1-8)
 TABLE="$STATE/tuned-tune-$code.json"
 if [ -n "${SEED:-}" ] && [ ! -e "$TABLE" ]; then cp "$SEED" "$TABLE" && echo "seeded from $SEED"; fi
 echo "table: $TABLE ($( [ -e "$TABLE" ] && echo "continued" || echo "new"))"
-timeout 540 python -m kbit.bench.tune --suite models --split tune --order bands --quick --k 2,3,4,5 \
+timeout 540 python -m kbit.bench.tune ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --suite models --split tune --order bands --quick --k 2,3,4,5 \
   --m "${MS:-1,16,256,1024}" --budget-s "${BUDGET_S:-470}" --out "$TABLE" >>"$STATE/tune-$code.log" 2>&1
 echo "kbit tune exit $? after $(( $(date +%s) - T0 )) s"
 cp "$STATE/tune-$code.log" "$OUT/tune.log"

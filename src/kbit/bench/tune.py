@@ -285,6 +285,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     src.add_argument("--shapes", type=_shapes, default=None, help="NxK list")
     src.add_argument("--model", default=None, help="a Hugging Face model directory: its config.json's dense layers")
     src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
     p.add_argument("--families", default=None, help="suite: only these model families (comma list)")
     p.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
     p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes (--order says which)")
@@ -372,7 +373,7 @@ def main(args: argparse.Namespace) -> int:
     table = TunedTable.load(path) if path.exists() else TunedTable(gpu)
     if table.gpu != gpu:
         raise ValueError(f"out: expected a tuned table of this GPU ({gpu!r}), got {path} of {table.gpu!r}")
-    table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=git_commit(),
+    table.meta.update(gpu_name=torch.cuda.get_device_name(dev), sms=sm_count(dev), commit=args.commit or git_commit(),
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
     workers = args.build_workers if args.build_workers is not None else max(0, (os.cpu_count() or 2) - 2)
