@@ -88,3 +88,10 @@ def test_tensor_cache_follows_identity_and_version():
     assert len(cache) <= 4
     cache.clear()
     assert len(cache) == 0
+    unbounded = TensorCache(max_entries=None)  # entries stay while their tensors live, however many
+    keep = [torch.zeros(1) for _ in range(300)]
+    for i, t in enumerate(keep):
+        unbounded.put((t,), None, i)
+    assert len(unbounded) == 300 and all(unbounded.get((t,), None) == i for i, t in enumerate(keep))
+    del keep, t
+    assert len(unbounded) == 0

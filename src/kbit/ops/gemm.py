@@ -24,7 +24,7 @@ __all__ = ["gemm_fused", "gemm_reference", "grouped_gemm_reference", "kbit_gemm"
 _X_DTYPES = (torch.float16, torch.bfloat16)
 
 
-_CB_TABLES = TensorCache()
+_CB_TABLES = TensorCache(max_entries=None)  # a few bytes per live codebook
 
 
 def _codebook_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

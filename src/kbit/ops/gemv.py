@@ -38,7 +38,7 @@ MAX_M = 8  # rows per launch; larger M is split into launches of 8
 
 # ------------------------------------------------------------------------------------------------ helpers
 
-_TABLES = TensorCache()
+_TABLES = TensorCache(max_entries=None)  # a few hundred bytes per live codebook
 
 
 def lookup_table(codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

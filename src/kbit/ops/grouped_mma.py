@@ -65,7 +65,7 @@ GroupedConfig = GroupedMmaConfig | WgmmaGroupedConfig
 
 
 #: repacked copies of canonical stacks, per (codes, scales) tensor object and version
-_CACHE = TensorCache()
+_CACHE = TensorCache(max_entries=None)  # one copy per live canonical stack
 
 
 def repacked_stack(codes, scales, *, k, blocksize, scale_format, N, K):

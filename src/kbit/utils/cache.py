@@ -17,9 +17,11 @@ __all__ = ["TensorCache"]
 class TensorCache:
     """``get(tensors, extra)`` returns what ``put(tensors, extra, value)`` stored while every tensor of
     ``tensors`` is the same object at the same version; ``extra`` is any hashable (e.g. a dtype). An entry goes
-    when its first tensor is freed; past ``max_entries`` the cache starts afresh."""
+    when its first tensor is freed; past ``max_entries`` the cache starts afresh (None: no bound, for values that
+    must stay as long as their tensors do: a bound would rebuild them on every call of a model with more weights
+    than that, and inside a CUDA graph capture record the rebuild into the graph)."""
 
-    def __init__(self, max_entries: int = 256):
+    def __init__(self, max_entries: int | None = 256):
         self.max_entries = max_entries
         self._d: dict = {}
         self._lock = threading.Lock()
@@ -40,7 +42,7 @@ class TensorCache:
         key = (tuple(id(t) for t in tensors), extra)
         entry = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), value)
         with self._lock:
-            if len(self._d) >= self.max_entries:
+            if self.max_entries is not None and len(self._d) >= self.max_entries:
                 self._d.clear()
             self._d[key] = entry
         weakref.finalize(tensors[0], self._d.pop, key, None)

@@ -228,7 +228,7 @@ def _pack_bytes(c: torch.Tensor, k: int, out: torch.Tensor) -> None:
 
 
 
-_REPACKED = TensorCache()
+_REPACKED = TensorCache(max_entries=None)  # one copy per live canonical weight (see repacked)
 
 
 def repacked(codes: torch.Tensor, scales: torch.Tensor, *, k: int, blocksize: int, scale_format: str, N: int,
