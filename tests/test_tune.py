@@ -152,15 +152,15 @@ def test_table_round_trip_and_lookup(tmp_path):
 
 def test_serving_bucket_and_rule_ranges():
     tuned = (1, 8, 16, 64, 1024, 4096)
-    got = {M: serving_bucket(tuned, M) for M in (1, 2, 3, 8, 9, 16, 17, 64, 65, 257, 1024, 1025, 5000)}
-    assert got == {1: 1, 2: None, 3: 8, 8: 8, 9: 16, 16: 16, 17: 64, 64: 64, 65: None, 257: 1024, 1024: 1024,
-                   1025: 4096, 5000: 4096}  # a bucket serves M only below 4 M: 256 rows say nothing about 32
+    got = {M: serving_bucket(tuned, M) for M in (1, 2, 3, 8, 9, 16, 17, 33, 64, 65, 257, 1024, 1025, 5000)}
+    assert got == {1: 1, 2: 8, 3: 8, 8: 8, 9: 16, 16: 16, 17: None, 33: 64, 64: 64, 65: None, 257: None,
+                   1024: 1024, 1025: None, 5000: 4096}  # above 16 rows only M's own bucket
     assert serving_bucket((16, 256), 1) is None and serving_bucket((16, 256), 300) is None
-    assert serving_bucket((1, 16), 4) is None and serving_bucket((1, 16), 5) == 16
+    assert serving_bucket((1, 16), 2) == 16 and serving_bucket((1, 32), 2) is None
     t = _table(TUNE[:2], ms=(1, 8, 64, 4096))
     ranges = {(r["if"].get("M_min"), r["if"].get("M_max")) for r in fit_rules(t)}
-    assert ranges == {(1, 1), (3, 8), (17, 64), (1025, None)}
-    for M, b in ((1, 1), (5, 8), (40, 64), (2000, 4096), (9000, 4096), (2, None), (100, None)):
+    assert ranges == {(1, 1), (2, 8), (33, 64), (2049, None)}
+    for M, b in ((1, 1), (2, 8), (5, 8), (40, 64), (3000, 4096), (9000, 4096), (9, None), (20, None), (100, None)):
         assert TunedTable("h100", {}).bucket(4, M) is None and t.bucket(4, M) == b
         rules = [r for r in t.rules if rule_matches(r["if"], 4, M, 28672, 4096)]  # the rules cover the same M
         assert bool(rules) == (b is not None)

@@ -56,11 +56,11 @@ def test_tuned_entries_reach_the_dispatcher(h100):
     assert D.tuned_choice(32, 28672, 4096, 4, h100, mma=True, large=True) == Choice("fused", fused)
     assert D.tuned_choice(64, 28672, 4096, 4, h100, mma=True, large=False) is None  # kernel 7 does not run there
     assert D.tuned_choice(16, 4096, 4096, 4, h100, mma=True, large=True) == Choice("gemv")  # the nearest shape's
-    # M is served by the smallest tuned bucket holding it, below 4 M; M = 1 only by bucket 1; nothing beyond
-    assert D.tuned_choice(5, 4096, 4096, 4, h100, mma=True, large=True) == Choice("gemv")  # bucket 16's
-    assert D.tuned_choice(4, 4096, 4096, 4, h100, mma=True, large=True) is None  # 16 rows say nothing about 4
+    # M's own bucket; up to 16 rows the next tuned one; M = 1 only by bucket 1
+    assert D.tuned_choice(2, 4096, 4096, 4, h100, mma=True, large=True) == Choice("gemv")  # bucket 16's
     assert D.tuned_choice(20, 28672, 4096, 4, h100, mma=True, large=True) == Choice("fused", fused)  # bucket 32's
     assert D.tuned_choice(1, 4096, 4096, 4, h100, mma=True, large=True) is None  # no bucket 1, no rule
+    assert D.tuned_choice(100, 28672, 4096, 4, h100, mma=True, large=True) is None  # bucket 128 not tuned
     assert D.tuned_choice(300, 28672, 4096, 4, h100, mma=True, large=True) is None  # above bucket 256
     assert gemv_mma.launch_config(4, 16, 28672, 4096, h100) == k3
     assert gemv_mma._large_here(4, 64, 28672, 4096, h100) and not gemv_mma._large_here(4, 16, 28672, 4096, h100)

@@ -27,13 +27,14 @@ tables decide). On the nearest tuned shapes the built-in rules' own choice compe
 on each is that of the trial it chose there): where it wins, the table answers "the built-in rules" for the shape.
 A shipped table that cannot be read fails loudly, naming its path.
 
-M buckets: a table answers for M rows from the entries of the smallest bucket it tuned (for that k) that holds M, if
-that bucket is less than :data:`SERVE_RATIO` times M (:meth:`TunedTable.bucket`; M = 1 only from bucket 1, where the
-decode kernels have their own builds, and bucket 1 only for M = 1). So a table tuned at M = 1, 4, 8, 16, 64, 128,
-256, 1024 serves every M up to 1024 (a config measured at a bucket's upper end runs every row count below it, and
-measured neighbours are better evidence than the built-in rules), while one tuned at 1, 16, 256, 1024 leaves M =
-2..4 and 17..64 to the built-in rules: a config measured at 256 rows is no evidence for 32. Beyond the largest tuned
-bucket (unless that is the last of ``M_BUCKETS``) the table says nothing.
+M buckets (:meth:`TunedTable.bucket`): a table answers for M rows from the entries of M's own bucket
+(``m_bucket(M)``) where it tuned that bucket (for that k); M = 1 only from bucket 1, where the decode kernels have
+their own builds. Up to :data:`EXTRAPOLATE_MAX` rows an untuned bucket takes the next tuned one up to that limit:
+the small-M kernels' configs do not depend on M, and on the H100 tune table of 2026-11-27 a larger bucket's pick
+(at most 16 rows) ran M = 1, 4, 8 rows at a geometric mean of 1.01-1.04x the best against 1.05-1.07x for the
+built-in rules. Above it kernel 7 and the GEMM tile by M, and a larger bucket's pick lost to the built-in rules
+even from twice the rows (M = 128 from 256: 1.25x against 1.14x; M = 64 from 256: 1.34x against 1.13x), so there
+an untuned bucket is left to them (``lab`` analysis in ``docs/notes/2026-11-27-tuned-buckets.md``).
 
 Nothing here searches: a shape that is neither in the table nor matched by a rule gets None (the built-in rules
 and heuristics then decide), so a first call never runs a search inline.
@@ -55,9 +56,9 @@ from kbit.tuning import mma as _tmma
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
-__all__ = ["BUILTIN", "FORMAT", "NEAREST", "NK_EDGES", "SERVE_RATIO", "WITHIN", "Trial", "TunedTable", "default_path",
-           "evaluate", "fit_rules", "packaged_path", "packaged_table", "rule_matches", "serving_bucket",
-           "tuned_candidate", "reload_tuned"]
+__all__ = ["BUILTIN", "EXTRAPOLATE_MAX", "FORMAT", "NEAREST", "NK_EDGES", "WITHIN", "Trial", "TunedTable",
+           "default_path", "evaluate", "fit_rules", "packaged_path", "packaged_table", "rule_matches",
+           "serving_bucket", "tuned_candidate", "reload_tuned"]
 
 FORMAT = "kbit-tuned"
 VERSION = 1
@@ -68,8 +69,8 @@ NK_EDGES = (2 * 10**7, 5 * 10**7, 10**8, 2 * 10**8, 5 * 10**8)
 WITHIN = 1.05
 #: an untuned shape takes its pick over this many nearest tuned shapes (:meth:`TunedTable.nearest`)
 NEAREST = 3
-#: a tuned bucket serves M rows only where it is less than this times M (see the module docstring)
-SERVE_RATIO = 4
+#: up to this many rows an untuned M bucket takes the next tuned bucket up to it (see the module docstring)
+EXTRAPOLATE_MAX = 16
 #: :meth:`TunedTable.nearest`'s answer where the built-in rules' own choice wins on the nearest tuned shapes
 BUILTIN = "builtin"
 
@@ -353,21 +354,27 @@ def reload_tuned() -> None:
 
 
 def serving_bucket(tuned: Iterable[int], M: int) -> int | None:
-    """Of the ``tuned`` M buckets, the one that serves ``M`` rows: 1 for M = 1 (if tuned), else the smallest
-    tuned bucket above 1 that holds ``m_bucket(M)``, if it is less than :data:`SERVE_RATIO` times M; else None."""
+    """Of the ``tuned`` M buckets, the one that serves ``M`` rows: 1 for M = 1 (if tuned); else ``m_bucket(M)`` if
+    tuned; else, up to :data:`EXTRAPOLATE_MAX` rows, the smallest tuned bucket above it up to that limit; else None."""
     if M <= 1:
         return 1 if 1 in tuned else None
     b = m_bucket(M)
-    t = min((t for t in tuned if t > 1 and t >= b), default=None)
-    return t if t is not None and t < SERVE_RATIO * M else None
+    if b in tuned:
+        return b
+    if b > EXTRAPOLATE_MAX:
+        return None
+    return min((t for t in tuned if b < t <= EXTRAPOLATE_MAX), default=None)
 
 
 def _m_range(tuned: tuple[int, ...], b: int) -> dict:
     """The M condition of a fitted rule for tuned bucket ``b`` (the rows :func:`serving_bucket` sends to it)."""
     if b == 1:
         return {"M_min": 1, "M_max": 1}
-    lower = [t for t in tuned if 1 < t < b]
-    cond = {"M_min": max(max(lower, default=1) + 1, b // SERVE_RATIO + 1)}
+    i = M_BUCKETS.index(b) if b in M_BUCKETS else 0
+    own = M_BUCKETS[i - 1] + 1 if i else 2  # the rows of b's own bucket
+    if b <= EXTRAPOLATE_MAX:  # and those of the untuned buckets below it
+        own = max((t for t in tuned if 1 < t < b), default=1) + 1
+    cond = {"M_min": own}
     if b != M_BUCKETS[-1]:
         cond["M_max"] = b
     return cond
