@@ -86,6 +86,8 @@ def test_calibrate_adds_the_library_row(tmp_path, monkeypatch):
     (here the residual rotation: a Llama), after the weight-function rows."""
     judges = []
     monkeypatch.setitem(eval_cli.JUDGES, "smollm2", lambda **kw: judges.append(FakeCausalJudge(**kw)) or judges[-1])
+    # the default text is gensim's corpus (the eval extra); the row does not depend on which text it is
+    monkeypatch.setattr(eval_cli, "default_calibration_text", lambda: "The quick brown fox jumps over the dog. " * 64)
     assert main(["eval", "--model", "smollm2", "--k", "3", "--codebooks", "nf0", "--no-baselines", "--calibrate",
                  "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("quality-smollm2-*.json")
