@@ -47,7 +47,9 @@ from kbit.utils.device import sm_count
 BF16 = torch.bfloat16
 #: a candidate whose first output differs from the dispatcher's by more than this (relative Frobenius) is refused
 MAX_REL_ERR = 2e-2
-DEFAULT_MS = "1,16,64,256,1024"
+#: the M buckets the shipped H100 table was tuned at: with them a table serves every M up to 1024 but 17..32 and
+#: 257..512, which the built-in rules keep (``kbit.tuning.tuned.serving_bucket``)
+DEFAULT_MS = "1,4,8,16,64,128,256,1024"
 
 
 def _log(*a) -> None:
