@@ -382,6 +382,18 @@ def test_tune_shapes_adds_the_builtin_choice():
     e = table.entries[done[0]]
     assert e["best"]["family"] == "large" and e["current_us"] == 10.0  # kernel 7 is not in the M = 1 space
     assert sum(t["family"] == "large" for t in e["trials"]) == 1
+    assert table.builtin_candidate(done[0]) == K7  # recorded for the nearest-shape pick
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_shipped_tables_record_the_builtin_choice_and_rules_cover_served_rows(gpu):
+    table = tuned.packaged_table(gpu)
+    assert table is not None and table.entries
+    assert all(table.builtin_candidate(key) is not None for key in table.entries)
+    for rule in table.rules:
+        cond, k = rule["if"], rule["if"]["k"][0]
+        for M in {cond["M_min"], cond.get("M_max", 8192)}:  # a rule answers only rows its bucket serves
+            assert tuned.serving_bucket(table.buckets(k), M) is not None, (gpu, cond)
 
 
 @pytest.fixture
