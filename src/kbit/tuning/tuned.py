@@ -276,7 +276,8 @@ class TunedTable:
     def packaged(self) -> TunedTable:
         """The form shipped as package data (:func:`packaged_path`): each entry keeps its best, the dispatcher's time
         before tuning and its timed trials as ``times`` ([candidate index, us] pairs; the candidates listed once, in
-        ``candidates``), which :meth:`nearest` needs; the rules as they are."""
+        ``candidates``) and the built-in choice as a candidate index, which :meth:`nearest` needs; the rules as they
+        are."""
         t = TunedTable(self.gpu, self.meta)
         index: dict[Candidate, int] = {}
         for key, e in sorted(self.entries.items()):
@@ -319,8 +320,9 @@ def packaged_table(gpu: str) -> TunedTable | None:
 def tuned_candidate(k: int, M: int, N: int, K: int, gpu: str) -> Candidate | None:
     """What the tuned tables say for ``M`` rows on a k-bit [N, K] weight on ``gpu``, first answer wins: the user's
     table in the cache directory, then the table shipped for the GPU, each first for an entry of exactly this shape
-    (:meth:`TunedTable.exact`), then each for its generalisation (:meth:`TunedTable.general`: nearest tuned shapes,
-    fitted rules); else None. Never searches; answers are kept per process.
+    (:meth:`TunedTable.exact`), then each for its generalisation (:meth:`TunedTable.general_answer`: nearest tuned
+    shapes, fitted rules; where the built-in choice wins on the nearest shapes, that ends the search: None); else
+    None. Never searches; answers are kept per process.
 
     The hook a dispatcher consults before its built-in rules, on every eager launch: the tables are read once a
     process (no file access on the hot path), as the dispatcher keeps its own choices; :func:`reload_tuned` reads
