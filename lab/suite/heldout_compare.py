@@ -1,7 +1,8 @@
 """A held-out tuned table (``run_heldout_tune.sh``) read three ways, without a GPU: per entry the time of the
-built-in rules' choice (the dispatcher with no table), of the shipped table's choice (what the dispatcher looks up
+built-in rules' choice (the dispatcher with no table; entries record it: ``kbit tune``, or
+``lab/suite/builtin_annotate.py`` for older tables), of the shipped table's choice (what the dispatcher looks up
 now: exact entry, nearest tuned shapes, fitted rules) and of the fastest candidate, each read from the entry's own
-trials (the tuner times the built-in choice as a trial). The GPU's facts are given (sm_90, the SM count, its name).
+trials.
 
     PYTHONPATH=src python lab/suite/heldout_compare.py HELD_OUT_JSON [--table src/kbit/tuning/configs/tuned-h100.json]
 """
@@ -9,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-from kbit.bench import tune as T
 from kbit.tuning.tuned import TunedTable
-
-sys.path.insert(0, str(Path(__file__).parent))
-from builtin_annotate import gpu_facts  # noqa: E402
 
 
 def _line(name: str, v: list[float]) -> str:
@@ -31,27 +26,24 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("held")
     p.add_argument("--table", default="src/kbit/tuning/configs/tuned-h100.json")
-    p.add_argument("--sms", type=int, default=132)
-    p.add_argument("--name", default="NVIDIA H100 80GB HBM3")
     a = p.parse_args()
     held, table = TunedTable.load(a.held), TunedTable.load(a.table)
     by: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     rows = []
-    with gpu_facts(a.sms, a.name) as dev:
-        for (k, N, K, b), e in sorted(held.entries.items()):
-            times = {t.candidate: t.us for t in held.trials((k, N, K, b)) if t.us is not None}
-            best = min(times.values())
-            own = T.builtin_candidate(k, b, N, K, dev)
-            pick = table.lookup(k, b, N, K)
-            if pick is None and table.general_answer(k, b, N, K)[0]:
-                pick = own  # the table says: the built-in rules' choice
-            r = dict(k=k, N=N, K=K, M=b, best=best, builtin=times.get(own), table=times.get(pick),
-                     measured=e.get("current_us"))
-            rows.append(r)
-            for name in ("builtin", "table", "measured"):
-                if r[name] is not None:
-                    by[(k, b)][name].append(r[name] / best)
-                    by[("all", "all")][name].append(r[name] / best)
+    for (k, N, K, b), e in sorted(held.entries.items()):
+        times = {t.candidate: t.us for t in held.trials((k, N, K, b)) if t.us is not None}
+        best = min(times.values())
+        own = held.builtin_candidate((k, N, K, b))
+        answered, pick = table.answer(k, b, N, K)
+        if answered and pick is None:
+            pick = own  # the table says: the built-in rules' choice
+        r = dict(k=k, N=N, K=K, M=b, best=best, builtin=times.get(own), table=times.get(pick),
+                 measured=e.get("current_us"))
+        rows.append(r)
+        for name in ("builtin", "table", "measured"):
+            if r[name] is not None:
+                by[(k, b)][name].append(r[name] / best)
+                by[("all", "all")][name].append(r[name] / best)
     print(f"{a.held}: {len(rows)} entries; time / the entry's fastest candidate (median, worst, within 5%)")
     print("| k | M | built-in rules | table lookup (trials) | dispatcher as timed |")
     print("|---|--:|---|---|---|")

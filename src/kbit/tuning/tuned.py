@@ -137,9 +137,15 @@ class TunedTable:
     def lookup(self, k: int, M: int, N: int, K: int) -> Candidate | None:
         """The tuned candidate for ``M`` rows on a k-bit [N, K] weight: the exact shape's entry for M's bucket, else
         the pick over the :data:`NEAREST` nearest tuned shapes of that k and bucket (:meth:`nearest`), else the
-        first fitted rule that matches, else None. Scans the entries: callers on a hot path keep its answers
-        (:func:`tuned_candidate` does)."""
-        return self.exact(k, M, N, K) or self.general(k, M, N, K)
+        first fitted rule that matches, else None (also where the built-in rules' choice won on the nearest shapes).
+        Scans the entries: callers on a hot path keep its answers (:func:`tuned_candidate` does)."""
+        return self.answer(k, M, N, K)[1]
+
+    def answer(self, k: int, M: int, N: int, K: int) -> tuple[bool, Candidate | None]:
+        """(whether this table answers, its candidate): :meth:`exact`, else :meth:`general_answer` ((True, None):
+        the built-in rules' choice)."""
+        cand = self.exact(k, M, N, K)
+        return (True, cand) if cand is not None else self.general_answer(k, M, N, K)
 
     def buckets(self, k: int) -> tuple[int, ...]:
         """The M buckets this table tuned at ``k``, ascending."""
@@ -154,12 +160,6 @@ class TunedTable:
         b = self.bucket(k, M)
         entry = None if b is None else self.entries.get((k, N, K, b))
         return None if entry is None else candidate_from_dict(entry["best"])
-
-    def general(self, k: int, M: int, N: int, K: int) -> Candidate | None:
-        """For a shape without an entry: :meth:`nearest` (None where it says the built-in rules), else the first
-        fitted rule that matches, else None."""
-        answered, cand = self.general_answer(k, M, N, K)
-        return cand if answered else None
 
     def general_answer(self, k: int, M: int, N: int, K: int) -> tuple[bool, Candidate | None]:
         """(whether this table answers, its candidate): :meth:`nearest` (its ``BUILTIN`` answer: (True, None), the
@@ -467,10 +467,9 @@ def evaluate(rules: list[dict], table: TunedTable, fitted: TunedTable | None = N
     rows = []
     for key in sorted(table.entries):
         k, N, K, b = key
-        cand = probe.lookup(k, b, N, K)
-        if cand is None and fitted is not None:
-            answered, _ = fitted.general_answer(k, b, N, K)
-            cand = table.builtin_candidate(key) if answered else None  # the built-in rules' choice here
+        answered, cand = probe.answer(k, b, N, K)
+        if answered and cand is None:
+            cand = table.builtin_candidate(key)  # the table says: the built-in rules' choice here
         trials = {t.candidate.key: t.us for t in table.trials(key) if t.us is not None}
         best = min(trials.values())
         us = trials.get(cand.key) if cand is not None else None
