@@ -20,6 +20,8 @@ MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 E2E = [RES / "h100" / name for name in ("e2e-final-2026-11-23.json", "e2e-b4-16-2026-11-22.json",
                                         "e2e-b32-b64-2026-11-22.json", "e2e-qwen3-2026-11-22e.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
+#: the model-shape suite (``kbit bench --suite models --peers humming``): one file a k, and the plot of the first
+SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k2-2026-11-27.json"]
 KS = (2, 3, 4, 5)
 
 
@@ -138,10 +140,49 @@ def quality_table(path: Path) -> str:
     return "\n".join(out)
 
 
+def suite_table(paths: list[Path]) -> str:
+    """Per model family (and the suite's tune / held-out halves) and M, kbit's dispatcher against humming at the same
+    k and bf16 cuBLAS of the same run: median ratios over the family's layers (``kbit.bench.summary``)."""
+    from kbit.bench import report, summary
+    from kbit.bench import suite as suite_mod
+
+    summ, heads = [], []
+    for path in paths:
+        header, rows = report.read_results(path)
+        models = suite_mod.load_models(header.get("suite") or "models")
+        summ += summary.summarize(rows, summary.with_halves(suite_mod.layers(models), models))
+        heads.append(f"{_name(path)} ({header['gpu_name']}, commit {header['commit']}, {header['date']})")
+    cols = sorted({(s["k"], s["M"]) for s in summ}, key=lambda c: (-c[0], c[1]))
+    cell = {(s["family"], s["k"], s["M"]): s for s in summ}
+    fams = sorted({s["family"] for s in summ}, key=lambda f: (f.startswith("["), f))
+    out = ["Dense layers of >= 16M weights from the suite's models (`kbit bench --suite models --suite-parts dense "
+           "--min-weights 16000000 --peers humming`), largest first as far as the run's budget went; "
+           + "; ".join(heads) + ". Cells: x faster than humming at the same k / than bf16 `F.linear`, median over "
+           "the family's layers (`-`: no humming row). `[tune]` / `[held-out]`: the suite's halves (configs were "
+           "tuned on the first).", "",
+           "| family | " + " | ".join(f"k={k} M={M}" for k, M in cols) + " |",
+           "|---|" + "--:|" * len(cols)]
+    for fam in fams:
+        cells = []
+        for k, M in cols:
+            s = cell.get((fam, k, M))
+            if s is None:
+                cells.append("")
+                continue
+            hum = "-" if s["x_humming_median"] is None else f"{s['x_humming_median']:.2f}"
+            cells.append(f"{hum} / {s['x_bf16_median']:.2f}")
+        out.append(f"| {fam} | " + " | ".join(cells) + " |")
+    png = paths[0].with_suffix(".png")
+    if png.exists():
+        out += ["", f"![speed-up over bf16 against M per family, k = 4]({png.relative_to(ROOT)})"]
+    return "\n".join(out)
+
+
 def tables() -> str:
     return "\n\n".join([
         "### Dense decode kernels (M = 1)", dense_m1_table(DENSE_M1),
         "### Dense, M = 16..4096", dense_by_m_table(DENSE_BY_M),
+        "### Model-shape suite, per family", suite_table(SUITE),
         "### MoE layer", moe_table(MOE),
         "### End-to-end decode", e2e_table(E2E),
         "### Quality", quality_table(QUALITY)])

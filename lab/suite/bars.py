@@ -1,0 +1,58 @@
+"""Issue 32's bars, read from `kbit bench --suite models` results files (no GPU): per k and M, over the dense shapes
+the files hold, how kbit's dispatcher (`kbit-linear`) stands against humming at the same k and bf16 cuBLAS of the
+same run, and its share of the read ceiling.
+
+    python lab/suite/bars.py benchmarks/results/h100/suite-k4-2026-11-27.json [more.json ...]
+
+Printed per (k, M): shapes, kbit >= humming (count, worst ratio), x bf16 (median, worst), and at M = 1 the share
+of the read ceiling on shapes of >= 100M weights (worst; the bar: >= 85% at k = 3..5, >= 75% at k = 2). The
+split (tune / held-out) of each shape comes from the suite.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+
+from kbit.bench import report
+from kbit.bench import suite as S
+
+
+def main(paths: list[str]) -> int:
+    halves = {}
+    for split in ("tune", "held-out"):
+        for n, k in S.dense_shapes(S.select(split=split)):
+            halves.setdefault((n, k), split)
+    pts = defaultdict(dict)  # (k, M, N, K) -> {kernel: row}
+    for path in paths:
+        _, rows = report.read_results(path)
+        for r in rows:
+            if r.get("E", 1) != 1:
+                continue
+            bits = r["k"] if r["kernel"] != "bf16" else None
+            for kk in ([bits] if bits else sorted({q["k"] for q in rows if q["kernel"] != "bf16"})):
+                pts[(kk, r["M"], r["N"], r["K"])].setdefault(r["kernel"], r)
+    print("| k | M | half | shapes | kbit >= humming | worst x humming | x bf16 median (worst) | "
+          "M=1 ceiling share >= 100M weights, worst |")
+    print("|--:|--:|---|--:|--:|--:|--:|--:|")
+    keys = sorted({(k, M) for k, M, _, _ in pts})
+    for k, M in keys:
+        for half in ("all", "tune", "held-out"):
+            sel = [(n, kk_, d) for (kk, m, n, kk_), d in pts.items() if kk == k and m == M and "kbit-linear" in d
+                   and (half == "all" or halves.get((n, kk_)) == half)]
+            if not sel:
+                continue
+            hum = [d["humming"]["us"] / d["kbit-linear"]["us"] for _, _, d in sel if "humming" in d]
+            bf = [d["bf16"]["us"] / d["kbit-linear"]["us"] for _, _, d in sel if "bf16" in d]
+            share = [d["kbit-linear"]["tbps"] / d["kbit-linear"]["ceiling_tbps"] for n, kk_, d in sel
+                     if n * kk_ >= 100e6 and d["kbit-linear"].get("tbps") and d["kbit-linear"].get("ceiling_tbps")]
+            ok = sum(h >= 1.0 for h in hum)
+            cells = [f"{ok} of {len(hum)}" if hum else "-", f"{min(hum):.2f}" if hum else "-",
+                     f"{statistics.median(bf):.2f} ({min(bf):.2f})" if bf else "-",
+                     f"{min(share):.0%} ({len(share)} shapes)" if share and M == 1 else "-"]
+            print(f"| {k} | {M} | {half} | {len(sel)} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
