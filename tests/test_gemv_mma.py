@@ -241,6 +241,41 @@ def test_x_slices_too_big_for_shared_memory():
         MM.plan_launch(4, 64, 10000, 5120, config=Mma(3, warps=16, ring=3, x_smem=True, x_slice=20), device="cpu")
 
 
+class _Built:
+    """What a plan reads of a build (no NVRTC)."""
+
+    num_regs = 64
+
+    def __init__(self, defines):
+        self.defines = defines
+
+    def occupancy(self, threads, shared):
+        return max(1, min(self.defines.get("MINB", 1), 2048 // threads))
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize("M,config", [(1, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)), (16, Mma(1, warps=8)),
+                                      (48, Mma(4, warps=8, rows_per_warp=1, stages=2)),
+                                      (128, Large(warps=8, groups=8, stages=4))])
+def test_plan_cache_compiles_each_build_once(monkeypatch, bf16, M, config):
+    """The launch runs a build of the plan itself (planned for the activations' dtype): a first call compiles no
+    kernel twice, e.g. once as fp16 for the plan and again as bf16 for the launch."""
+    calls = []
+
+    def compile_kernel(file, name, defines, dev):
+        calls.append((file, tuple(sorted(defines.items()))))
+        return _Built(defines)
+
+    monkeypatch.setattr(MM.cuda, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(MM, "sm_count", lambda dev: 132)  # an H100, without a GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    cache = MM.PlanCache()
+    p, _ = cache.get(4, M, 8192, 16, "log8", config, bf16, torch.device("cuda"))
+    assert p.defines["BF16"] == int(bf16)
+    assert calls[-1] == (p.source[0], tuple(sorted(p.defines.items())))
+    assert calls[-1] in calls[:-1]  # the launch's build is one the plan made (cached by compile_kernel)
+
+
 def test_validation_errors():
     codes, scales, ts, cb = make_weight(4, 64, 4)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=4, K=64)

@@ -197,11 +197,11 @@ def test_quick_large_space_is_eight_warps():
 def test_candidate_builds():
     b = candidate_builds(K3, 4, 1, 28672, 4096, 132)
     assert b and all(f == "gemv_mma_streamk.cu" for f, _ in b)
-    assert {dict(d)["BF16"] for _, d in b} == {0, 1}  # the plan's build and the launch's
+    assert {dict(d)["BF16"] for _, d in b} == {1}  # the plan's builds are the launch's (bf16 activations)
     assert {f for f, _ in candidate_builds(K7, 4, 256, 28672, 4096, 132)} == {"wgmma.cu"}
     assert candidate_builds(DQ, 4, 256, 28672, 4096, 132) == []
     assert candidate_builds(Candidate("mma", XSLICE), 4, 64, 28672, 4096, 132) == []  # refused by its plan
-    assert len({d for _, d in candidate_builds(K1, 4, 200, 28672, 4096, 132)}) >= 4  # chunks of 64 and 8 rows
+    assert len({d for _, d in candidate_builds(K1, 4, 200, 28672, 4096, 132)}) == 2  # chunks of 64 and 8 rows
 
 
 # ------------------------------------------------------------------------------------------------ shape order

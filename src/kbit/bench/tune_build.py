@@ -2,10 +2,10 @@
 into the on-disk CUBIN cache (``kbit.cuda.runtime.compile_cached``) while the GPU process times what is built.
 
 A tuning run is bound by NVRTC, not by the GPU: each kernel 7 config is a separate wgmma build of many seconds of
-one CPU core, and each is built twice (the plan's build, ``BF16`` 0, and the launch's, ``BF16`` 1), per k. The
-timing process compiles one kernel at a time; the pool compiles the same builds, in the order the tuner will reach
-them, on the other cores, so that the tuner mostly loads them from the cache. A build the pool has not reached yet
-is compiled by the tuner itself, as without the pool; the cache's atomic writes make the duplicate harmless.
+one CPU core, per k (the plan's build is the launch's: bf16 activations). The timing process compiles one kernel
+at a time; the pool compiles the same builds, in the order the tuner will reach them, on the other cores, so that
+the tuner mostly loads them from the cache. A build the pool has not reached yet is compiled by the tuner itself,
+as without the pool; the cache's atomic writes make the duplicate harmless.
 
 Which builds a candidate needs comes from its plan (``kbit.tuning.mma_plan.make_plan``) with a fake build whose
 occupancy is the launch bounds' (``MINB``) within the threads and shared memory of an SM: where the real occupancy
@@ -53,8 +53,8 @@ def candidate_builds(cand: Candidate, k: int, M: int, N: int, K: int, sms: int) 
     rows = [M] if cand.family == "large" else sorted({min(M, 64)} | ({M % 64} if M > 64 and M % 64 else set()))
     try:
         for m in rows:
-            p = make_plan(k, m, N, K, "log8", cand.config, sms=sms, build=build)
-            out.append((p.source[0], tuple(sorted({**p.defines, "BF16": 1}.items()))))
+            p = make_plan(k, m, N, K, "log8", cand.config, sms=sms, build=build, bf16=True)
+            out.append((p.source[0], tuple(sorted(p.defines.items()))))
     except ValueError:
         return []
     return list(dict.fromkeys(out))

@@ -77,10 +77,12 @@ def _large_here(k: int, M: int, N: int, K: int, dev: torch.device) -> bool:
 
 
 def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
-                config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0) -> MmaPlan:
+                config: MmaConfig | LargeConfig | None = None, device=None, pro: int = 0, epi: int = 0,
+                bf16: bool = False) -> MmaPlan:
     """The launch plan (``kbit.tuning.mma_plan.make_plan``) of ``M`` rows on a k-bit ``[N, K]`` weight on ``device``
     (default: the current CUDA device), built with NVRTC; ``config``: pin one (default :func:`launch_config`).
-    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.dispatch.prologue``)."""
+    ``pro`` / ``epi``: an x prologue / the SiLU epilogue (``kbit.dispatch.prologue``); ``bf16``: for bf16 activations
+    (else fp16), the build the launch runs."""
     dev = torch.device(device or "cuda")
     if config is None:
         config = launch_config(k, M, N, K, dev)
@@ -91,7 +93,7 @@ def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
     sms = sm_count(dev) if dev.type == "cuda" else 0
     t64 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)  # measured on Hopper only
     return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(), pro=pro,
-                     epi=epi, t64=t64)
+                     epi=epi, t64=t64, bf16=bf16)
 
 
 class PlanCache:
@@ -109,8 +111,8 @@ class PlanCache:
         key = (k, M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
         hit = self._d.get(key)
         if hit is None:
-            p = plan_launch(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi)
-            kern = cuda.compile_kernel(*p.source, {**p.defines, "BF16": int(bf16)}, dev)
+            p = plan_launch(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi, bf16=bf16)
+            kern = cuda.compile_kernel(*p.source, p.defines, dev)  # the plan's own build: compiled once
             if len(self._d) >= self.max_entries:
                 self._d.clear()
             hit = self._d[key] = (p, kern)

@@ -44,7 +44,7 @@ class MmaPlan:
     """One launch of a swap-AB kernel: what :func:`make_plan` decided."""
 
     kernel: int  #: 1, 3, 4 or 7
-    defines: dict = field(repr=False)  #: ``#define`` options of the build (BF16 = 0; the launcher sets it)
+    defines: dict = field(repr=False)  #: ``#define`` options of the build (``BF16``: the activations' dtype)
     warps: int  #: warps a CTA
     grid: int  #: CTAs
     shared: int  #: dynamic shared bytes
@@ -124,7 +124,7 @@ def _k4_defines(k, ng, cfg: MmaConfig, scale_format):
     return defines, D * stage + table_smem(k)
 
 
-def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
+def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False, bf16=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
@@ -155,7 +155,7 @@ def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False):
         defines["K1WO"] = int(k in K1WO_K and ng == 1)
     if kernel in (1, 3) and det:
         defines["DET"] = 1
-    defines.update(BF16=0, FP16_SCALES=int(scale_format == "fp16"), WS4=0)
+    defines.update(BF16=int(bf16), FP16_SCALES=int(scale_format == "fp16"), WS4=0)
     return kernel, defines, shared, W, ng
 
 
@@ -266,8 +266,9 @@ def _ws_floats(st, kernel, M, ng) -> int:
 
 
 def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
-         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False) -> MmaPlan:
-    """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs.
+         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False, bf16: bool = False) -> MmaPlan:
+    """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs, for bf16
+    activations (``bf16``) or fp16: the plan's builds are the ones the launch runs, so they are compiled once.
 
     ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
@@ -276,7 +277,8 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
-    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64)
+    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64,
+                                              bf16)
     kern = build(kernel, defines)
     occ = kern.occupancy(W * 32, shared)
     cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0
