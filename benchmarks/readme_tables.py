@@ -174,7 +174,7 @@ def suite_table(paths: list[Path]) -> str:
         out.append(f"| {fam} | " + " | ".join(cells) + " |")
     png = paths[0].with_suffix(".png")
     if png.exists():
-        out += ["", f"![speed-up over bf16 against M per family, k = 4]({png.relative_to(ROOT)})"]
+        out[0] += f" Plot: [speed-up over bf16 against M per family, k = 4]({png.relative_to(ROOT)})."
     return "\n".join(out)
 
 
