@@ -42,6 +42,7 @@ class Index:
 
     def __init__(self, files: list[str]):
         self.files, self.by_name, self.memo = files, {}, {}
+        self.folders = {f.split("/", 1)[0] for f in files}  # h100, h200x2, cpu, ...
         for f in files:
             name = f.split("/", 1)[1]
             stem = name.split(".", 1)[0]
@@ -69,8 +70,10 @@ class Index:
             if "/" not in rel or rel.endswith(("/", "-")):  # a folder, or a name split over two lines
                 return set(), False
             return {f for p in expand(rel) for f in self.files if fnmatch.fnmatchcase(f, p)}, True
-        if "/" in token:
-            return set(), False
+        if "/" in token:  # `h200x2/tp-2026-11-26c.md`: a path below benchmarks/results, as the notes write them
+            if token.split("/", 1)[0] not in self.folders or token.endswith(("/", "-")):
+                return set(), False
+            return {f for p in expand(token) for f in self.files if fnmatch.fnmatchcase(f, p)}, True
         found = set()
         for p in expand(token):
             wild = re.search(r"[*?[]", p)
