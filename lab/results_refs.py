@@ -1,9 +1,10 @@
 """Which files under benchmarks/results/ are cited, and which references point at nothing.
 
 A file is cited when a tracked file outside benchmarks/results (docs, README, code, tests, configs) or a cited
-results file names it: as a path (``benchmarks/results/h100/x.json``), as a bare name (``x.json``, or its stem
-``x``), through a pattern (``x-run*.log``, ``x.{json,md}``) or as a tail after its sibling (``x-a.md``, ``-b.md``).
-A bare name counts for every GPU folder holding it.
+results file names it: as a path (``benchmarks/results/h100/x.json``, or below the results folder:
+``h100/x.json``), as a run's folder (``h100/m16-2026-11-27/``: every file in it), as a bare name (``x.json``, or its
+stem ``x``), through a pattern (``x-run*.log``, ``x.{json,md}``) or as a tail after its sibling (``x-a.md``,
+``-b.md``). A bare name counts for every GPU folder holding it.
 
     PYTHONPATH=src python lab/results_refs.py            # counts, uncited files, broken references
     PYTHONPATH=src python lab/results_refs.py --cited    # the cited files too, each with one citing file
@@ -62,18 +63,24 @@ class Index:
         return {f for key, fs in self.by_name.items() if key.endswith(tail) and len(key) > len(tail) + 3
                 and key[:-len(tail)] in text for f in fs}
 
+    def _path(self, rel: str) -> tuple[set[str], bool]:
+        """A path below benchmarks/results: a file (or pattern), or a run's folder (``h100/m16-2026-11-27/``: every
+        file in it)."""
+        if rel.endswith("/") and rel.count("/") >= 2:
+            return {f for f in self.files if f.startswith(rel)}, True
+        if "/" not in rel or rel.endswith(("/", "-")):  # a GPU folder, or a name split over two lines
+            return set(), False
+        return {f for p in expand(rel) for f in self.files if fnmatch.fnmatchcase(f, p)}, True
+
     def _matches(self, token: str) -> tuple[set[str], bool]:
         if "<" in token:  # a template such as <gpu>/<name>-<date>.json
             return set(), False
         if "results/" in token:
-            rel = token.split("results/", 1)[1]
-            if "/" not in rel or rel.endswith(("/", "-")):  # a folder, or a name split over two lines
-                return set(), False
-            return {f for p in expand(rel) for f in self.files if fnmatch.fnmatchcase(f, p)}, True
-        if "/" in token:  # `h200x2/tp-2026-11-26c.md`: a path below benchmarks/results, as the notes write them
-            if token.split("/", 1)[0] not in self.folders or token.endswith(("/", "-")):
-                return set(), False
-            return {f for p in expand(token) for f in self.files if fnmatch.fnmatchcase(f, p)}, True
+            return self._path(token.split("results/", 1)[1])
+        if "/" in token and token.split("/", 1)[0] in self.folders:
+            return self._path(token)  # `h200x2/tp-2026-11-26c.md`: below benchmarks/results, as the notes write it
+        if "/" in token:
+            return set(), False
         found = set()
         for p in expand(token):
             wild = re.search(r"[*?[]", p)
