@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kbit import options
+from kbit.bench.tune_build import _FakeKernel
 from kbit.dispatch import linear as D
 from kbit.format.pack import pack
 from kbit.ops import gemv_mma as MM
@@ -241,18 +242,6 @@ def test_x_slices_too_big_for_shared_memory():
         MM.plan_launch(4, 64, 10000, 5120, config=Mma(3, warps=16, ring=3, x_smem=True, x_slice=20), device="cpu")
 
 
-class _Built:
-    """What a plan reads of a build (no NVRTC)."""
-
-    num_regs = 64
-
-    def __init__(self, defines):
-        self.defines = defines
-
-    def occupancy(self, threads, shared):
-        return max(1, min(self.defines.get("MINB", 1), 2048 // threads))
-
-
 @pytest.mark.parametrize("bf16", [True, False])
 @pytest.mark.parametrize("M,config", [(1, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)), (16, Mma(1, warps=8)),
                                       (48, Mma(4, warps=8, rows_per_warp=1, stages=2)),
@@ -264,7 +253,7 @@ def test_plan_cache_compiles_each_build_once(monkeypatch, bf16, M, config):
 
     def compile_kernel(file, name, defines, dev):
         calls.append((file, tuple(sorted(defines.items()))))
-        return _Built(defines)
+        return _FakeKernel(defines)  # what a plan reads of a build, without NVRTC
 
     monkeypatch.setattr(MM.cuda, "compile_kernel", compile_kernel)
     monkeypatch.setattr(MM, "sm_count", lambda dev: 132)  # an H100, without a GPU

@@ -26,11 +26,11 @@ def main(paths: list[str]) -> int:
     pts = defaultdict(dict)  # (k, M, N, K) -> {kernel: row}
     for path in paths:
         _, rows = report.read_results(path)
+        ks = sorted({r["k"] for r in rows if r["kernel"] != "bf16"})  # a bf16 row counts for every k of its file
         for r in rows:
             if r.get("E", 1) != 1:
                 continue
-            bits = r["k"] if r["kernel"] != "bf16" else None
-            for kk in ([bits] if bits else sorted({q["k"] for q in rows if q["kernel"] != "bf16"})):
+            for kk in (ks if r["kernel"] == "bf16" else [r["k"]]):
                 pts[(kk, r["M"], r["N"], r["K"])].setdefault(r["kernel"], r)
     print("| k | M | half | shapes | kbit >= humming | worst x humming | x bf16 median (worst) | "
           "M=1 ceiling share >= 100M weights, worst |")
