@@ -278,8 +278,9 @@ def test_fit_prefers_no_far_off_shape():
 
 def test_nearest_weighs_the_builtin_choice(tmp_path):
     """The built-in rules' choice an entry records competes in the nearest-shapes pick: where it is within 5% on
-    every nearest shape with the smallest geometric mean, the table answers "the built-in rules" (None from
-    ``lookup``, and no fitted rule or other table after it); an entry that records none leaves the old pick."""
+    every nearest shape with the smallest geometric mean, the table answers that choice where it was one candidate
+    on all of them, else "the built-in rules" (None from ``lookup``, and no fitted rule or other table after it);
+    an entry that records none leaves the old pick."""
     def table(own_us):
         t = TunedTable("h200")
         for i in range(3):  # the built-in choice (K1 on shape 0, K3 on the others) against kernel 7 / dequantize
@@ -302,6 +303,10 @@ def test_nearest_weighs_the_builtin_choice(tmp_path):
     held.add(4, 5000, 4096, 64, [Trial(K7, 100.0), Trial(DQ, 103.0), Trial(K3, 99.0)], builtin=K3)
     ev = tuned.evaluate([], held, fitted=table(99.0))
     assert ev["covered"] == ev["entries"] == 1 and ev["rows"][0]["rule_us"] == 99.0
+    same = TunedTable("h200")  # every nearest shape's built-in choice is K3: K3 itself, which was measured there
+    for i in range(3):  # (the rules might choose otherwise at [5000, 4096]: nothing measured that)
+        same.add(4, 4096 + 16 * i, 4096, 64, [Trial(K7, 100.0), Trial(DQ, 103.0), Trial(K3, 99.0)], builtin=K3)
+    assert same.nearest(4, 64, 5000, 4096) == K3 and same.lookup(4, 64, 5000, 4096) == K3
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -21,6 +21,7 @@ def main(path: str) -> None:
     rows: dict[str, list] = {"rules": [], "lookup": []}
     for f in sorted({fam[(k[1], k[2])] for k in table.entries}):
         fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
+        fitted.candidates = held.candidates = table.candidates  # a packed table's entries index its candidates
         for key, e in table.entries.items():
             (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e
         rules = fit_rules(fitted)
@@ -31,8 +32,8 @@ def main(path: str) -> None:
     buckets = sorted({key[3] for key in table.entries})
     print(f"{path}: {len(table.entries)} entries; time / the entry's best, left-out families; per M bucket: "
           "within 5%")
-    print("| pick | entries | median | worst | within 5% | " + " | ".join(f"M = {b}" for b in buckets) + " |")
-    print("|---|--:|--:|--:|--:|" + "--:|" * len(buckets))
+    print("| pick | entries | timed | median | worst | within 5% | " + " | ".join(f"M = {b}" for b in buckets) + " |")
+    print("|---|--:|--:|--:|--:|--:|" + "--:|" * len(buckets))
     for name, rs in (("fitted rules", rows["rules"]), ("nearest shapes, then rules", rows["lookup"]),
                      ("built-in rules", builtin)):
         s = [r["slowdown"] for r in rs if r["slowdown"] is not None]
@@ -41,7 +42,7 @@ def main(path: str) -> None:
             v = [r["slowdown"] for r in rs if r["M"] in ms]
             return f"{sum(x is not None and x <= 1.05 for x in v) / len(v):.0%}" if v else "-"
 
-        print(f"| {name} | {len(rs)} | {statistics.median(s):.3f} | {max(s):.2f} | {within(set(buckets))} | "
+        print(f"| {name} | {len(rs)} | {len(s)} | {statistics.median(s):.3f} | {max(s):.2f} | {within(set(buckets))} | "
               + " | ".join(within({b}) for b in buckets) + " |")
 
 

@@ -179,11 +179,13 @@ class TunedTable:
         """For a shape not tuned: of the :data:`NEAREST` tuned shapes of this k and M bucket nearest to [N, K]
         (distance ``|log N / N'| + |log K / K'|``), the candidate a fitted rule would take over them (:func:`fit_rules`:
         within :data:`WITHIN` of the best on each, else the smallest worst slowdown), the built-in rules' choice
-        competing as one more candidate where every one of those entries records it (:data:`BUILTIN` where it
-        wins); None without such shapes. Judged by leaving each model family of the H100 tune table of 2026-11-27
-        out in turn (1267 entries, M = 1..1024; ``lab/suite/cv_families.py``): within 5% of the best on 79% of the
-        entries (worst 2.74x), against 76% (2.82x) without the built-in candidate and 69% (5.04x) for the built-in
-        rules alone."""
+        competing as one more candidate where every one of those entries records it; where it wins, what the
+        rules chose there if that was one candidate on all of them, else :data:`BUILTIN`; None without such
+        shapes. Judged by leaving each model family of the H100 tune table of 2026-11-27 out in turn (1267 entries,
+        M = 1..1024; ``lab/suite/cv_families.py``, ``benchmarks/results/cpu/nearest-builtin-cv-2026-11-27.txt``):
+        within 5% of the best on 80% of the 1263 entries whose pick was timed there (worst 2.82x); 79% (2.74x) when
+        a win of the built-in candidate always answered :data:`BUILTIN`, 69% (5.04x) for the built-in rules
+        alone."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
@@ -198,7 +200,12 @@ class TunedTable:
         picked = _pick(slow, len(near))
         if picked is None:
             return None
-        return BUILTIN if picked[0] == BUILTIN else candidate_from_dict(json.loads(picked[0]))
+        if picked[0] != BUILTIN:
+            return candidate_from_dict(json.loads(picked[0]))
+        # The built-in rules won on those shapes with what they chose there. Where that was one candidate, it is
+        # the one measured: the rules may choose otherwise for [N, K] (a threshold between), unmeasured.
+        own = {self.builtin_candidate(key) for key in near}
+        return own.pop() if len(own) == 1 else BUILTIN
 
     def builtin_candidate(self, key: tuple[int, int, int, int]) -> Candidate | None:
         """The built-in rules' choice an entry records (None where it records none)."""
