@@ -3,6 +3,9 @@ humming's 14.6, ``benchmarks/results/h100/suite-k4-rest-2026-11-27.md``): the di
 configs, with their plans' K splits and grids (cold L2, CUDA graphs: ``kbit.bench.tune.Measure``).
 
     PYTHONPATH=src python lab/m1_splits.py [--shapes 5120x8192,4096x8192,5120x5120] [--k 4]
+
+``--unsplit``: for each kernel-1 config whose plan splits K, also the same config with the plan's K splits forced
+to 1 (``kbit.tuning.mma_plan._splits`` patched here), at M = 1 and 4 on the given shapes.
 """
 from __future__ import annotations
 
@@ -29,7 +32,10 @@ def main() -> int:
     p.add_argument("--shapes", default="5120x8192,4096x8192,5120x5120,7168x5120")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--unsplit", action="store_true")
     a = p.parse_args()
+    if a.unsplit:
+        return unsplit(a)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     dev = torch.device("cuda")
     for s in a.shapes.split(","):
@@ -48,6 +54,45 @@ def main() -> int:
                   f"xs{int(cfg.x_smem)}: grid {plan.grid}, splits {plan.splits}", flush=True)
         del meas
         torch.cuda.empty_cache()
+    return 0
+
+
+def unsplit(a) -> int:
+    from kbit.tuning import mma_plan
+
+    real = mma_plan._splits
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    dev = torch.device("cuda")
+    rows = []
+    for s in a.shapes.split(","):
+        N, K = (int(v) for v in s.split("x"))
+        meas = Measure(quantized_weight(N, K, a.k), a.reps, l2)
+        for M in (1, 4):
+            disp = meas.set_m(M, seed=0)
+            for c in (1, 2, 3, 4):
+                cfg = MmaConfig(1, 8, min_ctas=c)
+                out = []
+                for forced in (False, True):
+                    mma_plan._splits = (lambda *args, **kw: 1) if forced else real
+                    gemv_mma.PLANS.clear()
+                    plan = gemv_mma.plan_launch(a.k, M, N, K, "log8", cfg, dev, bf16=True)
+                    if forced or plan.splits > 1:
+                        out.append((plan.splits, plan.grid, meas(Candidate("mma", cfg))))
+                    if not out:
+                        break
+                mma_plan._splits = real
+                gemv_mma.PLANS.clear()
+                if len(out) == 2:
+                    rows.append((s, M, c, N // 16, *out[0], *out[1], disp))
+                    print(f"{s} M={M} k1 w8 c{c} (tiles {N // 16}): splits {out[0][0]} grid {out[0][1]} "
+                          f"{out[0][2]:.2f} us; unsplit grid {out[1][1]} {out[1][2]:.2f} us; dispatcher {disp:.2f}",
+                          flush=True)
+        del meas
+        torch.cuda.empty_cache()
+    print("\n| shape | M | config | tiles | splits | grid | us | unsplit grid | unsplit us | unsplit / split |")
+    print("|---|--:|---|--:|--:|--:|--:|--:|--:|--:|")
+    for s, M, c, nt, sp, g, us, _, g1, us1, _d in rows:
+        print(f"| {s} | {M} | k1 w8 c{c} | {nt} | {sp} | {g} | {us:.2f} | {g1} | {us1:.2f} | {us1 / us:.2f} |")
     return 0
 
 
