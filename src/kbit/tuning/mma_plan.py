@@ -232,8 +232,10 @@ def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
         st["n_cnt"] = n_tb * Nt
     elif kernel == 4:  # stream-K over (row block, segment) pairs; K splits not used
         st.update(splits=1, sps=S, grid=max(1, min(slots, -(-Nt // (W * cfg.rows_per_warp)) * S)))
-    else:
-        splits = _splits(Nt, S, slots, S // W, divide=False)
+    else:  # kernel 1: K split only where the tiles fill under a third of the CTA slots
+        # (H100, lab/m1_splits.py --unsplit, 9 shapes x M = 1, 4: splitting K where the tiles fill more took 1.1-2x
+        # the unsplit time, as on 5120x8192 at M = 1: 23.3 us with 4 splits, 14.2 unsplit; below a third it won)
+        splits = _splits(Nt, S, slots, S // W if 3 * Nt < slots else 1, divide=False)
         sps = -(-S // splits)
         splits = -(-S // sps)
         items = Nt * splits
