@@ -20,8 +20,10 @@ MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 E2E = [RES / "h100" / name for name in ("e2e-final-2026-11-23.json", "e2e-b4-16-2026-11-22.json",
                                         "e2e-b32-b64-2026-11-22.json", "e2e-qwen3-2026-11-22e.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
-#: the model-shape suite (``kbit bench --suite models --peers humming``): one file a k, and the plot of the first
-SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k2-2026-11-27.json"]
+#: the model-shape suite (``kbit bench --suite models --peers humming``; the rest file: the smaller shapes at M = 1
+#: that the first run's budget left out), and the plot of the first
+SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k4-rest-2026-11-27.json",
+         RES / "h100" / "suite-k2-2026-11-27.json"]
 KS = (2, 3, 4, 5)
 
 
@@ -156,7 +158,8 @@ def suite_table(paths: list[Path]) -> str:
     cell = {(s["family"], s["k"], s["M"]): s for s in summ}
     fams = sorted({s["family"] for s in summ}, key=lambda f: (f.startswith("["), f))
     out = ["Dense layers of >= 16M weights from the suite's models (`kbit bench --suite models --suite-parts dense "
-           "--min-weights 16000000 --peers humming`), largest first as far as the run's budget went; "
+           "--min-weights 16000000 --peers humming`), largest first as far as each run's budget went (a `-rest` file: "
+           "shapes an earlier run of the same k left out); "
            + "; ".join(heads) + ". Cells: x faster than humming at the same k / than bf16 `F.linear`, median over "
            "the family's layers (`-`: no humming row). `[tune]` / `[held-out]`: the suite's halves (configs were "
            "tuned on the first).", "",

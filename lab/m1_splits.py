@@ -1,5 +1,5 @@
 """M = 1 on a few held-out suite shapes where kernel 1 took twice its bytes' time (5120x8192 k = 4: 23.1 us against
-humming's 14.6, ``benchmarks/results/h100/suite-k4-rest-2026-11-27.md``): the dispatcher's pick beside kernel 1 and 3
+humming's 14.6, ``benchmarks/results/h100/suite-k4-rest-2026-11-27.json``): the dispatcher's pick beside kernel 1 and 3
 configs, with their plans' K splits and grids (cold L2, CUDA graphs: ``kbit.bench.tune.Measure``).
 
     PYTHONPATH=src python lab/m1_splits.py [--shapes 5120x8192,4096x8192,5120x5120] [--k 4]
