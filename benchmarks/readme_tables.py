@@ -20,6 +20,8 @@ MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 E2E = [RES / "h100" / name for name in ("e2e-final-2026-11-23.json", "e2e-b4-16-2026-11-22.json",
                                         "e2e-b32-b64-2026-11-22.json", "e2e-qwen3-2026-11-22e.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
+#: the decode-step profiles (``kbit.bench.step_profile``) whose roofline share the end-to-end section quotes
+PROFILES = RES / "h100" / "e2e-profile-2026-11-26"
 #: the model-shape suite (``kbit bench --suite models --peers humming``; the rest file: the smaller shapes at M = 1
 #: that the first run's budget left out), and the plot of the first
 SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k4-rest-2026-11-27.json",
@@ -96,9 +98,9 @@ def moe_table(path: Path) -> str:
     return "\n".join(out)
 
 
-def e2e_table(paths: list[Path], ks=(4, 2)) -> str:
+def e2e_table(paths: list[Path], ks=(4, 2), note: str = "") -> str:
     """Decode tokens/s (``benchmarks/bench_e2e.py``), each (model, batch) from the first file in ``paths`` that has
-    it; bf16 and kbit from the same run."""
+    it; bf16 and kbit from the same run. ``note``: appended to the table's heading paragraph."""
     seen, out = set(), []
     for path in paths:
         d = _load(path)
@@ -117,10 +119,28 @@ def e2e_table(paths: list[Path], ks=(4, 2)) -> str:
     contexts = ", ".join(dict.fromkeys(str(m["ctx"]) for m in meta))
     head = [f"{devices}, one CUDA graph a decode step on both sides, context {contexts}, `StaticDecoder`'s fast "
             "decode step, q/k/v and gate/up fused on both sides (`--fuse --fuse-proj`). Cells: tokens/s (x bf16); "
-            f"files under `{paths[0].parent.relative_to(ROOT)}/`.", "",
+            f"files under `{paths[0].parent.relative_to(ROOT)}/`." + note, "",
             "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in ks) + " | file (commit) |",
             "|---|--:|--:|" + "--:|" * len(ks) + "---|"]
     return "\n".join(head + out)
+
+
+def roofline_line(folder: Path) -> str:
+    """The batch-1 k = 4 steps' share of their byte roofline, from the step profiles' own summary lines."""
+    import re
+
+    parts, commits = [], set()
+    for f in sorted(folder.glob("step-*-kbit-k4-b1.txt")):
+        text = f.read_text()
+        head = re.search(r"^step profile: (\S+) .*commit (\w+)\)", text, re.M)
+        share = re.search(r"roofline at [\d.]+ TB/s.*: ([\d.]+) ms = ([\d.]+)% of the step", text)
+        if head and share:
+            parts.append(f"{head.group(1)} {float(share.group(2)):.0f}% ({share.group(1)} ms of bytes)")
+            commits.add(head.group(2))
+    if not parts:
+        return ""
+    return (f" Batch-1 k = 4 steps against the bytes they must read at the read ceiling (step profiles, "
+            f"`{folder.relative_to(ROOT)}/`, commit {', '.join(sorted(commits))}): " + ", ".join(parts) + ".")
 
 
 def quality_table(path: Path) -> str:
@@ -187,7 +207,7 @@ def tables() -> str:
         "### Dense, M = 16..4096", dense_by_m_table(DENSE_BY_M),
         "### Model-shape suite, per family", suite_table(SUITE),
         "### MoE layer", moe_table(MOE),
-        "### End-to-end decode", e2e_table(E2E),
+        "### End-to-end decode", e2e_table(E2E, note=roofline_line(PROFILES)),
         "### Quality", quality_table(QUALITY)])
 
 
