@@ -273,9 +273,7 @@ def test_plan_cache_compiles_each_build_once(monkeypatch, bf16, M, config):
 def test_kernel1_splits_k_only_for_few_tiles(N, K, min_ctas, splits):
     """Kernel 1 splits K only where its tiles fill under a third of the CTA slots (lab/m1_splits.py --unsplit on an
     H100: above that the split took 1.1-2x the unsplit time)."""
-    from kbit.tuning.mma_plan import make_plan
-
-    p = make_plan(4, 1, N, K, "log8", Mma(1, warps=8, min_ctas=min_ctas), sms=132, build=lambda k, d: _FakeKernel(d))
+    p = TP.make_plan(4, 1, N, K, "log8", Mma(1, warps=8, min_ctas=min_ctas), sms=132, build=lambda k, d: _FakeKernel(d))
     assert p.splits == splits
     assert p.grid <= 132 * min_ctas
 

@@ -15,15 +15,21 @@ from kbit.bench import suite as S
 from kbit.tuning.tuned import TunedTable, evaluate, fit_rules
 
 
-def main(path: str) -> None:
-    table = TunedTable.load(path)
+def folds(table: TunedTable):
+    """``(fitted, held)`` a model family of the suite's tune half: ``held`` its entries, ``fitted`` the others'."""
     fam = S.shape_families(S.select(S.load_models(), split="tune"))
-    rows: dict[str, list] = {"rules": [], "lookup": []}
     for f in sorted({fam[(k[1], k[2])] for k in table.entries}):
         fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
         fitted.candidates = held.candidates = table.candidates  # a packed table's entries index its candidates
         for key, e in table.entries.items():
             (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e
+        yield fitted, held
+
+
+def main(path: str) -> None:
+    table = TunedTable.load(path)
+    rows: dict[str, list] = {"rules": [], "lookup": []}
+    for fitted, held in folds(table):
         rules = fit_rules(fitted)
         rows["rules"] += evaluate(rules, held)["rows"]
         rows["lookup"] += evaluate(rules, held, fitted=fitted)["rows"]

@@ -11,19 +11,15 @@ import json
 import math
 import sys
 
-from kbit.bench import suite as S
+from cv_families import folds
+
 from kbit.tuning import tuned as T
 from kbit.tuning.tuned import BUILTIN, TunedTable, evaluate, fit_rules
 
 
 def slowdowns(table: TunedTable) -> dict:
-    fam = S.shape_families(S.select(S.load_models(), split="tune"))
     rows = []
-    for f in sorted({fam[(key[1], key[2])] for key in table.entries}):
-        fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
-        fitted.candidates = held.candidates = table.candidates
-        for key, e in table.entries.items():
-            (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e
+    for fitted, held in folds(table):
         rows += evaluate(fit_rules(fitted), held, fitted=fitted)["rows"]
     return {(r["k"], r["N"], r["K"], r["M"]): r["slowdown"] for r in rows}
 

@@ -13,7 +13,8 @@ import statistics
 import sys
 from collections import defaultdict
 
-from kbit.bench import suite as S
+from cv_families import folds
+
 from kbit.bench.tune_build import _FakeKernel
 from kbit.tuning import tuned as T
 from kbit.tuning.mma_plan import make_plan
@@ -34,13 +35,8 @@ def features(cand, k: int, M: int, N: int, K: int) -> tuple | None:
 
 def main(path: str) -> None:
     table = TunedTable.load(path)
-    fam = S.shape_families(S.select(S.load_models(), split="tune"))
     stats, worst = defaultdict(list), []
-    for f in sorted({fam[(key[1], key[2])] for key in table.entries}):
-        fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
-        fitted.candidates = held.candidates = table.candidates
-        for key, e in table.entries.items():
-            (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e
+    for fitted, held in folds(table):
         fitted.rules = fit_rules(fitted)
         for key in held.entries:
             k, N, K, b = key
