@@ -6,6 +6,7 @@ file. To show a newer run, point the constants below at its file and run::
 """
 
 import json
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,8 +128,6 @@ def e2e_table(paths: list[Path], ks=(4, 2), note: str = "") -> str:
 
 def roofline_line(folder: Path) -> str:
     """The batch-1 k = 4 steps' share of their byte roofline, from the step profiles' own summary lines."""
-    import re
-
     parts, commits = [], set()
     for f in sorted(folder.glob("step-*-kbit-k4-b1.txt")):
         text = f.read_text()
