@@ -2,9 +2,10 @@
 ``lab/dense_plan_fixture.py`` into ``tests/data/dense_plans.json``): the small-M kernels' configs and launch plans
 (defines, grid, shared bytes, splits, workspace), kernel 7's configs, the GEMM table's choices and split-K, the
 Triton GEMV's configs and the backend each (k, M, N, K, GPU) goes to. CPU only: the device facts and the NVRTC build
-are faked the same way the fixture faked them (:func:`fake_occupancy`). Changed on purpose since: 394 kernel-1 launches
-that split K where the tiles fill a third of the CTA slots or more now do not (``kbit.tuning.mma_plan._grid``,
-2026-11-27); their grids, splits and workspace sizes were rewritten from the new plans, nothing else."""
+are faked the same way the fixture faked them (:func:`fake_occupancy`). Changed on purpose since: kernel 1 splits K
+only where its tiles leave over a tenth of the SMs without one (``kbit.tuning.mma_plan._grid``, 2026-11-27): 394
+kernel-1 launches that split K then did not, and 58 split again when the rule went from CTA slots to SMs;
+their grids, splits and workspace sizes were rewritten from the new plans, nothing else."""
 
 from __future__ import annotations
 

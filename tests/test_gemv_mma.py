@@ -266,13 +266,15 @@ def test_plan_cache_compiles_each_build_once(monkeypatch, bf16, M, config):
 
 
 @pytest.mark.parametrize("N,K,min_ctas,splits", [
-    (5120, 8192, 2, 1),   # 320 tiles on 264 CTA slots: one wave and a bit, unsplit (it had 4 splits: 1.6x slower)
-    (2816, 4096, 4, 1),   # 176 tiles, 528 slots: a third exactly, unsplit
-    (2048, 4096, 4, 2),   # 128 tiles, 528 slots: under a third, K split
+    (5120, 8192, 2, 1),   # 320 tiles, 132 SMs: unsplit (it had 4 splits: 1.6x slower)
+    (2816, 4096, 4, 1),   # 176 tiles: unsplit
+    (2048, 4096, 4, 1),   # 128 tiles: 4 SMs idle, unsplit (split it took 1.4x at k = 4)
+    (1536, 7168, 2, 2),   # 96 tiles: 36 SMs idle, K split
     (576, 7168, 2, 3)])
-def test_kernel1_splits_k_only_for_few_tiles(N, K, min_ctas, splits):
-    """Kernel 1 splits K only where its tiles fill under a third of the CTA slots (lab/m1_splits.py --unsplit on an
-    H100: above that the split took 1.1-2x the unsplit time)."""
+def test_kernel1_splits_k_only_where_sms_idle(N, K, min_ctas, splits):
+    """Kernel 1 splits K only where its tiles leave over a tenth of the SMs without one (lab/m1_splits.py --unsplit
+    and lab/rounds/k1split_ab.sh on an H100: with a tile for nearly every SM the split took 1.1-2x the unsplit
+    time)."""
     p = TP.make_plan(4, 1, N, K, "log8", Mma(1, warps=8, min_ctas=min_ctas), sms=132, build=lambda k, d: _FakeKernel(d))
     assert p.splits == splits
     assert p.grid <= 132 * min_ctas

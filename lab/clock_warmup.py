@@ -1,0 +1,79 @@
+"""Why the first timing of a run came out slow: lab/huge_m1.py timed the dispatcher on 152064x8192 k = 4 M = 1 at
+266 us as the first point of the shape and 229 us in the next rounds (106496x16384: 371 / 315). Here, per shape,
+each replay of the cold-L2 graph (``kbit.bench.timing``) is timed alone right after the GPU idled for 2 s, then
+``time_calls`` (3 warm-up replays) after idling or not, with or without 25 ms of replays of its own graph first.
+(The run of 2026-11-27 passed the 25 ms to a ``time_calls`` argument tried then and not kept; the same replays.)
+
+    PYTHONPATH=src python lab/clock_warmup.py [--shapes 152064x8192,4096x4096] [--k 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+import torch  # noqa: E402
+
+from kbit.bench import timing  # noqa: E402
+from kbit.bench.tune import Measure, candidate_call, quantized_weight  # noqa: E402
+
+
+def replays_after_idle(graph_replay, calls: int, n: int) -> list[float]:
+    time.sleep(2.0)
+    out = []
+    for _ in range(n):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph_replay()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) * 1000 / calls)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="152064x8192,4096x4096")
+    p.add_argument("--k", type=int, default=4)
+    a = p.parse_args()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name(0), flush=True)
+    rows = []
+    for s in a.shapes.split(","):
+        N, K = (int(v) for v in s.split("x"))
+        meas = Measure(quantized_weight(N, K, a.k), 15, l2)
+        meas.set_m(1, seed=0)
+        fns = [candidate_call(None, c) for c in meas.copies]
+        x = meas.x
+        calls = [lambda f=f, x=x: f(x) for f in fns]
+        calls[0]()
+        graph = timing._capture(calls)
+        seq = replays_after_idle(graph.replay, len(calls), 60)
+        print(f"{s}: {len(calls)} copies; replays after 2 s idle, us a call: "
+              + " ".join(f"{v:.1f}" for v in seq), flush=True)
+        for label, idle, ms in (("idle, warm-up 3 replays", True, 0.0), ("busy, warm-up 3 replays", False, 0.0),
+                                ("idle, warm-up 25 ms", True, 25.0), ("busy, warm-up 25 ms", False, 25.0),
+                                ("idle, warm-up 3 replays (again)", True, 0.0)):
+            if idle:
+                time.sleep(2.0)
+            t0 = time.perf_counter()
+            while (time.perf_counter() - t0) * 1000 < ms:
+                graph.replay()
+                torch.cuda.synchronize()
+            t = timing.time_calls(calls, reps=15)
+            rows.append((s, label, t.us, t.us_min, t.us_max))
+            print(f"{s} {label}: {t.us:.2f} us (min {t.us_min:.2f}, max {t.us_max:.2f})", flush=True)
+        del graph, meas, fns, calls
+        torch.cuda.empty_cache()
+    print("\n| shape | before the timing | us (median) | min | max |")
+    print("|---|---|--:|--:|--:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

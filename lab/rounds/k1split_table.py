@@ -1,0 +1,28 @@
+"""The table of lab/rounds/k1split_ab.sh: the dispatcher's time per (shape, k, M) in each tree and round (``kbit
+bench`` results under <dir>/<tree>-<round>/<gpu>/), and after / before of the round medians."""
+import statistics
+import sys
+from pathlib import Path
+
+from kbit.bench import report
+
+root = Path(sys.argv[1])
+t = {}
+for f in sorted(root.glob("*-*/*/k1split-*.json")):
+    tree, rnd = f.parts[-3].split("-")
+    for r in report.read_results(f)[1]:
+        if r["kernel"] == "kbit-linear":
+            t.setdefault((r["N"], r["K"], r["k"], r["M"]), {}).setdefault(tree, []).append(r["us"])
+print("| shape | k | M | before (79871de) us | after us | after / before |")
+print("|---|--:|--:|--:|--:|--:|")
+ratios = []
+for (N, K, k, M), d in sorted(t.items()):
+    if "base" in d and "head" in d:
+        b, h = statistics.median(d["base"]), statistics.median(d["head"])
+        ratios.append(h / b)
+        runs = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
+        print(f"| {N}x{K} | {k} | {M} | {runs(d['base'])} | {runs(d['head'])} | {h / b:.3f} |")
+if ratios:
+    print(f"\n{len(ratios)} points: after / before median {statistics.median(ratios):.3f}, "
+          f"min {min(ratios):.3f}, max {max(ratios):.3f}; faster by > 3%: {sum(r < 0.97 for r in ratios)}, "
+          f"slower by > 3%: {sum(r > 1.03 for r in ratios)}")
