@@ -5,6 +5,11 @@ each replay of the cold-L2 graph (``kbit.bench.timing``) is timed alone right af
 (The run of 2026-11-27 passed the 25 ms to a ``time_calls`` argument tried then and not kept; the same replays.)
 
     PYTHONPATH=src python lab/clock_warmup.py [--shapes 152064x8192,4096x4096] [--k 4]
+
+``--fresh`` (not run yet): the dispatcher's ``time_calls`` on freshly made weight copies, as a suite run makes them,
+timed at once, again on the same copies, after 2 s of idling, right after 8 GB were allocated, written and freed,
+and right after a humming weight was built (``PYTHONPATH`` with humming): which of these brings the slow first timing
+back.
 """
 from __future__ import annotations
 
@@ -38,7 +43,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="152064x8192,4096x4096")
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--fresh", action="store_true")
     a = p.parse_args()
+    if a.fresh:
+        return fresh(a)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name(0), flush=True)
     rows = []
@@ -72,6 +80,49 @@ def main() -> int:
     print("|---|---|--:|--:|--:|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} |")
+    return 0
+
+
+def fresh(a) -> int:
+    from kbit.bench.peers import PEERS
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name(0), flush=True)
+    hum = PEERS["humming"]
+    rows = []
+    for s in a.shapes.split(","):
+        N, K = (int(v) for v in s.split("x"))
+
+        def before_alloc():
+            t = torch.empty(8 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+            torch.cuda.synchronize()
+            del t
+
+        def before_humming(N=N, K=K):
+            W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+            hum.build(W, a.k)
+            torch.cuda.synchronize()
+
+        steps = [("fresh copies, at once", None), ("fresh copies, after 2 s idle", lambda: time.sleep(2.0)),
+                 ("fresh copies, after 8 GB allocated, written, freed", before_alloc)]
+        if hum.unavailable() is None:
+            steps.append(("fresh copies, after a humming build", before_humming))
+        for label, before in steps:
+            meas = Measure(quantized_weight(N, K, a.k), 15, l2)
+            meas.set_m(1, seed=0)
+            torch.cuda.synchronize()
+            if before is not None:
+                before()
+            first = meas(None)
+            again = meas(None)
+            rows.append((s, label, first, again))
+            print(f"{s} {label}: first {first:.2f} us, again {again:.2f} us", flush=True)
+            del meas
+            torch.cuda.empty_cache()
+    print("\n| shape | before the first timing | first us | again us |")
+    print("|---|---|--:|--:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
     return 0
 
 
