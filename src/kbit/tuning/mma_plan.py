@@ -234,8 +234,8 @@ def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
         st.update(splits=1, sps=S, grid=max(1, min(slots, -(-Nt // (W * cfg.rows_per_warp)) * S)))
     else:  # kernel 1: K split only where the tiles leave over a tenth of the SMs without one
         # (H100, lab/m1_splits.py --unsplit and lab/rounds/k1split_ab.sh: with a tile for nearly every SM the split's
-        # partial sums cost more than the SMs it adds: 5120x8192 k = 4 M = 1 23.0 us split, 13.9 unsplit; 2048x4096
-        # (128 tiles) 6.3 / 4.6; with 96 tiles, 1536x7168, the split won at k = 3..5: 6.4 / 7.4 at k = 4 M = 2)
+        # partial sums cost more than the SMs it adds: 5120x8192 k = 4 M = 1 23.2 us split, 14.2 unsplit; 2048x4096
+        # (128 tiles) 6.3 / 4.6; with 96 tiles, 1536x7168, the split won at k = 3..5: 6.4 / 7.1 at k = 4 M = 2)
         splits = _splits(Nt, S, slots, S // W if 10 * Nt < 9 * st["sms"] else 1, divide=False)
         sps = -(-S // splits)
         splits = -(-S // sps)
