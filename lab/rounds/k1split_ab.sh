@@ -1,7 +1,7 @@
 set -u
-# One device call (2026-11-27): the dispatcher before / after 826c821 (kernel 1 splits K only where its tiles fill
-# under a third of the CTA slots) on the suite shapes whose kernel-1 plans it changes at M <= 16 (a CPU listing of
-# the plans of both trees), two rounds a tree; then lab/huge_m1.py (the largest layers at M = 1, clocks sampled;
+# One device call (2026-11-27): the dispatcher at 79871de (before kernel 1's K-split rule) and in the working tree
+# on the suite shapes whose kernel-1 plans the rule changes at M <= 16 (a CPU listing of the plans of both trees),
+# two rounds a tree; then lab/huge_m1.py (the largest layers at M = 1, clocks sampled;
 # HUGE=0 skips it) and, with CLOCK=1, lab/clock_warmup.py.
 # Needs _trees/base = 79871de (git archive 79871de src | tar -x -C _trees/base) with the working tree's
 # kbit/bench/timing.py copied in, so that both trees time alike.
