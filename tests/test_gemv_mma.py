@@ -259,10 +259,21 @@ def test_plan_cache_compiles_each_build_once(monkeypatch, bf16, M, config):
     monkeypatch.setattr(MM, "sm_count", lambda dev: 132)  # an H100, without a GPU
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
     cache = MM.PlanCache()
-    p, _ = cache.get(4, M, 8192, 16, "log8", config, bf16, torch.device("cuda"))
+    p, _ = cache.get(4, M, 8192, 4096, "log8", config, bf16, torch.device("cuda"))
     assert p.defines["BF16"] == int(bf16)
     assert calls[-1] == (p.source[0], tuple(sorted(p.defines.items())))
     assert calls[-1] in calls[:-1]  # the launch's build is one the plan made (cached by compile_kernel)
+
+
+@pytest.mark.parametrize("K,xt", [(4096, False), (2880, True), (520, True), (300, True)])
+@pytest.mark.parametrize("M,config", [(1, Mma(1, warps=8, min_ctas=2)), (2, Mma(3, warps=8, min_ctas=2, ring=2)),
+                                      (1, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)),
+                                      (16, Mma(4, warps=8, stages=2)), (128, Large(warps=8, groups=8, stages=4))])
+def test_x_tail_builds(K, xt, M, config):
+    """Where K is not a multiple of 256, kernels 1, 3, 4 are built to read x in place up to column K (``XT``); kernel
+    7 reads a zero-padded copy and is built as before. Where K is a multiple of 256 nothing changes."""
+    p = TP.make_plan(4, M, 2048, K, "log8", config, sms=132, build=lambda k, d: _FakeKernel(d))
+    assert p.defines.get("XT", 0) == int(xt and p.kernel != 7)
 
 
 @pytest.mark.parametrize("N,K,min_ctas,splits", [
@@ -358,6 +369,51 @@ def test_mma_gpu_m(k, dtype, M):
 @pytest.mark.parametrize("N,K_", [(5120, 2880), (18944, 1), (1, 18944), (2880, 1), (17, 300), (4096, 4096)])
 def test_mma_gpu_odd_shapes(k, N, K_):
     check(N, K_, k, 3, torch.bfloat16, bias=True)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K_", [520, 1000, 1408, 2880])
+@pytest.mark.parametrize("M,config", [(1, Mma(1, warps=8, min_ctas=2)), (3, Mma(1, warps=4, min_ctas=3)),
+                                      (1, Mma(3, warps=8, min_ctas=2, ring=2)),
+                                      (5, Mma(3, warps=8, min_ctas=2, ring=3, x_smem=True)),
+                                      (12, Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True, x_slice=2)),
+                                      (16, Mma(4, warps=8, stages=2)), (40, Mma(4, warps=4, rows_per_warp=2)),
+                                      (96, None)])
+def test_mma_gpu_x_tail_read_in_place(K_, M, config):
+    """K not a multiple of 256: x is read in place (no padded copy) and its columns from K on are NaN here (x is a
+    view of a wider NaN-filled tensor), so a kernel that reads past K (into a block's padding columns, whose codes
+    are nonzero values, or into the zero-weight padding) gives a wrong or NaN output."""
+    N = 2048 + 16 * M
+    wide = torch.full((M, -(-K_ // 256) * 256 + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
+    x = wide[:, :K_]
+    x.copy_(torch.randn(M, K_, dtype=torch.bfloat16, device="cuda", generator=torch.Generator("cuda").manual_seed(M)))
+    assert MC.x_rows(x, -(-K_ // 256)) is x
+    for k in (2, 4, 5):
+        check(N, K_, k, M, torch.bfloat16, x=x, bias=True, config=config, seed=K_ + k)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("K_", [1000, 2880])
+def test_mma_gpu_x_tail_prepared_launch(K_):
+    """The prepared decode launch (``kbit.dispatch.linear.fast_linear``) takes K not a multiple of 256 (a multiple
+    of 8): x read in place, eager and in a CUDA graph, against the float64 reference."""
+    N, k = 4096, 4
+    codes, scales, ts, cb = make_weight(N, K_, k, device="cuda", seed=K_)
+    rc, rs = LY.repack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    x = torch.randn(1, K_, dtype=torch.bfloat16, device="cuda")
+    assert MM.prepare_repacked(x, rc, rs, ts, cb, **kw) is not None
+    ref = gemv_reference(x, codes, scales, ts, cb, **kw)
+    y = D.linear_mma_v1(x, rc, rs, ts, cb, **kw)
+    assert rel_err(y, ref) < tol(torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = D.linear_mma_v1(x, rc, rs, ts, cb, **kw)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    assert rel_err(yg, gemv_reference(x, codes, scales, ts, cb, **kw)) < tol(torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ from kbit.ops.mma.common import (
     permute_x,
     prep_x,
     workspace,
+    x_rows,
     x_tiles,
 )
 from kbit.ops.mma.layout import SEG, geometry, repacked
@@ -106,12 +107,12 @@ class PlanCache:
         self._d: dict = {}
         self._on_clear: list = []
 
-    def get(self, k, M, N, S, scale_format, config, bf16, dev, kind=0, epi=0) -> tuple[MmaPlan, object]:
-        """(plan, kernel built for x's dtype) of one launch, built on the first call."""
-        key = (k, M, N, S, scale_format, config, bf16, dev, kind, epi, deterministic())
+    def get(self, k, M, N, K, scale_format, config, bf16, dev, kind=0, epi=0) -> tuple[MmaPlan, object]:
+        """(plan, kernel built for x's dtype) of one launch on x rows of width ``K``, built on the first call."""
+        key = (k, M, N, K, scale_format, config, bf16, dev, kind, epi, deterministic())
         hit = self._d.get(key)
         if hit is None:
-            p = plan_launch(k, M, N, S * SEG, scale_format, config, dev, pro=kind, epi=epi, bf16=bf16)
+            p = plan_launch(k, M, N, K, scale_format, config, dev, pro=kind, epi=epi, bf16=bf16)
             kern = cuda.compile_kernel(*p.source, p.defines, dev)  # the plan's own build: compiled once
             if len(self._d) >= self.max_entries:
                 self._d.clear()
@@ -143,35 +144,34 @@ PRO_ADD_NORM = 2
 EPI_SILU = 1
 
 #: the kernels' argument list: pointers, then ints; ``_ARG_X`` / ``_ARG_Y``: x's and y's places
-_ARGS_FMT = "QQQQQQQQQQiiiiiiiiii"
+_ARGS_FMT = "QQQQQQQQQQiiiiiiiiiii"
 _ARG_X, _ARG_Y = 5, 6
 _BIAS_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
 def _kernel_args(p: MmaPlan, rcodes, rscales, tensor_scale, codebook, x_ptr, y_ptr, bias, ws, cnt, M, N, x_stride,
-                 y_stride):
-    """The arguments of plan ``p``'s launch, in ``_ARGS_FMT`` order."""
+                 y_stride, kx=None):
+    """The arguments of plan ``p``'s launch, in ``_ARGS_FMT`` order; ``kx``: x's columns (default: all
+    ``p.S * 256``; a plan with ``XT`` reads those from ``kx`` on as zero)."""
     return (rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
             e_table(rcodes.device).data_ptr(), x_ptr, y_ptr, bias.data_ptr() if bias is not None else 0,
             ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y_stride, p.S, p.Nt, p.splits, p.sps,
-            0 if bias is None else _BIAS_KIND[bias.dtype], p.Nt * 16)
+            0 if bias is None else _BIAS_KIND[bias.dtype], p.Nt * 16, p.S * SEG if kx is None else kx)
 
 
 def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, config=None, pro=None,
            epi=0) -> None:
-    """One launch on x rows ``x2 [M, S * 256]`` (16-byte aligned rows: :func:`kbit.ops.mma.common.prep_x`) into
-    ``y``; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)`` of an x prologue; ``epi``: see
-    :func:`plan_launch`."""
+    """One launch on x rows ``x2 [M, K]`` or ``[M, S * 256]`` zero-padded (16-byte aligned rows:
+    :func:`kbit.ops.mma.common.x_rows`) into ``y``; ``pro``: ``(kind, residual, residual_out, norm_weight, eps)``
+    of an x prologue; ``epi``: see :func:`plan_launch`."""
     dev = x2.device
     kind = pro[0] if pro else 0
-    p, kern = PLANS.get(k, M, N, rcodes.shape[1], scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
+    p, kern = PLANS.get(k, M, N, K, scale_format, config, x2.dtype == torch.bfloat16, dev, kind, epi)
     x_stride = x2.stride(0)
-    if p.defines.get("XB"):
-        x2 = x_tiles(x2, 8 * p.defines["NG"], p.S)
-        x_stride = p.S * 4  # 64-column chunks a token block
-    elif p.kernel == 7:
-        x2 = permute_x(x2)
-        x_stride = x2.stride(0)
+    if p.kernel == 7:  # reads x through a permuted copy of S * 256 columns
+        x2 = prep_x(x2, p.S)
+        x2 = x_tiles(x2, 8 * p.defines["NG"], p.S) if p.defines.get("XB") else permute_x(x2)
+        x_stride = p.S * 4 if p.defines.get("XB") else x2.stride(0)  # XB: 64-column chunks a token block
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
     fmt, extra = "", ()
     if kind:
@@ -180,7 +180,7 @@ def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_for
                                 res_out.data_ptr() if res_out is not None else 0,
                                 nw.data_ptr(), float(eps), K, res.stride(0) if res is not None else 0)
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, x2.data_ptr(), y.data_ptr(), bias, ws, cnt, M,
-                        N, x_stride, y.stride(0))
+                        N, x_stride, y.stride(0), kx=K)
     kern((p.grid,), p.warps * 32, _ARGS_FMT + fmt, *args, *extra, shared=p.shared, pdl=True)
 
 
@@ -206,11 +206,11 @@ def _run(x, rc, rs, tensor_scale, codebook, bias, *, k, blocksize, scale_format,
     large = isinstance(config, LargeConfig) if config is not None else _large_here(k, M, N, K, x.device)
     if large:
         config = config or _tuned(k, M, N, K, x.device, "large") or large_config(k, M, N, K)
-        launch(prep_x(x2, S), rc, rs, tensor_scale, codebook, bias, y, k=k, scale_format=scale_format, N=N, K=K,
-               M=M, config=config)
+        launch(x2, rc, rs, tensor_scale, codebook, bias, y, k=k, scale_format=scale_format, N=N, K=K, M=M,
+               config=config)
         return y.reshape(*lead, N)
     for m0 in range(0, M, MAX_M):
-        xm = prep_x(x2[m0:m0 + MAX_M], S)
+        xm = x_rows(x2[m0:m0 + MAX_M], S)
         launch(xm, rc, rs, tensor_scale, codebook, bias, y[m0:m0 + MAX_M], k=k, scale_format=scale_format, N=N, K=K,
                M=xm.shape[0], config=config)
     return y.reshape(*lead, N)
@@ -264,22 +264,22 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     weights' storage unchanged): checks the arguments once, packs the launch arguments once, and returns
     ``run(x) -> y`` (None from ``run`` where x's address is not 16-byte aligned: call :func:`linear_repacked`).
     None where the call is not one launch of kernels 1, 3, 4 with x read in place (no CUDA kernels here, M > 64 or
-    kernel 7, x not contiguous or K not a multiple of 256). ``kbit.dispatch`` keeps one a signature: the host cost
+    kernel 7, x not contiguous or K not a multiple of 8). ``kbit.dispatch`` keeps one a signature: the host cost
     of a call is then about that of the launch itself."""
     check_repacked(x, rcodes, rscales, tensor_scale, codebook, k, blocksize, scale_format, N, K, bias)
     if not (x.is_cuda and kernels_available(x.device)) or x.dtype not in (torch.float16, torch.bfloat16):
         return None
-    M, S = x.numel() // K, rcodes.shape[1]
-    if M > MAX_M or _large_here(k, M, N, K, x.device) or not x.is_contiguous() or K != S * SEG:
+    M = x.numel() // K
+    if M > MAX_M or _large_here(k, M, N, K, x.device) or not x.is_contiguous() or K % 8:
         return None
     if bias is not None and not bias.is_contiguous():
         return None
     dev, dtype, shape = x.device, x.dtype, (*x.shape[:-1], N)
-    p, kern = PLANS.get(k, M, N, S, scale_format, None, dtype == torch.bfloat16, dev)
+    p, kern = PLANS.get(k, M, N, K, scale_format, None, dtype == torch.bfloat16, dev)
     if p.defines.get("XB") or p.kernel == 7:
         return None
     ws, cnt = workspace(dev, max(p.ws_floats, 1), p.n_cnt)
-    args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, 0, 0, bias, ws, cnt, M, N, K, N)
+    args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, 0, 0, bias, ws, cnt, M, N, K, N, kx=K)
     prep = Prepared(kern, (p.grid,), p.warps * 32, _ARGS_FMT, args, (_ARG_X, _ARG_Y), shared=p.shared, pdl=True)
     keep = (ws, cnt)  # alive for as long as the launch may use them (the e-table is cached per device for good)
 

@@ -29,7 +29,7 @@ from kbit.format.spec import check_blocksize, check_k, check_scale_format, padde
 from kbit.ops._common import e_table
 from kbit.ops._ids import guard, poison
 from kbit.ops.mma.common import check_repacked, kernels_available, prep_x, x_tiles, x_tiles_groups
-from kbit.ops.mma.layout import repack_stack
+from kbit.ops.mma.layout import SEG, repack_stack
 from kbit.ops.moe_blocks import block_table, max_blocks
 from kbit.tuning.mma import LargeConfig, large_ok
 from kbit.tuning.mma_plan import large_defines, table_smem
@@ -260,9 +260,9 @@ def _large_run(xp, rows, expert_ids, rc, rs, tensor_scale, codebook, y, *, k, sc
     xt = _x_tiles_grouped(xp, rows.contiguous(), blk, nblk, n_max, bt, S, silu=silu)
     grid = max(1, min(sm_count(dev) * p.occupancy, -(-Nt // W) * n_max))
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
-    p.kernel((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
+    p.kernel((grid,), W * 32, "QQQQQQQQQQiiiiiiiiiiiQQQ", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(),
              cb_c.data_ptr(), e_table(dev).data_ptr(), xt.data_ptr(), y.data_ptr(), 0, y.data_ptr(), y.data_ptr(),
-             n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, blk.data_ptr(), nblk.data_ptr(),
+             n_max, N, S * 4, y.stride(0), S, Nt, 1, S, 0, 0, S * SEG, blk.data_ptr(), nblk.data_ptr(),
              expert_ids.contiguous().data_ptr(), shared=p.build.shared, pdl=True)
     return y
 

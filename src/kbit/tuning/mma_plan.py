@@ -277,11 +277,15 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
     gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
-    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it).
+    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it). ``K`` is x's
+    width: where it is not a multiple of 256, kernels 1, 3, 4 read x in place and take its columns from K on as
+    zero (``XT``).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
     kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64,
                                               bf16)
+    if K % SEG and kernel != 7:  # x read in place up to column K (kernel 7 reads a zero-padded copy)
+        defines["XT"] = 1
     kern = build(kernel, defines)
     occ = kern.occupancy(W * 32, shared)
     cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0

@@ -14,6 +14,9 @@
      BF16         activations: 1 bf16, 0 fp16
      FP16_SCALES  block scales: 1 fp16, 0 log8 bytes
      XS           (optional, default 0) 1: x is staged in shared memory (kernel gemv_mma_streamk)
+     XT           (optional, default 0) 1: K is not a multiple of 256: x's columns from kx (a kernel argument) on
+                  read as zero, so x is read in place, not through a zero-padded copy (the weight's padding
+                  columns between K and the block boundary hold codes of nonzero values)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
 #ifndef T64 /* k = 4 (kernel 3): 1 = the 64 KB table of one PRMT an address (lookup, scale_t64) */
@@ -102,6 +105,9 @@ __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restric
 }
 #ifndef XS
 #define XS 0
+#endif
+#ifndef XT
+#define XT 0
 #endif
 __device__ __forceinline__ V4 ld_x(const void* p) {
   V4 r;

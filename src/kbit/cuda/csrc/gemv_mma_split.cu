@@ -14,7 +14,8 @@
      K1WO         0/1: a warp's partial sums each, added in warp order (else shared-memory atomics)
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      T64          0/1 (k = 4): the 64 KB lookup table of one PRMT an address (common.cuh lookup); the plan must
-                  reserve 64 KB for it */
+                  reserve 64 KB for it
+     XT           0/1: x's columns from kx on read as zero (common.cuh) */
 #include "splitk.cuh"
 
 #ifndef K1EARLY
@@ -64,7 +65,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_spli
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride) {
+    int bias_kind, int ws_stride, int kx) {
 #if T64 /* the warp index through redux.sync (a uniform register): the segment loop, whose bounds follow from it, is
            then not divergent for ptxas, and T64's table address stays the loads' uniform operand (else an IADD a
            lookup) */
@@ -137,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_spli
         const u16* xs[NG];
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
-        segment((const u32*)cw, sw, xs, lbb, sc_base, acc);
+        segment((const u32*)cw, sw, xs, lbb, sc_base, acc, kx - seg * SEG);
 #pragma unroll
         for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
 #pragma unroll

@@ -13,6 +13,7 @@
      XK           0 or segments a K slice (XS only; not with PRO or DET): x[:, slice] staged a CTA
      PRO          0, 1 (RMSNorm), 2 (residual add + RMSNorm): x prologue (XS only)
      EPI          0/1: SiLU * up epilogue of a fused gate/up weight
+     XT           0/1: x's columns from kx on read as zero (common.cuh)
      LFX          0/1: CTA-local split-K fix-up (LFU: units a CTA's range touches, LFW: shared slots a warp)
      CAU          0/1: CTA-aligned units, split-K sums in shared memory (LFW: shared slots a warp); not with LFX
      M1           0/1: M is 1
@@ -432,7 +433,8 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
                                              int M, int N, u16* __restrict__ y, int y_stride,
                                              const void* __restrict__ bias, int bias_kind, float post,
                                              float* __restrict__ ws, int* __restrict__ cnt, int ws_stride, int L,
-                                             int spt, bool epi, int ns, int s_lo, const Lfx& lf, int& nslot) {
+                                             int spt, bool epi, int ns, int s_lo, const Lfx& lf, int& nslot,
+                                             int kx) {
   /* j counts (tile, segment) pairs of the warp's K slice [s_lo, s_lo + ns) (XK; else the whole K: ns = n_seg) */
   int tile = j0 / ns, seg = j0 - tile * ns, seg_first = seg;
 #if XK || ((LFX || CAU) && EPI) /* the next segment the ring loads (j0 + PD - 1), as (tile, segment of the slice) */
@@ -463,7 +465,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
         const u16* xs[NG];
 #pragma unroll
         for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
-        segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc);
+        segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc, kx - seg * SEG);
         ++seg;
         if (seg == ns || j + 1 == j1) {
 #if LFX
@@ -504,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride
+    int bias_kind, int ws_stride, int kx
 #if PRO
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
@@ -594,12 +596,13 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #elif XK
   for (int i = (int)tid, nv = ns * (SEG / 8); i < M * nv; i += (int)blockDim.x) {
     const int tok = i / nv, c = i - tok * nv;
-    ((V4*)sx)[tok * xv + c] = *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
+    ((V4*)sx)[tok * xv + c] = (XT && s_lo * SEG + 8 * c >= kx) ? V4{0u, 0u, 0u, 0u}
+                              : *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
   }
 #else
   for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
-    ((V4*)sx)[i] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+    ((V4*)sx)[i] = (XT && 8 * c >= kx) ? V4{0u, 0u, 0u, 0u} : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
 #endif
 #endif
@@ -637,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     }
     if (r0 < r1)
       stream_range(buf, codes, scales, r0, r1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-                   bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+                   bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot, kx);
   }
 #elif CAU
   /* j0, j1 are the same in every lane of a warp; redux.sync says so to ptxas (its result is a uniform register), so
@@ -645,14 +648,14 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
      operand (else an IADD a lookup) */
   const int uj0 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j0), uj1 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j1);
   stream_range(buf, codes, scales, uj0, uj1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot, kx);
   __syncthreads();
   cau_reduce(cu_lo, cu_hi, lane, M, N, y, y_stride, bias, bias_kind);
 #else
   Lfx lf;
   int nslot = 0;
   stream_range(buf, codes, scales, j0, j1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
-               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot);
+               bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot, kx);
 #endif
 }
 

@@ -11,7 +11,8 @@
      RT           16-row tiles a warp
      BF16         1: bf16 activations, 0: fp16
      FP16_SCALES  1: fp16 block scales, 0: log8 bytes
-     WS4          0/1: the split-K workspace a lane's four values at once (see splitk.cuh) */
+     WS4          0/1: the split-K workspace a lane's four values at once (see splitk.cuh)
+     XT           0/1: x's columns from kx on read as zero (common.cuh) */
 #include "pipe.cuh"
 
 extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_mma_pipe(
@@ -19,7 +20,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_mma_pipe(
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride) {
+    int bias_kind, int ws_stride, int kx) {
   /* stream-K over (row block, segment) pairs in memory order: CTA c takes the contiguous range [j0, j1); a row
      block wholly in the range is written directly, a partial one goes through the fp32 workspace (the warp that
      completes a tile's segment count writes it) */
@@ -38,7 +39,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_mma_pipe(
       const u32 sb = st0 + slot * STAGE4;
       for (int i = (int)tid; i < M * 32; i += MAXW * 32) {
         const int row = i >> 5, c = i & 31;
+#if XT
+        cp_async16_z(sb + row * XROW + c * 16, x + (long long)row * x_stride + seg * SEG + c * 8,
+                     seg * SEG + c * 8 < kx);
+#else
         cp_async16(sb + row * XROW + c * 16, x + (long long)row * x_stride + seg * SEG + c * 8);
+#endif
       }
     }
   };

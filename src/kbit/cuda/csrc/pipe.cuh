@@ -8,6 +8,10 @@
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(g) : "memory");
 }
+/* cp_async16 of 16 bytes that are read only where `in` (else 16 zero bytes are written; g is not read) */
+__device__ __forceinline__ void cp_async16_z(u32 saddr, const void* g, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(saddr), "l"(g), "r"(in ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(D - 1) : "memory"); }
 __device__ __forceinline__ void cp_wait_d2() {

@@ -11,14 +11,21 @@
 #endif
 
 /* one 256-column segment of one 16-row tile: codes w (4k words), scales sw, x pointers xs (column 0 of the
-   segment) -> acc */
+   segment) -> acc; lim (XT builds reading x from global memory): x's columns left from the segment's column 0
+   (the lane's 8-column vectors from there on read as zero; x staged in shared memory was zeroed there) */
 __device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, LB lbb, u32 sc_base,
-                                        float (&acc)[NG][4]) {
+                                        float (&acc)[NG][4], int lim) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     V4 xb[NG];
+#if XT && !XS
+    const bool in = 32 * u + 8 * (int)(threadIdx.x & 3) < lim;
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng) xb[ng] = in ? ld_x(xs[ng] + 32 * u) : V4{0u, 0u, 0u, 0u};
+#else
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xs[ng] + 32 * u);
+#endif
     u32 A[2][4];
     lookup(w, u, lbb, A);
 #if T64 && !FP16_SCALES

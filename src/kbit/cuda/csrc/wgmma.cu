@@ -96,7 +96,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_wgmma(
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
-    int bias_kind, int ws_stride
+    int bias_kind, int ws_stride, int kx /* unused: x comes zero-padded (kbit_x_tiles) */
 #if GRP
     , const int* __restrict__ blk, const int* __restrict__ nblk, const int* __restrict__ eid
 #endif

@@ -14,7 +14,7 @@ from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
 
 __all__ = ["check_repacked", "deterministic", "e_table", "kernels_available", "permute_x", "prep_x", "usable",
-           "workspace", "x_tiles", "x_tiles_groups", "x_tiles_kernel", "x_tiles_reference"]
+           "workspace", "x_rows", "x_tiles", "x_tiles_groups", "x_tiles_kernel", "x_tiles_reference"]
 
 
 def kernels_available(device=None) -> bool:
@@ -119,6 +119,15 @@ def x_tiles_reference(x2, bt, S):
     r = torch.arange(bt, device=x2.device).view(bt, 1) % 8
     src = torch.arange(8, device=x2.device).view(1, 8) ^ r  # piece at position c holds piece c ^ (r % 8)
     return t[:, :, torch.arange(bt, device=x2.device).view(bt, 1), src].reshape(-1)
+
+
+def x_rows(x2, S):
+    """x rows as kernels 1, 3, 4 read them: ``x2`` itself where its rows are readable as 16-byte vectors (those
+    kernels take the columns from K on as zero), else :func:`prep_x`'s zero-padded copy."""
+    M, K = x2.shape
+    if K % 8 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0:
+        return x2
+    return prep_x(x2, S)
 
 
 def prep_x(x2, S):
