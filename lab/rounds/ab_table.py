@@ -1,19 +1,23 @@
-"""The table of lab/rounds/k1split_ab.sh: the dispatcher's time per (shape, k, M) in each tree and round (``kbit
-bench`` results under <dir>/<tree>-<round>/<gpu>/), and after / before of the round medians."""
+"""The table of a two-tree A/B through ``kbit bench`` (lab/rounds/k1split_ab.sh, xtail_ab.sh): the dispatcher's
+time per (shape, k, M) in each tree and round (results under <dir>/<tree>-<round>/<gpu>/<name>-*.json, trees
+``base`` and ``head``), and after / before of the round medians.
+
+    python lab/rounds/ab_table.py DIR NAME BASE_LABEL
+"""
 import statistics
 import sys
 from pathlib import Path
 
 from kbit.bench import report
 
-root = Path(sys.argv[1])
+root, name, base = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 t = {}
-for f in sorted(root.glob("*-*/*/k1split-*.json")):
+for f in sorted(root.glob(f"*-*/*/{name}-*.json")):
     tree, rnd = f.parts[-3].split("-")
     for r in report.read_results(f)[1]:
         if r["kernel"] == "kbit-linear":
             t.setdefault((r["N"], r["K"], r["k"], r["M"]), {}).setdefault(tree, []).append(r["us"])
-print("| shape | k | M | before (79871de) us | after us | after / before |")
+print(f"| shape | k | M | before ({base}) us | after us | after / before |")
 print("|---|--:|--:|--:|--:|--:|")
 ratios = []
 for (N, K, k, M), d in sorted(t.items()):

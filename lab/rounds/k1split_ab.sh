@@ -18,7 +18,7 @@ for i in 1 2; do
     echo "bench $t $i rc $?" >> $O/summary.txt
   done
 done
-PYTHONPATH=$PWD/src python lab/rounds/k1split_table.py $O >> $O/summary.txt 2>&1
+PYTHONPATH=$PWD/src python lab/rounds/ab_table.py $O k1split 79871de >> $O/summary.txt 2>&1
 if [ -f .whl/humming_kernels-0.1.19-cp310-abi3-manylinux_2_28_x86_64.whl ]; then
   pip install -q --no-index --no-deps --target /tmp/peers .whl/humming*.whl > /dev/null 2>&1
 fi
