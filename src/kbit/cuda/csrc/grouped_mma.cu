@@ -7,18 +7,25 @@
      NG           8-row groups a block: 1, 2, 4, 8
      MAXW, MINB   __launch_bounds__: warps a CTA, CTAs an SM
      BF16         1: bf16 activations, 0: fp16
-     FP16_SCALES  1: fp16 block scales, 0: log8 bytes */
+     FP16_SCALES  1: fp16 block scales, 0: log8 bytes
+     XT           0/1: x's columns from kx on read as zero (common.cuh) */
 #include "common.cuh"
 
-/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc */
+/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc; XT:
+   x's columns from kx on read as zero */
 __device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,
-                                          u32 sc_base, float (&acc)[NG][4], int ngv) {
+                                          u32 sc_base, float (&acc)[NG][4], int ngv, int kx) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     V4 xb[NG];
+#if XT
+    const bool in = off + 32 * u + 8 * (int)(threadIdx.x & 3) < kx;
+#else
+    const bool in = true;
+#endif
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
-      if (ng < ngv) xb[ng] = ld_x(xr[ng] + off + 32 * u);
+      if (ng < ngv) xb[ng] = in ? ld_x(xr[ng] + off + 32 * u) : V4{0u, 0u, 0u, 0u};
     u32 A[2][4];
     lookup(w, u, lbb, A);
     const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
@@ -49,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     const int* __restrict__ rows, const int* __restrict__ eid, const int* __restrict__ blk,
     const int* __restrict__ nblk, u16* __restrict__ y, int N, int x_stride, int y_stride, int n_seg,
-    int n_tiles) {
+    int n_tiles, int kx) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -111,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
       const int s2 = seg + (int)W;
       if (s2 < n_seg) load(nw, ns, c_e, c_tile, s2);
       else if (nx < items) load(nw, ns, n_e, n_tile, (int)warp);
-      segment_g((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv);
+      segment_g((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
 #pragma unroll
       for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
 #pragma unroll
