@@ -29,7 +29,8 @@ for (E, N, K, k, M), d in sorted(t.items()):
         b, h = statistics.median(d["base"]), statistics.median(d["head"])
         ratios.append(h / b)
         runs = lambda v: "/".join(f"{x:.2f}" for x in v)  # noqa: E731
-        print(f"| {f'{E}x' if E != 1 else ''}{N}x{K} | {k} | {M} | {runs(d['base'])} | {runs(d['head'])} | {h / b:.3f} |")
+        shape = f"{E}x{N}x{K}" if E != 1 else f"{N}x{K}"
+        print(f"| {shape} | {k} | {M} | {runs(d['base'])} | {runs(d['head'])} | {h / b:.3f} |")
 if ratios:
     print(f"\n{len(ratios)} points: after / before median {statistics.median(ratios):.3f}, "
           f"min {min(ratios):.3f}, max {max(ratios):.3f}; faster by > 3%: {sum(r < 0.97 for r in ratios)}, "
