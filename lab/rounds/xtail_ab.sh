@@ -6,12 +6,13 @@ set -u
 # PART=moe: the grouped kernels instead, on the suite's gpt-oss and GLM-4.5-Air expert stacks (K = 2880, 1408).
 #   mkdir -p _trees/base && git archive <base> src | tar -x -C _trees/base
 #   Device tool: run(command="BASE=<base> [PART=moe] bash lab/rounds/xtail_ab.sh", timeout_s=600)
-R=$OUT; O=/tmp/xt-out; mkdir -p $O
-trap 'tar czf $R/xtail-logs.tgz -C $O . ; cp $O/summary.txt $R/ 2>/dev/null' EXIT
+# BASE_TREE: the folder under _trees/ (default base); TESTS_K: a pytest -k filter for the tests (default: all)
+P=${PART:-dense}; R=$OUT; O=/tmp/xt-out-$P; mkdir -p $O
+trap 'tar czf $R/xtail-$P-logs.tgz -C $O . ; cp $O/summary.txt $R/summary-$P.txt 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader > $O/summary.txt
 SH=${SHAPES:-4096x10944,8192x29568,201088x2880,5120x2880,4096x1408,9728x896,1152x896,4096x4096}
-if [ "${PART:-dense}" = moe ]; then
+if [ "$P" = moe ]; then
   WHAT="--suite models --suite-parts moe --families gpt-oss,glm4.5 --k 2,4,5 --tokens 1,4,16,64 --candidates grouped_mma"
   TESTS="tests/test_grouped_mma.py tests/test_moe.py"; NX=3; CAND=grouped_mma
 else
@@ -20,7 +21,7 @@ else
 fi
 for i in 1 2; do
   for t in base head; do
-    if [ $t = head ]; then src=$PWD/src; c=${KBIT_COMMIT:-head}; else src=$PWD/_trees/base/src; c=$BASE; fi
+    if [ $t = head ]; then src=$PWD/src; c=${KBIT_COMMIT:-head}; else src=$PWD/_trees/${BASE_TREE:-base}/src; c=$BASE; fi
     PYTHONPATH=$src timeout 150 python -m kbit.cli bench $WHAT --no-ceiling --commit $c --out $O/$t-$i \
       --name xtail > $O/bench-$t-$i.log 2>&1
     echo "bench $t $i rc $?" >> $O/summary.txt
@@ -28,6 +29,6 @@ for i in 1 2; do
 done
 PYTHONPATH=$PWD/src python lab/rounds/ab_table.py $O xtail $BASE $CAND >> $O/summary.txt 2>&1
 export PYTHONPATH=$PWD/src
-timeout ${TEST_TIMEOUT:-330} python -m pytest -q -p no:cacheprovider -m gpu -n $NX $TESTS > $O/tests.log 2>&1
+timeout ${TEST_TIMEOUT:-330} python -m pytest -q -p no:cacheprovider -m gpu -n $NX ${TESTS_K:+-k "$TESTS_K"} $TESTS > $O/tests.log 2>&1
 { echo "## pytest -m gpu $TESTS"; grep -E "passed|failed|FAILED|ERROR" $O/tests.log | tail -n 15; } >> $O/summary.txt
 cat $O/summary.txt

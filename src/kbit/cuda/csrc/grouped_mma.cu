@@ -11,18 +11,16 @@
      XT           0/1: x's columns from kx on read as zero (common.cuh) */
 #include "common.cuh"
 
-/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc; XT:
-   x's columns from kx on read as zero */
+/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc; TAIL
+   (the segment that holds column kx of an XT build): x's columns from kx on read as zero (the other segments run
+   the code of a build without XT) */
+template <bool TAIL>
 __device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,
                                           u32 sc_base, float (&acc)[NG][4], int ngv, int kx) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     V4 xb[NG];
-#if XT
-    const bool in = off + 32 * u + 8 * (int)(threadIdx.x & 3) < kx;
-#else
-    const bool in = true;
-#endif
+    const bool in = !TAIL || off + 32 * u + 8 * (int)(threadIdx.x & 3) < kx;
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
       if (ng < ngv) xb[ng] = in ? ld_x(xr[ng] + off + 32 * u) : V4{0u, 0u, 0u, 0u};
@@ -118,7 +116,12 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
       const int s2 = seg + (int)W;
       if (s2 < n_seg) load(nw, ns, c_e, c_tile, s2);
       else if (nx < items) load(nw, ns, n_e, n_tile, (int)warp);
-      segment_g((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
+#if XT
+      if (seg * SEG + SEG > kx)
+        segment_g<true>((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
+      else
+#endif
+        segment_g<false>((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
 #pragma unroll
       for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
 #pragma unroll

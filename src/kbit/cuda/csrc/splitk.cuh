@@ -11,21 +11,18 @@
 #endif
 
 /* one 256-column segment of one 16-row tile: codes w (4k words), scales sw, x pointers xs (column 0 of the
-   segment) -> acc; lim (XT builds reading x from global memory): x's columns left from the segment's column 0
-   (the lane's 8-column vectors from there on read as zero; x staged in shared memory was zeroed there) */
-__device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, LB lbb, u32 sc_base,
-                                        float (&acc)[NG][4], int lim) {
+   segment) -> acc; TAIL (the segment that holds column kx of an XT build reading x from global memory): lim =
+   x's columns left from the segment's column 0, the lane's 8-column vectors from there on read as zero (x staged
+   in shared memory was zeroed there). The other segments run the code of a build without XT. */
+template <bool TAIL>
+__device__ __forceinline__ void segment_t(const u32* w, const V4* sw, const u16* const* xs, LB lbb, u32 sc_base,
+                                          float (&acc)[NG][4], int lim) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     V4 xb[NG];
-#if XT && !XS
-    const bool in = 32 * u + 8 * (int)(threadIdx.x & 3) < lim;
+    const bool in = !TAIL || 32 * u + 8 * (int)(threadIdx.x & 3) < lim;
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) xb[ng] = in ? ld_x(xs[ng] + 32 * u) : V4{0u, 0u, 0u, 0u};
-#else
-#pragma unroll
-    for (int ng = 0; ng < NG; ++ng) xb[ng] = ld_x(xs[ng] + 32 * u);
-#endif
     u32 A[2][4];
     lookup(w, u, lbb, A);
 #if T64 && !FP16_SCALES
@@ -48,6 +45,17 @@ __device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* c
 #endif
     }
   }
+}
+
+__device__ __forceinline__ void segment(const u32* w, const V4* sw, const u16* const* xs, LB lbb, u32 sc_base,
+                                        float (&acc)[NG][4], int lim) {
+#if XT && !XS
+  if (lim < SEG) {
+    segment_t<true>(w, sw, xs, lbb, sc_base, acc, lim);
+    return;
+  }
+#endif
+  segment_t<false>(w, sw, xs, lbb, sc_base, acc, lim);
 }
 
 /* bias[row] as float (bias_kind 0: none, 1: fp16, 2: bf16, 3: fp32) */
