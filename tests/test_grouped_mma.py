@@ -274,9 +274,10 @@ def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["1", "4"])
 @pytest.mark.parametrize("K_,T", [(1408, 1), (2880, 64), (520, 16)])
-def test_gpu_grouped_x_tail_read_in_place(kernel, K_, T):
-    """K not a multiple of 256 (GLM-4.5-Air's expert down, gpt-oss): x is read in place, and its columns from K on
-    are NaN here (a view of a wider NaN-filled tensor), so a kernel that reads past K gives NaN or wrong rows."""
+def test_gpu_grouped_x_tail_ignored(kernel, K_, T):
+    """K not a multiple of 256 (GLM-4.5-Air's expert down, gpt-oss): x's columns from K on are NaN here (a view of a
+    wider NaN-filled tensor), so a launch that reads past K (into a block's padding columns, whose codes are nonzero
+    values, or into the zero-weight padding) gives NaN or wrong rows."""
     if not MC.kernels_available("cuda"):
         pytest.skip("CUDA kernel not available")
     E, top_k, N, k = 16, 4, 336, 4
@@ -285,7 +286,6 @@ def test_gpu_grouped_x_tail_read_in_place(kernel, K_, T):
     wide = torch.full((T, -(-K_ // 256) * 256 + 64), float("nan"), dtype=torch.bfloat16, device="cuda")
     x = wide[:, :K_]
     x.copy_(torch.randn(T, K_, device="cuda"))
-    assert MC.x_rows(x, -(-K_ // 256)) is x
     kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
     ref = G.grouped_gemv_reference(x, tok, ids, codes, scales, ts, cb, **kw)
     for ng in (1, 2) if kernel == "1" else (2, 8):

@@ -28,7 +28,7 @@ from kbit.cuda import compile_kernel
 from kbit.format.spec import check_blocksize, check_k, check_scale_format, padded_k
 from kbit.ops._common import e_table
 from kbit.ops._ids import guard, poison
-from kbit.ops.mma.common import check_repacked, kernels_available, prep_x, x_rows, x_tiles, x_tiles_groups
+from kbit.ops.mma.common import check_repacked, kernels_available, prep_x, x_tiles, x_tiles_groups
 from kbit.ops.mma.layout import SEG, repack_stack
 from kbit.ops.moe_blocks import block_table, max_blocks
 from kbit.tuning.mma import LargeConfig, large_ok
@@ -145,20 +145,17 @@ class KernelBuild:
     shared: int
 
 
-def grouped_mma_build(k: int, cfg: GroupedMmaConfig, scale_format: str, bf16: bool,
-                      x_tail: bool = False) -> KernelBuild:
-    """The build of kernel 1 or 4 (``cfg``) for ``k``-bit weights with ``scale_format`` scales, bf16 or fp16 x;
-    ``x_tail``: x's width K is not a multiple of 256 (x is read in place, its columns from K on as zero: ``XT``)."""
+def grouped_mma_build(k: int, cfg: GroupedMmaConfig, scale_format: str, bf16: bool) -> KernelBuild:
+    """The build of kernel 1 or 4 (``cfg``) for ``k``-bit weights with ``scale_format`` scales, bf16 or fp16 x."""
     fp16_scales = int(scale_format == "fp16")
     W, ng = cfg.warps, cfg.groups
-    xt = dict(XT=1) if x_tail else {}
     if cfg.kernel == 4:
         stage = 8 * ng * 576 + W * (k * 512 + (2 if fp16_scales else 1) * 128)  # x rows, codes, scales a stage
         defines = dict(K_BITS=k, NG=ng, D=cfg.stages, MAXW=W, MINB=1, RT=1, BF16=int(bf16),
-                       FP16_SCALES=fp16_scales, **xt)
+                       FP16_SCALES=fp16_scales)
         shared = cfg.stages * stage + table_smem(k)
         return KernelBuild("grouped_mma_pipe.cu", "kbit_grouped_mma_pipe", defines, W, shared)
-    defines = dict(K_BITS=k, NG=ng, MAXW=W, MINB=cfg.min_blocks, BF16=int(bf16), FP16_SCALES=fp16_scales, **xt)
+    defines = dict(K_BITS=k, NG=ng, MAXW=W, MINB=cfg.min_blocks, BF16=int(bf16), FP16_SCALES=fp16_scales)
     return KernelBuild("grouped_mma.cu", "kbit_grouped_mma", defines, W, table_smem(k) + W * ng * 128 * 4)
 
 
@@ -184,17 +181,13 @@ _LAUNCHES: dict = {}
 _X_TILES: dict = {}
 
 
-def _launch_for(k: int, cfg: GroupedConfig, scale_format: str, bf16: bool, device,
-                x_tail: bool = False) -> GroupedLaunch:
-    """The compiled launch of ``cfg``, once a process (compile_kernel hashes the source on every call);
-    ``x_tail``: see :func:`grouped_mma_build` (kernel 7 reads a zero-padded copy of x)."""
-    key = (k, cfg, scale_format, bf16, device, x_tail)
+def _launch_for(k: int, cfg: GroupedConfig, scale_format: str, bf16: bool, device) -> GroupedLaunch:
+    """The compiled launch of ``cfg``, once a process (compile_kernel hashes the source on every call)."""
+    key = (k, cfg, scale_format, bf16, device)
     p = _LAUNCHES.get(key)
     if p is None:
-        if isinstance(cfg, WgmmaGroupedConfig):
-            build = wgmma_build(k, cfg, scale_format, bf16)
-        else:
-            build = grouped_mma_build(k, cfg, scale_format, bf16, x_tail)
+        build = (wgmma_build if isinstance(cfg, WgmmaGroupedConfig) else grouped_mma_build)(k, cfg, scale_format,
+                                                                                            bf16)
         kern = compile_kernel(build.file, build.name, build.defines, device)
         p = _LAUNCHES[key] = GroupedLaunch(kern, build, kern.occupancy(build.warps * 32, build.shared))
     return p
@@ -418,9 +411,8 @@ def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, 
                    blocks=blocks, cfg=config, silu=silu)
         # the rows of the blocks kernel 7 drops (a table from bad ids) NaN too, in the same launch
         return poison(y, bad, blocks, max_blocks(P, rc.shape[0], 8 * config.groups))
-    xp = x_rows(x, S)
-    K = x.shape[1]
-    p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev, x_tail=K % SEG != 0)
+    xp = prep_x(x, S)
+    p = _launch_for(k, config, scale_format, x.dtype == torch.bfloat16, dev)
     W = p.build.warps
     pipelined = config.kernel == 4
     if pipelined:  # items: row blocks of W tiles x expert blocks (at most P blocks)
@@ -429,9 +421,9 @@ def _run_blocks(x, rows, expert_ids, rc, rs, tensor_scale, codebook, y, bad, *, 
         grid = max(1, min(sm_count(dev) * p.occupancy, Nt * P))
     rows_c, ids_c = rows.contiguous(), expert_ids.contiguous()
     ts_c, cb_c = tensor_scale.contiguous(), codebook.contiguous()
-    p.kernel((grid,), W * 32, "QQQQQQQQQQQiiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
+    p.kernel((grid,), W * 32, "QQQQQQQQQQQiiiii", rc.data_ptr(), rs.data_ptr(), ts_c.data_ptr(), cb_c.data_ptr(),
              e_table(dev).data_ptr(), xp.data_ptr(), rows_c.data_ptr(), ids_c.data_ptr(), blk.data_ptr(),
-             nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, K, shared=p.build.shared,
+             nblk.data_ptr(), y.data_ptr(), N, xp.stride(0), y.stride(0), S, Nt, shared=p.build.shared,
              pdl=True)
     return poison(y, bad)
 

@@ -7,23 +7,18 @@
      NG           8-row groups a block: 1, 2, 4, 8
      MAXW, MINB   __launch_bounds__: warps a CTA, CTAs an SM
      BF16         1: bf16 activations, 0: fp16
-     FP16_SCALES  1: fp16 block scales, 0: log8 bytes
-     XT           0/1: x's columns from kx on read as zero (common.cuh) */
+     FP16_SCALES  1: fp16 block scales, 0: log8 bytes */
 #include "common.cuh"
 
-/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc; TAIL
-   (the segment that holds column kx of an XT build): x's columns from kx on read as zero (the other segments run
-   the code of a build without XT) */
-template <bool TAIL>
+/* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc */
 __device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,
-                                          u32 sc_base, float (&acc)[NG][4], int ngv, int kx) {
+                                          u32 sc_base, float (&acc)[NG][4], int ngv) {
 #pragma unroll
   for (int u = 0; u < 8; ++u) {
     V4 xb[NG];
-    const bool in = !TAIL || off + 32 * u + 8 * (int)(threadIdx.x & 3) < kx;
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
-      if (ng < ngv) xb[ng] = in ? ld_x(xr[ng] + off + 32 * u) : V4{0u, 0u, 0u, 0u};
+      if (ng < ngv) xb[ng] = ld_x(xr[ng] + off + 32 * u);
     u32 A[2][4];
     lookup(w, u, lbb, A);
     const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
@@ -54,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     const int* __restrict__ rows, const int* __restrict__ eid, const int* __restrict__ blk,
     const int* __restrict__ nblk, u16* __restrict__ y, int N, int x_stride, int y_stride, int n_seg,
-    int n_tiles, int kx) {
+    int n_tiles) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -116,12 +111,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
       const int s2 = seg + (int)W;
       if (s2 < n_seg) load(nw, ns, c_e, c_tile, s2);
       else if (nx < items) load(nw, ns, n_e, n_tile, (int)warp);
-#if XT
-      if (seg * SEG + SEG > kx)
-        segment_g<true>((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
-      else
-#endif
-        segment_g<false>((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv, kx);
+      segment_g((const u32*)cw, sw, xr, seg * SEG, lbb, sc_base, acc, ngv);
 #pragma unroll
       for (int v = 0; v < K_BITS; ++v) cw[v] = nw[v];
 #pragma unroll

@@ -9,8 +9,7 @@
      MAXW, MINB   __launch_bounds__: warps a CTA, CTAs an SM
      RT           16-row tiles a warp: 1
      BF16         1: bf16 activations, 0: fp16
-     FP16_SCALES  1: fp16 block scales, 0: log8 bytes
-     XT           0/1: x's columns from kx on read as zero (common.cuh) */
+     FP16_SCALES  1: fp16 block scales, 0: log8 bytes */
 #include "pipe.cuh"
 
 /* grouped (MoE): y[r] = x[rows[r]] @ W[e(r)].T for the rows of a block table (kbit.ops.grouped_mma.block_table,
@@ -22,7 +21,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma_p
     const float* __restrict__ cb, const float* __restrict__ e_tab, const u16* __restrict__ x,
     const int* __restrict__ rows, const int* __restrict__ eid, const int* __restrict__ blk,
     const int* __restrict__ nblk, u16* __restrict__ y, int N, int x_stride, int y_stride, int n_seg,
-    int n_tiles, int kx) {
+    int n_tiles) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   extern __shared__ __align__(16) unsigned char dsm[];
@@ -57,12 +56,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma_p
       const u32 sb = st0 + slot * STAGE4;
       for (int q = (int)tid; q < l_n * 32; q += MAXW * 32) {
         const int r = q >> 5, c = q & 31;
-#if XT
-        cp_async16_z(sb + r * XROW + c * 16, x + (long long)rows[l_row0 + r] * x_stride + seg * SEG + c * 8,
-                     seg * SEG + c * 8 < kx);
-#else
         cp_async16(sb + r * XROW + c * 16, x + (long long)rows[l_row0 + r] * x_stride + seg * SEG + c * 8);
-#endif
       }
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
