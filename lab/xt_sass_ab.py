@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sass_count as SC  # noqa: E402
 
 #: (file, defines) of builds the plans make (kernel 1 at M = 1, kernel 3 with / without x in shared memory, with the
-#: prologue and the SiLU epilogue, kernel 4 at M = 16 and 64; the grouped (MoE) kernels 1 and 4)
+#: prologue and the SiLU epilogue, kernel 4 at M = 16 and 64)
 BUILDS = [
     ("gemv_mma_split.cu", dict(K_BITS=4, NG=1, D=1, MAXW=8, MINB=2, M1=1, BF16=1, FP16_SCALES=0)),
     ("gemv_mma_split.cu", dict(K_BITS=2, NG=1, D=1, MAXW=8, MINB=2, M1=1, BF16=1, FP16_SCALES=0)),
@@ -26,9 +26,6 @@ BUILDS = [
     ("gemv_mma_streamk.cu", dict(K_BITS=4, NG=1, D=1, MAXW=8, MINB=2, PD=2, XS=1, PRO=2, EPI=1, BF16=1, FP16_SCALES=0)),
     ("mma_pipe.cu", dict(K_BITS=4, NG=2, D=4, MAXW=8, MINB=1, RT=1, BF16=1, FP16_SCALES=0)),
     ("mma_pipe.cu", dict(K_BITS=2, NG=8, D=3, MAXW=8, MINB=1, RT=1, BF16=1, FP16_SCALES=0)),
-    ("grouped_mma.cu", dict(K_BITS=4, NG=1, MAXW=4, MINB=4, BF16=1, FP16_SCALES=0)),
-    ("grouped_mma.cu", dict(K_BITS=3, NG=2, MAXW=8, MINB=2, BF16=1, FP16_SCALES=0)),
-    ("grouped_mma_pipe.cu", dict(K_BITS=4, NG=2, D=4, MAXW=8, MINB=1, RT=1, BF16=1, FP16_SCALES=0)),
 ]
 
 

@@ -3,7 +3,8 @@ set -u
 # (_trees/base, the commit before: x copied into a zero-padded buffer on every call), through the dispatcher on
 # layers of that kind (DeepSeek-V2-Lite / Qwen2.5-72B down, gemma-3 and gpt-oss vocabularies and qkv, GLM-4.5-Air
 # expert down, Qwen2.5-0.5B) and one control (K = 4096), two rounds a tree; then the GPU tests of the changed code.
-# PART=moe: the grouped kernels instead, on the suite's gpt-oss and GLM-4.5-Air expert stacks (K = 2880, 1408).
+# PART=moe: the grouped kernels instead, on the suite's gpt-oss and GLM-4.5-Air expert stacks (K = 2880, 1408)
+# (measured with a grouped XT at 55027b2 and 4ec045b; not kept, see docs/notes/2026-11-27-x-in-place-suite-m1.md).
 #   mkdir -p _trees/base && git archive <base> src | tar -x -C _trees/base
 #   Device tool: run(command="BASE=<base> [PART=moe] bash lab/rounds/xtail_ab.sh", timeout_s=600)
 # BASE_TREE: the folder under _trees/ (default base); TESTS_K: a pytest -k filter for the tests (default: all)
