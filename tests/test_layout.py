@@ -427,16 +427,12 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     _assert_matches(y1, before[1])
 
     torch.cuda.reset_peak_memory_stats()
-    ws0 = _workspace_bytes()
     outs = {M: q(xs[M]) for M in small}  # compared after the peak is read: the comparison makes float64 copies
     # no weight-sized temporaries; kernel 7 (sm_90, M 33..64 here) reads x from a permuted copy (M x K); whether a
-    # launch runs kernel 7 is the dispatcher's answer (the tuned table first), not the built-in rule alone. The
-    # split-K workspace (one a process, kept) grows on a launch that needs more than the process's earlier launches
-    # did: how much here depends on which tests ran before in the process (0.5 MB at M = 16 under xdist, H100)
+    # launch runs kernel 7 is the dispatcher's answer (the tuned table first), not the built-in rule alone
     x_tmp = max([_nbytes([xs[M]]) for M in small if gemv_mma._large_here(k, M, N, K, torch.device("cuda"))],
                 default=0)
-    grown = _workspace_bytes() - ws0
-    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values()) + x_tmp + grown
+    assert torch.cuda.max_memory_allocated() - held < 0.01 * wbytes + _nbytes(outs.values()) + x_tmp
     for M in small:
         _assert_matches(outs[M], before[M], M)
     del outs
@@ -447,11 +443,6 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     w = q.weight()  # the layout held is the cache's: repack of the canonical tensors, bit for bit
     rc, rs = LY.repack(w.codes, w.scales, k=k, blocksize=32, scale_format="log8", N=N, K=K)
     assert torch.equal(rc, q.codes) and torch.equal(rs, q.scales)
-
-
-def _workspace_bytes() -> int:
-    """Bytes of the small-M kernels' split-K workspaces, those in use and those replaced (kept allocated)."""
-    return sum(t.numel() * t.element_size() for ws in (*MC._WS.values(), *MC._WS_OLD) for t in ws)
 
 
 @pytest.mark.gpu
