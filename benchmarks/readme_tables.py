@@ -24,9 +24,12 @@ QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
 #: the decode-step profiles (``kbit.bench.step_profile``) whose roofline share the end-to-end section quotes
 PROFILES = RES / "h100" / "e2e-profile-2026-11-26"
 #: the model-shape suite (``kbit bench --suite models --peers humming``; the rest file: the smaller shapes at M = 1
-#: that the first run's budget left out), and the plot of the first
+#: that the first run's budget left out; the m1 files: every shape at M = 1, k = 2..5), oldest first: a later file's
+#: row of a (kernel, k, shape, M) replaces an earlier one's; the plot of the first
 SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k4-rest-2026-11-27.json",
-         RES / "h100" / "suite-k2-2026-11-27.json"]
+         RES / "h100" / "suite-k2-2026-11-27.json",
+         RES / "h100" / "suite-m1-2026-11-27" / "suite-m1-p1-2026-11-27.json",
+         RES / "h100" / "suite-m1-2026-11-27" / "suite-m1-p2-2026-11-27.json"]
 KS = (2, 3, 4, 5)
 
 
@@ -167,18 +170,20 @@ def suite_table(paths: list[Path]) -> str:
     from kbit.bench import report, summary
     from kbit.bench import suite as suite_mod
 
-    summ, heads = [], []
-    for path in paths:
+    times, heads = {}, []
+    for path in paths:  # one summary over the newest run of each point (a family's layers may span files); a
+        # point's kbit, humming and bf16 times come from one run
         header, rows = report.read_results(path)
-        models = suite_mod.load_models(header.get("suite") or "models")
-        summ += summary.summarize(rows, summary.with_halves(suite_mod.layers(models), models))
+        times.update(summary.kbit_times(rows))
         heads.append(f"{_name(path)} ({header['gpu_name']}, commit {header['commit']}, {header['date']})")
+    models = suite_mod.load_models("models")
+    summ = summary.summarize((), summary.with_halves(suite_mod.layers(models), models), times=times)
     cols = sorted({(s["k"], s["M"]) for s in summ}, key=lambda c: (-c[0], c[1]))
     cell = {(s["family"], s["k"], s["M"]): s for s in summ}
     fams = sorted({s["family"] for s in summ}, key=lambda f: (f.startswith("["), f))
     out = ["Dense layers of >= 16M weights from the suite's models (`kbit bench --suite models --suite-parts dense "
            "--min-weights 16000000 --peers humming`), largest first as far as each run's budget went (a `-rest` file: "
-           "shapes an earlier run of the same k left out); "
+           "shapes an earlier run of the same k left out; a point's times come from the newest file that has it); "
            + "; ".join(heads) + ". Cells: x faster than humming at the same k / than bf16 `F.linear`, median over "
            "the family's layers (`-`: no humming row). `[tune]` / `[held-out]`: the suite's halves (configs were "
            "tuned on the first).", "",

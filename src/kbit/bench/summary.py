@@ -92,9 +92,11 @@ def _stats(values: list[float], worst=min) -> tuple[float | None, float | None]:
     return (statistics.median(values), worst(values)) if values else (None, None)
 
 
-def summarize(rows: Iterable[dict], layers: Sequence[Layer]) -> list[dict]:
-    """One dict per (family, M, k) with the statistics of the module docstring and ``n`` (layers with a kbit time)."""
-    times = kbit_times(rows)
+def summarize(rows: Iterable[dict], layers: Sequence[Layer], times: dict | None = None) -> list[dict]:
+    """One dict per (family, M, k) with the statistics of the module docstring and ``n`` (layers with a kbit time).
+    ``times``: :func:`kbit_times` given instead of ``rows`` (e.g. merged from several runs, each point's times from
+    one run)."""
+    times = kbit_times(rows) if times is None else times
     acc: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     by_shape: dict[tuple, list[Layer]] = defaultdict(list)
     for lay in layers:
