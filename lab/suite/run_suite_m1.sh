@@ -12,14 +12,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/suite-out}
 PART=${PART:-1}
 mkdir -p "$OUT"
-PEERS=/tmp/kbit-peers
-if compgen -G ".whl/humming*.whl" >/dev/null; then
-  pip install -q --no-index --no-deps --target "$PEERS" .whl/humming*.whl 2>&1 | tail -2
-else
-  echo "no .whl/humming*.whl: humming rows will be skipped (run fetch_peer_wheels.sh here, carry .whl)" >&2
-fi
-export PYTHONPATH="$PEERS:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+source lab/suite/peer_env.sh
 PICK=$(python - "$PART" <<'PY'
 import sys
 from kbit.bench import suite as S

@@ -15,14 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/suite-out}
 mkdir -p "$OUT"
-PEERS=/tmp/kbit-peers
-if compgen -G ".whl/humming*.whl" >/dev/null; then
-  pip install -q --no-index --no-deps --target "$PEERS" .whl/humming*.whl 2>&1 | tail -2
-else
-  echo "no .whl/humming*.whl: humming rows will be skipped (run fetch_peer_wheels.sh here, carry .whl)" >&2
-fi
-export PYTHONPATH="$PEERS:$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+source lab/suite/peer_env.sh
 PICK=5120x25600,28672x4096,43008x5376,14336x4096,7680x5120,2880x4096
 timeout 500 python -m kbit.cli bench ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --suite models --suite-parts dense --pick "$PICK" --m 1,16,256,1024 \
   --k 2,3,4,5 --peers humming --budget-s 380 --out "$OUT" --name suite >"$OUT/run.log" 2>&1
