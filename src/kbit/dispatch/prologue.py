@@ -32,15 +32,11 @@ from kbit.ops import gemv_mma
 from kbit.ops._checks import check_bias
 from kbit.ops.gemv_mma import EPI_SILU, PRO_ADD_NORM
 from kbit.ops.glue import add_rms_norm, check_norm, silu_mul
-from kbit.ops.mma.common import kernels_available
+from kbit.ops.mma.common import kernels_available, rows_aligned
 from kbit.ops.mma.layout import LAYOUT
 from kbit.tuning.mma_plan import prologue_config
 
 __all__ = ["add_rms_norm_linear"]
-
-
-def _rows_ok(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, lin, *,
@@ -68,7 +64,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     cfg = None
     if (type(lin).__dict__.get("fuses_prologue", False) and lin.layout == LAYOUT and x.is_cuda
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
-            and _rows_ok(x) and residual.is_contiguous() and _rows_ok(residual)
+            and rows_aligned(x) and residual.is_contiguous() and rows_aligned(residual)
             and kernels_available(x.device) and not torch.compiler.is_compiling()):
         cfg = prologue_config(lin.k, M, N, K)
     if cfg is None:

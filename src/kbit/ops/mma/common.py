@@ -13,8 +13,9 @@ from kbit.ops.mma.layout import SEG, geometry
 from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
 
-__all__ = ["check_repacked", "deterministic", "e_table", "kernels_available", "permute_x", "prep_x", "usable",
-           "workspace", "x_rows", "x_tiles", "x_tiles_groups", "x_tiles_kernel", "x_tiles_reference"]
+__all__ = ["check_repacked", "deterministic", "e_table", "kernels_available", "permute_x", "prep_x",
+           "rows_aligned", "usable", "workspace", "x_rows", "x_tiles", "x_tiles_groups", "x_tiles_kernel",
+           "x_tiles_reference"]
 
 
 def kernels_available(device=None) -> bool:
@@ -121,21 +122,23 @@ def x_tiles_reference(x2, bt, S):
     return t[:, :, torch.arange(bt, device=x2.device).view(bt, 1), src].reshape(-1)
 
 
+def rows_aligned(t: torch.Tensor) -> bool:
+    """Whether the rows of a 2-D 16-bit ``t`` start on 16-byte boundaries with contiguous columns (the kernels read
+    them as 16-byte vectors)."""
+    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
 def x_rows(x2, S):
     """x rows as kernels 1, 3, 4 read them: ``x2`` itself where its rows are readable as 16-byte vectors (those
     kernels take the columns from K on as zero), else :func:`prep_x`'s zero-padded copy."""
-    M, K = x2.shape
-    if K % 8 == 0 and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0:
-        return x2
-    return prep_x(x2, S)
+    return x2 if x2.shape[1] % 8 == 0 and rows_aligned(x2) else prep_x(x2, S)
 
 
 def prep_x(x2, S):
     """x rows readable as 16-byte vectors up to column S*256 (a zero-padded copy when needed)."""
     M, K = x2.shape
     Kw = S * SEG
-    ok = (K == Kw and x2.stride(1) == 1 and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0)
-    if ok:
+    if K == Kw and rows_aligned(x2):
         return x2
     xp = torch.zeros(M, Kw, dtype=x2.dtype, device=x2.device)
     xp[:, :K] = x2
