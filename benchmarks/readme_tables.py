@@ -177,7 +177,7 @@ def suite_table(paths: list[Path]) -> str:
         times.update(summary.kbit_times(rows))
         heads.append(f"{_name(path)} ({header['gpu_name']}, commit {header['commit']}, {header['date']})")
     models = suite_mod.load_models("models")
-    summ = summary.summarize((), summary.with_halves(suite_mod.layers(models), models), times=times)
+    summ = summary.summarize_times(times, summary.with_halves(suite_mod.layers(models), models))
     cols = sorted({(s["k"], s["M"]) for s in summ}, key=lambda c: (-c[0], c[1]))
     cell = {(s["family"], s["k"], s["M"]): s for s in summ}
     fams = sorted({s["family"] for s in summ}, key=lambda f: (f.startswith("["), f))

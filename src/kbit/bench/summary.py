@@ -22,7 +22,8 @@ from kbit.bench.peers import PEERS
 from kbit.bench.report import ROW_FIELDS
 from kbit.bench.suite import Layer, split_of
 
-__all__ = ["DISPATCHER", "kbit_times", "plot", "summarize", "summary_markdown", "with_halves", "write_csv"]
+__all__ = ["DISPATCHER", "kbit_times", "plot", "summarize", "summarize_times", "summary_markdown", "with_halves",
+           "write_csv"]
 
 DISPATCHER = "kbit-linear"
 #: kernels that are not kbit candidates
@@ -92,11 +93,13 @@ def _stats(values: list[float], worst=min) -> tuple[float | None, float | None]:
     return (statistics.median(values), worst(values)) if values else (None, None)
 
 
-def summarize(rows: Iterable[dict], layers: Sequence[Layer], times: dict | None = None) -> list[dict]:
-    """One dict per (family, M, k) with the statistics of the module docstring and ``n`` (layers with a kbit time).
-    ``times``: :func:`kbit_times` given instead of ``rows`` (e.g. merged from several runs, each point's times from
-    one run)."""
-    times = kbit_times(rows) if times is None else times
+def summarize(rows: Iterable[dict], layers: Sequence[Layer]) -> list[dict]:
+    """One dict per (family, M, k) with the statistics of the module docstring and ``n`` (layers with a kbit time)."""
+    return summarize_times(kbit_times(rows), layers)
+
+
+def summarize_times(times: dict, layers: Sequence[Layer]) -> list[dict]:
+    """:func:`summarize` of :func:`kbit_times` (e.g. merged from several runs, each point's times from one run)."""
     acc: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     by_shape: dict[tuple, list[Layer]] = defaultdict(list)
     for lay in layers:
