@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from kbit.ops import gemv_mma as MM  # noqa: E402
 from kbit.tuning.mma import MAX_M  # noqa: E402
 
-_KEYS = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "T64", "CAU", "LFX", "WS4", "K1WO", "D", "SK")
+_KEYS = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "CAU", "LFX", "WS4", "K1WO", "D", "SK")
 
 
 def rand_repacked(N, K, k, dev, seed=0):

@@ -115,7 +115,7 @@ def plan_of(rev, k, M, N, K, cfg, bf16, over, cuobjdump):
             cache[key] = (Built(*regs), sass)
         return cache[key][0]
 
-    p = make_plan(k, M, N, K, "log8", cfg, sms=132, build=build, t64=True)
+    p = make_plan(k, M, N, K, "log8", cfg, sms=132, build=build)
     d = {**p.defines, **over, "BF16": bf16}
     b, sass = cache[(p.kernel, tuple(sorted(d.items())))]
     return p, sass, (b.num_regs, b.local)
@@ -139,7 +139,7 @@ COLS = list(CLASSES) + ["uniform", "other"]
 
 def describe(p, cfg) -> str:
     d = p.defines
-    keys = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "T64", "CAU", "LFX", "WS4", "M1", "K1WO", "D", "SK", "RT")
+    keys = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "CAU", "LFX", "WS4", "M1", "K1WO", "D", "SK", "RT")
     return f"k{p.kernel} " + ",".join(f"{n}={d[n]}" for n in keys if d.get(n))
 
 

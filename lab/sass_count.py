@@ -133,7 +133,7 @@ def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 512
     if getattr(cfg, "kernel", None) not in (1, 3):
         cfg = mma.MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True)
     p = mma_plan.make_plan(k, 1, N, K, "fp16" if fp16_scales else "log8", cfg, sms=132,
-                           build=lambda kernel, defines: _Built(), t64=True)  # the sm_90 plan
+                           build=lambda kernel, defines: _Built())
     return {**p.defines, "BF16": bf16}
 
 

@@ -19,7 +19,6 @@ import sass_count as SC  # noqa: E402
 BUILDS = [
     ("gemv_mma_split.cu", dict(K_BITS=4, NG=1, D=1, MAXW=8, MINB=2, M1=1, BF16=1, FP16_SCALES=0)),
     ("gemv_mma_split.cu", dict(K_BITS=2, NG=1, D=1, MAXW=8, MINB=2, M1=1, BF16=1, FP16_SCALES=0)),
-    ("gemv_mma_split.cu", dict(K_BITS=4, NG=1, D=1, MAXW=8, MINB=2, M1=1, T64=1, BF16=1, FP16_SCALES=0)),
     ("gemv_mma_streamk.cu", dict(K_BITS=4, NG=1, D=1, MAXW=8, MINB=2, PD=2, XS=1, M1=1, BF16=1, FP16_SCALES=0)),
     ("gemv_mma_streamk.cu", dict(K_BITS=5, NG=2, D=1, MAXW=8, MINB=2, PD=2, XS=0, BF16=1, FP16_SCALES=0)),
     ("gemv_mma_streamk.cu", dict(K_BITS=3, NG=2, D=1, MAXW=8, MINB=2, PD=2, XS=1, XK=4, BF16=1, FP16_SCALES=0)),

@@ -170,9 +170,7 @@ def enc(d: dict) -> str:
 @pytest.mark.parametrize("gpu", ["h100", "a100", "h20"])
 def test_launch_plans(fake_gpu, monkeypatch, gpu):
     """Every launch of ``linear_small_m`` / ``linear_repacked`` (kernel 7, or chunks of <= 64 rows with the default
-    config) and of the prologue / epilogue, planned through ``kbit.ops.gemv_mma.plan_launch``. The fixture predates
-    the k = 4 lookup table T64 (:func:`test_t64_plans`), so it is off here."""
-    monkeypatch.setattr(TP, "T64_K", ())
+    config) and of the prologue / epilogue, planned through ``kbit.ops.gemv_mma.plan_launch``."""
     dev = fake_gpu(gpu)
     n = 0
     for key, launches in DATA["plan"].items():
@@ -244,28 +242,3 @@ def test_backend_option_steers_the_choice(fake_gpu, monkeypatch):
     from kbit.ops.reference import linear_tensors_reference
 
     assert torch.equal(y, linear_tensors_reference(x, q.codes, q.scales, q.tensor_scale, q.codebook, **kw))
-
-
-@pytest.mark.parametrize("gpu", ["h100", "h20", "a100", "l40s"])
-def test_t64_plans(fake_gpu, monkeypatch, gpu):
-    """T64 (the 64 KB k = 4 lookup table) changes exactly the M = 1 plans of kernels 1 and 3 on sm_90, where it was
-    measured: the define and the table's bytes in place of the 16-entry table's; everything else as without it."""
-    dev = fake_gpu(gpu)
-    sm90 = DEVICES[gpu][0] == (9, 0)
-    seen = 0
-    for N, K in ((4096, 4096), (28672, 4096), (8192, 28672), (14336, 4096), (1000, 1000)):
-        for k in (2, 3, 4, 5):
-            for cfg in (T.MmaConfig(3, warps=8, min_ctas=2, ring=2, x_smem=True), T.MmaConfig(1, warps=8, min_ctas=2),
-                        T.MmaConfig(1, warps=4, min_ctas=4)):
-                on = gemv_mma.plan_launch(k, 1, N, K, "log8", cfg, dev)
-                with monkeypatch.context() as m:
-                    m.setattr(TP, "T64_K", ())
-                    off = gemv_mma.plan_launch(k, 1, N, K, "log8", cfg, dev)
-                if not on.defines.get("T64"):
-                    assert (on.defines, on.shared) == (off.defines, off.shared)
-                    continue
-                seen += 1
-                assert sm90 and k == 4 and cfg.min_ctas <= 3
-                assert {n: v for n, v in on.defines.items() if n != "T64"} == off.defines
-                assert on.shared - off.shared == TP.T64_SMEM - TP.table_smem(4)
-    assert seen > 0 if sm90 else seen == 0

@@ -92,9 +92,8 @@ def plan_launch(k: int, M: int, N: int, K: int, scale_format: str = "log8",
         return cuda.compile_kernel(*KERNELS[kernel], defines, dev)
 
     sms = sm_count(dev) if dev.type == "cuda" else 0
-    t64 = dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)  # measured on Hopper only
     return make_plan(k, M, N, K, scale_format, config, sms=sms, build=build, deterministic=deterministic(), pro=pro,
-                     epi=epi, t64=t64, bf16=bf16)
+                     epi=epi, bf16=bf16)
 
 
 class PlanCache:

@@ -23,10 +23,6 @@ KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_stream
 SMEM_MAX = 227 * 1024
 #: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
 XS_MAX = 110 * 1024
-#: kernels 1 and 3, M = 1, k in T64_K: shared bytes of the T64 lookup table (csrc/common.cuh: 256 rows of 256 bytes,
-#: code entries and log8 scales, no IMAD an address) and its alignment pad, in place of table_smem(k)
-T64_SMEM = 65536 + 128
-T64_K = (4,)  # k = 2, 3: no faster at M = 1 on an H200 (m1-sass-ab-2026-11-26); k = 5: no fewer instructions
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
 L2PF = {1: 16384, 3: 0}
@@ -86,7 +82,7 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
     return defines, D * xc + table_smem(k) + 1024
 
 
-def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
+def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
@@ -96,16 +92,9 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det, t64_ok=False):
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
     else:
-        # T64 where x (and a prologue's norm weight) still fits beside the 64 KB table with 2 CTAs an SM (8 KB
-        # left for the static slots of CTA-aligned units)
-        t64 = int(t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 2
-                  and (not cfg.x_smem or T64_SMEM + (M + bool(pro)) * S * SEG * 2 <= XS_MAX - 8 * 1024))
-        tab = T64_SMEM if t64 else table_smem(k)
-        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= XS_MAX)
-        shared = tab + xs * M * S * SEG * 2
+        xs = int(cfg.x_smem and table_smem(k) + M * S * SEG * 2 <= XS_MAX)
+        shared = table_smem(k) + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
-    if not xk and t64:
-        defines["T64"] = 1
     if pro:
         if not xs:
             raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")
@@ -124,20 +113,18 @@ def _k4_defines(k, ng, cfg: MmaConfig, scale_format):
     return defines, D * stage + table_smem(k)
 
 
-def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, t64_ok=False, bf16=False):
+def _defines(k, M, N, K, S, scale_format, cfg, det, pro, epi, bf16=False):
     """(kernel, defines, shared bytes, warps, token groups) of ``cfg`` before the grid is known."""
     ng = n_groups(M)
     if isinstance(cfg, LargeConfig):
         defines, shared = large_defines(k, cfg)
         kernel, W, ng = 7, cfg.warps, cfg.groups
     elif cfg.kernel == 3:
-        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det, t64_ok)
+        defines, shared = _k3_defines(k, M, S, ng, cfg, pro, epi, det)
         kernel, W = 3, cfg.warps
     elif cfg.kernel == 1:
         kernel, W = 1, max(1, min(cfg.warps, S))
         defines, shared = dict(K_BITS=k, NG=ng, D=1, MAXW=W, MINB=cfg.min_ctas), table_smem(k)
-        if t64_ok and k in T64_K and M == 1 and cfg.min_ctas <= 3:  # T64: the 64 KB table (at most 3 CTAs an SM fit)
-            defines["T64"], shared = 1, T64_SMEM
     else:
         defines, shared = _k4_defines(k, ng, cfg, scale_format)
         kernel, W = 4, cfg.warps
@@ -269,21 +256,18 @@ def _ws_floats(st, kernel, M, ng) -> int:
 
 
 def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConfig | LargeConfig, *, sms: int, build,
-         deterministic: bool = False, pro: int = 0, epi: int = 0, t64: bool = False, bf16: bool = False) -> MmaPlan:
+         deterministic: bool = False, pro: int = 0, epi: int = 0, bf16: bool = False) -> MmaPlan:
     """The launch of ``config`` for ``M`` rows on a k-bit ``[N, K]`` weight on a GPU of ``sms`` SMs, for bf16
     activations (``bf16``) or fp16: the plan's builds are the ones the launch runs, so they are compiled once.
 
     ``build(kernel, defines)`` returns the built kernel (``.occupancy(threads, shared)``, ``.num_regs``);
     ``deterministic``: split-K parts added in a fixed order (``DET``); ``pro``: an x prologue (1: RMSNorm, 2:
     residual add + RMSNorm; kernel 3 with x in shared memory only); ``epi`` 1: the SiLU * up epilogue of a fused
-    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``t64``: kernels 1 and 3 may take the 64 KB
-    lookup table at M = 1 (:data:`T64_K`; measured on sm_90 only, where the planner enables it). ``K`` is x's
-    width: where it is not a multiple of 256, kernels 1, 3, 4 read x in place and take its columns from K on as
-    zero (``XT``).
+    gate/up weight (kernel 3 only); see ``kbit.dispatch.prologue``. ``K`` is x's width: where it is not a multiple
+    of 256, kernels 1, 3, 4 read x in place and take its columns from K on as zero (``XT``).
     """
     Nt, S = -(-N // 16), -(-K // SEG)
-    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, t64,
-                                              bf16)
+    kernel, defines, shared, W, ng = _defines(k, M, N, K, S, scale_format, config, deterministic, pro, epi, bf16)
     if K % SEG and kernel != 7:  # x read in place up to column K (kernel 7 reads a zero-padded copy)
         defines["XT"] = 1
     kern = build(kernel, defines)

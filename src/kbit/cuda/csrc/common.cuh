@@ -19,12 +19,6 @@
                   columns between K and the block boundary hold codes of nonzero values)
      L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
 #pragma once
-#ifndef T64 /* k = 4 (kernel 3): 1 = the 64 KB table of one PRMT an address (lookup, scale_t64) */
-#define T64 0
-#endif
-#if T64 && K_BITS != 4
-#error "T64 is the k = 4 table"
-#endif
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
@@ -39,8 +33,6 @@ struct __align__(8) V2 { u32 x, y; };
 #define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
-#elif K_BITS == 4 && T64
-#define TAB_WORDS (256 * 64) /* T64: 256 rows of 256 bytes, see lookup() */
 #elif K_BITS == 4
 #define TAB_WORDS (256 * 32)
 #else
@@ -187,8 +179,7 @@ __device__ __forceinline__ float ldsf(u32 a) {
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel)); return r;
 }
-/* what lookup() reads the codebook from: k = 2, the four halves in two registers; T64: the table address (a, uniform)
-   and the lane's byte offset (b); else a (shared) address */
+/* what lookup() reads the codebook from: k = 2, the four halves in two registers; else a (shared) address */
 struct LB { u32 a, b; };
 /* byte b of w, alone in the low byte (one PRMT) */
 __device__ __forceinline__ u32 byte_of(u32 w, int b) {
@@ -199,16 +190,7 @@ __device__ __forceinline__ u32 byte_of(u32 w, int b) {
    i = 8h + 4j + 2r + e  <->  row g + 8r, column 32u + 8t + 4h + 2j + e; A[h][r + 2j] holds (e = 0, 1).
    lbb: shared address of the table plus the lane's copy offset. */
 __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][4]) {
-#if K_BITS == 4 && T64
-  /* T64: row c (256 bytes) of the table holds the pair of code byte c at lane * 4 (and the scale of log8 byte c at
-     128 + lane * 4, scale_t64), so one PRMT makes the offset (code byte -> address byte 1, lane * 4 -> byte 0) and
-     the load adds the table address (LDS [R + UR]): no IMAD a lookup */
-#pragma unroll
-  for (int f = 0; f < 8; ++f) {
-    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
-    A[h][r + 2 * j] = lds32(lbb.a + prmt(w[2 * u + (f >> 2)], lbb.b, 0x7604u | ((f & 3) << 4)));
-  }
-#elif K_BITS == 4
+#if K_BITS == 4
 #pragma unroll
   for (int f = 0; f < 8; ++f) {             /* f = 4h + 2j + r: byte f of words 2u, 2u + 1 */
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
@@ -253,25 +235,6 @@ __device__ __forceinline__ float scale_of(const V4* sv, int u, int r, u32 sc_bas
 #endif
 }
 
-#if T64
-/* log8 scale 2u + r from the T64 table's rows (lookup): one PRMT, no base register */
-__device__ __forceinline__ float scale_t64(const V4* sv, int u, int r, LB lbb) {
-  const u32* s = (const u32*)sv;
-  return bits2f(lds32(lbb.a + 128 + prmt(s[u >> 1], lbb.b, 0x7604u | ((2 * (u & 1) + r) << 4))));
-}
-#endif
-
-#if T64
-/* the log8 scales e_tab[c] * ts (the values s_sc holds) in bytes 128..255 of the T64 table's rows, one copy a lane */
-__device__ __forceinline__ void build_scale_rows(u32 tab, const float* __restrict__ e_tab, float ts, u32 tid, u32 nt) {
-  for (u32 i = tid; i < 2048; i += nt) {
-    const u32 v = FP16_SCALES ? 0u : __float_as_uint(e_tab[i >> 3] * ts);
-    asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};" :: "r"(tab + (i >> 3) * 256 + 128 + (i & 7) * 16), "r"(v)
-                 : "memory");
-  }
-}
-#endif
-
 /* a table entry's half for code e: its codebook value, or (IDX: kbit_deq_mma) the code itself */
 template <bool IDX>
 __device__ __forceinline__ u32 cbv(const float* __restrict__ cb, u32 e) { return IDX ? e : (u32)f2h(cb[e]); }
@@ -280,7 +243,7 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
 #if K_BITS == 4
   for (u32 i = tid; i < 256 * 32; i += nt) {
     const u32 e = i >> 5;
-    s_tab[T64 ? i + (e << 5) : i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);  /* T64: row e, word i & 31 */
+    s_tab[i] = cbv<IDX>(cb, e & 15) | (cbv<IDX>(cb, e >> 4) << 16);
   }
 #elif K_BITS == 3
   for (u32 i = tid; i < 64 * 32; i += nt) {
@@ -301,10 +264,6 @@ template <bool IDX = false>
 __device__ __forceinline__ LB lane_bits(u32 tab, u32 lane, const float* __restrict__ cb) {
 #if K_BITS == 2
   return LB{cbv<IDX>(cb, 0) | (cbv<IDX>(cb, 1) << 16), cbv<IDX>(cb, 2) | (cbv<IDX>(cb, 3) << 16)};
-#elif K_BITS == 4 && T64
-  return LB{tab, lane << 2};
-#elif K_BITS == 5
-  return LB{tab | (lane << 2), 0u};
 #else
   return LB{tab | (lane << 2), 0u};
 #endif

@@ -13,8 +13,6 @@
      M1           0/1: M is 1
      K1WO         0/1: a warp's partial sums each, added in warp order (else shared-memory atomics)
      DET          0/1: fixed-order split-K sums (bit-identical runs)
-     T64          0/1 (k = 4): the 64 KB lookup table of one PRMT an address (common.cuh lookup); the plan must
-                  reserve 64 KB for it
      XT           0/1: x's columns from kx on read as zero (common.cuh) */
 #include "splitk.cuh"
 
@@ -66,13 +64,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_spli
     u16* __restrict__ y, const void* __restrict__ bias, float* __restrict__ ws, int* __restrict__ cnt,
     int M, int N, int x_stride, int y_stride, int n_seg, int n_tiles, int splits, int sps,
     int bias_kind, int ws_stride, int kx) {
-#if T64 /* the warp index through redux.sync (a uniform register): the segment loop, whose bounds follow from it, is
-           then not divergent for ptxas, and T64's table address stays the loads' uniform operand (else an IADD a
-           lookup) */
-  const u32 tid = threadIdx.x, lane = tid & 31, warp = __reduce_min_sync(0xffffffffu, tid >> 5), W = blockDim.x >> 5;
-#else
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
-#endif
   const int g = lane >> 2;
   if (tid == 0 && (int)blockIdx.x < n_tiles * splits) { /* the CTA's first item, codes then scales */
     const int it = blockIdx.x, tl_ = it / splits, sp_ = it - tl_ * splits;
@@ -95,9 +87,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_spli
 #endif
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if T64
-  build_scale_rows(tab, e_tab, ts, tid, blockDim.x);
-#endif
 #if !WO
   for (u32 i = tid; i < NG * 128; i += blockDim.x) s_red[i] = 0.0f;
 #endif

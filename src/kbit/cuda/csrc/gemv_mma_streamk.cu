@@ -19,9 +19,7 @@
      M1           0/1: M is 1
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
-     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
-     T64          0/1 (k = 4): the 64 KB lookup table (TAB_WORDS 16384: 256 rows of 256 bytes, code pairs then log8
-                  scales, common.cuh lookup) that needs no IMAD an address; the plan must reserve 64 KB for it */
+     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait */
 #include "splitk.cuh"
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
@@ -576,9 +574,6 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if T64
-  build_scale_rows(tab, e_tab, ts, tid, blockDim.x);
-#endif
 #if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32], the 64
           pad bytes put 8-token rows' B-fragment loads in alternate bank halves */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
@@ -644,8 +639,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   }
 #elif CAU
   /* j0, j1 are the same in every lane of a warp; redux.sync says so to ptxas (its result is a uniform register), so
-     that the loop before the CTA barrier is not divergent and T64's table address stays the loads' uniform
-     operand (else an IADD a lookup) */
+     that the loop before the CTA barrier is not divergent */
   const int uj0 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j0), uj1 = (int)__reduce_min_sync(0xffffffffu, (unsigned)j1);
   stream_range(buf, codes, scales, uj0, uj1, n_seg, xr, lbb, sc_base, lane, g, M, N, y, y_stride, bias,
                bias_kind, post, ws, cnt, ws_stride, L, spt, EPI, ns, s_lo, lf, nslot, kx);

@@ -25,11 +25,7 @@ __device__ __forceinline__ void segment_t(const u32* w, const V4* sw, const u16*
     for (int ng = 0; ng < NG; ++ng) xb[ng] = in ? ld_x(xs[ng] + 32 * u) : V4{0u, 0u, 0u, 0u};
     u32 A[2][4];
     lookup(w, u, lbb, A);
-#if T64 && !FP16_SCALES
-    const float s0v = scale_t64(sw, u, 0, lbb), s1v = scale_t64(sw, u, 1, lbb);
-#else
     const float s0v = scale_of(sw, u, 0, sc_base), s1v = scale_of(sw, u, 1, sc_base);
-#endif
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng) {
       float d[4];
@@ -209,7 +205,7 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
   for (u32 i = tid; i < 2048; i += nt) {
     const u32 e = i >> 3;
     const u32 v = cbh(c, e & 15) | (cbh(c, e >> 4) << 16);
-    sts128(tab + (T64 ? e * 256 + (i & 7) * 16 : i * 16), v, v);  /* T64: bytes 0..127 of row e */
+    sts128(tab + i * 16, v, v);
   }
 #elif K_BITS == 3
   for (u32 i = tid; i < 512; i += nt) {
