@@ -18,7 +18,7 @@ if [ "$P" = moe ]; then
   TESTS="tests/test_grouped_mma.py tests/test_moe.py"; NX=3; CAND=grouped_mma
 else
   WHAT="--shapes $SH --k 2,4,5 --m 1,4,16 --candidates kbit-linear"
-  TESTS="tests/test_gemv_mma.py tests/test_prologue.py tests/test_gemv_t64.py"; NX=8; CAND=kbit-linear
+  TESTS="tests/test_gemv_mma.py tests/test_prologue.py"; NX=8; CAND=kbit-linear
 fi
 for i in 1 2; do
   for t in base head; do
