@@ -5,6 +5,7 @@
 #
 #   Here, once: bash /work/shared/tools/fetch_peer_wheels.sh      (makes .whl/ in the repo root; git ignores it)
 #   Device tool: run(command="PART=1 KBIT_COMMIT=<rev> bash lab/suite/run_suite_m1.sh", carry=[".whl"])
+# KS: the k values (default 2,3,4,5); BUDGET_S: kbit bench's budget (default 470 s).
 #
 # Written to $OUT: suite-m1-p<PART>-<date>.{json,csv,md,png}, its -summary.md, run.log; then lab/suite/bars.py on it.
 set -uo pipefail
@@ -22,8 +23,8 @@ print(",".join(f"{n}x{k}" for n, k in half))
 PY
 )
 timeout 540 python -m kbit.cli bench ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --suite models --suite-parts dense \
-  --min-weights 16000000 --pick "$PICK" --m 1 --k 2,3,4,5 --peers humming --candidates kbit-linear --budget-s 470 \
-  --out "$OUT" --name "suite-m1-p$PART" >"$OUT/run.log" 2>&1
+  --min-weights 16000000 --pick "$PICK" --m 1 --k ${KS:-2,3,4,5} --peers humming --candidates kbit-linear --budget-s ${BUDGET_S:-470} \
+  --out "$OUT" --name "suite-m1${KS:+-k${KS//,/}}-p$PART" >"$OUT/run.log" 2>&1
 rc=$?
 for f in "$OUT"/*/suite-*; do [ -e "$f" ] && mv "$f" "$OUT/"; done
 res=$(ls -t "$OUT"/suite-*.json 2>/dev/null | grep -v summary | head -1)
