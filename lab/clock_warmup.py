@@ -6,10 +6,10 @@ each replay of the cold-L2 graph (``kbit.bench.timing``) is timed alone right af
 
     PYTHONPATH=src python lab/clock_warmup.py [--shapes 152064x8192,4096x4096] [--k 4]
 
-``--fresh`` (not run yet): the dispatcher's ``time_calls`` on freshly made weight copies, as a suite run makes them,
-timed at once, again on the same copies, after 2 s of idling, right after 8 GB were allocated, written and freed,
-and right after a humming weight was built (``PYTHONPATH`` with humming): which of these brings the slow first timing
-back.
+``--fresh``: the dispatcher's ``time_calls`` on freshly made weight copies, as a suite run makes them, timed at
+once, again on the same copies, after 2 s of idling, right after 8 GB were allocated, written and freed, right after
+bf16 cuBLAS was timed on the shape (as ``kbit bench`` does first; with and without 2 s of idling after it), and right
+after a humming weight was built (``PYTHONPATH`` with humming): which of these brings the slow first timing back.
 """
 from __future__ import annotations
 
@@ -44,9 +44,12 @@ def main() -> int:
     p.add_argument("--shapes", default="152064x8192,4096x4096")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--fresh", action="store_true")
+    p.add_argument("--settle", action="store_true")
     a = p.parse_args()
     if a.fresh:
         return fresh(a)
+    if a.settle:
+        return settle(a)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name(0), flush=True)
     rows = []
@@ -103,8 +106,18 @@ def fresh(a) -> int:
             hum.build(W, a.k)
             torch.cuda.synchronize()
 
+        def before_bf16(N=N, K=K):  # as kbit bench times the shape: bf16 cuBLAS first, 2+ copies, 18 replays
+            W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            ws = [W] + [W.clone() for _ in range(timing.copies_for_cold_l2(W.nbytes, l2) - 1)]
+            timing.time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], reps=15)
+            torch.cuda.synchronize()
+            del ws, W
+
         steps = [("fresh copies, at once", None), ("fresh copies, after 2 s idle", lambda: time.sleep(2.0)),
-                 ("fresh copies, after 8 GB allocated, written, freed", before_alloc)]
+                 ("fresh copies, after 8 GB allocated, written, freed", before_alloc),
+                 ("fresh copies, after bf16 timed on the shape", before_bf16),
+                 ("fresh copies, after bf16 timed, then 2 s idle", lambda: (before_bf16(), time.sleep(2.0)))]
         if hum.unavailable() is None:
             steps.append(("fresh copies, after a humming build", before_humming))
         for label, before in steps:
@@ -124,6 +137,62 @@ def fresh(a) -> int:
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
     return 0
+
+
+def settle(a) -> int:
+    """What undoes the slow first timing after bf16 was timed on the shape (``--fresh``): the same calls timed twice
+    (a new capture each), 100 warm-up replays, a graph captured and dropped first, or the allocator's cache emptied
+    first (the bf16 copies' freed blocks are then returned to the driver)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name(0), flush=True)
+    rows = []
+    for s in a.shapes.split(","):
+        _settle_shape(s, a.k, l2, rows)
+        torch.cuda.empty_cache()
+    print("\n| shape | after | first us | again us |")
+    print("|---|---|--:|--:|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
+    return 0
+
+
+def _settle_shape(s: str, k: int, l2: int, rows: list) -> None:
+    N, K = (int(v) for v in s.split("x"))
+    W = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    xb = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    meas = Measure(quantized_weight(N, K, k), 15, l2)
+    meas.set_m(1, seed=0)
+    fns = [candidate_call(None, c) for c in meas.copies]
+    x = meas.x
+    calls = [lambda f=f: f(x) for f in fns]
+
+    def bf16():
+        ws = [W] + [W.clone() for _ in range(timing.copies_for_cold_l2(W.nbytes, l2) - 1)]
+        timing.time_calls([lambda w=w: torch.nn.functional.linear(xb, w) for w in ws], reps=15)
+        torch.cuda.synchronize()
+
+    def alloc():  # --fresh's "8 GB allocated, written, freed": new memory from the driver each time
+        torch.cuda.empty_cache()
+        t = torch.empty(8 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+        torch.cuda.synchronize()
+        del t
+
+    def variant(label, prep, **kw):
+        (alloc if big else bf16)()
+        prep()
+        t1 = timing.time_calls(calls, reps=15, **kw).us
+        t2 = timing.time_calls(calls, reps=15, warmup_ms=0).us
+        rows.append((s, label, t1, t2))
+        print(f"{s} after {label}: first {t1:.2f} us, again {t2:.2f} us", flush=True)
+
+    for big in (False, True):
+        what = "8 GB allocated, written, freed" if big else "bf16"
+        variant(f"{what}; 3 warm-up replays", lambda: None, warmup_ms=0)
+        variant(f"{what}; 100 warm-up replays", lambda: None, warmup=100, warmup_ms=0)
+        variant(f"{what}; a graph captured and dropped first", lambda: timing._capture(calls), warmup_ms=0)
+        variant(f"{what}; torch.cuda.empty_cache() first", torch.cuda.empty_cache, warmup_ms=0)
+        for ms in (25, 50, 100):
+            variant(f"{what}; warm-up {ms} ms", lambda: None, warmup_ms=ms)
 
 
 if __name__ == "__main__":

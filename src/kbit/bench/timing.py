@@ -19,6 +19,11 @@ import torch
 
 REPS = 15          # replays timed; the issue asks for a median of at least 15
 WARMUP = 3         # replays before timing (clocks up, allocator settled)
+#: and more replays before timing until about this much GPU time has passed. Right after 8 GB of new device memory
+#: were written and freed (as a benchmark does between shapes), an H100 ran the next calls 14-17% slower (3% at
+#: 4096x4096); 25 ms of replays removed that, 3 replays, a new capture or an emptied allocator cache did not
+#: (lab/clock_warmup.py --settle, benchmarks/results/h100/first-timing-2026-11-27.md)
+WARMUP_MS = 50.0
 L2_FACTOR = 8      # all copies together exceed L2_FACTOR x the L2
 DEFAULT_L2_BYTES = 50 * 1000 * 1000  # H100 SXM; used only when the device does not report its L2
 
@@ -106,10 +111,11 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
 
 
 def time_calls(calls: Sequence[Callable[[], object]], reps: int = REPS, warmup: int = WARMUP,
-               use_graph: bool = True) -> Timing:
+               use_graph: bool = True, warmup_ms: float = WARMUP_MS) -> Timing:
     """Times ``calls`` (one per weight copy) as described in the module docstring.
 
-    The first call is run once eagerly so that compilation and autotuning happen outside the capture.
+    The first call is run once eagerly so that compilation and autotuning happen outside the capture. Then
+    ``warmup`` replays, and more until about ``warmup_ms`` of replays have run (:data:`WARMUP_MS`).
     """
     if not calls:
         raise ValueError("calls is empty")
@@ -136,6 +142,15 @@ def time_calls(calls: Sequence[Callable[[], object]], reps: int = REPS, warmup: 
     for _ in range(warmup):
         replay()
     torch.cuda.synchronize()
+    if warmup_ms > 0:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        for _ in range(min(10_000, math.ceil(warmup_ms / max(start.elapsed_time(end), 1e-3)) - warmup - 1)):
+            replay()
+        torch.cuda.synchronize()
     us, lo, hi = _median_per_call(replay, len(calls), reps)
     del graph
     return Timing(us=us, us_min=lo, us_max=hi, calls=len(calls), reps=reps, mode=mode)
