@@ -20,7 +20,7 @@ import torch
 REPS = 15          # replays timed; the issue asks for a median of at least 15
 WARMUP = 3         # replays before timing (clocks up, allocator settled)
 #: and more replays before timing until about this much GPU time has passed. Right after 8 GB of new device memory
-#: were written and freed (as a benchmark does between shapes), an H100 ran the next calls 14-17% slower (3% at
+#: were written and freed (as a benchmark does between shapes), an H100 ran the next calls 16-17% slower (3% at
 #: 4096x4096); 25 ms of replays removed that, 3 replays, a new capture or an emptied allocator cache did not
 #: (lab/clock_warmup.py --settle, benchmarks/results/h100/first-timing-2026-11-27.md)
 WARMUP_MS = 50.0
