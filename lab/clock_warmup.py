@@ -6,10 +6,11 @@ each replay of the cold-L2 graph (``kbit.bench.timing``) is timed alone right af
 
     PYTHONPATH=src python lab/clock_warmup.py [--shapes 152064x8192,4096x4096] [--k 4]
 
-``--fresh``: the dispatcher's ``time_calls`` on freshly made weight copies, as a suite run makes them, timed at
-once, again on the same copies, after 2 s of idling, right after 8 GB were allocated, written and freed, right after
-bf16 cuBLAS was timed on the shape (as ``kbit bench`` does first; with and without 2 s of idling after it), and right
-after a humming weight was built (``PYTHONPATH`` with humming): which of these brings the slow first timing back.
+``--fresh`` (timed without ``time_calls``' ``WARMUP_MS``, as when it ran): the dispatcher's ``time_calls`` on
+freshly made weight copies, as a suite run makes them, timed at once, again on the same copies, after 2 s of idling,
+right after 8 GB were allocated, written and freed, right after bf16 cuBLAS was timed on the shape (as ``kbit bench``
+does first; with and without 2 s of idling after it), and right after a humming weight was built (``PYTHONPATH`` with
+humming): which of these brings the slow first timing back. ``--settle``: what removes it (:func:`settle`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ import torch  # noqa: E402
 
 from kbit.bench import timing  # noqa: E402
 from kbit.bench.tune import Measure, candidate_call, quantized_weight  # noqa: E402
+
+
+def _table(head: tuple[str, ...], rows: list) -> None:
+    """A markdown table: two text columns, then numbers (us)."""
+    print("\n| " + " | ".join(head) + " |")
+    print("|---|---|" + "--:|" * (len(head) - 2))
+    for r in rows:
+        print("| " + " | ".join([r[0], r[1], *(f"{v:.2f}" for v in r[2:])]) + " |")
 
 
 def replays_after_idle(graph_replay, calls: int, n: int) -> list[float]:
@@ -74,20 +83,23 @@ def main() -> int:
             while (time.perf_counter() - t0) * 1000 < ms:
                 graph.replay()
                 torch.cuda.synchronize()
-            t = timing.time_calls(calls, reps=15)
+            t = timing.time_calls(calls, reps=15, warmup_ms=0)
             rows.append((s, label, t.us, t.us_min, t.us_max))
             print(f"{s} {label}: {t.us:.2f} us (min {t.us_min:.2f}, max {t.us_max:.2f})", flush=True)
         del graph, meas, fns, calls
         torch.cuda.empty_cache()
-    print("\n| shape | before the timing | us (median) | min | max |")
-    print("|---|---|--:|--:|--:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} |")
+    _table(("shape", "before the timing", "us (median)", "min", "max"), rows)
     return 0
 
 
 def fresh(a) -> int:
+    import functools
+
+    from kbit.bench import tune
     from kbit.bench.peers import PEERS
+
+    # as run on 2026-11-27: the timings without the warm-up that kbit.bench.timing has since (WARMUP_MS)
+    tune.time_calls = functools.partial(timing.time_calls, warmup_ms=0)
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name(0), flush=True)
@@ -132,27 +144,23 @@ def fresh(a) -> int:
             print(f"{s} {label}: first {first:.2f} us, again {again:.2f} us", flush=True)
             del meas
             torch.cuda.empty_cache()
-    print("\n| shape | before the first timing | first us | again us |")
-    print("|---|---|--:|--:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
+    _table(("shape", "before the first timing", "first us", "again us"), rows)
     return 0
 
 
 def settle(a) -> int:
-    """What undoes the slow first timing after bf16 was timed on the shape (``--fresh``): the same calls timed twice
-    (a new capture each), 100 warm-up replays, a graph captured and dropped first, or the allocator's cache emptied
-    first (the bf16 copies' freed blocks are then returned to the driver)."""
+    """What undoes the slow first timing (``--fresh``). Each shape's dispatcher calls are timed after bf16 was timed
+    on copies of an existing bf16 weight (memory from the allocator's cache), and after 8 GB of new device memory
+    were allocated, written and freed. Each time with one remedy: 3 warm-up replays (none), 100, a graph captured
+    and dropped first, the allocator's cache emptied first, or 25 / 50 / 100 ms of replays (``warmup_ms``); then
+    timed again plainly."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name(0), flush=True)
     rows = []
     for s in a.shapes.split(","):
         _settle_shape(s, a.k, l2, rows)
         torch.cuda.empty_cache()
-    print("\n| shape | after | first us | again us |")
-    print("|---|---|--:|--:|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} |")
+    _table(("shape", "after", "first us", "again us"), rows)
     return 0
 
 
