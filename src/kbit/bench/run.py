@@ -29,7 +29,7 @@ from kbit.bench.floor import measure_read_floor
 from kbit.bench.peers import select_peers
 from kbit.bench.registry import Unsupported, select_candidates
 from kbit.bench.report import git_commit, gpu_slug
-from kbit.bench.timing import Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
+from kbit.bench.timing import L2_FACTOR, WARMUP, WARMUP_MS, Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes, stand_in_weight, tensor_bytes
 from kbit.utils.device import sm_count
 
@@ -190,7 +190,8 @@ class Runner:
                     commit=self.commit, command=cfg.command, torch=torch.__version__, triton=triton.__version__,
                     l2_bytes=self.l2,
                     sms=sm_count(self.device), ceiling_tbps=self.ceiling_tbps,
-                    ceiling_bytes=self.ceiling_bytes, reps=cfg.reps, l2_factor=8,
+                    ceiling_bytes=self.ceiling_bytes, reps=cfg.reps, l2_factor=L2_FACTOR, warmup=WARMUP,
+                    warmup_ms=WARMUP_MS,
                     kbit_quantize=self.api is not None, elapsed_s=round(time.time() - self.t0, 1),
                     skipped=self.skipped, **cfg.extra_header)
 
