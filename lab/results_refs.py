@@ -2,9 +2,10 @@
 
 A file is cited when a tracked file outside benchmarks/results (docs, README, code, tests, configs) or a cited
 results file names it: as a path (``benchmarks/results/h100/x.json``, or below the results folder:
-``h100/x.json``), as a run's folder (``h100/m16-2026-11-27/``: every file in it), as a bare name (``x.json``, or its
-stem ``x``), through a pattern (``x-run*.log``, ``x.{json,md}``) or as a tail after its sibling (``x-a.md``,
-``-b.md``). A bare name counts for every GPU folder holding it.
+``h100/x.json``), as a run's folder (``h100/m16-2026-11-27/``: every file in it; without the GPU folder, in any of
+them), by its name at the end of another path (``/root/out/x.json``, as a device run names it), as a bare name
+(``x.json``, or its stem ``x``), through a pattern (``x-run*.log``, ``x.{json,md}``) or as a tail after its sibling
+(``x-a.md``, ``-b.md``). A bare name counts for every GPU folder holding it.
 
     PYTHONPATH=src python lab/results_refs.py            # counts, uncited files, broken references
     PYTHONPATH=src python lab/results_refs.py --cited    # the cited files too, each with one citing file
@@ -79,8 +80,10 @@ class Index:
             return self._path(token.split("results/", 1)[1])
         if "/" in token and token.split("/", 1)[0] in self.folders:
             return self._path(token)  # `h200x2/tp-2026-11-26c.md`: below benchmarks/results, as the notes write it
-        if "/" in token:
-            return set(), False
+        if "/" in token:  # `k1split-ab-2026-11-27/` or `.../huge-m1.log`: a run's folder in some GPU folder
+            found = {f for g in self.folders for f in self._path(f"{g}/{token}")[0]}
+            tail = token.rsplit("/", 1)[1]  # else a file by its name (`/root/out/x.json`: as a device run wrote it)
+            return (found or (self._matches(tail)[0] if tail else set())), False
         found = set()
         for p in expand(token):
             wild = re.search(r"[*?[]", p)
