@@ -8,7 +8,8 @@ Printed per (k, M): shapes, kbit >= humming (count, worst ratio), of the points 
 their bytes at >= 0.99x humming's TB/s (slower by the bytes of the format, not by the kernel: kbit reads a scale
 byte per 32 weights where humming's w<k> reads a bf16 scale per 128, 3% more bytes at k = 4 and 6% at k = 2), x bf16
 (median, worst), and at M = 1 the share of the read ceiling on shapes of >= 100M weights (worst; the bar: >= 85% at
-k = 3..5, >= 75% at k = 2). The split (tune / held-out) of each shape comes from the suite.
+k = 3..5, >= 75% at k = 2). The split (tune / held-out) of each shape comes from the suite. Then the points where
+the dispatcher's time falls as k grows (more than 3%). A point's rows come from the first file that has them.
 """
 from __future__ import annotations
 
@@ -57,7 +58,33 @@ def main(paths: list[str]) -> int:
                      f"{statistics.median(bf):.2f} ({min(bf):.2f})" if bf else "-",
                      f"{min(share):.0%} ({len(share)} shapes)" if share and M == 1 else "-"]
             print(f"| {k} | {M} | {half} | {len(sel)} | " + " | ".join(cells) + " |")
+    falls = not_monotonic(pts)
+    n = len({(M, N, K) for M, N, K, *_ in falls})
+    print(f"\nTime falls as k grows (by more than {MONO_TOL:.0%}) at {n} (M, shape) points" + (":" if falls else ""))
+    for M, N, K, k0, t0, k1, t1 in falls:
+        print(f"  M={M} {N}x{K}: k = {k0} {t0:.2f} us > k = {k1} {t1:.2f} us ({t1 / t0:.2f}x)")
     return 0
+
+
+#: issue 32: "M = 1 time does not decrease as k grows (within 3%)"
+MONO_TOL = 0.03
+
+
+def not_monotonic(pts: dict) -> list[tuple]:
+    """(M, N, K, k, us, larger k, its us) wherever the dispatcher took less time at a larger k than at a smaller
+    one by more than :data:`MONO_TOL` (points whose k are timed in different files compare across runs)."""
+    t = defaultdict(dict)
+    for (k, M, N, K), d in pts.items():
+        if "kbit-linear" in d:
+            t[(M, N, K)][k] = d["kbit-linear"]["us"]
+    out = []
+    for (M, N, K), by_k in sorted(t.items()):
+        ks = sorted(by_k)
+        for i, k0 in enumerate(ks):
+            for k1 in ks[i + 1:]:
+                if by_k[k1] < by_k[k0] * (1 - MONO_TOL):
+                    out.append((M, N, K, k0, by_k[k0], k1, by_k[k1]))
+    return out
 
 
 if __name__ == "__main__":
