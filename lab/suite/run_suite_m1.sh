@@ -5,7 +5,10 @@
 #
 #   Here, once: bash /work/shared/tools/fetch_peer_wheels.sh      (makes .whl/ in the repo root; git ignores it)
 #   Device tool: run(command="PART=1 KBIT_COMMIT=<rev> bash lab/suite/run_suite_m1.sh", carry=[".whl"])
-# KS: the k values (default 2,3,4,5); BUDGET_S: kbit bench's budget (default 470 s).
+# KS: the k values (default 2,3,4,5); BUDGET_S: kbit bench's budget (default 470 s). Both halves in one call (a
+# subset of k fits): each into its own folder, then one tarball, since a call brings back at most 8 files:
+#   R=$OUT; for p in 1 2; do OUT=/tmp/s$p PART=$p KS=4 BUDGET_S=240 bash lab/suite/run_suite_m1.sh; done;
+#   tar czf $R/suite.tgz -C /tmp s1 s2
 #
 # Written to $OUT: suite-m1-p<PART>-<date>.{json,csv,md,png}, its -summary.md, run.log; then lab/suite/bars.py on it.
 set -uo pipefail
