@@ -1,6 +1,7 @@
 set -u
 # One device call (2026-11-27): lab/rounds/t64_ab.py on every dense suite shape of >= 16M weights at k = 4, M = 1
-# (T64 allowed / refused, two rounds each, one process), then lab/rounds/m1_retune.sh (the held-out points where
+# (T64 allowed / refused, two rounds each, one process; ran at 6c8dbdc: T64 is gone since 0672202, so the first half
+# needs PYTHONPATH on such a tree), then lab/rounds/m1_retune.sh (the held-out points where
 # M = 1 time fell as k grew). Device tool: run(command="bash lab/rounds/t64_round.sh", timeout_s=600)
 R=$OUT; O=/tmp/t64; mkdir -p $O
 trap 'cp $O/*.json $O/*.log $O/*.md $R/ 2>/dev/null' EXIT
