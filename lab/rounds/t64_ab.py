@@ -2,9 +2,10 @@
 ``kbit bench`` process: candidates ``t64-on`` / ``t64-off`` (and a second round of each, ``-2``) are the dispatcher
 with the planner allowed or refused the table for ``--t64-k`` (default: what the tree ships, 4). Each candidate's
 factory sets the planner's ``T64_K`` and clears the plan cache before its first call, so that call plans and
-compiles its own build and the CUDA graph captures it (the harness times one candidate at a time: plan, first call, capture, replay).
-Same weights and x for every candidate; cold L2 and graphs as ``kbit bench``. Runs on a tree that still has T64
-(6c8dbdc and before: it was taken out in 0672202 after this A/B), e.g. ``PYTHONPATH=_trees/base/src``.
+compiles its own build and the CUDA graph captures it (the harness times one candidate at a time: plan, first call,
+capture, replay). Same weights and x for every candidate; cold L2 and graphs as ``kbit bench``. Runs on a tree that
+still has T64 (6c8dbdc and before: it was taken out in 0672202 after this A/B), e.g.
+``PYTHONPATH=_trees/base/src``.
 
     PYTHONPATH=src python lab/rounds/t64_ab.py [--t64-k 4] -- <kbit bench arguments, without --candidates>
 
