@@ -32,7 +32,7 @@ from kbit.ops.mma.common import (
     x_rows,
     x_tiles,
 )
-from kbit.ops.mma.layout import SEG, geometry, repacked
+from kbit.ops.mma.layout import geometry, repacked
 from kbit.tuning import mma as _tmma
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
 from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
@@ -149,13 +149,13 @@ _BIAS_KIND = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
 def _kernel_args(p: MmaPlan, rcodes, rscales, tensor_scale, codebook, x_ptr, y_ptr, bias, ws, cnt, M, N, x_stride,
-                 y_stride, kx=None):
-    """The arguments of plan ``p``'s launch, in ``_ARGS_FMT`` order; ``kx``: x's columns (default: all
-    ``p.S * 256``; a plan with ``XT`` reads those from ``kx`` on as zero)."""
+                 y_stride, kx):
+    """The arguments of plan ``p``'s launch, in ``_ARGS_FMT`` order; ``kx``: x's columns (a plan with ``XT``
+    reads those from ``kx`` on as zero)."""
     return (rcodes.data_ptr(), rscales.data_ptr(), tensor_scale.data_ptr(), codebook.data_ptr(),
             e_table(rcodes.device).data_ptr(), x_ptr, y_ptr, bias.data_ptr() if bias is not None else 0,
             ws.data_ptr(), cnt.data_ptr(), M, N, x_stride, y_stride, p.S, p.Nt, p.splits, p.sps,
-            0 if bias is None else _BIAS_KIND[bias.dtype], p.Nt * 16, p.S * SEG if kx is None else kx)
+            0 if bias is None else _BIAS_KIND[bias.dtype], p.Nt * 16, kx)
 
 
 def launch(x2, rcodes, rscales, tensor_scale, codebook, bias, y, *, k, scale_format, N, K, M, config=None, pro=None,
