@@ -70,12 +70,16 @@ def token_distributions(path: str | Path | None = None) -> dict:
 
 
 def git_commit_of(path: str | Path) -> str | None:
-    """The last commit that touched ``path`` (for files that carry no commit of their own)."""
+    """The last commit that touched ``path`` (for files that carry no commit of their own).
+
+    Seven hex digits, whatever git's own abbreviation: git lengthens ``%h`` as a clone's object count grows,
+    and the committed report must read the same from every clone.
+    """
     try:
         p = Path(path).resolve()
-        out = subprocess.run(["git", "log", "-1", "--format=%h", "--", p.name], capture_output=True,
+        out = subprocess.run(["git", "log", "-1", "--format=%H", "--", p.name], capture_output=True,
                              text=True, timeout=10, cwd=p.parent)
-        return out.stdout.strip() or None
+        return out.stdout.strip()[:7] or None
     except (OSError, subprocess.SubprocessError):
         return None
 
