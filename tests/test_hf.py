@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from kbit.eval.judges import fake_quantized  # noqa: E402
 from kbit.eval.methods import rtn_asym  # noqa: E402
 from kbit.hf import MODELS, KbitExperts, load_quantized, plan, quantize_model, save_quantized  # noqa: E402
-from kbit.hf.models import select_modules  # noqa: E402
+from kbit.hf.models import experts_layout_problem, select_modules, structural_modules  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
 from kbit.ops.dequant import dequantize  # noqa: E402
 from kbit.ops.quantize import quantize  # noqa: E402
@@ -72,13 +72,95 @@ def test_table_selects_every_layer_linear_but_not_embeddings_head_or_router(mode
     assert not any("embed" in n for n in linear + experts)
 
 
-def test_unknown_model_type_names_the_supported_ones():
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_structure_picks_what_the_table_row_picks(model_type):
+    model = tiny(model_type)
+    assert structural_modules(model) == select_modules(model)
+
+
+#: families without a table row, planned by structure (transformers 4 per-expert Linears or 5 fused stacks)
+UNLISTED = {
+    "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(SMALL, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
+    "glm4_moe": dict(SMALL, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                     n_group=1, topk_group=1, first_k_dense_replace=1),
+    "granite": SMALL,
+    "starcoder2": SMALL,
+    "gemma2": dict(SMALL, head_dim=16),
+}
+
+
+def unlisted(model_type: str, seed: int = 0) -> nn.Module:
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **UNLISTED[model_type])
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(UNLISTED))
+def test_model_type_without_a_row_quantized_by_structure(model_type, tmp_path):
+    """Every Linear of the decoder layers but the routers, and the fused experts, against a float model holding
+    the same rounded weights; then a save / load round trip."""
+    assert model_type not in MODELS
+    model = unlisted(model_type)
+    x = ids()
+    linear, experts = select_modules(model)
+    layers = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
+    E = 4
+    routers = [n for n in layers if n not in linear]
+    assert all(model.get_submodule(n).out_features in (1, E) for n in routers), routers
+    assert len(linear) + len(routers) == len(layers) and "lm_head" not in linear
+    fq = lambda w: dequantize(quantize(w.detach(), k=3), torch.float32)  # noqa: E731
+    saved = {(n, w): getattr(model.get_submodule(n), w).data for n in experts for w in ("gate_up_proj", "down_proj")}
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = fq(v)
+    with fake_quantized(model, fq, linear):
+        want = out(model, x)
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = v
+    quantize_model(model, k=3, progress=False, joint=False)  # each on its own, as fake-quantized
+    assert all(isinstance(model.get_submodule(n), KbitLinear) for n in linear)
+    assert all(isinstance(model.get_submodule(n), KbitExperts) for n in experts)
+    got = out(model, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), load_quantized(tmp_path)):
+        assert torch.equal(out(loaded, x), got)
+
+
+def test_experts_of_another_layout_stay_float_with_a_warning():
+    try:
+        config = transformers.AutoConfig.for_model("gpt_oss", **dict(SMALL, head_dim=16, num_local_experts=4,
+                                                                     num_experts_per_tok=2, layer_types=None))
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    experts = model.model.layers[0].mlp.experts
+    assert experts_layout_problem(experts) is not None
+    with pytest.warns(UserWarning, match=r"kept in float.*GptOssExperts: .*expert biases"):
+        quantize_model(model, k=4, progress=False)
+    assert model.model.layers[0].mlp.experts is experts
+    assert isinstance(model.model.layers[0].self_attn.q_proj, KbitLinear)
+    for name in ("qwen3_moe", "mixtral"):  # the layout KbitExperts computes
+        assert experts_layout_problem(tiny(name).model.layers[0].mlp.experts) is None
+
+
+def test_no_decoder_layers_found_says_so():
     model = tiny("llama")
     model.config.model_type = "nonesuch"
-    with pytest.raises(ValueError, match="llama"):
-        quantize_model(model, progress=False)
-    quantize_model(model, include=[r"o_proj"], progress=False)  # an explicit selection still works
+    quantize_model(model, k=4, include=[r"o_proj"], progress=False)  # an explicit selection
     assert isinstance(model.model.layers[0].self_attn.o_proj, KbitLinear)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)
+    model = tiny("llama")
+    model.config.model_type = "nonesuch"
+    model.config.num_hidden_layers = 7  # no ModuleList of 7 layers
+    with pytest.raises(ValueError, match=r"no nn.ModuleList of config.num_hidden_layers.*include="):
+        quantize_model(model, progress=False)
 
 
 def test_quantize_model_llama_matches_fake_quantized_weights():

@@ -1,8 +1,8 @@
 """Hugging Face transformers integration: ``quantize_model`` (driven by the per-``model_type`` table in
-:mod:`kbit.hf.models`), ``save_quantized`` / ``load_quantized`` (a Hugging Face folder with
-``quantization_config``), ``KbitExperts`` for fused MoE experts, and ``KbitConfig``: transformers'
-``from_pretrained(..., quantization_config=KbitConfig(k=4))`` (registered on import when transformers is
-installed).
+:mod:`kbit.hf.models`, or a model's structure where it has no row), ``save_quantized`` / ``load_quantized``
+(a Hugging Face folder with ``quantization_config``), ``KbitExperts`` for fused MoE experts, and ``KbitConfig``:
+transformers' ``from_pretrained(..., quantization_config=KbitConfig(k=4))`` (registered on import when
+transformers is installed).
 
 Needs ``transformers`` only to load checkpoints (``pip install 'kbit[hf]'``).
 """

@@ -10,11 +10,24 @@ stays as it is.
 
 To support a new architecture, add a row; patterns for both the fused-expert layout (transformers 5) and
 the per-expert ``nn.Linear`` layout (transformers 4) can sit in one row, the one absent matches nothing.
+
+A ``model_type`` without a row is planned by structure (:func:`structural_modules`): every ``nn.Linear`` and
+fused expert module inside the decoder layers (the ``nn.ModuleList`` as long as the text config's
+``num_hidden_layers``), but not a MoE router. On every family of the table the structure picks the same modules
+as its row (``tests/test_hf.py``), so the table holds the families kbit has run, not a list of the only ones
+allowed.
+
+Fused experts are quantized only in the layout :class:`kbit.hf.experts.KbitExperts` computes (stacks
+``[E, 2I, H]`` / ``[E, H, I]``, gate and up concatenated, no biases, ``act(gate) * up``, routed by
+``forward(hidden_states, top_k_index, top_k_weights)``); others (gpt-oss: transposed, interleaved, biased, its own
+activation; Llama-4: transposed, pre-routed) stay in float, with a warning naming them and why.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -90,28 +103,138 @@ def model_type_of(model) -> str:
 
 
 def select_modules(model, include=None) -> tuple[list[str], list[str]]:
-    """Names of the ``nn.Linear`` modules and of the fused expert modules of ``model`` to quantize.
-
-    ``include``: patterns of ``nn.Linear`` names to use instead of the table row of ``config.model_type``.
+    """Names of the ``nn.Linear`` modules and of the fused expert modules of ``model`` to quantize: ``include``
+    (patterns of ``nn.Linear`` names), else the table row of ``config.model_type``, else
+    :func:`structural_modules`. Fused experts in a layout :class:`~kbit.hf.experts.KbitExperts` does not compute
+    are left out with a warning (:func:`experts_layout_problem`).
     """
-    if include is not None:
-        spec = ModelSpec(linear=tuple(include))
+    if include is None and model_type_of(model) not in MODELS:
+        linear, experts = structural_modules(model)
+        if not linear and not experts:
+            raise ValueError(f"model: model_type {model_type_of(model)!r} has no row in kbit.hf.models.MODELS and "
+                             f"its decoder layers hold no nn.Linear or fused expert module ({type(model).__name__}); "
+                             "pass include=[patterns] (nn.Linear names) or add a row")
     else:
-        spec = spec_for(model_type_of(model))
-    lin, exp = compile_patterns(spec.linear), compile_patterns(spec.experts)
-    linear, experts = [], []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and lin.match(name):
-            linear.append(name)
-        elif exp.match(name) and _is_fused_experts(module):
-            experts.append(name)
+        spec = ModelSpec(linear=tuple(include)) if include is not None else spec_for(model_type_of(model))
+        lin, exp = compile_patterns(spec.linear), compile_patterns(spec.experts)
+        linear, experts = [], []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and lin.match(name):
+                linear.append(name)
+            elif exp.match(name) and _is_fused_experts(module):
+                experts.append(name)
+        if not linear and not experts:
+            what = f"the patterns {list(spec.linear + spec.experts)}" if include is not None else \
+                f"the table row of model_type {model_type_of(model)!r} ({list(spec.linear + spec.experts)})"
+            raise ValueError(f"model: {what} match no nn.Linear or fused expert module of {type(model).__name__}")
+    experts = _supported_experts(model, experts)
     if not linear and not experts:
-        what = f"the patterns {list(spec.linear + spec.experts)}" if include is not None else \
-            f"the table row of model_type {model_type_of(model)!r} ({list(spec.linear + spec.experts)})"
-        raise ValueError(f"model: {what} match no nn.Linear or fused expert module of {type(model).__name__}")
+        raise ValueError(f"model: {type(model).__name__} has only fused experts of a layout kbit does not quantize "
+                         "(the warning names them) and no nn.Linear to quantize")
     return linear, experts
+
+
+#: module names that hold another modality's encoder (a vision tower's layers are not the decoder's)
+_FOREIGN = re.compile(r"(?:^|\.)[^.]*(?:vision|visual|image|audio|speech|video)[^.]*(?:\.|$)")
+
+
+def decoder_layer_lists(model) -> list[str]:
+    """Names of the ``nn.ModuleList`` modules as long as the (text) config's ``num_hidden_layers``, outside other
+    modalities' towers: the decoder (or encoder) layers."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"model: expected config.num_hidden_layers (a positive int) to find the decoder layers, "
+                         f"got {n!r}")
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) == n and not _FOREIGN.search(name)]
+
+
+def structural_modules(model) -> tuple[list[str], list[str]]:
+    """(nn.Linear names, fused expert names) inside the decoder layers (:func:`decoder_layer_lists`), without
+    the MoE routers: a Linear of a module that has ``experts`` (the MoE block), outside those experts, with one
+    output or one per expert (``mlp.gate`` of transformers 4, ``shared_expert_gate``, HunYuan's ``gate.wg``)."""
+    lists = decoder_layer_lists(model)
+    if not lists:
+        raise ValueError(f"model: found no nn.ModuleList of config.num_hidden_layers layers in "
+                         f"{type(model).__name__}; pass include=[patterns] (nn.Linear names) to choose the modules")
+    modules = dict(model.named_modules())
+    routers = set()
+    for name, block in modules.items():
+        experts = getattr(block, "experts", None)
+        E = _num_experts(experts)
+        if E is None:
+            continue
+        ename = f"{name}.experts" if name else "experts"
+        for sub, m in block.named_modules(prefix=name):
+            if isinstance(m, nn.Linear) and not sub.startswith(ename + ".") and m.out_features in (1, E):
+                routers.add(sub)
+    linear, experts = [], []
+    inside = tuple(f"{n}." for n in lists)
+    for name, m in modules.items():
+        if not name.startswith(inside) or name in routers:
+            continue
+        if isinstance(m, nn.Linear):
+            linear.append(name)
+        elif _is_fused_experts(m):
+            experts.append(name)
+    return linear, experts
+
+
+def _num_experts(experts) -> int | None:
+    """Experts in a module ``experts`` (fused stacks or a ModuleList of per-expert MLPs), else None."""
+    if isinstance(experts, nn.ModuleList):
+        return len(experts)
+    if experts is not None and _is_fused_experts(experts):
+        return int(experts.gate_up_proj.shape[0])
+    return None
 
 
 def _is_fused_experts(module) -> bool:
     gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(down, torch.Tensor) and gu.dim() == 3 and down.dim() == 3
+
+
+def experts_layout_problem(module) -> str | None:
+    """Why :class:`~kbit.hf.experts.KbitExperts` cannot stand in for the fused expert ``module`` (None: it can).
+    Reads the layout flags transformers' ``use_experts_implementation`` sets where present, and checks the
+    stacks, biases, activation and ``forward`` arguments in any case."""
+    why = []
+    if getattr(module, "is_transposed", False):
+        why.append("transposed stacks")
+    if not getattr(module, "is_concatenated", True):
+        why.append("gate and up interleaved")
+    if getattr(module, "has_bias", False) or any(n.endswith("bias") and p is not None
+                                                 for n, p in module.named_parameters(recurse=False)):
+        why.append("expert biases")
+    if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+        why.append("no gated MLP")
+    own_gate = type(module).__dict__.get("_apply_gate")  # transformers' decorator puts its default there
+    if (own_gate is not None and getattr(own_gate, "__name__", "") != "_default_apply_gate") \
+            or not callable(getattr(module, "act_fn", None)):
+        why.append("its own activation")
+    gu, dn = module.gate_up_proj, module.down_proj
+    E, two_i, H = gu.shape
+    if two_i % 2 or tuple(dn.shape) != (E, H, two_i // 2):
+        why.append(f"stacks {tuple(gu.shape)} and {tuple(dn.shape)}, not [E, 2I, H] and [E, H, I]")
+    try:
+        args = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        args = {}
+    if "top_k_index" not in args or "top_k_weights" not in args:
+        why.append("forward without (top_k_index, top_k_weights)")
+    return ", ".join(why) or None
+
+
+def _supported_experts(model, names: list[str]) -> list[str]:
+    kept, skipped = [], []
+    for name in names:
+        m = model.get_submodule(name)
+        why = experts_layout_problem(m)
+        (kept if why is None else skipped).append(name if why is None else f"{name} ({type(m).__name__}: {why})")
+    if skipped:
+        more = f" and {len(skipped) - 1} more like it" if len(skipped) > 1 else ""
+        warnings.warn(f"kbit: fused experts kept in float (not quantized), a layout KbitExperts does not compute: "
+                      f"{skipped[0]}{more}", UserWarning, stacklevel=3)
+    return kept

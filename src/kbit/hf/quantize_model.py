@@ -141,8 +141,10 @@ def quantize_model(model: nn.Module, k: int = DEFAULT_K, blocksize: int = DEFAUL
 
     Parameters
     ----------
-    model : a transformers model whose ``config.model_type`` is in :data:`kbit.hf.models.MODELS` (Llama,
-        Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral, Gemma-3, Phi-3, BERT), or any model with ``include`` given.
+    model : a transformers model: its ``config.model_type``'s row of :data:`kbit.hf.models.MODELS` (Llama,
+        Mistral, Qwen2/3, Qwen2/3-MoE, Mixtral, Gemma-3, Phi-3, BERT) picks the modules, else its structure
+        (:func:`kbit.hf.models.structural_modules`: the Linears and fused experts of the decoder layers, not the
+        routers), or ``include`` where given.
     k, blocksize, codebook, scale_format : the format of every quantized weight (``kbit.quantize``).
     overrides : ``{pattern: {"k": 5, "blocksize": ..., "codebook": ..., "scale_format": ...} or None}``;
         patterns are regexes matched against the end of module names (``r"down_proj"``,
