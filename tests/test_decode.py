@@ -127,6 +127,75 @@ def test_use_kbit_moe_quantizes_float_blocks():
     assert sum(isinstance(m, KbitMoE) for m in model.modules()) == 2
 
 
+def _moe_model(model_type: str, **kw):
+    """A tiny random MoE model of ``model_type`` quantized at k = 4, with nonzero router correction biases
+    (zeros at init would hide a router that ignores them); skips where transformers lacks the family."""
+    small = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=96, num_experts_per_tok=2,
+                 max_position_embeddings=64)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **small, **kw)
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    torch.manual_seed(0)
+    model = quantize_model(transformers.AutoModelForCausalLM.from_config(config).eval(), k=4, progress=False)
+    for m in model.modules():
+        bias = getattr(getattr(m, "gate", None), "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            bias.data = torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)) * 0.1
+    return model
+
+
+@pytest.mark.parametrize("model_type, kw, blocks", [
+    ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=64), 2),  # shared expert + its gate
+    ("deepseek_v3", dict(n_routed_experts=8, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, head_dim=8), 1),  # sigmoid, groups, scaling, shared
+    ("glm4_moe", dict(n_routed_experts=4, first_k_dense_replace=1, routed_scaling_factor=1.5, head_dim=16), 1),
+])
+def test_use_kbit_moe_reproduces_the_block(model_type, kw, blocks):
+    """KbitMoE takes over blocks with shared experts and DeepSeek-V3-style routers: the same logits as the
+    transformers blocks over the same k-bit experts."""
+    model = _moe_model(model_type, **kw)
+    x = torch.tensor(PROMPT[:1])
+    with torch.no_grad():
+        want = model(x).logits
+    assert use_kbit_moe(model) == blocks
+    assert not any(isinstance(m, KbitExperts) for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_use_kbit_moe_keeps_a_block_it_does_not_reproduce(monkeypatch):
+    """A router KbitMoE would get wrong (here: DeepSeek-V3's read as softmax) is caught before the swap: the
+    block stays, with a warning naming it."""
+    from kbit.hf import decode
+    from kbit.nn import moe
+
+    real = moe.hf_routing
+
+    def as_softmax(block):
+        out = real(block)
+        for key in ("correction_bias", "n_group", "topk_group", "routed_scaling_factor"):
+            out.pop(key, None)
+        return out | {"router": "softmax"}
+
+    model = _moe_model("deepseek_v3", n_routed_experts=8, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                       first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                       qk_nope_head_dim=8, v_head_dim=16, head_dim=8)
+    monkeypatch.setattr(decode, "hf_routing", as_softmax)
+    with pytest.warns(UserWarning, match=r"kept as transformers runs it.*layers\.1\.mlp \(DeepseekV3MoE: the gate"):
+        assert use_kbit_moe(model) == 0
+    assert isinstance(model.model.layers[1].mlp.experts, KbitExperts)
+    model = _moe_model("qwen2_moe", num_experts=4, shared_expert_intermediate_size=64)
+    for m in model.modules():  # a shared expert KbitMoE would not add: the outputs differ
+        if hasattr(m, "shared_expert"):
+            m.shared_expert_gate.weight.data.fill_(0.0)
+    monkeypatch.setattr(decode, "hf_routing", lambda block: real(block) | {"shared_expert": None})
+    with pytest.warns(UserWarning, match=r"its output differs by"):
+        assert use_kbit_moe(model) == 0
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
     bench = importlib.util.module_from_spec(spec)

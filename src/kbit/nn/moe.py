@@ -288,9 +288,10 @@ class KbitMoE(nn.Module):
                 scale_format: str = DEFAULT_SCALE_FORMAT, dtype: torch.dtype | None = None, rotation=None,
                 seed: int = 0) -> KbitMoE:
         """Quantize a Hugging Face sparse MoE block: ``MixtralSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``,
-        ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock`` (any block with a softmax top-k ``gate`` and
-        SwiGLU ``experts``). The router weight is kept (``forward`` without logits computes them as the
-        block does); a shared expert and its gate are kept as they are (not quantized; not copied).
+        ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock``, ``DeepseekV3MoE``, ``Glm4MoeMoE`` (a ``gate``
+        with the router weight, SwiGLU ``experts``; the router options from :func:`hf_routing`). The router
+        weight is kept (``forward`` without logits computes them as the block does); a shared expert and its
+        gate are kept as they are (not quantized; not copied).
         ``rotation`` / ``seed``: as :meth:`from_float` (the gate_up stack only).
         """
         parts = hf_parts(block)
@@ -457,7 +458,7 @@ def _expert_stacks(experts: nn.Module, H: int) -> tuple[torch.Tensor, torch.Tens
             dn = dn.transpose(1, 2)  # stored [E, I, H]
         if getattr(experts, "is_concatenated", True) is False:  # interleaved [g0, u0, g1, u1, ...]
             gu = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1)
-        _check_act(getattr(experts, "act_fn", None))
+        check_activation(getattr(experts, "act_fn", None))
         return gu.contiguous(), dn.contiguous()
     if isinstance(experts, (nn.ModuleList, list, tuple)):
         names = None
@@ -468,7 +469,7 @@ def _expert_stacks(experts: nn.Module, H: int) -> tuple[torch.Tensor, torch.Tens
             raise ValueError(f"experts: expected modules with gate_proj/up_proj/down_proj or w1/w3/w2, got "
                              f"{type(experts[0]).__name__}")
         for e in experts:
-            _check_act(getattr(e, "act_fn", None))
+            check_activation(getattr(e, "act_fn", None))
             if any(getattr(e, n).bias is not None for n in names):
                 raise ValueError("experts: biased experts are not supported")
         gu = torch.stack([torch.cat([getattr(e, names[0]).weight, getattr(e, names[1]).weight]) for e in experts])
@@ -478,34 +479,59 @@ def _expert_stacks(experts: nn.Module, H: int) -> tuple[torch.Tensor, torch.Tens
                      f"{type(experts).__name__}")
 
 
-def _check_act(act):
+def check_activation(act) -> None:
+    """ValueError unless ``act`` is SiLU: the grouped kernels and the reference compute SwiGLU experts only."""
     if not _is_silu(act):
         raise ValueError(f"experts: expected SiLU (SwiGLU) experts, got activation {act!r}")
 
 
-def hf_parts(block: nn.Module) -> dict:
-    """What :meth:`KbitMoE.from_hf` needs from a Hugging Face block: float stacks, top_k, router options,
-    router weight, shared expert, dtype."""
+def hf_routing(block: nn.Module) -> dict:
+    """The router and shared-expert options of a Hugging Face sparse MoE block, as :class:`KbitMoE` takes them:
+    ``top_k``, ``router``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``, ``topk_group``,
+    ``router_weight``, ``correction_bias``, ``shared_expert``, ``shared_expert_gate``. A gate with an
+    ``e_score_correction_bias`` is a DeepSeek-V3-style sigmoid router (groups, scaling; GLM-4.5, DeepSeek-V3);
+    else softmax. ValueError where the block has no ``gate`` with a router weight or lacks an option."""
     gate = getattr(block, "gate", None)
-    experts = getattr(block, "experts", None)
-    if gate is None or experts is None or not isinstance(getattr(gate, "weight", None), torch.Tensor):
+    if gate is None or getattr(block, "experts", None) is None or \
+            not isinstance(getattr(gate, "weight", None), torch.Tensor):
         raise ValueError(f"block: expected a sparse MoE block with .gate (router weight [E, H]) and .experts, got "
                          f"{type(block).__name__}")
-    router_weight = gate.weight.detach()
-    E, H = router_weight.shape
-    top_k = getattr(block, "top_k", None) or getattr(gate, "top_k", None)
+
+    def opt(*names, default=None):
+        for o in (block, gate):
+            for n in names:
+                v = getattr(o, n, None)
+                if v is not None and not isinstance(v, nn.Module):
+                    return v
+        return default
+
+    top_k = opt("top_k", "num_experts_per_tok")
     if top_k is None:
         raise ValueError(f"block: cannot find top_k on {type(block).__name__} or its gate")
-    if "mixtral" in type(block).__name__.lower():
-        norm = True  # Mixtral always renormalises
-    else:
-        norm = next((o.norm_topk_prob for o in (block, gate) if hasattr(o, "norm_topk_prob")), None)
-        if norm is None:
-            raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate")
-    gu, dn = _expert_stacks(experts, H)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    out = {"top_k": int(top_k), "router_weight": gate.weight.detach(),
+           "shared_expert": getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None),
+           "shared_expert_gate": getattr(block, "shared_expert_gate", None)}
+    if isinstance(bias, torch.Tensor):
+        out.update(router="sigmoid", correction_bias=bias.detach(), n_group=int(opt("n_group", "num_group", default=1)),
+                   topk_group=int(opt("topk_group", default=1)),
+                   routed_scaling_factor=float(opt("routed_scaling_factor", default=1.0)),
+                   norm_topk_prob=bool(opt("norm_topk_prob", default=True)))
+        return out
+    norm = True if "mixtral" in type(block).__name__.lower() else opt("norm_topk_prob")  # Mixtral always does
+    if norm is None:
+        raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate")
+    out.update(router="softmax", norm_topk_prob=bool(norm))
+    return out
+
+
+def hf_parts(block: nn.Module) -> dict:
+    """What :meth:`KbitMoE.from_hf` needs from a Hugging Face block: float stacks, :func:`hf_routing`'s options,
+    dtype."""
+    parts = hf_routing(block)
+    E, H = parts["router_weight"].shape
+    gu, dn = _expert_stacks(block.experts, H)
     if gu.shape[0] != E or gu.shape[2] != H or dn.shape[:2] != (E, H):
         raise ValueError(f"experts: expected stacks [E={E}, 2I, H={H}] and [E, H, I], got {tuple(gu.shape)} and "
                          f"{tuple(dn.shape)}")
-    return {"w_gate_up": gu, "w_down": dn, "top_k": int(top_k), "norm_topk_prob": bool(norm),
-            "router_weight": router_weight, "shared_expert": getattr(block, "shared_expert", None),
-            "shared_expert_gate": getattr(block, "shared_expert_gate", None), "dtype": router_weight.dtype}
+    return {"w_gate_up": gu, "w_down": dn, **parts, "dtype": parts["router_weight"].dtype}
