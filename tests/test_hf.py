@@ -3,6 +3,7 @@ overrides; kbit.eval's RTN reference and verdict."""
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from kbit.eval.judges import fake_quantized  # noqa: E402
 from kbit.eval.methods import rtn_asym  # noqa: E402
 from kbit.hf import MODELS, KbitExperts, load_quantized, plan, quantize_model, save_quantized  # noqa: E402
+from kbit.hf.experts import is_transposed  # noqa: E402
 from kbit.hf.models import experts_layout_problem, select_modules, structural_modules  # noqa: E402
 from kbit.nn import KbitLinear  # noqa: E402
 from kbit.ops.dequant import dequantize  # noqa: E402
@@ -132,7 +134,23 @@ def test_model_type_without_a_row_quantized_by_structure(model_type, tmp_path):
         assert torch.equal(out(loaded, x), got)
 
 
-def test_experts_of_another_layout_stay_float_with_a_warning():
+def _fake_quantize_experts(model, names, fq) -> dict:
+    """Each fused expert module's stacks replaced by ``fq`` of them as [E, N, K] (transposed back where the module
+    stores them [E, K, N]); returns the originals to put back."""
+    saved = {}
+    for n in names:
+        m = model.get_submodule(n)
+        t = is_transposed(m)
+        for w in ("gate_up_proj", "down_proj"):
+            p = getattr(m, w)
+            saved[(n, w)] = p.data
+            p.data = fq(p.data.transpose(1, 2)).transpose(1, 2).contiguous() if t else fq(p.data)
+    return saved
+
+
+def test_gpt_oss_experts_transposed_biased_own_gate(tmp_path):
+    """gpt-oss's experts: stacks [E, H, 2I] with gate / up interleaved, biases, a clamped SwiGLU of its own. Against
+    the float model holding the same rounded weights (and random biases), then a save / load round trip."""
     try:
         config = transformers.AutoConfig.for_model("gpt_oss", **dict(SMALL, head_dim=16, num_local_experts=4,
                                                                      num_experts_per_tok=2, layer_types=None))
@@ -140,13 +158,48 @@ def test_experts_of_another_layout_stay_float_with_a_warning():
         pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    experts = model.model.layers[0].mlp.experts
-    assert experts_layout_problem(experts) is not None
-    with pytest.warns(UserWarning, match=r"kept in float.*GptOssExperts: .*expert biases"):
+    g = torch.Generator().manual_seed(3)
+    for m in model.modules():  # zeros at init would hide a bias that is dropped or misplaced
+        for n, p in m.named_parameters(recurse=False):
+            if n.endswith("_bias"):
+                p.data = torch.randn(p.shape, generator=g) * 0.05
+    x = ids()
+    linear, experts = select_modules(model)
+    assert len(experts) == 2 and all(experts_layout_problem(model.get_submodule(n)) is None for n in experts)
+    fq = lambda w: dequantize(quantize(w.detach(), k=4), torch.float32)  # noqa: E731
+    saved = _fake_quantize_experts(model, experts, fq)
+    with fake_quantized(model, fq, linear):
+        want = out(model, x)
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = v
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left in float
+        quantize_model(model, k=4, progress=False, joint=False)
+    e = model.model.layers[0].mlp.experts
+    assert isinstance(e, KbitExperts) and e.transposed and e.gate_fn is not None and e.down_bias is not None
+    got = out(model, x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    model.save_pretrained(tmp_path)
+    for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), load_quantized(tmp_path)):
+        assert torch.equal(out(loaded, x), got)
+
+
+def test_experts_of_another_layout_stay_float_with_a_warning():
+    """Llama-4's experts take tokens already routed (forward(hidden_states) over [E, tokens, H]): kept float."""
+    try:
+        config = transformers.AutoConfig.for_model("llama4_text", **dict(SMALL, head_dim=16, num_local_experts=4,
+                                                                         intermediate_size_mlp=128))
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no llama4_text")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    experts = model.model.layers[0].feed_forward.experts
+    assert "tokens routed beforehand" in experts_layout_problem(experts)
+    with pytest.warns(UserWarning, match=r"kept in float.*Llama4TextExperts: .*routed beforehand"):
         quantize_model(model, k=4, progress=False)
-    assert model.model.layers[0].mlp.experts is experts
+    assert model.model.layers[0].feed_forward.experts is experts
     assert isinstance(model.model.layers[0].self_attn.q_proj, KbitLinear)
-    for name in ("qwen3_moe", "mixtral"):  # the layout KbitExperts computes
+    for name in ("qwen3_moe", "mixtral"):
         assert experts_layout_problem(tiny(name).model.layers[0].mlp.experts) is None
 
 

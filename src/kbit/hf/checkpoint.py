@@ -77,7 +77,10 @@ def module_table(model: nn.Module) -> dict[str, dict]:
             out[name] = {"kind": "experts", "k": gu.k, "blocksize": gu.blocksize, "scale_format": gu.scale_format,
                          "codebook": gu.codebook_name, "shape": list(gu.shape), "down_shape": list(dn.shape),
                          "down_k": dn.k, "down_blocksize": dn.blocksize, "down_scale_format": dn.scale_format,
-                         "down_codebook": dn.codebook_name, "dtype": dtype_name(m.dtype), "bias": False}
+                         "down_codebook": dn.codebook_name, "dtype": dtype_name(m.dtype),
+                         "bias": m.down_bias is not None}
+            if m.transposed:
+                out[name]["transposed"] = True
     return out
 
 
@@ -145,15 +148,24 @@ def _experts_shell(old: nn.Module, info: dict, at: str, device) -> KbitExperts:
     dn_shape = _shape(info.get("down_shape"), 3, f"{at}.down_shape")
     got = tuple(getattr(getattr(old, "gate_up_proj", None), "shape", ())), \
         tuple(getattr(getattr(old, "down_proj", None), "shape", ()))
-    if got != (gu_shape, dn_shape):
-        fail(ValueError, at, f"fused experts gate_up_proj {list(gu_shape)}, down_proj {list(dn_shape)} in the "
+    want = (gu_shape, dn_shape)
+    if info.get("transposed"):  # the source module stores [E, H, 2I] / [E, I, H]
+        want = tuple((s[0], s[2], s[1]) for s in want)
+    if got != want:
+        fail(ValueError, at, f"fused experts gate_up_proj {list(want[0])}, down_proj {list(want[1])} in the "
              "model built from config.json", f"{type(old).__name__} with {got}")
     gu = empty_weight(gu_shape, info.get("k"), info.get("blocksize"), info.get("scale_format", "log8"),
                       str(info.get("codebook", "custom")), device)
     dn = empty_weight(dn_shape, info.get("down_k", info.get("k")), info.get("down_blocksize", info.get("blocksize")),
                       info.get("down_scale_format", info.get("scale_format", "log8")),
                       str(info.get("down_codebook", info.get("codebook", "custom"))), device)
-    return KbitExperts(gu, dn, act_fn=old.act_fn, dtype=_dtype(info, at))
+    dtype = _dtype(info, at)
+    biases = [torch.empty(s, dtype=dtype, device=device) for s in (gu_shape[:2], dn_shape[:2])] \
+        if info.get("bias") else [None, None]
+    try:
+        return KbitExperts.like(old, gu, dn, dtype, *biases)
+    except ValueError as e:
+        raise ValueError(f"{at}: {e}") from None
 
 
 def quantized_state_dict(model: nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
@@ -604,7 +616,8 @@ def _load_legacy(directory: Path, device, model_class, raw: dict) -> nn.Module:
             if not all(isinstance(q, KbitWeight) for q in (gu, dn)) or (gu.shape, dn.shape) != want:
                 raise ValueError(f"{directory / WEIGHTS_NAME}: experts {mname!r}: expected quantized weights of "
                                  f"shapes {want}, got {gu!r}, {dn!r}")
-            new = KbitExperts(gu, dn, act_fn=old.act_fn, dtype=dtype)
+            biases = [state.pop(f"{prefix}{b}", None) for b in ("gate_up_bias", "down_bias")]
+            new = KbitExperts.like(old, gu, dn, dtype, *biases)
         else:
             raise ValueError(f"{meta_path}: module {mname!r} has unknown kind {info.get('kind')!r}")
         model.set_submodule(mname, new)

@@ -391,6 +391,8 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
                 if k is not None:
                     raise ValueError(f"k: expected None for already-quantized experts ({name}), got {k}")
                 routing = hf_routing(block)
+                if experts.gate_fn is not None or experts.down_bias is not None:
+                    raise ValueError("experts with their own gate or biases: the grouped kernels have neither")
                 check_activation(experts.act_fn)
                 new = KbitMoE.from_weights(experts.weight("gate_up_proj"), experts.weight("down_proj"),
                                            dtype=experts.dtype, **routing)

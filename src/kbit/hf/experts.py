@@ -3,8 +3,10 @@
 
 Same ``forward(hidden_states, top_k_index, top_k_weights)`` as those modules: for each expert that any token
 was routed to, ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, through kbit's linear op on
-that expert's slice of the stacked weight (the float32 reference on the CPU). This is the Hugging Face
-adapter; a grouped kernel over all experts at once is ``kbit.nn``'s business.
+that expert's slice of the stacked weight (the float32 reference on the CPU). Modules that store their stacks
+``[E, H, 2I]``, add biases or gate with their own ``_apply_gate`` (gpt-oss) are held as ``[E, 2I, H]`` in their
+own row order and computed as they compute (:meth:`KbitExperts.like`). This is the Hugging Face adapter; a
+grouped kernel over all experts at once is ``kbit.nn``'s business.
 
 Each stacked weight is a child module (:class:`KbitStack`, ``gate_up`` and ``down``) with the buffers
 ``codes``, ``scales``, ``tensor_scale``, ``codebook``, so the state dict names (``...experts.gate_up.codes``) are
@@ -13,6 +15,8 @@ one folder format serves ``kbit.load_quantized`` and transformers' ``from_pretra
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -73,31 +77,55 @@ class KbitExperts(nn.Module):
     """MoE experts with stacked k-bit weights ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``.
 
     Children ``gate_up`` and ``down`` (:class:`KbitStack`), each with the four tensors of its weight.
+
+    The rows of ``gate_up_proj`` keep the source module's order (gate then up, or interleaved as gpt-oss stores
+    them), so ``gate_fn`` (the source's own ``_apply_gate``, bound to a copy of its plain attributes, e.g.
+    gpt-oss's clamped SwiGLU) reads the product as the source did; without it, ``act_fn(gate) * up`` of the two
+    halves. ``gate_up_bias [E, 2I]`` / ``down_bias [E, H]``: optional buffers, added after each product.
+    ``transposed``: the source stored its stacks as ``[E, H, 2I]`` / ``[E, I, H]`` (recorded for loading).
     """
 
-    def __init__(self, gate_up_proj: KbitWeight, down_proj: KbitWeight, act_fn, dtype: torch.dtype):
+    def __init__(self, gate_up_proj: KbitWeight, down_proj: KbitWeight, act_fn, dtype: torch.dtype, *,
+                 gate_fn=None, gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                 transposed: bool = False):
         super().__init__()
         E, two_i, H = gate_up_proj.shape
         if len(down_proj.shape) != 3 or down_proj.shape != (E, H, two_i // 2):
             raise ValueError(f"down_proj: expected shape {(E, H, two_i // 2)} for gate_up_proj {gate_up_proj.shape}, "
                              f"got {down_proj.shape}")
+        for name, b, shape in (("gate_up_bias", gate_up_bias, (E, two_i)), ("down_bias", down_bias, (E, H))):
+            if b is not None and tuple(b.shape) != shape:
+                raise ValueError(f"{name}: expected shape {shape}, got {tuple(b.shape)}")
+        if gate_fn is None and not callable(act_fn):
+            raise ValueError(f"act_fn: expected a callable (or a gate_fn), got {act_fn!r}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, two_i // 2
-        self.act_fn = act_fn
+        self.act_fn, self.gate_fn, self.transposed = act_fn, gate_fn, bool(transposed)
         self.dtype = dtype
         self.gate_up = KbitStack(gate_up_proj)
         self.down = KbitStack(down_proj)
+        self.register_buffer("gate_up_bias", None if gate_up_bias is None else gate_up_bias.detach().to(dtype))
+        self.register_buffer("down_bias", None if down_bias is None else down_bias.detach().to(dtype))
+
+    @classmethod
+    def like(cls, source: nn.Module, gate_up_proj: KbitWeight, down_proj: KbitWeight, dtype: torch.dtype,
+             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> KbitExperts:
+        """k-bit experts computing as the fused expert module ``source`` does (its activation or own gate, its
+        layout), holding the given weights and biases."""
+        return cls(gate_up_proj, down_proj, getattr(source, "act_fn", None), dtype, gate_fn=own_gate(source),
+                   gate_up_bias=gate_up_bias, down_bias=down_bias, transposed=is_transposed(source))
 
     @classmethod
     def from_experts(cls, module: nn.Module, k: int, blocksize: int, codebook=None, scale_format: str = "log8",
                      device=None) -> KbitExperts:
         """Quantize a fused expert module (``kbit.quantize`` on each stacked weight, on ``device``, default the
-        weight's own)."""
-        if any(n.endswith("_bias") and getattr(module, n) is not None for n, _ in module.named_parameters()):
-            raise NotImplementedError(f"{type(module).__name__}: expert biases are not supported")
+        weight's own); its biases are kept in its dtype."""
         w = module.gate_up_proj.detach()
-        q = [quantize(getattr(module, n).detach().to(device or w.device), k=k, blocksize=blocksize,
-                      codebook=codebook, scale_format=scale_format) for n in WEIGHTS]
-        return cls(*q, act_fn=module.act_fn, dtype=w.dtype)
+        stacks = source_stacks(module)
+        q = [quantize(t.to(device or w.device), k=k, blocksize=blocksize, codebook=codebook,
+                      scale_format=scale_format) for t in stacks]
+        biases = [getattr(module, f"{n}_bias", None) for n in WEIGHTS]
+        biases = [None if b is None else b.detach().to(device or w.device) for b in biases]
+        return cls.like(module, *q, dtype=w.dtype, gate_up_bias=biases[0], down_bias=biases[1])
 
     def weight(self, name: str) -> KbitWeight:
         """``"gate_up_proj"`` or ``"down_proj"`` as a stacked :class:`KbitWeight` (sharing the buffers)."""
@@ -107,20 +135,77 @@ class KbitExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
+        """``top_k_weights``: ``[T, top_k]`` beside ``top_k_index``, or (some routers) ``[T, E]`` per expert."""
         out = torch.zeros_like(hidden_states)
         gate_up, down = self.weight("gate_up_proj"), self.weight("down_proj")
+        per_expert = top_k_weights.shape[-1] == self.num_experts != top_k_index.shape[-1]
         flat_experts = top_k_index.reshape(-1)
         for e in torch.unique(flat_experts).tolist():
             if not 0 <= e < self.num_experts:  # some routers mark dropped slots with E
                 continue
             token_idx, slot = torch.where(top_k_index == e)
             x = hidden_states[token_idx]
-            gate, up = _linear(x, gate_up[e]).chunk(2, dim=-1)
-            y = _linear(self.act_fn(gate) * up, down[e])
-            y = y * top_k_weights[token_idx, slot, None]
+            h = _linear(x, gate_up[e])
+            if self.gate_up_bias is not None:
+                h = h + self.gate_up_bias[e]
+            if self.gate_fn is None:
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act_fn(gate) * up
+            else:
+                h = self.gate_fn(h)
+            y = _linear(h.to(x.dtype), down[e])
+            if self.down_bias is not None:
+                y = y + self.down_bias[e]
+            y = y * (top_k_weights[token_idx, e, None] if per_expert else top_k_weights[token_idx, slot, None])
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 
     def extra_repr(self) -> str:
+        own = "" if self.gate_fn is None else f", gate_fn={getattr(self.gate_fn, '__qualname__', self.gate_fn)}"
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
-                f"intermediate_dim={self.intermediate_dim}, dtype={self.dtype}")
+                f"intermediate_dim={self.intermediate_dim}, dtype={self.dtype}{own}"
+                f"{', biases' if self.down_bias is not None else ''}")
+
+
+def hidden_size_of(module: nn.Module) -> int | None:
+    """H of a fused expert module, from its attributes or config (None where it names none)."""
+    for o in (module, getattr(module, "config", None)):
+        for n in ("hidden_dim", "hidden_size"):
+            v = getattr(o, n, None)
+            if isinstance(v, int):
+                return v
+    return None
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether a fused expert module stores ``gate_up_proj [E, H, 2I]`` (gpt-oss, Llama-4): transformers' layout
+    flag where set, else the stacks' shapes against H (ValueError where they cannot tell)."""
+    flag = getattr(module, "is_transposed", None)
+    if isinstance(flag, bool):
+        return flag
+    gu = module.gate_up_proj
+    H = hidden_size_of(module)
+    if H is None or (gu.shape[1] == H) == (gu.shape[2] == H):
+        raise ValueError(f"{type(module).__name__}: cannot tell whether gate_up_proj {tuple(gu.shape)} is [E, 2I, H] "
+                         f"or [E, H, 2I] (hidden size {H}, no is_transposed flag)")
+    return gu.shape[1] == H
+
+
+def own_gate(module: nn.Module):
+    """The module's own ``_apply_gate`` (e.g. gpt-oss's clamped SwiGLU on interleaved gate / up), bound to a copy
+    of its plain attributes (alpha, limit, act_fn, ...; not its weights); None where it has transformers' default
+    or none (then ``act_fn(gate) * up``)."""
+    fn = type(module).__dict__.get("_apply_gate")
+    if fn is None or getattr(fn, "__name__", "") == "_default_apply_gate":
+        return None
+    holder = types.SimpleNamespace(**{n: v for n, v in vars(module).items() if not n.startswith("_")})
+    return types.MethodType(fn, holder)
+
+
+def source_stacks(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's stacks as ``[E, 2I, H]`` and ``[E, H, I]`` (rows in its own order), transposed where stored
+    otherwise."""
+    gu, dn = module.gate_up_proj.detach(), module.down_proj.detach()
+    if is_transposed(module):
+        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+    return gu.contiguous(), dn.contiguous()

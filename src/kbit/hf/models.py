@@ -17,10 +17,10 @@ fused expert module inside the decoder layers (the ``nn.ModuleList`` as long as 
 as its row (``tests/test_hf.py``), so the table holds the families kbit has run, not a list of the only ones
 allowed.
 
-Fused experts are quantized only in the layout :class:`kbit.hf.experts.KbitExperts` computes (stacks
-``[E, 2I, H]`` / ``[E, H, I]``, gate and up concatenated, no biases, ``act(gate) * up``, routed by
-``forward(hidden_states, top_k_index, top_k_weights)``); others (gpt-oss: transposed, interleaved, biased, its own
-activation; Llama-4: transposed, pre-routed) stay in float, with a warning naming them and why.
+Fused experts are quantized where :class:`kbit.hf.experts.KbitExperts` computes what they compute
+(:func:`experts_layout_problem`: gated MLP experts, stacks either way round, biases and the module's own gate
+allowed, as gpt-oss has them, routed by ``forward(hidden_states, indices, weights)``); others (Llama-4: tokens
+routed beforehand) stay in float, with a warning naming them and why.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kbit.hf.experts import hidden_size_of, is_transposed, own_gate
 
 
 @dataclass(frozen=True)
@@ -198,32 +200,32 @@ def _is_fused_experts(module) -> bool:
 
 def experts_layout_problem(module) -> str | None:
     """Why :class:`~kbit.hf.experts.KbitExperts` cannot stand in for the fused expert ``module`` (None: it can).
-    Reads the layout flags transformers' ``use_experts_implementation`` sets where present, and checks the
-    stacks, biases, activation and ``forward`` arguments in any case."""
+    It computes gated MLP experts (``act_fn(gate) * up``, or the module's own ``_apply_gate``) with optional
+    biases, from stacks stored either way round, called as ``experts(hidden, indices, weights)``. Reads the layout
+    flags transformers' ``use_experts_implementation`` sets where present."""
     why = []
-    if getattr(module, "is_transposed", False):
-        why.append("transposed stacks")
-    if not getattr(module, "is_concatenated", True):
-        why.append("gate and up interleaved")
-    if getattr(module, "has_bias", False) or any(n.endswith("bias") and p is not None
-                                                 for n, p in module.named_parameters(recurse=False)):
-        why.append("expert biases")
     if not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
         why.append("no gated MLP")
-    own_gate = type(module).__dict__.get("_apply_gate")  # transformers' decorator puts its default there
-    if (own_gate is not None and getattr(own_gate, "__name__", "") != "_default_apply_gate") \
-            or not callable(getattr(module, "act_fn", None)):
-        why.append("its own activation")
-    gu, dn = module.gate_up_proj, module.down_proj
-    E, two_i, H = gu.shape
-    if two_i % 2 or tuple(dn.shape) != (E, H, two_i // 2):
-        why.append(f"stacks {tuple(gu.shape)} and {tuple(dn.shape)}, not [E, 2I, H] and [E, H, I]")
+    if own_gate(module) is None and not callable(getattr(module, "act_fn", None)):
+        why.append("no act_fn")
     try:
-        args = inspect.signature(type(module).forward).parameters
+        transposed = is_transposed(module)
+    except ValueError as e:
+        return str(e)
+    gu, dn = module.gate_up_proj.shape, module.down_proj.shape
+    if transposed:
+        gu, dn = (gu[0], gu[2], gu[1]), (dn[0], dn[2], dn[1])
+    E, two_i, H = gu
+    if two_i % 2 or tuple(dn) != (E, H, two_i // 2) or H != (hidden_size_of(module) or H):
+        why.append(f"stacks {tuple(module.gate_up_proj.shape)} and {tuple(module.down_proj.shape)}, not "
+                   "[E, 2I, H] and [E, H, I] either way round")
+    try:
+        args = [p for p in inspect.signature(type(module).forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        args = {}
-    if "top_k_index" not in args or "top_k_weights" not in args:
-        why.append("forward without (top_k_index, top_k_weights)")
+        args = []
+    if len(args) < 4:  # self, hidden states, expert indices, routing weights
+        why.append("forward without (hidden states, expert indices, routing weights): tokens routed beforehand")
     return ", ".join(why) or None
 
 

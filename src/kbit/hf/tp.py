@@ -213,6 +213,9 @@ class TensorParallelKbitExperts(nn.Module):
         super().__init__()
         if not isinstance(experts, KbitExperts):
             fail(TypeError, "experts", "a KbitExperts", type(experts).__name__)
+        if experts.gate_fn is not None or experts.down_bias is not None:  # interleaved rows; biases after the sum
+            fail(ValueError, "experts", "KbitExperts of gate-then-up rows without biases (the split takes a gate "
+                 "part and an up part)", f"{type(experts).__name__} with its own gate or biases")
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         gate_up, down = experts.weight("gate_up_proj"), experts.weight("down_proj")
