@@ -474,6 +474,12 @@ def _hf_block(kind, E=8, H=64, I=32, top_k=2, norm=True, dtype=torch.float32):
 
         cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k,
                              norm_topk_prob=norm)
+    elif kind in ("deepseek_v3", "glm4_moe"):  # sigmoid router: correction bias, groups, scaling; shared experts
+        tr = pytest.importorskip(f"transformers.models.{kind}.modeling_{kind}")
+        Block = tr.DeepseekV3MoE if kind == "deepseek_v3" else tr.Glm4MoeMoE
+        Config = tr.DeepseekV3Config if kind == "deepseek_v3" else tr.Glm4MoeConfig
+        cfg = Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=top_k,
+                     norm_topk_prob=norm, n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1)
     else:
         tr = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
         Block = tr.Qwen3NextSparseMoeBlock
@@ -481,7 +487,7 @@ def _hf_block(kind, E=8, H=64, I=32, top_k=2, norm=True, dtype=torch.float32):
                                  norm_topk_prob=norm, shared_expert_intermediate_size=I)
     torch.manual_seed(0)
     block = Block(cfg)
-    for p in block.parameters():
+    for p in list(block.parameters()) + list(block.buffers()):  # the correction bias too: zeros would hide it
         torch.nn.init.normal_(p, std=0.1)
     return block.to(dtype).eval()
 
@@ -519,7 +525,7 @@ def _hf_out(block, x):
 
 
 @pytest.mark.parametrize("kind,norm,k", [("qwen3_moe", True, 4), ("qwen3_moe", False, 3), ("mixtral", True, 2),
-                                         ("qwen3_next", True, 4)])
+                                         ("qwen3_next", True, 4), ("deepseek_v3", True, 4), ("glm4_moe", False, 3)])
 def test_hf_block(kind, norm, k):
     block = _hf_block(kind, norm=norm)
     m = KbitMoE.from_hf(block, k=k)
@@ -531,8 +537,28 @@ def test_hf_block(kind, norm, k):
         out = m(x, plan=MM)
         ids_hf = _hf_choice(block, x.view(-1, 64))
     r = m.route(torch.nn.functional.linear(x.view(-1, 64), m.router_weight))
-    assert torch.equal(r.topk_ids.long(), ids_hf)
+    assert torch.equal(r.topk_ids.long().sort(-1).values, ids_hf.sort(-1).values)  # DeepSeek's top-k: unsorted
     assert relative_error(out, ref) < 1e-2
+
+
+def test_hf_block_whose_routing_differs_is_refused(monkeypatch):
+    """A router read wrongly (here DeepSeek-V3's as softmax, the options a block without a correction bias gets)
+    is caught by the check on random tokens: ValueError, not a KbitMoE that routes otherwise."""
+    from kbit.nn import moe
+
+    block = _hf_block("deepseek_v3")
+    real = moe.hf_routing
+
+    def as_softmax(b):
+        out = real(b)
+        for key in ("correction_bias", "n_group", "topk_group", "routed_scaling_factor"):
+            out.pop(key)
+        return out | {"router": "softmax"}
+
+    monkeypatch.setattr(moe, "hf_routing", as_softmax)
+    with pytest.raises(ValueError, match=r"^block: expected a sparse MoE block whose routing KbitMoE reproduces, "
+                                         r"got DeepseekV3MoE: the gate"):
+        KbitMoE.from_hf(block, k=4)
 
 
 def test_hf_block_fp16_gemv():
@@ -746,7 +772,7 @@ def test_gpu_hf_qwen3_bf16():
         out = m(x)
         ids_hf = _hf_choice(block, x.view(-1, 2048))
     r = m.route(torch.nn.functional.linear(x.view(-1, 2048), m.router_weight))
-    assert torch.equal(r.topk_ids.long(), ids_hf)
+    assert torch.equal(r.topk_ids.long().sort(-1).values, ids_hf.sort(-1).values)  # DeepSeek's top-k: unsorted
     assert relative_error(out, ref) < 1e-2
 
 

@@ -38,10 +38,9 @@ from torch import nn
 from kbit.hf.experts import KbitExperts
 from kbit.hf.fast_decode import FastDecodeStep, unsupported_reason
 from kbit.nn import KbitMoE
-from kbit.nn.moe import check_activation, hf_routing
+from kbit.nn.moe import check_activation, hf_block_mismatch, hf_routing
 from kbit.ops import attention as _attn
 from kbit.ops.glue import argmax
-from kbit.ops.moe_router import select_experts_reference
 from kbit.ops.sampling import sample, sample_reference
 from kbit.utils.checks import check_choice
 
@@ -377,7 +376,8 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
 
     The router options come from the block (:func:`kbit.nn.moe.hf_routing`: softmax, or DeepSeek-V3-style sigmoid
     with a correction bias, groups and scaling; shared experts). Before a block is replaced, the new module must
-    give the block's output on a few random tokens (:func:`block_mismatch`, with the block's own router logits);
+    give the block's output on a few random tokens (:func:`kbit.nn.moe.hf_block_mismatch`, with the block's router
+    logits);
     a block it does not reproduce (a router or an activation ``KbitMoE`` does not have) is kept as it is, with a
     warning naming it and why: transformers' block over ``KbitExperts`` computes the same k-bit experts, slower.
     """
@@ -406,7 +406,7 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
             kept.append(f"{name} ({type(block).__name__}: {e})")
             continue
         # float experts: the outputs differ by the rounding, so only the routing is compared
-        why = block_mismatch(block, new, outputs=isinstance(experts, KbitExperts))
+        why = hf_block_mismatch(block, new, outputs=isinstance(experts, KbitExperts))
         if why is not None:
             kept.append(f"{name} ({type(block).__name__}: {why})")
             continue
@@ -417,45 +417,6 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
         warnings.warn(f"kbit: MoE block kept as transformers runs it (KbitMoE does not reproduce it): "
                       f"{kept[0]}{more}", UserWarning, stacklevel=2)
     return done
-
-
-#: tokens of :func:`block_mismatch`'s check; its tolerance on a token's ||new - block|| / ||block||: the same k-bit
-#: weights on two kernel paths differ by bf16 rounding, a missing shared expert or a wrong routing weight by more
-CHECK_TOKENS, CHECK_RTOL = 8, 0.05
-
-
-@torch.no_grad()
-def block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> str | None:
-    """Why ``new`` does not stand in for ``block`` (None: it does): on :data:`CHECK_TOKENS` seeded random tokens,
-    the experts each token is routed to and their weights where the block's gate returns them (transformers 5
-    routers: ``(logits, weights, indices)``), then (``outputs``) the outputs given the same router logits."""
-    w = new.router_weight if new.router_weight is not None else block.gate.weight
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, new.hidden_size, generator=g).to(device=w.device, dtype=new.dtype)
-    out = block.gate(x.reshape(-1, new.hidden_size))
-    logits = out[0] if isinstance(out, tuple) else out
-    if isinstance(out, tuple) and len(out) == 3:
-        want_w, want_ids = out[1], out[2]
-        got_w, got_ids = select_experts_reference(
-            logits.float(), new.top_k, router=new.router, renormalize=new.norm_topk_prob,
-            correction_bias=new.correction_bias, n_group=new.n_group, topk_group=new.topk_group,
-            scaling=new.routed_scaling_factor)
-        a, b = want_ids.sort(-1), got_ids.sort(-1)
-        if not torch.equal(a.values.long(), b.values.long()):
-            return "the gate routes tokens to other experts"
-        ww = want_w.float().gather(-1, a.indices)
-        gw = got_w.float().gather(-1, b.indices)
-        if not torch.allclose(ww, gw, rtol=1e-2, atol=1e-3):
-            return "the gate weighs the experts otherwise"
-    if not outputs:
-        return None
-    ref = block(x)
-    ref = (ref[0] if isinstance(ref, tuple) else ref).float()
-    got = new(x, logits.to(new.dtype).reshape(-1, new.num_experts)).float()
-    # per token, the median: a near-tie that one path breaks the other way (bf16 logits) moves one token, a
-    # missing option all of them
-    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).median().item()
-    return None if err <= CHECK_RTOL else f"its output differs by {err:.3g} of its norm (median of the tokens)"
 
 
 # ------------------------------------------------------------------------------------------------ glue fusion

@@ -291,14 +291,19 @@ class KbitMoE(nn.Module):
         ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock``, ``DeepseekV3MoE``, ``Glm4MoeMoE`` (a ``gate``
         with the router weight, SwiGLU ``experts``; the router options from :func:`hf_routing`). The router
         weight is kept (``forward`` without logits computes them as the block does); a shared expert and its
-        gate are kept as they are (not quantized; not copied).
+        gate are kept as they are (not quantized; not copied). ValueError where the block's gate, on a few random
+        tokens, chooses or weighs the experts otherwise (:func:`hf_block_mismatch`).
         ``rotation`` / ``seed``: as :meth:`from_float` (the gate_up stack only).
         """
         parts = hf_parts(block)
         w_gate_up, w_down, block_dtype = parts.pop("w_gate_up"), parts.pop("w_down"), parts.pop("dtype")
-        return cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
-                              scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed,
-                              **parts)
+        m = cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
+                           scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed, **parts)
+        why = hf_block_mismatch(block, m, outputs=False)  # the experts differ by the rounding: the routing only
+        if why is not None:
+            fail(ValueError, "block", "a sparse MoE block whose routing KbitMoE reproduces",
+                 f"{type(block).__name__}: {why}")
+        return m
 
     # -- forward ------------------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
@@ -523,6 +528,45 @@ def hf_routing(block: nn.Module) -> dict:
         raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate")
     out.update(router="softmax", norm_topk_prob=bool(norm))
     return out
+
+
+#: tokens of :func:`hf_block_mismatch`'s check; its tolerance on a token's ||new - block|| / ||block||: the same k-bit
+#: weights on two kernel paths differ by bf16 rounding, a missing shared expert or a wrong routing weight by more
+CHECK_TOKENS, CHECK_RTOL = 8, 0.05
+
+
+@torch.no_grad()
+def hf_block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> str | None:
+    """Why ``new`` does not stand in for ``block`` (None: it does): on :data:`CHECK_TOKENS` seeded random tokens,
+    the experts each token is routed to and their weights where the block's gate returns them (transformers 5
+    routers: ``(logits, weights, indices)``), then (``outputs``) the outputs given the same router logits."""
+    w = new.router_weight if new.router_weight is not None else block.gate.weight
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, CHECK_TOKENS, new.hidden_size, generator=g).to(device=w.device, dtype=new.dtype)
+    out = block.gate(x.reshape(-1, new.hidden_size))
+    logits = out[0] if isinstance(out, tuple) else out
+    if isinstance(out, tuple) and len(out) == 3:
+        want_w, want_ids = out[1], out[2]
+        got_w, got_ids = select_experts_reference(
+            logits.float(), new.top_k, router=new.router, renormalize=new.norm_topk_prob,
+            correction_bias=new.correction_bias, n_group=new.n_group, topk_group=new.topk_group,
+            scaling=new.routed_scaling_factor)
+        a, b = want_ids.sort(-1), got_ids.sort(-1)
+        if not torch.equal(a.values.long(), b.values.long()):
+            return "the gate routes tokens to other experts"
+        ww = want_w.float().gather(-1, a.indices)
+        gw = got_w.float().gather(-1, b.indices)
+        if not torch.allclose(ww, gw, rtol=1e-2, atol=1e-3):
+            return "the gate weighs the experts otherwise"
+    if not outputs:
+        return None
+    ref = block(x)
+    ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+    got = new(x, logits.to(new.dtype).reshape(-1, new.num_experts)).float()
+    # per token, the median: a near-tie that one path breaks the other way (bf16 logits) moves one token, a
+    # missing option all of them
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).median().item()
+    return None if err <= CHECK_RTOL else f"its output differs by {err:.3g} of its norm (median of the tokens)"
 
 
 def hf_parts(block: nn.Module) -> dict:
