@@ -439,3 +439,61 @@ def test_gpu_fast_step_matches_transformers(arch):
     assert (graph_t == ref_t).float().mean() >= 0.8  # bf16 rounding of a different attention kernel
     rel = (graph_l[:3] - ref_l[:3]).norm() / ref_l[:3].norm()
     assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type, kw, blocks", [
+    ("deepseek_v3", dict(n_routed_experts=8, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=16, head_dim=8), 1),
+    ("qwen2_moe", dict(num_experts=4, shared_expert_intermediate_size=64), 2),
+])
+def test_gpu_use_kbit_moe_reproduces_the_block(model_type, kw, blocks):
+    """On the GPU in bf16 the check before each swap passes for blocks KbitMoE reproduces (its tolerance holds
+    two kernel paths over the same k-bit experts), and the logits stay those of transformers' blocks."""
+    model = _moe_model(model_type, **kw).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.tensor(PROMPT[:1], device="cuda")
+    with torch.no_grad():
+        want = model(x).logits.float()
+    assert use_kbit_moe(model) == blocks
+    with torch.no_grad():
+        got = model(x).logits.float()
+    assert (got - want).norm() / want.norm() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gpt_oss_experts():
+    """gpt-oss's experts (transposed, biased, their own gate) through KbitExperts on the GPU, bf16 k = 4: the
+    logits of the float model holding the same rounded weights."""
+    from kbit.hf.experts import source_stacks
+    from kbit.ops.dequant import dequantize
+    from kbit.ops.quantize import quantize
+
+    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=96, num_local_experts=4, num_experts_per_tok=2,
+                 max_position_embeddings=64, layer_types=None)
+    try:
+        config = transformers.AutoConfig.for_model("gpt_oss", **small)
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(device="cuda", dtype=torch.bfloat16)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "GptOssExperts"]
+    saved = {}
+    for n in names:  # the float model holding what k = 4 rounds the experts to, then the originals back
+        m = model.get_submodule(n)
+        gu, dn = source_stacks(m)
+        for w, t in (("gate_up_proj", gu), ("down_proj", dn)):
+            saved[(n, w)] = getattr(m, w).data
+            r = dequantize(quantize(t, k=4), torch.float32).transpose(1, 2).to(torch.bfloat16)
+            getattr(m, w).data = r.contiguous()
+    x = torch.tensor(PROMPT[:1], device="cuda")
+    with torch.no_grad():
+        want = model(x).logits.float()
+    for (n, w), v in saved.items():
+        getattr(model.get_submodule(n), w).data = v
+    quantize_model(model, k=4, overrides={r"self_attn\.(q|k|v|o)_proj": None}, progress=False)  # experts only
+    assert all(isinstance(model.get_submodule(n), KbitExperts) for n in names)
+    with torch.no_grad():
+        got = model(x).logits.float()
+    assert (got - want).norm() / want.norm() < 2e-2

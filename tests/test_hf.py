@@ -184,6 +184,26 @@ def test_gpt_oss_experts_transposed_biased_own_gate(tmp_path):
         assert torch.equal(out(loaded, x), got)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_model_to_bfloat16_keeps_the_format(model_type):
+    """``model.to(torch.bfloat16)`` on a quantized MoE model: the experts' codebooks and tensor scales stay float32
+    (a KbitWeight needs them so; they were cast before, and the next forward failed), their compute dtype follows,
+    and the model runs."""
+    model = tiny(model_type)
+    quantize_model(model, k=4, progress=False)
+    x = ids()
+    want = out(model, x)
+    model.to(torch.bfloat16)
+    experts = [m for m in model.modules() if isinstance(m, KbitExperts)]
+    assert experts and all(e.dtype == torch.bfloat16 for e in experts)
+    for e in experts:
+        for w in ("gate_up_proj", "down_proj"):
+            qw = e.weight(w)
+            assert qw.codebook.dtype == qw.tensor_scale.dtype == torch.float32
+    got = out(model, x).float()
+    assert (got - want).norm() / want.norm() < 3e-2
+
+
 def test_experts_of_another_layout_stay_float_with_a_warning():
     """Llama-4's experts take tokens already routed (forward(hidden_states) over [E, tokens, H]): kept float."""
     try:

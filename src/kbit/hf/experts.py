@@ -24,6 +24,7 @@ from torch import nn
 from kbit.dispatch.linear import linear as _linear_impl
 from kbit.format.pack import words_per_row
 from kbit.format.spec import DEFAULT_SCALE_FORMAT, KbitWeight, padded_k
+from kbit.nn._layout import apply_keeping_format
 from kbit.ops.quantize import quantize
 
 PARTS = ("codes", "scales", "tensor_scale", "codebook")
@@ -67,6 +68,9 @@ class KbitStack(nn.Module):
     def weight(self) -> KbitWeight:
         return KbitWeight(*(getattr(self, p) for p in PARTS), shape=self.shape, k=self.k, blocksize=self.blocksize,
                           scale_format=self.scale_format, codebook_name=self.codebook_name)
+
+    def _apply(self, fn, recurse=True):  # model.to(torch.bfloat16) keeps the format's float32 tensors
+        return apply_keeping_format(self, super()._apply, fn, recurse, model_dtype=())
 
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, k={self.k}, blocksize={self.blocksize}, scale_format={self.scale_format!r}, "
@@ -126,6 +130,9 @@ class KbitExperts(nn.Module):
         biases = [getattr(module, f"{n}_bias", None) for n in WEIGHTS]
         biases = [None if b is None else b.detach().to(device or w.device) for b in biases]
         return cls.like(module, *q, dtype=w.dtype, gate_up_bias=biases[0], down_bias=biases[1])
+
+    def _apply(self, fn, recurse=True):  # the stacks keep their format; biases and the compute dtype follow fn
+        return apply_keeping_format(self, super()._apply, fn, recurse, model_dtype=("gate_up_bias", "down_bias"))
 
     def weight(self, name: str) -> KbitWeight:
         """``"gate_up_proj"`` or ``"down_proj"`` as a stacked :class:`KbitWeight` (sharing the buffers)."""

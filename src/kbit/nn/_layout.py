@@ -62,7 +62,7 @@ def apply_keeping_format(module: torch.nn.Module, apply, fn, recurse: bool, mode
     finally:
         for name, dtype in held.items():
             module._buffers[name] = module._buffers[name].view(dtype)
-    # the module's compute dtype follows what fn makes of that dtype
-    device = next((t.device for t in module._buffers.values() if t is not None), None)
-    module.dtype = fn(torch.empty(0, dtype=module.dtype, device=device)).dtype
+    if hasattr(module, "dtype"):  # the module's compute dtype follows what fn makes of that dtype
+        device = next((t.device for t in module._buffers.values() if t is not None), None)
+        module.dtype = fn(torch.empty(0, dtype=module.dtype, device=device)).dtype
     return out
