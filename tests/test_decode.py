@@ -404,6 +404,55 @@ def test_fast_step_unsupported():
     assert StaticDecoder(model, 1, 16)._fast is None  # auto: transformers' forward
 
 
+@pytest.mark.parametrize("model_type, kw", [
+    ("gpt_oss", dict(num_local_experts=4, layer_types=None, sliding_window=4)),  # attention sinks, sliding layers
+    ("gemma2", dict(attn_logit_softcapping=20.0, final_logit_softcapping=None, sliding_window=4)),  # soft-capping
+    ("gemma3_text", dict(sliding_window=4)),  # five sliding layers to one full: here layer 0 slides, layer 1 not
+    ("mistral", dict(sliding_window=4)),  # no layer_types: every layer slides
+])
+def test_static_decoder_own_attention_and_sliding_windows(model_type, kw):
+    """An attention call with arguments static_attention does not compute (gpt-oss's sinks, Gemma-2's soft-capping)
+    runs the model's own eager attention, and sliding windows shorter than the prompt + steps mask as transformers
+    masks them: the static decoder's tokens and logits are transformers' (before, the sinks were dropped silently,
+    and a window shorter than the cache failed on mismatched shapes)."""
+    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64,
+                 num_experts_per_tok=2)
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **small, **kw)
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for m in model.modules():  # gpt-oss's sinks start at zero: make them matter
+        if isinstance(getattr(m, "sinks", None), torch.Tensor):
+            m.sinks.data = torch.randn(m.sinks.shape, generator=torch.Generator().manual_seed(2)) * 2
+    model = quantize_model(model, k=4, progress=False)
+    ids = torch.tensor(PROMPT)
+    assert ids.shape[1] + 6 > 4  # past the window
+    ref_t, ref_l = dynamic_greedy(model, ids, 6)
+    t, lg = static_greedy(model, ids, 6)
+    assert torch.equal(t, ref_t)
+    torch.testing.assert_close(lg, ref_l, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_windows_from_the_config():
+    from kbit.hf.decode import attention_windows
+
+    model = llama()
+    assert attention_windows(model) is None
+    model.config.sliding_window = 8
+    assert attention_windows(model) == 8
+    model.config.use_sliding_window = False
+    assert attention_windows(model) is None
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    model.config.use_sliding_window, model.config.sliding_window = True, 8
+    assert attention_windows(model) == {"sliding_attention": 8, "full_attention": None}
+    model.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"^model: expected layers of full or sliding-window attention .*linear"):
+        StaticDecoder(model, 1, 16)
+
+
 def test_decode_attention_argument():
     """``decode_attention`` picks the one-token attention (on the CPU every choice runs SDPA: same tokens and
     logits); an unknown choice is refused before anything is built."""

@@ -27,6 +27,7 @@ Graph capture needs a sync-free forward: quantized MoE models should use :class:
 
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import types
@@ -42,7 +43,7 @@ from kbit.nn.moe import check_activation, hf_block_mismatch, hf_routing
 from kbit.ops import attention as _attn
 from kbit.ops.glue import argmax
 from kbit.ops.sampling import sample, sample_reference
-from kbit.utils.checks import check_choice
+from kbit.utils.checks import check_choice, fail
 
 __all__ = ["DECODE_ATTENTION", "STATIC_ATTENTION", "StaticDecoder", "static_attention", "use_kbit_moe"]
 
@@ -56,10 +57,43 @@ _ATTENTION_NAMES = {"auto": STATIC_ATTENTION, "kbit": f"{STATIC_ATTENTION}_kbit"
 _PAD = 16  # the cache length is rounded up to this (aligned mask rows for the SDPA kernels)
 
 
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_windows(model) -> int | dict[str, int | None] | None:
+    """The sliding windows the decoder's masks apply: a dict ``{layer type: window or None}`` for a model whose
+    config lists ``layer_types`` (transformers then takes one mask per type), else the window of every layer
+    (``sliding_window``, unless ``use_sliding_window`` is False) or None. ValueError for layer types other than
+    full and sliding attention (chunked, linear: no static cache of this kind holds them)."""
+    text = _text_config(model)
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return window
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        fail(ValueError, "model", "layers of full or sliding-window attention (layer_types)", f"layer types {other}")
+    if "sliding_attention" in types and window is None:
+        fail(ValueError, "model", "config.sliding_window for its sliding_attention layers", "None")
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
+
+
 def _static_cache(model, max_len: int):
+    """transformers' ``StaticCache`` with every layer a full-length ``StaticLayer``: key j is position j in every
+    layer, and the masks apply the sliding windows (:func:`attention_windows`), where transformers' sliding
+    layers would keep a rolling window of their own."""
     from transformers import StaticCache  # transformers is optional (kbit[hf]): imported when a decoder is made
 
-    return StaticCache(config=model.config, max_cache_len=max_len)
+    config = copy.copy(_text_config(model))
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * len(config.layer_types)
+    if getattr(config, "sliding_window", None):
+        config.sliding_window = None
+    return StaticCache(config=config, max_cache_len=max_len)
 
 
 def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, *,
@@ -72,7 +106,14 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     the tensors are outside its support (fp32, odd head dims, other mask shapes). ``kernel`` (one of
     :data:`DECODE_ATTENTION`): ``auto`` runs that kernel when batch x KV heads <= DECODE_KERNEL_MAX_HEADS, else
     SDPA; ``kbit`` the kernel always; ``sdpa`` SDPA always. Returns ``([B, q, Hq, D], None)`` as transformers'
-    functions do."""
+    functions do. A call with an argument of :data:`OWN_ATTENTION_ARGS` runs the model's own eager attention."""
+    own = [k for k in OWN_ATTENTION_ARGS if kwargs.get(k) is not None]
+    if own:  # an attention this function does not compute: the model's own
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise NotImplementedError(f"{type(module).__name__}: attention with {own} and no eager_attention_forward "
+                                      f"in {type(module).__module__}")
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     B, Hq, q, D = query.shape
     Hkv = key.shape[1]
     if q != 1 or Hq % Hkv or dropout:
@@ -91,6 +132,10 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
     out = torch.nn.functional.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, 1, Hq, D), None
 
+
+#: attention arguments :func:`static_attention` does not implement (gpt-oss's sinks, Gemma-2's logit soft-capping):
+#: a call that carries one runs the ``eager_attention_forward`` of the attention module's own modeling file
+OWN_ATTENTION_ARGS = ("s_aux", "sinks", "softcap", "logit_softcapping")
 
 #: ``auto`` runs the decode kernel up to this many (batch row, KV head) pairs: on the H100 (mask path) it beats
 #: SDPA up to 64 pairs and loses at 128 pairs from 2048 keys on.
@@ -182,6 +227,7 @@ class StaticDecoder:
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self._dtype = getattr(model, "dtype", torch.float32)
         dev = self.device
+        self._windows = attention_windows(model)
         self.cache = _static_cache(model, max_len)
         self._fast_write = False  # decode steps: write K/V at `pos` in 2 launches (see _patch_cache)
         self._patch_cache()
@@ -206,7 +252,8 @@ class StaticDecoder:
     def _patch_cache(self) -> None:
         """A decode step writes its K/V at ``pos`` with two ``index_copy_`` (transformers' static layer spends
         five launches: ``arange``, add, the length counter, two copies). Only for plain ``StaticLayer``s
-        (no sliding windows); the prefill keeps transformers' update (it allocates the tensors)."""
+        (:func:`_static_cache` makes every layer one); the prefill keeps transformers' update (it allocates the
+        tensors)."""
         if not all(type(layer).__name__ == "StaticLayer" for layer in self.cache.layers):
             return
         dec = self
@@ -221,10 +268,20 @@ class StaticDecoder:
         for layer in self.cache.layers:
             layer.update = types.MethodType(update, layer)
 
-    def _mask(self, q_pos: torch.Tensor) -> torch.Tensor:
+    def _mask(self, q_pos: torch.Tensor):
         """Additive ``[B, 1, q, L]`` in the model's dtype: 0 where key j is visible from query position p
-        (j <= p), the dtype's minimum elsewhere (positions past the prompt + steps so far: stale or empty)."""
-        allowed = self._arange.view(1, -1) <= q_pos.view(-1, 1)  # [q, L]
+        (j <= p, and p - window < j in a sliding-window layer), the dtype's minimum elsewhere (positions past the
+        prompt + steps so far: stale or empty). One per layer type where the model has several
+        (:func:`attention_windows`)."""
+        if isinstance(self._windows, dict):
+            return {t: self._mask_of(q_pos, w) for t, w in self._windows.items()}
+        return self._mask_of(q_pos, self._windows)
+
+    def _mask_of(self, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+        j, p = self._arange.view(1, -1), q_pos.view(-1, 1)
+        allowed = j <= p  # [q, L]
+        if window is not None:
+            allowed = allowed & (j > p - window)
         zero = torch.zeros((), dtype=self._dtype, device=self.device)
         mask = torch.where(allowed, zero, torch.finfo(self._dtype).min)
         return mask.view(1, 1, *allowed.shape).expand(self.B, 1, -1, -1)
