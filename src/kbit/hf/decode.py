@@ -62,6 +62,21 @@ def _text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def graph_blocker(model) -> str | None:
+    """The first module of ``model`` whose forward syncs with the host every step, so that no CUDA graph can hold
+    it (``"name (type)"``), else None: MoE experts that loop over the experts a step routes to (kbit's
+    ``KbitExperts``; transformers' per-expert lists, and its fused modules under the ``"eager"`` experts
+    implementation), where ``KbitMoE`` routes on the device."""
+    for name, m in model.named_modules():
+        if isinstance(m, KbitMoE):
+            continue
+        fused = isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
+        eager = getattr(getattr(m, "config", None), "_experts_implementation", "eager") in (None, "eager")
+        if isinstance(m, KbitExperts) or isinstance(getattr(m, "experts", None), nn.ModuleList) or (fused and eager):
+            return f"{name} ({type(m).__name__})"
+    return None
+
+
 def attention_windows(model) -> int | dict[str, int | None] | None:
     """The sliding windows the decoder's masks apply: a dict ``{layer type: window or None}`` for a model whose
     config lists ``layer_types`` (transformers then takes one mask per type), else the window of every layer
@@ -186,7 +201,8 @@ class StaticDecoder:
     model : a transformers causal LM (Llama, Qwen2/3, Mistral, Qwen3-MoE, ...), float or kbit-quantized.
     batch_size : rows decoded together (every row has the same prompt length).
     max_len : prompt + new tokens; the static cache holds this many positions (rounded up to a multiple of 16).
-    graph : capture the decode step in a CUDA graph (default: when the model is on CUDA). False runs it eagerly.
+    graph : capture the decode step in a CUDA graph (default: when the model is on CUDA and has no module whose
+        forward waits on the host, :func:`graph_blocker`). False runs it eagerly.
     temperature, top_k, top_p : the sampler (:func:`kbit.sample` on CUDA, :func:`kbit.sample_reference` on the
         CPU); ``temperature == 0`` is greedy (argmax).
     seed : the sampler's Philox key; the offset starts at 0 for the token after the prompt and advances by one
@@ -211,10 +227,15 @@ class StaticDecoder:
         param = next(iter(model.parameters()), None)
         buf = next(iter(model.buffers()), None)
         self.device = (param if param is not None else buf).device
+        blocker = graph_blocker(model)
         if graph is None:
-            graph = self.device.type == "cuda"
+            graph = self.device.type == "cuda" and blocker is None
         if graph and self.device.type != "cuda":
             raise ValueError(f"graph: CUDA graphs need the model on a CUDA device, got {self.device}")
+        if graph and blocker is not None:
+            raise ValueError(f"graph: a CUDA graph cannot hold {blocker} (its forward waits on the host for the "
+                             "experts each step routes to); kbit.hf.use_kbit_moe swaps such blocks for KbitMoE "
+                             "where it reproduces them")
         attn_name = attention_name(decode_attention)
         attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if attn not in ("sdpa", "eager") and not attn.startswith(STATIC_ATTENTION):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
 from kbit.hf import compare as cmp
-from kbit.hf.decode import StaticDecoder, use_kbit_moe
+from kbit.hf.decode import StaticDecoder, graph_blocker, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
 from kbit.hf.tp import shard_loaded
@@ -339,9 +339,10 @@ def decode_and_print(args: argparse.Namespace, model, tok, quiet: bool = False, 
         tokens.append(t)
         say(tok.decode([t]), end="", flush=True)
     seconds = time.perf_counter() - start
+    graphed = args.device.startswith("cuda") and not args.no_graph and graph_blocker(model) is None
     say(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
         f"{'k=' + str(args.k) if args.model is None else args.model}, {where or args.device}"
-        f"{', CUDA graph' if args.device.startswith('cuda') and not args.no_graph else ''}]")
+        f"{', CUDA graph' if graphed else ''}]")
     return 0
 
 
