@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import sys
 import types
 import warnings
@@ -249,6 +250,8 @@ class StaticDecoder:
         self._dtype = getattr(model, "dtype", torch.float32)
         dev = self.device
         self._windows = attention_windows(model)
+        # transformers 5 renamed the forward's past_key_values to cache (the old name warns, and goes in 5.40)
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.cache = _static_cache(model, max_len)
         self._fast_write = False  # decode steps: write K/V at `pos` in 2 launches (see _patch_cache)
         self._patch_cache()
@@ -310,7 +313,7 @@ class StaticDecoder:
     def _forward(self, ids: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         with self._attn:
             out = self.model(input_ids=ids, attention_mask=self._mask(q_pos),
-                             position_ids=q_pos.view(1, -1).expand(self.B, -1), past_key_values=self.cache,
+                             position_ids=q_pos.view(1, -1).expand(self.B, -1), **{self._cache_arg: self.cache},
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 

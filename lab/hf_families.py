@@ -1,0 +1,127 @@
+"""Which transformers model types kbit quantizes and decodes (CPU, tiny random models): for each model type, a
+model of two small layers built from its default config, ``kbit.quantize_model`` at k = 5 (what the table row or
+the structure picked, what stayed float and why), greedy tokens of kbit's ``StaticDecoder`` against transformers'
+dynamic cache, and ``use_kbit_moe`` on the MoE blocks (how many it took over, logits against the blocks it
+replaced). A model type whose tiny model transformers itself cannot build or run is listed as such.
+
+    python lab/hf_families.py [MODEL_TYPE ...] [--out FILE.md]     # default: the list below
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import warnings
+from datetime import date
+
+import torch
+import transformers
+from torch import nn
+
+from kbit.hf import quantize_model
+from kbit.hf.decode import use_kbit_moe
+from kbit.hf.experts import KbitExperts
+from kbit.hf.generate import generate_tokens
+from kbit.hf.models import MODELS
+from kbit.nn import KbitLinear, KbitMoE
+
+TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe", "mixtral",
+         "gemma", "gemma2", "glm", "glm4", "granite", "olmo", "olmo2", "olmo3", "smollm3", "cohere", "cohere2",
+         "starcoder2", "phi", "exaone4", "seed_oss", "apertus", "arcee", "hunyuan_v1_dense", "ministral",
+         "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "olmoe", "granitemoe", "phimoe", "ernie4_5_moe",
+         "minimax", "hunyuan_v1_moe", "dots1", "llama4_text", "qwen3_next")
+#: the sizes of the tiny models (set where the config has the attribute)
+SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, vocab_size=512, head_dim=64, moe_intermediate_size=256, num_experts=8,
+             num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+             first_k_dense_replace=1, shared_expert_intermediate_size=256, max_position_embeddings=256,
+             q_lora_rank=128, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+             decoder_sparse_step=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8)
+
+
+def tiny(model_type: str) -> nn.Module:
+    config = transformers.AutoConfig.for_model(model_type)
+    for key, value in SMALL.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    if getattr(config, "qk_rope_head_dim", None):  # multi-head latent attention: the rotary part is the head dim
+        config.head_dim = config.qk_rope_head_dim
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = []
+    types = getattr(config, "layer_types", None)
+    if types is not None and len(types) != config.num_hidden_layers:  # keep the family's mix, two layers of it
+        kinds = list(dict.fromkeys(types))
+        config.layer_types = (kinds * 2)[:config.num_hidden_layers]
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def row(model_type: str) -> dict:
+    out = {"type": model_type, "plan": "table" if model_type in MODELS else "structure"}
+    try:
+        model = tiny(model_type)
+        ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(0))
+        list(generate_tokens(model, ids, 8, temperature=0, static=False))  # transformers runs it at all
+    except Exception as e:  # noqa: BLE001 - the table reports transformers' own failure
+        return out | {"result": f"transformers: {type(e).__name__}: {str(e)[:80]}"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            quantize_model(model, k=5, progress=False)
+        except Exception as e:  # noqa: BLE001
+            return out | {"result": f"quantize: {type(e).__name__}: {str(e)[:100]}"}
+    kept = [str(w.message) for w in caught if "kbit" in str(w.message)]
+    out["kbit_linear"] = sum(isinstance(m, KbitLinear) for m in model.modules())
+    out["kbit_experts"] = sum(isinstance(m, KbitExperts) for m in model.modules())
+    out["float_linear"] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    out["float_note"] = kept[0].split(": ", 1)[-1][:90] if kept else ""
+    try:
+        dyn = list(generate_tokens(model, ids, 8, temperature=0, static=False))
+        st = list(generate_tokens(model, ids, 8, temperature=0, static=True, graph=False))
+        out["static"] = "same tokens" if st == dyn else f"differ: {dyn} / {st}"
+    except Exception as e:  # noqa: BLE001
+        out["static"] = f"{type(e).__name__}: {str(e)[:80]}"
+    if out["kbit_experts"]:
+        with torch.no_grad():
+            want = model(ids).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            n = use_kbit_moe(model)
+        with torch.no_grad():
+            rel = ((model(ids).logits - want).norm() / want.norm()).item()
+        out["kbit_moe"] = f"{n} blocks, rel {rel:.1e}" + (f"; kept: {str(caught[0].message)[70:150]}" if caught
+                                                           and not sum(isinstance(m, KbitMoE)
+                                                                       for m in model.modules()) else "")
+    out["result"] = "ok"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("types", nargs="*", default=list(TYPES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = ["# transformers model types through kbit (CPU, tiny random models, k = 5)", "",
+             f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__}, "
+             f"{platform.machine()}; `python lab/hf_families.py`. Plan: the model type's table row or its structure. "
+             "Static decode: 8 greedy tokens of kbit's StaticDecoder (eager, CPU) against transformers' dynamic "
+             "cache, both on the quantized model. kbit MoE: `use_kbit_moe`, logits against the blocks it replaced.",
+             "", "| model type | plan | KbitLinear | KbitExperts | float Linear | static decode | kbit MoE | note |",
+             "|---|---|--:|--:|---|---|---|---|"]
+    for t in args.types:
+        r = row(t)
+        if r["result"] != "ok":
+            lines.append(f"| {t} | {r['plan']} | | | | | | {r['result']} |")
+        else:
+            lines.append(f"| {t} | {r['plan']} | {r['kbit_linear']} | {r['kbit_experts']} | "
+                         f"{', '.join(n.split('.')[-1] for n in r['float_linear'])} | {r['static']} | "
+                         f"{r.get('kbit_moe', '')} | {r['float_note']} |")
+        print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
