@@ -460,8 +460,8 @@ def test_attention_windows_from_the_config():
     assert attention_windows(model) is None
     model.config.sliding_window = 8
     assert attention_windows(model) == 8
-    model.config.use_sliding_window = False
-    assert attention_windows(model) is None
+    model.config.use_sliding_window = False  # without layer_types transformers masks by sliding_window alone
+    assert attention_windows(model) == 8
     model.config.layer_types = ["sliding_attention", "full_attention"]
     model.config.use_sliding_window, model.config.sliding_window = True, 8
     assert attention_windows(model) == {"sliding_attention": 8, "full_attention": None}

@@ -38,13 +38,13 @@ import torch
 from torch import nn
 
 from kbit.hf.experts import KbitExperts
-from kbit.hf.fast_decode import FastDecodeStep, unsupported_reason
+from kbit.hf.fast_decode import FastDecodeStep, attention_windows, text_config, unsupported_reason
 from kbit.nn import KbitMoE
 from kbit.nn.moe import check_activation, hf_block_mismatch, hf_routing
 from kbit.ops import attention as _attn
 from kbit.ops.glue import argmax
 from kbit.ops.sampling import sample, sample_reference
-from kbit.utils.checks import check_choice, fail
+from kbit.utils.checks import check_choice
 
 __all__ = ["DECODE_ATTENTION", "STATIC_ATTENTION", "StaticDecoder", "static_attention", "use_kbit_moe"]
 
@@ -56,11 +56,6 @@ DECODE_ATTENTION = ("auto", "kbit", "sdpa")
 #: the registered name of each choice (no "sdpa" in a name: transformers reads that word in implementation names)
 _ATTENTION_NAMES = {"auto": STATIC_ATTENTION, "kbit": f"{STATIC_ATTENTION}_kbit", "sdpa": f"{STATIC_ATTENTION}_torch"}
 _PAD = 16  # the cache length is rounded up to this (aligned mask rows for the SDPA kernels)
-
-
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def graph_blocker(model) -> str | None:
@@ -78,33 +73,13 @@ def graph_blocker(model) -> str | None:
     return None
 
 
-def attention_windows(model) -> int | dict[str, int | None] | None:
-    """The sliding windows the decoder's masks apply: a dict ``{layer type: window or None}`` for a model whose
-    config lists ``layer_types`` (transformers then takes one mask per type), else the window of every layer
-    (``sliding_window``, unless ``use_sliding_window`` is False) or None. ValueError for layer types other than
-    full and sliding attention (chunked, linear: no static cache of this kind holds them)."""
-    text = _text_config(model)
-    window = getattr(text, "sliding_window", None)
-    if not window or getattr(text, "use_sliding_window", True) is False:
-        window = None
-    types = getattr(text, "layer_types", None)
-    if not types:
-        return window
-    other = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if other:
-        fail(ValueError, "model", "layers of full or sliding-window attention (layer_types)", f"layer types {other}")
-    if "sliding_attention" in types and window is None:
-        fail(ValueError, "model", "config.sliding_window for its sliding_attention layers", "None")
-    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
-
-
 def _static_cache(model, max_len: int):
     """transformers' ``StaticCache`` with every layer a full-length ``StaticLayer``: key j is position j in every
     layer, and the masks apply the sliding windows (:func:`attention_windows`), where transformers' sliding
     layers would keep a rolling window of their own."""
     from transformers import StaticCache  # transformers is optional (kbit[hf]): imported when a decoder is made
 
-    config = copy.copy(_text_config(model))
+    config = copy.copy(text_config(model))
     if getattr(config, "layer_types", None):
         config.layer_types = ["full_attention"] * len(config.layer_types)
     if getattr(config, "sliding_window", None):

@@ -33,11 +33,38 @@ from kbit.ops.hadamard import rotate, rotation_signs
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
 from kbit.parallel.linear import ColumnParallelKbitLinear
+from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
 
-__all__ = ["MODEL_TYPES", "FastDecodeStep", "fuse_group", "local_linear", "unsupported_reason"]
+__all__ = ["MODEL_TYPES", "FastDecodeStep", "attention_windows", "fuse_group", "local_linear", "text_config",
+           "unsupported_reason"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+def text_config(model):
+    """The model's (text) decoder config."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_windows(model) -> int | dict[str, int | None] | None:
+    """The sliding windows the decoder's masks apply: a dict ``{layer type: window or None}`` for a model whose
+    config lists ``layer_types`` (transformers then takes one mask per type), else the window of every layer
+    (``sliding_window``: transformers' models without ``layer_types`` choose their mask by it alone, whatever
+    ``use_sliding_window`` says) or None. ValueError for layer types other than full and sliding attention
+    (chunked, linear: no static cache of this kind holds them)."""
+    text = text_config(model)
+    window = getattr(text, "sliding_window", None) or None
+    types = getattr(text, "layer_types", None)
+    if not types:
+        return window
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        fail(ValueError, "model", "layers of full or sliding-window attention (layer_types)", f"layer types {other}")
+    if "sliding_attention" in types and window is None:
+        fail(ValueError, "model", "config.sliding_window for its sliding_attention layers", "None")
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
 
 
 def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
@@ -52,9 +79,10 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
         return "no model.model.layers / rotary_emb / embed_tokens"
     if not hasattr(model, "lm_head") or not hasattr(inner, "norm"):
         return "no lm_head / final norm"
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and getattr(cfg, "use_sliding_window", True) and max_len > window:
-        return f"sliding window {window} < cache length {max_len}"
+    windows = attention_windows(model)
+    windows = windows.values() if isinstance(windows, dict) else [windows]
+    if any(w is not None and max_len > w for w in windows):
+        return f"sliding window {min(w for w in windows if w is not None)} < cache length {max_len}"
     for i, layer in enumerate(layers):
         att = getattr(layer, "self_attn", None)
         if att is None or not all(hasattr(att, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
