@@ -468,6 +468,11 @@ def test_attention_windows_from_the_config():
     model.config.layer_types = ["linear_attention", "full_attention"]
     with pytest.raises(ValueError, match=r"^model: expected layers of full or sliding-window attention .*linear"):
         StaticDecoder(model, 1, 16)
+    from kbit.hf.decode import static_unsupported
+
+    assert "linear_attention" in static_unsupported(model)  # generate_tokens' default then: the dynamic cache
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    assert static_unsupported(model) is None
 
 
 def test_decode_attention_argument():

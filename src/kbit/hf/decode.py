@@ -73,6 +73,15 @@ def graph_blocker(model) -> str | None:
     return None
 
 
+def static_unsupported(model) -> str | None:
+    """Why :class:`StaticDecoder` cannot decode ``model`` (its layer types, :func:`attention_windows`), else None."""
+    try:
+        attention_windows(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _static_cache(model, max_len: int):
     """transformers' ``StaticCache`` with every layer a full-length ``StaticLayer``: key j is position j in every
     layer, and the masks apply the sliding windows (:func:`attention_windows`), where transformers' sliding

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
 from kbit.hf import compare as cmp
-from kbit.hf.decode import StaticDecoder, graph_blocker, use_kbit_moe
+from kbit.hf.decode import StaticDecoder, graph_blocker, static_unsupported, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
 from kbit.hf.tp import shard_loaded
@@ -128,15 +128,17 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
     """Yield new token ids for one sequence ``input_ids [1, T]`` (prefill, then one token a step).
 
     Sampling follows :func:`kbit.sample` (temperature 0 is greedy); the same seed gives the same tokens.
-    static : decode with :class:`kbit.hf.decode.StaticDecoder` (default: on CUDA); else transformers' dynamic
-        cache. graph : capture the static decoder's step in a CUDA graph (default: on CUDA).
+    static : decode with :class:`kbit.hf.decode.StaticDecoder` (default: on CUDA, for the models it decodes:
+        :func:`kbit.hf.decode.static_unsupported`); else transformers' dynamic cache.
+    graph : capture the static decoder's step in a CUDA graph (default: on CUDA where the model allows it,
+        :func:`kbit.hf.decode.graph_blocker`).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids: expected shape [1, T], got {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
         return
     if static is None:
-        static = input_ids.is_cuda
+        static = input_ids.is_cuda and static_unsupported(model) is None
     if static:
         yield from _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed,
                                     eos_token_id, graph)
