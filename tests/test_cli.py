@@ -131,6 +131,33 @@ def test_missing_optional_package_names_the_install(monkeypatch, capsys):
     assert "'gensim'" in line and "pip install" in line
 
 
+def test_kbit_warnings_print_as_one_line(tmp_path, capsys):
+    """kbit's own warnings print as one line each under the CLI, like its errors (here: Llama-4's pre-routed
+    experts kept in float); other packages' warnings keep Python's format."""
+    import warnings
+
+    from kbit.cli import warning_line
+
+    assert warning_line("quantize", UserWarning("kbit: experts kept in float: x (why)\nmore")) == \
+        "kbit quantize: warning: experts kept in float: x (why)"
+    assert warning_line("quantize", FutureWarning("`past_key_values` is deprecated")) is None
+    try:
+        config = transformers.AutoConfig.for_model("llama4_text", hidden_size=64, intermediate_size=64,
+                                                   intermediate_size_mlp=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                   vocab_size=96, num_local_experts=4)
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers {transformers.__version__} has no llama4_text")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        before = warnings.showwarning
+        assert main(["quantize", str(tmp_path / "m"), str(tmp_path / "q"), "--k", "4"]) == 0
+        assert warnings.showwarning is before  # the CLI's handler is gone again
+    err = [line for line in capsys.readouterr().err.splitlines() if "kept in float" in line]
+    assert len(err) == 1 and err[0].startswith("kbit quantize: warning: fused experts kept in float"), err
+
+
 def test_generate_under_torchrun_splits_the_model(tmp_path):
     """``torchrun --nproc-per-node 2 -m kbit.cli generate --model DIR --device cpu``: the checkpoint split over two
     gloo ranks (kbit.hf.tp.shard_loaded) decodes the same greedy text as one process, printed once."""

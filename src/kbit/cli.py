@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 # name -> (module, one-line help)
@@ -49,8 +50,29 @@ def error_line(command: str, exc: BaseException) -> str:
     return f"kbit {command}: error: {text} (kbit --debug {command} ... shows the traceback)"
 
 
+def warning_line(command: str, message) -> str | None:
+    """The one line printed for a warning of kbit's own (its message starts with ``kbit:``, or a
+    ``KbitQualityWarning``), else None (other packages' warnings keep Python's format)."""
+    text = str(message).strip()
+    category = type(message).__name__ if isinstance(message, Warning) else ""
+    if not (text.startswith("kbit:") or category == "KbitQualityWarning"):
+        return None
+    text = text.removeprefix("kbit:").strip().splitlines()[0] if text else category
+    return f"kbit {command}: warning: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.debug:  # kbit's warnings as one line each, like its errors (--debug: Python's format)
+        default = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            one = warning_line(args.command, message if isinstance(message, Warning) else category(message))
+            if one is None:
+                return default(message, category, filename, lineno, file, line)
+            print(one, file=file or sys.stderr)
+
+        warnings.showwarning = show
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
     except KeyboardInterrupt:
@@ -61,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(error_line(args.command, exc), file=sys.stderr)
         return ERROR_EXIT
+    finally:
+        if not args.debug:
+            warnings.showwarning = default
 
 
 if __name__ == "__main__":
