@@ -204,6 +204,64 @@ def test_moe_model_to_bfloat16_keeps_the_format(model_type):
     assert (got - want).norm() / want.norm() < 3e-2
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_kbit_experts_grouped_forward_matches_the_loop(model_type):
+    """KbitExperts' device-side forward (the grouped kernels over all routed pairs: what runs on CUDA) against its
+    loop over the experts, float32 (Triton's interpreter): with a slot routed to no expert (id E), weights given
+    per slot and per expert, biases and gpt-oss's own gate."""
+    if model_type == "gpt_oss":
+        try:
+            config = transformers.AutoConfig.for_model("gpt_oss", **dict(SMALL, head_dim=16, num_local_experts=4,
+                                                                         num_experts_per_tok=2, layer_types=None))
+        except (KeyError, ValueError):
+            pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        for m in model.modules():
+            for n, p in m.named_parameters(recurse=False):
+                if n.endswith("_bias"):
+                    p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.1
+    else:
+        model = tiny(model_type)
+    quantize_model(model, k=4, progress=False)
+    e = next(m for m in model.modules() if isinstance(m, KbitExperts))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, e.hidden_dim, generator=g)
+    idx = torch.randint(0, e.num_experts, (6, 2), generator=g)
+    idx[2, 1] = e.num_experts  # dropped
+    w = torch.rand(6, 2, generator=g)
+    want = e.loop_forward(x, idx, w)
+    torch.testing.assert_close(e.grouped_forward(x, idx, w), want, rtol=1e-5, atol=1e-5)
+    dense = torch.zeros(6, e.num_experts)  # the same weights, per expert
+    for t, s in zip(*torch.where(idx < e.num_experts), strict=True):
+        dense[t, idx[t, s]] = w[t, s]
+    torch.testing.assert_close(e.grouped_forward(x, idx, dense), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_gpu_kbit_experts_in_a_cuda_graph(model_type):
+    """On CUDA KbitExperts runs the grouped kernels without a host sync: a CUDA graph holds it, its replay equals
+    the eager call, and both are the loop's result in bf16."""
+    model = tiny(model_type)
+    quantize_model(model, k=4, progress=False)
+    e = next(m for m in model.modules() if isinstance(m, KbitExperts)).to(device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(3, e.hidden_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    idx = torch.randint(0, e.num_experts, (3, 2), device="cuda", generator=g)
+    w = torch.rand(3, 2, device="cuda", generator=g, dtype=torch.bfloat16)
+    want = e.loop_forward(x, idx, w).float()
+    eager = e(x, idx, w)
+    assert ((eager.float() - want).norm() / want.norm()).item() < 1e-2
+    e(x, idx, w)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = e(x, idx, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 def test_experts_of_another_layout_stay_float_with_a_warning():
     """Llama-4's experts take tokens already routed (forward(hidden_states) over [E, tokens, H]): kept float."""
     try:

@@ -16,8 +16,9 @@ the query rows (``[B, Hkv, G, D]`` against the cache's ``[B, Hkv, L, D]``; on CU
 repeats the whole static cache G times whenever a mask is given (``repeat_kv``: at batch 64 and 600
 positions, ~20 GB of copies a step on Llama-3-8B). The prefill uses transformers' SDPA as is.
 
-Graph capture needs a sync-free forward: quantized MoE models should use :class:`kbit.nn.KbitMoE`
-(:func:`use_kbit_moe` swaps the looping ``KbitExperts`` of a loaded checkpoint for it, sharing the weights).
+Graph capture needs a sync-free forward: ``KbitExperts`` on CUDA runs the grouped kernels over the routed pairs
+(no host sync); :class:`kbit.nn.KbitMoE` also routes on the device and reads the experts in the tensor-core layout
+(:func:`use_kbit_moe` swaps it in where it reproduces the block, sharing the weights).
 
     dec = StaticDecoder(model, batch_size=1, max_len=prompt_len + 64)
     token = dec.prefill(input_ids)          # [B] first new token
@@ -60,15 +61,15 @@ _PAD = 16  # the cache length is rounded up to this (aligned mask rows for the S
 
 def graph_blocker(model) -> str | None:
     """The first module of ``model`` whose forward syncs with the host every step, so that no CUDA graph can hold
-    it (``"name (type)"``), else None: MoE experts that loop over the experts a step routes to (kbit's
-    ``KbitExperts``; transformers' per-expert lists, and its fused modules under the ``"eager"`` experts
-    implementation), where ``KbitMoE`` routes on the device."""
+    it (``"name (type)"``), else None: MoE experts that loop over the experts a step routes to (transformers'
+    per-expert lists, and its fused modules under the ``"eager"`` experts implementation). ``KbitMoE`` and
+    ``KbitExperts`` on CUDA route on the device."""
     for name, m in model.named_modules():
-        if isinstance(m, KbitMoE):
+        if isinstance(m, (KbitMoE, KbitExperts)):
             continue
         fused = isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3
         eager = getattr(getattr(m, "config", None), "_experts_implementation", "eager") in (None, "eager")
-        if isinstance(m, KbitExperts) or isinstance(getattr(m, "experts", None), nn.ModuleList) or (fused and eager):
+        if isinstance(getattr(m, "experts", None), nn.ModuleList) or (fused and eager):
             return f"{name} ({type(m).__name__})"
     return None
 
@@ -444,7 +445,7 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
     give the block's output on a few random tokens (:func:`kbit.nn.moe.hf_block_mismatch`, with the block's router
     logits);
     a block it does not reproduce (a router or an activation ``KbitMoE`` does not have) is kept as it is, with a
-    warning naming it and why: transformers' block over ``KbitExperts`` computes the same k-bit experts, slower.
+    warning naming it and why: transformers' block over ``KbitExperts`` computes the same k-bit experts.
     """
     done, kept = 0, []
     for name, block in list(_sparse_blocks(model)):

@@ -5,8 +5,10 @@ Same ``forward(hidden_states, top_k_index, top_k_weights)`` as those modules: fo
 was routed to, ``act(x @ gate.T) * (x @ up.T) @ down.T`` weighted by the router, through kbit's linear op on
 that expert's slice of the stacked weight (the float32 reference on the CPU). Modules that store their stacks
 ``[E, H, 2I]``, add biases or gate with their own ``_apply_gate`` (gpt-oss) are held as ``[E, 2I, H]`` in their
-own row order and computed as they compute (:meth:`KbitExperts.like`). This is the Hugging Face adapter; a
-grouped kernel over all experts at once is ``kbit.nn``'s business.
+own row order and computed as they compute (:meth:`KbitExperts.like`). On CUDA the routed pairs go through
+``kbit.dispatch.moe``'s grouped kernels in one pass, without a host sync (CUDA graphs can hold it); on the CPU
+a loop over the experts. This is the Hugging Face adapter; ``kbit.nn.KbitMoE`` also routes on the device and
+reads the stacks in the tensor-core layout.
 
 Each stacked weight is a child module (:class:`KbitStack`, ``gate_up`` and ``down``) with the buffers
 ``codes``, ``scales``, ``tensor_scale``, ``codebook``, so the state dict names (``...experts.gate_up.codes``) are
@@ -22,10 +24,15 @@ import torch
 from torch import nn
 
 from kbit.dispatch.linear import linear as _linear_impl
+from kbit.dispatch.moe import choose_plan, expert_matmul, moe_experts
 from kbit.format.pack import words_per_row
 from kbit.format.spec import DEFAULT_SCALE_FORMAT, KbitWeight, padded_k
 from kbit.nn._layout import apply_keeping_format
+from kbit.nn.moe import is_silu
+from kbit.ops.moe import combine
+from kbit.ops.moe_align import align
 from kbit.ops.quantize import quantize
+from kbit.utils.device import interpreting
 
 PARTS = ("codes", "scales", "tensor_scale", "codebook")
 WEIGHTS = ("gate_up_proj", "down_proj")
@@ -142,7 +149,52 @@ class KbitExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
-        """``top_k_weights``: ``[T, top_k]`` beside ``top_k_index``, or (some routers) ``[T, E]`` per expert."""
+        """``top_k_weights``: ``[T, top_k]`` beside ``top_k_index``, or (some routers) ``[T, E]`` per expert.
+        Slots routed to no expert (an id outside ``[0, E)``, as some routers mark dropped ones) add nothing.
+
+        Where kbit's kernels run (CUDA, or Triton's interpreter): the grouped kernels over all routed pairs at once
+        (:meth:`grouped_forward`: no host sync, so a CUDA graph can hold it). Else a loop over the experts."""
+        if hidden_states.is_cuda or interpreting():
+            return self.grouped_forward(hidden_states, top_k_index, top_k_weights)
+        return self.loop_forward(hidden_states, top_k_index, top_k_weights)
+
+    def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                        ) -> torch.Tensor:
+        """:meth:`forward` through ``kbit.dispatch.moe``: the pairs sorted by expert on the device
+        (``kbit.ops.moe_align.align``), the gate_up product of every pair, biases, the gate, the down product,
+        biases, and the weighted sum per token. SwiGLU experts without biases take ``moe_experts`` whole."""
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        T, top_k = top_k_index.shape
+        if T == 0:
+            return torch.zeros_like(hidden_states)
+        w = top_k_weights
+        if w.shape[-1] == E != top_k:  # weights per expert
+            w = w.gather(1, top_k_index.clamp(0, E - 1).long())
+        valid = (top_k_index >= 0) & (top_k_index < E)
+        ids = torch.where(valid, top_k_index, 0).to(torch.int32)
+        routing = align(ids, E, torch.where(valid, w.float(), 0.0), checked=True)
+        x = hidden_states.reshape(T, H)
+        plan = choose_plan(T, top_k, E, H, I, x.dtype, x.device, gemm=False)  # canonical stacks: no kernel 7
+        gate_up, down = self.weight("gate_up_proj"), self.weight("down_proj")
+        if self.gate_fn is None and self.gate_up_bias is None and self.down_bias is None and is_silu(self.act_fn):
+            return moe_experts(x, routing, gate_up, down, plan).reshape(hidden_states.shape)
+        row_expert = routing.expert_ids.long()
+        h = expert_matmul(x, routing, gate_up, plan.gate_up, gather=True)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias.index_select(0, row_expert).to(h.dtype)
+        if self.gate_fn is None:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act_fn(gate) * up
+        else:
+            h = self.gate_fn(h)
+        y = expert_matmul(h.to(x.dtype).contiguous(), routing, down, plan.down, gather=False)
+        if self.down_bias is not None:
+            y = y + self.down_bias.index_select(0, row_expert).to(y.dtype)
+        return combine(y, routing, hidden_states.dtype).reshape(hidden_states.shape)
+
+    def loop_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                     ) -> torch.Tensor:
+        """:meth:`forward` one expert at a time: the experts any token was routed to, found on the host."""
         out = torch.zeros_like(hidden_states)
         gate_up, down = self.weight("gate_up_proj"), self.weight("down_proj")
         per_expert = top_k_weights.shape[-1] == self.num_experts != top_k_index.shape[-1]

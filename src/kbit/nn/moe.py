@@ -445,7 +445,8 @@ def add_shared_expert(out: torch.Tensor, x: torch.Tensor, shared_expert, shared_
     return out + s
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
+    """Whether an experts' activation is SiLU (None: the default of the modules that name none)."""
     return act is None or isinstance(act, nn.SiLU) or getattr(act, "__name__", "") == "silu" or \
         act is F.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
 
@@ -486,7 +487,7 @@ def _expert_stacks(experts: nn.Module, H: int) -> tuple[torch.Tensor, torch.Tens
 
 def check_activation(act) -> None:
     """ValueError unless ``act`` is SiLU: the grouped kernels and the reference compute SwiGLU experts only."""
-    if not _is_silu(act):
+    if not is_silu(act):
         raise ValueError(f"experts: expected SiLU (SwiGLU) experts, got activation {act!r}")
 
 
