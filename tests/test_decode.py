@@ -127,18 +127,24 @@ def test_use_kbit_moe_quantizes_float_blocks():
     assert sum(isinstance(m, KbitMoE) for m in model.modules()) == 2
 
 
-def _moe_model(model_type: str, **kw):
-    """A tiny random MoE model of ``model_type`` quantized at k = 4, with nonzero router correction biases
-    (zeros at init would hide a router that ignores them); skips where transformers lacks the family."""
+def tiny_lm(model_type: str, **kw):
+    """A tiny random causal LM of ``model_type`` (two layers, hidden 64; ``kw`` over those sizes); skips where
+    transformers lacks the family."""
     small = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=96, num_experts_per_tok=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96, num_experts_per_tok=2,
                  max_position_embeddings=64)
     try:
-        config = transformers.AutoConfig.for_model(model_type, **small, **kw)
+        config = transformers.AutoConfig.for_model(model_type, **(small | kw))
     except (KeyError, ValueError):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
     torch.manual_seed(0)
-    model = quantize_model(transformers.AutoModelForCausalLM.from_config(config).eval(), k=4, progress=False)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _moe_model(model_type: str, **kw):
+    """:func:`tiny_lm` quantized at k = 4, with nonzero router correction biases (zeros at init would hide a router
+    that ignores them)."""
+    model = quantize_model(tiny_lm(model_type, **kw), k=4, progress=False)
     for m in model.modules():
         bias = getattr(getattr(m, "gate", None), "e_score_correction_bias", None)
         if isinstance(bias, torch.Tensor):
@@ -415,15 +421,7 @@ def test_static_decoder_own_attention_and_sliding_windows(model_type, kw):
     runs the model's own eager attention, and sliding windows shorter than the prompt + steps mask as transformers
     masks them: the static decoder's tokens and logits are transformers' (before, the sinks were dropped silently,
     and a window shorter than the cache failed on mismatched shapes)."""
-    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64,
-                 num_experts_per_tok=2)
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **small, **kw)
-    except (KeyError, ValueError):
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_lm(model_type, intermediate_size=64, **kw)
     for m in model.modules():  # gpt-oss's sinks start at zero: make them matter
         if isinstance(getattr(m, "sinks", None), torch.Tensor):
             m.sinks.data = torch.randn(m.sinks.shape, generator=torch.Generator().manual_seed(2)) * 2
@@ -539,15 +537,8 @@ def test_gpu_gpt_oss_experts():
     from kbit.ops.dequant import dequantize
     from kbit.ops.quantize import quantize
 
-    small = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=96, num_local_experts=4, num_experts_per_tok=2,
-                 max_position_embeddings=64, layer_types=None)
-    try:
-        config = transformers.AutoConfig.for_model("gpt_oss", **small)
-    except (KeyError, ValueError):
-        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(device="cuda", dtype=torch.bfloat16)
+    model = tiny_lm("gpt_oss", intermediate_size=64, num_local_experts=4, layer_types=None)
+    model = model.to(device="cuda", dtype=torch.bfloat16)
     names = [n for n, m in model.named_modules() if type(m).__name__ == "GptOssExperts"]
     saved = {}
     for n in names:  # the float model holding what k = 4 rounds the experts to, then the originals back

@@ -116,14 +116,8 @@ def test_model_type_without_a_row_quantized_by_structure(model_type, tmp_path):
     routers = [n for n in layers if n not in linear]
     assert all(model.get_submodule(n).out_features in (1, E) for n in routers), routers
     assert len(linear) + len(routers) == len(layers) and "lm_head" not in linear
-    fq = lambda w: dequantize(quantize(w.detach(), k=3), torch.float32)  # noqa: E731
-    saved = {(n, w): getattr(model.get_submodule(n), w).data for n in experts for w in ("gate_up_proj", "down_proj")}
-    for (n, w), v in saved.items():
-        getattr(model.get_submodule(n), w).data = fq(v)
-    with fake_quantized(model, fq, linear):
-        want = out(model, x)
-    for (n, w), v in saved.items():
-        getattr(model.get_submodule(n), w).data = v
+    want = fake_quantized_out(model, linear, experts, lambda w: dequantize(quantize(w.detach(), k=3), torch.float32),
+                              x)
     quantize_model(model, k=3, progress=False, joint=False)  # each on its own, as fake-quantized
     assert all(isinstance(model.get_submodule(n), KbitLinear) for n in linear)
     assert all(isinstance(model.get_submodule(n), KbitExperts) for n in experts)
@@ -134,18 +128,24 @@ def test_model_type_without_a_row_quantized_by_structure(model_type, tmp_path):
         assert torch.equal(out(loaded, x), got)
 
 
-def _fake_quantize_experts(model, names, fq) -> dict:
-    """Each fused expert module's stacks replaced by ``fq`` of them as [E, N, K] (transposed back where the module
-    stores them [E, K, N]); returns the originals to put back."""
+def fake_quantized_out(model, linear, experts, fq, x):
+    """``out(model, x)`` with every Linear of ``linear`` and every fused expert stack of ``experts`` replaced by
+    ``fq`` of it (stacks as [E, N, K], transposed back where the module stores them [E, K, N]); the model's own
+    weights are back afterwards."""
     saved = {}
-    for n in names:
+    for n in experts:
         m = model.get_submodule(n)
         t = is_transposed(m)
         for w in ("gate_up_proj", "down_proj"):
             p = getattr(m, w)
             saved[(n, w)] = p.data
             p.data = fq(p.data.transpose(1, 2)).transpose(1, 2).contiguous() if t else fq(p.data)
-    return saved
+    try:
+        with fake_quantized(model, fq, linear):
+            return out(model, x)
+    finally:
+        for (n, w), v in saved.items():
+            getattr(model.get_submodule(n), w).data = v
 
 
 def test_gpt_oss_experts_transposed_biased_own_gate(tmp_path):
@@ -166,12 +166,8 @@ def test_gpt_oss_experts_transposed_biased_own_gate(tmp_path):
     x = ids()
     linear, experts = select_modules(model)
     assert len(experts) == 2 and all(experts_layout_problem(model.get_submodule(n)) is None for n in experts)
-    fq = lambda w: dequantize(quantize(w.detach(), k=4), torch.float32)  # noqa: E731
-    saved = _fake_quantize_experts(model, experts, fq)
-    with fake_quantized(model, fq, linear):
-        want = out(model, x)
-    for (n, w), v in saved.items():
-        getattr(model.get_submodule(n), w).data = v
+    want = fake_quantized_out(model, linear, experts, lambda w: dequantize(quantize(w.detach(), k=4), torch.float32),
+                              x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing left in float
         quantize_model(model, k=4, progress=False, joint=False)
@@ -414,14 +410,8 @@ def test_moe_experts_quantized_and_round_trip(model_type, tmp_path):
     x = ids()
     linear, experts = select_modules(model)
     assert experts
-    fq = lambda w: dequantize(quantize(w.detach(), k=4), torch.float32)  # noqa: E731
-    saved = {(n, w): getattr(model.get_submodule(n), w).data for n in experts for w in ("gate_up_proj", "down_proj")}
-    for (n, w), v in saved.items():
-        getattr(model.get_submodule(n), w).data = fq(v)
-    with fake_quantized(model, fq, linear):
-        want = out(model, x)
-    for (n, w), v in saved.items():
-        getattr(model.get_submodule(n), w).data = v
+    want = fake_quantized_out(model, linear, experts, lambda w: dequantize(quantize(w.detach(), k=4), torch.float32),
+                              x)
     quantize_model(model, k=4, progress=False, joint=False)  # each on its own, as fake-quantized
     assert all(isinstance(model.get_submodule(n), KbitExperts) for n in experts)
     got = out(model, x)
