@@ -91,16 +91,25 @@ UNLISTED = {
     "granite": SMALL,
     "starcoder2": SMALL,
     "gemma2": dict(SMALL, head_dim=16),
+    "gpt_oss": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2, layer_types=None),
 }
 
 
 def unlisted(model_type: str, seed: int = 0) -> nn.Module:
+    """A tiny model of ``model_type`` (:data:`UNLISTED`), its biases random (zeros at init would hide a bias
+    dropped or misplaced)."""
     try:
         config = transformers.AutoConfig.for_model(model_type, **UNLISTED[model_type])
     except (KeyError, ValueError):
         pytest.skip(f"transformers {transformers.__version__} has no {model_type!r}")
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(seed + 3)
+    for m in model.modules():
+        for n, p in m.named_parameters(recurse=False):
+            if n.endswith("bias"):
+                p.data = torch.randn(p.shape, generator=g) * 0.05
+    return model
 
 
 @pytest.mark.parametrize("model_type", sorted(UNLISTED))
@@ -148,36 +157,18 @@ def fake_quantized_out(model, linear, experts, fq, x):
             getattr(model.get_submodule(n), w).data = v
 
 
-def test_gpt_oss_experts_transposed_biased_own_gate(tmp_path):
-    """gpt-oss's experts: stacks [E, H, 2I] with gate / up interleaved, biases, a clamped SwiGLU of its own. Against
-    the float model holding the same rounded weights (and random biases), then a save / load round trip."""
-    try:
-        config = transformers.AutoConfig.for_model("gpt_oss", **dict(SMALL, head_dim=16, num_local_experts=4,
-                                                                     num_experts_per_tok=2, layer_types=None))
-    except (KeyError, ValueError):
-        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(3)
-    for m in model.modules():  # zeros at init would hide a bias that is dropped or misplaced
-        for n, p in m.named_parameters(recurse=False):
-            if n.endswith("_bias"):
-                p.data = torch.randn(p.shape, generator=g) * 0.05
-    x = ids()
-    linear, experts = select_modules(model)
+def test_gpt_oss_experts_transposed_biased_own_gate():
+    """gpt-oss's experts (stacks [E, H, 2I] with gate / up interleaved, biases, a clamped SwiGLU of its own) are
+    quantized, nothing left in float; the logits and the round trip: test_model_type_without_a_row_... above."""
+    model = unlisted("gpt_oss")
+    _, experts = select_modules(model)
     assert len(experts) == 2 and all(experts_layout_problem(model.get_submodule(n)) is None for n in experts)
-    want = fake_quantized_out(model, linear, experts, lambda w: dequantize(quantize(w.detach(), k=4), torch.float32),
-                              x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing left in float
-        quantize_model(model, k=4, progress=False, joint=False)
+        quantize_model(model, k=4, progress=False)
     e = model.model.layers[0].mlp.experts
     assert isinstance(e, KbitExperts) and e.transposed and e.gate_fn is not None and e.down_bias is not None
-    got = out(model, x)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    model.save_pretrained(tmp_path)
-    for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), load_quantized(tmp_path)):
-        assert torch.equal(out(loaded, x), got)
+    assert e.gate_fn.__func__ is type(unlisted("gpt_oss").model.layers[0].mlp.experts)._apply_gate
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
@@ -205,20 +196,7 @@ def test_kbit_experts_grouped_forward_matches_the_loop(model_type):
     """KbitExperts' device-side forward (the grouped kernels over all routed pairs: what runs on CUDA) against its
     loop over the experts, float32 (Triton's interpreter): with a slot routed to no expert (id E), weights given
     per slot and per expert, biases and gpt-oss's own gate."""
-    if model_type == "gpt_oss":
-        try:
-            config = transformers.AutoConfig.for_model("gpt_oss", **dict(SMALL, head_dim=16, num_local_experts=4,
-                                                                         num_experts_per_tok=2, layer_types=None))
-        except (KeyError, ValueError):
-            pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        for m in model.modules():
-            for n, p in m.named_parameters(recurse=False):
-                if n.endswith("_bias"):
-                    p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.1
-    else:
-        model = tiny(model_type)
+    model = unlisted(model_type) if model_type in UNLISTED else tiny(model_type)
     quantize_model(model, k=4, progress=False)
     e = next(m for m in model.modules() if isinstance(m, KbitExperts))
     g = torch.Generator().manual_seed(5)
