@@ -474,6 +474,12 @@ def _hf_block(kind, E=8, H=64, I=32, top_k=2, norm=True, dtype=torch.float32):
 
         cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k,
                              norm_topk_prob=norm)
+    elif kind in ("minimax", "ernie4_5_moe"):  # softmax routers without a norm_topk_prob flag
+        tr = pytest.importorskip(f"transformers.models.{kind}.modeling_{kind}")
+        Block = tr.MiniMaxSparseMoeBlock if kind == "minimax" else tr.Ernie4_5_MoeSparseMoeBlock
+        Config = tr.MiniMaxConfig if kind == "minimax" else tr.Ernie4_5_MoeConfig
+        cfg = Config(hidden_size=H, intermediate_size=I, moe_intermediate_size=I, num_local_experts=E,
+                     num_experts=E, num_experts_per_tok=top_k)
     elif kind in ("deepseek_v3", "glm4_moe"):  # sigmoid router: correction bias, groups, scaling; shared experts
         tr = pytest.importorskip(f"transformers.models.{kind}.modeling_{kind}")
         Block = tr.DeepseekV3MoE if kind == "deepseek_v3" else tr.Glm4MoeMoE
@@ -559,6 +565,21 @@ def test_hf_block_whose_routing_differs_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"^block: expected a sparse MoE block whose routing KbitMoE reproduces, "
                                          r"got DeepseekV3MoE: the gate"):
         KbitMoE.from_hf(block, k=4)
+
+
+def test_hf_block_without_a_norm_flag():
+    """MiniMax's router renormalises its top-k weights and says so nowhere: the choice comes from its gate's own
+    output (and the block converts); ERNIE-4.5's gate holds expert statistics kbit's router does not read:
+    refused, naming them."""
+    block = _hf_block("minimax")
+    m = KbitMoE.from_hf(block, k=4)
+    assert m.norm_topk_prob is True
+    _set_hf_experts(block, m)
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        assert relative_error(m(x, plan=MM), _hf_out(block, x)) < 1e-2
+    with pytest.raises(ValueError, match=r"gate of Ernie4_5_MoeSparseMoeBlock holds \['moe_statics\."):
+        KbitMoE.from_hf(_hf_block("ernie4_5_moe"), k=4)
 
 
 def test_hf_block_fp16_gemv():

@@ -496,7 +496,9 @@ def hf_routing(block: nn.Module) -> dict:
     ``top_k``, ``router``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``, ``topk_group``,
     ``router_weight``, ``correction_bias``, ``shared_expert``, ``shared_expert_gate``. A gate with an
     ``e_score_correction_bias`` is a DeepSeek-V3-style sigmoid router (groups, scaling; GLM-4.5, DeepSeek-V3);
-    else softmax. ValueError where the block has no ``gate`` with a router weight or lacks an option."""
+    else softmax, renormalised or not as ``norm_topk_prob`` says (Mixtral: always), or where the block names no
+    such flag, as its gate's own output shows (:func:`routing_mismatch`). ValueError where the block has no
+    ``gate`` with a router weight or an option cannot be found."""
     gate = getattr(block, "gate", None)
     if gate is None or getattr(block, "experts", None) is None or \
             not isinstance(getattr(gate, "weight", None), torch.Tensor):
@@ -515,6 +517,13 @@ def hf_routing(block: nn.Module) -> dict:
     if top_k is None:
         raise ValueError(f"block: cannot find top_k on {type(block).__name__} or its gate")
     bias = getattr(gate, "e_score_correction_bias", None)
+    # tensors of the gate kbit's router would not read (ERNIE's expert statistics, a router bias): refused, since
+    # a few random tokens need not show what they change
+    extra = [n for n, _ in list(gate.named_parameters()) + list(gate.named_buffers())
+             if n not in ("weight", "e_score_correction_bias")]
+    if extra:
+        raise ValueError(f"block: the gate of {type(block).__name__} holds {extra}, which kbit's router does not "
+                         "read")
     out = {"top_k": int(top_k), "router_weight": gate.weight.detach(),
            "shared_expert": getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None),
            "shared_expert_gate": getattr(block, "shared_expert_gate", None)}
@@ -525,10 +534,15 @@ def hf_routing(block: nn.Module) -> dict:
                    norm_topk_prob=bool(opt("norm_topk_prob", default=True)))
         return out
     norm = True if "mixtral" in type(block).__name__.lower() else opt("norm_topk_prob")  # Mixtral always does
-    if norm is None:
-        raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate")
-    out.update(router="softmax", norm_topk_prob=bool(norm))
-    return out
+    if norm is not None:
+        out.update(router="softmax", norm_topk_prob=bool(norm))
+        return out
+    # no flag (MiniMax, ...): the choice whose weights are the gate's own, where the gate returns them
+    for norm in (True, False):
+        if routing_mismatch(block, out | {"router": "softmax", "norm_topk_prob": norm}) is None:
+            return out | {"router": "softmax", "norm_topk_prob": norm}
+    raise ValueError(f"block: cannot find norm_topk_prob on {type(block).__name__} or its gate, and neither "
+                     "choice gives its gate's routing")
 
 
 #: tokens of :func:`hf_block_mismatch`'s check; its tolerance on a token's ||new - block|| / ||block||: the same k-bit
@@ -536,31 +550,52 @@ def hf_routing(block: nn.Module) -> dict:
 CHECK_TOKENS, CHECK_RTOL = 8, 0.05
 
 
+def _check_tokens(block: nn.Module, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:data:`CHECK_TOKENS` seeded random hidden states ``[1, T, H]`` for a block whose router weight is
+    ``weight`` (on its device, in ``dtype`` or the weight's)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn(1, CHECK_TOKENS, weight.shape[1], generator=g).to(device=weight.device,
+                                                                         dtype=dtype or weight.dtype)
+
+
+@torch.no_grad()
+def routing_mismatch(block: nn.Module, routing: dict, x: torch.Tensor | None = None) -> str | None:
+    """Why the router options ``routing`` (:func:`hf_routing`'s keys) do not choose and weigh the experts as the
+    block's gate does on the tokens ``x`` (default :func:`_check_tokens`), else None; None also where the gate
+    does not return its choice (transformers 5 routers return ``(logits, weights, indices)``)."""
+    x = _check_tokens(block, routing["router_weight"]) if x is None else x
+    out = block.gate(x.reshape(-1, x.shape[-1]))
+    if not (isinstance(out, tuple) and len(out) == 3):
+        return None
+    logits, want_w, want_ids = out
+    got_w, got_ids = select_experts_reference(
+        logits.float(), routing["top_k"], router=routing["router"], renormalize=routing["norm_topk_prob"],
+        correction_bias=routing.get("correction_bias"), n_group=routing.get("n_group", 1),
+        topk_group=routing.get("topk_group", 1), scaling=routing.get("routed_scaling_factor", 1.0))
+    a, b = want_ids.sort(-1), got_ids.sort(-1)
+    if not torch.equal(a.values.long(), b.values.long()):
+        return "the gate routes tokens to other experts"
+    if not torch.allclose(want_w.float().gather(-1, a.indices), got_w.float().gather(-1, b.indices), rtol=1e-2,
+                          atol=1e-3):
+        return "the gate weighs the experts otherwise"
+    return None
+
+
 @torch.no_grad()
 def hf_block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> str | None:
     """Why ``new`` does not stand in for ``block`` (None: it does): on :data:`CHECK_TOKENS` seeded random tokens,
-    the experts each token is routed to and their weights where the block's gate returns them (transformers 5
-    routers: ``(logits, weights, indices)``), then (``outputs``) the outputs given the same router logits."""
+    the experts each token is routed to and their weights (:func:`routing_mismatch`), then (``outputs``) the
+    outputs given the block's router logits."""
     w = new.router_weight if new.router_weight is not None else block.gate.weight
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, new.hidden_size, generator=g).to(device=w.device, dtype=new.dtype)
+    x = _check_tokens(block, w, new.dtype)
+    routing = {"router_weight": w, "top_k": new.top_k, "router": new.router, "norm_topk_prob": new.norm_topk_prob,
+               "correction_bias": new.correction_bias, "n_group": new.n_group, "topk_group": new.topk_group,
+               "routed_scaling_factor": new.routed_scaling_factor}
+    why = routing_mismatch(block, routing, x)
+    if why is not None or not outputs:
+        return why
     out = block.gate(x.reshape(-1, new.hidden_size))
     logits = out[0] if isinstance(out, tuple) else out
-    if isinstance(out, tuple) and len(out) == 3:
-        want_w, want_ids = out[1], out[2]
-        got_w, got_ids = select_experts_reference(
-            logits.float(), new.top_k, router=new.router, renormalize=new.norm_topk_prob,
-            correction_bias=new.correction_bias, n_group=new.n_group, topk_group=new.topk_group,
-            scaling=new.routed_scaling_factor)
-        a, b = want_ids.sort(-1), got_ids.sort(-1)
-        if not torch.equal(a.values.long(), b.values.long()):
-            return "the gate routes tokens to other experts"
-        ww = want_w.float().gather(-1, a.indices)
-        gw = got_w.float().gather(-1, b.indices)
-        if not torch.allclose(ww, gw, rtol=1e-2, atol=1e-3):
-            return "the gate weighs the experts otherwise"
-    if not outputs:
-        return None
     ref = block(x)
     ref = (ref[0] if isinstance(ref, tuple) else ref).float()
     got = new(x, logits.to(new.dtype).reshape(-1, new.num_experts)).float()
