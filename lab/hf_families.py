@@ -1,8 +1,10 @@
 """Which transformers model types kbit quantizes and decodes (CPU, tiny random models): for each model type, a
 model of two small layers built from its default config, ``kbit.quantize_model`` at k = 5 (what the table row or
-the structure picked, what stayed float and why), greedy tokens of kbit's ``StaticDecoder`` against transformers'
-dynamic cache, and ``use_kbit_moe`` on the MoE blocks (how many it took over, logits against the blocks it
-replaced). A model type whose tiny model transformers itself cannot build or run is listed as such.
+the structure picked, what stayed float and why), ``save_pretrained`` then ``from_pretrained`` (the same logits,
+bit for bit), quantizing while loading (``KbitConfig``: the same logits as ``quantize_model``), greedy tokens of
+kbit's ``StaticDecoder`` against transformers' dynamic cache, and ``use_kbit_moe`` on the MoE blocks (how many it
+took over, logits against the blocks it replaced). A model type whose tiny model transformers itself cannot build
+or run is listed as such.
 
     python lab/hf_families.py [MODEL_TYPE ...] [--out FILE.md]     # default: the list below
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import platform
 import subprocess
+import tempfile
 import warnings
 from datetime import date
 
@@ -18,7 +21,7 @@ import torch
 import transformers
 from torch import nn
 
-from kbit.hf import quantize_model
+from kbit.hf import KbitConfig, quantize_model
 from kbit.hf.decode import use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.generate import generate_tokens
@@ -42,7 +45,8 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 def tiny(model_type: str) -> nn.Module:
     config = transformers.AutoConfig.for_model(model_type)
     for key, value in SMALL.items():
-        if hasattr(config, key):
+        if hasattr(config, key) and not (key == "sliding_window" and getattr(config, "use_sliding_window", None)
+                                         is False):  # a window the model does not use: config.json drops it
             setattr(config, key, value)
     if getattr(config, "qk_rope_head_dim", None):  # multi-head latent attention: the rotary part is the head dim
         config.head_dim = config.qk_rope_head_dim
@@ -54,6 +58,16 @@ def tiny(model_type: str) -> nn.Module:
         config.layer_types = (kinds * 2)[:config.num_hidden_layers]
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _float_round_trip(model_type: str, ids: torch.Tensor, d: str) -> str:
+    """The float model's own save / load difference (transformers' kernels may differ between the two loads)."""
+    model = tiny(model_type)
+    model.save_pretrained(f"{d}/float")
+    with torch.no_grad():
+        a = model(ids).logits
+        b = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/float", dtype=torch.float32)(ids).logits
+    return "bit-exact" if torch.equal(a, b) else f"rel {((b - a).norm() / a.norm()).item():.1e}"
 
 
 def row(model_type: str) -> dict:
@@ -75,6 +89,28 @@ def row(model_type: str) -> dict:
     out["kbit_experts"] = sum(isinstance(m, KbitExperts) for m in model.modules())
     out["float_linear"] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     out["float_note"] = kept[0].split(": ", 1)[-1][:90] if kept else ""
+    with torch.no_grad():
+        got = model(ids).logits
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model.save_pretrained(f"{d}/q")
+            with torch.no_grad():
+                back = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/q")(ids).logits
+            rel = ((back - got).norm() / got.norm()).item()
+            out["round_trip"] = "bit-exact" if torch.equal(back, got) else \
+                f"rel {rel:.1e} (float model: {_float_round_trip(model_type, ids, d)})"
+        except Exception as e:  # noqa: BLE001
+            out["round_trip"] = f"{type(e).__name__}: {str(e)[:60]}"
+        try:
+            tiny(model_type).save_pretrained(f"{d}/f")
+            with torch.no_grad():
+                loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                    f"{d}/f", quantization_config=KbitConfig(k=5), dtype=torch.float32)(ids).logits
+            out["on_load"] = "same logits" if torch.equal(loaded, got) else \
+                f"rel {((loaded - got).norm() / got.norm()).item():.1e}"
+        except Exception as e:  # noqa: BLE001
+            out["on_load"] = f"{type(e).__name__}: {str(e)[:60]}"
     try:
         dyn = list(generate_tokens(model, ids, 8, temperature=0, static=False))
         st = list(generate_tokens(model, ids, 8, temperature=0, static=True, graph=False))
@@ -107,15 +143,19 @@ def main() -> None:
              f"{platform.machine()}; `python lab/hf_families.py`. Plan: the model type's table row or its structure. "
              "Static decode: 8 greedy tokens of kbit's StaticDecoder (eager, CPU) against transformers' dynamic "
              "cache, both on the quantized model. kbit MoE: `use_kbit_moe`, logits against the blocks it replaced.",
-             "", "| model type | plan | KbitLinear | KbitExperts | float Linear | static decode | kbit MoE | note |",
-             "|---|---|--:|--:|---|---|---|---|"]
+             "Round trip: `save_pretrained`, `from_pretrained`, logits against the quantized model's. On load: "
+             "`from_pretrained(float folder, quantization_config=KbitConfig(k=5))` against `quantize_model`'s "
+             "logits.", "",
+             "| model type | plan | KbitLinear | KbitExperts | float Linear | round trip | on load | static decode "
+             "| kbit MoE | note |", "|---|---|--:|--:|---|---|---|---|---|---|"]
     for t in args.types:
         r = row(t)
         if r["result"] != "ok":
-            lines.append(f"| {t} | {r['plan']} | | | | | | {r['result']} |")
+            lines.append(f"| {t} | {r['plan']} | | | | | | | | {r['result']} |")
         else:
             lines.append(f"| {t} | {r['plan']} | {r['kbit_linear']} | {r['kbit_experts']} | "
-                         f"{', '.join(n.split('.')[-1] for n in r['float_linear'])} | {r['static']} | "
+                         f"{', '.join(n.split('.')[-1] for n in r['float_linear'])} | {r['round_trip']} | "
+                         f"{r['on_load']} | {r['static']} | "
                          f"{r.get('kbit_moe', '')} | {r['float_note']} |")
         print(lines[-1], flush=True)
     if args.out:
