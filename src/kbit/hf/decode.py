@@ -63,7 +63,7 @@ def graph_blocker(model) -> str | None:
     """The first module of ``model`` whose forward syncs with the host every step, so that no CUDA graph can hold
     it (``"name (type)"``), else None: MoE experts that loop over the experts a step routes to (transformers'
     per-expert lists, and its fused modules under the ``"eager"`` experts implementation). ``KbitMoE`` and
-    ``KbitExperts`` on CUDA route on the device."""
+    ``KbitExperts`` (on CUDA in fp16 / bf16, as the decode step runs) route on the device."""
     for name, m in model.named_modules():
         if isinstance(m, (KbitMoE, KbitExperts)):
             continue

@@ -152,9 +152,10 @@ class KbitExperts(nn.Module):
         """``top_k_weights``: ``[T, top_k]`` beside ``top_k_index``, or (some routers) ``[T, E]`` per expert.
         Slots routed to no expert (an id outside ``[0, E)``, as some routers mark dropped ones) add nothing.
 
-        Where kbit's kernels run (CUDA, or Triton's interpreter): the grouped kernels over all routed pairs at once
-        (:meth:`grouped_forward`: no host sync, so a CUDA graph can hold it). Else a loop over the experts."""
-        if hidden_states.is_cuda or interpreting():
+        Where kbit's kernels run (CUDA in fp16 / bf16, or Triton's interpreter): the grouped kernels over all
+        routed pairs at once (:meth:`grouped_forward`: no host sync, so a CUDA graph can hold it). Else a loop over
+        the experts."""
+        if (hidden_states.is_cuda and hidden_states.dtype in (torch.float16, torch.bfloat16)) or interpreting():
             return self.grouped_forward(hidden_states, top_k_index, top_k_weights)
         return self.loop_forward(hidden_states, top_k_index, top_k_weights)
 
