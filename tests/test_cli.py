@@ -63,12 +63,15 @@ def one_error_line(capsys) -> str:
     return err
 
 
-def test_quantize_copies_tokenizer_and_generation_config(tmp_path):
+def test_quantize_copies_tokenizer_and_generation_config(tmp_path, capsys):
     src, dst = tmp_path / "model", tmp_path / "kbit"
-    tiny_llama().save_pretrained(src)
+    model = tiny_llama()
+    model.save_pretrained(src)
     tiny_tokenizer().save_pretrained(src)
     assert (src / "generation_config.json").exists()
     assert main(["quantize", str(src), str(dst), "--k", "4"]) == 0
+    n = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
+    assert f"{n} Linear quantized, chosen by its table row ('llama')" in capsys.readouterr().out
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (dst / name).read_bytes() == (src / name).read_bytes()
     tok = transformers.AutoTokenizer.from_pretrained(dst, local_files_only=True)
@@ -154,8 +157,10 @@ def test_kbit_warnings_print_as_one_line(tmp_path, capsys):
         before = warnings.showwarning
         assert main(["quantize", str(tmp_path / "m"), str(tmp_path / "q"), "--k", "4"]) == 0
         assert warnings.showwarning is before  # the CLI's handler is gone again
-    err = [line for line in capsys.readouterr().err.splitlines() if "kept in float" in line]
+    printed = capsys.readouterr()
+    err = [line for line in printed.err.splitlines() if "kept in float" in line]
     assert len(err) == 1 and err[0].startswith("kbit quantize: warning: fused experts kept in float"), err
+    assert "14 Linear quantized, chosen by its structure ('llama4_text')" in printed.out
 
 
 def test_generate_under_torchrun_splits_the_model(tmp_path):

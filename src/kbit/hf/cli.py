@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
+from kbit.hf.models import MODELS
 from kbit.hf.quantize_model import MODEL_ROTATIONS, auto_rotation, quantize_model, save_quantized
 
 #: Files copied from the source folder next to the checkpoint (those that exist): the tokenizer of every
@@ -129,5 +130,11 @@ def main(args: argparse.Namespace) -> int:
     how = "".join([f", rotation={rotation}" if rotation else "",
                    f", calibrated on {args.calibrate or 'the Lee corpus'}" if calibration is not None else "",
                    f", tuned {args.finetune_steps} steps" if args.finetune_steps else ""])
-    print(f"wrote {args.out} (k={args.k}{how}; copied {', '.join(copied) if copied else 'no tokenizer files'})")
+    table = model.config.quantization_config.modules
+    kinds = [info["kind"] for info in table.values()]
+    what = f"{kinds.count('linear')} Linear" + (f" and {kinds.count('experts')} fused expert modules"
+                                                 if "experts" in kinds else "")
+    plan = "its table row" if model.config.model_type in MODELS else "its structure"
+    print(f"wrote {args.out} (k={args.k}{how}; {what} quantized, chosen by {plan} "
+          f"({model.config.model_type!r}); copied {', '.join(copied) if copied else 'no tokenizer files'})")
     return 0
