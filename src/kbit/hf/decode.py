@@ -452,10 +452,13 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
         if isinstance(block, KbitMoE):
             continue
         experts = block.experts
+        quantized = isinstance(experts, KbitExperts)
+        if quantized and k is not None:
+            raise ValueError(f"k: expected None for already-quantized experts ({name}), got {k}")
+        if not quantized and k is None:
+            raise ValueError(f"k: expected the bits to quantize the float experts of {name}, got None")
         try:
-            if isinstance(experts, KbitExperts):
-                if k is not None:
-                    raise ValueError(f"k: expected None for already-quantized experts ({name}), got {k}")
+            if quantized:
                 routing = hf_routing(block)
                 if experts.gate_fn is not None or experts.down_bias is not None:
                     raise ValueError("experts with their own gate or biases: the grouped kernels have neither")
@@ -463,16 +466,12 @@ def use_kbit_moe(model: nn.Module, k: int | None = None, **quantize_kw) -> int:
                 new = KbitMoE.from_weights(experts.weight("gate_up_proj"), experts.weight("down_proj"),
                                            dtype=experts.dtype, **routing)
             else:
-                if k is None:
-                    raise ValueError(f"k: expected the bits to quantize the float experts of {name}, got None")
                 new = KbitMoE.from_hf(block, k=k, **quantize_kw)
         except (ValueError, NotImplementedError) as e:
-            if str(e).startswith("k: "):
-                raise
             kept.append(f"{name} ({type(block).__name__}: {e})")
             continue
-        # float experts: the outputs differ by the rounding, so only the routing is compared
-        why = hf_block_mismatch(block, new, outputs=isinstance(experts, KbitExperts))
+        # float experts: from_hf compared the routing (the outputs differ by the rounding)
+        why = hf_block_mismatch(block, new) if quantized else None
         if why is not None:
             kept.append(f"{name} ({type(block).__name__}: {why})")
             continue

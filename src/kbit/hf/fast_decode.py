@@ -79,8 +79,11 @@ def unsupported_reason(model: nn.Module, max_len: int) -> str | None:
         return "no model.model.layers / rotary_emb / embed_tokens"
     if not hasattr(model, "lm_head") or not hasattr(inner, "norm"):
         return "no lm_head / final norm"
-    windows = attention_windows(model)
-    windows = windows.values() if isinstance(windows, dict) else [windows]
+    try:
+        windows = attention_windows(model)
+    except ValueError as e:  # layer types the static cache does not hold
+        return str(e)
+    windows = list(windows.values()) if isinstance(windows, dict) else [windows]
     if any(w is not None and max_len > w for w in windows):
         return f"sliding window {min(w for w in windows if w is not None)} < cache length {max_len}"
     for i, layer in enumerate(layers):

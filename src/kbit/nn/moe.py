@@ -292,18 +292,18 @@ class KbitMoE(nn.Module):
         with the router weight, SwiGLU ``experts``; the router options from :func:`hf_routing`). The router
         weight is kept (``forward`` without logits computes them as the block does); a shared expert and its
         gate are kept as they are (not quantized; not copied). ValueError where the block's gate, on a few random
-        tokens, chooses or weighs the experts otherwise (:func:`hf_block_mismatch`).
+        tokens, chooses or weighs the experts otherwise (:func:`routing_mismatch`).
         ``rotation`` / ``seed``: as :meth:`from_float` (the gate_up stack only).
         """
         parts = hf_parts(block)
         w_gate_up, w_down, block_dtype = parts.pop("w_gate_up"), parts.pop("w_down"), parts.pop("dtype")
-        m = cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
-                           scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed, **parts)
-        why = hf_block_mismatch(block, m, outputs=False)  # the experts differ by the rounding: the routing only
+        why = routing_mismatch(block, parts)  # before the stacks are quantized (the experts differ by the rounding)
         if why is not None:
             fail(ValueError, "block", "a sparse MoE block whose routing KbitMoE reproduces",
                  f"{type(block).__name__}: {why}")
-        return m
+        return cls.from_float(w_gate_up, w_down, k=k, blocksize=blocksize, codebook=codebook,
+                              scale_format=scale_format, dtype=dtype or block_dtype, rotation=rotation, seed=seed,
+                              **parts)
 
     # -- forward ------------------------------------------------------------------------------------------
     def route(self, router_logits: torch.Tensor, plan: MoePlan | None = None) -> MoeRouting:
@@ -550,21 +550,21 @@ def hf_routing(block: nn.Module) -> dict:
 CHECK_TOKENS, CHECK_RTOL = 8, 0.05
 
 
-def _check_tokens(block: nn.Module, weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:data:`CHECK_TOKENS` seeded random hidden states ``[1, T, H]`` for a block whose router weight is
-    ``weight`` (on its device, in ``dtype`` or the weight's)."""
+def _check_tokens(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:data:`CHECK_TOKENS` seeded random hidden states ``[1, T, H]`` for a router weight ``weight`` ``[E, H]``
+    (on its device, in ``dtype`` or the weight's)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     return torch.randn(1, CHECK_TOKENS, weight.shape[1], generator=g).to(device=weight.device,
                                                                          dtype=dtype or weight.dtype)
 
 
 @torch.no_grad()
-def routing_mismatch(block: nn.Module, routing: dict, x: torch.Tensor | None = None) -> str | None:
+def routing_mismatch(block: nn.Module, routing: dict, gate_out=None) -> str | None:
     """Why the router options ``routing`` (:func:`hf_routing`'s keys) do not choose and weigh the experts as the
-    block's gate does on the tokens ``x`` (default :func:`_check_tokens`), else None; None also where the gate
-    does not return its choice (transformers 5 routers return ``(logits, weights, indices)``)."""
-    x = _check_tokens(block, routing["router_weight"]) if x is None else x
-    out = block.gate(x.reshape(-1, x.shape[-1]))
+    block's gate does (``gate_out``: its output on some tokens; default: on :func:`_check_tokens`), else None;
+    None also where the gate does not return its choice (transformers 5 routers return ``(logits, weights,
+    indices)``)."""
+    out = block.gate(_check_tokens(routing["router_weight"]).flatten(0, 1)) if gate_out is None else gate_out
     if not (isinstance(out, tuple) and len(out) == 3):
         return None
     logits, want_w, want_ids = out
@@ -587,14 +587,14 @@ def hf_block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> s
     the experts each token is routed to and their weights (:func:`routing_mismatch`), then (``outputs``) the
     outputs given the block's router logits."""
     w = new.router_weight if new.router_weight is not None else block.gate.weight
-    x = _check_tokens(block, w, new.dtype)
+    x = _check_tokens(w, new.dtype)
+    out = block.gate(x.reshape(-1, new.hidden_size))
     routing = {"router_weight": w, "top_k": new.top_k, "router": new.router, "norm_topk_prob": new.norm_topk_prob,
                "correction_bias": new.correction_bias, "n_group": new.n_group, "topk_group": new.topk_group,
                "routed_scaling_factor": new.routed_scaling_factor}
-    why = routing_mismatch(block, routing, x)
+    why = routing_mismatch(block, routing, out)
     if why is not None or not outputs:
         return why
-    out = block.gate(x.reshape(-1, new.hidden_size))
     logits = out[0] if isinstance(out, tuple) else out
     ref = block(x)
     ref = (ref[0] if isinstance(ref, tuple) else ref).float()
