@@ -236,6 +236,20 @@ def test_gpu_kbit_experts_in_a_cuda_graph(model_type):
     assert torch.equal(out, eager)
 
 
+@pytest.mark.gpu
+def test_gpu_kbit_experts_under_torch_compile():
+    """transformers compiles the forward for a static cache: the experts run outside the graph (a graph break),
+    and the compiled model gives the eager model's logits."""
+    model = tiny("qwen3_moe")
+    quantize_model(model, k=4, progress=False)
+    model = model.to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.tensor([[1, 5, 7, 9, 11]], device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        got = torch.compile(model)(ids).logits.float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
 def test_experts_of_another_layout_stay_float_with_a_warning():
     """Llama-4's experts take tokens already routed (forward(hidden_states) over [E, tokens, H]): kept float."""
     try:

@@ -159,6 +159,11 @@ class KbitExperts(nn.Module):
             return self.grouped_forward(hidden_states, top_k_index, top_k_weights)
         return self.loop_forward(hidden_states, top_k_index, top_k_weights)
 
+    # kbit.dispatch.moe launches its Triton kernels from Python (they are not torch.library ops): under
+    # torch.compile (transformers' generate with a static cache compiles the forward) dynamo would trace into
+    # the launches, and inductor failed to build the GEMV kernel it copied (torch 2.11). The graph breaks here
+    # and the experts run as they run eagerly.
+    @torch.compiler.disable
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                         ) -> torch.Tensor:
         """:meth:`forward` through ``kbit.dispatch.moe``: the pairs sorted by expert on the device

@@ -334,10 +334,14 @@ class KbitMoE(nn.Module):
         self.repack_for_kernels()
         return True
 
+    # the MoE kernels are launched from Python, not through torch.library ops: under torch.compile the graph
+    # breaks here (dynamo would trace into the launches; inductor failed to build a kernel it copied, torch 2.11)
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor | None = None,
                 plan: MoePlan | None = None) -> torch.Tensor:
         """``hidden [..., H]`` and ``router_logits [T, E]`` (T = tokens of hidden; None: computed from the
-        stored ``router_weight``) -> ``[..., H]`` in hidden's dtype. ``plan`` pins the kernels."""
+        stored ``router_weight``) -> ``[..., H]`` in hidden's dtype. ``plan`` pins the kernels. Under
+        ``torch.compile`` it runs outside the graph (a graph break)."""
         H = self.hidden_size
         if hidden.shape[-1] != H:
             raise ValueError(f"hidden: expected last dimension H = {H}, got shape {tuple(hidden.shape)}")
@@ -572,6 +576,7 @@ def routing_mismatch(block: nn.Module, routing: dict, gate_out=None) -> str | No
         logits.float(), routing["top_k"], router=routing["router"], renormalize=routing["norm_topk_prob"],
         correction_bias=routing.get("correction_bias"), n_group=routing.get("n_group", 1),
         topk_group=routing.get("topk_group", 1), scaling=routing.get("routed_scaling_factor", 1.0))
+    want_w, want_ids = want_w.to(got_w.device), want_ids.to(got_ids.device)  # the reference runs on the CPU
     a, b = want_ids.sort(-1), got_ids.sort(-1)
     if not torch.equal(a.values.long(), b.values.long()):
         return "the gate routes tokens to other experts"
