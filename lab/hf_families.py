@@ -7,10 +7,18 @@ took over, logits against the blocks it replaced). A model type whose tiny model
 or run is listed as such.
 
     python lab/hf_families.py [MODEL_TYPE ...] [--out FILE.md]     # default: the list below
+
+``--device cuda`` (a GPU): the same models in bf16 on the GPU, at ``--k`` (default 4), the paths a user's
+``kbit generate`` / ``model.generate`` take there: the kernels' logits against the CPU float32 reference of the
+same quantized model, the ``save_pretrained`` / ``from_pretrained`` round trip and quantizing while loading (both
+on the GPU), 8 greedy tokens of the ``StaticDecoder`` in a CUDA graph (where the model allows one) against
+transformers' dynamic cache, transformers' own ``generate(cache_implementation="static")`` (torch.compile) for
+``--compiled`` types, and ``use_kbit_moe``.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import subprocess
 import tempfile
@@ -132,35 +140,148 @@ def row(model_type: str) -> dict:
     return out
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _rel_tokens(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The median over tokens of the relative error of each token's logits: a random model's router breaks a
+    near-tie one way in bf16 and the other in float32 for a token here and there, which moves that token alone."""
+    a, b = a.float().cpu().flatten(0, -2), b.float().cpu().flatten(0, -2)
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1)).median().item()
+
+
+def _tokens(a: list, b: list) -> str:
+    same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    return "same tokens" if same == len(a) else f"same for {same} of {len(a)}"
+
+
+def gpu_row(model_type: str, k: int, compiled: bool, device: str = "cuda") -> dict:
+    """:func:`row` on the GPU in bf16 (module docstring); each column reports its own failure."""
+    out = {"type": model_type, "plan": "table" if model_type in MODELS else "structure"}
+    dev, dt = torch.device(device), torch.bfloat16
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:  # loaded as a user loads it (model.to(bf16) would also cast the rotary buffers, which loading keeps)
+            tiny(model_type).save_pretrained(f"{d}/f")
+            model = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/f", device_map=device, dtype=dt)
+            ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(0)).to(dev)
+            list(generate_tokens(model, ids, 8, temperature=0, static=False))
+            with torch.no_grad():  # what bf16 itself moves the float model's logits (its own float32 copy)
+                bf16_rel = _rel_tokens(model(ids).logits, copy.deepcopy(model).to(device="cpu", dtype=torch.float32)(
+                    ids.cpu()).logits)
+        except Exception as e:  # noqa: BLE001 - the table reports transformers' own failure
+            return out | {"result": f"transformers: {type(e).__name__}: {str(e)[:80]}"}
+        try:
+            quantize_model(model, k=k, progress=False)
+        except Exception as e:  # noqa: BLE001
+            return out | {"result": f"quantize: {type(e).__name__}: {str(e)[:100]}"}
+        kept = [str(w.message) for w in caught if "kbit" in str(w.message)]
+        out["kbit_linear"] = sum(isinstance(m, KbitLinear) for m in model.modules())
+        out["kbit_experts"] = sum(isinstance(m, KbitExperts) for m in model.modules())
+        out["float_linear"] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        out["float_note"] = kept[0].split(": ", 1)[-1][:90] if kept else ""
+        ref = copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            want = ref(ids.cpu()).logits
+            got = model(ids).logits
+        out["kernels"] = f"rel {_rel_tokens(got, want):.1e} (float: {bf16_rel:.1e})"
+        try:
+            model.save_pretrained(f"{d}/q")
+            with torch.no_grad():
+                back = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/q", device_map=device,
+                                                                         dtype=dt)(ids).logits
+            out["round_trip"] = "bit-exact" if torch.equal(back, got) else f"rel {_rel(back, got):.1e}"
+        except Exception as e:  # noqa: BLE001
+            out["round_trip"] = f"{type(e).__name__}: {str(e)[:60]}"
+        try:
+            with torch.no_grad():
+                loaded = transformers.AutoModelForCausalLM.from_pretrained(
+                    f"{d}/f", quantization_config=KbitConfig(k=k), device_map=device, dtype=dt)(ids).logits
+            out["on_load"] = "same logits" if torch.equal(loaded, got) else f"rel {_rel(loaded, got):.1e}"
+        except Exception as e:  # noqa: BLE001
+            out["on_load"] = f"{type(e).__name__}: {str(e)[:60]}"
+    try:
+        dyn = list(generate_tokens(model, ids, 8, temperature=0, static=False))
+        st = list(generate_tokens(model, ids, 8, temperature=0, static=True))
+        out["static"] = _tokens(st, dyn)
+    except Exception as e:  # noqa: BLE001
+        out["static"] = f"{type(e).__name__}: {str(e)[:80]}"
+    if compiled:
+        try:
+            with torch.no_grad():
+                hf = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                    cache_implementation="static")[0, ids.shape[1]:].tolist()
+            out["static"] += f"; HF static: {_tokens(hf, dyn)}"
+        except Exception as e:  # noqa: BLE001
+            out["static"] += f"; HF static: {type(e).__name__}: {str(e)[:80]}"
+    if out["kbit_experts"]:
+        try:
+            with torch.no_grad():
+                before = model(ids).logits
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                n = use_kbit_moe(model)
+            with torch.no_grad():
+                rel = _rel(model(ids).logits, before)
+            note = f"; kept: {str(caught[0].message)[70:150]}" if caught and not n else ""
+            out["kbit_moe"] = f"{n} blocks, rel {rel:.1e}{note}"
+        except Exception as e:  # noqa: BLE001
+            out["kbit_moe"] = f"{type(e).__name__}: {str(e)[:80]}"
+    out["result"] = "ok"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("types", nargs="*", default=list(TYPES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--k", type=int, default=None, help="default: 5 on the CPU, 4 on the GPU")
+    ap.add_argument("--compiled", default="llama,qwen3,qwen3_moe,gemma2,gpt_oss",
+                    help="GPU: types also run through transformers' generate with a static cache (torch.compile)")
     args = ap.parse_args()
+    gpu = args.device == "cuda"
+    k = args.k or (4 if gpu else 5)
     commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = ["# transformers model types through kbit (CPU, tiny random models, k = 5)", "",
+    head = (f"GPU ({torch.cuda.get_device_name()}), bf16" if gpu else "CPU") + f", tiny random models, k = {k}"
+    lines = [f"# transformers model types through kbit ({head})", "",
              f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__}, "
              f"{platform.machine()}; `python lab/hf_families.py`. Plan: the model type's table row or its structure. "
              "Static decode: 8 greedy tokens of kbit's StaticDecoder (eager, CPU) against transformers' dynamic "
              "cache, both on the quantized model. kbit MoE: `use_kbit_moe`, logits against the blocks it replaced.",
              "Round trip: `save_pretrained`, `from_pretrained`, logits against the quantized model's. On load: "
-             "`from_pretrained(float folder, quantization_config=KbitConfig(k=5))` against `quantize_model`'s "
-             "logits.", "",
-             "| model type | plan | KbitLinear | KbitExperts | float Linear | round trip | on load | static decode "
-             "| kbit MoE | note |", "|---|---|--:|--:|---|---|---|---|---|---|"]
+             f"`from_pretrained(float folder, quantization_config=KbitConfig(k={k}))` against `quantize_model`'s "
+             "logits.", ""]
+    if gpu:
+        lines[2] = " ".join([
+            f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__};",
+            "`python lab/hf_families.py --device cuda`. Kernels: the bf16 logits against the CPU float32 reference",
+            "of the same quantized model, the median over tokens of each token's relative error (float: the float",
+            "model's bf16 logits against its float32 copy's). Static decode: 8 greedy tokens of kbit's",
+            "StaticDecoder (a CUDA graph where the model allows one) against transformers' dynamic cache, both on",
+            "the quantized model (bf16: a near-tie can part them); HF static: transformers' generate with a static",
+            "cache (torch.compile). Round trip and on load: as on the CPU, on the GPU."])
+    cols = ["model type", "plan", "KbitLinear", "KbitExperts", "float Linear"] + (["kernels"] if gpu else []) + \
+        ["round trip", "on load", "static decode", "kbit MoE", "note"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "|".join("--:" if c.startswith("Kbit") else "---"
+                                                          for c in cols) + "|"]
+    compiled = set(args.compiled.split(","))
     for t in args.types:
-        r = row(t)
+        r = gpu_row(t, k, t in compiled) if gpu else row(t)
         if r["result"] != "ok":
-            lines.append(f"| {t} | {r['plan']} | | | | | | | | {r['result']} |")
+            lines.append(f"| {t} | {r['plan']} |" + " |" * (len(cols) - 3) + f" {r['result']} |")
         else:
             lines.append(f"| {t} | {r['plan']} | {r['kbit_linear']} | {r['kbit_experts']} | "
-                         f"{', '.join(n.split('.')[-1] for n in r['float_linear'])} | {r['round_trip']} | "
+                         f"{', '.join(n.split('.')[-1] for n in r['float_linear'])} | "
+                         + (f"{r['kernels']} | " if gpu else "") + f"{r['round_trip']} | "
                          f"{r['on_load']} | {r['static']} | "
                          f"{r.get('kbit_moe', '')} | {r['float_note']} |")
         print(lines[-1], flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        if args.out:  # after every row: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
