@@ -3,6 +3,7 @@ and the CUDA-graph step against the eager one (GPU); benchmarks/bench_e2e.py on 
 
 import importlib.util
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,37 @@ def test_gpu_static_matches_dynamic_bf16():
     ref_t, _ = dynamic_greedy(model, ids, 6)
     t, _ = static_greedy(model, ids, 6, graph=True)
     assert (t == ref_t).float().mean() >= 0.9  # bf16: attention over a masked static cache may round differently
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_that_waits_on_the_host_runs_without_a_graph(monkeypatch):
+    """PhiMoE's rotary embedding branches on a device tensor every call. The decoder finds such a sync in its last
+    warm-up step: a default graph is turned off with a warning naming the line (the tokens are the eager steps'),
+    a graph asked for raises. A step without one is captured, without a warning."""
+    model = llama(vocab=256).to(device="cuda", dtype=torch.bfloat16)
+    quantize_model(model, k=4, progress=False)
+    ids = torch.tensor(PROMPT, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dec = StaticDecoder(model, 2, 16, fast=False)
+        dec.prefill(ids)
+        dec.step()
+        assert dec.graph and dec._cuda_graph is not None
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+
+    def syncing(x, position_ids):
+        if position_ids.max() >= 0:  # a branch on a device value: the host waits
+            return original(x, position_ids)
+        raise AssertionError
+
+    monkeypatch.setattr(rotary, "forward", syncing)
+    want, _ = static_greedy(model, ids, 6, graph=False, fast=False)
+    with pytest.warns(UserWarning, match=r"without a CUDA graph: .*waits on the host \(test_decode\.py:\d+"):
+        got, _ = static_greedy(model, ids, 6, graph=None, fast=False)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"graph: the decode step waits on the host"):
+        static_greedy(model, ids, 6, graph=True, fast=False)
 
 
 def test_compile_glue_same_tokens():

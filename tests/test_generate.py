@@ -51,8 +51,13 @@ def test_bad_input(model):
 def test_static_path_gives_the_same_tokens(model):
     for kw in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
         dynamic = list(generate_tokens(model, PROMPT, max_new_tokens=6, **kw))
-        static = list(generate_tokens(model, PROMPT, max_new_tokens=6, static=True, **kw))
+        info = {}
+        static = list(generate_tokens(model, PROMPT, max_new_tokens=6, static=True, info=info, **kw))
         assert static == dynamic
+        assert info == {"static": True, "graph": False}  # the CPU: no graph
+    info = {}
+    list(generate_tokens(model, PROMPT, max_new_tokens=2, info=info))
+    assert info == {"static": False, "graph": False}  # the CPU's default: transformers' dynamic cache
 
 
 def test_checkpoint_with_the_embedding_stored_as_lm_head(tmp_path):

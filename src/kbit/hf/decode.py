@@ -31,7 +31,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import os
 import sys
+import traceback
 import types
 import warnings
 
@@ -71,6 +73,26 @@ def graph_blocker(model) -> str | None:
         eager = getattr(getattr(m, "config", None), "_experts_implementation", "eager") in (None, "eager")
         if isinstance(getattr(m, "experts", None), nn.ModuleList) or (fused and eager):
             return f"{name} ({type(m).__name__})"
+    return None
+
+
+def _host_sync_site(fn) -> str | None:
+    """Run ``fn()`` with PyTorch's CUDA sync debug mode set to raise; the file and line (outside torch) of the
+    first operation that synchronised with the host, else None."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if f"{os.sep}torch{os.sep}" not in f.filename]
+        where = frames[-1] if frames else None
+        return "an operation" if where is None else f"{os.path.basename(where.filename)}:{where.lineno}, " \
+            f"{where.line.strip()[:60]!r}"
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
     return None
 
 
@@ -214,6 +236,7 @@ class StaticDecoder:
         buf = next(iter(model.buffers()), None)
         self.device = (param if param is not None else buf).device
         blocker = graph_blocker(model)
+        self._graph_asked = graph is not None and bool(graph)
         if graph is None:
             graph = self.device.type == "cuda" and blocker is None
         if graph and self.device.type != "cuda":
@@ -368,12 +391,12 @@ class StaticDecoder:
             raise RuntimeError("StaticDecoder.step: call prefill first")
         if self.length >= self.L:
             raise RuntimeError(f"StaticDecoder.step: the cache is full (max_len = {self.L})")
+        if self.graph and self._cuda_graph is None:
+            self.capture()  # a step that waits on the host turns a default graph off (capture's docstring)
         if not self.graph:
             out = self._step_body()
             self.logits = self._logits_buf
         else:
-            if self._cuda_graph is None:
-                self.capture()
             self._cuda_graph.replay()
             out = self._out
             self.logits = self._logits_buf
@@ -383,7 +406,12 @@ class StaticDecoder:
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> None:
         """Capture the decode step in a CUDA graph (after a prefill). Warm-up steps run first on a side
-        stream (Triton compiles, lookup tables get cached); the cache length is restored afterwards."""
+        stream (Triton compiles, lookup tables get cached); the cache length is restored afterwards.
+
+        The last warm-up step runs with PyTorch's sync debug mode set to raise: a step that waits on the host
+        (a module's ``.item()``, a branch on a device tensor, a copy from pageable host memory: PhiMoE's rotary
+        embedding does the last two every call) cannot be captured. Then a graph the caller asked for raises
+        ``ValueError`` naming the line; a default one is turned off with a warning, and steps run eagerly."""
         if not self.graph:
             raise RuntimeError("StaticDecoder.capture: graph=False")
         if self.length == 0:
@@ -391,11 +419,24 @@ class StaticDecoder:
         n, ids, offset = self.length, self.ids.clone(), self.offset.clone()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(max(1, warmup)):
-                self._step_body()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._restore(n, ids, offset)
+        site = None
+        try:
+            with torch.cuda.stream(stream):
+                for i in range(max(1, warmup)):
+                    if i == max(1, warmup) - 1:  # earlier steps may sync once (first-call set-up)
+                        site = _host_sync_site(self._step_body)
+                    else:
+                        self._step_body()
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._restore(n, ids, offset)
+        if site is not None:
+            why = f"the decode step waits on the host ({site}), which a CUDA graph cannot hold"
+            if self._graph_asked:
+                raise ValueError(f"graph: {why}; pass graph=None or False to decode without one")
+            warnings.warn(f"kbit: decoding without a CUDA graph: {why}", UserWarning, stacklevel=3)
+            self.graph = False
+            return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._out = self._step_body()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from kbit import options
 from kbit.format.spec import DEFAULT_K, K_VALUES
 from kbit.hf import compare as cmp
-from kbit.hf.decode import StaticDecoder, graph_blocker, static_unsupported, use_kbit_moe
+from kbit.hf.decode import StaticDecoder, static_unsupported, use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.quantize_model import load_quantized, quantize_model, save_quantized
 from kbit.hf.tp import shard_loaded
@@ -124,14 +124,16 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
 @torch.no_grad()
 def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
                     top_k: int = 50, top_p: float = 0.9, seed: int = 0, eos_token_id: int | None = None,
-                    static: bool | None = None, graph: bool | None = None) -> Iterator[int]:
+                    static: bool | None = None, graph: bool | None = None, info: dict | None = None
+                    ) -> Iterator[int]:
     """Yield new token ids for one sequence ``input_ids [1, T]`` (prefill, then one token a step).
 
     Sampling follows :func:`kbit.sample` (temperature 0 is greedy); the same seed gives the same tokens.
     static : decode with :class:`kbit.hf.decode.StaticDecoder` (default: on CUDA, for the models it decodes:
         :func:`kbit.hf.decode.static_unsupported`); else transformers' dynamic cache.
     graph : capture the static decoder's step in a CUDA graph (default: on CUDA where the model allows it,
-        :func:`kbit.hf.decode.graph_blocker`).
+        :func:`kbit.hf.decode.graph_blocker`; a step that waits on the host turns the default off, with a warning).
+    info : a dict that gets ``"static"`` and ``"graph"``: how the tokens were decoded (after the first token).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids: expected shape [1, T], got {tuple(input_ids.shape)}")
@@ -139,9 +141,11 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         return
     if static is None:
         static = input_ids.is_cuda and static_unsupported(model) is None
+    info = {} if info is None else info
+    info.update(static=bool(static), graph=False)
     if static:
         yield from _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                                    eos_token_id, graph)
+                                    eos_token_id, graph, info)
         return
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # transformers 5 renamed the KV-cache argument and output `past_key_values` to `cache`
@@ -160,13 +164,15 @@ def generate_tokens(model, input_ids: torch.Tensor, max_new_tokens: int = 64, te
         out = model(token.view(1, 1).to(input_ids.device), use_cache=True, **{cache_arg: cache})
 
 
-def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph
-                     ) -> Iterator[int]:
+def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, graph,
+                     info: dict) -> Iterator[int]:
     dec = StaticDecoder(model, 1, input_ids.shape[1] + max_new_tokens, graph=graph, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed)
+    info["graph"] = dec.graph
     try:
         token = dec.prefill(input_ids)
         for step in range(max_new_tokens):
+            info["graph"] = dec.graph  # capture (the first step) may turn a default graph off
             t = int(token[0])
             if t < 0:
                 check_errors(token.device)
@@ -335,13 +341,13 @@ def decode_and_print(args: argparse.Namespace, model, tok, quiet: bool = False, 
             use_kbit_moe(model)
     ids = chat_ids(tok, args.prompt, args.device)
     start, tokens = time.perf_counter(), []
-    graph = False if args.no_graph else None
+    graph, info = (False if args.no_graph else None), {}
     for t in generate_tokens(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                             args.seed, tok.eos_token_id, graph=graph):
+                             args.seed, tok.eos_token_id, graph=graph, info=info):
         tokens.append(t)
         say(tok.decode([t]), end="", flush=True)
     seconds = time.perf_counter() - start
-    graphed = args.device.startswith("cuda") and not args.no_graph and graph_blocker(model) is None
+    graphed = info.get("graph", False)
     say(f"\n[{len(tokens)} tokens in {seconds:.1f} s, {len(tokens) / max(seconds, 1e-9):.1f} tokens/s, "
         f"{'k=' + str(args.k) if args.model is None else args.model}, {where or args.device}"
         f"{', CUDA graph' if graphed else ''}]")
