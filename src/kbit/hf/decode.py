@@ -86,8 +86,8 @@ def _host_sync_site(fn) -> str | None:
     except RuntimeError as e:
         if "synchroniz" not in str(e):
             raise
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if f"{os.sep}torch{os.sep}" not in f.filename]
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
         where = frames[-1] if frames else None
         return "an operation" if where is None else f"{os.path.basename(where.filename)}:{where.lineno}, " \
             f"{where.line.strip()[:60]!r}"
