@@ -7,6 +7,7 @@ took over, logits against the blocks it replaced). A model type whose tiny model
 or run is listed as such.
 
     python lab/hf_families.py [MODEL_TYPE ...] [--out FILE.md]     # default: the list below
+    KBIT_COMMIT=<rev> python lab/hf_families.py --device cuda ...  # on the device machine
 
 ``--device cuda`` (a GPU): the same models in bf16 on the GPU, at ``--k`` (default 4), the paths a user's
 ``kbit generate`` / ``model.generate`` take there: the kernels' logits against the CPU float32 reference of the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import subprocess
 import tempfile
@@ -244,7 +246,9 @@ def main() -> None:
     args = ap.parse_args()
     gpu = args.device == "cuda"
     k = args.k or (4 if gpu else 5)
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device machine's copy of the tree may carry an older .git: the caller names the commit there
+    commit = os.environ.get("KBIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short=7", "HEAD"],
+                                                             capture_output=True, text=True).stdout.strip()
     head = (f"GPU ({torch.cuda.get_device_name()}), bf16" if gpu else "CPU") + f", tiny random models, k = {k}"
     lines = [f"# transformers model types through kbit ({head})", "",
              f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__}, "
