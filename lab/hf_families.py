@@ -52,9 +52,18 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              decoder_sparse_step=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8)
 
 
-def tiny(model_type: str) -> nn.Module:
+#: ``--size real``: two layers of a current model's width (the kernels at the shapes they serve)
+REAL = SMALL | dict(hidden_size=2048, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
+                    vocab_size=32000, head_dim=128, moe_intermediate_size=768, num_experts=32, n_routed_experts=32,
+                    num_local_experts=8, num_experts_per_tok=4, shared_expert_intermediate_size=2048,
+                    q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                    max_position_embeddings=4096, sliding_window=16)  # num_local_experts: experts of I = 4096
+SIZES = {"small": SMALL, "real": REAL}
+
+
+def tiny(model_type: str, size: str = "small") -> nn.Module:
     config = transformers.AutoConfig.for_model(model_type)
-    for key, value in SMALL.items():
+    for key, value in SIZES[size].items():
         if hasattr(config, key) and not (key == "sliding_window" and getattr(config, "use_sliding_window", None)
                                          is False):  # a window the model does not use: config.json drops it
             setattr(config, key, value)
@@ -159,14 +168,14 @@ def _tokens(a: list, b: list) -> str:
     return "same tokens" if same == len(a) else f"same for {same} of {len(a)}"
 
 
-def gpu_row(model_type: str, k: int, compiled: bool, device: str = "cuda") -> dict:
+def gpu_row(model_type: str, k: int, compiled: bool, device: str = "cuda", size: str = "small") -> dict:
     """:func:`row` on the GPU in bf16 (module docstring); each column reports its own failure."""
     out = {"type": model_type, "plan": "table" if model_type in MODELS else "structure"}
     dev, dt = torch.device(device), torch.bfloat16
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:  # loaded as a user loads it (model.to(bf16) would also cast the rotary buffers, which loading keeps)
-            tiny(model_type).save_pretrained(f"{d}/f")
+            tiny(model_type, size).save_pretrained(f"{d}/f")
             model = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/f", device_map=device, dtype=dt)
             ids = torch.randint(3, 500, (1, 7), generator=torch.Generator().manual_seed(0)).to(dev)
             list(generate_tokens(model, ids, 8, temperature=0, static=False))
@@ -241,6 +250,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--k", type=int, default=None, help="default: 5 on the CPU, 4 on the GPU")
+    ap.add_argument("--size", default="small", choices=tuple(SIZES),
+                    help="GPU: 'real' builds two layers of hidden size 2048 (REAL)")
     ap.add_argument("--compiled", default="llama,qwen3,qwen3_moe,gemma2,gpt_oss",
                     help="GPU: types also run through transformers' generate with a static cache (torch.compile)")
     args = ap.parse_args()
@@ -249,7 +260,8 @@ def main() -> None:
     # the device machine's copy of the tree may carry an older .git: the caller names the commit there
     commit = os.environ.get("KBIT_COMMIT") or subprocess.run(["git", "rev-parse", "--short=7", "HEAD"],
                                                              capture_output=True, text=True).stdout.strip()
-    head = (f"GPU ({torch.cuda.get_device_name()}), bf16" if gpu else "CPU") + f", tiny random models, k = {k}"
+    models = "tiny random models" if args.size == "small" else "random models of two layers, hidden size 2048"
+    head = (f"GPU ({torch.cuda.get_device_name()}), bf16" if gpu else "CPU") + f", {models}, k = {k}"
     lines = [f"# transformers model types through kbit ({head})", "",
              f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__}, "
              f"{platform.machine()}; `python lab/hf_families.py`. Plan: the model type's table row or its structure. "
@@ -261,7 +273,8 @@ def main() -> None:
     if gpu:
         lines[2] = " ".join([
             f"{date.today()}, commit {commit}, transformers {transformers.__version__}, torch {torch.__version__};",
-            "`python lab/hf_families.py --device cuda`. Kernels: the bf16 logits against the CPU float32 reference",
+            f"`python lab/hf_families.py --device cuda --size {args.size}`. Kernels: the bf16 logits against the CPU",
+            "float32 reference",
             "of the same quantized model, the median over tokens of each token's relative error (float: the float",
             "model's bf16 logits against its float32 copy's). Static decode: 8 greedy tokens of kbit's",
             "StaticDecoder (a CUDA graph where the model allows one) against transformers' dynamic cache, both on",
@@ -273,7 +286,7 @@ def main() -> None:
                                                           for c in cols) + "|"]
     compiled = set(args.compiled.split(","))
     for t in args.types:
-        r = gpu_row(t, k, t in compiled) if gpu else row(t)
+        r = gpu_row(t, k, t in compiled, size=args.size) if gpu else row(t)
         if r["result"] != "ok":
             lines.append(f"| {t} | {r['plan']} |" + " |" * (len(cols) - 3) + f" {r['result']} |")
         else:
