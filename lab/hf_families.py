@@ -69,6 +69,7 @@ def tiny(model_type: str, size: str = "small") -> nn.Module:
             setattr(config, key, value)
     if getattr(config, "qk_rope_head_dim", None):  # multi-head latent attention: the rotary part is the head dim
         config.head_dim = config.qk_rope_head_dim
+        config.num_key_value_heads = config.num_attention_heads  # and a key per query head
     if getattr(config, "mlp_only_layers", None):
         config.mlp_only_layers = []
     types = getattr(config, "layer_types", None)
