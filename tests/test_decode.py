@@ -447,12 +447,16 @@ def test_fast_step_unsupported():
     ("gemma2", dict(attn_logit_softcapping=20.0, final_logit_softcapping=None, sliding_window=4)),  # soft-capping
     ("gemma3_text", dict(sliding_window=4)),  # five sliding layers to one full: here layer 0 slides, layer 1 not
     ("mistral", dict(sliding_window=4)),  # no layer_types: every layer slides
+    ("deepseek_v3", dict(num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         q_lora_rank=32, kv_lora_rank=32, n_routed_experts=4, n_group=1, topk_group=1,
+                         first_k_dense_replace=1)),  # latent attention: keys of 24, values of 16
 ])
 def test_static_decoder_own_attention_and_sliding_windows(model_type, kw):
     """An attention call with arguments static_attention does not compute (gpt-oss's sinks, Gemma-2's soft-capping)
     runs the model's own eager attention, and sliding windows shorter than the prompt + steps mask as transformers
     masks them: the static decoder's tokens and logits are transformers' (before, the sinks were dropped silently,
-    and a window shorter than the cache failed on mismatched shapes)."""
+    and a window shorter than the cache failed on mismatched shapes). DeepSeek's values are narrower than its keys
+    (the one-token step's output was reshaped to the key width and failed)."""
     model = tiny_lm(model_type, intermediate_size=64, **kw)
     for m in model.modules():  # gpt-oss's sinks start at zero: make them matter
         if isinstance(getattr(m, "sinks", None), torch.Tensor):

@@ -121,14 +121,15 @@ def _static_cache(model, max_len: int):
 
 def static_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, *,
                      kernel: str = "auto", **kwargs):
-    """Attention for the static cache: ``query [B, Hq, q, D]``, ``key``/``value`` ``[B, Hkv, L, D]`` (the whole
-    cache), ``attention_mask`` additive ``[B, 1, q, L]``. A one-token step runs one SDPA on ``[B, Hkv, G, D]``
-    queries (the G = Hq / Hkv heads sharing a KV head as rows: no copy of the cache); longer ones (prefill)
+    """Attention for the static cache: ``query [B, Hq, q, D]``, ``key [B, Hkv, L, D]`` and ``value
+    [B, Hkv, L, Dv]`` (the whole cache; Dv < D in multi-head latent attention), ``attention_mask`` additive
+    ``[B, 1, q, L]``. A one-token step runs one SDPA on ``[B, Hkv, G, D]`` queries (the G = Hq / Hkv heads
+    sharing a KV head as rows: no copy of the cache); longer ones (prefill)
     go to transformers' ``sdpa`` forward. On CUDA the one-token step is :func:`kbit.ops.attention.decode_attention`
     (split over the cache length, the same additive mask; keys past the position are not read) unless
     the tensors are outside its support (fp32, odd head dims, other mask shapes). ``kernel`` (one of
     :data:`DECODE_ATTENTION`): ``auto`` runs that kernel when batch x KV heads <= DECODE_KERNEL_MAX_HEADS, else
-    SDPA; ``kbit`` the kernel always; ``sdpa`` SDPA always. Returns ``([B, q, Hq, D], None)`` as transformers'
+    SDPA; ``kbit`` the kernel always; ``sdpa`` SDPA always. Returns ``([B, q, Hq, Dv], None)`` as transformers'
     functions do. A call with an argument of :data:`OWN_ATTENTION_ARGS` runs the model's own eager attention."""
     own = [k for k in OWN_ATTENTION_ARGS if kwargs.get(k) is not None]
     if own:  # an attention this function does not compute: the model's own
@@ -145,15 +146,16 @@ def static_attention(module, query, key, value, attention_mask, dropout: float =
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    Dv = value.shape[-1]  # multi-head latent attention (DeepSeek-V2/V3): values narrower than queries and keys
     qg = query.reshape(B, Hkv, Hq // Hkv, D)  # head h = kv * G + g, the order of transformers' repeat_kv
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
     choice = kernel if query.is_cuda else "sdpa"
     if choice == "kbit" or (choice == "auto" and B * Hkv <= DECODE_KERNEL_MAX_HEADS):
         if _attn.supports(qg, key, value, mask):
             out = _attn.decode_attention(qg, key, value, mask=mask, scale=scaling)
-            return out.reshape(B, 1, Hq, D), None
+            return out.reshape(B, 1, Hq, Dv), None
     out = torch.nn.functional.scaled_dot_product_attention(qg, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(B, 1, Hq, D), None
+    return out.reshape(B, 1, Hq, Dv), None
 
 
 #: attention arguments :func:`static_attention` does not implement (gpt-oss's sinks, Gemma-2's logit soft-capping):
