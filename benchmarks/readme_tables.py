@@ -25,14 +25,16 @@ QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
 PROFILES = RES / "h100" / "e2e-profile-2026-11-26"
 #: the model-shape suite (``kbit bench --suite models --peers humming``; the rest file: the smaller shapes at M = 1
 #: that the first run's budget left out; the m1 files: every shape at M = 1, k = 2..5; the m1-k4 files: k = 4 again,
-#: without T64 and with the 50 ms timing warm-up), oldest first: a later file's
+#: without T64 and with the 50 ms timing warm-up; the m1-k235 file: k = 2, 3, 5 of the larger half with the warm-up),
+#: oldest first: a later file's
 #: row of a (kernel, k, shape, M) replaces an earlier one's; the plot of the first
 SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k4-rest-2026-11-27.json",
          RES / "h100" / "suite-k2-2026-11-27.json",
          RES / "h100" / "suite-m1-2026-11-27" / "suite-m1-p1-2026-11-27.json",
          RES / "h100" / "suite-m1-2026-11-27" / "suite-m1-p2-2026-11-27.json",
          RES / "h100" / "suite-m1-k4-2026-11-27" / "suite-m1-k4-p1-2026-11-27.json",
-         RES / "h100" / "suite-m1-k4-2026-11-27" / "suite-m1-k4-p2-2026-11-27.json"]
+         RES / "h100" / "suite-m1-k4-2026-11-27" / "suite-m1-k4-p2-2026-11-27.json",
+         RES / "h100" / "suite-m1-k235-2026-11-27" / "suite-m1-k235-p1-2026-11-27.json"]
 KS = (2, 3, 4, 5)
 
 
