@@ -36,7 +36,7 @@ from kbit.hf.decode import use_kbit_moe
 from kbit.hf.experts import KbitExperts
 from kbit.hf.generate import generate_tokens
 from kbit.hf.models import MODELS
-from kbit.nn import KbitLinear, KbitMoE
+from kbit.nn import KbitLinear
 
 TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe", "mixtral",
          "gemma", "gemma2", "glm", "glm4", "granite", "olmo", "olmo2", "olmo3", "smollm3", "cohere", "cohere2",
@@ -90,6 +90,27 @@ def _float_round_trip(model_type: str, ids: torch.Tensor, d: str) -> str:
     return "bit-exact" if torch.equal(a, b) else f"rel {((b - a).norm() / a.norm()).item():.1e}"
 
 
+def _quantized(model: nn.Module, caught: list) -> dict:
+    """What quantize_model made of ``model``: the k-bit modules, the Linears left float, kbit's first warning."""
+    kept = [str(w.message) for w in caught if "kbit" in str(w.message)]
+    return {"kbit_linear": sum(isinstance(m, KbitLinear) for m in model.modules()),
+            "kbit_experts": sum(isinstance(m, KbitExperts) for m in model.modules()),
+            "float_linear": [n for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+            "float_note": kept[0].split(": ", 1)[-1][:90] if kept else ""}
+
+
+def _kbit_moe(model: nn.Module, ids: torch.Tensor) -> str:
+    """``use_kbit_moe`` on ``model``: how many blocks it took over, how far the logits moved, why it kept a block."""
+    with torch.no_grad():
+        before = model(ids).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = use_kbit_moe(model)
+    with torch.no_grad():
+        rel = _rel(model(ids).logits, before)
+    return f"{n} blocks, rel {rel:.1e}" + (f"; kept: {str(caught[0].message)[70:150]}" if caught and not n else "")
+
+
 def row(model_type: str) -> dict:
     out = {"type": model_type, "plan": "table" if model_type in MODELS else "structure"}
     try:
@@ -104,11 +125,7 @@ def row(model_type: str) -> dict:
             quantize_model(model, k=5, progress=False)
         except Exception as e:  # noqa: BLE001
             return out | {"result": f"quantize: {type(e).__name__}: {str(e)[:100]}"}
-    kept = [str(w.message) for w in caught if "kbit" in str(w.message)]
-    out["kbit_linear"] = sum(isinstance(m, KbitLinear) for m in model.modules())
-    out["kbit_experts"] = sum(isinstance(m, KbitExperts) for m in model.modules())
-    out["float_linear"] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    out["float_note"] = kept[0].split(": ", 1)[-1][:90] if kept else ""
+    out |= _quantized(model, caught)
     with torch.no_grad():
         got = model(ids).logits
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
@@ -138,16 +155,7 @@ def row(model_type: str) -> dict:
     except Exception as e:  # noqa: BLE001
         out["static"] = f"{type(e).__name__}: {str(e)[:80]}"
     if out["kbit_experts"]:
-        with torch.no_grad():
-            want = model(ids).logits
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            n = use_kbit_moe(model)
-        with torch.no_grad():
-            rel = ((model(ids).logits - want).norm() / want.norm()).item()
-        out["kbit_moe"] = f"{n} blocks, rel {rel:.1e}" + (f"; kept: {str(caught[0].message)[70:150]}" if caught
-                                                           and not sum(isinstance(m, KbitMoE)
-                                                                       for m in model.modules()) else "")
+        out["kbit_moe"] = _kbit_moe(model, ids)
     out["result"] = "ok"
     return out
 
@@ -189,11 +197,7 @@ def gpu_row(model_type: str, k: int, compiled: bool, device: str = "cuda", size:
             quantize_model(model, k=k, progress=False)
         except Exception as e:  # noqa: BLE001
             return out | {"result": f"quantize: {type(e).__name__}: {str(e)[:100]}"}
-        kept = [str(w.message) for w in caught if "kbit" in str(w.message)]
-        out["kbit_linear"] = sum(isinstance(m, KbitLinear) for m in model.modules())
-        out["kbit_experts"] = sum(isinstance(m, KbitExperts) for m in model.modules())
-        out["float_linear"] = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        out["float_note"] = kept[0].split(": ", 1)[-1][:90] if kept else ""
+        out |= _quantized(model, caught)
         ref = copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
         with torch.no_grad():
             want = ref(ids.cpu()).logits
@@ -230,15 +234,7 @@ def gpu_row(model_type: str, k: int, compiled: bool, device: str = "cuda", size:
             out["static"] += f"; HF static: {type(e).__name__}: {str(e)[:80]}"
     if out["kbit_experts"]:
         try:
-            with torch.no_grad():
-                before = model(ids).logits
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                n = use_kbit_moe(model)
-            with torch.no_grad():
-                rel = _rel(model(ids).logits, before)
-            note = f"; kept: {str(caught[0].message)[70:150]}" if caught and not n else ""
-            out["kbit_moe"] = f"{n} blocks, rel {rel:.1e}{note}"
+            out["kbit_moe"] = _kbit_moe(model, ids)
         except Exception as e:  # noqa: BLE001
             out["kbit_moe"] = f"{type(e).__name__}: {str(e)[:80]}"
     out["result"] = "ok"
