@@ -212,6 +212,23 @@ def test_kbit_experts_grouped_forward_matches_the_loop(model_type):
     torch.testing.assert_close(e.grouped_forward(x, idx, dense), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_kbit_experts_under_torch_compile(model_type):
+    """Under torch.compile SwiGLU experts are one op (``torch.ops.kbit.routed_experts``): a full graph holds them.
+    Biased experts with their own gate (gpt-oss) break the graph there. Both give the eager outputs."""
+    model = unlisted(model_type) if model_type in UNLISTED else tiny(model_type)
+    quantize_model(model, k=4, progress=False)
+    e = next(m for m in model.modules() if isinstance(m, KbitExperts))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, e.hidden_dim, generator=g)
+    idx = torch.randint(0, e.num_experts, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    want = e(x, idx, w)
+    torch._dynamo.reset()
+    got = torch.compile(e, backend="eager", fullgraph=model_type == "qwen3_moe")(x, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_gpu_kbit_experts_in_a_cuda_graph(model_type):

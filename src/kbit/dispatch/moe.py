@@ -67,7 +67,7 @@ from kbit.utils.checks import fail
 
 __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "fused_router_applies", "gemm_supported",
            "grouped_gemm", "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route",
-           "route_hidden", "router_workspace"]
+           "route_hidden", "routed_experts", "router_workspace"]
 
 MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
 #: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
@@ -488,3 +488,44 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
     return combine(y, routing, hidden.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ routed experts
+
+
+def routed_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: KbitWeight,
+                   down: KbitWeight) -> torch.Tensor:
+    """SwiGLU experts of canonical stacks for a router's choice: ``hidden [T, H]``, ``topk_ids [T, top_k]`` in
+    ``[0, E)``, float ``topk_weights [T, top_k]`` -> ``[T, H]`` in hidden's dtype. The pairs are sorted on the
+    device (``align``), the kernels are :func:`choose_plan`'s without the grouped wgmma kernel (it reads layout
+    "mma-v1"), and :func:`moe_experts` runs them; no host sync. Under ``torch.compile`` it is the op
+    ``torch.ops.kbit.routed_experts`` (the stacks passed as their tensors), so a compiled graph holds it."""
+    T, top_k = topk_ids.shape
+    E, I2, H = gate_up.shape
+    routing = align(topk_ids, E, topk_weights, checked=True)
+    plan = choose_plan(T, top_k, E, H, I2 // 2, hidden.dtype, hidden.device, gemm=False)
+    return moe_experts(hidden, routing, gate_up, down, plan)
+
+
+@torch.library.custom_op("kbit::routed_experts", mutates_args=())
+def _routed_experts_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       gu_codes: torch.Tensor, gu_scales: torch.Tensor, gu_tensor_scale: torch.Tensor,
+                       gu_codebook: torch.Tensor, dn_codes: torch.Tensor, dn_scales: torch.Tensor,
+                       dn_tensor_scale: torch.Tensor, dn_codebook: torch.Tensor, k: int, blocksize: int,
+                       scale_format: str, E: int, H: int, I: int) -> torch.Tensor:
+    fmt = dict(k=k, blocksize=blocksize, scale_format=scale_format)
+    gate_up = KbitWeight(gu_codes, gu_scales, gu_tensor_scale, gu_codebook, shape=(E, 2 * I, H), **fmt)
+    down = KbitWeight(dn_codes, dn_scales, dn_tensor_scale, dn_codebook, shape=(E, H, I), **fmt)
+    return routed_experts(hidden, topk_ids, topk_weights, gate_up, down)
+
+
+@_routed_experts_op.register_fake
+def _(hidden, topk_ids, topk_weights, gu_codes, gu_scales, gu_tensor_scale, gu_codebook, dn_codes, dn_scales,
+      dn_tensor_scale, dn_codebook, k, blocksize, scale_format, E, H, I):
+    if hidden.dim() != 2 or hidden.shape[1] != H:
+        raise ValueError(f"hidden: expected shape [T, H={H}], got {tuple(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids, topk_weights: expected shape [T={hidden.shape[0]}, top_k] each, got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    return hidden.new_empty(hidden.shape)
+

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kbit.dispatch.linear import linear as _linear_impl
-from kbit.dispatch.moe import choose_plan, expert_matmul, moe_experts
+from kbit.dispatch.moe import choose_plan, expert_matmul, routed_experts
 from kbit.format.pack import words_per_row
 from kbit.format.spec import DEFAULT_SCALE_FORMAT, KbitWeight, padded_k
 from kbit.nn._layout import apply_keeping_format
@@ -159,16 +159,12 @@ class KbitExperts(nn.Module):
             return self.grouped_forward(hidden_states, top_k_index, top_k_weights)
         return self.loop_forward(hidden_states, top_k_index, top_k_weights)
 
-    # kbit.dispatch.moe launches its Triton kernels from Python (they are not torch.library ops): under
-    # torch.compile (transformers' generate with a static cache compiles the forward) dynamo would trace into
-    # the launches, and inductor failed to build the GEMV kernel it copied (torch 2.11). The graph breaks here
-    # and the experts run as they run eagerly.
-    @torch.compiler.disable
     def grouped_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                         ) -> torch.Tensor:
         """:meth:`forward` through ``kbit.dispatch.moe``: the pairs sorted by expert on the device
         (``kbit.ops.moe_align.align``), the gate_up product of every pair, biases, the gate, the down product,
-        biases, and the weighted sum per token. SwiGLU experts without biases take ``moe_experts`` whole."""
+        biases, and the weighted sum per token. SwiGLU experts without biases take ``routed_experts`` whole,
+        under ``torch.compile`` as the op ``torch.ops.kbit.routed_experts`` (a compiled graph holds it)."""
         E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
         T, top_k = top_k_index.shape
         if T == 0:
@@ -178,12 +174,29 @@ class KbitExperts(nn.Module):
             w = w.gather(1, top_k_index.clamp(0, E - 1).long())
         valid = (top_k_index >= 0) & (top_k_index < E)
         ids = torch.where(valid, top_k_index, 0).to(torch.int32)
-        routing = align(ids, E, torch.where(valid, w.float(), 0.0), checked=True)
+        w = torch.where(valid, w.float(), 0.0)
         x = hidden_states.reshape(T, H)
+        if self.gate_fn is None and self.gate_up_bias is None and self.down_bias is None and is_silu(self.act_fn):
+            if torch.compiler.is_compiling():
+                gu, dn = self.gate_up, self.down
+                out = torch.ops.kbit.routed_experts(x, ids, w, *(getattr(gu, p) for p in PARTS),
+                                                    *(getattr(dn, p) for p in PARTS), gu.k, gu.blocksize,
+                                                    gu.scale_format, E, H, I)
+            else:  # directly: the op's dispatcher costs microseconds a call (kbit.nn.linear says more)
+                out = routed_experts(x, ids, w, self.weight("gate_up_proj"), self.weight("down_proj"))
+            return out.reshape(hidden_states.shape)
+        return self._biased_or_own_gate(x, ids, w).reshape(hidden_states.shape)
+
+    # these experts' biases and gate functions run between kbit.dispatch.moe's Python-launched kernels, which are
+    # not torch.library ops: under torch.compile dynamo would trace into the launches (inductor failed to build
+    # the GEMV kernel it copied, torch 2.11), so the graph breaks here and the experts run as they run eagerly
+    @torch.compiler.disable
+    def _biased_or_own_gate(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        T, top_k = ids.shape
+        routing = align(ids, E, w, checked=True)
         plan = choose_plan(T, top_k, E, H, I, x.dtype, x.device, gemm=False)  # canonical stacks: no kernel 7
         gate_up, down = self.weight("gate_up_proj"), self.weight("down_proj")
-        if self.gate_fn is None and self.gate_up_bias is None and self.down_bias is None and is_silu(self.act_fn):
-            return moe_experts(x, routing, gate_up, down, plan).reshape(hidden_states.shape)
         row_expert = routing.expert_ids.long()
         h = expert_matmul(x, routing, gate_up, plan.gate_up, gather=True)
         if self.gate_up_bias is not None:
@@ -196,7 +209,7 @@ class KbitExperts(nn.Module):
         y = expert_matmul(h.to(x.dtype).contiguous(), routing, down, plan.down, gather=False)
         if self.down_bias is not None:
             y = y + self.down_bias.index_select(0, row_expert).to(y.dtype)
-        return combine(y, routing, hidden_states.dtype).reshape(hidden_states.shape)
+        return combine(y, routing, x.dtype)
 
     def loop_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                      ) -> torch.Tensor:
