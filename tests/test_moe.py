@@ -363,6 +363,42 @@ def test_layer_vs_reference(dtype, plan, k):
     _check_layer(m, x, torch.randn(T, E, generator=g).to(DEV), plan)
 
 
+@pytest.mark.parametrize("T,E,top_k", [(1, 4, 2), (7, 6, 3), (0, 4, 2)])
+def test_routed_experts_vs_reference_and_as_an_op(T, E, top_k):
+    """``routed_experts`` (the router's choice in, what KbitExperts runs) against the float64 reference on the
+    dequantized stacks, the same through ``torch.ops.kbit.routed_experts`` in a full torch.compile graph; ids out of
+    range raise on the CPU."""
+    from kbit.dispatch.moe import routed_experts
+    from kbit.ops.quantize import quantize
+
+    H, I = 64, 40
+    gu, dn = _stacks(E, H, I, seed=T)
+    qgu, qdn = quantize(gu.to(DEV), k=4), quantize(dn.to(DEV), k=4)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    ids = _ids(T, top_k, E, g).to(DEV)
+    w = torch.rand(T, top_k, generator=g).to(DEV)
+    want = moe_reference(x, w, ids, _dq(qgu), _dq(qdn))
+    got = routed_experts(x, ids, w, qgu, qdn)
+    assert got.shape == (T, H) and got.dtype == x.dtype
+    if T:
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-4
+
+    def op(x, ids, w):
+        return torch.ops.kbit.routed_experts(x, ids, w, qgu.codes, qgu.scales, qgu.tensor_scale, qgu.codebook,
+                                             qdn.codes, qdn.scales, qdn.tensor_scale, qdn.codebook, 4, 32, "log8",
+                                             E, H, I)
+
+    if T:
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(op, backend="eager", fullgraph=True)(x, ids, w), got)
+    if T and DEV == "cpu":
+        bad = ids.clone()
+        bad[0, 0] = E
+        with pytest.raises(ValueError, match="topk_ids"):
+            routed_experts(x, bad, w, qgu, qdn)
+
+
 @pytest.mark.parametrize("T,router", [(3, "softmax"), (20, "softmax"), (6, "sigmoid")])
 def test_layer_fused_routing_vs_align(T, router):
     """GEMV-only steps route in one launch: pair order (T <= PAIR_ORDER_MAX_T) or sort_pairs (above); the

@@ -494,15 +494,16 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
 
 
 def routed_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: KbitWeight,
-                   down: KbitWeight) -> torch.Tensor:
+                   down: KbitWeight, checked: bool = False) -> torch.Tensor:
     """SwiGLU experts of canonical stacks for a router's choice: ``hidden [T, H]``, ``topk_ids [T, top_k]`` in
     ``[0, E)``, float ``topk_weights [T, top_k]`` -> ``[T, H]`` in hidden's dtype. The pairs are sorted on the
     device (``align``), the kernels are :func:`choose_plan`'s without the grouped wgmma kernel (it reads layout
-    "mma-v1"), and :func:`moe_experts` runs them; no host sync. Under ``torch.compile`` it is the op
+    "mma-v1"), and :func:`moe_experts` runs them; no host sync. Ids out of range: as :func:`moe_experts` says,
+    unless ``checked`` (in range by construction: the guards are skipped). Under ``torch.compile`` it is the op
     ``torch.ops.kbit.routed_experts`` (the stacks passed as their tensors), so a compiled graph holds it."""
     T, top_k = topk_ids.shape
     E, I2, H = gate_up.shape
-    routing = align(topk_ids, E, topk_weights, checked=True)
+    routing = align(topk_ids, E, topk_weights, checked=checked)
     plan = choose_plan(T, top_k, E, H, I2 // 2, hidden.dtype, hidden.device, gemm=False)
     return moe_experts(hidden, routing, gate_up, down, plan)
 
@@ -512,16 +513,16 @@ def _routed_experts_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
                        gu_codes: torch.Tensor, gu_scales: torch.Tensor, gu_tensor_scale: torch.Tensor,
                        gu_codebook: torch.Tensor, dn_codes: torch.Tensor, dn_scales: torch.Tensor,
                        dn_tensor_scale: torch.Tensor, dn_codebook: torch.Tensor, k: int, blocksize: int,
-                       scale_format: str, E: int, H: int, I: int) -> torch.Tensor:
+                       scale_format: str, E: int, H: int, I: int, checked: bool = False) -> torch.Tensor:
     fmt = dict(k=k, blocksize=blocksize, scale_format=scale_format)
     gate_up = KbitWeight(gu_codes, gu_scales, gu_tensor_scale, gu_codebook, shape=(E, 2 * I, H), **fmt)
     down = KbitWeight(dn_codes, dn_scales, dn_tensor_scale, dn_codebook, shape=(E, H, I), **fmt)
-    return routed_experts(hidden, topk_ids, topk_weights, gate_up, down)
+    return routed_experts(hidden, topk_ids, topk_weights, gate_up, down, checked=checked)
 
 
 @_routed_experts_op.register_fake
 def _(hidden, topk_ids, topk_weights, gu_codes, gu_scales, gu_tensor_scale, gu_codebook, dn_codes, dn_scales,
-      dn_tensor_scale, dn_codebook, k, blocksize, scale_format, E, H, I):
+      dn_tensor_scale, dn_codebook, k, blocksize, scale_format, E, H, I, checked=False):
     if hidden.dim() != 2 or hidden.shape[1] != H:
         raise ValueError(f"hidden: expected shape [T, H={H}], got {tuple(hidden.shape)}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:

@@ -173,7 +173,7 @@ class KbitExperts(nn.Module):
         if w.shape[-1] == E != top_k:  # weights per expert
             w = w.gather(1, top_k_index.clamp(0, E - 1).long())
         valid = (top_k_index >= 0) & (top_k_index < E)
-        ids = torch.where(valid, top_k_index, 0).to(torch.int32)
+        ids = torch.where(valid, top_k_index, 0).to(torch.int32)  # in range: the kernels' guards are skipped
         w = torch.where(valid, w.float(), 0.0)
         x = hidden_states.reshape(T, H)
         if self.gate_fn is None and self.gate_up_bias is None and self.down_bias is None and is_silu(self.act_fn):
@@ -181,9 +181,9 @@ class KbitExperts(nn.Module):
                 gu, dn = self.gate_up, self.down
                 out = torch.ops.kbit.routed_experts(x, ids, w, *(getattr(gu, p) for p in PARTS),
                                                     *(getattr(dn, p) for p in PARTS), gu.k, gu.blocksize,
-                                                    gu.scale_format, E, H, I)
+                                                    gu.scale_format, E, H, I, True)
             else:  # directly: the op's dispatcher costs microseconds a call (kbit.nn.linear says more)
-                out = routed_experts(x, ids, w, self.weight("gate_up_proj"), self.weight("down_proj"))
+                out = routed_experts(x, ids, w, self.weight("gate_up_proj"), self.weight("down_proj"), checked=True)
             return out.reshape(hidden_states.shape)
         return self._biased_or_own_gate(x, ids, w).reshape(hidden_states.shape)
 
