@@ -191,19 +191,23 @@ def test_moe_model_to_bfloat16_keeps_the_format(model_type):
     assert (got - want).norm() / want.norm() < 3e-2
 
 
+def _experts_and_inputs(model_type: str, T: int, seed: int):
+    """The first KbitExperts of a quantized tiny model, and T tokens routed to two experts each, with weights."""
+    model = unlisted(model_type) if model_type in UNLISTED else tiny(model_type)
+    quantize_model(model, k=4, progress=False)
+    e = next(m for m in model.modules() if isinstance(m, KbitExperts))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, e.hidden_dim, generator=g)
+    return e, x, torch.randint(0, e.num_experts, (T, 2), generator=g), torch.rand(T, 2, generator=g)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_kbit_experts_grouped_forward_matches_the_loop(model_type):
     """KbitExperts' device-side forward (the grouped kernels over all routed pairs: what runs on CUDA) against its
     loop over the experts, float32 (Triton's interpreter): with a slot routed to no expert (id E), weights given
     per slot and per expert, biases and gpt-oss's own gate."""
-    model = unlisted(model_type) if model_type in UNLISTED else tiny(model_type)
-    quantize_model(model, k=4, progress=False)
-    e = next(m for m in model.modules() if isinstance(m, KbitExperts))
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(6, e.hidden_dim, generator=g)
-    idx = torch.randint(0, e.num_experts, (6, 2), generator=g)
+    e, x, idx, w = _experts_and_inputs(model_type, 6, seed=5)
     idx[2, 1] = e.num_experts  # dropped
-    w = torch.rand(6, 2, generator=g)
     want = e.loop_forward(x, idx, w)
     torch.testing.assert_close(e.grouped_forward(x, idx, w), want, rtol=1e-5, atol=1e-5)
     dense = torch.zeros(6, e.num_experts)  # the same weights, per expert
@@ -216,13 +220,7 @@ def test_kbit_experts_grouped_forward_matches_the_loop(model_type):
 def test_kbit_experts_under_torch_compile(model_type):
     """Under torch.compile SwiGLU experts are one op (``torch.ops.kbit.routed_experts``): a full graph holds them.
     Biased experts with their own gate (gpt-oss) break the graph there. Both give the eager outputs."""
-    model = unlisted(model_type) if model_type in UNLISTED else tiny(model_type)
-    quantize_model(model, k=4, progress=False)
-    e = next(m for m in model.modules() if isinstance(m, KbitExperts))
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(5, e.hidden_dim, generator=g)
-    idx = torch.randint(0, e.num_experts, (5, 2), generator=g)
-    w = torch.rand(5, 2, generator=g)
+    e, x, idx, w = _experts_and_inputs(model_type, 5, seed=4)
     want = e(x, idx, w)
     torch._dynamo.reset()
     got = torch.compile(e, backend="eager", fullgraph=model_type == "qwen3_moe")(x, idx, w)
