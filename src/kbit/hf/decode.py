@@ -90,7 +90,7 @@ def _host_sync_site(fn) -> str | None:
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(torch_dir)]
         where = frames[-1] if frames else None
         return "an operation" if where is None else f"{os.path.basename(where.filename)}:{where.lineno}, " \
-            f"{where.line.strip()[:60]!r}"
+            f"{(where.line or '').strip()[:60]!r}"
     finally:
         torch.cuda.set_sync_debug_mode(before)
     return None

@@ -168,7 +168,6 @@ def _generate_static(model, input_ids, max_new_tokens, temperature, top_k, top_p
                      info: dict) -> Iterator[int]:
     dec = StaticDecoder(model, 1, input_ids.shape[1] + max_new_tokens, graph=graph, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed)
-    info["graph"] = dec.graph
     try:
         token = dec.prefill(input_ids)
         for step in range(max_new_tokens):

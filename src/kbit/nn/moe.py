@@ -587,10 +587,10 @@ def routing_mismatch(block: nn.Module, routing: dict, gate_out=None) -> str | No
 
 
 @torch.no_grad()
-def hf_block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> str | None:
+def hf_block_mismatch(block: nn.Module, new: KbitMoE) -> str | None:
     """Why ``new`` does not stand in for ``block`` (None: it does): on :data:`CHECK_TOKENS` seeded random tokens,
-    the experts each token is routed to and their weights (:func:`routing_mismatch`), then (``outputs``) the
-    outputs given the block's router logits."""
+    the experts each token is routed to and their weights (:func:`routing_mismatch`), then the outputs given the
+    block's router logits."""
     w = new.router_weight if new.router_weight is not None else block.gate.weight
     x = _check_tokens(w, new.dtype)
     out = block.gate(x.reshape(-1, new.hidden_size))
@@ -598,7 +598,7 @@ def hf_block_mismatch(block: nn.Module, new: KbitMoE, outputs: bool = True) -> s
                "correction_bias": new.correction_bias, "n_group": new.n_group, "topk_group": new.topk_group,
                "routed_scaling_factor": new.routed_scaling_factor}
     why = routing_mismatch(block, routing, out)
-    if why is not None or not outputs:
+    if why is not None:
         return why
     logits = out[0] if isinstance(out, tuple) else out
     ref = block(x)
