@@ -118,8 +118,8 @@ def tree_sources(rev: str | None, file: str) -> tuple[str, dict]:
 def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 5120, config=None) -> dict:
     """The M = 1 defines kbit.tuning.mma_plan.make_plan gives shape N x K (the default rule table's config; kernel
     3 with 8 warps, 2 CTAs an SM and x in shared memory where that rule picks another kernel) on a 132-SM GPU where
-    2 CTAs fit an SM (no GPU: a stand-in for the built kernel's occupancy); config (kernel, warps, CTAs an SM): pin
-    one (kernel 1 compiles gemv_mma_split.cu)."""
+    2 CTAs fit an SM (no GPU: a stand-in for the built kernel's occupancy); config (kernel, warps, CTAs an SM, ...): pin
+    one, in ``MmaConfig.of``'s positional form (kernel 1 compiles gemv_mma_split.cu)."""
     from kbit.tuning import mma, mma_plan
 
     class _Built:
@@ -128,8 +128,7 @@ def m1_defines(k: int, bf16: int, fp16_scales: int, N: int = 65536, K: int = 512
         def occupancy(self, block, shared):
             return 2
 
-    cfg = mma.MmaConfig(kernel=config[0], warps=config[1], min_ctas=config[2]) if config else \
-        mma.default_config(k, 1, N, K)
+    cfg = mma.MmaConfig.of(config) if config else mma.default_config(k, 1, N, K)
     if getattr(cfg, "kernel", None) not in (1, 3):
         cfg = mma.MmaConfig(kernel=3, warps=8, min_ctas=2, x_smem=True)
     p = mma_plan.make_plan(k, 1, N, K, "fp16" if fp16_scales else "log8", cfg, sms=132,
@@ -171,8 +170,8 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 activations (default fp16)")
     p.add_argument("--fp16-scales", action="store_true", help="fp16 block scales (default log8 bytes)")
     p.add_argument("--shape", default="65536x5120", help="N x K of the plan whose defines are compiled")
-    p.add_argument("--config", default=None, help="KERNEL,WARPS,CTAS (1 or 3): pin the config (kernel 1: "
-                   "gemv_mma_split.cu)")
+    p.add_argument("--config", default=None, help="KERNEL,WARPS,CTAS[,...] (MmaConfig.of; 1 or 3): pin the config "
+                   "(kernel 1: gemv_mma_split.cu)")
     p.add_argument("-D", dest="defs", action="append", default=[], help="NAME=VALUE: override a define")
     p.add_argument("--dump", default=None, help="folder for the SASS listings")
     a = p.parse_args(argv)

@@ -64,15 +64,22 @@ class MmaConfig:
     x_slice: int = 0
     #: kernel 1: CTAs an SM in the grid, below the occupancy (0: the occupancy)
     grid_ctas: int = 0
+    #: kernel 3 at k = 5: codes looked up in pairs from one 1024-entry table (``P5``; 128 KB of shared memory, so one
+    #: CTA an SM); other k ignore it (their tables already hold pairs, k = 2 has none)
+    pair_table: bool = False
 
     def __post_init__(self):
         if self.kernel not in (1, 3, 4):
             raise ValueError(f"config: kernel expected 1, 3 or 4 (7: LargeConfig), got {self.kernel}")
+        if self.pair_table and (self.kernel != 3 or self.min_ctas != 1):
+            raise ValueError(f"config.pair_table: expected kernel 3 at min_ctas 1 (the 128 KB table leaves one CTA "
+                             f"an SM), got kernel {self.kernel} at min_ctas {self.min_ctas}")
 
     @classmethod
     def of(cls, t: tuple) -> MmaConfig:
         """From the positional form that result files of earlier runs record: ``(1, warps, min_ctas[, grid_ctas])``,
-        ``(3, warps, min_ctas[, ring[, x_smem[, x_slice]]])``, ``(4, warps, rows_per_warp[, stages[, min_ctas]])``."""
+        ``(3, warps, min_ctas[, ring[, x_smem[, x_slice[, pair_table]]]])``,
+        ``(4, warps, rows_per_warp[, stages[, min_ctas]])``."""
         t = tuple(int(v) for v in t)
         if len(t) < 3:
             raise ValueError(f"config: expected (kernel, warps, X, ...), got {t}")
@@ -82,7 +89,7 @@ class MmaConfig:
             return cls(4, t[1], rows_per_warp=t[2], stages=t[3] if len(t) > 3 else 3,
                        min_ctas=t[4] if len(t) > 4 else 1)
         return cls(t[0], t[1], min_ctas=t[2], ring=t[3] if len(t) > 3 else 0, x_smem=len(t) > 4 and bool(t[4]),
-                   x_slice=t[5] if len(t) > 5 else 0)
+                   x_slice=t[5] if len(t) > 5 else 0, pair_table=len(t) > 6 and bool(t[6]))
 
     def legacy(self, k: int) -> tuple:
         """The positional form of :meth:`of` (kernel 3's ring resolved for ``k``), to match result files."""
@@ -91,8 +98,10 @@ class MmaConfig:
         if self.kernel == 4:
             return (4, self.warps, self.rows_per_warp, self.stages) + ((self.min_ctas,) if self.min_ctas != 1 else ())
         t = (3, self.warps, self.min_ctas, self.ring or PIPE[k])
-        if self.x_smem or self.x_slice:
+        if self.x_smem or self.x_slice or self.pair_table:
             t += (int(self.x_smem),)
+        if self.pair_table:
+            return t + (self.x_slice, 1)
         return t + ((self.x_slice,) if self.x_slice else ())
 
 

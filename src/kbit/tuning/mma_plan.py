@@ -60,8 +60,11 @@ class MmaPlan:
         return KERNELS[self.kernel]
 
 
-def table_smem(k: int) -> int:
-    """Dynamic shared bytes of the codebook lookup table plus its alignment pad (k = 2: codebook in registers)."""
+def table_smem(k: int, pairs: bool = False) -> int:
+    """Dynamic shared bytes of the codebook lookup table plus its alignment pad (k = 2: codebook in registers);
+    ``pairs``: k = 5's pair table (``P5``: 1024 entries a lane, 128-byte aligned)."""
+    if k == 5 and pairs:
+        return 1024 * 32 * 4 + 128
     tab = {2: 16, 3: 64 * 32 * 4, 4: 256 * 32 * 4, 5: 32 * 32 * 4}[k]
     return tab + {3: 8192, 4: 128, 5: 4096}.get(k, 16)
 
@@ -84,17 +87,21 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
 
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
+    p5 = int(k == 5 and cfg.pair_table)
+    tab = table_smem(k, p5)
     xk = min(cfg.x_slice, S) if cfg.x_slice and not pro and not det else 0
     if xk:  # K slices of xk segments, x[:, slice] in shared memory (rows padded by 64 bytes)
         xs = 1
-        shared = table_smem(k) + M * (xk * SEG + 32) * 2
+        shared = tab + M * (xk * SEG + 32) * 2
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
-    else:
-        xs = int(cfg.x_smem and table_smem(k) + M * S * SEG * 2 <= XS_MAX)
-        shared = table_smem(k) + xs * M * S * SEG * 2
+    else:  # x staged where it fits beside the table: 2 CTAs an SM, or the one CTA of the pair table
+        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= (SMEM_MAX - S * SEG * 2 * bool(pro) if p5 else XS_MAX))
+        shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
+    if p5:
+        defines["P5"] = 1
     if pro:
         if not xs:
             raise ValueError(f"pro: an x prologue needs kernel 3 with x in shared memory, got config {cfg}")

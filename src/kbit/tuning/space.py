@@ -77,7 +77,7 @@ def candidate_from_dict(d: dict) -> Candidate:
     return Candidate(family, None if typ is None or cfg is None else typ(**cfg))
 
 
-def _mma(M: int, quick: bool) -> list[MmaConfig]:
+def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
     out = [MmaConfig(1, w, min_ctas=c) for w, c in ((4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (8, 4), (16, 1))]
     for (w, c), ring, xs in itertools.product(((4, 4), (8, 2), (16, 1)), (2, 3), (False, True)):
         out.append(MmaConfig(3, w, min_ctas=c, ring=ring, x_smem=xs))
@@ -92,6 +92,9 @@ def _mma(M: int, quick: bool) -> list[MmaConfig]:
                 MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8), MmaConfig(4, 8, stages=2),
                 MmaConfig(4, 16, stages=2)}
         out = [c for c in out if c in keep]
+    if k == 5:  # the pair table (one CTA an SM): 16 warps, ring 2 were the best of 16 / 32 / 8 warps and rings 2 / 3
+        # at M = 1, 4, 16 on 12 shapes (H100, lab/p5_ab.py, benchmarks/results/h100/p5-ab-2026-11-27.md)
+        out.append(MmaConfig(3, 16, min_ctas=1, ring=2, x_smem=True, pair_table=True))
     return out
 
 
@@ -163,7 +166,7 @@ def search_space(k: int, M: int, N: int, K: int, *, cuda: bool = True, sm90: boo
             raise ValueError(f"families: expected a subset of {FAMILIES}, got {f!r}")
     out: list[Candidate] = []
     if "mma" in families and cuda and M <= 4 * MAX_M:
-        out += [Candidate("mma", c) for c in _mma(M, quick)]
+        out += [Candidate("mma", c) for c in _mma(k, M, quick)]
     if "large" in families and cuda and sm90 and M > 8:
         out += [Candidate("large", c) for c in _large(M, quick)]
     if "fused" in families and M > 8:

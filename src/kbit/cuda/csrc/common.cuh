@@ -17,7 +17,9 @@
      XT           (optional, default 0) 1: K is not a multiple of 256: x's columns from kx (a kernel argument) on
                   read as zero, so x is read in place, not through a zero-padded copy (the weight's padding
                   columns between K and the block boundary hold codes of nonzero values)
-     L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait */
+     L2PF         (optional, default 0) bytes of weights l2_prefetch() pulls into L2 before the PDL wait
+     P5           (optional, default 0; k = 5, kernel 3 only) 1: look up pairs of codes in one 1024-entry table
+                  (128 KB: one CTA an SM), one shared load a pair instead of two */
 #pragma once
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -29,12 +31,20 @@ struct __align__(8) V2 { u32 x, y; };
 #define NW (4 * K_BITS)        /* code words per lane per segment */
 #define SV (FP16_SCALES ? 2 : 1) /* scale vectors per lane per segment */
 
+#ifndef P5
+#define P5 0
+#endif
+#if P5 && K_BITS != 5
+#error "P5: the pair table is for K_BITS 5"
+#endif
 #if K_BITS == 2
 #define TAB_WORDS 4 /* unused: k = 2 looks up from registers */
 #elif K_BITS == 3
 #define TAB_WORDS (64 * 32)
 #elif K_BITS == 4
 #define TAB_WORDS (256 * 32)
+#elif P5
+#define TAB_WORDS (1024 * 32) /* k = 5, P5: a word (lo, hi) per (code pair, lane), as k = 3, 4 */
 #else
 #define TAB_WORDS (32 * 32) /* k = 5: a 32-bit word (h, h) per (code, lane): lane l reads bank l */
 #endif
@@ -43,6 +53,8 @@ struct __align__(8) V2 { u32 x, y; };
    lookup address is (field | lane bits | table address) in one LOP3 (k = 3, 5) */
 #if K_BITS == 3
 #define TAB_ALIGN 8192
+#elif K_BITS == 5 && P5
+#define TAB_ALIGN 128 /* a 128 KB alignment would waste up to 128 KB: the pair's field is added, not ORed */
 #elif K_BITS == 5
 #define TAB_ALIGN 4096
 #elif K_BITS == 4
@@ -213,6 +225,13 @@ __device__ __forceinline__ void lookup(const u32* w, int u, LB lbb, u32 (&A)[2][
     const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
     A[h][r + 2 * j] = lds32(lbb.a | fld(w, (u * 16 + 2 * f) * 3, 6, 7));
   }
+#elif P5
+  /* codes c, c + 1 are the 10 stream bits from 5c: one entry (lo, hi) of the pair table */
+#pragma unroll
+  for (int f = 0; f < 8; ++f) {
+    const int h = f >> 2, j = (f >> 1) & 1, r = f & 1;
+    A[h][r + 2 * j] = lds32(lbb.a + fld(w, (u * 16 + 2 * f) * 5, 10, 7));
+  }
 #else
 #pragma unroll
   for (int f = 0; f < 8; ++f) {
@@ -252,6 +271,11 @@ __device__ __forceinline__ void build_table(u32* s_tab, const float* __restrict_
   }
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
+#elif P5
+  for (u32 i = tid; i < 1024 * 32; i += nt) {
+    const u32 e = i >> 5;
+    s_tab[i] = cbv<IDX>(cb, e & 31) | (cbv<IDX>(cb, e >> 5) << 16);
+  }
 #else
   for (u32 i = tid; i < 32 * 32; i += nt) {
     const u32 v = cbv<IDX>(cb, i >> 5);

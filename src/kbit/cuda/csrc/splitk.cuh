@@ -215,6 +215,12 @@ __device__ __forceinline__ void build_table_fast(u32 tab, const float* __restric
   }
 #elif K_BITS == 2
   /* no table: lookup() reads the four codebook halves from registers (lane_bits) */
+#elif P5
+  for (u32 i = tid; i < 8192; i += nt) {
+    const u32 e = i >> 3;
+    const u32 v = cbh(c, e & 31) | (cbh(c, e >> 5) << 16);
+    sts128(tab + i * 16, v, v);
+  }
 #else
   for (u32 i = tid; i < 256; i += nt) {
     const u32 h = cbh(c, i >> 3);
