@@ -291,6 +291,35 @@ def test_kernel1_splits_k_only_where_sms_idle(N, K, min_ctas, splits):
     assert p.grid <= 132 * min_ctas
 
 
+P5 = Mma(3, warps=16, min_ctas=1, ring=2, x_smem=True, pair_table=True)
+
+
+def test_pair_table_plan():
+    """k = 5 with ``pair_table``: the P5 build with the 128 KB table, x staged beside it up to the whole shared
+    memory (one CTA an SM); other k ignore the flag; the flag needs kernel 3 at one CTA an SM."""
+    fake = lambda k, d: _FakeKernel(d)  # noqa: E731
+    p = TP.make_plan(5, 1, 16384, 16384, "log8", P5, sms=132, build=fake)
+    assert p.defines["P5"] == 1 and p.defines["XS"] == 1 and p.shared == TP.table_smem(5, True) + 16384 * 2
+    assert TP.table_smem(5, True) == 1024 * 32 * 4 + 128
+    assert TP.make_plan(5, 16, 16384, 16384, "log8", P5, sms=132, build=fake).defines["XS"] == 0  # x: 512 KB
+    assert TP.make_plan(5, 1, 8192, 53248, "log8", P5, sms=132, build=fake).defines["XS"] == 0  # 104 KB + 128 KB
+    for k in (2, 3, 4):
+        p = TP.make_plan(k, 1, 16384, 16384, "log8", P5, sms=132, build=fake)
+        assert "P5" not in p.defines and p.shared == TP.table_smem(k) + 16384 * 2
+    assert Mma.of(P5.legacy(5)) == P5
+    for bad in (dict(kernel=1, warps=8, min_ctas=1), dict(kernel=3, warps=8, min_ctas=2)):
+        with pytest.raises(ValueError, match="config.pair_table: expected kernel 3 at min_ctas 1"):
+            Mma(**bad, pair_table=True)
+
+
+def test_pair_table_in_the_search_space_at_k5_only():
+    from kbit.tuning.space import search_space
+
+    for k in (2, 3, 4, 5):
+        cands = search_space(k, 1, 16384, 16384, families=("mma",), quick=True)
+        assert any(c.config.pair_table for c in cands) == (k == 5)
+
+
 def test_validation_errors():
     codes, scales, ts, cb = make_weight(4, 64, 4)
     kw = dict(k=4, blocksize=32, scale_format="log8", N=4, K=64)
@@ -391,6 +420,19 @@ def test_mma_gpu_x_tail_read_in_place(K_, M, config):
     assert MC.x_rows(x, -(-K_ // 256)) is x
     for k in (2, 4, 5):
         check(N, K_, k, M, torch.bfloat16, x=x, bias=True, config=config, seed=K_ + k)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 33])
+@pytest.mark.parametrize("N,K_,B,sf", [(2880, 5120, 32, "log8"), (5120, 2880, 64, "fp16"), (17, 300, 32, "log8"),
+                                       (1000, 4000, 128, "log8"), (4096, 53248, 32, "log8")])
+def test_mma_gpu_pair_table(M, N, K_, B, sf):
+    """k = 5's pair table (``P5``: one shared load a pair of codes from the 1024-entry table) against the float64
+    reference: both activation dtypes, x staged and read from global memory (K = 53248: x does not fit beside the
+    table), K not a multiple of 256, bias."""
+    for dtype in (torch.bfloat16, torch.float16):
+        check(N, K_, 5, M, dtype, B=B, sf=sf, bias=N % 2 == 1, seed=M + N, config=P5)
 
 
 @pytest.mark.gpu
