@@ -34,7 +34,9 @@ SUITE = [RES / "h100" / "suite-k4-2026-11-27.json", RES / "h100" / "suite-k4-res
          RES / "h100" / "suite-m1-2026-11-27" / "suite-m1-p2-2026-11-27.json",
          RES / "h100" / "suite-m1-k4-2026-11-27" / "suite-m1-k4-p1-2026-11-27.json",
          RES / "h100" / "suite-m1-k4-2026-11-27" / "suite-m1-k4-p2-2026-11-27.json",
-         RES / "h100" / "suite-m1-k235-2026-11-27" / "suite-m1-k235-p1-2026-11-27.json"]
+         RES / "h100" / "suite-m1-k235-2026-11-27" / "suite-m1-k235-p1-2026-11-27.json",
+         RES / "h100" / "suite-m1-k5-2026-11-27" / "suite-m1-k5-p1-2026-11-27.json",
+         RES / "h100" / "suite-m1-k5-2026-11-27" / "suite-m1-k5-p2-2026-11-27.json"]
 KS = (2, 3, 4, 5)
 
 
