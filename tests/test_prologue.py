@@ -128,6 +128,43 @@ def test_prologue_cta_units(monkeypatch, M, N, K, silu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("cau", [False, True])
+@pytest.mark.parametrize("M,N,K", [(1, 6144, 4096), (3, 1024, 2888), (8, 28672, 1024)])
+def test_prologue_pair_table_gpu(monkeypatch, dtype, silu, cau, M, N, K):
+    """k = 5 where the plain launch takes the pair table (forced here): the prologue launch takes it too (P5 with
+    the norm prologue and the SiLU * up epilogue, CTA-aligned units forced or not), against the float64 reference."""
+    p5 = MmaConfig(kernel=3, warps=16, min_ctas=1, ring=2, x_smem=True, pair_table=True)
+    monkeypatch.setattr(gemv_mma, "launch_config", lambda *a, **kw: p5)
+    if cau:
+        monkeypatch.setattr(mma_units, "CAU_MIN_EFF", 0.0)
+        monkeypatch.setattr(mma_units, "CAU_IDLE_US", float("inf"))
+    gemv_mma.PLANS.clear()
+    try:
+        q = _lin(N, K, 5, dtype, "cuda", seed=N + K + M, bias=(M == 3)).repack_for_kernels()
+        g = torch.Generator().manual_seed(M * K)
+        x, res = (torch.randn(M, K, generator=g).to(dtype).cuda() for _ in range(2))
+        w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype).cuda()
+        assert prologue_config(5, M, N, K, p5) == p5
+        plans = []
+        real_get = gemv_mma.PLANS.get
+        monkeypatch.setattr(gemv_mma.PLANS, "get", lambda *a, **kw: plans.append(real_get(*a, **kw)) or plans[-1])
+        h_ref, _ = glue.rms_norm_reference(x.double(), w.double(), 1e-5, res.double())
+        z_ref = h_ref @ _w64(q).T.to(h_ref.device)
+        if q.bias is not None:
+            z_ref = z_ref + q.bias.double()
+        y_ref = torch.nn.functional.silu(z_ref[:, :N // 2]) * z_ref[:, N // 2:] if silu else z_ref
+        for _ in range(2):  # twice: the epilogue's counters are left clean
+            y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
+            assert torch.equal(r, res + x) and _rel(y, y_ref) < TOL[dtype]
+        assert plans and all(p[0].defines.get("P5") == 1 and p[0].defines.get("PRO") for p in plans)
+    finally:
+        gemv_mma.PLANS.clear()
+
+
+
+@pytest.mark.gpu
 def test_counters_reset_between_calls():
     """The epilogue's pair counters are back at zero after a call: repeated calls give identical outputs."""
     dev, dtype = "cuda", torch.bfloat16
@@ -165,6 +202,10 @@ def test_fused_config():
     assert prologue_config(4, 1, 4096, 4096) == MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[4], x_smem=True)
     assert prologue_config(4, 9, 4096, 4096) is None  # M > 8: kernel 4
     assert prologue_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
+    p5 = MmaConfig(kernel=3, warps=16, min_ctas=1, ring=2, x_smem=True, pair_table=True)
+    assert prologue_config(5, 1, 6144, 4096, p5) == p5  # the plain launch's pair table (k = 5)
+    assert prologue_config(5, 1, 6144, 4096, MmaConfig(kernel=1, warps=8)).kernel == 3  # any other: as before
+    assert not prologue_config(5, 1, 4096, 25600, p5).pair_table  # x, the norm weight and 128 KB: over 227 KB
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -66,7 +66,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and K % 8 == 0
             and rows_aligned(x) and residual.is_contiguous() and rows_aligned(residual)
             and kernels_available(x.device) and not torch.compiler.is_compiling()):
-        cfg = prologue_config(lin.k, M, N, K)
+        cfg = prologue_config(lin.k, M, N, K, gemv_mma.launch_config(lin.k, M, N, K, x.device))
     if cfg is None:
         h, r = add_rms_norm(x, residual, weight, eps)
         z = lin(h)

@@ -8,7 +8,7 @@ tests can run it with a fake build.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
@@ -294,13 +294,18 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
                    use_ws=kernel in (3, 4) or st["splits"] > 1 or bool(defines.get("SK")))
 
 
-def prologue_config(k: int, M: int, N: int, K: int) -> MmaConfig | None:
+def prologue_config(k: int, M: int, N: int, K: int, plain: MmaConfig | LargeConfig | None = None) -> MmaConfig | None:
     """The kernel-3 config (x in shared memory) of a launch with an x prologue (``kbit.dispatch.prologue``), or None
     when it does not apply (M > 8, or x [M, K] and the norm weight do not fit in shared memory beside the lookup
-    table)."""
+    table). ``plain``: the config of the same launch without a prologue (``kbit.ops.gemv_mma.launch_config``: the
+    tuned table's where it has one); where that one takes k = 5's pair table and x and the norm weight fit beside it,
+    the prologue launch takes it too (the same weight read, with the same lookups)."""
     if not 1 <= M <= 8:
         return None
     S = -(-K // SEG)
+    if (k == 5 and isinstance(plain, MmaConfig) and plain.pair_table
+            and table_smem(k, True) + (M + 1) * S * SEG * 2 <= SMEM_MAX):
+        return replace(plain, x_smem=True, x_slice=0)
     if table_smem(k) + (M + 1) * S * SEG * 2 > XS_MAX:
         return None
     cfg = default_config(k, M, N, K)
