@@ -14,15 +14,19 @@ PART=${PART:-all}
 BIG="tests/test_moe.py tests/test_layout.py tests/test_grouped_mma.py"
 if [ "$PART" = all ] || [ "$PART" = tests ] || [ "$PART" = a ]; then
   # twelve processes share one GPU's memory: on an 80 GB H100 the largest tests can run out of it together, so
-  # part a's failures run once more one at a time (the summary shows both)
-  timeout ${TEST_TIMEOUT:-480} python -m pytest -q -o cache_dir=/tmp/pytest-a -m gpu -n ${XDIST:-12} \
+  # part a's failures run once more one at a time (the summary shows both). -v names each test as it ends, so a
+  # run cut by the time limit (a fresh machine compiles first: 2026-11-27 one stopped at 847 of 848) still names
+  # its failures; they are rerun by name (pytest's --lf knows only runs that finished)
+  timeout ${TEST_TIMEOUT:-480} python -m pytest -v -o cache_dir=/tmp/pytest-a -m gpu -n ${XDIST:-12} \
     --ignore=tests/test_moe.py --ignore=tests/test_layout.py --ignore=tests/test_grouped_mma.py > $OUT/tests-a.log 2>&1
-  if grep -q "^FAILED" $OUT/tests-a.log; then
-    timeout ${RERUN_TIMEOUT:-300} python -m pytest -q -o cache_dir=/tmp/pytest-a -m gpu --lf --lfnf=none \
-      --ignore=tests/test_moe.py --ignore=tests/test_layout.py --ignore=tests/test_grouped_mma.py \
-      > $OUT/tests-a-rerun.log 2>&1
+  FAILS=$(grep -oE "(FAILED|ERROR) tests/[^ ]+" $OUT/tests-a.log | awk '{print $2}' | sort -u)
+  if [ -n "$FAILS" ]; then
+    # shellcheck disable=SC2086  # one argument a test id
+    timeout ${RERUN_TIMEOUT:-300} python -m pytest -q -p no:cacheprovider -m gpu $FAILS > $OUT/tests-a-rerun.log 2>&1
   fi
-  { echo "## pytest -m gpu, part a"; grep -E "passed|failed|FAILED|ERROR" $OUT/tests-a.log | tail -n 15;
+  { echo "## pytest -m gpu, part a"; grep -cE " PASSED " $OUT/tests-a.log | sed 's/$/ PASSED lines/';
+    grep -E "(FAILED|ERROR) tests/|passed|failed" $OUT/tests-a.log | grep -v "^\[gw" | tail -n 15;
+    grep -oE "(FAILED|ERROR) tests/[^ ]+" $OUT/tests-a.log | sort -u | head -n 30;
     [ -f $OUT/tests-a-rerun.log ] && { echo "## part a's failures, one at a time";
       grep -E "passed|failed|FAILED|ERROR" $OUT/tests-a-rerun.log | tail -n 15; }; } >> $OUT/summary.txt
 fi
