@@ -421,14 +421,11 @@ class StaticDecoder:
         n, ids, offset = self.length, self.ids.clone(), self.offset.clone()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        site = None
         try:
             with torch.cuda.stream(stream):
-                for i in range(max(1, warmup)):
-                    if i == max(1, warmup) - 1:  # earlier steps may sync once (first-call set-up)
-                        site = _host_sync_site(self._step_body)
-                    else:
-                        self._step_body()
+                for _ in range(max(1, warmup) - 1):  # these may sync once (first-call set-up); the last may not
+                    self._step_body()
+                site = _host_sync_site(self._step_body)
         finally:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._restore(n, ids, offset)

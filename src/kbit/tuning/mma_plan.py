@@ -96,8 +96,9 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
-    else:  # x staged where it fits beside the table: 2 CTAs an SM, or the one CTA of the pair table
-        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= (SMEM_MAX - S * SEG * 2 * bool(pro) if p5 else XS_MAX))
+    else:  # x staged where it fits beside the table: 2 CTAs an SM, or the one CTA of the pair table (a prologue's
+        # norm weight too: prologue_config checks it)
+        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= (SMEM_MAX if p5 else XS_MAX))
         shared = tab + xs * M * S * SEG * 2
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if p5:
