@@ -1,5 +1,5 @@
-"""End-to-end decode tokens/s: random-initialised Llama-3-8B- and Qwen3-30B-A3B-shaped transformers models,
-bf16 against kbit (k = 2..5), at batch 1, 4, 16, 64, the same decode loop on both sides.
+"""End-to-end decode tokens/s: random-initialised Llama-3-8B-, Qwen3-8B-, Qwen2.5-7B- and Qwen3-30B-A3B-shaped
+transformers models, bf16 against kbit (k = 2..5), at batch 1, 4, 16, 64, the same decode loop on both sides.
 
 Models are real transformers code built from configs (no download), directly on the GPU in bf16 (built on
 the meta device, then each part materialised with ``to_empty`` and filled with N(0, 0.02), norms with 1).
@@ -31,8 +31,8 @@ roofline at the read ceiling (measured once at the start, or ``--ceiling-tbps``)
 ``.png`` (timeline); all tables also in ``profile.txt``. ``--layers N`` keeps the first N decoder layers of each
 model (quick profiles).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-8b,qwen3-30b-a3b] [--k 2,3,4,5]
-        [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-8b,qwen2.5-7b,qwen3-30b-a3b]
+        [--k 2,3,4,5] [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ def configs(tiny: bool = False) -> dict:
             "llama-tiny": transformers.LlamaConfig(
                 hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=96, max_position_embeddings=256),
+            "qwen2-tiny": transformers.Qwen2Config(  # q/k/v biases
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96, max_position_embeddings=256),
             "qwen3moe-tiny": transformers.Qwen3MoeConfig(
                 hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -83,6 +86,11 @@ def configs(tiny: bool = False) -> dict:
             hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
             num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
             rope_theta=1000000.0, tie_word_embeddings=False),
+        # Qwen2.5-7B: q/k/v with biases, 4 KV heads, a 152064-row lm_head (1.09 GB in bf16)
+        "qwen2.5-7b": transformers.Qwen2Config(
+            hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+            num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0,
+            tie_word_embeddings=False),
         "qwen3-30b-a3b": transformers.Qwen3MoeConfig(
             hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,

@@ -220,7 +220,7 @@ def test_bench_e2e_tiny(tmp_path, extra):
     assert "llama-tiny" in (tmp_path / "e2e.md").read_text() and (tmp_path / "e2e.json").exists()
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen3moe-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3moe-tiny"])
 def test_bench_fused_projections_same_model(name):
     bench = _bench()
     config = bench.configs(tiny=True)[name]
