@@ -74,15 +74,20 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
                                                  int M, int xv, const u16* __restrict__ res,
                                                  u16* __restrict__ res_out, float eps, int kin, int r_stride,
                                                  u32 tid, u32 lane, u32 warp, u32 W) {
+  /* The tokens are staged side by side, not one after another: warp group q (wpt warps) takes the tokens q,
+     q + groups, ... and leaves each token's sum of squares in s_pro (one partial a warp); one CTA barrier, then
+     every thread normalises. So the prologue costs about one x load whatever M is (a loop over the tokens with a
+     barrier pair each cost M round trips to L2 before the first mma). */
   const int nv = kin >> 3;  /* 8-column vectors that hold data (kin % 8 == 0) */
-  const int bd = (int)blockDim.x;
-  for (int tok = 0; tok < M; ++tok) {
+  const int wpt = (int)W >= M ? (int)W / M : 1, groups = (int)W / wpt;  /* M * wpt <= max(W, M) <= 32 */
+  const int grp = (int)warp / wpt, sub = ((int)warp - grp * wpt) * 32 + (int)lane, gt = wpt * 32;
+  for (int tok = grp; grp < groups && tok < M; tok += groups) {
     float ss = 0.0f;
-    for (int c0 = (int)tid; c0 < xv; c0 += PRO_U * bd) {
+    for (int c0 = sub; c0 < xv; c0 += PRO_U * gt) {
       V4 v[PRO_U], r[PRO_U];
 #pragma unroll
       for (int u = 0; u < PRO_U; ++u) {
-        const int c = c0 + u * bd;
+        const int c = c0 + u * gt;
         v[u] = r[u] = V4{0u, 0u, 0u, 0u};
         if (c < nv) {
           v[u] = *(const V4*)(x + (long long)tok * x_stride + 8 * c);
@@ -93,7 +98,7 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
       }
 #pragma unroll
       for (int u = 0; u < PRO_U; ++u) {
-        const int c = c0 + u * bd;
+        const int c = c0 + u * gt;
         if (c < xv) {
 #if PRO == 2
           float f[8];
@@ -110,13 +115,14 @@ __device__ __forceinline__ void stage_x_prologue(V4* sx, const V4* sw, const u16
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) s_pro[warp] = ss;
-    __syncthreads();
+    if (lane == 0) s_pro[tok * wpt + ((int)warp - grp * wpt)] = ss;
+  }
+  __syncthreads();
+  for (int tok = 0; tok < M; ++tok) {
     float tot = 0.0f;
-    for (u32 w = 0; w < W; ++w) tot += s_pro[w];
+    for (int q = 0; q < wpt; ++q) tot += s_pro[tok * wpt + q];
     const float rs = rsqrtf(tot / (float)kin + eps);
-    __syncthreads();  /* s_pro is reused by the next token */
-    for (int c = (int)tid; c < nv; c += bd) {  /* the vectors this thread wrote above */
+    for (int c = (int)tid; c < nv; c += (int)blockDim.x) {
       const V4 v = sx[tok * xv + c], wv = sw[c];
       float f[8];
 #pragma unroll
