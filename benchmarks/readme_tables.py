@@ -18,11 +18,12 @@ DENSE_M1 = RES / "h100" / "issue3-2026-11-22c.json"
 DENSE_BY_M = RES / "h100" / "issue4-2026-11-23.json"
 MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 #: end to end: (model, batch) rows from the newest file that has them
-E2E = [RES / "h100" / name for name in ("e2e-final-2026-11-23.json", "e2e-b4-16-2026-11-22.json",
-                                        "e2e-b32-b64-2026-11-22.json", "e2e-qwen3-2026-11-22e.json")]
+E2E = [RES / "h100" / name for name in ("e2e-h100-2026-11-27c.json", "e2e-h100-2026-11-27c-moe.json",
+                                        "e2e-b32-b64-2026-11-22.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
-#: the decode-step profiles (``kbit.bench.step_profile``) whose roofline share the end-to-end section quotes
-PROFILES = RES / "h100" / "e2e-profile-2026-11-26"
+#: the decode-step profiles (``kbit.bench.step_profile``) whose roofline share the end-to-end section quotes: a
+#: model's newest folder first
+PROFILES = [RES / "h100" / "e2e-profile-2026-11-27b", RES / "h100" / "e2e-profile-2026-11-26"]
 #: the model-shape suite (``kbit bench --suite models --peers humming``; the rest file: the smaller shapes at M = 1
 #: that the first run's budget left out; the m1 files: every shape at M = 1, k = 2..5; the m1-k4 files: k = 4 again,
 #: without T64 and with the 50 ms timing warm-up; the m1-k235 file: k = 2, 3, 5 of the larger half with the warm-up),
@@ -110,46 +111,55 @@ def moe_table(path: Path) -> str:
 
 
 def e2e_table(paths: list[Path], ks=(4, 2), note: str = "") -> str:
-    """Decode tokens/s (``benchmarks/bench_e2e.py``), each (model, batch) from the first file in ``paths`` that has
-    it; bf16 and kbit from the same run. ``note``: appended to the table's heading paragraph."""
+    """Decode tokens/s (``benchmarks/bench_e2e.py``): a row per model and file, its batches side by side, each
+    (model, batch) from the first file in ``paths`` that has it; bf16 and kbit from the same run. ``note``: appended
+    to the table's heading paragraph."""
     seen, out = set(), []
     for path in paths:
         d = _load(path)
         rows = [r for r in d["rows"] if r.get("tokens_per_s")]
+        by_model: dict = {}
         for model, b in dict.fromkeys((r["model"], r["batch"]) for r in rows):
-            if (model, b) in seen:
-                continue
-            seen.add((model, b))
-            tps = {r["k"] if r["variant"] == "kbit" else "bf16": r["tokens_per_s"] for r in rows
-                   if (r["model"], r["batch"]) == (model, b) and r["variant"] in ("kbit", "bf16")}
-            cells = [f"{tps[k]:.0f} ({tps[k] / tps['bf16']:.2f}x)" if k in tps else "-" for k in ks]
-            out.append(f"| {model} | {b} | {tps['bf16']:.0f} | " + " | ".join(cells) +
-                       f" | `{path.name}` ({d['meta']['commit']}) |")
+            if (model, b) not in seen:
+                seen.add((model, b))
+                by_model.setdefault(model, []).append(b)
+        for model, batches in by_model.items():
+            tps = {b: {r["k"] if r["variant"] == "kbit" else "bf16": r["tokens_per_s"] for r in rows
+                       if (r["model"], r["batch"]) == (model, b) and r["variant"] in ("kbit", "bf16")} for b in batches}
+            cells = [" / ".join(f"{tps[b][k]:.0f} ({tps[b][k] / tps[b]['bf16']:.2f}x)" if k in tps[b] else "-"
+                                for b in batches) for k in ks]
+            bf16 = " / ".join(f"{tps[b]['bf16']:.0f}" for b in batches)
+            out.append(f"| {model} | {' / '.join(map(str, batches))} | {bf16} | " + " | ".join(cells)
+                       + f" | `{path.name}` ({d['meta']['commit']}) |")
     meta = [_load(path)["meta"] for path in paths]
     devices = ", ".join(dict.fromkeys(m["device"] for m in meta))
     contexts = ", ".join(dict.fromkeys(str(m["ctx"]) for m in meta))
+    flags = "`, `".join(dict.fromkeys("--fuse --fuse-proj" if m.get("fuse") else "--fuse-proj" for m in meta))
     head = [f"{devices}, one CUDA graph a decode step on both sides, context {contexts}, `StaticDecoder`'s fast "
-            "decode step, q/k/v and gate/up fused on both sides (`--fuse --fuse-proj`). Cells: tokens/s (x bf16); "
-            f"files under `{paths[0].parent.relative_to(ROOT)}/`." + note, "",
-            "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in ks) + " | file (commit) |",
+            f"decode step, q/k/v and gate/up fused on both sides (`{flags}`: each file's command is in it). Cells: "
+            f"tokens/s (x bf16) at each batch of the row; files under `{paths[0].parent.relative_to(ROOT)}/`." + note,
+            "", "| model | batch | bf16 | " + " | ".join(f"k={k}" for k in ks) + " | file (commit) |",
             "|---|--:|--:|" + "--:|" * len(ks) + "---|"]
     return "\n".join(head + out)
 
 
-def roofline_line(folder: Path) -> str:
-    """The batch-1 k = 4 steps' share of their byte roofline, from the step profiles' own summary lines."""
-    parts, commits = [], set()
-    for f in sorted(folder.glob("step-*-kbit-k4-b1.txt")):
-        text = f.read_text()
-        head = re.search(r"^step profile: (\S+) .*commit (\w+)\)", text, re.M)
-        share = re.search(r"roofline at [\d.]+ TB/s.*: ([\d.]+) ms = ([\d.]+)% of the step", text)
-        if head and share:
-            parts.append(f"{head.group(1)} {float(share.group(2)):.0f}% ({share.group(1)} ms of bytes)")
-            commits.add(head.group(2))
+def roofline_line(folders: list[Path]) -> str:
+    """The batch-1 k = 4 steps' share of their byte roofline, from the step profiles' own summary lines; a model's
+    from the first folder that has it."""
+    parts, used, seen = [], {}, set()
+    for folder in folders:
+        for f in sorted(folder.glob("step-*-kbit-k4-b1.txt")):
+            text = f.read_text()
+            head = re.search(r"^step profile: (\S+) .*commit (\w+)\)", text, re.M)
+            share = re.search(r"roofline at [\d.]+ TB/s.*: ([\d.]+) ms = ([\d.]+)% of the step", text)
+            if head and share and head.group(1) not in seen:
+                seen.add(head.group(1))
+                parts.append(f"{head.group(1)} {float(share.group(2)):.0f}% ({share.group(1)} ms of bytes)")
+                used.setdefault(f"`{folder.relative_to(ROOT)}/` ({head.group(2)})", None)
     if not parts:
         return ""
-    return (f" Batch-1 k = 4 steps against the bytes they must read at the read ceiling (step profiles, "
-            f"`{folder.relative_to(ROOT)}/`, commit {', '.join(sorted(commits))}): " + ", ".join(parts) + ".")
+    return (" Batch-1 k = 4 steps against the bytes they must read at the read ceiling (step profiles, "
+            + ", ".join(used) + "): " + ", ".join(parts) + ".")
 
 
 def quality_table(path: Path) -> str:
