@@ -8,12 +8,15 @@ its cost is what it adds to the step, not its time alone (``kbit.bench.step_prof
 an H100 at context 512 for ~1-2 MB of K/V). For each model (bench_e2e's shapes, the first ``--layers`` decoder
 layers, k = 4, q/k/v and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2e's
 ``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the
-shipped rule and with the rule before d335bfc (``--rules-only``: those two). Prints ms a step and us a layer
-against the rule, a short table last; writes ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
+shipped rule and with the rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped
+rule and the rule with its 2 warps raised to 4, alternating twice (2026-11-27: the 2-warp launches spill 488 bytes a
+thread at D = 128). Prints ms a step and us a layer against the rule, a short table last; writes
+``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,6 +51,12 @@ def rule_before(batch_heads, length, head_dim, sms=A.DEFAULT_SMS):
     return A.DecodeAttentionConfig(chunk=chunk, block_n=block_n)
 
 
+def rule_w4(*a, **kw):
+    """The shipped rule with 4 warps where it gives 2."""
+    cfg = RULE(*a, **kw)
+    return dataclasses.replace(cfg, num_warps=4) if cfg.num_warps == 2 else cfg
+
+
 def timed(rows: list, args, model, case: dict, label: str, fn) -> float | None:
     """One step timing with ``fn`` as the attention's config rule; appends its row, returns ms a step."""
     A.attention_config = fn
@@ -77,6 +86,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rules-only", action="store_true", help="time the shipped rule and the one before only")
+    ap.add_argument("--warps-ab", action="store_true", help="the rule against the rule with 4 warps, alternating")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -89,6 +99,14 @@ def main() -> int:
         for ctx in map(int, args.ctx.split(",")):
             for batch in map(int, args.batch.split(",")):
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
+                if args.warps_ab:
+                    for label, fn in (("rule", RULE), ("rule w4", rule_w4)) * 2:
+                        ms = timed(rows, args, model, case, label, fn)
+                        if label == "rule":
+                            base = ms
+                        elif ms is not None and base:
+                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                    continue
                 base = timed(rows, args, model, case, "rule", RULE)
                 ms = timed(rows, args, model, case, "rule before", rule_before)
                 if ms is not None and base:
