@@ -87,8 +87,11 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
         out += [MmaConfig(4, w, rows_per_warp=r, stages=s) for w, r, s in itertools.product((8, 16), (1, 2), (2, 3))]
     if quick:  # kernel 1 with 3 CTAs an SM: the built-in rules' choice at M = 1 on small weights took 0.83-0.94x
         # the time of the best other quick config there (H200, tune-suite run of 2026-11-26, k = 2..4, 4608x3584)
+        # kernel 3 with one CTA of 16 warps an SM: the full space's best on 3 of 5 large shapes at k = 2, M = 1
+        # (H100, 2026-11-27: 8192x28672 34.98 us against the quick space's 40.61)
         keep = {MmaConfig(1, 8, min_ctas=2), MmaConfig(1, 8, min_ctas=3), MmaConfig(1, 4, min_ctas=4),
-                MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True),
+                MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True), MmaConfig(3, 16, min_ctas=1, ring=2),
+                MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True),
                 MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8), MmaConfig(4, 8, stages=2),
                 MmaConfig(4, 16, stages=2)}
         out = [c for c in out if c in keep]
