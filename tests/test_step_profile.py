@@ -10,7 +10,17 @@ import pytest
 import torch
 
 from kbit.bench import step_profile as sp
-from kbit.bench.step_report import by_kind, format_kernels, format_report, plot_timeline, short_name, to_dict, top_rows
+from kbit.bench.step_report import (
+    by_kind,
+    critical_us,
+    format_kernels,
+    format_report,
+    from_dict,
+    plot_timeline,
+    short_name,
+    to_dict,
+    top_rows,
+)
 from kbit.bench.step_trace import (
     NO_RANGE,
     Kernel,
@@ -203,6 +213,11 @@ def test_report_table_json_and_plot(tmp_path):
     assert [(g["role"], g["name"]) for g in top] == [("layers.*.mlp.experts", "experts"),
                                                      ("layers.*.o_proj", "void gemv<4>(int)")]
     assert top_rows(p, "gap_us", 1)[0]["name"] == "argmax"  # 38 us idle before it
+    # the critical path: each end past the latest earlier end (the lonely kernel ends 1 us after the experts)
+    assert critical_us(p.rows) == pytest.approx([1, 29, 10, 31, 1, 40]) and sum(critical_us(p.rows)) == p.span_us
+    assert [(g["name"], g["crit_us"]) for g in top_rows(p, "crit_us", 2)] == [("argmax", 40), ("experts", 31)]
+    assert {g["kind"]: g["crit_us"] for g in by_kind(p)} == pytest.approx({"k-bit GEMV": 61, "MoE routing": 10,
+                                                                          "other": 41})
     text = format_report(p, top=3)
     assert "step profile: synthetic" in text and "eager step unprofiled 1.500 ms" in text
     assert "65.5% of the step" in text  # 131 MB at 2 TB/s = 65.5 us of a 100 us step
@@ -213,6 +228,7 @@ def test_report_table_json_and_plot(tmp_path):
     listing = format_kernels(p).splitlines()
     assert len(listing) == 7 and listing[2].split()[:6] == ["1", "10.0", "20.00", "9.00", "40.000", "2.00"]
     d = json.loads(json.dumps(to_dict(p)))
+    assert from_dict(d) == p  # read back from its JSON
     assert len(d["kernels"]) == 6 and d["nbytes"] == 131_000_000
     pytest.importorskip("matplotlib")
     out = plot_timeline(p, tmp_path / "t.png")

@@ -1,8 +1,14 @@
 """The decode-step profile as a short text table, a JSON document and a timeline plot (issue 36).
 
 The table: how the step was timed, its totals (step time, kernel time, idle gaps, overlap, bytes, the byte roofline
-at the read ceiling and the step's % of it), then the kernels grouped by kind, the top kernels by time and the top
-by the idle time before them (both summed over the layers: one row per module role and kernel name).
+at the read ceiling and the step's % of it), then the kernels grouped by kind, the top kernels by time, by the idle
+time before them and by their time on the critical path (all summed over the layers: one row per module role and
+kernel name).
+
+A kernel's time on the critical path is how far its end lies past the end of every kernel that started before it.
+Under programmatic dependent launch a kernel starts while its predecessor runs and waits inside, so its duration
+overstates what it costs the step; these times add up to the timeline's span instead, and set against the kernel's
+bytes at the read ceiling they say what each piece costs above its bytes.
 """
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from pathlib import Path
 
 from kbit.bench.step_trace import KINDS, NO_RANGE, KernelRow, StepProfile, role
 
-__all__ = ["by_kind", "format_kernels", "format_report", "plot_timeline", "short_name", "to_dict", "top_rows"]
+__all__ = ["by_kind", "critical_us", "format_kernels", "format_report", "from_dict", "plot_timeline", "short_name",
+           "to_dict", "top_rows"]
 
 #: a kind's colour on the timeline (matplotlib colour names)
 COLOURS = {"k-bit GEMV": "tab:blue", "bf16 GEMV": "tab:cyan", "MoE routing": "tab:purple", "attention": "tab:green",
@@ -48,27 +55,42 @@ def _tbps(nbytes: float, us: float) -> float:
     return nbytes / (us * 1e-6) / 1e12 if us > 0 else float("nan")
 
 
+def critical_us(rows: tuple[KernelRow, ...] | list[KernelRow]) -> list[float]:
+    """Each kernel's time on the critical path (rows in start order): its end minus the latest end of the kernels
+    before it, or 0 when it ends earlier. They add up to the span of the rows."""
+    out, latest = [], rows[0].start_us if rows else 0.0
+    for r in rows:
+        end = r.start_us + r.dur_us
+        out.append(max(0.0, end - latest))
+        latest = max(latest, end)
+    return out
+
+
 def by_kind(p: StepProfile) -> list[dict]:
-    """Per kind (KINDS order, kinds with kernels only): kernels, time, positive gaps before them, bytes."""
-    out = []
+    """Per kind (KINDS order, kinds with kernels only): kernels, time, positive gaps before them, time on the
+    critical path, bytes."""
+    out, crit = [], critical_us(p.rows)
     for kind in KINDS:
-        rows = [r for r in p.rows if r.kind == kind]
-        if rows:
+        idx = [i for i, r in enumerate(p.rows) if r.kind == kind]
+        if idx:
+            rows = [p.rows[i] for i in idx]
             out.append({"kind": kind, "kernels": len(rows), "us": sum(r.dur_us for r in rows),
-                        "gap_us": sum(max(r.gap_us, 0.0) for r in rows), "nbytes": sum(r.nbytes for r in rows)})
+                        "gap_us": sum(max(r.gap_us, 0.0) for r in rows), "crit_us": sum(crit[i] for i in idx),
+                        "nbytes": sum(r.nbytes for r in rows)})
     return out
 
 
 def top_rows(p: StepProfile, key: str = "us", n: int = 12) -> list[dict]:
     """The kernels grouped by (module role, kernel name), summed over layers, the ``n`` largest by ``key``
-    ("us": kernel time, "gap_us": positive idle time before them)."""
+    ("us": kernel time, "gap_us": positive idle time before them, "crit_us": time on the critical path)."""
     groups: dict = {}
-    for r in p.rows:
+    for r, crit in zip(p.rows, critical_us(p.rows), strict=True):
         g = groups.setdefault((role(r.label), r.name), {"role": role(r.label), "name": r.name, "kind": r.kind,
                                                          "calls": 0, "us": 0.0, "gap_us": 0.0, "max_gap_us": 0.0,
-                                                         "nbytes": 0.0})
+                                                         "crit_us": 0.0, "nbytes": 0.0})
         g["calls"] += 1
         g["us"] += r.dur_us
+        g["crit_us"] += crit
         g["gap_us"] += max(r.gap_us, 0.0)
         g["max_gap_us"] = max(g["max_gap_us"], r.gap_us)
         g["nbytes"] += r.nbytes
@@ -121,22 +143,36 @@ def _group_table(title: str, groups: list[dict], p: StepProfile) -> list[str]:
     return lines
 
 
+def _critical_table(title: str, groups: list[dict], p: StepProfile) -> list[str]:
+    lines = ["", title, f"{'role':34s} {'kernel':32s} {'kind':11s} {'n':>4s} {'path us':>9s} {'bytes us':>9s} "
+             f"{'above':>9s} {'path/n':>7s}"]
+    for g in groups:
+        roof = g["nbytes"] / (p.ceiling_tbps * 1e6)
+        lines.append(f"{g['role'][:34]:34s} {short_name(g['name'], 32):32s} {g['kind'][:11]:11s} {g['calls']:4d} "
+                     f"{g['crit_us']:9.1f} {roof:9.1f} {g['crit_us'] - roof:9.1f} {g['crit_us'] / g['calls']:7.2f}")
+    return lines
+
+
 def format_report(p: StepProfile, top: int = 12) -> str:
     """The text table of a step profile (see the module doc)."""
     lines = _header(p)
     lines += ["", f"{'kind':12s} {'kernels':>7s} {'us':>9s} {'%span':>6s} {'gap us':>8s} {'MB':>9s} {'TB/s':>6s} "
-              f"{'roofline us':>11s} {'%roof':>6s}"]
+              f"{'roofline us':>11s} {'%roof':>6s} {'path us':>9s}"]
     for g in by_kind(p):
         roof = g["nbytes"] / (p.ceiling_tbps * 1e6)
         lines.append(f"{g['kind']:12s} {g['kernels']:7d} {g['us']:9.1f} "
                      f"{_fmt(100 * g['us'] / p.span_us if p.span_us else float('nan'), '6.1f'):>6s} "
                      f"{g['gap_us']:8.1f} {g['nbytes'] / 1e6:9.2f} {_fmt(_tbps(g['nbytes'], g['us']), '6.2f'):>6s} "
-                     f"{roof:11.1f} {_fmt(100 * roof / g['us'] if g['us'] else float('nan'), '6.1f'):>6s}")
+                     f"{roof:11.1f} {_fmt(100 * roof / g['us'] if g['us'] else float('nan'), '6.1f'):>6s} "
+                     f"{g['crit_us']:9.1f}")
     lines += _group_table(f"top {top} by kernel time (summed over layers)", top_rows(p, "us", top), p)
     lines += _group_table(f"top {top} by idle gap before the kernel (summed over layers)",
                           top_rows(p, "gap_us", top), p)
+    lines += _critical_table(f"top {top} on the critical path (summed over layers; bytes us: their bytes at the read "
+                             "ceiling; above: the difference)", top_rows(p, "crit_us", top), p)
     lines += ["", "bytes of a module call are shared by its kernels in proportion to their time; gap = a kernel's "
-              "start minus the latest end before it (overlap when negative)."]
+              "start minus the latest end before it (overlap when negative); path = a kernel's end minus the latest "
+              "end before it, 0 if earlier (the path times add up to the span)."]
     return "\n".join(lines)
 
 
@@ -149,6 +185,14 @@ def format_kernels(p: StepProfile) -> str:
                      f"{_fmt(_tbps(r.nbytes, r.dur_us) if r.nbytes else float('nan'), '6.2f'):>6s} {r.kind[:11]:11s} "
                      f"{r.label[:40]:40s} {short_name(r.name, 60)}")
     return "\n".join(lines)
+
+
+def from_dict(d: dict) -> StepProfile:
+    """The inverse of :func:`to_dict` (a profile's JSON file read back, e.g. to print it again)."""
+    rows = tuple(KernelRow(**r) for r in d["kernels"])
+    return StepProfile(rows=rows, span_us=d["span_us"], kernel_us=d["kernel_us"], gap_us=d["gap_us"],
+                       overlap_us=d["overlap_us"], nbytes=d["nbytes"], unassigned_bytes=d["unassigned_bytes"],
+                       ceiling_tbps=d["ceiling_tbps"], step_ms=d["step_ms"], meta=d.get("meta", {}))
 
 
 def to_dict(p: StepProfile) -> dict:
