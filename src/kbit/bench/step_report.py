@@ -69,14 +69,13 @@ def critical_us(rows: tuple[KernelRow, ...] | list[KernelRow]) -> list[float]:
 def by_kind(p: StepProfile) -> list[dict]:
     """Per kind (KINDS order, kinds with kernels only): kernels, time, positive gaps before them, time on the
     critical path, bytes."""
-    out, crit = [], critical_us(p.rows)
+    out, crit = [], list(zip(p.rows, critical_us(p.rows), strict=True))
     for kind in KINDS:
-        idx = [i for i, r in enumerate(p.rows) if r.kind == kind]
-        if idx:
-            rows = [p.rows[i] for i in idx]
-            out.append({"kind": kind, "kernels": len(rows), "us": sum(r.dur_us for r in rows),
-                        "gap_us": sum(max(r.gap_us, 0.0) for r in rows), "crit_us": sum(crit[i] for i in idx),
-                        "nbytes": sum(r.nbytes for r in rows)})
+        rows = [(r, c) for r, c in crit if r.kind == kind]
+        if rows:
+            out.append({"kind": kind, "kernels": len(rows), "us": sum(r.dur_us for r, _ in rows),
+                        "gap_us": sum(max(r.gap_us, 0.0) for r, _ in rows), "crit_us": sum(c for _, c in rows),
+                        "nbytes": sum(r.nbytes for r, _ in rows)})
     return out
 
 
