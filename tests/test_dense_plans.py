@@ -5,7 +5,9 @@ Triton GEMV's configs and the backend each (k, M, N, K, GPU) goes to. CPU only: 
 are faked the same way the fixture faked them (:func:`fake_occupancy`). Changed on purpose since: kernel 1 splits K
 only where its tiles leave over a tenth of the SMs without one (``kbit.tuning.mma_plan._grid``, 2026-11-27): 394
 kernel-1 launches that split K then did not, and 58 split again when the rule went from CTA slots to SMs;
-their grids, splits and workspace sizes were rewritten from the new plans, nothing else."""
+their grids, splits and workspace sizes were rewritten from the new plans, nothing else. Kernel 1's grid fills every
+CTA slot where that leaves an SM fewer items (``_k1_grid``, 2026-11-27): the grids of 306 kernel-1 launches
+rewritten, nothing else."""
 
 from __future__ import annotations
 

@@ -180,6 +180,27 @@ def _splits(n_tiles, nsteps, slots, max_split, divide):
     return best
 
 
+def _sm_items(items: int, grid: int, sms: int) -> int:
+    """The most items an SM streams when CTA c takes items c, c + grid, ... and sits on SM c % sms."""
+    loads = [0] * sms
+    for c in range(min(grid, items)):
+        loads[c % sms] += -(-(items - c) // grid)
+    return max(loads)
+
+
+def _k1_grid(items: int, slots: int, sms: int) -> int:
+    """Kernel 1's CTAs: the same items each (``ceil(items / ceil(items / slots))``), or every slot where that leaves
+    an SM fewer items to stream. With the same items each, a grid that is not a multiple of the SMs puts two CTAs on
+    some SMs and one on others: 5120 rows are 320 tiles, 160 CTAs of two, so 28 SMs stream 4 tiles while every slot
+    filled gives at most 3 (H100, through the dispatcher: 5120x8192 k = 2 M = 1..4 0.84-0.86x the time, k = 4 M = 4
+    0.87x, M = 1 2.7% slower; where both grids give an SM the same most items, every slot filled was 0-3% slower;
+    lab/k1_grid.py, benchmarks/results/h100/k1-grid-ab-2026-11-27/)."""
+    even = -(-items // -(-items // slots))
+    if items <= slots or _sm_items(items, slots, sms) >= _sm_items(items, even, sms):
+        return even
+    return slots
+
+
 def _grid_k3(st, build, k, N, K, epi, ng):
     """Kernel 3's grid; CTA-aligned units or the CTA-local fix-up where their build keeps the occupancy."""
     Nt, S, W, occ, slots, sms = st["Nt"], st["S"], st["W"], st["occ"], st["slots"], st["sms"]
@@ -234,8 +255,7 @@ def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
         splits = _splits(Nt, S, slots, S // W if 10 * Nt < 9 * st["sms"] else 1, divide=False)
         sps = -(-S // splits)
         splits = -(-S // sps)
-        items = Nt * splits
-        st.update(splits=splits, sps=sps, grid=-(-items // -(-items // slots)))
+        st.update(splits=splits, sps=sps, grid=_k1_grid(Nt * splits, slots, st["sms"]))
 
 
 def _parts(st, kernel) -> float:
