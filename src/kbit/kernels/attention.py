@@ -70,35 +70,29 @@ def _row_value(T, b, PER_ROW: tl.constexpr):
 
 @triton.jit
 def _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og,
-                   D: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr):
-    """Merge KV head ``bh``'s S partials into its G output rows at ``o_base`` (row stride ``stride_og``).
-
-    One pass with a running maximum: each step loads SB partials' ``m``, ``l`` and ``acc`` together (nothing
-    waits on another load), where a first pass over ``m`` followed by loads masked by the weights would cost two
-    dependent round trips to L2 a step and a third up front. A partial with no valid key holds ``m = -inf``,
-    ``l = 0`` and a zero ``acc``, so it weighs 0 without a mask."""
+                   D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, SB: tl.constexpr):
+    """Merge KV head ``bh``'s S partials into its G output rows at ``o_base`` (row stride ``stride_og``)."""
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     row_ok = offs_g < G
-    m_run = tl.full([G_PAD], NEG_INF, tl.float32)
-    denom = tl.zeros([G_PAD], tl.float32)
+    offs_s = tl.arange(0, S_PAD)
+    mg = (bh * S + offs_s[:, None]) * G + offs_g[None, :]
+    ok = (offs_s[:, None] < S) & row_ok[None, :]
+    # .cg: other programs wrote these (to L2); never a stale line of this SM's L1
+    m = tl.load(PartM + mg, mask=ok, other=NEG_INF, cache_modifier=".cg")
+    l_all = tl.load(PartL + mg, mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > NEG_INF, m_max, 0.0)  # no split with a valid key: every weight is 0
+    denom = tl.sum(tl.exp2(m - m_max[None, :]) * l_all, axis=0)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for s0 in range(0, S, SB):
+    for s0 in range(0, S, SB):  # SB partials at a time: [SB, G_PAD, D] loads in flight together
         s = s0 + tl.arange(0, SB)
         r = (bh * S + s[:, None]) * G + offs_g[None, :]
-        ok = (s[:, None] < S) & row_ok[None, :]
-        # .cg: other programs wrote these (to L2); never a stale line of this SM's L1
-        ms = tl.load(PartM + r, mask=ok, other=NEG_INF, cache_modifier=".cg")
-        ls = tl.load(PartL + r, mask=ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(PartO + r[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
+        ms = tl.load(PartM + r, mask=(s[:, None] < S) & row_ok[None, :], other=NEG_INF, cache_modifier=".cg")
+        ws = tl.exp2(ms - m_max[None, :])
+        o = tl.load(PartO + r[:, :, None] * D + offs_d[None, None, :], mask=(ws > 0)[:, :, None], other=0.0,
                     cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(ms, axis=0))
-        m_ref = tl.where(m_new > NEG_INF, m_new, 0.0)  # no valid key yet: every weight is 0, never -inf - -inf
-        alpha = tl.exp2(m_run - m_ref)
-        ws = tl.exp2(ms - m_ref[None, :])
-        denom = denom * alpha + tl.sum(ws * ls, axis=0)
-        acc = acc * alpha[:, None] + tl.sum(ws[:, :, None] * o, axis=0)
-        m_run = m_new
+        acc += tl.sum(ws[:, :, None] * o, axis=0)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(o_base + offs_g[:, None] * stride_og + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
@@ -116,7 +110,7 @@ def split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, FOLD: tl.constexpr = False,
-    G_PAD: tl.constexpr = 1, SB: tl.constexpr = 1,
+    G_PAD: tl.constexpr = 1, S_PAD: tl.constexpr = 1, SB: tl.constexpr = 1,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -188,7 +182,7 @@ def split_kernel(
             if arrived == S - 1:
                 tl.atomic_xchg(Counter + bh, 0, sem="relaxed", scope="gpu")  # ready for the next call
                 _combine_store(PartO, PartM, PartL, Out, bh, S, G, Out + b * stride_ob + h * stride_oh, stride_og,
-                               D, G_PAD, SB)
+                               D, G_PAD, S_PAD, SB)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = Out + b * stride_ob + h * stride_oh + offs_g[:, None] * stride_og + offs_d[None, :]

@@ -237,7 +237,7 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
         SPLIT=S > 1, PREFETCH=prefetch, FOLD=fold,
-        G_PAD=G_PAD, SB=max(1, min(S_PAD, FOLD_TILE // (G_PAD * D))),
+        G_PAD=G_PAD, S_PAD=S_PAD, SB=max(1, min(S_PAD, FOLD_TILE // (G_PAD * D))),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if S > 1 and not fold:
