@@ -10,7 +10,11 @@ layers, k = 4, q/k/v and gate/up fused) and (batch, context), the step is timed 
 ``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the
 shipped rule and with the rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped
 rule and the rule with its 2 warps raised to 4, alternating twice (2026-11-27: the 2-warp launches spill 488 bytes a
-thread at D = 128). Prints ms a step and us a layer against the rule, a short table last; writes
+thread at D = 128). ``--stubs``: instead, what the attention and rope_append kernels add to the step, each case
+twice: the step as shipped; the attention replaced by a kernel that only waits (PDL) and copies q to its output
+("attn stub": a launch and its dependency, none of the work); the attention by no launch at all (its output left
+uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"). Wrong results, timing
+only. Prints ms a step and us a layer against the rule, a short table last; writes
 ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
 """
 from __future__ import annotations
@@ -28,8 +32,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_e2e as E  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
+import kbit.hf.fast_decode as FD  # noqa: E402
 import kbit.ops.attention as A  # noqa: E402
+from kbit.kernels.glue import _pdl_enter  # noqa: E402
+from kbit.ops.pdl import launch_kw  # noqa: E402
 
 SWEEP = [  # (chunk, block_n, num_warps, num_stages)
     (32, 32, 2, 1), (64, 32, 2, 1), (64, 64, 4, 1), (128, 64, 4, 2), (256, 64, 4, 2), (512, 64, 4, 2),
@@ -55,6 +64,45 @@ def rule_w4(*a, **kw):
     """The shipped rule with 4 warps where it gives 2."""
     cfg = RULE(*a, **kw)
     return dataclasses.replace(cfg, num_warps=4) if cfg.num_warps == 2 else cfg
+
+
+@triton.jit
+def _copy_kernel(Q, Out, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _pdl_enter(PDL)
+    tl.store(Out + offs, tl.load(Q + offs, mask=offs < n), mask=offs < n)
+
+
+def attn_stub(query, key, value, **kw):
+    """A launch in the attention's place: waits for the previous kernel, copies q to the output."""
+    q = query.contiguous()
+    out = torch.empty_like(q)
+    n = q.numel()
+    _copy_kernel[(triton.cdiv(n, 1024),)](q, out, n, BLOCK=1024, **launch_kw(q.device))
+    return out
+
+
+def attn_none(query, key, value, **kw):
+    return torch.empty_like(query)
+
+
+def rope_none(q, k, v, cos, sin, pos, k_cache, v_cache, *a, **kw):
+    return q.new_empty(q.shape[0], q.shape[1] // k_cache.shape[-1], k_cache.shape[-1])
+
+
+STUBS = {"attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
+         "rope+attn none": (rope_none, attn_none)}
+
+
+def stubbed(rows, args, model, case, label):
+    """The step timed with ``STUBS[label]`` in place of rope_append / the attention (or as shipped: "rule")."""
+    rope, attn = STUBS.get(label, (None, None))
+    real_rope, real_attn = FD.rope_append, A.decode_attention
+    FD.rope_append, A.decode_attention = rope or real_rope, attn or real_attn
+    try:
+        return timed(rows, args, model, case, label, RULE)
+    finally:
+        FD.rope_append, A.decode_attention = real_rope, real_attn
 
 
 def timed(rows: list, args, model, case: dict, label: str, fn) -> float | None:
@@ -87,6 +135,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rules-only", action="store_true", help="time the shipped rule and the one before only")
     ap.add_argument("--warps-ab", action="store_true", help="the rule against the rule with 4 warps, alternating")
+    ap.add_argument("--stubs", action="store_true",
+                    help="the step without the attention's / rope_append's work or launch (timing only)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -99,6 +149,14 @@ def main() -> int:
         for ctx in map(int, args.ctx.split(",")):
             for batch in map(int, args.batch.split(",")):
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
+                if args.stubs:
+                    for label in ("rule", *STUBS) * 2:
+                        ms = stubbed(rows, args, model, case, label)
+                        if label == "rule":
+                            base = ms
+                        elif ms is not None and base:
+                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                    continue
                 if args.warps_ab:
                     for label, fn in (("rule", RULE), ("rule w4", rule_w4)) * 2:
                         ms = timed(rows, args, model, case, label, fn)
