@@ -3,20 +3,20 @@
     PYTHONUNBUFFERED=1 python lab/attn_chain_sweep.py [--models llama3-8b,qwen3-30b-a3b] [--layers 8]
         [--ctx 512,4096] [--batch 1,16] [--out DIR]
 
-The attention of a batch-1 step sits between rope_append and o_proj in a programmatic-dependent-launch chain, so
-its cost is what it adds to the step, not its time alone (``kbit.bench.step_profile`` showed 7-9.5 us a layer on
-an H100 at context 512 for ~1-2 MB of K/V). For each model (bench_e2e's shapes, the first ``--layers`` decoder
-layers, k = 4, q/k/v and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2e's
-``time_decode``) with ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the
-shipped rule and with the rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped
-rule and the rule with its 2 warps raised to 4, alternating twice (2026-11-27: the 2-warp launches spill 488 bytes a
-thread at D = 128). ``--stubs``: instead, what the attention and rope_append kernels add to the step, each case
-twice: the step as shipped; the attention replaced by a kernel that only waits (PDL) and copies q to its output
-("attn stub": a launch and its dependency, none of the work); the attention by no launch at all (its output left
-uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"). Wrong results, timing
-only. Prints ms a step and us a layer against the rule, a short table last; writes
-``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".").
-"""
+The attention of a batch-1 step sits between rope_append and o_proj in a programmatic-dependent-launch chain, so its
+cost is what it adds to the step, not its time alone (``kbit.bench.step_profile`` showed 7-9.5 us a layer on an H100 at
+context 512 for ~1-2 MB of K/V). For each model (bench_e2e's shapes, the first ``--layers`` decoder layers, k = 4, q/k/v
+and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2e's ``time_decode``) with
+``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the shipped rule and with the
+rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped rule and the rule with its 2
+warps raised to 4, alternating twice (why it was tried: an unaligned sm_90 build spilled 488 bytes a thread at 2 warps;
+as launched it does not, ``lab/attn_sass.py``). ``--stubs``: instead, what the attention and rope_append kernels add to
+the step, each case twice: the step as shipped; the attention replaced by a kernel that only waits (PDL) and copies q to
+its output ("attn stub": a launch and its dependency, none of the work); the attention by no launch at all (its output
+left uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"). Wrong results, timing
+only. Two correct variants too: every key read after the wait ("attn no-prefetch"), the partials merged by a second
+launch instead of the last split ("attn combine"). Prints ms a step and us a layer against the rule, a short table last;
+writes ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".")."""
 from __future__ import annotations
 
 import argparse
@@ -86,11 +86,23 @@ def attn_none(query, key, value, **kw):
     return torch.empty_like(query)
 
 
+def attn_no_prefetch(query, key, value, **kw):
+    """The shipped attention with every key read after the PDL wait (no ``new_from``)."""
+    return REAL_ATTN(query, key, value, **{**kw, "new_from": None})
+
+
+def attn_combine(query, key, value, **kw):
+    """The shipped attention with the partials merged by a second launch (no arrival counters)."""
+    return REAL_ATTN(query, key, value, **{**kw, "counters": None})
+
+
 def rope_none(q, k, v, cos, sin, pos, k_cache, v_cache, *a, **kw):
     return q.new_empty(q.shape[0], q.shape[1] // k_cache.shape[-1], k_cache.shape[-1])
 
 
-STUBS = {"attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
+REAL_ATTN = A.decode_attention
+STUBS = {"attn no-prefetch": (None, attn_no_prefetch), "attn combine": (None, attn_combine),
+         "attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
          "rope+attn none": (rope_none, attn_none)}
 
 
