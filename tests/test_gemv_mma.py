@@ -291,6 +291,27 @@ def test_kernel1_splits_k_only_where_sms_idle(N, K, min_ctas, splits):
     assert p.grid <= 132 * min_ctas
 
 
+@pytest.mark.parametrize("N,min_ctas,grid", [
+    (5120, 2, 264),   # 320 tiles: the same 2 tiles each would be 160 CTAs, 28 SMs with 4 tiles; every slot: 3 at most
+    (9216, 2, 264),   # 576 tiles: 192 CTAs of 3 put 6 on 60 SMs; every slot: 5 at most
+    (8192, 2, 256),   # 512 tiles: 4 at most either way, so the same 2 tiles each
+    (4096, 2, 256),   # 256 tiles fit the 264 slots: a CTA a tile
+    (5120, 4, 320)])  # 320 tiles fit the 528 slots
+def test_kernel1_grid_evens_the_sms(N, min_ctas, grid):
+    """Kernel 1 fills every CTA slot only where that leaves an SM fewer tiles to stream than the same tiles a CTA
+    (``mma_plan._k1_grid``; H100: 5120x8192 k = 2 M = 1..4 0.84-0.86x the time, benchmarks/results/h100/
+    k1-grid-ab-2026-11-27/). Whatever the grid, the CTAs take every item once: an SM's share differs by at most one
+    item where every slot is filled."""
+    p = TP.make_plan(4, 1, N, 8192, "log8", Mma(1, warps=8, min_ctas=min_ctas), sms=132,
+                     build=lambda k, d: _FakeKernel(d))
+    assert (p.splits, p.grid) == (1, grid)
+    items = p.Nt * p.splits
+    share = [sum(-(-(items - c) // p.grid) for c in range(j, min(p.grid, items), 132)) for j in range(132)]
+    assert sum(share) == items
+    if p.grid == 132 * min_ctas:
+        assert max(share) - min(share) <= 1
+
+
 P5 = Mma(3, warps=16, min_ctas=1, ring=2, x_smem=True, pair_table=True)
 
 
