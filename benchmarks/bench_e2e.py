@@ -54,7 +54,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# this checkout's kbit, unless PYTHONPATH names another tree that has one (an A/B of two trees runs this file with
+# PYTHONPATH at each)
+if not any((Path(p) / "kbit").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+    sys.path.insert(0, str(ROOT / "src"))
 
 from kbit.hf.decode import StaticDecoder, compile_glue  # noqa: E402
 

@@ -43,7 +43,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# this checkout's kbit, unless PYTHONPATH names another tree that has one (an A/B of two trees runs this file with
+# PYTHONPATH at each)
+if not any((Path(p) / "kbit").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+    sys.path.insert(0, str(ROOT / "src"))
 
 from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
 from kbit.dispatch.moe import MoePlan, choose_plan  # noqa: E402
