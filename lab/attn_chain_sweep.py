@@ -10,13 +10,16 @@ and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2
 ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the shipped rule and with the
 rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped rule and the rule with its 2
 warps raised to 4, alternating twice (why it was tried: an unaligned sm_90 build spilled 488 bytes a thread at 2 warps;
-as launched it does not, ``lab/attn_sass.py``). ``--stubs``: instead, what the attention and rope_append kernels add to
+as launched it does not, ``lab/attn_sass.py``). ``--fold-ab``: the rule against "attn combine" below, alternating
+twice. ``--stubs``: instead, what the attention and rope_append kernels add to
 the step, each case twice: the step as shipped; the attention replaced by a kernel that only waits (PDL) and copies q to
 its output ("attn stub": a launch and its dependency, none of the work); the attention by no launch at all (its output
-left uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"). Wrong results, timing
-only. Two correct variants too: every key read after the wait ("attn no-prefetch"), the partials merged by a second
-launch instead of the last split ("attn combine"). Prints ms a step and us a layer against the rule, a short table last;
-writes ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".")."""
+left uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"); the attention's own
+grid of programs that only wait, one a head copying q ("attn grid stub": what its CTAs cost by being there). Wrong
+results, timing only. Three correct variants too: every key read after the wait ("attn no-prefetch"), the partials
+merged by a second launch instead of the last split ("attn combine"), o_proj let launch at the end of each split
+program instead of its start ("attn late trigger"). Prints ms a step and us a layer against the rule, a short table
+last; writes ``attn_chain_sweep.json`` under ``--out`` (default ``$OUT`` or ".")."""
 from __future__ import annotations
 
 import argparse
@@ -27,7 +30,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# this checkout's kbit, unless PYTHONPATH names another tree that has one (an A/B of two trees runs this file with
+# PYTHONPATH at each)
+if not any((Path(p) / "kbit").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+    sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_e2e as E  # noqa: E402
@@ -96,12 +102,76 @@ def attn_combine(query, key, value, **kw):
     return REAL_ATTN(query, key, value, **{**kw, "counters": None})
 
 
+@triton.jit
+def _grid_stub_kernel(Q, Out, G, stride_qh, stride_oh, D: tl.constexpr, G_PAD: tl.constexpr, PDL: tl.constexpr):
+    bh = tl.program_id(0)
+    _pdl_enter(PDL)
+    if tl.program_id(1) == 0:
+        offs = tl.arange(0, G_PAD)[:, None] * D + tl.arange(0, D)[None, :]
+        ok = offs < G * D
+        tl.store(Out + bh * stride_oh + offs, tl.load(Q + bh * stride_qh + offs, mask=ok), mask=ok)
+
+
+def attn_grid_stub(query, key, value, **kw):
+    """The attention's grid ((B * Hkv, splits), the rule's warps) of programs that only wait; one a head copies q."""
+    B, H, G, D = query.shape
+    cfg = RULE(B * H, key.shape[2], D, A.device_sms(query.device))
+    q = query.contiguous()
+    out = torch.empty_like(q)
+    _grid_stub_kernel[(B * H, -(-key.shape[2] // cfg.chunk))](
+        q, out, G, G * D, G * D, D=D, G_PAD=max(16, triton.next_power_of_2(G)), num_warps=cfg.num_warps,
+        **launch_kw(q.device))
+    return out
+
+
+def _late_trigger_kernels():
+    """``kbit.kernels.attention`` with the split kernel's ``gdc_launch_dependents`` moved from its start to its end
+    (the next kernel, o_proj, launches only once every split program is done): a module written to a temporary file
+    and imported, since Triton reads a kernel's source from its file."""
+    import importlib.util
+    import inspect
+    import tempfile
+
+    src = inspect.getsource(A._k)
+    head, tail = src.split("def split_kernel(", 1)
+    body, rest = tail.split("@triton.jit\ndef combine_kernel(", 1)
+    assert body.count("    _pdl_enter(PDL)\n") == 1
+    body = body.replace("    _pdl_enter(PDL)\n", "    if PDL:\n        gdc_wait()\n")
+    body = body.rstrip("\n") + "\n    if PDL:\n        gdc_launch_dependents()\n\n\n"
+    src = (head.replace("from kbit.kernels.glue import _pdl_enter",
+                        "from kbit.kernels.glue import _pdl_enter, gdc_launch_dependents, gdc_wait")
+           + "def split_kernel(" + body + "@triton.jit\ndef combine_kernel(" + rest)
+    path = Path(tempfile.mkdtemp()) / "attention_late_trigger.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("attention_late_trigger", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def attn_late_trigger(query, key, value, **kw):
+    """The shipped attention whose split programs let o_proj launch at their end instead of their start."""
+    global _LATE
+    if _LATE is None:
+        _LATE = _late_trigger_kernels()
+    real = A._k
+    A._k = _LATE
+    try:
+        return REAL_ATTN(query, key, value, **kw)
+    finally:
+        A._k = real
+
+
+_LATE = None
+
+
 def rope_none(q, k, v, cos, sin, pos, k_cache, v_cache, *a, **kw):
     return q.new_empty(q.shape[0], q.shape[1] // k_cache.shape[-1], k_cache.shape[-1])
 
 
 REAL_ATTN = A.decode_attention
 STUBS = {"attn no-prefetch": (None, attn_no_prefetch), "attn combine": (None, attn_combine),
+         "attn late trigger": (None, attn_late_trigger), "attn grid stub": (None, attn_grid_stub),
          "attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
          "rope+attn none": (rope_none, attn_none)}
 
@@ -149,6 +219,8 @@ def main() -> int:
     ap.add_argument("--warps-ab", action="store_true", help="the rule against the rule with 4 warps, alternating")
     ap.add_argument("--stubs", action="store_true",
                     help="the step without the attention's / rope_append's work or launch (timing only)")
+    ap.add_argument("--fold-ab", action="store_true",
+                    help="the rule against the partials merged by a second launch (\"attn combine\"), alternating")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -163,6 +235,14 @@ def main() -> int:
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
                 if args.stubs:
                     for label in ("rule", *STUBS) * 2:
+                        ms = stubbed(rows, args, model, case, label)
+                        if label == "rule":
+                            base = ms
+                        elif ms is not None and base:
+                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                    continue
+                if args.fold_ab:
+                    for label in ("rule", "attn combine") * 2:
                         ms = stubbed(rows, args, model, case, label)
                         if label == "rule":
                             base = ms
