@@ -23,6 +23,8 @@ from kbit.ops.attention import (  # noqa: E402
     attention_config,
     decode_attention,
     decode_attention_reference,
+    fold_steps,
+    folds,
     supports,
 )
 
@@ -191,6 +193,7 @@ def test_bf16_through_the_interpreter_upcast():
     (1, 2, 4, 64, 112, (1, 30, 112)),
     (2, 2, 4, 64, 112, ((15, 100), (112, 2))),  # per-row lengths
     (1, 1, 7, 128, 100, (33, 100)),
+    (1, 1, 7, 128, 300, (33, 300)),  # default: 10 splits, a merge of two steps: the second launch merges
     (2, 3, 1, 64, 96, (64,)),
 ])
 def test_prefetch_and_fold_match_reference(monkeypatch, cfg, B, H, G, D, L, ns):
@@ -208,6 +211,22 @@ def test_prefetch_and_fold_match_reference(monkeypatch, cfg, B, H, G, D, L, ns):
         out = decode_attention(q, k, v, length=length, new_from=length - 1, counters=counters, config=CONFIGS[cfg])
         _check(out, ref, torch.float16)
         assert counters.eq(0).all(), counters
+
+
+def test_fold_only_where_the_merge_is_one_step():
+    """The last split merges (given counters) only where it loads every partial in one step of SB; one split
+    never merges."""
+    assert fold_steps(17, 4, 128) == (16, 2) and not folds(17, 4, 128)  # Llama-3-8B, batch 1, context 512
+    assert fold_steps(17, 7, 128) == (8, 3) and not folds(17, 7, 128)  # Qwen2.5-7B
+    assert fold_steps(3, 4, 128) == (4, 1) and folds(3, 4, 128)  # Llama-3-8B, batch 16
+    assert fold_steps(6, 7, 128) == (8, 1) and folds(6, 7, 128)
+    assert folds(16, 4, 128) and not folds(1, 4, 128)
+    for S in range(1, 70):
+        for G in (1, 3, 4, 7, 8, 16, 64):
+            for D in (64, 128, 256):
+                SB, steps = fold_steps(S, G, D)
+                assert SB >= 1 and SB * steps >= S > SB * (steps - 1)
+                assert folds(S, G, D) == (S > 1 and S <= SB)
 
 
 @needs_kernel
@@ -356,7 +375,8 @@ def test_gpu_graph_replay_changing_length(use_mask):
     counters = torch.zeros(B * H, dtype=torch.int32, device=DEV)
 
     def call():
-        if use_mask == "fold":  # the fast decode step's form: prefetch before the wait, last split merges
+        if use_mask == "fold":  # the fast decode step's form: prefetch before the wait, counters (33 splits here:
+            # a merge of 3 steps, so a second launch merges; see folds)
             return decode_attention(q, k, v, length=n, new_from=n - 1, counters=counters)
         if use_mask:
             mask = torch.where(arange < n, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)

@@ -27,6 +27,7 @@ __all__ = [
     "attention_config",
     "decode_attention",
     "decode_attention_reference",
+    "folds",
     "supports",
 ]
 
@@ -50,6 +51,23 @@ FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB part
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def fold_steps(S: int, G: int, D: int) -> tuple[int, int]:
+    """``(SB, steps)`` of the folded merge of ``S`` partials of ``[G, D]``: SB partials loaded together a step."""
+    SB = max(1, min(_next_pow2(S), FOLD_TILE // (_next_pow2(G) * D)))
+    return SB, -(-S // SB)
+
+
+def folds(S: int, G: int, D: int) -> bool:
+    """Whether the split program that finishes last merges the ``S`` partials itself (given ``counters``), rather
+    than a second launch: only where its merge is one step of ``SB`` partials (:func:`fold_steps`). Each further
+    step is one more round of loads from L2, one after another, in one program of 2-4 warps; the second launch
+    merges a query row a program. H100, the decode step of Llama-3-8B, Qwen2.5-7B and Qwen3-30B-A3B shapes at batch
+    1, 4, 16 and context 512, 4096: where the merge took 2-5 steps, a second launch saved 1.5-7.1 us a layer; where
+    it took one, the fold saved 0.2-2.8 us at context 512, and at batch 16, context 4096 the second launch still
+    saved 0.5-4.7 (``lab/attn_chain_sweep.py --fold-ab``, ``benchmarks/results/h100/attn-fold-rule-2026-11-28/``)."""
+    return S > 1 and fold_steps(S, G, D)[1] == 1
 
 
 def device_sms(device: torch.device) -> int:
@@ -219,7 +237,7 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         part_l = torch.empty(B * H, S, G, dtype=torch.float32, device=query.device)
     else:
         part_o = part_m = part_l = out
-    fold = S > 1 and counters is not None
+    fold = counters is not None and folds(S, G, D)
     prefetch = new_from is not None and length is not None and mask is None
     G_PAD = _next_pow2(G)
     S_PAD = _next_pow2(S)
@@ -237,7 +255,7 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
         SPLIT=S > 1, PREFETCH=prefetch, FOLD=fold,
-        G_PAD=G_PAD, S_PAD=S_PAD, SB=max(1, min(S_PAD, FOLD_TILE // (G_PAD * D))),
+        G_PAD=G_PAD, S_PAD=S_PAD, SB=fold_steps(S, G, D)[0],
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if S > 1 and not fold:
@@ -298,8 +316,8 @@ def decode_attention(
         its PDL wait, while the kernels before it still run. Same result either way.
     counters : int32 tensor of at least B * Hkv zeros, optional
         The caller's workspace (left all zero after each call): with it, the split program that finishes last
-        merges the partials (one launch instead of two). Calls that may run at the same time (other streams)
-        must not share it.
+        merges the partials (one launch instead of two) where that merge is one step (:func:`folds`). Calls that
+        may run at the same time (other streams) must not share it.
 
     Returns
     -------
