@@ -63,10 +63,11 @@ def folds(S: int, G: int, D: int) -> bool:
     """Whether the split program that finishes last merges the ``S`` partials itself (given ``counters``), rather
     than a second launch: only where its merge is one step of ``SB`` partials (:func:`fold_steps`). Each further
     step is one more round of loads from L2, one after another, in one program of 2-4 warps; the second launch
-    merges a query row a program. H100, the decode step of Llama-3-8B, Qwen2.5-7B and Qwen3-30B-A3B shapes at batch
-    1, 4, 16 and context 512, 4096: where the merge took 2-5 steps, a second launch saved 1.5-7.1 us a layer; where
-    it took one, the fold saved 0.2-2.8 us at context 512, and at batch 16, context 4096 the second launch still
-    saved 0.5-4.7 (``lab/attn_chain_sweep.py --fold-ab``, ``benchmarks/results/h100/attn-fold-rule-2026-11-28/``)."""
+    merges a query row a program. H100, the decode step (first 8 layers) of Llama-3-8B, Qwen2.5-7B and Qwen3-30B-A3B
+    shapes at batch 1, 4, 16 and context 512, 4096: where the merge took 2-5 steps, a second launch saved 1.5-7.1
+    us a layer; where it took one, the fold saved 0.2-2.8 us at context 512, and at batch 16, context 4096 the
+    second launch still saved 0.5-4.7 (``lab/attn_chain_sweep.py --fold-ab``,
+    ``benchmarks/results/h100/attn-fold-rule-2026-11-28/``)."""
     return S > 1 and fold_steps(S, G, D)[1] == 1
 
 
