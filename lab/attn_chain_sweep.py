@@ -267,7 +267,8 @@ def main() -> int:
     ap.add_argument("--stubs", action="store_true",
                     help="the step without the attention's / rope_append's work or launch (timing only)")
     ap.add_argument("--fold-ab", action="store_true",
-                    help="the rule against the partials merged by a second launch (\"attn combine\"), alternating")
+                    help="the rule against the partials merged by a second launch (\"attn combine\", "
+                         "\"attn combine 1p\"), alternating")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -280,16 +281,9 @@ def main() -> int:
         for ctx in map(int, args.ctx.split(",")):
             for batch in map(int, args.batch.split(",")):
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
-                if args.stubs:
-                    for label in ("rule", *STUBS) * 2:
-                        ms = stubbed(rows, args, model, case, label)
-                        if label == "rule":
-                            base = ms
-                        elif ms is not None and base:
-                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
-                    continue
-                if args.fold_ab:
-                    for label in ("rule", "attn combine", "attn combine 1p") * 2:
+                if args.stubs or args.fold_ab:
+                    labels = ("rule", *STUBS) if args.stubs else ("rule", "attn combine", "attn combine 1p")
+                    for label in labels * 2:
                         ms = stubbed(rows, args, model, case, label)
                         if label == "rule":
                             base = ms
