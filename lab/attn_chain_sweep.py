@@ -10,15 +10,15 @@ and gate/up fused) and (batch, context), the step is timed (CUDA graph, bench_e2
 ``kbit.ops.attention.attention_config`` replaced by each fixed config of the sweep, with the shipped rule and with the
 rule before d335bfc (``--rules-only``: those two). ``--warps-ab``: instead, the shipped rule and the rule with its 2
 warps raised to 4, alternating twice (why it was tried: an unaligned sm_90 build spilled 488 bytes a thread at 2 warps;
-as launched it does not, ``lab/attn_sass.py``). ``--fold-ab``: the rule against "attn combine" and "attn combine 1p"
-below, alternating twice. ``--stubs``: instead, what the attention and rope_append kernels add to
+as launched it does not, ``lab/attn_sass.py``). ``--fold-ab``: the rule against "attn combine" below, alternating
+twice. ``--stubs``: instead, what the attention and rope_append kernels add to
 the step, each case twice: the step as shipped; the attention replaced by a kernel that only waits (PDL) and copies q to
 its output ("attn stub": a launch and its dependency, none of the work); the attention by no launch at all (its output
 left uninitialised: "attn none"); rope_append by no launch ("rope none"); both ("rope+attn none"); the attention's own
 grid of programs that only wait, one a head copying q ("attn grid stub": what its CTAs cost by being there). Wrong
-results, timing only. Four correct variants too: every key read after the wait ("attn no-prefetch"), the partials
-merged by a second launch instead of the last split ("attn combine"; "attn combine 1p": that launch loading every
-partial at once), o_proj let launch at the end of each split program instead of its start ("attn late trigger").
+results, timing only. Three correct variants too: every key read after the wait ("attn no-prefetch"), the partials
+merged by a second launch instead of the last split ("attn combine"), o_proj let launch at the end of each split
+program instead of its start ("attn late trigger").
 Prints ms a step and us a layer against the rule, a short table last; writes ``attn_chain_sweep.json`` under
 ``--out`` (default ``$OUT`` or ".")."""
 from __future__ import annotations
@@ -166,58 +166,12 @@ def attn_late_trigger(query, key, value, **kw):
 _LATE = None
 
 
-NEG_INF = tl.constexpr(float("-inf"))
-
-
-@triton.jit
-def _combine_one_pass_kernel(
-    PartO, PartM, PartL, Out,
-    stride_ob, stride_oh, stride_og,
-    H, G, S,
-    D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """``combine_kernel`` with every partial's ``m``, ``l`` and ``acc`` loaded at once (one round of loads from L2
-    after the wait; the shipped kernel loads ``m`` first, then per BLOCK_S partials ``m`` and the weighted ``acc``)."""
-    pid = tl.program_id(0)
-    _pdl_enter(PDL)
-    bh = pid // G
-    g = pid % G
-    b = bh // H
-    h = bh % H
-    offs_d = tl.arange(0, D)
-    offs_s = tl.arange(0, S_PAD)
-    ok = offs_s < S
-    r = (bh * S + offs_s) * G + g
-    m = tl.load(PartM + r, mask=ok, other=NEG_INF)
-    l = tl.load(PartL + r, mask=ok, other=0.0)
-    o = tl.load(PartO + r[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > NEG_INF, m_max, 0.0)
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + g * stride_og + offs_d, out.to(Out.dtype.element_ty))
-
-
-def attn_combine_one_pass(query, key, value, **kw):
-    """"attn combine" with :func:`_combine_one_pass_kernel` as the second launch."""
-    import types
-
-    real = A._k
-    A._k = types.SimpleNamespace(split_kernel=real.split_kernel, combine_kernel=_combine_one_pass_kernel)
-    try:
-        return REAL_ATTN(query, key, value, **{**kw, "counters": None})
-    finally:
-        A._k = real
-
-
 def rope_none(q, k, v, cos, sin, pos, k_cache, v_cache, *a, **kw):
     return q.new_empty(q.shape[0], q.shape[1] // k_cache.shape[-1], k_cache.shape[-1])
 
 
 REAL_ATTN = A.decode_attention
 STUBS = {"attn no-prefetch": (None, attn_no_prefetch), "attn combine": (None, attn_combine),
-         "attn combine 1p": (None, attn_combine_one_pass),
          "attn late trigger": (None, attn_late_trigger), "attn grid stub": (None, attn_grid_stub),
          "attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
          "rope+attn none": (rope_none, attn_none)}
@@ -267,8 +221,7 @@ def main() -> int:
     ap.add_argument("--stubs", action="store_true",
                     help="the step without the attention's / rope_append's work or launch (timing only)")
     ap.add_argument("--fold-ab", action="store_true",
-                    help="the rule against the partials merged by a second launch (\"attn combine\", "
-                         "\"attn combine 1p\"), alternating")
+                    help="the rule against the partials merged by a second launch (\"attn combine\"), alternating")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
@@ -282,7 +235,7 @@ def main() -> int:
             for batch in map(int, args.batch.split(",")):
                 case = dict(model=name, batch=batch, ctx=ctx, kv_heads=config.num_key_value_heads, head_dim=head_dim)
                 if args.stubs or args.fold_ab:
-                    labels = ("rule", *STUBS) if args.stubs else ("rule", "attn combine", "attn combine 1p")
+                    labels = ("rule", *STUBS) if args.stubs else ("rule", "attn combine")
                     for label in labels * 2:
                         ms = stubbed(rows, args, model, case, label)
                         if label == "rule":

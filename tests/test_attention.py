@@ -166,6 +166,23 @@ def test_early_exit_and_empty_rows(monkeypatch):
 
 
 @needs_kernel
+def test_combine_merges_in_steps(monkeypatch):
+    """More partials than one step of the second launch's merge (D = 256: 32 partials a step, 40 splits): rows whose
+    second step is partly valid, wholly neutral, and a row with no valid key."""
+    B, H, G, D, L = 4, 1, 4, 256, 640
+    q, k, v = _qkv(B, H, G, D, L, seed=11)
+    length = torch.tensor([640, 530, 20, 0], device=DEV)
+    for b, n in enumerate(length.tolist()):
+        k[b, :, n:] = math.nan
+        v[b, :, n:] = math.nan
+    _poison_empty(monkeypatch)
+    out = decode_attention(q, k, v, length=length, config=DecodeAttentionConfig(chunk=16, block_n=16))
+    ref = decode_attention_reference(q, k, v, length=length, out_dtype=torch.float64)
+    _check(out, ref, torch.float16)
+    assert bool((out[3] == 0).all())
+
+
+@needs_kernel
 def test_strided_inputs():
     """Query as transformers makes it (a reshape of [B, Hq, 1, D] with strides), a cache slice."""
     B, Hq, H, D, L = 2, 8, 2, 64, 64

@@ -190,12 +190,29 @@ def split_kernel(
 
 
 @triton.jit
+def _merge_partials(PartO, PartM, PartL, r, ok, offs_d, m_run, l_run, acc, D: tl.constexpr):
+    """Fold the partials at rows ``r`` (where ``ok``) into the running ``m_run, l_run, acc`` of one query row; their
+    ``m``, ``l`` and ``acc`` are loaded together, no load behind another."""
+    m = tl.load(PartM + r, mask=ok, other=NEG_INF)
+    l = tl.load(PartL + r, mask=ok, other=0.0)
+    o = tl.load(PartO + r[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    m_new = tl.maximum(m_run, tl.max(m, axis=0))
+    m_ref = tl.where(m_new > NEG_INF, m_new, 0.0)  # no valid key yet: every weight is 0
+    alpha = tl.exp2(m_run - m_ref)
+    w = tl.exp2(m - m_ref)
+    return m_new, l_run * alpha + tl.sum(w * l, axis=0), acc * alpha + tl.sum(w[:, None] * o, axis=0)
+
+
+@triton.jit
 def combine_kernel(
     PartO, PartM, PartL, Out,
     stride_ob, stride_oh, stride_og,
     H, G, S,
-    D: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, ONE_STEP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Merge query row ``g`` of KV head ``bh``'s S partials, ``BLOCK_S`` a step, the steps merged online.
+    ``ONE_STEP`` (``S <= BLOCK_S``): one round of loads after the wait, compiled without the loop (with it, D = 128
+    and 64 partials at 4 warps take every register)."""
     pid = tl.program_id(0)
     _pdl_enter(PDL)
     bh = pid // G
@@ -203,23 +220,17 @@ def combine_kernel(
     b = bh // H
     h = bh % H
     offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, BLOCK_S)
 
-    offs_s = tl.arange(0, S_PAD)
-    m = tl.load(PartM + (bh * S + offs_s) * G + g, mask=offs_s < S, other=NEG_INF)
-    l = tl.load(PartL + (bh * S + offs_s) * G + g, mask=offs_s < S, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max > NEG_INF, m_max, 0.0)  # no split with a valid key: every weight is 0
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
+    r = (bh * S + offs_s) * G + g
+    m_run, l_run, acc = _merge_partials(PartO, PartM, PartL, r, offs_s < S, offs_d,
+                                        tl.max(tl.full([BLOCK_S], NEG_INF, tl.float32), axis=0),
+                                        tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0), tl.zeros([D], tl.float32), D)
+    if not ONE_STEP:
+        for s0 in range(BLOCK_S, S, BLOCK_S):
+            s = s0 + offs_s
+            m_run, l_run, acc = _merge_partials(PartO, PartM, PartL, (bh * S + s) * G + g, s < S, offs_d, m_run,
+                                                l_run, acc, D)
 
-    acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, S, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ms = tl.load(PartM + (bh * S + s) * G + g, mask=s < S, other=NEG_INF)
-        ws = tl.exp2(ms - m_max)
-        o = tl.load(PartO + ((bh * S + s) * G + g)[:, None] * D + offs_d[None, :], mask=(ws > 0)[:, None],
-                    other=0.0)
-        acc += tl.sum(ws[:, None] * o, axis=0)
-
-    out = acc / tl.where(denom > 0, denom, 1.0)
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(Out + b * stride_ob + h * stride_oh + g * stride_og + offs_d, out.to(Out.dtype.element_ty))

@@ -45,7 +45,11 @@ MAX_SPLITS = 33
 #: measurements preferred to 64-key blocks with 4 warps
 SMALL_CHUNK = 128
 DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) or does not say
-COMBINE_BLOCK_S = 16  # partials merged per step of the combine loop
+#: elements of one [BLOCK_S, D] step of the second launch's merge: 64 partials at D = 128, so the default split
+#: counts (at most MAX_SPLITS) merge in one round of loads. Loading every partial at once rather than 16 at a time,
+#: each step's values behind a load of its maxima, saved 2.4-3.2 us a layer at context 4096 and 0.2-1.2 at 512 (H100,
+#: batch 1, Llama-3-8B and Qwen2.5-7B shapes; benchmarks/results/h100/attn-next-2026-11-28/)
+COMBINE_TILE = 8192
 FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
 
 
@@ -260,9 +264,10 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if S > 1 and not fold:
+        block_s = max(1, min(S_PAD, COMBINE_TILE // D))
         _k.combine_kernel[(B * H * G,)](
             part_o, part_m, part_l, out, out.stride(0), out.stride(1), out.stride(2), H, G, S,
-            D=D, S_PAD=S_PAD, BLOCK_S=min(S_PAD, COMBINE_BLOCK_S), num_warps=4 if D >= 128 else 2, **pdl,
+            D=D, BLOCK_S=block_s, ONE_STEP=S <= block_s, num_warps=4 if D >= 128 else 2, **pdl,
         )
     return out.to(out_dtype)
 
