@@ -2,6 +2,9 @@
 # One device call: the README's end-to-end table at the working tree (bench_e2e as e2e-h100-2026-11-27c ran it), after
 # the attention's merge rule and one-round second launch. Logs and tables: $OUT/e2e-refresh.tgz, packed after each stage.
 set -u
+# the device copy's git metadata may name an older commit: say which one is under test
+: "${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}"
+export KBIT_COMMIT
 export PYTHONUNBUFFERED=1
 O=/tmp/e2e-refresh
 mkdir -p "$O"
