@@ -37,9 +37,10 @@ _INT_DTYPES = (torch.int32, torch.int64)
 MASKED = -65504.0  # additive mask values <= this exclude the key (see kbit.kernels.attention.MASKED)
 MAX_G = 64  # query rows per KV head in one tile (padded to a power of two >= 16)
 PROGRAMS_PER_SM = 4  # split target: B * Hkv * splits ~ this many programs per SM (2-4 do well)
-#: splits a KV head at most: the program that finishes last merges all of them, one after another, so past this many
-#: the merge costs more than the extra programs save (H100, the decode step at context 4096 with 4 and 8 KV heads:
-#: 129 -> 33 splits saved 24 us a layer, 65 -> 33 saved 7; docs/notes/2026-11-26-attention-splits.md)
+#: splits a KV head at most: past this many the merge costs more than the extra programs save (H100, the decode step
+#: at context 4096 with 4 and 8 KV heads, when the last split merged: 129 -> 33 splits saved 24 us a layer, 65 -> 33
+#: saved 7; docs/notes/2026-11-26-attention-splits.md). Again with the one-round second launch at context 16384,
+#: batch 1: 65 and 129 splits from -2.9 to +3.8 us a layer (benchmarks/results/h100/combine-next-2026-11-28/)
 MAX_SPLITS = 33
 #: chunks up to this many keys run in blocks of 32 keys with 2 warps (2 stages past one block), which the same
 #: measurements preferred to 64-key blocks with 4 warps
@@ -71,7 +72,9 @@ def folds(S: int, G: int, D: int) -> bool:
     shapes at batch 1, 4, 16 and context 512, 4096: where the merge took 2-5 steps, a second launch saved 1.5-7.1
     us a layer; where it took one, the fold saved 0.2-2.8 us at context 512, and at batch 16, context 4096 the
     second launch still saved 0.5-4.7 (``lab/attn_chain_sweep.py --fold-ab``,
-    ``benchmarks/results/h100/attn-fold-rule-2026-11-28/``)."""
+    ``benchmarks/results/h100/attn-fold-rule-2026-11-28/``). Against the one-round second launch (batch 4 and 16,
+    ``benchmarks/results/h100/combine-next-2026-11-28/``) the same: the fold 0.6-3.3 us faster at context 512,
+    0.2-5.6 slower at batch 16, context 4096."""
     return S > 1 and fold_steps(S, G, D)[1] == 1
 
 
