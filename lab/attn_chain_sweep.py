@@ -1,7 +1,7 @@
 """GPU lab (issue 36): the decode attention's launch config measured where it runs, in the whole decode step.
 
     PYTHONUNBUFFERED=1 python lab/attn_chain_sweep.py [--models llama3-8b,qwen3-30b-a3b] [--layers 8]
-        [--ctx 512,4096] [--batch 1,16] [--out DIR]
+        [--ctx 512,4096] [--batch 1,16] [--configs 16/16/2/1,...] [--rounds 2] [--out DIR]
 
 The attention of a batch-1 step sits between rope_append and o_proj in a programmatic-dependent-launch chain, so its
 cost is what it adds to the step, not its time alone (``kbit.bench.step_profile`` showed 7-9.5 us a layer on an H100 at
@@ -222,8 +222,12 @@ def main() -> int:
                     help="the step without the attention's / rope_append's work or launch (timing only)")
     ap.add_argument("--fold-ab", action="store_true",
                     help="the rule against the partials merged by a second launch (\"attn combine\"), alternating")
+    ap.add_argument("--configs", default="",
+                    help="chunk/block_n/warps/stages,... in place of the fixed sweep (and without \"rule before\")")
+    ap.add_argument("--rounds", type=int, default=1, help="times the rule and the sweep are timed, in turn")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of the script (tiny configs, no graph)")
     args = ap.parse_args()
+    sweep = [tuple(map(int, c.split("/"))) for c in args.configs.split(",")] if args.configs else SWEEP
     dev = "cpu" if args.tiny else "cuda"
     cfgs = E.configs(tiny=args.tiny)
     rows: list = []
@@ -251,15 +255,17 @@ def main() -> int:
                         elif ms is not None and base:
                             rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
                     continue
-                base = timed(rows, args, model, case, "rule", RULE)
-                ms = timed(rows, args, model, case, "rule before", rule_before)
-                if ms is not None and base:
-                    rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
-                for chunk, bn, w, st in [] if args.rules_only else SWEEP:
-                    cfg = A.DecodeAttentionConfig(chunk=chunk, block_n=bn, num_warps=w, num_stages=st)
-                    ms = timed(rows, args, model, case, f"c{chunk}/b{bn}/w{w}/s{st}", lambda *a, c=cfg: c)
-                    if ms is not None and base:
-                        rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                for _ in range(args.rounds):
+                    base = timed(rows, args, model, case, "rule", RULE)
+                    if not args.configs:
+                        ms = timed(rows, args, model, case, "rule before", rule_before)
+                        if ms is not None and base:
+                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
+                    for chunk, bn, w, st in [] if args.rules_only else sweep:
+                        cfg = A.DecodeAttentionConfig(chunk=chunk, block_n=bn, num_warps=w, num_stages=st)
+                        ms = timed(rows, args, model, case, f"c{chunk}/b{bn}/w{w}/s{st}", lambda *a, c=cfg: c)
+                        if ms is not None and base:
+                            rows[-1]["us_per_layer_vs_rule"] = 1e3 * (ms - base) / args.layers
         del model
         if dev == "cuda":
             torch.cuda.empty_cache()
