@@ -18,8 +18,7 @@ left uninitialised: "attn none"); rope_append by no launch ("rope none"); both (
 grid of programs that only wait, one a head copying q ("attn grid stub": what its CTAs cost by being there). Wrong
 results, timing only. Three correct variants too: every key read after the wait ("attn no-prefetch"), the partials
 merged by a second launch instead of the last split ("attn combine"), o_proj let launch at the end of each split
-program instead of its start ("attn late trigger"). These run on the step with rope_append and the attention as
-two launches, as before ``kbit.ops.attention.rope_decode_attention``; "rope fused" is the step as shipped.
+program instead of its start ("attn late trigger").
 Prints ms a step and us a layer against the rule, a short table last; writes ``attn_chain_sweep.json`` under
 ``--out`` (default ``$OUT`` or ".")."""
 from __future__ import annotations
@@ -136,13 +135,13 @@ def _late_trigger_kernels():
 
     src = inspect.getsource(A._k)
     head, tail = src.split("def split_kernel(", 1)
-    body, rest = tail.split("\n\n\n@triton.jit\n", 1)  # split_kernel's body: up to the next kernel or helper
+    body, rest = tail.split("@triton.jit\ndef combine_kernel(", 1)
     assert body.count("    _pdl_enter(PDL)\n") == 1
     body = body.replace("    _pdl_enter(PDL)\n", "    if PDL:\n        gdc_wait()\n")
-    body = body.rstrip("\n") + "\n    if PDL:\n        gdc_launch_dependents()"
-    src = (head.replace("from kbit.kernels.glue import ", "from kbit.kernels.glue import gdc_launch_dependents, "
-                        "gdc_wait, ", 1)
-           + "def split_kernel(" + body + "\n\n\n@triton.jit\n" + rest)
+    body = body.rstrip("\n") + "\n    if PDL:\n        gdc_launch_dependents()\n\n\n"
+    src = (head.replace("from kbit.kernels.glue import _pdl_enter",
+                        "from kbit.kernels.glue import _pdl_enter, gdc_launch_dependents, gdc_wait")
+           + "def split_kernel(" + body + "@triton.jit\ndef combine_kernel(" + rest)
     path = Path(tempfile.mkdtemp()) / "attention_late_trigger.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("attention_late_trigger", path)
@@ -175,31 +174,18 @@ REAL_ATTN = A.decode_attention
 STUBS = {"attn no-prefetch": (None, attn_no_prefetch), "attn combine": (None, attn_combine),
          "attn late trigger": (None, attn_late_trigger), "attn grid stub": (None, attn_grid_stub),
          "attn stub": (None, attn_stub), "attn none": (None, attn_none), "rope none": (rope_none, None),
-         "rope+attn none": (rope_none, attn_none), "rope fused": (None, None)}
-
-
-def unfused(q, k, v, cos, sin, pos, kc, vc, *, length, q_norm=None, k_norm=None, eps=1e-6, scale=None,
-            config=None, counters=None):
-    """``A.rope_decode_attention`` as the step ran it before the fusion: rope_append, then decode_attention (each
-    looked up at call time, so the stubs below replace them)."""
-    B, H, _, D = kc.shape
-    qr = FD.rope_append(q, k, v, cos, sin, pos, kc, vc, q_norm, k_norm, eps)
-    return A.decode_attention(qr.view(B, H, -1, D), kc, vc, length=length, scale=scale, new_from=pos,
-                              counters=counters)
+         "rope+attn none": (rope_none, attn_none)}
 
 
 def stubbed(rows, args, model, case, label):
-    """The step timed with ``STUBS[label]`` in place of rope_append / the attention, on the step with the two
-    launches apart ("rule": so, as before the fusion; "rope fused": the step as shipped)."""
+    """The step timed with ``STUBS[label]`` in place of rope_append / the attention (or as shipped: "rule")."""
     rope, attn = STUBS.get(label, (None, None))
-    real = FD.rope_append, A.decode_attention, A.rope_decode_attention
-    FD.rope_append, A.decode_attention = rope or real[0], attn or real[1]
-    if label != "rope fused":
-        A.rope_decode_attention = unfused
+    real_rope, real_attn = FD.rope_append, A.decode_attention
+    FD.rope_append, A.decode_attention = rope or real_rope, attn or real_attn
     try:
         return timed(rows, args, model, case, label, RULE)
     finally:
-        FD.rope_append, A.decode_attention, A.rope_decode_attention = real
+        FD.rope_append, A.decode_attention = real_rope, real_attn
 
 
 def timed(rows: list, args, model, case: dict, label: str, fn) -> float | None:

@@ -29,8 +29,7 @@ from kbit.kernels.attention import split_kernel  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = dict(Q="*bf16", K="*bf16", V="*bf16", Mask="*bf16", Length="*i32", NewFrom="*i32", Counter="*i32",
-                Out="*bf16", PartO="*fp32", PartM="*fp32", PartL="*fp32", Knew="*bf16", Vnew="*bf16", Cos="*bf16",
-                Sin="*bf16", QN="*bf16", KN="*bf16")
+                Out="*bf16", PartO="*fp32", PartM="*fp32", PartL="*fp32")
 ALIGNED = ["Q", "K", "V", "Out", "PartO", "PartM", "PartL", "stride_qb", "stride_qh", "stride_qg", "stride_kb",
            "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn", "stride_ob", "stride_oh", "stride_og"]
 
@@ -40,7 +39,7 @@ def build(G: int, SB: int, warps: int, aligned: bool, block_n: int = 32, D: int 
     G_PAD = 1 << (G - 1).bit_length()
     const = dict(BLOCK_N=block_n, BLOCK_G=max(16, G_PAD), D=D, HAS_MASK=False, MASK_BOOL=False, HAS_LENGTH=True,
                  LENGTH_PER_ROW=False, SPLIT=True, PDL=True, PREFETCH=True, FOLD=True, G_PAD=G_PAD, SB=SB)
-    sig = {n: POINTERS.get(n, "fp32" if n in ("qk_scale", "eps") else "constexpr" if n in const or
+    sig = {n: POINTERS.get(n, "fp32" if n == "qk_scale" else "constexpr" if n in const or
                            params[n].default is not inspect.Parameter.empty else "i32") for n in params}
     for n in params:
         if sig[n] == "constexpr" and n not in const:

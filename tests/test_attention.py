@@ -25,8 +25,6 @@ from kbit.ops.attention import (  # noqa: E402
     decode_attention_reference,
     fold_steps,
     folds,
-    rope_decode_attention,
-    rope_decode_attention_reference,
     supports,
 )
 
@@ -257,70 +255,6 @@ def test_opcheck():
     for op, args in ((torch.ops.kbit.decode_attention, (q, k, v, n, mask, None, 0.125, 32, 16, 4, 2)),
                      (torch.ops.kbit.decode_attention_counted, (q, k, v, n, None, n - 1, c, 0.125, 32, 16, 4, 2))):
         torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
-
-
-def _rope_case(B, Hkv, G, D, L, p, qk_norm, dtype=torch.float16, seed=0):
-    """A fused q/k/v projection output (column slices, 3 spare columns), rotary tables, caches whose keys after p
-    are NaN (never read) and whose position p holds stale values (overwritten), norm weights."""
-    g = torch.Generator().manual_seed(seed)
-    Hq = Hkv * G
-    fused = torch.randn(B, (Hq + 2 * Hkv) * D + 3, generator=g).to(dtype).to(DEV)
-    q, k, v = fused[:, :Hq * D], fused[:, Hq * D:(Hq + Hkv) * D], fused[:, (Hq + Hkv) * D:(Hq + 2 * Hkv) * D]
-    ang = torch.arange(L).double()[:, None] * torch.rand(D // 2, generator=g).double()[None]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype).to(DEV)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype).to(DEV)
-    kc = torch.randn(B, Hkv, L, D, generator=g).to(dtype).to(DEV)
-    vc = torch.randn(B, Hkv, L, D, generator=g).to(dtype).to(DEV)
-    kc[:, :, p + 1:] = math.nan
-    vc[:, :, p + 1:] = math.nan
-    norms = {}
-    if qk_norm:
-        norms = {n: (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV) for n in ("q_norm", "k_norm")}
-    return q, k, v, cos, sin, kc, vc, norms
-
-
-@needs_kernel
-@pytest.mark.parametrize("cfg", ["default", "c32b16", "one"])
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("p", [0, 40, 111])
-def test_rope_decode_attention_matches_reference(monkeypatch, cfg, qk_norm, p):
-    """Rotary + cache append + attention in the split programs against rope_append_reference and the float64
-    attention: the output, the appended key and value, and every other cache position untouched."""
-    B, Hkv, G, D, L = 2, 2, 4, 64, 112
-    q, k, v, cos, sin, kc, vc, norms = _rope_case(B, Hkv, G, D, L, p, qk_norm, seed=p + 10 * qk_norm)
-    kr, vr = kc.double(), vc.double()
-    kc0, vc0 = kc.clone(), vc.clone()
-    pos = torch.tensor([p], device=DEV)
-    length = pos + 1
-    ref = rope_decode_attention_reference(q.double(), k.double(), v.double(), cos.double(), sin.double(), pos, kr,
-                                          vr, length=length, **{n: w.double() for n, w in norms.items()})
-    _poison_empty(monkeypatch)
-    counters = torch.zeros(B * Hkv, dtype=torch.int32, device=DEV)
-    out = rope_decode_attention(q, k, v, cos, sin, pos, kc, vc, length=length, config=CONFIGS[cfg],
-                                counters=counters, **norms)
-    assert out.shape == (B, Hkv, G, D)
-    _check(out, ref, torch.float16)
-    assert bool((counters == 0).all())
-    other = torch.arange(L, device=DEV) != p
-    for got, was in ((kc, kc0), (vc, vc0)):
-        torch.testing.assert_close(got[:, :, other], was[:, :, other], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(kc[:, :, p].double(), kr[:, :, p], rtol=2e-3, atol=2e-3)
-    assert torch.equal(vc[:, :, p], v.reshape(B, Hkv, D))
-
-
-@needs_kernel
-def test_rope_decode_attention_bad_input():
-    q, k, v, cos, sin, kc, vc, _ = _rope_case(2, 2, 4, 64, 48, 10, False)
-    pos = torch.tensor([10], device=DEV)
-    with pytest.raises(ValueError, match="length"):
-        rope_decode_attention(q, k, v, cos, sin, pos, kc, vc, length=torch.tensor([11, 11], device=DEV))
-    with pytest.raises(ValueError, match="pos"):
-        rope_decode_attention(q, k, v, cos, sin, torch.tensor([1, 2], device=DEV), kc, vc, length=pos + 1)
-    with pytest.raises(TypeError, match="counters"):
-        rope_decode_attention(q, k, v, cos, sin, pos, kc, vc, length=pos + 1, counters=torch.zeros(4))
-    torch.library.opcheck(torch.ops.kbit.rope_decode_attention.default,
-                          (q, k, v, cos, sin, pos, pos + 1, kc, vc, torch.zeros(4, dtype=torch.int32, device=DEV),
-                           None, None, 1e-6, 0.125, 32, 16, 4, 2), test_utils=("test_schema", "test_faketensor"))
 
 
 # ------------------------------------------------------------------------------------------------ config

@@ -228,21 +228,15 @@ class FastDecodeStep:
         self.rot_head = shared_rotation([model.lm_head], dev) if hasattr(model.lm_head, "in_features") else None
         self.counters = None  # the attention's arrival counters (all zero between calls; see decode_attention)
 
-    def _attend(self, att, q, k, v, kc, vc, length, pos):
-        """Rotary, the cache append and the attention of one layer: ``[B, Hkv, G, D]``."""
+    def _attend(self, q, kc, vc, length, scale, pos):
         B, Hkv = kc.shape[:2]
-        norms = dict(q_norm=att.q_norm.weight, k_norm=att.k_norm.weight, eps=att.q_norm.variance_epsilon) \
-            if self.qk_norm else {}
-        if (q.is_cuda or interpreting()) and A.supports(q.unflatten(1, (Hkv, -1, self.D)), kc, vc):
+        qg = q.view(B, Hkv, -1, self.D)
+        if (q.is_cuda or interpreting()) and A.supports(qg, kc, vc):
             if self.counters is None or self.counters.numel() < B * Hkv or self.counters.device != q.device:
                 self.counters = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
-            # the split programs rotate q and append k, v themselves (no rope_append launch); keys before pos are
-            # earlier steps' (settled): loaded before the PDL wait
-            return A.rope_decode_attention(q, k, v, self.cos, self.sin, pos, kc, vc, length=length, **norms,
-                                           scale=att.scaling, counters=self.counters)
-        qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, **norms)
-        return A.decode_attention_reference(qr.view(B, Hkv, -1, self.D), kc, vc, length=length, scale=att.scaling,
-                                            out_dtype=q.dtype)
+            # keys before pos are earlier steps' (settled): loaded before the PDL wait; one launch (counters)
+            return A.decode_attention(qg, kc, vc, length=length, scale=scale, new_from=pos, counters=self.counters)
+        return A.decode_attention_reference(qg, kc, vc, length=length, scale=scale, out_dtype=q.dtype)
 
     def _mlp(self, i, x, res):
         """The residual add + post-attention RMSNorm and the MLP: returns ``(mlp output, new residual)``. A fused
@@ -325,7 +319,12 @@ class FastDecodeStep:
             att = layer.self_attn
             q, k, v, res = self._qkv(i, x, res)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
-            o = self._attend(att, q, k, v, kc, vc, length, pos).reshape(B, -1)
+            if self.qk_norm:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
+                                 att.q_norm.variance_epsilon)
+            else:
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
+            o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
             ro = self.rot_o[i]
             x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))
             x, res = self._mlp(i, x, res)

@@ -27,7 +27,7 @@ scaled score. A row without any valid key gets zeros.
 import triton
 import triton.language as tl
 
-from kbit.kernels.glue import _load_head, _pdl_enter, _rotate
+from kbit.kernels.glue import _pdl_enter
 
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -99,39 +99,18 @@ def _combine_store(PartO, PartM, PartL, Out, bh, S, G, o_base, stride_og,
 
 
 @triton.jit
-def _rope_rows(Q, offs_g, row_ok, offs_d, stride_qg, QN, c, s, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
-    """The G query rows at ``Q`` (unrotated), after their per-head RMSNorm when ``QK_NORM``, rotated with the
-    position's ``c``, ``s`` (float32 [D]): ``rope_append_kernel``'s arithmetic on a [G, D] tile."""
-    dtype = Q.dtype.element_ty
-    half: tl.constexpr = D // 2
-    rot = (offs_d + half) % D
-    ptr = Q + offs_g[:, None] * stride_qg
-    x = tl.load(ptr + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    xr = tl.load(ptr + rot[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    if QK_NORM:
-        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
-        x = (tl.load(QN + offs_d).to(tl.float32)[None, :] * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
-        xr = (tl.load(QN + rot).to(tl.float32)[None, :] * (xr * rstd).to(dtype).to(tl.float32)).to(dtype)
-        x, xr = x.to(tl.float32), xr.to(tl.float32)
-    sign = tl.where(offs_d < half, -1.0, 1.0)
-    return _rotate(x, sign[None, :] * xr, c[None, :], s[None, :], dtype)
-
-
-@triton.jit
 def split_kernel(
-    Q, K, V, Mask, Length, NewFrom, Counter, Out, PartO, PartM, PartL, Knew, Vnew, Cos, Sin, QN, KN,
+    Q, K, V, Mask, Length, NewFrom, Counter, Out, PartO, PartM, PartL,
     stride_qb, stride_qh, stride_qg,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_mb, stride_mn,
     stride_ob, stride_oh, stride_og,
-    stride_knb, stride_vnb, stride_cos,
-    H, G, L, S, chunk, qk_scale, eps,
+    H, G, L, S, chunk, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LENGTH: tl.constexpr, LENGTH_PER_ROW: tl.constexpr,
     SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, FOLD: tl.constexpr = False,
     G_PAD: tl.constexpr = 1, S_PAD: tl.constexpr = 1, SB: tl.constexpr = 1,
-    ROPE: tl.constexpr = False, QK_NORM: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -158,24 +137,8 @@ def split_kernel(
     if HAS_LENGTH and not PREFETCH:
         end = tl.minimum(end, _row_value(Length, b, LENGTH_PER_ROW))
 
-    if ROPE:  # Q, Knew, Vnew: this step's unrotated projections; NewFrom: its position (one for all rows)
-        p = tl.load(NewFrom).to(tl.int32)
-        cs = tl.load(Cos + p * stride_cos + offs_d).to(tl.float32)
-        sn = tl.load(Sin + p * stride_cos + offs_d).to(tl.float32)
-        q = _rope_rows(Q + b * stride_qb + h * stride_qh, offs_g, row_ok, offs_d, stride_qg, QN, cs, sn, eps, D,
-                       QK_NORM)
-        if (split == p // chunk) & (p < L):  # the program whose keys hold the position appends the new key
-            half: tl.constexpr = D // 2
-            rot = (offs_d + half) % D
-            kx, kxr = _load_head(Knew + b * stride_knb + h * D, KN, offs_d, rot, eps, D, QK_NORM, Q.dtype.element_ty)
-            tl.store(k_base + p * stride_kn + offs_d,
-                     _rotate(kx, tl.where(offs_d < half, -1.0, 1.0) * kxr, cs, sn, K.dtype.element_ty))
-            v_new = tl.load(Vnew + b * stride_vnb + h * D + offs_d)
-            tl.store(v_base + p * stride_vn + offs_d, v_new.to(V.dtype.element_ty))
-            tl.debug_barrier()  # every thread's stores before any thread reads the position back below
-    else:
-        q_ptrs = Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_g[:, None] * stride_qg + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_G], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from kbit.kernels import attention as _k
-from kbit.ops.glue import check_rope_append, rope_append_reference
 from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import fail
 from kbit.utils.device import interpreting, sm_count
@@ -29,8 +28,6 @@ __all__ = [
     "decode_attention",
     "decode_attention_reference",
     "folds",
-    "rope_decode_attention",
-    "rope_decode_attention_reference",
     "supports",
 ]
 
@@ -224,26 +221,12 @@ def _decode_attention_counted_op(
     return _launch(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages)
 
 
-def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages,
-            rope=None):
-    """``rope``: ``(k, v, cos, sin, q_norm, k_norm, eps)`` of :func:`rope_decode_attention` (query unrotated, the
-    new key and value appended to ``key``/``value`` at ``new_from`` by the kernel)."""
+def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, block_n, num_warps, num_stages):
     B, H, G, D = query.shape
     L = key.shape[2]
     out_dtype = query.dtype
-    caches = key, value
     if interpreting() and out_dtype == torch.bfloat16:  # the interpreter's bfloat16 arithmetic is wrong
         query, key, value = query.float(), key.float(), value.float()
-        if rope is not None:
-            rope = tuple(t.float() if isinstance(t, torch.Tensor) else t for t in rope)
-    if rope is not None:
-        k_new, v_new, cos, sin, q_norm, k_norm, eps = rope
-        q_norm = cos if q_norm is None else q_norm
-        k_norm = cos if k_norm is None else k_norm
-        rope_args = (k_new, v_new, cos, sin, q_norm, k_norm)
-        rope_strides = (k_new.stride(0), v_new.stride(0), cos.stride(0))
-    else:
-        rope_args, rope_strides, eps = (query,) * 6, (0, 0, 0), 0.0
     out = torch.empty(B, H, G, D, dtype=query.dtype, device=query.device)
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -268,25 +251,21 @@ def _launch(query, key, value, length, mask, new_from, counters, scale, chunk, b
     S_PAD = _next_pow2(S)
     _k.split_kernel[(B * H, S)](
         query, key, value, mask if mask is not None else out, length if length is not None else out,
-        new_from if prefetch or rope is not None else out, counters if fold else out,
-        out, part_o, part_m, part_l, *rope_args,
+        new_from if prefetch else out, counters if fold else out,
+        out, part_o, part_m, part_l,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         stride_mb, stride_mn,
-        out.stride(0), out.stride(1), out.stride(2), *rope_strides,
-        H, G, L, S, chunk, scale * 1.4426950408889634, float(eps),
+        out.stride(0), out.stride(1), out.stride(2),
+        H, G, L, S, chunk, scale * 1.4426950408889634,
         BLOCK_N=block_n, BLOCK_G=max(16, _next_pow2(G)), D=D,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         HAS_LENGTH=length is not None, LENGTH_PER_ROW=length is not None and length.numel() > 1,
         SPLIT=S > 1, PREFETCH=prefetch, FOLD=fold,
         G_PAD=G_PAD, S_PAD=S_PAD, SB=fold_steps(S, G, D)[0],
-        ROPE=rope is not None, QK_NORM=rope is not None and rope[4] is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
-    if rope is not None and key is not caches[0]:  # interpreter copies: the appended key and value go back
-        caches[0].copy_(key)
-        caches[1].copy_(value)
     if S > 1 and not fold:
         block_s = max(1, min(S_PAD, COMBINE_TILE // D))
         _k.combine_kernel[(B * H * G,)](
@@ -396,78 +375,6 @@ def decode_attention(
     if counters is None:
         return torch.ops.kbit.decode_attention(query, key, value, length, mask, new_from, *cfg)
     return torch.ops.kbit.decode_attention_counted(query, key, value, length, mask, new_from, counters, *cfg)
-
-
-# a third op: rotary, the cache append and the attention in one launch chain (the fast decode step's layer)
-@torch.library.custom_op("kbit::rope_decode_attention", mutates_args=("k_cache", "v_cache", "counters"))
-def _rope_decode_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    length: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, counters: torch.Tensor,
-    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-    scale: float, chunk: int, block_n: int, num_warps: int, num_stages: int,
-) -> torch.Tensor:
-    H, D = k_cache.shape[1], k_cache.shape[3]
-    return _launch(q.unflatten(1, (H, -1, D)), k_cache, v_cache, length, None, pos, counters, scale, chunk,
-                   block_n, num_warps, num_stages, rope=(k, v, cos, sin, q_norm, k_norm, eps))
-
-
-@_rope_decode_attention_op.register_fake
-def _(q, k, v, cos, sin, pos, length, k_cache, v_cache, counters, q_norm, k_norm, eps, scale, chunk, block_n,
-      num_warps, num_stages):
-    H, D = k_cache.shape[1], k_cache.shape[3]
-    return q.new_empty(q.shape[0], H, q.shape[1] // (H * D), D)
-
-
-def rope_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, *, length: torch.Tensor,
-    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-    scale: float | None = None, config: DecodeAttentionConfig | None = None, counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`kbit.ops.glue.rope_append` and :func:`decode_attention` in one launch chain: the split programs
-    rotate the query rows themselves, and the one whose keys hold ``pos`` appends the new key and value.
-
-    ``q [B, Hq * D]``, ``k``, ``v [B, Hkv * D]`` (column slices of one fused projection are fine), ``cos``,
-    ``sin``, ``pos``, ``k_cache``, ``v_cache``, ``q_norm``, ``k_norm``, ``eps``: as :func:`rope_append` (the caches
-    are written in place). ``length``: one-element int tensor on the device, the keys ``[0, length)`` attended
-    (``pos + 1`` for a decode step); keys before ``pos`` are read before the PDL wait, as ``new_from = pos`` in
-    :func:`decode_attention`, whose ``scale``, ``config`` and ``counters`` these are (``counters`` default: a zeroed
-    workspace each call). Returns ``[B, Hkv, Hq / Hkv, D]`` in q's dtype. No host synchronisation.
-
-    Why: the fast decode step ran rope_append as its own launch between the q/k/v projection and the attention;
-    folded in here the step has one launch and one wait fewer a layer."""
-    check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm)
-    B, H, L, D = k_cache.shape
-    query = q.unflatten(1, (H, -1, D))
-    _check_inputs(query, k_cache, v_cache, length, None, scale)
-    if length.numel() != 1:
-        fail(ValueError, "length", "one element (the step's pos + 1)", tuple(length.shape))
-    if config is None:
-        config = attention_config(B * H, L, D, device_sms(q.device))
-    elif not isinstance(config, DecodeAttentionConfig):
-        fail(TypeError, "config", "a DecodeAttentionConfig", type(config).__name__)
-    if counters is None:
-        counters = torch.zeros(B * H, dtype=torch.int32, device=q.device)
-    elif not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32:
-        fail(TypeError, "counters", "an int32 tensor or None",
-             counters.dtype if isinstance(counters, torch.Tensor) else type(counters).__name__)
-    elif counters.device != q.device or not counters.is_contiguous() or counters.numel() < B * H:
-        fail(ValueError, "counters", f"a contiguous tensor of at least B * Hkv = {B * H} elements on {q.device}",
-             f"{tuple(counters.shape)} on {counters.device}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return torch.ops.kbit.rope_decode_attention(
-        q, k, v, cos, sin, pos, length, k_cache, v_cache, counters, q_norm, k_norm, float(eps), scale, config.chunk,
-        config.block_n, config.num_warps, config.num_stages)
-
-
-def rope_decode_attention_reference(q, k, v, cos, sin, pos, k_cache, v_cache, *, length, q_norm=None, k_norm=None,
-                                    eps=1e-6, scale=None, out_dtype=None):
-    """:func:`rope_decode_attention`'s semantics: :func:`rope_append_reference` (writes the caches), then
-    :func:`decode_attention_reference` (float64) of the rotated query; returns ``out_dtype`` (default q's)."""
-    B, H, _, D = k_cache.shape
-    qr = rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps)
-    return decode_attention_reference(qr.reshape(B, H, -1, D), k_cache, v_cache, length=length, scale=scale,
-                                      out_dtype=out_dtype)
 
 
 # ------------------------------------------------------------------------------------ reference

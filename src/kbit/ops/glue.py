@@ -25,7 +25,7 @@ from kbit.ops.pdl import launch_kw
 from kbit.utils.checks import check_tensor, fail
 from kbit.utils.device import interpreting
 
-__all__ = ["add_rms_norm", "argmax", "check_norm", "check_rope_append", "rms_norm", "rms_norm_reference", "rope_append",
+__all__ = ["add_rms_norm", "argmax", "check_norm", "rms_norm", "rms_norm_reference", "rope_append",
            "rope_append_reference", "silu_mul", "silu_mul_reference"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -258,12 +258,6 @@ def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=No
     to ``k_cache``/``v_cache [B, Hkv, L, D]`` at the position ``pos`` (an int tensor of one element, on the
     device: graph-safe), ``cos``/``sin`` ``[L', D]`` tables indexed by position. Returns the rotated q
     ``[B, Hq, D]``. q, k, v may be column slices of one fused projection output."""
-    check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm)
-    return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps))
-
-
-def check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None):
-    """:func:`rope_append`'s argument checks (also :func:`kbit.ops.attention.rope_decode_attention`'s)."""
     _check_rows("q", q)
     dt, dev = q.dtype, q.device
     _check_rows("k", k, dt, dev)
@@ -291,6 +285,7 @@ def check_rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_n
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.shape != (D,) or w.device != dev):
             raise ValueError(f"{name}: expected shape ({D},) on {dev}, got {tuple(w.shape)}")
+    return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps))
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up
