@@ -135,13 +135,13 @@ def _late_trigger_kernels():
 
     src = inspect.getsource(A._k)
     head, tail = src.split("def split_kernel(", 1)
-    body, rest = tail.split("@triton.jit\ndef combine_kernel(", 1)
+    body, rest = tail.split("\n\n\n@triton.jit\n", 1)  # split_kernel's body: up to the next kernel or helper
     assert body.count("    _pdl_enter(PDL)\n") == 1
     body = body.replace("    _pdl_enter(PDL)\n", "    if PDL:\n        gdc_wait()\n")
-    body = body.rstrip("\n") + "\n    if PDL:\n        gdc_launch_dependents()\n\n\n"
-    src = (head.replace("from kbit.kernels.glue import _pdl_enter",
-                        "from kbit.kernels.glue import _pdl_enter, gdc_launch_dependents, gdc_wait")
-           + "def split_kernel(" + body + "@triton.jit\ndef combine_kernel(" + rest)
+    body = body.rstrip("\n") + "\n    if PDL:\n        gdc_launch_dependents()"
+    src = (head.replace("from kbit.kernels.glue import ", "from kbit.kernels.glue import gdc_launch_dependents, "
+                        "gdc_wait, ", 1)
+           + "def split_kernel(" + body + "\n\n\n@triton.jit\n" + rest)
     path = Path(tempfile.mkdtemp()) / "attention_late_trigger.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("attention_late_trigger", path)
