@@ -49,7 +49,8 @@ DEFAULT_SMS = 132  # H100 SXM; used when the device is not a GPU (interpreter) o
 #: elements of one [BLOCK_S, D] step of the second launch's merge: 64 partials at D = 128, so the default split
 #: counts (at most MAX_SPLITS) merge in one round of loads. Loading every partial at once rather than 16 at a time,
 #: each step's values behind a load of its maxima, saved 2.4-3.2 us a layer at context 4096 and 0.2-1.2 at 512 (H100,
-#: batch 1, Llama-3-8B and Qwen2.5-7B shapes; benchmarks/results/h100/attn-next-2026-11-28/)
+#: batch 1, Llama-3-8B and Qwen2.5-7B shapes, a lab kernel; benchmarks/results/h100/attn-next-2026-11-28/); as
+#: shipped, 0.4-0.8 in the whole step of four models at context 512 (benchmarks/results/h100/combine-next-2026-11-28/)
 COMBINE_TILE = 8192
 FOLD_TILE = 8192  # elements of one [SB, G, D] step of the folded merge (SB partials loaded together)
 
