@@ -19,7 +19,7 @@ def folds(table: TunedTable):
     """``(fitted, held)`` a model family of the suite's tune half: ``held`` its entries, ``fitted`` the others'."""
     fam = S.shape_families(S.select(S.load_models(), split="tune"))
     for f in sorted({fam[(k[1], k[2])] for k in table.entries}):
-        fitted, held = TunedTable(table.gpu), TunedTable(table.gpu)
+        fitted, held = TunedTable(table.gpu, table.meta), TunedTable(table.gpu, table.meta)
         fitted.candidates = held.candidates = table.candidates  # a packed table's entries index its candidates
         for key, e in table.entries.items():
             (held if fam[(key[1], key[2])] == f else fitted).entries[key] = e

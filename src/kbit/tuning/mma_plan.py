@@ -201,6 +201,16 @@ def _k1_grid(items: int, slots: int, sms: int) -> int:
     return slots
 
 
+def k1_layout(Nt: int, S: int, W: int, slots: int, sms: int) -> tuple[int, int, int]:
+    """Kernel 1's (K splits, segments a split, CTAs) for ``Nt`` 16-row tiles of ``S`` segments, ``W`` warps a CTA
+    and ``slots`` CTA slots on ``sms`` SMs: K split only where the tiles leave over a tenth of the SMs without one
+    (see :func:`_grid`), then :func:`_k1_grid`."""
+    splits = _splits(Nt, S, slots, S // W if 10 * Nt < 9 * sms else 1, divide=False)
+    sps = -(-S // splits)
+    splits = -(-S // sps)
+    return splits, sps, _k1_grid(Nt * splits, slots, sms)
+
+
 def _grid_k3(st, build, k, N, K, epi, ng):
     """Kernel 3's grid; CTA-aligned units or the CTA-local fix-up where their build keeps the occupancy."""
     Nt, S, W, occ, slots, sms = st["Nt"], st["S"], st["W"], st["occ"], st["slots"], st["sms"]
@@ -252,10 +262,8 @@ def _grid(st, kernel, build, cfg, k, M, N, K, epi, ng):
         # (H100, lab/m1_splits.py --unsplit and lab/rounds/k1split_ab.sh: with a tile for nearly every SM the split's
         # partial sums cost more than the SMs it adds: 5120x8192 k = 4 M = 1 23.2 us split, 14.2 unsplit; 2048x4096
         # (128 tiles) 6.3 / 4.6; with 96 tiles, 1536x7168, the split won at k = 3..5: 6.4 / 7.1 at k = 4 M = 2)
-        splits = _splits(Nt, S, slots, S // W if 10 * Nt < 9 * st["sms"] else 1, divide=False)
-        sps = -(-S // splits)
-        splits = -(-S // sps)
-        st.update(splits=splits, sps=sps, grid=_k1_grid(Nt * splits, slots, st["sms"]))
+        splits, sps, grid = k1_layout(Nt, S, W, slots, st["sms"])
+        st.update(splits=splits, sps=sps, grid=grid)
 
 
 def _parts(st, kernel) -> float:

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from kbit import options
 from kbit.tuning import mma as _tmma
+from kbit.tuning.mma_plan import k1_layout
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
@@ -193,8 +194,14 @@ class TunedTable:
         near = keys[:NEAREST]
         if not all("trials" in self.entries[key] or "times" in self.entries[key] for key in near):
             return candidate_from_dict(self.entries[near[0]]["best"])  # no trials kept: the nearest shape's best
-        slow = _slowdowns(self, near)
+        # At M = 1 only: at 4 to 64 rows, where kernel 1 also reads x tiles, the veto lost on the held-out shapes
+        # (H100 held-out tune of 2026-11-27, k = 2: within 5% of the best at M = 64 83% -> 73%, M = 8 87% -> 83%)
+        sms = self.meta.get("sms") if bucket == 1 else None
+        slow = _slowdowns(self, near, veto=lambda c, key: _k1_more_rounds(c, key, N, K, sms))
         own = [self.builtin_slowdown(key) for key in near]
+        for i, key in enumerate(near):
+            if own[i] is not None and _k1_more_rounds(self.builtin_candidate(key), key, N, K, sms):
+                own[i] = math.inf
         if all(v is not None for v in own):
             slow[BUILTIN] = own
         picked = _pick(slow, len(near))
@@ -404,14 +411,34 @@ def _band(nk: int) -> tuple[int, int | None]:
     return lo, None
 
 
-def _slowdowns(table: TunedTable, keys: list) -> dict[str, list[float]]:
-    """candidate key -> its time / the shape's best, one value per entry of ``keys`` where it was timed."""
+def _k1_more_rounds(c: Candidate | None, key: tuple, N: int, K: int, sms: int | None) -> bool:
+    """Whether ``c`` is a kernel-1 config whose CTAs take more tiles one after another on ``[N, K]`` than on the
+    tuned shape of ``key`` (needs the table's ``sms``). Its time there does not carry over: a CTA streams its tiles
+    in turn, so one more round adds a tile's whole stream to the launch, which stream-K kernels spread over the SMs
+    (H100, 8 warps x 2 CTAs, k = 4, M = 1: 3584x18944, one tile a CTA, 16.0 us against the dispatcher's kernel 3,
+    17.8; 5120x32768, two a CTA, 47.6 against 36.2; ``benchmarks/results/h100/k1-grid-ab-2026-11-27/``)."""
+    if not sms or c is None or c.family != "mma" or c.config.kernel != 1:
+        return False
+    return _k1_rounds(c.config, N, K, sms) > _k1_rounds(c.config, key[1], key[2], sms)
+
+
+def _k1_rounds(cfg, N: int, K: int, sms: int) -> int:
+    """The items (tile, K split) the busiest CTA of a kernel-1 launch takes, at the occupancy ``cfg`` asks for."""
+    Nt, S = -(-N // 16), -(-K // _tmma.SEG)
+    occ = min(cfg.min_ctas, cfg.grid_ctas) if cfg.grid_ctas else cfg.min_ctas
+    splits, _, grid = k1_layout(Nt, S, cfg.warps, sms * max(1, occ), sms)
+    return -(-(Nt * splits) // grid)
+
+
+def _slowdowns(table: TunedTable, keys: list, veto=None) -> dict[str, list[float]]:
+    """candidate key -> its time / the shape's best, one value per entry of ``keys`` where it was timed; where
+    ``veto(candidate, key)`` holds, infinity instead (that time says nothing about the shape asked)."""
     out: dict[str, list[float]] = defaultdict(list)
     for key in keys:
         trials = [t for t in table.trials(key) if t.us is not None]
         best = min(t.us for t in trials)
         for t in trials:
-            out[t.candidate.key].append(t.us / best)
+            out[t.candidate.key].append(math.inf if veto and veto(t.candidate, key) else t.us / best)
     return out
 
 
