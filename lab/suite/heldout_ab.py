@@ -1,7 +1,7 @@
 """Dispatcher times of several ``kbit bench`` runs on the same points, each against the first run (CPU):
 per k the geometric mean of run / first, the best and worst ratio, and the points more than 3% faster or slower.
 
-    python lab/suite/heldout_ab.py DIR base1 veto2 stale3 ...   # reads DIR/heldout-<name>.json (kbit-linear rows)
+    python lab/suite/heldout_ab.py DIR base1 veto2 stale3 ...   # reads DIR/**/heldout-<name>*.json (kbit bench)
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def times(path: Path) -> dict[tuple[int, int, int, int], float]:
 
 
 def main(d: str, names: list[str]) -> None:
-    runs = {n: times(Path(d) / f"heldout-{n}.json") for n in names if (Path(d) / f"heldout-{n}.json").exists()}
+    found = {n: sorted(Path(d).rglob(f"heldout-{n}*.json")) for n in names}
+    runs = {n: times(p[0]) for n, p in found.items() if p}
     if len(runs) < 2:
         print(f"fewer than two runs found under {d}: {sorted(runs)}")
         return

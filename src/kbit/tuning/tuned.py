@@ -194,14 +194,12 @@ class TunedTable:
         near = keys[:NEAREST]
         if not all("trials" in self.entries[key] or "times" in self.entries[key] for key in near):
             return candidate_from_dict(self.entries[near[0]]["best"])  # no trials kept: the nearest shape's best
-        # At M = 1 only: at 4 to 64 rows, where kernel 1 also reads x tiles, the veto lost on the held-out shapes
-        # (H100 held-out tune of 2026-11-27, k = 2: within 5% of the best at M = 64 83% -> 73%, M = 8 87% -> 83%)
+        # Kernel-1 times carried only where its CTAs take no more tiles in turn (:func:`_k1_more_rounds`); at M = 1
+        # only: at 4 to 64 rows the veto lost on the held-out shapes (H100 held-out tune of 2026-11-27, k = 2:
+        # within 5% of the best at M = 64 83% -> 73%, M = 8 87% -> 83%)
         sms = self.meta.get("sms") if bucket == 1 else None
         slow = _slowdowns(self, near, veto=lambda c, key: _k1_more_rounds(c, key, N, K, sms))
         own = [self.builtin_slowdown(key) for key in near]
-        for i, key in enumerate(near):
-            if own[i] is not None and _k1_more_rounds(self.builtin_candidate(key), key, N, K, sms):
-                own[i] = math.inf
         if all(v is not None for v in own):
             slow[BUILTIN] = own
         picked = _pick(slow, len(near))
@@ -210,9 +208,13 @@ class TunedTable:
         if picked[0] != BUILTIN:
             return candidate_from_dict(json.loads(picked[0]))
         # The built-in rules won on those shapes with what they chose there. Where that was one candidate, it is
-        # the one measured: the rules may choose otherwise for [N, K] (a threshold between), unmeasured.
+        # the one measured: the rules may choose otherwise for [N, K] (a threshold between), unmeasured. Not where
+        # it is a kernel-1 config whose times do not carry to [N, K]: the rules choose there (they may not take it).
         own = {self.builtin_candidate(key) for key in near}
-        return own.pop() if len(own) == 1 else BUILTIN
+        if len(own) != 1:
+            return BUILTIN
+        c = own.pop()
+        return BUILTIN if any(_k1_more_rounds(c, key, N, K, sms) for key in near) else c
 
     def builtin_candidate(self, key: tuple[int, int, int, int]) -> Candidate | None:
         """The built-in rules' choice an entry records (None where it records none)."""
