@@ -6,7 +6,9 @@ the search space) without retuning the rest:
     python lab/suite/merge_tuned.py --base src/kbit/tuning/configs/tuned-h100.json --new new.json \\
         --out src/kbit/tuning/configs/tuned-h100.json
 
-The new run's entries replace the base's of the same (k, N, K, M bucket); the table's metadata keeps the base's and
+The new run's entries replace the base's of the same (k, N, K, M bucket); with ``--stale-only``, only those where the
+base's pick ran over 5% behind the new run's best in the new run, or the base has no entry. The table's metadata
+keeps the base's and
 lists the merged runs under ``merged`` (their commit, GPU name, what they cover). Refitting the rules on the packaged
 form gives the rules fitted on the full table (checked on the H100 and H200 tables of 2026-11-27: the same 224 / 112
 rules), so the rules of untouched k do not move.
@@ -22,13 +24,25 @@ from kbit.bench.tune import evaluation_lines  # noqa: E402
 from kbit.tuning.tuned import TunedTable, evaluate, fit_rules  # noqa: E402
 
 
+def _stale(base: TunedTable, new: TunedTable, key) -> bool:
+    """Whether ``base`` lacks the entry ``key`` or its pick ran over 5% behind the best in ``new``'s trials."""
+    k, N, K, b = key
+    own = base.exact(k, b, N, K) if key in base.entries else None
+    times = {t.candidate: t.us for t in new.trials(key) if t.us is not None}
+    return own is None or times.get(own, float("inf")) > 1.05 * min(times.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, help="the packaged table (e.g. src/kbit/tuning/configs/tuned-h100.json)")
     ap.add_argument("--new", required=True, help="the tuned table of the new run (kbit tune --out)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--stale-only", action="store_true",
+                    help="take only entries where the base's pick ran over 5%% behind the new run's best, or new ones")
     a = ap.parse_args(argv)
     base, new = TunedTable.load(a.base), TunedTable.load(a.new)
+    if a.stale_only:
+        new.entries = {key: e for key, e in new.entries.items() if _stale(base, new, key)}
     if base.gpu != new.gpu:
         raise ValueError(f"new: expected a table of the base's GPU {base.gpu!r}, got {new.gpu!r} ({a.new})")
     if not new.entries:
