@@ -18,7 +18,7 @@ DENSE_M1 = RES / "h100" / "issue3-2026-11-22c.json"
 DENSE_BY_M = RES / "h100" / "issue4-2026-11-23.json"
 MOE = RES / "h100" / "moe-tail-2026-11-23.json"
 #: end to end: (model, batch) rows from the newest file that has them
-E2E = [RES / "h100" / name for name in ("e2e-h100-2026-11-27c.json", "e2e-h100-2026-11-27c-moe.json",
+E2E = [RES / "h100" / name for name in ("e2e-h100-2026-11-28b.json", "e2e-h100-2026-11-28b-moe.json",
                                         "e2e-b32-b64-2026-11-22.json")]
 QUALITY = RES / "cpu" / "quality-smollm2-2026-11-21.json"
 #: the decode-step profiles (``kbit.bench.step_profile``) whose roofline share the end-to-end section quotes: a
@@ -143,23 +143,30 @@ def e2e_table(paths: list[Path], ks=(4, 2), note: str = "") -> str:
     return "\n".join(head + out)
 
 
-def roofline_line(folders: list[Path]) -> str:
-    """The batch-1 k = 4 steps' share of their byte roofline, from the step profiles' own summary lines; a model's
-    from the first folder that has it."""
+def roofline_line(folders: list[Path], e2e: list[Path]) -> str:
+    """The batch-1 k = 4 steps' share of their byte roofline: the bytes at the read ceiling from the step profiles'
+    own summary lines (a model's from the first folder that has it) over the step of the end-to-end table (a model's
+    from the first file in ``e2e`` that has it)."""
+    step = {}
+    for path in e2e:
+        for r in _load(path)["rows"]:
+            if r.get("variant") == "kbit" and r.get("k") == 4 and r.get("batch") == 1 and r.get("ms_per_step"):
+                step.setdefault(r["model"], r["ms_per_step"])
     parts, used, seen = [], {}, set()
     for folder in folders:
         for f in sorted(folder.glob("step-*-kbit-k4-b1.txt")):
             text = f.read_text()
             head = re.search(r"^step profile: (\S+) .*commit (\w+)\)", text, re.M)
             share = re.search(r"roofline at [\d.]+ TB/s.*: ([\d.]+) ms = ([\d.]+)% of the step", text)
-            if head and share and head.group(1) not in seen:
+            if head and share and head.group(1) not in seen and head.group(1) in step:
                 seen.add(head.group(1))
-                parts.append(f"{head.group(1)} {float(share.group(2)):.0f}% ({share.group(1)} ms of bytes)")
+                ms, roof = step[head.group(1)], float(share.group(1))
+                parts.append(f"{head.group(1)} {roof:.3f} ms / {ms:.3f} = {100 * roof / ms:.0f}%")
                 used.setdefault(f"`{folder.relative_to(ROOT)}/` ({head.group(2)})", None)
     if not parts:
         return ""
     return (" Batch-1 k = 4 steps against the bytes they must read at the read ceiling (step profiles, "
-            + ", ".join(used) + "): " + ", ".join(parts) + ".")
+            + ", ".join(used) + "): bytes at the ceiling / the step of the table below: " + ", ".join(parts) + ".")
 
 
 def quality_table(path: Path) -> str:
@@ -228,7 +235,7 @@ def tables() -> str:
         "### Dense, M = 16..4096", dense_by_m_table(DENSE_BY_M),
         "### Model-shape suite, per family", suite_table(SUITE),
         "### MoE layer", moe_table(MOE),
-        "### End-to-end decode", e2e_table(E2E, note=roofline_line(PROFILES)),
+        "### End-to-end decode", e2e_table(E2E, note=roofline_line(PROFILES, E2E)),
         "### Quality", quality_table(QUALITY)])
 
 
