@@ -309,6 +309,26 @@ def test_nearest_weighs_the_builtin_choice(tmp_path):
     assert same.nearest(4, 64, 5000, 4096) == K3 and same.lookup(4, 64, 5000, 4096) == K3
 
 
+def test_nearest_does_not_carry_kernel1_to_more_rounds():
+    """At M = 1 a kernel-1 config's time is not carried from a tuned shape to one where its CTAs take more tiles in
+    turn (132 SMs, 8 warps x 2 CTAs: 264 slots; 3584 rows are 224 tiles, one a CTA; 5120 rows are 320, two): there
+    the stream-K kernel answers. Shapes of the same rounds still take it; other M buckets and tables without an SM
+    count are as before; where the built-in rules won with that config, they choose at the shape."""
+    def table(sms=132, bucket=1, builtin=None):
+        t = TunedTable("h100", {"sms": sms} if sms else None)
+        for K in (16384, 18944, 20480):  # kernel 1 9% ahead of kernel 3 on each
+            t.add(4, 3584, K, bucket, [Trial(K1, 16.0), Trial(K3, 17.5)], builtin=builtin)
+        return t
+
+    assert tuned._k1_rounds(K1.config, 3584, 18944, 132) == 1 and tuned._k1_rounds(K1.config, 5120, 32768, 132) == 2
+    assert table().nearest(4, 1, 5120, 32768) == K3  # two rounds there
+    assert table().nearest(4, 1, 3840, 18944) == K1  # 240 tiles: still one round
+    assert table(sms=None).nearest(4, 1, 5120, 32768) == K1  # no SM count: times carried as measured
+    assert table(bucket=4).nearest(4, 4, 5120, 32768) == K1  # M = 1 only
+    assert table(builtin=K1).nearest(4, 1, 5120, 32768) == tuned.BUILTIN  # the rules decide at the shape
+    assert table(builtin=K1).nearest(4, 1, 3840, 18944) == K1
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 

@@ -186,7 +186,10 @@ class TunedTable:
         M = 1..1024; ``lab/suite/cv_families.py``, ``benchmarks/results/cpu/nearest-builtin-cv-2026-11-27.txt``):
         within 5% of the best on 80% of the 1263 entries whose pick was timed there (worst 2.82x); 79% (2.74x) when
         a win of the built-in candidate always answered :data:`BUILTIN`, 69% (5.04x) for the built-in rules
-        alone."""
+        alone. At M = 1 a kernel-1 config's times are not carried to a shape where its CTAs take more tiles in turn
+        (:func:`_k1_more_rounds`): on the shipped table of 2026-11-28 (1309 entries) the same 78% within 5% with
+        and without it; on the held-out shapes, 5120x8192 went from kernel 1 to kernel 3, 0.78x the time at k = 4
+        and 0.91x at k = 2 (``benchmarks/results/h100/table-veto-2026-11-28/``)."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
