@@ -116,7 +116,7 @@ def ablate(part: str):
         fd.add_rms_norm_linear = lambda x, res, w, eps, lin, silu_mul=False: (
             lin(x)[:, :lin.out_features // 2] if silu_mul else lin(x), res)
     if "rope" in parts:
-        fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a: q.unflatten(-1, (-1, kc.shape[-1]))
+        fd.rope_append = lambda q, k, v, cos, sin, pos, kc, vc, *a, **kw: q.unflatten(-1, (-1, kc.shape[-1]))
     if "attn" in parts:
         fd.FastDecodeStep._attend = lambda self, q, kc, vc, length, scale, pos: q
     if "attn-tiny" in parts:  # the attention replaced by one tiny glue kernel (cost of any launch in its place)

@@ -31,7 +31,8 @@ def test_add_rms_norm(dtype, R, H):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_append(dtype, qk_norm):
+@pytest.mark.parametrize("pos_settled", [False, True])
+def test_rope_append(dtype, qk_norm, pos_settled):
     g = torch.Generator().manual_seed(7 + qk_norm)
     B, Hq, Hkv, D, L, p = 2, 4, 2, 16, 8, 5
     fused = torch.randn(B, (Hq + 2 * Hkv) * D + 3, generator=g).to(dtype).to(DEV)  # 3 spare columns
@@ -45,7 +46,7 @@ def test_rope_append(dtype, qk_norm):
     qn = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV) if qk_norm else None
     kn = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEV) if qk_norm else None
     pos = torch.tensor([p], device=DEV)
-    q_out = glue.rope_append(q, k, v, cos, sin, pos, kc, vc, qn, kn, 1e-6)
+    q_out = glue.rope_append(q, k, v, cos, sin, pos, kc, vc, qn, kn, 1e-6, pos_settled=pos_settled)
     kr, vr = kc0.double().clone(), vc0.double().clone()
     q_ref = glue.rope_append_reference(q.double(), k.double(), v.double(), cos.double(), sin.double(), pos, kr, vr,
                                        None if qn is None else qn.double(), None if kn is None else kn.double(), 1e-6)
@@ -83,6 +84,9 @@ def test_glue_validation():
         kc6 = torch.zeros(2, 1, 4, 6, device=DEV)
         glue.rope_append(x[:, :6], x[:, :6], x[:, :6], torch.ones(4, 6, device=DEV), torch.ones(4, 6, device=DEV),
                          torch.tensor([0], device=DEV), kc6, kc6.clone())
+    with pytest.raises(TypeError, match="pos_settled"):
+        glue.rope_append(x, x, x, torch.ones(4, 8, device=DEV), torch.ones(4, 8, device=DEV),
+                         torch.tensor([0], device=DEV), kc, kc.clone(), pos_settled=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -319,11 +319,12 @@ class FastDecodeStep:
             att = layer.self_attn
             q, k, v, res = self._qkv(i, x, res)
             kc, vc = self.cache.layers[i].keys, self.cache.layers[i].values
+            # pos is this step's input, written before the step's first launch: read before the PDL wait
             if self.qk_norm:
                 qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, att.q_norm.weight, att.k_norm.weight,
-                                 att.q_norm.variance_epsilon)
+                                 att.q_norm.variance_epsilon, pos_settled=True)
             else:
-                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc)
+                qr = rope_append(q, k, v, self.cos, self.sin, pos, kc, vc, pos_settled=True)
             o = self._attend(qr, kc, vc, length, att.scaling, pos).reshape(B, -1)
             ro = self.rot_o[i]
             x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))

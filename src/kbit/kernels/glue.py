@@ -104,10 +104,18 @@ def _rotate(x, xr, c, s, dtype: tl.constexpr):
 
 
 @triton.jit
+def _pos_rows(Pos, Cos, Sin, stride_cos, offs):
+    p = tl.load(Pos).to(tl.int32)
+    return p, tl.load(Cos + p * stride_cos + offs).to(tl.float32), tl.load(Sin + p * stride_cos + offs).to(tl.float32)
+
+
+@triton.jit
 def rope_append_kernel(Q, Kx, V, Cos, Sin, Pos, QN, KN, Qout, Kc, Vc,
                        stride_qb, stride_kb, stride_vb, stride_cos, stride_qob, stride_qoh,
                        stride_kcb, stride_kch, stride_kcl, stride_vcb, stride_vch, stride_vcl,
-                       Hq, eps, D: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                       Hq, eps, D: tl.constexpr, QK_NORM: tl.constexpr, POS_EARLY: tl.constexpr, PDL: tl.constexpr):
+    """``POS_EARLY``: the position and its cos / sin rows are read before the PDL wait (the caller wrote ``Pos``
+    before the dependent-launch chain): two dependent loads off the critical path."""
     b = tl.program_id(0)
     h = tl.program_id(1)  # query heads first, then one program a KV head (k and v)
     dtype = Qout.dtype.element_ty
@@ -115,10 +123,12 @@ def rope_append_kernel(Q, Kx, V, Cos, Sin, Pos, QN, KN, Qout, Kc, Vc,
     half: tl.constexpr = D // 2
     rot = (offs + half) % D
     sign = tl.where(offs < half, -1.0, 1.0)
-    _pdl_enter(PDL)
-    p = tl.load(Pos).to(tl.int32)
-    c = tl.load(Cos + p * stride_cos + offs).to(tl.float32)
-    s = tl.load(Sin + p * stride_cos + offs).to(tl.float32)
+    if POS_EARLY:
+        p, c, s = _pos_rows(Pos, Cos, Sin, stride_cos, offs)
+        _pdl_enter(PDL)
+    else:
+        _pdl_enter(PDL)
+        p, c, s = _pos_rows(Pos, Cos, Sin, stride_cos, offs)
     if h < Hq:
         x, xr = _load_head(Q + b * stride_qb + h * D, QN, offs, rot, eps, D, QK_NORM, dtype)
         tl.store(Qout + b * stride_qob + h * stride_qoh + offs, _rotate(x, sign * xr, c, s, dtype))

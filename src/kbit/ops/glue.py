@@ -224,7 +224,7 @@ def rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None,
 @torch.library.custom_op("kbit::rope_append", mutates_args=("k_cache", "v_cache"))
 def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_norm: torch.Tensor | None,
-                    k_norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+                    k_norm: torch.Tensor | None, eps: float, pos_settled: bool = False) -> torch.Tensor:
     if not _use_triton(q):
         return rope_append_reference(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps)
     B, Hkv, _, D = k_cache.shape
@@ -239,7 +239,7 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         qd, kd, vd, cd, sd, pos, qn, kn, q_out, kc, vc,
         qd.stride(0), kd.stride(0), vd.stride(0), cd.stride(0), q_out.stride(0), q_out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        Hq, float(eps), D=D, QK_NORM=q_norm is not None, num_warps=1, **launch_kw(q.device))
+        Hq, float(eps), D=D, QK_NORM=q_norm is not None, POS_EARLY=pos_settled, num_warps=1, **launch_kw(q.device))
     if interp_cache:
         k_cache.copy_(kc)
         v_cache.copy_(vc)
@@ -247,17 +247,23 @@ def _rope_append_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 
 
 @_rope_append_op.register_fake
-def _(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps):
+def _(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, eps, pos_settled=False):
     B, _, _, D = k_cache.shape
     return q.new_empty(B, q.shape[1] // D, D)
 
 
-def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6):
+def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=None, eps=1e-6, *,
+                pos_settled=False):
     """One-token step of a layer's attention input: rotary embedding of ``q [B, Hq * D]`` and ``k [B, Hkv * D]``
     (optionally after the per-head RMSNorms ``q_norm``/``k_norm [D]``, Qwen3), k and ``v [B, Hkv * D]`` appended
     to ``k_cache``/``v_cache [B, Hkv, L, D]`` at the position ``pos`` (an int tensor of one element, on the
     device: graph-safe), ``cos``/``sin`` ``[L', D]`` tables indexed by position. Returns the rotated q
-    ``[B, Hq, D]``. q, k, v may be column slices of one fused projection output."""
+    ``[B, Hq, D]``. q, k, v may be column slices of one fused projection output. ``pos_settled``: ``pos`` was
+    written before the kernels of the current programmatic-dependent-launch chain (as ``new_from`` of
+    :func:`kbit.ops.attention.decode_attention`), so the kernel reads it and its cos / sin rows before waiting for
+    the kernel before it; else after."""
+    if not isinstance(pos_settled, bool):
+        raise TypeError(f"pos_settled: expected a bool, got {type(pos_settled).__name__}")
     _check_rows("q", q)
     dt, dev = q.dtype, q.device
     _check_rows("k", k, dt, dev)
@@ -285,7 +291,8 @@ def rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm=None, k_norm=No
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.shape != (D,) or w.device != dev):
             raise ValueError(f"{name}: expected shape ({D},) on {dev}, got {tuple(w.shape)}")
-    return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps))
+    return torch.ops.kbit.rope_append(q, k, v, cos, sin, pos, k_cache, v_cache, q_norm, k_norm, float(eps),
+                                      pos_settled)
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up
