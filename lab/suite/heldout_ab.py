@@ -5,15 +5,16 @@ per k the geometric mean of run / first, the best and worst ratio, and the point
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
+from kbit.bench.report import read_results
+
 
 def times(path: Path) -> dict[tuple[int, int, int, int], float]:
-    rows = json.loads(path.read_text())["rows"]
-    return {(r["k"], r["N"], r["K"], r["M"]): r["us"] for r in rows if r["kernel"] == "kbit-linear" and r.get("us")}
+    return {(r["k"], r["N"], r["K"], r["M"]): r["us"] for r in read_results(path)[1]
+            if r["kernel"] == "kbit-linear" and r.get("us")}
 
 
 def main(d: str, names: list[str]) -> None:
