@@ -165,7 +165,8 @@ def test_small_m_x_staged_routes():
 
 def test_one_tile_cta_routes():
     """M <= 8 on WIDE < N <= 16 x 3 x SMs below BIG (2026-11-22, H100): kernel 1, a CTA a tile (3 CTAs an SM; k = 2
-    up to 4 CTAs an SM); only when the SM count is known (plan passes it); prologue launches keep kernel 3."""
+    up to 4 CTAs an SM); only when the SM count is known (plan passes it); a prologue launch is kernel 3, and there
+    is none where the plain launch is kernel 1 (the norm runs apart)."""
     fused_config = TP.prologue_config
 
     assert same(T.default_config(4, 1, 6144, 4096, sms=132), (1, 8, 3), 4)
@@ -182,6 +183,7 @@ def test_one_tile_cta_routes():
     assert same(T.default_config(4, 1, 4096, 4096, sms=132), (1, 8, 2), 4)  # N <= WIDE: as before
     assert T.default_config(4, 1, 6144, 4096).kernel == 3  # SM count unknown
     assert fused_config(4, 1, 6144, 4096).kernel == 3
+    assert fused_config(4, 1, 6144, 4096, T.default_config(4, 1, 6144, 4096, sms=132)) is None
 
 
 @pytest.mark.parametrize("Nt,S,grid,W,epi", [(1792, 16, 264, 8, 0), (3584, 32, 264, 8, 0), (1792, 16, 264, 8, 1),

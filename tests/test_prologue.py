@@ -49,7 +49,12 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("M,N,K", [(1, 6144, 4096), (3, 1024, 2888), (8, 28672, 1024), (1, 288, 8)])
 def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
+    """The fused launch where the plain launch is kernel 3 (pinned here: which kernel a shape gets is the GPU's
+    tuned table's choice, and the prologue is fused only on kernel 3)."""
     dev = "cuda"
+    plain = MmaConfig(kernel=3, warps=8, min_ctas=2, ring=PIPE[k], x_smem=True)
+    monkeypatch.setattr(gemv_mma, "launch_config", lambda *a, **kw: plain)
+    gemv_mma.PLANS.clear()
     q = _lin(N, K, k, dtype, dev, seed=N + K + k, bias=(M == 3)).repack_for_kernels()
     g = torch.Generator().manual_seed(M * K)
     x = torch.randn(M, K, generator=g).to(dtype).to(dev)
@@ -74,6 +79,27 @@ def test_add_rms_norm_linear_gpu(monkeypatch, dtype, k, silu, M, N, K):
     assert torch.equal(r2, r) and _rel(y, y2) < TOL[dtype] / 2
     # no fused launch (KbitLinear's prepared launcher, when it runs the GEMV, does not pass through launch)
     assert all(c == (0, 0) for c in calls[1:])
+    gemv_mma.PLANS.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("M,N,K", [(1, 6144, 4096), (4, 5120, 2880)])
+def test_not_fused_where_plain_is_kernel_1(monkeypatch, silu, M, N, K):
+    """Where the plain launch is kernel 1 (pinned here), the norm, the launch and SiLU * up run as separate steps:
+    no prologue or epilogue launch, and the same numbers as the float64 reference."""
+    dtype = torch.bfloat16
+    monkeypatch.setattr(gemv_mma, "launch_config", lambda *a, **kw: MmaConfig(kernel=1, warps=8, min_ctas=3))
+    gemv_mma.PLANS.clear()
+    try:
+        q, x, res, w, y_ref = _norm_case(M, N, K, silu, dtype)
+        calls = _spy(monkeypatch)
+        y, r = P.add_rms_norm_linear(x, res, w, 1e-5, q, silu_mul=silu)
+        torch.cuda.synchronize()
+        assert all(c == (0, 0) for c in calls)
+        assert torch.equal(r, res + x) and _rel(y, y_ref) < TOL[dtype]
+    finally:
+        gemv_mma.PLANS.clear()
 
 
 def _norm_case(M, N, K, silu, dtype=torch.bfloat16, dev="cuda"):
@@ -204,7 +230,9 @@ def test_fused_config():
     assert prologue_config(4, 8, 4096, 65536) is None  # x does not fit in shared memory
     p5 = MmaConfig(kernel=3, warps=16, min_ctas=1, ring=2, x_smem=True, pair_table=True)
     assert prologue_config(5, 1, 6144, 4096, p5) == p5  # the plain launch's pair table (k = 5)
-    assert prologue_config(5, 1, 6144, 4096, MmaConfig(kernel=1, warps=8)).kernel == 3  # any other: as before
+    assert prologue_config(5, 1, 6144, 4096, MmaConfig(kernel=3, warps=8)).kernel == 3  # any other kernel 3: as before
+    assert prologue_config(4, 1, 6144, 4096, MmaConfig(kernel=1, warps=8, min_ctas=3)) is None  # not fused
+    assert prologue_config(4, 4, 6144, 4096, MmaConfig(kernel=4, warps=8)) is None
     assert not prologue_config(5, 1, 4096, 25600, p5).pair_table  # x, the norm weight and 128 KB: over 227 KB
 
 

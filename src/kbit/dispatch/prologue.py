@@ -12,7 +12,8 @@ and gate/up, SiLU * up between gate/up and down). Each costs a launch and a depe
 
 :func:`add_rms_norm_linear` chooses: the fused launch (``kbit.ops.gemv_mma.launch`` with a prologue) for a
 :class:`~kbit.nn.KbitLinear` held in layout "mma-v1" on CUDA, M <= 8 rows, 16-bit activations with 16-byte aligned
-rows and x staged in shared memory fitting (``kbit.tuning.mma_plan.prologue_config``).
+rows, the plain launch of the weight being kernel 3 and x staged in shared memory fitting
+(``kbit.tuning.mma_plan.prologue_config`` says why kernel 3 only).
 Anything else runs the same computation as separate steps (the torch ops of :mod:`kbit.ops.glue` and the module),
 so it works for any module and device, and under ``torch.compile`` (traced as those steps).
 

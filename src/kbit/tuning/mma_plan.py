@@ -325,11 +325,20 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
 
 def prologue_config(k: int, M: int, N: int, K: int, plain: MmaConfig | LargeConfig | None = None) -> MmaConfig | None:
     """The kernel-3 config (x in shared memory) of a launch with an x prologue (``kbit.dispatch.prologue``), or None
-    when it does not apply (M > 8, or x [M, K] and the norm weight do not fit in shared memory beside the lookup
-    table). ``plain``: the config of the same launch without a prologue (``kbit.ops.gemv_mma.launch_config``: the
-    tuned table's where it has one); where that one takes k = 5's pair table and x and the norm weight fit beside it,
-    the prologue launch takes it too (the same weight read, with the same lookups)."""
+    when it does not apply (M > 8, x [M, K] and the norm weight do not fit in shared memory beside the lookup
+    table, or the plain launch is not kernel 3). ``plain``: the config of the same launch without a prologue
+    (``kbit.ops.gemv_mma.launch_config``: the tuned table's where it has one); where that one takes k = 5's pair
+    table and x and the norm weight fit beside it, the prologue launch takes it too (the same weight read, with the
+    same lookups).
+
+    Where the plain launch is another kernel (kernel 1 on narrow weights), fusing would move the weight read to
+    kernel 3, and that costs more than the separate norm and SiLU kernels save: on an H200 at M = 1, k = 2..5, the
+    fused launch took 1.01-1.47x (geometric mean 1.20) the time of the norm kernel and the plain launch on the 18
+    suite q/k/v points whose plain pick was kernel 1, against 0.91-1.13x (1.01) of the separate steps on the 78
+    points where it was kernel 3 (``benchmarks/results/h200/prologue-sweep-2026-11-28``)."""
     if not 1 <= M <= 8:
+        return None
+    if plain is not None and not (isinstance(plain, MmaConfig) and plain.kernel == 3):
         return None
     S = -(-K // SEG)
     if (k == 5 and isinstance(plain, MmaConfig) and plain.pair_table
