@@ -335,7 +335,7 @@ def prologue_config(k: int, M: int, N: int, K: int, plain: MmaConfig | LargeConf
     kernel 3, and that costs more than the separate norm and SiLU kernels save: on an H200 at M = 1, k = 2..5, the
     fused launch took 1.01-1.47x (geometric mean 1.20) the time of the norm kernel and the plain launch on the 18
     suite q/k/v points whose plain pick was kernel 1, against 0.91-1.13x (1.01) of the separate steps on the 78
-    points where it was kernel 3 (``benchmarks/results/h200/prologue-sweep-2026-11-28``)."""
+    points where it was kernel 3 (``benchmarks/results/h200/prologue-sweep-2026-11-28/``)."""
     if not 1 <= M <= 8:
         return None
     if plain is not None and not (isinstance(plain, MmaConfig) and plain.kernel == 3):
