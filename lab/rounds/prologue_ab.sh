@@ -11,7 +11,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 : "${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}"
-O=/tmp/prologue-ab; mkdir -p "$O"
+O=/tmp/prologue-ab; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/prologue-ab.tgz" -C "$O" . ; }
 tree() { case $1 in new) echo "$PWD/src" ;; *) echo "$PWD/.ab/$1/src" ;; esac; }
 T0=$(date +%s)
