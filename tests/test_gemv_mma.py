@@ -322,13 +322,13 @@ def test_pair_table_plan():
     memory (one CTA an SM); other k ignore the flag; the flag needs kernel 3 at one CTA an SM."""
     fake = lambda k, d: _FakeKernel(d)  # noqa: E731
     p = TP.make_plan(5, 1, 16384, 16384, "log8", P5, sms=132, build=fake)
-    assert p.defines["P5"] == 1 and p.defines["XS"] == 1 and p.shared == TP.table_smem(5, True) + 16384 * 2
+    assert p.defines["P5"] == 1 and p.defines["XS"] == 1 and p.shared == TP.table_smem(5, True) + 16384 * 2 + 64
     assert TP.table_smem(5, True) == 1024 * 32 * 4 + 128
     assert TP.make_plan(5, 16, 16384, 16384, "log8", P5, sms=132, build=fake).defines["XS"] == 0  # x: 512 KB
     assert TP.make_plan(5, 1, 8192, 53248, "log8", P5, sms=132, build=fake).defines["XS"] == 0  # 104 KB + 128 KB
     for k in (2, 3, 4):
         p = TP.make_plan(k, 1, 16384, 16384, "log8", P5, sms=132, build=fake)
-        assert "P5" not in p.defines and p.shared == TP.table_smem(k) + 16384 * 2
+        assert "P5" not in p.defines and p.shared == TP.table_smem(k) + 16384 * 2 + 64
     assert Mma.of(P5.legacy(5)) == P5
     for bad in (dict(kernel=1, warps=8, min_ctas=1), dict(kernel=3, warps=8, min_ctas=2)):
         with pytest.raises(ValueError, match="config.pair_table: expected kernel 3 at min_ctas 1"):

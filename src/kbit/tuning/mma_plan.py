@@ -85,6 +85,13 @@ def large_defines(k: int, cfg: LargeConfig, grouped: bool = False) -> tuple[dict
     return defines, D * xc + table_smem(k) + 1024
 
 
+def x_rows_bytes(M: int, S: int) -> int:
+    """Shared bytes of kernel 3's staged x (``XS`` without K slices): ``M`` rows of ``S`` segments and 64 pad bytes
+    (a row of whole segments is a multiple of 128 bytes; the pad puts alternate tokens' B fragments in alternate bank
+    halves, csrc/gemv_mma_streamk.cu)."""
+    return M * (S * SEG + 32) * 2
+
+
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     p5 = int(k == 5 and cfg.pair_table)
@@ -98,8 +105,8 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
                              f"more than {SMEM_MAX}")
     else:  # x staged where it fits beside the table: 2 CTAs an SM, or the one CTA of the pair table (a prologue's
         # norm weight too: prologue_config checks it)
-        xs = int(cfg.x_smem and tab + M * S * SEG * 2 <= (SMEM_MAX if p5 else XS_MAX))
-        shared = tab + xs * M * S * SEG * 2
+        xs = int(cfg.x_smem and tab + x_rows_bytes(M, S) <= (SMEM_MAX if p5 else XS_MAX))
+        shared = tab + xs * x_rows_bytes(M, S)
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if p5:
         defines["P5"] = 1
@@ -342,9 +349,9 @@ def prologue_config(k: int, M: int, N: int, K: int, plain: MmaConfig | LargeConf
         return None
     S = -(-K // SEG)
     if (k == 5 and isinstance(plain, MmaConfig) and plain.pair_table
-            and table_smem(k, True) + (M + 1) * S * SEG * 2 <= SMEM_MAX):
+            and table_smem(k, True) + x_rows_bytes(M, S) + S * SEG * 2 <= SMEM_MAX):
         return replace(plain, x_smem=True, x_slice=0)
-    if table_smem(k) + (M + 1) * S * SEG * 2 > XS_MAX:
+    if table_smem(k) + x_rows_bytes(M, S) + S * SEG * 2 > XS_MAX:
         return None
     cfg = default_config(k, M, N, K)
     if cfg.kernel == 3 and cfg.x_smem:

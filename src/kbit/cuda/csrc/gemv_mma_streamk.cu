@@ -583,10 +583,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   build_table_fast(tab, cb, tid, blockDim.x);
   const float post = FP16_SCALES ? ts : 1.0f;
   for (u32 i = tid; i < 256; i += blockDim.x) s_sc[i] = FP16_SCALES ? 0.0f : e_tab[i] * ts;
-#if XS /* x rows [M][n_seg * 256] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32], the 64
-          pad bytes put 8-token rows' B-fragment loads in alternate bank halves */
+#if XS /* x rows [M][n_seg * 256 + 32] after the table (PRO: then the norm weight); XK: [M][XK * 256 + 32]. A row of
+          whole segments is a multiple of 128 bytes, so without the 64 pad bytes every token's 64-byte B fragment of
+          a unit falls in the same 16 banks and an 8-token load takes 8 wavefronts, not 4 */
   u16* sx = (u16*)(dsm + (tab - dsm_base) + TAB_WORDS * 4);
-  const int xv = XK ? XK * (SEG / 8) + 4 : n_seg * (SEG / 8);
+  const int xv = (XK ? XK : n_seg) * (SEG / 8) + 4;
 #if PRO
   V4* sw_ = (V4*)sx + M * xv;
   stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
@@ -609,7 +610,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #else
   for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
-    ((V4*)sx)[i] = (XT && 8 * c >= kx) ? V4{0u, 0u, 0u, 0u} : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+    ((V4*)sx)[i] = (c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
+                   : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
 #endif
 #endif
