@@ -53,9 +53,9 @@ def main() -> int:
                       " ".join(f"{n}:{v:.2f}" for n, v in row["configs"].items() if v), flush=True)
             del m
             torch.cuda.empty_cache()
-    with open(a.out, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(dev), tree=os.path.dirname(kbit.__file__), results=res), f,
-                  indent=1)
+            with open(a.out, "w") as f:  # after each shape: a run cut by its timeout keeps what it measured
+                json.dump(dict(gpu=torch.cuda.get_device_name(dev), tree=os.path.dirname(kbit.__file__),
+                               results=res), f, indent=1)
     return 0
 
 
