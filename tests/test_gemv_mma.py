@@ -335,6 +335,17 @@ def test_pair_table_plan():
             Mma(**bad, pair_table=True)
 
 
+def test_x_staged_in_the_whole_shared_memory_at_one_cta():
+    """x is staged beside the table up to ``XS_MAX`` at two or more CTAs an SM and up to the whole shared memory at
+    one (M = 16, K = 4096: 132 KB of x rows)."""
+    fake = lambda k, d: _FakeKernel(d)  # noqa: E731
+    one, two = Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True), Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)
+    p = TP.make_plan(4, 16, 4096, 4096, "log8", one, sms=132, build=fake)
+    assert p.defines["XS"] == 1 and p.shared == TP.table_smem(4) + TP.x_rows_bytes(16, 16) <= TP.SMEM_MAX
+    assert TP.make_plan(4, 16, 4096, 4096, "log8", two, sms=132, build=fake).defines["XS"] == 0
+    assert TP.make_plan(4, 16, 4096, 14336, "log8", one, sms=132, build=fake).defines["XS"] == 0  # 459 KB
+
+
 def test_pair_table_in_the_search_space_at_k5_only():
     from kbit.tuning.space import search_space
 
@@ -621,6 +632,18 @@ def test_mma_gpu_x_slices(config):
     check(1000, 4000, 3, 16, torch.bfloat16, B=64, sf="fp16", bias=True, config=config)
     check(5000, 4096, 4, 1, torch.float16, config=config)
     check(4096, 2048, 2, 32, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_mma_gpu_x_staged_one_cta(k):
+    """Kernel 3 at one CTA an SM with x staged in more shared memory than two CTAs could hold (M = 9..16 rows of
+    K = 4096, 74-132 KB), K not a multiple of 256, bias, both dtypes, against the float64 reference."""
+    cfg = Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True)
+    for M in (9, 16):
+        check(4096, 4096, k, M, torch.bfloat16, bias=True, config=cfg, seed=M)
+        check(2064, 4000, k, M, torch.float16, config=cfg, seed=M + 1)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,8 @@ KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_stream
            4: ("mma_pipe.cu", "kbit_mma_pipe"), 7: ("wgmma.cu", "kbit_wgmma")}
 #: dynamic shared memory a CTA may use on sm_90
 SMEM_MAX = 227 * 1024
-#: kernel 3 with x staged in shared memory: dynamic shared bytes at most (2 CTAs an SM)
+#: kernel 3 with x staged in shared memory: dynamic shared bytes at most where a config asks for 2 or more CTAs an
+#: SM (one CTA an SM may stage up to SMEM_MAX)
 XS_MAX = 110 * 1024
 #: kernels 1 / 3: bytes of a CTA's (1) / warp's (3) first weights bulk-prefetched into L2 before the PDL wait, on
 #: weights under BIG elements (kernel 3 and big weights were only slower with it)
@@ -103,9 +104,11 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
         if shared > SMEM_MAX:
             raise ValueError(f"config: x slices of {xk} segments for M={M} need {shared} bytes of shared memory, "
                              f"more than {SMEM_MAX}")
-    else:  # x staged where it fits beside the table: 2 CTAs an SM, or the one CTA of the pair table (a prologue's
-        # norm weight too: prologue_config checks it)
-        xs = int(cfg.x_smem and tab + x_rows_bytes(M, S) <= (SMEM_MAX if p5 else XS_MAX))
+    else:  # x staged where it fits beside the table: in XS_MAX at 2+ CTAs an SM, in the whole shared memory at one
+        # (a prologue's norm weight too: prologue_config checks it). At one CTA an SM and M = 16 the whole staged x
+        # took 0.75-0.88x the time of the same config reading x from global memory on 9216..35840 x 4096..5120 and
+        # 1.02-1.09x on 4096x4096 (H200, lab/xs_one_cta.py, benchmarks/results/h200/xs-one-cta-2026-11-28.log)
+        xs = int(cfg.x_smem and tab + x_rows_bytes(M, S) <= (SMEM_MAX if p5 or cfg.min_ctas == 1 else XS_MAX))
         shared = tab + xs * x_rows_bytes(M, S)
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if p5:
