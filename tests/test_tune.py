@@ -291,3 +291,56 @@ def test_tune_shapes_loop(tmp_path):
     assert T.tune_shapes(table, [(28672, 4096)], [4], [1, 16], **kw) == []
     assert len(T.tune_shapes(table, [(28672, 4096)], [4], [1, 16], retune=True, **kw)) == 2
     assert T.tune_shapes(table, [(5120, 5120)], [4], [1], budget_s=-1, **kw) == []
+
+
+def test_code_digests(tmp_path):
+    """A family's digest covers its files and the CUDA headers they include: changing a shared header changes the
+    CUDA families' digests and not the Triton ones'; every listed file exists; every CUDA kernel the small-M and
+    kernel-7 plans build belongs to a family."""
+    from kbit.tuning import code as C
+    from kbit.tuning.mma_plan import KERNELS
+
+    for fam in FAMILIES:
+        assert all((C.PACKAGE / f).is_file() for f in C.code_files(fam)), fam
+    assert "cuda/csrc/common.cuh" in C.code_files("mma") and "cuda/csrc/splitk.cuh" in C.code_files("large")
+    assert {f"cuda/csrc/{f}" for f, _ in KERNELS.values()} <= set(C.code_files("mma")) | set(C.code_files("large"))
+    for fam in FAMILIES:  # a copy of the package's files, one header then changed
+        for rel in C.code_files(fam):
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / rel).write_bytes((C.PACKAGE / rel).read_bytes())
+    before = {f: C.code_digest(f, tmp_path) for f in FAMILIES}
+    assert before == {f: C.code_digest(f) for f in FAMILIES} == C.family_digests(FAMILIES)
+    (tmp_path / "cuda/csrc/common.cuh").write_text((tmp_path / "cuda/csrc/common.cuh").read_text() + "\n// x\n")
+    after = {f: C.code_digest(f, tmp_path) for f in FAMILIES}
+    assert {f for f in FAMILIES if after[f] != before[f]} == {"mma", "large"}
+    with pytest.raises(ValueError, match="family: expected one of"):
+        C.code_digest("nope")
+
+
+def test_stale_entries_and_retune_stale(tmp_path, capsys):
+    """An entry records the digests of the families it timed; it is stale when they differ from the files now or
+    when it recorded none (a table from before the digests); ``retune_stale`` measures those again, and
+    ``kbit tune --fit`` counts them. The packaged form keeps the digests; a malformed one is refused on load."""
+    kw = dict(measure_for=lambda N, K, k: _FakeMeasure(N, K), cuda=True, sm90=True, quick=True)
+    table = TunedTable("h100")
+    T.tune_shapes(table, [(28672, 4096), (2048, 2048)], [4], [1, 16], **kw)
+    keys = sorted(table.entries)
+    fams = {t.candidate.family for t in table.trials(keys[0])}
+    assert set(table.entries[keys[0]]["code"]) == fams and not any(table.stale(key) for key in keys)
+    assert T.tune_shapes(table, [(28672, 4096), (2048, 2048)], [4], [1, 16], retune_stale=True, **kw) == []
+    del table.entries[keys[0]]["code"]  # tuned before the digests
+    fam = next(iter(table.entries[keys[1]]["code"]))
+    table.entries[keys[1]]["code"][fam] = "0" * 16  # tuned on other kernel code
+    assert [table.stale(key) for key in keys[:3]] == [True, True, False]
+    packed = TunedTable.from_dict(table.packaged().as_dict())
+    assert [packed.stale(key) for key in keys] == [table.stale(key) for key in keys]
+    path = table.save(tmp_path / "t.json")
+    assert T.main(_parser().parse_args(["--fit", str(path)])) == 0
+    assert "2 of 4 entries were timed on other kernel code" in capsys.readouterr().out
+    redone = T.tune_shapes(table, [(28672, 4096), (2048, 2048)], [4], [1, 16], retune_stale=True, **kw)
+    assert sorted(redone) == keys[:2] and not any(table.stale(key) for key in keys)
+    d = table.as_dict()
+    d["entries"]["4"]["2048x2048"]["1"]["code"] = ["mma"]
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="expected code as"):
+        TunedTable.load(tmp_path / "bad.json")

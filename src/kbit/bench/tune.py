@@ -9,7 +9,8 @@ Each candidate of :func:`kbit.tuning.space.search_space` is timed as ``kbit benc
 exceeding 8 x L2, one CUDA graph over them, median of the replays), after its first output was checked against the
 dispatcher's; the dispatcher's own choice is timed in the same run (``current_us``). Entries go into a
 :class:`kbit.tuning.tuned.TunedTable` (default ``<cache_dir>/tuned/<gpu>.json``), written after each entry, so a run
-cut short keeps what it finished; a later run skips entries already there (``--retune``: measure them again).
+cut short keeps what it finished; a later run skips entries already there (``--retune``: measure them again;
+``--retune-stale``: those measured on other kernel code, :mod:`kbit.tuning.code`).
 ``--order bands`` takes the shapes so that a run cut short still covers every N x K band of the fitted rule and the
 model families (``kbit.bench.suite.by_bands``); the CUDA kernels are compiled ahead by a pool of CPU processes
 (``kbit.bench.tune_build``), as compiling, not timing, bounds a run. The last lines printed are a short table: per
@@ -173,14 +174,19 @@ def quantized_weight(N: int, K: int, k: int, seed: int = 0, device="cuda"):
     return kbit_api()[0](W, k=k)
 
 
+def _wanted(table: TunedTable, key: tuple, retune: bool, retune_stale: bool) -> bool:
+    return retune or key not in table.entries or (retune_stale and table.stale(key))
+
+
 def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequence[int], ms: Sequence[int], *,
                 families: tuple[str, ...] | None = None, quick: bool = False, reps: int = 15,
-                budget_s: float | None = None, retune: bool = False, seed: int = 0,
+                budget_s: float | None = None, retune: bool = False, retune_stale: bool = False, seed: int = 0,
                 save: Callable[[TunedTable], object] | None = None,
                 measure_for: Callable[[int, int, int], Measure] | None = None,
                 builtin_for: Callable[[int, int, int, int], Candidate | None] | None = None,
                 cuda: bool | None = None, sm90: bool | None = None, confirm_top: int = 3) -> list[tuple]:
-    """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``); returns the keys tuned.
+    """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``; with ``retune_stale`` also those whose
+    entry was measured on other kernel code, :meth:`TunedTable.stale`); returns the keys tuned.
 
     ``measure_for(N, K, k)``: the :class:`Measure` of a weight (default: a quantized random weight on the GPU);
     ``builtin_for(k, M, N, K)``: the built-in rules' choice, added to the candidates (default:
@@ -200,7 +206,7 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
     done = []
     for N, K in shapes:
         for k in ks:
-            todo = [M for M in ms if retune or (k, N, K, m_bucket(M)) not in table.entries]
+            todo = [M for M in ms if _wanted(table, (k, N, K, m_bucket(M)), retune, retune_stale)]
             if not todo:
                 continue
             if deadline is not None and time.time() > deadline:
@@ -303,6 +309,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="CPU processes compiling the CUDA kernels ahead of the timing (default: CPUs - 2; 0: none)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting entries after this many seconds")
     p.add_argument("--retune", action="store_true", help="measure entries already in the table again")
+    p.add_argument("--retune-stale", action="store_true",
+                   help="measure again the entries timed on other kernel code than this kbit's (or on unrecorded)")
     p.add_argument("--out", default=None, help="the tuned table (default <cache_dir>/tuned/<gpu>.json)")
     p.add_argument("--fit", default=None, metavar="TABLE_JSON",
                    help="no GPU: fit the default rule on this table and store it there")
@@ -347,6 +355,10 @@ def fit_main(args: argparse.Namespace) -> int:
     rules = fit_rules(table)
     table.save(args.fit)
     print(f"{len(rules)} rules fitted on {len(table.entries)} entries of {args.fit} (stored there)")
+    stale = sum(table.stale(key) for key in table.entries)
+    if stale:
+        print(f"{stale} of {len(table.entries)} entries were timed on other kernel code than this kbit's, or on "
+              f"unrecorded code (kbit tune --retune-stale measures them again)")
     lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
     for path in args.evaluate or ():
         held = TunedTable.load(path)
@@ -379,16 +391,18 @@ def main(args: argparse.Namespace) -> int:
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
     workers = args.build_workers if args.build_workers is not None else max(0, (os.cpu_count() or 2) - 2)
+    stale = getattr(args, "retune_stale", False)
     prebuild = None
     if workers > 0 and kernels_available(dev):
         prebuild = Prebuilder(dev, sm_count(dev), large_ok(dev), workers)
-        todo = [s for s in shapes if args.retune or any((k, *s, m_bucket(M)) not in table.entries
-                                                        for k in args.k for M in args.m)]
+        todo = [s for s in shapes if any(_wanted(table, (k, *s, m_bucket(M)), args.retune, stale)
+                                         for k in args.k for M in args.m)]
         _log(f"prebuild: {prebuild.submit(todo, args.k, args.m, families=families, quick=args.quick)} builds "
              f"queued on {workers} CPU processes")
     try:
         done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
-                           budget_s=args.budget_s, retune=args.retune, save=lambda t: t.save(path))
+                           budget_s=args.budget_s, retune=args.retune, retune_stale=stale,
+                           save=lambda t: t.save(path))
     finally:
         if prebuild is not None:
             _log(f"prebuild: {prebuild.done()} of {len(prebuild.futures)} builds done ahead")

@@ -8,6 +8,7 @@ A tuned table is a JSON file per GPU (``<cache_dir>/tuned/<gpu>.json`` by defaul
          "best": {"family": "mma", "config": {...}, "us": 40.1},
          "current_us": 48.3,                      # the dispatcher's choice before tuning, timed in the same run
          "builtin": {"family": "mma", ...},       # the built-in rules' choice (one of the trials), or null
+         "code": {"mma": "<digest>", ...},        # the kernel code the trials ran (kbit.tuning.code)
          "trials": [{"family": ..., "config": ..., "us": ...}, ...]}}}},   # every candidate timed (us null: failed)
      "rules": [{"if": {"k": [4], "M_min": 9, "M_max": 16, "NK_min": 50000000, "NK_below": 100000000},
                 "family": ..., "config": ...,
@@ -53,6 +54,7 @@ from pathlib import Path
 
 from kbit import options
 from kbit.tuning import mma as _tmma
+from kbit.tuning.code import CODE_FILES, family_digests
 from kbit.tuning.mma_plan import k1_layout
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
@@ -118,17 +120,25 @@ class TunedTable:
     # -- building
     def add(self, k: int, N: int, K: int, M: int, trials: Iterable[Trial], current_us: float | None = None,
             builtin: Candidate | None = None) -> dict:
-        """Records the trials of one (k, N, K, M's bucket); the best is the fastest timed one. ``builtin``: the
-        built-in rules' choice there (one of the trials; :meth:`nearest` weighs it)."""
+        """Records the trials of one (k, N, K, M's bucket) and the digests of the kernel code they ran
+        (:func:`kbit.tuning.code.family_digests`); the best is the fastest timed one. ``builtin``: the built-in
+        rules' choice there (one of the trials; :meth:`nearest` weighs it)."""
         trials = list(trials)
         timed = [t for t in trials if t.us is not None and math.isfinite(t.us)]
         if not timed:
             raise ValueError(f"trials: expected at least one timed candidate for k={k} {N}x{K} M={M}, got none")
         best = min(timed, key=lambda t: t.us)
         entry = dict(best=best.as_dict(), current_us=current_us, trials=[t.as_dict() for t in trials],
-                     builtin=None if builtin is None else builtin.as_dict())
+                     builtin=None if builtin is None else builtin.as_dict(),
+                     code=family_digests(t.candidate.family for t in trials))
         self.entries[(int(k), int(N), int(K), m_bucket(M))] = entry
         return entry
+
+    def stale(self, key: tuple[int, int, int, int]) -> bool:
+        """Whether the entry's times were measured on other kernel code than this kbit's: a family's recorded
+        digest differs from its files' now, or the entry recorded none (:mod:`kbit.tuning.code`)."""
+        code = self.entries[key].get("code")
+        return not code or any(f not in CODE_FILES for f in code) or family_digests(code) != code
 
     def merge(self, other: TunedTable) -> None:
         """Takes ``other``'s entries (replacing those of the same key)."""
@@ -283,6 +293,9 @@ class TunedTable:
                 if "times" in e:
                     t.trials(key)  # every index names a candidate
                 t.builtin_candidate(key)
+                code = e.get("code", {})
+                if not (isinstance(code, dict) and all(isinstance(v, str) for v in code.values())):
+                    raise ValueError(f"entry {key}: expected code as {{family: digest}}, got {code!r}")
             for r in t.rules:
                 candidate_from_dict(r)
                 for name, v in r["if"].items():  # one at a time: the matcher stops at the first that fails
@@ -308,6 +321,8 @@ class TunedTable:
             own = self.builtin_candidate(key)
             t.entries[key] = {"best": e["best"], "current_us": e.get("current_us"), "times": times,
                               "builtin": None if own is None else index.setdefault(own, len(index))}
+            if e.get("code"):
+                t.entries[key]["code"] = e["code"]
         t.candidates = list(index)
         t.rules = list(self.rules)
         return t
