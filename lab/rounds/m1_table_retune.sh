@@ -6,6 +6,8 @@
 #   PHASE=tune KBIT_COMMIT=<rev> bash lab/rounds/m1_table_retune.sh                          (carry .whl)
 #   PHASE=heldout NEW_TABLE=<merged table in the tree> KBIT_COMMIT=<rev> bash lab/rounds/m1_table_retune.sh
 # Returned: $OUT/m1-table.tgz (tune log and table, the merged table, the bench results), packed after each stage.
+# MS (default 1) and KS (default 2,3,4,5) pick the M buckets and k: e.g. MS=4,8,16 KS=4 after kernel 3's x-staging
+# changes of 2026-11-28 (docs/notes/2026-11-28-x-row-pad.md).
 set -u
 R=${OUT:-/tmp/out}; O=/tmp/m1tab; mkdir -p "$O"
 pack() { tar czf "$R/m1-table.tgz" -C "$O" . ; }
@@ -17,7 +19,7 @@ C=${KBIT_COMMIT:-unknown}
 gpu=$(python -c "import torch; from kbit.tuning.tables import gpu_key; print(gpu_key(torch.device('cuda')))")
 if [ "${PHASE:-tune}" = tune ]; then
 timeout $(( ${BUDGET_S:-280} + 60 )) python -m kbit.bench.tune --commit "$C" --suite models --split tune --order bands \
-  --quick --k 2,3,4,5 --m 1 --budget-s "${BUDGET_S:-280}" --out "$O/tune-m1.json" > "$O/tune.log" 2>&1
+  --quick --k ${KS:-2,3,4,5} --m ${MS:-1} --budget-s "${BUDGET_S:-280}" --out "$O/tune-m1.json" > "$O/tune.log" 2>&1
 echo "tune rc $? after $(( $(date +%s) - T0 )) s"; grep -E "^budget|not stored|entries" "$O/tune.log" | tail -n 4
 python lab/suite/merge_tuned.py --base "src/kbit/tuning/configs/tuned-$gpu.json" --new "$O/tune-m1.json" \
   --out "$O/tuned-$gpu.json" > "$O/merge.log" 2>&1; echo "merge rc $?"; tail -n 5 "$O/merge.log"
@@ -33,7 +35,7 @@ for t in old new; do
   mkdir -p "$KBIT_CACHE_DIR/tuned"
   if [ $t = new ]; then cp "$NEW_TABLE" "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--peers humming"
   else rm -f "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--no-ceiling"; fi
-  timeout ${T_BENCH:-280} python -m kbit.cli bench --shapes "$PICK" --m 1 --k 2,3,4,5 --candidates kbit-linear $extra \
+  timeout ${T_BENCH:-280} python -m kbit.cli bench --shapes "$PICK" --m ${MS:-1} --k ${KS:-2,3,4,5} --candidates kbit-linear $extra \
     --commit "$C-$t" --out "$O/b" --name "m1-$t$i" > "$O/bench-$t$i.log" 2>&1
   echo "bench $t$i rc $? after $(( $(date +%s) - T0 )) s"
   pack
