@@ -120,7 +120,8 @@ def test_packaged_form(tmp_path):
     p = t.packaged().save(tmp_path / "p.json")
     back = TunedTable.load(p)
     e = back.entries[(4, 28672, 4096, 16)]
-    assert set(e) == {"best", "current_us", "times", "builtin"} and e["current_us"] == 15.0 and back.rules == t.rules
+    assert set(e) == {"best", "current_us", "times", "builtin", "code"} and e["current_us"] == 15.0
+    assert e["code"] == t.entries[(4, 28672, 4096, 16)]["code"] and back.rules == t.rules  # the kernel code kept
     assert back.lookup(4, 16, 28672, 4096) == K3 and back.meta == t.meta and back.candidates == [K3, K1]
     assert back.trials((4, 28672, 4096, 16)) == t.trials((4, 28672, 4096, 16))  # times by candidate index
     assert back.packaged().as_dict() == back.as_dict()
