@@ -391,17 +391,16 @@ def main(args: argparse.Namespace) -> int:
                       torch=torch.__version__, reps=args.reps, method="cold L2, CUDA-graph replay, median")
     _log(f"kbit tune on {table.meta['gpu_name']}: {len(shapes)} shapes x k {args.k} x M {args.m} -> {path}")
     workers = args.build_workers if args.build_workers is not None else max(0, (os.cpu_count() or 2) - 2)
-    stale = getattr(args, "retune_stale", False)
     prebuild = None
     if workers > 0 and kernels_available(dev):
         prebuild = Prebuilder(dev, sm_count(dev), large_ok(dev), workers)
-        todo = [s for s in shapes if any(_wanted(table, (k, *s, m_bucket(M)), args.retune, stale)
+        todo = [s for s in shapes if any(_wanted(table, (k, *s, m_bucket(M)), args.retune, args.retune_stale)
                                          for k in args.k for M in args.m)]
         _log(f"prebuild: {prebuild.submit(todo, args.k, args.m, families=families, quick=args.quick)} builds "
              f"queued on {workers} CPU processes")
     try:
         done = tune_shapes(table, shapes, args.k, args.m, families=families, quick=args.quick, reps=args.reps,
-                           budget_s=args.budget_s, retune=args.retune, retune_stale=stale,
+                           budget_s=args.budget_s, retune=args.retune, retune_stale=args.retune_stale,
                            save=lambda t: t.save(path))
     finally:
         if prebuild is not None:
