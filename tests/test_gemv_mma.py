@@ -346,6 +346,35 @@ def test_x_staged_in_the_whole_shared_memory_at_one_cta():
     assert TP.make_plan(4, 16, 4096, 14336, "log8", one, sms=132, build=fake).defines["XS"] == 0  # 459 KB
 
 
+class _StaticShared(_FakeKernel):
+    """A build whose static shared bytes (``static(defines)``) count against what a CTA may use: occupancy 0 where
+    they and the dynamic bytes pass it, as ``kbit.cuda.runtime.Kernel.occupancy`` answers."""
+
+    def __init__(self, defines, static):
+        super().__init__(defines)
+        self.shared_bytes = static(defines)
+
+    def occupancy(self, threads, shared):
+        return 0 if self.shared_bytes + shared > 232448 else super().occupancy(threads, shared)
+
+
+def test_plan_keeps_to_the_shared_memory_beside_static_bytes():
+    """Builds that cannot launch for their static shared bytes are refused: CTA-aligned units' slots beside a staged
+    x (43008x5376, M = 16, one CTA an SM: 205952 + 34944 bytes on the H200) leave the units out; a staged x that does
+    not fit goes to global memory; a build that fits nowhere is a ``ValueError``, never a driver error at launch."""
+    one = Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True)
+    plain = TP.make_plan(4, 16, 43008, 5376, "log8", one, sms=132, build=lambda k, d: _FakeKernel(d))
+    assert plain.defines["XS"] == 1 and plain.defines.get("CAU") and plain.shared > 232448 - 34944
+    slots = lambda d: 34944 if d.get("CAU") else 2048  # noqa: E731
+    p = TP.make_plan(4, 16, 43008, 5376, "log8", one, sms=132, build=lambda k, d: _StaticShared(d, slots))
+    assert p.defines["XS"] == 1 and not p.defines.get("CAU") and p.shared == plain.shared
+    big = lambda d: 40000 if d.get("XS") else 2048  # noqa: E731
+    p = TP.make_plan(4, 16, 43008, 5376, "log8", one, sms=132, build=lambda k, d: _StaticShared(d, big))
+    assert p.defines["XS"] == 0 and p.shared == TP.table_smem(4)
+    with pytest.raises(ValueError, match="static, more than a CTA may use"):
+        TP.make_plan(4, 16, 43008, 5376, "log8", one, sms=132, build=lambda k, d: _StaticShared(d, lambda d: 240000))
+
+
 def test_pair_table_in_the_search_space_at_k5_only():
     from kbit.tuning.space import search_space
 
@@ -639,11 +668,16 @@ def test_mma_gpu_x_slices(config):
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
 def test_mma_gpu_x_staged_one_cta(k):
     """Kernel 3 at one CTA an SM with x staged in more shared memory than two CTAs could hold (M = 9..16 rows of
-    K = 4096, 74-132 KB), K not a multiple of 256, bias, both dtypes, against the float64 reference."""
+    K = 4096, 74-132 KB), K not a multiple of 256, bias, both dtypes, against the float64 reference; and x rows of
+    K = 5200 (201 KB), where CTA-aligned units' static slots do not fit beside them (they launched with a driver
+    error before the plan counted a build's static bytes)."""
     cfg = Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True)
     for M in (9, 16):
         check(4096, 4096, k, M, torch.bfloat16, bias=True, config=cfg, seed=M)
         check(2064, 4000, k, M, torch.float16, config=cfg, seed=M + 1)
+    d = MM.plan_launch(k, 16, 2064, 5200, config=cfg, bf16=True).defines
+    assert d["XS"] == 1 and not d.get("CAU")
+    check(2064, 5200, k, 16, torch.bfloat16, config=cfg, seed=3)
 
 
 @pytest.mark.gpu

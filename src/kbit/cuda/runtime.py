@@ -267,6 +267,16 @@ def pdl_enabled(device) -> bool:
 
 
 @functools.cache
+def _smem_optin(index: int) -> int:
+    """Shared bytes a CTA may use on device ``index`` (static + dynamic, with the opt-in attribute)."""
+    dev, v = ctypes.c_int(), ctypes.c_int()
+    _check_cu(_libcuda().cuDeviceGet(ctypes.byref(dev), index), "device")
+    # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+    _check_cu(_libcuda().cuDeviceGetAttribute(ctypes.byref(v), 97, dev), "device attribute")
+    return v.value
+
+
+@functools.cache
 def _cc_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
@@ -297,8 +307,12 @@ class Kernel:
         self.shared_bytes = attr.value
 
     def occupancy(self, block: int, shared: int = 0) -> int:
-        """CTAs of ``block`` threads (``shared`` dynamic bytes) that fit on one SM (driver calculator)."""
+        """CTAs of ``block`` threads (``shared`` dynamic bytes) that fit on one SM (driver calculator); 0 where the
+        build's static shared memory and ``shared`` together pass what a CTA may use on the device, so that the
+        launch would fail (a plan then refuses the build instead of raising from the driver)."""
         n = self._occ.get((block, shared))
+        if n is None and self.shared_bytes + shared > _smem_optin(self.device.index or 0):
+            n = self._occ[(block, shared)] = 0
         if n is None:
             self.set_shared(shared)
             c = ctypes.c_int()

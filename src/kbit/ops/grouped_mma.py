@@ -189,7 +189,11 @@ def _launch_for(k: int, cfg: GroupedConfig, scale_format: str, bf16: bool, devic
         build = (wgmma_build if isinstance(cfg, WgmmaGroupedConfig) else grouped_mma_build)(k, cfg, scale_format,
                                                                                             bf16)
         kern = compile_kernel(build.file, build.name, build.defines, device)
-        p = _LAUNCHES[key] = GroupedLaunch(kern, build, kern.occupancy(build.warps * 32, build.shared))
+        occ = kern.occupancy(build.warps * 32, build.shared)
+        if occ < 1:
+            raise ValueError(f"config: {cfg} needs {build.shared} bytes of dynamic shared memory beside "
+                             f"{kern.shared_bytes} static, more than a CTA may use on this GPU")
+        p = _LAUNCHES[key] = GroupedLaunch(kern, build, occ)
     return p
 
 

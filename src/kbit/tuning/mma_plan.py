@@ -236,6 +236,8 @@ def _grid_k3(st, build, k, N, K, epi, ng):
         W_c, occ_c, cau_defs, sps_c, grid_c = cau
         defs_c = {**{d: v for d, v in defines.items() if d != "DET"}, **cau_defs, "MAXW": W_c, "MINB": occ_c}
         kern_c = build(3, defs_c)
+        # occupancy 0 where the units' static slots do not fit beside a staged x (43008x5376, M = 16, one CTA of 16
+        # warps an SM, H200: 205952 dynamic + 34944 static bytes; a CTA may use 232448)
         if kern_c.occupancy(W_c * 32, st["shared"]) >= occ_c:
             st.update(defines=defs_c, kern=kern_c, W=W_c, occ=occ_c, sps=sps_c, grid=grid_c)
             return
@@ -318,6 +320,14 @@ def make_plan(k: int, M: int, N: int, K: int, scale_format: str, config: MmaConf
         defines["XT"] = 1
     kern = build(kernel, defines)
     occ = kern.occupancy(W * 32, shared)
+    if occ < 1 and kernel == 3 and defines.get("XS") and not pro:
+        # the staged x and the build's static shared memory together pass what a CTA may use (the plan counts the
+        # dynamic bytes only): read x from global memory instead
+        return make_plan(k, M, N, K, scale_format, replace(config, x_smem=False), sms=sms, build=build,
+                         deterministic=deterministic, pro=pro, epi=epi, bf16=bf16)
+    if occ < 1:
+        raise ValueError(f"config: {config} for M={M} needs {shared} bytes of dynamic shared memory beside "
+                         f"{getattr(kern, 'shared_bytes', 0)} static, more than a CTA may use on this GPU")
     cap = config.grid_ctas if kernel == 1 else config.x_slice if kernel == 3 else 0
     slots = sms * (min(occ, cap) if cap else occ)  # fewer CTAs leave room for the next kernel's (PDL)
     st = dict(Nt=Nt, S=S, W=W, occ=occ, slots=slots, sms=sms, defines=defines, kern=kern, shared=shared, n_cnt=Nt)
