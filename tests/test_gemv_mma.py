@@ -8,6 +8,7 @@ import torch
 
 from kbit import options
 from kbit.bench.tune_build import _FakeKernel
+from kbit.cuda import runtime
 from kbit.dispatch import linear as D
 from kbit.format.pack import pack
 from kbit.ops import gemv_mma as MM
@@ -669,14 +670,14 @@ def test_mma_gpu_x_slices(config):
 def test_mma_gpu_x_staged_one_cta(k):
     """Kernel 3 at one CTA an SM with x staged in more shared memory than two CTAs could hold (M = 9..16 rows of
     K = 4096, 74-132 KB), K not a multiple of 256, bias, both dtypes, against the float64 reference; and x rows of
-    K = 5200 (201 KB), where CTA-aligned units' static slots do not fit beside them (they launched with a driver
-    error before the plan counted a build's static bytes)."""
+    K = 5200 (201 KB), beside which CTA-aligned units' static slots of 16 warps do not fit (such a build launched
+    with a driver error before the plan counted a build's static bytes)."""
     cfg = Mma(3, warps=16, min_ctas=1, ring=3, x_smem=True)
     for M in (9, 16):
         check(4096, 4096, k, M, torch.bfloat16, bias=True, config=cfg, seed=M)
         check(2064, 4000, k, M, torch.float16, config=cfg, seed=M + 1)
-    d = MM.plan_launch(k, 16, 2064, 5200, config=cfg, bf16=True).defines
-    assert d["XS"] == 1 and not d.get("CAU")
+    p, kern = MM.PLANS.get(k, 16, 2064, 5200, "log8", cfg, True, torch.device("cuda"))
+    assert p.defines["XS"] == 1 and p.shared + kern.shared_bytes <= runtime._smem_optin(torch.cuda.current_device())
     check(2064, 5200, k, 16, torch.bfloat16, config=cfg, seed=3)
 
 
