@@ -6,10 +6,12 @@ the search space) without retuning the rest:
     python lab/suite/merge_tuned.py --base src/kbit/tuning/configs/tuned-h100.json --new new.json \\
         --out src/kbit/tuning/configs/tuned-h100.json
 
-The new run's entries replace the base's of the same (k, N, K, M bucket); with ``--stale-only``, only those where the
+The new run's entries replace the base's of the same (k, N, K, M bucket); with ``--behind-only``, only those where the
 base's pick ran over 5% behind the new run's best in the new run, or the base has no entry. The table's metadata
 keeps the base's and
-lists the merged runs under ``merged`` (their commit, GPU name, what they cover). Refitting the rules on the packaged
+lists the merged runs under ``merged`` (their commit, GPU name, what they cover, ``--note``). A tune file that a later
+run resumed carries the later run's commit only: ``--note`` says which entries each run added (the entries' kernel-code
+digests, ``kbit.tuning.code``, tell the code each was timed on). Refitting the rules on the packaged
 form gives the rules fitted on the full table (checked on the H100 and H200 tables of 2026-11-27: the same 224 / 112
 rules), so the rules of untouched k do not move.
 """
@@ -24,7 +26,7 @@ from kbit.bench.tune import evaluation_lines  # noqa: E402
 from kbit.tuning.tuned import TunedTable, evaluate, fit_rules  # noqa: E402
 
 
-def _stale(base: TunedTable, new: TunedTable, key) -> bool:
+def _behind(base: TunedTable, new: TunedTable, key) -> bool:
     """Whether ``base`` lacks the entry ``key`` or its pick ran over 5% behind the best in ``new``'s trials."""
     k, N, K, b = key
     own = base.exact(k, b, N, K) if key in base.entries else None
@@ -37,12 +39,13 @@ def main(argv=None) -> int:
     ap.add_argument("--base", required=True, help="the packaged table (e.g. src/kbit/tuning/configs/tuned-h100.json)")
     ap.add_argument("--new", required=True, help="the tuned table of the new run (kbit tune --out)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stale-only", action="store_true",
+    ap.add_argument("--behind-only", action="store_true",
                     help="take only entries where the base's pick ran over 5%% behind the new run's best, or new ones")
+    ap.add_argument("--note", default=None, help="a line kept with this merge's record (e.g. the runs a file holds)")
     a = ap.parse_args(argv)
     base, new = TunedTable.load(a.base), TunedTable.load(a.new)
-    if a.stale_only:
-        new.entries = {key: e for key, e in new.entries.items() if _stale(base, new, key)}
+    if a.behind_only:
+        new.entries = {key: e for key, e in new.entries.items() if _behind(base, new, key)}
     if base.gpu != new.gpu:
         raise ValueError(f"new: expected a table of the base's GPU {base.gpu!r}, got {new.gpu!r} ({a.new})")
     if not new.entries:
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     base.merge(new)
     base.meta.setdefault("merged", []).append({
         "commit": new.meta.get("commit"), "gpu_name": new.meta.get("gpu_name"),
-        "entries": {f"k={k} M={b}": n for (k, b), n in sorted(cover.items())}})
+        "entries": {f"k={k} M={b}": n for (k, b), n in sorted(cover.items())}, **({"note": a.note} if a.note else {})})
     rules = fit_rules(base)
     out = base.packaged().save(a.out, indent=None)
     print(f"{len(new.entries)} entries merged ({replaced} replaced); {len(rules)} rules fitted on "
