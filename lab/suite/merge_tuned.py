@@ -8,12 +8,10 @@ the search space) without retuning the rest:
 
 The new run's entries replace the base's of the same (k, N, K, M bucket); with ``--behind-only``, only those where the
 base's pick ran over 5% behind the new run's best in the new run, or the base has no entry. The table's metadata
-keeps the base's and
-lists the merged runs under ``merged`` (their commit, GPU name, what they cover, ``--note``). A tune file that a later
-run resumed carries the later run's commit only: ``--note`` says which entries each run added (the entries' kernel-code
-digests, ``kbit.tuning.code``, tell the code each was timed on). Refitting the rules on the packaged
-form gives the rules fitted on the full table (checked on the H100 and H200 tables of 2026-11-27: the same 224 / 112
-rules), so the rules of untouched k do not move.
+keeps the base's and lists the merged runs under ``merged``: their commit, GPU name, what they cover, the file's
+``runs`` (each ``kbit tune`` run's commit and how many entries it added, for a file that later runs resumed) and
+``--note``. Refitting the rules on the packaged form gives the rules fitted on the full table (checked on the H100
+and H200 tables of 2026-11-27: the same 224 / 112 rules), so the rules of untouched k do not move.
 """
 import argparse
 import os
@@ -55,7 +53,9 @@ def main(argv=None) -> int:
     base.merge(new)
     base.meta.setdefault("merged", []).append({
         "commit": new.meta.get("commit"), "gpu_name": new.meta.get("gpu_name"),
-        "entries": {f"k={k} M={b}": n for (k, b), n in sorted(cover.items())}, **({"note": a.note} if a.note else {})})
+        "entries": {f"k={k} M={b}": n for (k, b), n in sorted(cover.items())},
+        **({"runs": new.meta["runs"]} if new.meta.get("runs") else {}),
+        **({"note": a.note} if a.note else {})})
     rules = fit_rules(base)
     out = base.packaged().save(a.out, indent=None)
     print(f"{len(new.entries)} entries merged ({replaced} replaced); {len(rules)} rules fitted on "

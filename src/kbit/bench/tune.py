@@ -406,6 +406,9 @@ def main(args: argparse.Namespace) -> int:
         if prebuild is not None:
             _log(f"prebuild: {prebuild.done()} of {len(prebuild.futures)} builds done ahead")
             prebuild.close()
+    # a file resumed by later runs keeps each run's commit and what it added (meta["commit"] is the last run's)
+    table.meta.setdefault("runs", []).append({"commit": table.meta["commit"], "entries": len(done), "k": list(args.k),
+                                              "m": list(args.m)})
     table.save(path)
     print("\n".join(summary_lines(table, done)))
     print(dispatcher_line(table, done))
