@@ -4,7 +4,7 @@
 # .ab/base/src (git archive <rev> src | tar -x -C .ab/base; carry .ab and .whl).
 #  1. the dispatcher on held-out dense shapes of >= 16M weights (every other one of the size order, SHAPES_EVERY),
 #     k = KS (default 4), M = MS (default 4,8,16): base alone, then new with humming, bf16 and the read ceiling;
-#  2. the whole decode step at batch BATCH (default 16), k = 4: new with bf16, then base without.
+#  2. the whole decode step at batch BATCH (default 16), k = 4: new with bf16, then base without (E2E_TREES: which).
 # Returned: $OUT/midm.tgz (logs, bench results, e2e tables), packed after each stage.
 set -u
 R=${OUT:-/tmp/out}; O=/tmp/midm; mkdir -p "$R" "$O"
@@ -25,7 +25,7 @@ for t in base new; do
     --k ${KS:-4} --candidates kbit-linear $extra --commit "$C-$t" --out "$O/b" --name "midm-$t" > "$O/bench-$t.log" 2>&1
   echo "bench $t rc $? after $(( $(date +%s) - T0 )) s"; pack
 done
-for t in new base; do
+for t in ${E2E_TREES:-new base}; do
   src=src; extra=""; [ $t = base ] && { src=.ab/base/src; extra="--skip-bf16"; }
   PYTHONPATH="$PWD/$src" timeout ${T_E2E:-200} python benchmarks/bench_e2e.py --models llama3-8b,qwen3-8b,qwen2.5-7b \
     --k 4 --batch ${BATCH:-16} --steps 16 --reps 3 --fuse-proj --no-kr --eager-steps 0 $extra --out "$O/e2e" \
