@@ -330,6 +330,35 @@ def test_nearest_does_not_carry_kernel1_to_more_rounds():
     assert table(builtin=K1).nearest(4, 1, 3840, 18944) == K1
 
 
+def test_nearest_reads_a_staged_x_config_as_run_where_x_does_not_fit():
+    """Kernel 3 with x staged at two CTAs an SM: at M = 8 the rows of K = 4096 fit beside the table, those of
+    K = 5376 do not, and the plan reads x from global memory there. So on such a shape the nearest tuned shapes'
+    times of that x-from-global form stand for the config (which then loses to one CTA of 16 warps); on a shape
+    where x fits, and where the form was not timed, the times stand as measured; the built-in choice likewise."""
+    xg = Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
+    one = Candidate("mma", MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True))
+    S = lambda K: -(-K // 256)  # noqa: E731
+    from kbit.tuning.mma_plan import x_staged
+    assert x_staged(4, 8, S(4096), K3.config) and not x_staged(4, 8, S(5376), K3.config)
+    assert x_staged(4, 8, S(5376), one.config)  # one CTA an SM: the whole shared memory
+
+    def table(with_xg=True, builtin=None):
+        t = TunedTable("h200", {"sms": 132})
+        for N in (128256, 151552, 152064):  # staged x 5% ahead of one CTA of 16 warps; x from global 15% behind
+            trials = [Trial(K3, 95.0), Trial(one, 100.0)] + ([Trial(xg, 110.0)] if with_xg else [])
+            t.add(4, N, 4096, 8, trials, builtin=builtin)
+        return t
+
+    key = (4, 128256, 4096, 8)
+    assert tuned._x_as_run(K3, key, 5376) == xg and tuned._x_as_run(K3, key, 4096) == K3
+    assert tuned._x_as_run(K1, key, 5376) == K1
+    assert table().nearest(4, 8, 262208, 5376) == one  # x does not fit there: K3 runs as xg, 10% behind
+    assert table().nearest(4, 8, 262208, 4096) == K3  # x fits: as measured
+    assert table(with_xg=False).nearest(4, 8, 262208, 5376) == K3  # the form not timed: as measured
+    assert table(builtin=K3).nearest(4, 8, 262208, 5376) == one  # the built-in choice read the same way
+    assert table(builtin=K3).nearest(4, 8, 262208, 4096) == K3
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 

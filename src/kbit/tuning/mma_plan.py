@@ -14,7 +14,7 @@ from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_conf
 from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
 
 __all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
-           "prologue_config", "table_smem"]
+           "prologue_config", "table_smem", "x_staged"]
 
 #: kernel number -> (source file, ``extern "C"`` name) in ``kbit.cuda``
 KERNELS = {1: ("gemv_mma_split.cu", "kbit_gemv_mma_split"), 3: ("gemv_mma_streamk.cu", "kbit_gemv_mma_streamk"),
@@ -93,6 +93,15 @@ def x_rows_bytes(M: int, S: int) -> int:
     return M * (S * SEG + 32) * 2
 
 
+def x_staged(k: int, M: int, S: int, cfg: MmaConfig) -> bool:
+    """Whether kernel 3 with ``cfg`` (no K slices) stages the whole x of ``M`` rows of ``S`` segments in shared memory:
+    where ``cfg`` asks for it and the rows fit beside the lookup table, in :data:`XS_MAX` at 2+ CTAs an SM and in the
+    whole shared memory at one (the k = 5 pair table always runs one CTA an SM)."""
+    p5 = k == 5 and cfg.pair_table
+    limit = SMEM_MAX if p5 or cfg.min_ctas == 1 else XS_MAX
+    return bool(cfg.x_smem) and table_smem(k, p5) + x_rows_bytes(M, S) <= limit
+
+
 def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
     """Kernel 3's defines and shared bytes: x staged in shared memory (XS) where it fits, or in K slices (XK)."""
     p5 = int(k == 5 and cfg.pair_table)
@@ -108,7 +117,7 @@ def _k3_defines(k, M, S, ng, cfg: MmaConfig, pro, epi, det):
         # (a prologue's norm weight too: prologue_config checks it). At one CTA an SM and M = 16 the whole staged x
         # took 0.75-0.88x the time of the same config reading x from global memory on 9216..35840 x 4096..5120 and
         # 1.02-1.09x on 4096x4096 (H200, lab/xs_one_cta.py, benchmarks/results/h200/xs-one-cta-2026-11-28.log)
-        xs = int(cfg.x_smem and tab + x_rows_bytes(M, S) <= (SMEM_MAX if p5 or cfg.min_ctas == 1 else XS_MAX))
+        xs = int(x_staged(k, M, S, cfg))
         shared = tab + xs * x_rows_bytes(M, S)
     defines = dict(K_BITS=k, NG=ng, D=1, MAXW=cfg.warps, MINB=cfg.min_ctas, PD=cfg.ring or PIPE[k], XS=xs, XK=xk)
     if p5:

@@ -49,13 +49,13 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kbit import options
 from kbit.tuning import mma as _tmma
 from kbit.tuning.code import CODE_FILES, family_digests
-from kbit.tuning.mma_plan import k1_layout
+from kbit.tuning.mma_plan import k1_layout, x_staged
 from kbit.tuning.space import Candidate, candidate_from_dict
 from kbit.tuning.tables import M_BUCKETS, m_bucket
 
@@ -199,7 +199,10 @@ class TunedTable:
         alone. At M = 1 a kernel-1 config's times are not carried to a shape where its CTAs take more tiles in turn
         (:func:`_k1_more_rounds`): on the shipped table of 2026-11-28 (1309 entries) the same 78% within 5% with
         and without it; on the held-out shapes, 5120x8192 went from kernel 1 to kernel 3, 0.78x the time at k = 4
-        and 0.91x at k = 2 (``benchmarks/results/h100/table-veto-2026-11-28/``)."""
+        and 0.91x at k = 2 (``benchmarks/results/h100/table-veto-2026-11-28/``). A kernel-3 config that stages x
+        on a tuned shape and cannot on [N, K] is judged by its x-from-global form's times there (:func:`_x_as_run`):
+        on the H200 table of 2026-11-28 the same 82% within 5%, three entries changed (1.233 -> 1.0,
+        1.099 -> 1.0, 1.0 -> 1.011); the H100 table's picks are unchanged."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
@@ -210,9 +213,15 @@ class TunedTable:
         # Kernel-1 times carried only where its CTAs take no more tiles in turn (:func:`_k1_more_rounds`); at M = 1
         # only: at 4 to 64 rows the veto lost on the held-out shapes (H100 held-out tune of 2026-11-27, k = 2:
         # within 5% of the best at M = 64 83% -> 73%, M = 8 87% -> 83%)
+        # A kernel-3 config that stages x on the tuned shape but cannot on [N, K] runs there as its x-from-global
+        # form: that form's time on the tuned shape stands for it (:func:`_x_as_run`)
         sms = self.meta.get("sms") if bucket == 1 else None
-        slow = _slowdowns(self, near, veto=lambda c, key: _k1_more_rounds(c, key, N, K, sms))
-        own = [self.builtin_slowdown(key) for key in near]
+        def stand_in(c, key):
+            return None if _k1_more_rounds(c, key, N, K, sms) else _x_as_run(c, key, K)
+
+        slow = _slowdowns(self, near, stand_in=stand_in)
+        # (the built-in choice's times stand as measured where kernel 1 takes more rounds: the rules choose again)
+        own = [self.builtin_slowdown(key, lambda c, key: _x_as_run(c, key, K)) for key in near]
         if all(v is not None for v in own):
             slow[BUILTIN] = own
         picked = _pick(slow, len(near))
@@ -236,13 +245,17 @@ class TunedTable:
             return None
         return self.candidates[own] if isinstance(own, int) else candidate_from_dict(own)
 
-    def builtin_slowdown(self, key: tuple[int, int, int, int]) -> float | None:
-        """The built-in rules' choice's time / the best at an entry (None where it records none or was not timed)."""
+    def builtin_slowdown(self, key: tuple[int, int, int, int], stand_in=None) -> float | None:
+        """The built-in rules' choice's time / the best at an entry (None where it records none or was not timed);
+        ``stand_in``: as in :func:`_slowdowns`."""
         own = self.builtin_candidate(key)
         if own is None:
             return None
         times = {t.candidate: t.us for t in self.trials(key) if t.us is not None}
-        return times[own] / min(times.values()) if own in times else None
+        if own not in times:
+            return None
+        run = stand_in(own, key) if stand_in is not None else own
+        return math.inf if run is None else times.get(run, times[own]) / min(times.values())
 
     # -- JSON
     def as_dict(self) -> dict:
@@ -442,6 +455,21 @@ def _k1_more_rounds(c: Candidate | None, key: tuple, N: int, K: int, sms: int | 
     return _k1_rounds(c.config, N, K, sms) > _k1_rounds(c.config, key[1], key[2], sms)
 
 
+def _x_as_run(c: Candidate | None, key: tuple, K: int) -> Candidate | None:
+    """The candidate whose time on the tuned shape of ``key`` stands for ``c`` on a weight of ``K`` columns: ``c``
+    itself, except a kernel-3 config that stages the whole x in shared memory there (at the entry's M) and cannot
+    on ``K`` (the rows do not fit beside the table), which the plan runs with x from global memory: that form
+    (H200, k = 4, M = 8, two CTAs of 8 warps: staged on 128256x4096, 95.6 us against 110.0 from global memory; on
+    the held-out 262208x5376, where x does not fit, it took 269.0 us against 233.5 for one CTA of 16 warps,
+    ``benchmarks/results/h200/midm-xglobal-2026-11-28/``)."""
+    if c is None or c.family != "mma" or c.config.kernel != 3 or not c.config.x_smem or c.config.x_slice:
+        return c
+    k, M = key[0], key[3]
+    if x_staged(k, M, -(-key[2] // _tmma.SEG), c.config) and not x_staged(k, M, -(-K // _tmma.SEG), c.config):
+        return Candidate("mma", replace(c.config, x_smem=False))
+    return c
+
+
 def _k1_rounds(cfg, N: int, K: int, sms: int) -> int:
     """The items (tile, K split) the busiest CTA of a kernel-1 launch takes, at the occupancy ``cfg`` asks for."""
     Nt, S = -(-N // 16), -(-K // _tmma.SEG)
@@ -450,15 +478,18 @@ def _k1_rounds(cfg, N: int, K: int, sms: int) -> int:
     return -(-(Nt * splits) // grid)
 
 
-def _slowdowns(table: TunedTable, keys: list, veto=None) -> dict[str, list[float]]:
-    """candidate key -> its time / the shape's best, one value per entry of ``keys`` where it was timed; where
-    ``veto(candidate, key)`` holds, infinity instead (that time says nothing about the shape asked)."""
+def _slowdowns(table: TunedTable, keys: list, stand_in=None) -> dict[str, list[float]]:
+    """candidate key -> its time / the shape's best, one value per entry of ``keys`` where it was timed. With
+    ``stand_in(candidate, key)``: the time of the candidate it returns instead where that was timed (the shape
+    asked runs the candidate as that one), infinity where it returns None (no time says anything about the shape)."""
     out: dict[str, list[float]] = defaultdict(list)
     for key in keys:
         trials = [t for t in table.trials(key) if t.us is not None]
         best = min(t.us for t in trials)
+        times = {t.candidate: t.us for t in trials}
         for t in trials:
-            out[t.candidate.key].append(math.inf if veto and veto(t.candidate, key) else t.us / best)
+            c = stand_in(t.candidate, key) if stand_in else t.candidate
+            out[t.candidate.key].append(math.inf if c is None else times.get(c, t.us) / best)
     return out
 
 
