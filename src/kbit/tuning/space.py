@@ -91,7 +91,7 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
         # (H100, 2026-11-27: 8192x28672 34.98 us against the quick space's 40.61)
         # kernel 3 with two CTAs of 8 warps and x from global memory: the shipped rules' pick on mid shapes of
         # 37-44M weights at M = 4..16, which a quick retune without it replaced by 16 warps at one CTA and lost up to
-        # 12.6% (H200, 7168x5120 M = 8, benchmarks/results/h200/midm-retune-2026-11-28)
+        # 12.6% (H200, 7168x5120 M = 8, benchmarks/results/h200/midm-retune-2026-11-28/)
         keep = {MmaConfig(1, 8, min_ctas=2), MmaConfig(1, 8, min_ctas=3), MmaConfig(1, 4, min_ctas=4),
                 MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True), MmaConfig(3, 8, min_ctas=2, ring=2),
                 MmaConfig(3, 16, min_ctas=1, ring=2),
