@@ -35,7 +35,8 @@ for t in old new; do
   mkdir -p "$KBIT_CACHE_DIR/tuned"
   if [ $t = new ]; then cp "$NEW_TABLE" "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--peers humming"
   else rm -f "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--no-ceiling"; fi
-  timeout ${T_BENCH:-280} python -m kbit.cli bench --shapes "$PICK" --m ${MS:-1} --k ${KS:-2,3,4,5} --candidates kbit-linear --moe none $extra \
+  timeout ${T_BENCH:-280} python -m kbit.cli bench --shapes "$PICK" --m ${MS:-1} --k ${KS:-2,3,4,5} \
+    --candidates kbit-linear --moe none $extra \
     --commit "$C-$t" --out "$O/b" --name "m1-$t$i" > "$O/bench-$t$i.log" 2>&1
   echo "bench $t$i rc $? after $(( $(date +%s) - T0 )) s"
   pack

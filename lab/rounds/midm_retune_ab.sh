@@ -22,7 +22,8 @@ echo "shapes: $PICK"
 for t in base new; do
   src=src; extra="--peers humming"; [ $t = base ] && { src=.ab/base/src; extra="--no-ceiling"; }
   PYTHONPATH="$PEERS:$PWD/$src" timeout ${T_BENCH:-150} python -m kbit.cli bench --shapes "$PICK" --m ${MS:-4,8,16} \
-    --k ${KS:-4} --candidates kbit-linear --moe none $extra --commit "$C-$t" --out "$O/b" --name "midm-$t" > "$O/bench-$t.log" 2>&1
+    --k ${KS:-4} --candidates kbit-linear --moe none $extra --commit "$C-$t" --out "$O/b" --name "midm-$t" \
+    > "$O/bench-$t.log" 2>&1
   echo "bench $t rc $? after $(( $(date +%s) - T0 )) s"; pack
 done
 for t in ${E2E_TREES:-new base}; do
