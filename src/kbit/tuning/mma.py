@@ -121,7 +121,7 @@ class LargeConfig:
 
     #: warps a CTA
     warps: int
-    #: 8-token groups a tile: 4 (32 tokens), 8 (64), 16 (128) or 32 (256)
+    #: 8-token groups a tile: 2 (16 tokens), 4 (32), 8 (64), 16 (128) or 32 (256)
     groups: int
     #: x pipeline stages (``D``; clamped to 3 .. 8 and to shared memory)
     stages: int = 4
