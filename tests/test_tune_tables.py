@@ -20,7 +20,7 @@ from kbit.ops import gemv_mma
 from kbit.tuning import mma_units as TU
 from kbit.tuning import tuned
 from kbit.tuning.mma import LargeConfig, MmaConfig
-from kbit.tuning.mma_plan import check_config, make_plan
+from kbit.tuning.mma_plan import check_config, make_plan, x_staged
 from kbit.tuning.space import Candidate, candidate_from_dict, infeasible, search_space
 from kbit.tuning.tables import gpu_key
 from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, reload_tuned, tuned_candidate
@@ -337,10 +337,8 @@ def test_nearest_reads_a_staged_x_config_as_run_where_x_does_not_fit():
     where x fits, and where the form was not timed, the times stand as measured; the built-in choice likewise."""
     xg = Candidate("mma", MmaConfig(3, 8, min_ctas=2, ring=2))
     one = Candidate("mma", MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True))
-    S = lambda K: -(-K // 256)  # noqa: E731
-    from kbit.tuning.mma_plan import x_staged
-    assert x_staged(4, 8, S(4096), K3.config) and not x_staged(4, 8, S(5376), K3.config)
-    assert x_staged(4, 8, S(5376), one.config)  # one CTA an SM: the whole shared memory
+    assert x_staged(4, 8, 16, K3.config) and not x_staged(4, 8, 21, K3.config)  # K = 4096, 5376: 16, 21 segments
+    assert x_staged(4, 8, 21, one.config)  # one CTA an SM: the whole shared memory
 
     def table(with_xg=True, builtin=None):
         t = TunedTable("h200", {"sms": 132})

@@ -462,7 +462,7 @@ def _x_as_run(c: Candidate | None, key: tuple, K: int) -> Candidate | None:
     (H200, k = 4, M = 8, two CTAs of 8 warps: staged on 128256x4096, 95.6 us against 110.0 from global memory; on
     the held-out 262208x5376, where x does not fit, it took 269.0 us against 233.5 for one CTA of 16 warps,
     ``benchmarks/results/h200/midm-xglobal-2026-11-28/``)."""
-    if c is None or c.family != "mma" or c.config.kernel != 3 or not c.config.x_smem or c.config.x_slice:
+    if c is None or c.family != "mma" or c.config.kernel != 3 or c.config.x_slice:
         return c
     k, M = key[0], key[3]
     if x_staged(k, M, -(-key[2] // _tmma.SEG), c.config) and not x_staged(k, M, -(-K // _tmma.SEG), c.config):
