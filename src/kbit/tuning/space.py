@@ -106,18 +106,15 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
 
 
 def _large(M: int, quick: bool) -> list[LargeConfig]:
-    groups = [g for g in (4, 8, 16, 32) if g == 4 or 8 * g <= 2 * max(M, 32)]  # tiles of at most 2 x M tokens
-    if M <= 16:  # 16-token tiles (wgmma n16): at M = 16 on 28672x4096, k = 4, 2.70 SASS instructions a weight in the
-        # main loop against kernel 3's 3.13, x read by the tensor cores from shared memory, not through the
-        # registers (lab/m16_sass.py, 2026-11-28); the tables hold no time of it yet
-        groups = [2] + groups
+    # tiles of at most 2 x M tokens. Not 16-token tiles (groups 2): at M = 16 they took 1.00-2.80x (median 1.21) the
+    # time of the best kernel-3 config on all 44 tuned k = 4 shapes, though their SASS counts fewer instructions a
+    # weight (benchmarks/results/h200/k7-n16-2026-11-28)
+    groups = [g for g in (4, 8, 16, 32) if g == 4 or 8 * g <= 2 * max(M, 32)]
     out = [LargeConfig(warps=w, groups=g, stages=s, stream_k=sk)
            for w, g, s, sk in itertools.product((8, 12, 16), groups, (4, 6), (False, True))]
     if quick:  # 8 warps: where kernel 7 was the best family in the first tuning run (tune-part-2026-11-25, H200,
         # k = 4, M = 256 on 4 shapes), its best 8-warp config took 0.57-0.996x the time of the best 12-warp one
-        # 16-token tiles also at 16 warps, as kernel 3 runs at M = 16 (127 registers a thread, no spills)
-        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4)
-               and (c.warps == 8 or (c.warps == 16 and c.groups == 2))]
+        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4) and c.warps == 8]
     return out
 
 
