@@ -310,11 +310,92 @@ def test_code_digests(tmp_path):
             (tmp_path / rel).write_bytes((C.PACKAGE / rel).read_bytes())
     before = {f: C.code_digest(f, tmp_path) for f in FAMILIES}
     assert before == {f: C.code_digest(f) for f in FAMILIES} == C.family_digests(FAMILIES)
-    (tmp_path / "cuda/csrc/common.cuh").write_text((tmp_path / "cuda/csrc/common.cuh").read_text() + "\n// x\n")
+    header = tmp_path / "cuda/csrc/common.cuh"
+    header.write_text(header.read_text() + "\n#define KBIT_TEST_X 1\n")  # code: a comment would not count
     after = {f: C.code_digest(f, tmp_path) for f in FAMILIES}
     assert {f for f in FAMILIES if after[f] != before[f]} == {"mma", "large"}
     with pytest.raises(ValueError, match="family: expected one of"):
         C.code_digest("nope")
+
+
+def _edit(path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert text.count(old) >= count, (path, old)
+    path.write_text(text.replace(old, new, count))
+
+
+def test_code_digests_follow_code_not_layout(tmp_path):
+    """A family's digest covers what its code does: comments, docstrings and whitespace do not change it, in a CUDA
+    source or in Python; a define's value, a statement or an asm string do. A ``//`` or ``/*`` inside a string
+    literal is no comment (the literal stays whole), and a quote inside a comment opens no literal."""
+    from kbit.tuning import code as C
+
+    files = C.code_files("large")
+    root = tmp_path / "kbit"
+    for rel in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes((C.PACKAGE / rel).read_bytes())
+    cu, py = root / "cuda/csrc/wgmma.cu", root / "tuning/mma_plan.py"
+
+    def digest():
+        return C.code_digest("large", root)
+
+    def reset():  # back to the package's files (an edit may have changed the includes: the list stays the package's)
+        for rel in files:
+            (root / rel).write_bytes((C.PACKAGE / rel).read_bytes())
+
+    before = digest()
+    same = [  # (file, old, new): comment, docstring and whitespace edits
+        (cu, "#define GM 8 ", "#define GM 8 // the raster group, isn't it\n//\n "),
+        (cu, "#define AB 2                /* A register buffers", "#define AB 2 /* a buffer's "),
+        (cu, "kbit_wgmma: the large-M", "kbit_wgmma (edited): the large-M"),
+        (cu, "#define LAG (AB / 2 + 1)", "\n\n  #define   LAG\t(AB /  2 + 1)   \n"),
+        (cu, "  asm volatile(", "      asm volatile(", 3),
+        (cu, "__device__ __forceinline__ void wg_fence()", "__device__\n__forceinline__   void wg_fence()"),
+        (py, '    """(defines, dynamic shared bytes) of kernel 7', '    """Edited. (defines, bytes) of kernel 7'),
+        (py, '"""', '"""A module docstring edited. '),
+        (py, "from __future__", "# a comment\n\n\nfrom __future__"),
+        (py, "def x_staged(k: int, M: int, S: int, cfg: MmaConfig) -> bool:",
+         "def x_staged(k: int,\n              M: int, S: int,  cfg: MmaConfig)   -> bool:  # comment"),
+    ]
+    for edit in same:
+        _edit(*edit)
+        assert digest() == before, edit[1:]
+    reset()
+    changed = [  # a define's value, a statement, an asm string
+        (cu, "#define GM 8 ", "#define GM 4 "),
+        (cu, "#define AB 2 ", "#define AB 2 + 1 "),
+        (cu, "#define SK 0 /*", "#define SK 0\n#define SK2 0 /*"),
+        (cu, '"wgmma.fence.sync.aligned;"', '"wgmma.fence.sync.aligned; "'),
+        (cu, '"wgmma.commit_group.sync.aligned;"', '"wgmma.commit_group.sync.aligned;//"'),
+        (py, "    xc = 8 * cfg.groups * 128", "    xc = 8 * cfg.groups * 256"),
+        (py, "from __future__ import annotations\n", "from __future__ import annotations\nX = 1\n"),
+    ]
+    for edit in changed:
+        _edit(*edit)
+        assert digest() != before, edit[1:]
+        reset()
+    assert digest() == before
+    # "//" and "/*" inside string literals: were they comments, x and y (after them) would not count
+    for line in ('void f() {{ asm volatile("a // {}"); }}', 'const char* s = "a /* {} */ b";'):
+        _edit(cu, "#define GM 8 ", line.format("x") + "\n#define GM 8 ")
+        one = digest()
+        reset()
+        _edit(cu, "#define GM 8 ", line.format("y") + "\n#define GM 8 ")
+        assert digest() != one, line
+        reset()
+    # a quote as a character literal opens no string: the comment after it does not count
+    _edit(cu, "#define GM 8 ", "char q = '\"'; // x\n#define GM 8 ")
+    one = digest()
+    reset()
+    _edit(cu, "#define GM 8 ", "char q = '\"'; // y\n#define GM 8 ")
+    assert digest() == one
+    reset()
+    # a quote in a comment opens no literal: the code after it still counts
+    _edit(cu, "#define GM 8 ", "/* a warp's */ #define GM 8 ")
+    assert digest() == before
+    _edit(cu, "/* a warp's */ #define GM 8 ", "/* a warp's */ #define GM 9 ")
+    assert digest() != before
 
 
 def test_stale_entries_and_retune_stale(tmp_path, capsys):
