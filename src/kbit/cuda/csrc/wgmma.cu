@@ -3,7 +3,7 @@
 
    Defines (-D options; kbit.ops.gemv_mma.large_defines sets them):
      K_BITS       2, 3, 4, 5
-     NG           8-token column groups a tile: 4, 8, 16, 32
+     NG           8-token column groups a tile: 1, 2, 4, 8, 16, 32 (wgmma_mma.cuh's n8 .. n256 forms)
      D            x stages: 3..8
      MAXW         warps a CTA (a multiple of 4: warpgroups)
      BF16         1: bf16 activations, 0: fp16
@@ -20,7 +20,7 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 template <int N> __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
-/* kernel 7 (sm_90a, large M): output tiles of MAXW x 16 weight rows x 8 NG tokens (NG = 16, 32), one tile a task,
+/* kernel 7 (sm_90a, large M): output tiles of MAXW x 16 weight rows x 8 NG tokens, one tile a task,
    K split into `splits` tasks when the tiles are too few for the GPU. Persistent CTAs take tasks blockIdx.x,
    + gridDim.x, ...; tasks are rastered in groups of GM token blocks (the x and the codes that CTAs running at
    once touch stay in L2). Each warpgroup (4 warps x 16 rows, a warp's mma.sync A fragment its slice of the m64
