@@ -26,7 +26,7 @@ for t in base new; do
     > "$O/bench-$t.log" 2>&1
   echo "bench $t rc $? after $(( $(date +%s) - T0 )) s"; pack
 done
-for t in ${E2E_TREES:-new base}; do
+for t in ${E2E_TREES-new base}; do  # E2E_TREES= (empty): no e2e
   src=src; extra=""; [ $t = base ] && { src=.ab/base/src; extra="--skip-bf16"; }
   PYTHONPATH="$PWD/$src" timeout ${T_E2E:-200} python benchmarks/bench_e2e.py --models llama3-8b,qwen3-8b,qwen2.5-7b \
     --k 4 --batch ${BATCH:-16} --steps 16 --reps 3 --fuse-proj --no-kr --eager-steps 0 $extra --out "$O/e2e" \
