@@ -116,6 +116,12 @@ def test_large_config_refuses_variants_kernel_7_is_not_built_with(field, value):
         Large(8, 32, **{field: value})
 
 
+@pytest.mark.parametrize("groups", [0, 1, 2, 3, 64])
+def test_large_config_refuses_tiles_kernel_7_is_not_built_for(groups):
+    with pytest.raises(ValueError, match=f"config.groups: expected 4, 8, 16 or 32 .*got {groups}"):
+        Large(8, groups)
+
+
 #: kernel 3 with K slices of x in shared memory (9 <= M <= 16 on tall, big weights, sm_90)
 XK = Mma(3, warps=16, ring=3, x_smem=True, x_slice=8)
 
@@ -809,7 +815,6 @@ def test_large_gpu_m(k, dtype, M):
     Large(warps=16, groups=8, stages=5),
     Large(warps=8, groups=4, stages=6, x_bulk=1, stream_k=True),
     Large(warps=12, groups=8, stages=6, x_bulk=1, stream_k=True),
-    Large(warps=8, groups=2, stages=6, x_bulk=1, stream_k=True),
 ])
 def test_large_gpu_configs_split_k_formats(config):
     """Every tile shape, both x layouts, both x loaders (cp.async; bulk copies with the CTA barrier or empty

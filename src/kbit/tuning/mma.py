@@ -121,7 +121,8 @@ class LargeConfig:
 
     #: warps a CTA
     warps: int
-    #: 8-token groups a tile: 2 (16 tokens), 4 (32), 8 (64), 16 (128) or 32 (256)
+    #: 8-token groups a tile: 4 (32 tokens), 8 (64), 16 (128) or 32 (256). Not 16-token tiles: at M = 16 they took
+    #: 1.21x (median of 44 shapes) the time of kernel 3 (benchmarks/results/h200/k7-n16-2026-11-28)
     groups: int
     #: x pipeline stages (``D``; clamped to 3 .. 8 and to shared memory)
     stages: int = 4
@@ -139,6 +140,9 @@ class LargeConfig:
     kernel = 7
 
     def __post_init__(self):
+        if self.groups not in (4, 8, 16, 32):
+            raise ValueError(f"config.groups: expected 4, 8, 16 or 32 (the tiles kernel 7 is built for), "
+                             f"got {self.groups!r}")
         check_wgmma_fixed(self)
 
     @classmethod

@@ -3,7 +3,7 @@
 
    Defines (-D options; kbit.ops.gemv_mma.large_defines sets them):
      K_BITS       2, 3, 4, 5
-     NG           8-token column groups a tile: 1, 2, 4, 8, 16, 32 (wgmma_mma.cuh's n8 .. n256 forms)
+     NG           8-token column groups a tile: 4, 8, 16, 32 (wgmma_mma.cuh's n32 .. n256 forms)
      D            x stages: 3..8
      MAXW         warps a CTA (a multiple of 4: warpgroups)
      BF16         1: bf16 activations, 0: fp16

@@ -3,34 +3,6 @@
    one form a (NG, BF16). The operand lists are written out (inline PTX names every accumulator register). */
 #pragma once
 
-#if NG == 1 && BF16 == 1
-__device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;"
-               : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");
-}
-#endif
-#if NG == 1 && BF16 == 0
-__device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;"
-               : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");
-}
-#endif
-#if NG == 2 && BF16 == 1
-__device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
-               : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");
-}
-#endif
-#if NG == 2 && BF16 == 0
-__device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;"
-               : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc) : "memory");
-}
-#endif
 #if NG == 4 && BF16 == 1
 __device__ __forceinline__ void wg_mma(float (&acc)[NG][4], const u32 (&a)[4], u64 desc) {
   asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
