@@ -122,7 +122,7 @@ class LargeConfig:
     #: warps a CTA
     warps: int
     #: 8-token groups a tile: 4 (32 tokens), 8 (64), 16 (128) or 32 (256). Not 16-token tiles: at M = 16 they took
-    #: 1.21x (median of 44 shapes) the time of kernel 3 (benchmarks/results/h200/k7-n16-2026-11-28)
+    #: 1.21x (median of 44 shapes) the time of kernel 3 (benchmarks/results/h200/k7-n16-2026-11-28/)
     groups: int
     #: x pipeline stages (``D``; clamped to 3 .. 8 and to shared memory)
     stages: int = 4
