@@ -106,10 +106,7 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
 
 
 def _large(M: int, quick: bool) -> list[LargeConfig]:
-    # tiles of at most 2 x M tokens. Not 16-token tiles (groups 2): at M = 16 they took 1.00-2.80x (median 1.21) the
-    # time of the best kernel-3 config on all 44 tuned k = 4 shapes, though their SASS counts fewer instructions a
-    # weight (benchmarks/results/h200/k7-n16-2026-11-28/)
-    groups = [g for g in (4, 8, 16, 32) if g == 4 or 8 * g <= 2 * max(M, 32)]
+    groups = [g for g in (4, 8, 16, 32) if g == 4 or 8 * g <= 2 * max(M, 32)]  # tiles of at most 2 x M tokens
     out = [LargeConfig(warps=w, groups=g, stages=s, stream_k=sk)
            for w, g, s, sk in itertools.product((8, 12, 16), groups, (4, 6), (False, True))]
     if quick:  # 8 warps: where kernel 7 was the best family in the first tuning run (tune-part-2026-11-25, H200,
