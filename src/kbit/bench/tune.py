@@ -40,9 +40,9 @@ from kbit.ops import gemm, gemv, gemv_mma
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import repacked
 from kbit.tuning.mma import MAX_M, default_config, large_config, large_ok, uses_large
-from kbit.tuning.space import FAMILIES, Candidate, search_space
+from kbit.tuning.space import FAMILIES, Candidate, candidate_from_dict, search_space
 from kbit.tuning.tables import gpu_key, m_bucket
-from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, fit_rules
+from kbit.tuning.tuned import NK_EDGES, Trial, TunedTable, default_path, evaluate, fit_rules, tuned_candidate
 from kbit.utils.device import sm_count
 
 BF16 = torch.bfloat16
@@ -162,6 +162,12 @@ def builtin_candidate(k: int, M: int, N: int, K: int, device) -> Candidate | Non
                                            gpu=gpu_key(device)))
 
 
+def dispatcher_candidate(k: int, M: int, N: int, K: int, device) -> Candidate | None:
+    """The candidate the dispatcher runs (what ``Measure(None)`` times): the tuned table's answer where it has one
+    (:func:`kbit.tuning.tuned.tuned_candidate`), else the built-in rules' (:func:`builtin_candidate`)."""
+    return tuned_candidate(k, M, N, K, gpu_key(device)) or builtin_candidate(k, M, N, K, device)
+
+
 def _short(d: dict) -> str:
     cfg = d.get("config") or {}
     return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
@@ -184,14 +190,17 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 save: Callable[[TunedTable], object] | None = None,
                 measure_for: Callable[[int, int, int], Measure] | None = None,
                 builtin_for: Callable[[int, int, int, int], Candidate | None] | None = None,
+                current_for: Callable[[int, int, int, int], Candidate | None] | None = None,
                 cuda: bool | None = None, sm90: bool | None = None, confirm_top: int = 3) -> list[tuple]:
     """Tunes every (shape, k, M) not yet in ``table`` (all with ``retune``; with ``retune_stale`` also those whose
     entry was measured on other kernel code, :meth:`TunedTable.stale`); returns the keys tuned.
 
     ``measure_for(N, K, k)``: the :class:`Measure` of a weight (default: a quantized random weight on the GPU);
     ``builtin_for(k, M, N, K)``: the built-in rules' choice, added to the candidates (default:
-    :func:`builtin_candidate` on the GPU); ``cuda`` / ``sm90``: whether the CUDA kernels / kernel 7 run (default:
-    asked of the GPU); ``confirm_top``: finalists timed again beside the dispatcher (:func:`confirm`; 0: none)."""
+    :func:`builtin_candidate` on the GPU); ``current_for(k, M, N, K)``: the dispatcher's choice, recorded beside its
+    time (default: :func:`dispatcher_candidate` on the GPU); ``cuda`` / ``sm90``: whether the CUDA kernels / kernel
+    7 run (default: asked of the GPU); ``confirm_top``: finalists timed again beside the dispatcher
+    (:func:`confirm`; 0: none)."""
     if measure_for is None:
         dev = torch.device("cuda")
         l2 = l2_bytes(dev)
@@ -202,6 +211,9 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
 
         def builtin_for(k, M, N, K):
             return builtin_candidate(k, M, N, K, dev)
+
+        def current_for(k, M, N, K):
+            return dispatcher_candidate(k, M, N, K, dev)
     deadline = None if budget_s is None else time.time() + budget_s
     done = []
     for N, K in shapes:
@@ -230,7 +242,8 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 if trials is None or not any(t.us is not None for t in trials):
                     _log(f"{N}x{K} k={k} M={M}: not stored ({'budget' if trials is None else 'nothing ran'})")
                     continue
-                e = table.add(k, N, K, M, trials, current_us=cur, builtin=own)
+                now = current_for(k, M, N, K) if current_for is not None else None
+                e = table.add(k, N, K, M, trials, current_us=cur, builtin=own, current=now)
                 done.append((k, N, K, m_bucket(M)))
                 _log(f"{N}x{K} k={k} M={M}: {len(cands)} candidates in {time.time() - t0:.0f} s; best "
                      f"{e['best']['us']:.2f} us {_short(e['best'])}; dispatcher {cur:.2f} us")
@@ -255,12 +268,27 @@ def summary_lines(table: TunedTable, keys: Sequence[tuple] | None = None) -> lis
 
 
 def dispatcher_line(table: TunedTable, keys: Sequence[tuple]) -> str:
-    """How the dispatcher (as it chose when the entry was measured) did against the best candidate on ``keys``."""
-    r = sorted(e["current_us"] / e["best"]["us"] for e in (table.entries[key] for key in keys) if e.get("current_us"))
-    if not r:
+    """How the dispatcher (as it chose when the entry was measured) did against the best candidate on ``keys``.
+    Where the dispatcher's choice is the best candidate itself (``current``), the ratio is the run's spread between
+    two timings of one config, not a worse pick: the line says how many such entries there are and their worst."""
+    es = [e for e in (table.entries[key] for key in keys) if e.get("current_us")]
+    if not es:
         return "dispatcher / best: no entry"
-    return (f"dispatcher / best candidate over {len(r)} entries: median {statistics.median(r):.3f}, worst "
+    r = sorted(e["current_us"] / e["best"]["us"] for e in es)
+    line = (f"dispatcher / best candidate over {len(r)} entries: median {statistics.median(r):.3f}, worst "
             f"{r[-1]:.3f}; within 5% on {sum(v <= 1.05 for v in r)} of {len(r)}")
+    same = [e["current_us"] / e["best"]["us"] for e in es if _same_config(e)]
+    if same:
+        other = [e["current_us"] / e["best"]["us"] for e in es if not _same_config(e)]
+        line += (f"; on {len(same)} the dispatcher ran the best config itself (timed twice: worst {max(same):.3f}), "
+                 f"worst where it ran another: {max(other):.3f}" if other else
+                 f"; on all {len(same)} the dispatcher ran the best config itself (timed twice)")
+    return line
+
+
+def _same_config(e: dict) -> bool:
+    cur = e.get("current")
+    return cur is not None and candidate_from_dict(cur) == candidate_from_dict(e["best"])
 
 
 def evaluation_lines(ev: dict, what: str, how: str = "fitted rule") -> list[str]:

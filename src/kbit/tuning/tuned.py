@@ -7,6 +7,7 @@ A tuned table is a JSON file per GPU (``<cache_dir>/tuned/<gpu>.json`` by defaul
      "entries": {"<k>": {"<N>x<K>": {"<M bucket>": {
          "best": {"family": "mma", "config": {...}, "us": 40.1},
          "current_us": 48.3,                      # the dispatcher's choice before tuning, timed in the same run
+         "current": {"family": "mma", ...},       # that choice, or null where not known (not in packaged tables)
          "builtin": {"family": "mma", ...},       # the built-in rules' choice (one of the trials), or null
          "code": {"mma": "<digest>", ...},        # the kernel code the trials ran (kbit.tuning.code)
          "trials": [{"family": ..., "config": ..., "us": ...}, ...]}}}},   # every candidate timed (us null: failed)
@@ -119,10 +120,11 @@ class TunedTable:
 
     # -- building
     def add(self, k: int, N: int, K: int, M: int, trials: Iterable[Trial], current_us: float | None = None,
-            builtin: Candidate | None = None) -> dict:
+            builtin: Candidate | None = None, current: Candidate | None = None) -> dict:
         """Records the trials of one (k, N, K, M's bucket) and the digests of the kernel code they ran
         (:func:`kbit.tuning.code.family_digests`); the best is the fastest timed one. ``builtin``: the built-in
-        rules' choice there (one of the trials; :meth:`nearest` weighs it)."""
+        rules' choice there (one of the trials; :meth:`nearest` weighs it); ``current``: the dispatcher's choice
+        that ``current_us`` timed."""
         trials = list(trials)
         timed = [t for t in trials if t.us is not None and math.isfinite(t.us)]
         if not timed:
@@ -130,6 +132,7 @@ class TunedTable:
         best = min(timed, key=lambda t: t.us)
         entry = dict(best=best.as_dict(), current_us=current_us, trials=[t.as_dict() for t in trials],
                      builtin=None if builtin is None else builtin.as_dict(),
+                     current=None if current is None else current.as_dict(),
                      code=family_digests(t.candidate.family for t in trials))
         self.entries[(int(k), int(N), int(K), m_bucket(M))] = entry
         return entry
