@@ -8,8 +8,11 @@ Printed per (k, M): shapes, kbit >= humming (count, worst ratio), of the points 
 their bytes at >= 0.99x humming's TB/s (slower by the bytes of the format, not by the kernel: kbit reads a scale
 byte per 32 weights where humming's w<k> reads a bf16 scale per 128, 3% more bytes at k = 4 and 6% at k = 2), x bf16
 (median, worst), and at M = 1 the share of the read ceiling on shapes of >= 100M weights (worst; the bar: >= 85% at
-k = 3..5, >= 75% at k = 2). The split (tune / held-out) of each shape comes from the suite. Then the points where
-the dispatcher's time falls as k grows (more than 3%). A point's rows come from the first file that has them.
+k = 3..5, >= 75% at k = 2). The half of each shape comes from the suite, by shape: "tune" where a layer of the tune
+half has it (a rule fitted there saw it), else "held-out" (``kbit.bench.suite.unseen_shapes``). So a run of
+``kbit bench --split held-out``, which takes the held-out families' layers, can show "tune" rows: shapes those
+families share with a tuned family. Then the points where the dispatcher's time falls as k grows (more than 3%). A
+point's rows come from the first file that has them.
 """
 from __future__ import annotations
 
@@ -23,10 +26,8 @@ from kbit.bench import suite as S
 
 
 def main(paths: list[str]) -> int:
-    halves = {}
-    for split in ("tune", "held-out"):
-        for n, k in S.dense_shapes(S.select(split=split)):
-            halves.setdefault((n, k), split)
+    halves = dict.fromkeys(S.dense_shapes(S.select(split="tune")), "tune")
+    halves.update(dict.fromkeys(S.unseen_shapes(), "held-out"))
     pts = defaultdict(dict)  # (k, M, N, K) -> {kernel: row}
     for path in paths:
         _, rows = report.read_results(path)
