@@ -148,6 +148,22 @@ def test_dispatcher_line():
     t.entries[(4, 6144, 4096, 1)]["current_us"] = 10.2
     line = T.dispatcher_line(t, sorted(t.entries))
     assert "over 2 entries" in line and "worst 1.500" in line and "within 5% on 1 of 2" in line
+    assert "best config itself" not in line  # no entry says what the dispatcher ran
+    t.entries[(4, 6144, 4096, 1)]["current"] = K1.as_dict()  # the best itself, timed twice: 1.02
+    t.entries[(4, 28672, 4096, 16)]["current"] = K1.as_dict()  # another config than the best (K3): 1.5
+    line = T.dispatcher_line(t, sorted(t.entries))
+    assert "worst 1.500" in line and "on 1 the dispatcher ran the best config itself (timed twice: worst 1.020)" in line
+    assert "worst where it ran another: 1.500" in line
+    t.entries[(4, 28672, 4096, 16)]["current"] = K3.as_dict()
+    assert "on all 2 the dispatcher ran the best config itself" in T.dispatcher_line(t, sorted(t.entries))
+
+
+def test_tune_records_the_dispatchers_choice():
+    """An entry keeps the candidate the dispatcher ran beside its time; the packaged table drops it."""
+    t = TunedTable("h200")
+    e = t.add(4, 6144, 4096, 1, [Trial(K1, 10.0), Trial(K3, 12.0)], current_us=12.1, current=K3)
+    assert e["current"] == K3.as_dict() and e["best"]["us"] == 10.0
+    assert "current" not in t.packaged().entries[(4, 6144, 4096, 1)]
 
 
 # ------------------------------------------------------------------------------------------------ the space
@@ -431,9 +447,11 @@ def test_tune_shapes_adds_the_builtin_choice():
 
     table = TunedTable("h200")
     done = T.tune_shapes(table, [(28672, 4096)], [4], [1], measure_for=lambda N, K, k: Meas(), cuda=True,
-                         sm90=True, quick=True, builtin_for=lambda k, M, N, K: K7)
+                         sm90=True, quick=True, builtin_for=lambda k, M, N, K: K7,
+                         current_for=lambda k, M, N, K: K3)
     e = table.entries[done[0]]
     assert e["best"]["family"] == "large" and e["current_us"] == 10.0  # kernel 7 is not in the M = 1 space
+    assert e["current"] == K3.as_dict()  # what the dispatcher's time was measured on
     assert sum(t["family"] == "large" for t in e["trials"]) == 1
     assert table.builtin_candidate(done[0]) == K7  # recorded for the nearest-shape pick
 
