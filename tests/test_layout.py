@@ -447,7 +447,7 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     held = _alloc()  # the module's canonical weight, the inputs and the reference outputs
     # the allocator's history from here on, so that the last check names what stayed allocated: in part b of the
     # GPU tests (three xdist processes) 688128 bytes stayed at k = 4 (H200, 2026-11-29, twice); alone, nothing did
-    torch.cuda.memory._record_memory_history(max_entries=100000)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=100000)  # no C++ frames: slow to resolve
     try:
         _module_checks(q, k, xs, small, large, before, held, wbytes, N, K)
     finally:
