@@ -1,7 +1,7 @@
 #!/bin/bash
-# One device call (issue 32, M = 1 and 16): where kernel 3's warps wait, at the GPU's own clocks. ncu locks the SM
-# clock by default (1.33 GHz on an H200), which inflates the L1's share of the time: the 89% it reported at k = 4
-# did not bound the kernel (docs/notes/2026-11-29-m1-x-load-l2-prefetch.md). Per (shape, k): the full set with
+# One device call (issue 32, M = 1 and 16): where kernel 3's warps wait, at the GPU's own clocks (ncu locks the SM
+# clock by default, 1.33 GHz on an H200; the L1 it reported 89% busy at k = 4 there did not bound the kernel:
+# docs/notes/2026-11-29-m1-x-load-l2-prefetch.md). Per (shape, k): the full set with
 # source counters and --clock-control none, the stall reasons of the whole kernel (WarpStateStats) and the SASS lines
 # with the most stall samples (lab/ncu_top.py).
 #   Device tool: run(command="bash lab/rounds/m1_stalls.sh", timeout_s=400)
