@@ -407,7 +407,7 @@ def _x_copy_bytes(k, M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [4, 3])
-def test_gpu_linear_memory_1x_and_outputs_identical(k):
+def test_gpu_linear_memory_1x_and_outputs_identical(k, request):
     """A KbitLinear decoded on the GPU holds its k-bit weight once (after the first small-M forward: the
     repacked layout only; the functional op on canonical tensors caches a second copy); it holds exactly what
     that cache held, and its outputs match that functional op's for the small-M kernel and the large-M paths
@@ -448,14 +448,7 @@ def test_gpu_linear_memory_1x_and_outputs_identical(k):
     # the allocator's history from here on, so that the last check names what stayed allocated: in part b of the
     # GPU tests (three xdist processes) 688128 bytes stayed at k = 4 (H200, 2026-11-29, twice); alone, nothing did
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=100000)  # no C++ frames: slow to resolve
-    try:
-        _module_checks(q, k, xs, small, large, before, held, wbytes, N, K)
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def _module_checks(q, k, xs, small, large, before, held, wbytes, N, K):
-    """test_gpu_linear_memory_1x_and_outputs_identical from the module's first forward on."""
+    request.addfinalizer(lambda: torch.cuda.memory._record_memory_history(enabled=None))
     torch.cuda.reset_peak_memory_stats()
     y1 = q(xs[1])  # repacks: canonical -> mma-v1, the canonical tensors freed
     assert q.layout == "mma-v1"
