@@ -162,12 +162,6 @@ def builtin_candidate(k: int, M: int, N: int, K: int, device) -> Candidate | Non
                                            gpu=gpu_key(device)))
 
 
-def dispatcher_candidate(k: int, M: int, N: int, K: int, device) -> Candidate | None:
-    """The candidate the dispatcher runs (what ``Measure(None)`` times): the tuned table's answer where it has one
-    (:func:`kbit.tuning.tuned.tuned_candidate`), else the built-in rules' (:func:`builtin_candidate`)."""
-    return tuned_candidate(k, M, N, K, gpu_key(device)) or builtin_candidate(k, M, N, K, device)
-
-
 def _short(d: dict) -> str:
     cfg = d.get("config") or {}
     return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
@@ -197,10 +191,11 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
 
     ``measure_for(N, K, k)``: the :class:`Measure` of a weight (default: a quantized random weight on the GPU);
     ``builtin_for(k, M, N, K)``: the built-in rules' choice, added to the candidates (default:
-    :func:`builtin_candidate` on the GPU); ``current_for(k, M, N, K)``: the dispatcher's choice, recorded beside its
-    time (default: :func:`dispatcher_candidate` on the GPU); ``cuda`` / ``sm90``: whether the CUDA kernels / kernel
-    7 run (default: asked of the GPU); ``confirm_top``: finalists timed again beside the dispatcher
-    (:func:`confirm`; 0: none)."""
+    :func:`builtin_candidate` on the GPU); ``current_for(k, M, N, K)``: the tuned table's answer, which the
+    dispatcher runs where there is one (else it runs the built-in rules' choice), recorded beside the dispatcher's
+    time (default: :func:`kbit.tuning.tuned.tuned_candidate` on the GPU); ``cuda`` / ``sm90``: whether the CUDA
+    kernels / kernel 7 run (default: asked of the GPU); ``confirm_top``: finalists timed again beside the
+    dispatcher (:func:`confirm`; 0: none)."""
     if measure_for is None:
         dev = torch.device("cuda")
         l2 = l2_bytes(dev)
@@ -213,7 +208,7 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
             return builtin_candidate(k, M, N, K, dev)
 
         def current_for(k, M, N, K):
-            return dispatcher_candidate(k, M, N, K, dev)
+            return tuned_candidate(k, M, N, K, gpu_key(dev))
     deadline = None if budget_s is None else time.time() + budget_s
     done = []
     for N, K in shapes:
@@ -242,7 +237,7 @@ def tune_shapes(table: TunedTable, shapes: Sequence[tuple[int, int]], ks: Sequen
                 if trials is None or not any(t.us is not None for t in trials):
                     _log(f"{N}x{K} k={k} M={M}: not stored ({'budget' if trials is None else 'nothing ran'})")
                     continue
-                now = current_for(k, M, N, K) if current_for is not None else None
+                now = (current_for(k, M, N, K) if current_for is not None else None) or own  # what `cur` timed
                 e = table.add(k, N, K, M, trials, current_us=cur, builtin=own, current=now)
                 done.append((k, N, K, m_bucket(M)))
                 _log(f"{N}x{K} k={k} M={M}: {len(cands)} candidates in {time.time() - t0:.0f} s; best "
