@@ -7,7 +7,7 @@
 #                              bash lab/rounds/patch_ab.sh", timeout_s=600)
 #   TREES: name=patch pairs (a patch from `git diff src`, applied with patch -p1 in a copy of src); "base" is src
 #   RUNS (default: base, then each tree, then each tree again in reverse, then base), SH (shapes), KS, MS, TB
-#   (seconds a run), TEST_TREE (a tree whose GPU tests of kernel 3 and 1 run last, TT seconds)
+#   (seconds a run), TEST_TREE (a tree whose GPU tests run last: TESTS, default tests/test_gemv_mma.py, TT seconds)
 # Returned: $OUT/patch-ab.tgz (runs' results and logs), $OUT/summary.txt.
 set -u
 R=${OUT:-/tmp/out}; O=/tmp/patchab; mkdir -p "$R" "$O/trees"
@@ -59,8 +59,11 @@ for (k, x), v in sorted(logs.items()):
           f"{math.exp(max(v)):.3f} ({len(v)} points)")
 PY
 if [ -n "${TEST_TREE:-}" ]; then
-  PYTHONPATH=$O/trees/$TEST_TREE/src timeout "${TT:-200}" python -m pytest -q -p no:cacheprovider -m gpu -n 8 \
-    tests/test_gemv_mma.py > "$O/tests-$TEST_TREE.log" 2>&1
-  { echo "## GPU tests, $TEST_TREE"; tail -n 3 "$O/tests-$TEST_TREE.log"; } >> "$O/summary.txt"
+  # -v names each test as it ends, so a run cut by the time limit still names its failures
+  PYTHONPATH=$O/trees/$TEST_TREE/src timeout "${TT:-200}" python -m pytest -v -p no:cacheprovider -m gpu -n 8 \
+    ${TESTS:-tests/test_gemv_mma.py} > "$O/tests-$TEST_TREE.log" 2>&1
+  { echo "## GPU tests, $TEST_TREE"; grep -c " PASSED " "$O/tests-$TEST_TREE.log" | sed 's/$/ passed/';
+    grep -oE "(FAILED|ERROR) tests/[^ ]+" "$O/tests-$TEST_TREE.log" | sort -u | head -n 20;
+    tail -n 1 "$O/tests-$TEST_TREE.log"; } >> "$O/summary.txt"
 fi
 cat "$O/summary.txt"
