@@ -6,7 +6,8 @@
 # with the most stall samples (lab/ncu_top.py).
 #   Device tool: run(command="bash lab/rounds/m1_stalls.sh", timeout_s=400)
 #   RUNS: shape:k:M triples (default: 100352x5120 at k = 4 and 2, 4096x14336 at k = 4, M = 1; 28672x4096 at k = 4,
-#   M = 16, whose "L1 bound" of 2026-11-27 was also measured at the locked clock)
+#   M = 16, whose "L1 bound" of 2026-11-27 was also measured at the locked clock); KREGEX: the kernels ncu profiles
+#   (default kbit_gemv_mma, kernels 1 and 3; kbit_wgmma for kernel 7 at M = 17..64)
 # Returned: $OUT/m1-stalls.tgz (reports' text, source CSVs, summaries), $OUT/summary.txt.
 set -u
 R=${OUT:-/tmp/out}; O=/tmp/m1stalls; mkdir -p "$R" "$O"
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src"
 for run in ${RUNS:-100352x5120:4:1 100352x5120:2:1 4096x14336:4:1 28672x4096:4:16}; do
   IFS=: read -r S K M <<< "$run"
   n=$S-k$K-m$M
-  timeout 150 ncu --set full --import-source yes --clock-control none -k regex:kbit_gemv_mma --launch-skip 1 -c 1 \
+  timeout 150 ncu --set full --import-source yes --clock-control none -k regex:${KREGEX:-kbit_gemv_mma} --launch-skip 1 -c 1 \
       -o "$O/$n" python lab/m16_profile.py --shape "$S" --k "$K" --ms "$M" --calls 2 > "$O/$n.log" 2>&1
   ncu -i "$O/$n.ncu-rep" --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section Occupancy --print-details all > "$O/$n.txt" 2>&1
