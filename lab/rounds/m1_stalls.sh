@@ -23,7 +23,7 @@ for run in ${RUNS:-100352x5120:4:1 100352x5120:2:1 4096x14336:4:1 28672x4096:4:1
   ncu -i "$O/$n.ncu-rep" --page source --csv --print-source sass > "$O/$n-source.csv" 2>/dev/null
   python lab/ncu_top.py "$O/$n-source.csv" 25 > "$O/$n-top.txt" 2>&1
   rm -f "$O/$n.ncu-rep"
-  { echo "## $n"; grep -E "kernel 3|Duration|SM Frequency|Issue Slots|Eligible Warps|Warp Cycles Per Issued|Stall" \
+  { echo "## $n"; grep -E "kernel [0-9]|Duration|SM Frequency|Issue Slots|Eligible Warps|Warp Cycles Per Issued|Stall" \
         "$O/$n.log" "$O/$n.txt" | cut -c1-150 | head -n 30; head -n 12 "$O/$n-top.txt"; } >> "$O/summary.txt"
 done
 cat "$O/summary.txt"
