@@ -139,7 +139,7 @@ COLS = list(CLASSES) + ["uniform", "other"]
 
 def describe(p, cfg) -> str:
     d = p.defines
-    keys = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "CAU", "LFX", "WS4", "M1", "K1WO", "D", "SK", "RT")
+    keys = ("NG", "MAXW", "MINB", "PD", "XS", "XK", "CAU", "LFX", "WS4", "M1", "K1WO", "D", "SK", "RT", "TAB256")
     return f"k{p.kernel} " + ",".join(f"{n}={d[n]}" for n in keys if d.get(n))
 
 
