@@ -2,6 +2,7 @@
 routing, the registry and the CLI parsing. No timing here: performance is proven by benchmarks."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -194,6 +195,37 @@ def test_cli_parses_bench():
     assert len(defaults.shapes) == 5 and len(defaults.moe) == 2 and defaults.tokens == [1, 4]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--shapes", "28672by4096"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--k", "7"], "argument --k: expected bits in (2, 3, 4, 5), got [7]"),
+    (["bench", "--k", "4,1"], "argument --k: expected bits in (2, 3, 4, 5), got [1]"),
+    (["bench", "--k", ","], "argument --k: expected a comma list of integers, got ','"),
+    (["bench", "--m", "1,0"], "argument --m: expected integers >= 1, got [0]"),
+    (["bench", "--tokens", "-4"], "argument --tokens: expected integers >= 1, got [-4]"),
+    (["bench", "--shapes", "0x4096"], "argument --shapes: shape '0x4096': expected N and K >= 1"),
+    (["bench", "--blocksize", "48"], "argument --blocksize: invalid choice: 48"),
+    (["tune", "--k", "6"], "argument --k: expected bits in (2, 3, 4, 5), got [6]"),
+    (["tune", "--m", "0"], "argument --m: expected integers >= 1, got [0]"),
+    (["tune", "--shapes", "4096by4096"], "argument --shapes: shape '4096by4096': expected NxK, e.g. 28672x4096")])
+def test_cli_rejects_bad_lists_before_any_gpu_work(capsys, argv, message):
+    """Bits, rows, tokens and shapes are checked as the command line is parsed: a one-line usage error naming the
+    option, on a machine with or without a GPU (the GPU check comes later)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(ks=(4, 6)), "ks: expected bits in (2, 3, 4, 5), got [6]"), (dict(ms=(0,)), "ms: expected integers >= 1"),
+    (dict(tokens=(1, -1)), "tokens: expected integers >= 1, got [-1]"),
+    (dict(shapes=((4096, 0),)), "shapes: expected (N, K) pairs >= 1"), (dict(blocksize=48), "blocksize: expected one"),
+    (dict(reps=0), "reps: expected >= 1, got 0")])
+def test_bench_config_rejects_bad_values(kw, message):
+    from kbit.bench.run import BenchConfig
+    with pytest.raises(ValueError, match=re.escape(message)):
+        BenchConfig(**kw)
 
 
 def test_cli_table(tmp_path, capsys):

@@ -21,15 +21,10 @@ import torch
 
 from kbit.bench import report, summary
 from kbit.bench import suite as suite_mod
+from kbit.bench.args import bits_list, count_list, shape_list
 from kbit.bench.moe import MOE_PRESETS
 from kbit.bench.run import DENSE_SHAPES, BenchConfig, run_bench
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from e
+from kbit.format.spec import BLOCKSIZES
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -39,14 +34,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         return list(DENSE_SHAPES)
     if text in ("none", ""):
         return []
-    out = []
-    for item in text.split(","):
-        try:
-            n, k = item.split("x")
-            out.append((int(n), int(k)))
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"shape {item!r}: expected NxK, e.g. 28672x4096") from e
-    return out
+    return shape_list(text)
 
 
 def parse_moe(text: str):
@@ -67,11 +55,11 @@ def _names(text: str) -> list[str]:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", type=parse_shapes, default="llama",
                    help="NxK list, 'llama' (default) or 'none'")
-    p.add_argument("--m", type=_ints, default="1,2,4,8", help="activation rows (default 1,2,4,8)")
-    p.add_argument("--k", type=_ints, default="2,3,4,5", help="bits per weight (default 2,3,4,5)")
-    p.add_argument("--blocksize", type=int, default=32)
+    p.add_argument("--m", type=count_list, default="1,2,4,8", help="activation rows (default 1,2,4,8)")
+    p.add_argument("--k", type=bits_list, default="2,3,4,5", help="bits per weight (default 2,3,4,5)")
+    p.add_argument("--blocksize", type=int, default=32, choices=BLOCKSIZES)
     p.add_argument("--moe", type=parse_moe, default="qwen3-30b-a3b", help="MoE preset(s) or 'none'")
-    p.add_argument("--tokens", type=_ints, default="1,4", help="tokens per MoE step (default 1,4)")
+    p.add_argument("--tokens", type=count_list, default="1,4", help="tokens per MoE step (default 1,4)")
     p.add_argument("--candidates", default=None,
                    help="kbit kernels to time: comma list of registry names, 'all' (default: the defaults)")
     p.add_argument("--peers", default=None,

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kbit.bench import suite as suite_mod
+from kbit.bench.args import bits_list, count_list, shape_list
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
 from kbit.bench.tune_build import Prebuilder
@@ -297,23 +298,9 @@ def evaluation_lines(ev: dict, what: str, how: str = "fitted rule") -> list[str]
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from e
-
-
-def _shapes(text: str) -> list[tuple[int, int]]:
-    try:
-        return [(int(n), int(k)) for n, k in (item.lower().split("x") for item in text.split(",") if item.strip())]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma list of NxK, e.g. 5120x25600, got {text!r}") from e
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("shapes (one of)")
-    src.add_argument("--shapes", type=_shapes, default=None, help="NxK list")
+    src.add_argument("--shapes", type=shape_list, default=None, help="NxK list")
     src.add_argument("--model", default=None, help="a Hugging Face model directory: its config.json's dense layers")
     src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
@@ -323,8 +310,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=("size", "bands"), default="size",
                    help="size: largest first (--max-shapes: evenly over the sizes); bands: every N x K band of the "
                         "fitted rule and model family in turn, so that a run cut short by --budget-s covers them")
-    p.add_argument("--k", type=_ints, default="4", help="bits per weight (default 4)")
-    p.add_argument("--m", type=_ints, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
+    p.add_argument("--k", type=bits_list, default="4", help="bits per weight (default 4)")
+    p.add_argument("--m", type=count_list, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
     p.add_argument("--kernels", default=None, help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
     p.add_argument("--quick", action="store_true", help="a handful of configs a family instead of the full space")
     p.add_argument("--reps", type=int, default=15)
