@@ -111,6 +111,11 @@ def test_bad_input(kbit_llama):
         StaticDecoder(kbit_llama, 1, 1)
     with pytest.raises(ValueError, match="graph"):
         StaticDecoder(kbit_llama, 1, 8, graph=True)
+    with pytest.raises(ValueError, match=r"top_k: expected >= 0 \(0: off\), got -1"):
+        StaticDecoder(kbit_llama, 1, 8, top_k=-1)
+    for top_p in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"top_p: expected in \(0, 1\]"):
+            StaticDecoder(kbit_llama, 1, 8, top_p=top_p)
     dec = StaticDecoder(kbit_llama, 2, 8)
     with pytest.raises(ValueError, match=r"input_ids: expected shape \[2, T\]"):
         dec.prefill(torch.ones(1, 3, dtype=torch.long))

@@ -47,6 +47,15 @@ def test_unknown_judge_is_one_line(tmp_path, capsys):
     assert err.startswith("kbit eval: error: --model: expected one of") and len(err.splitlines()) == 1
 
 
+def test_bad_bits_and_missing_table_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--k", "4,7"])
+    assert "argument --k: expected bits in (2, 3, 4, 5), got [7]" in capsys.readouterr().err
+    assert main(["eval", "--table", str(tmp_path / "none.json")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kbit eval: error: --table: expected a results JSON file") and len(err.splitlines()) == 1
+
+
 class FakeCausalJudge(FakeJudge):
     """Takes whole-model methods too: runs each on a tiny Llama (with a word-level tokenizer) and checks that the
     copy holds k-bit modules while its own model stays float."""

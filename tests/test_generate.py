@@ -230,3 +230,20 @@ def test_cpu_greedy_shortcut_matches_the_reference_sampler():
     gen = torch.Generator().manual_seed(1)
     got = _sample(logits, 0.0, 50, 0.9, 0, 0, gen)
     assert torch.equal(got, sample_reference(logits, 0.0, 50, 0.9, generator=gen))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: expected int >= 1, got '0'"),
+    (["--temperature", "-1"], "argument --temperature: expected float >= 0.0, got '-1'"),
+    (["--top-k", "-2"], "argument --top-k: expected int >= 0, got '-2'"),
+    (["--top-p", "0"], "argument --top-p: expected a float in (0, 1], got '0'"),
+    (["--top-p", "1.5"], "argument --top-p: expected a float in (0, 1], got '1.5'"),
+    (["--device", "tpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'tpu'")])
+def test_cli_rejects_bad_sampling_options(capsys, argv, message):
+    """A value that would generate nothing or fail deep in torch is a one-line usage error naming the option (it
+    generated 0 tokens at --max-new-tokens -5)."""
+    from kbit.cli import build_parser
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

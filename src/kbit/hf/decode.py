@@ -234,6 +234,10 @@ class StaticDecoder:
             raise ValueError(f"max_len: expected an int >= 2, got {max_len!r}")
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        if top_k < 0:
+            raise ValueError(f"top_k: expected >= 0 (0: off), got {top_k}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: expected in (0, 1] (1: off), got {top_p}")
         param = next(iter(model.parameters()), None)
         buf = next(iter(model.buffers()), None)
         self.device = (param if param is not None else buf).device

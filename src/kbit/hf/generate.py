@@ -265,18 +265,48 @@ def load_checkpoint(directory, device, tokenizer: bool = True):
     return model, tok
 
 
+def _at_least(cast, low):
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected {cast.__name__} >= {low}, got {text!r}") from e
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"expected {cast.__name__} >= {low}, got {text!r}")
+        return v
+    return parse
+
+
+def _top_p(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a float in (0, 1], got {text!r}") from e
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a float in (0, 1], got {text!r}")
+    return v
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from e
+    return text
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
     p.add_argument("--model", default=None,
                    help="a kbit checkpoint directory (kbit quantize / save_quantized); default: SmolLM2-135M")
     p.add_argument("--k", type=int, default=DEFAULT_K, choices=K_VALUES, help="bits, for the default model")
     p.add_argument("--codebook", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--max-new-tokens", type=_at_least(int, 1), default=64)
+    p.add_argument("--temperature", type=_at_least(float, 0.0), default=0.7, help="0: greedy")
+    p.add_argument("--top-k", type=_at_least(int, 0), default=50, help="0: off")
+    p.add_argument("--top-p", type=_top_p, default=0.9, help="1: off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-graph", action="store_true", help="on CUDA: run the static decode step eagerly")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="quantize the default model, save it (with its tokenizer) to DIR and exit")
