@@ -376,3 +376,19 @@ def test_gpu_quantize_on_load_peak_memory_and_static_cache(model_type, tmp_path)
     # the codes are bit-identical (above); the two models may still take different kernels (a kernel layout, split-K
     # atomics), whose bf16 outputs differ by an ulp here and there: compare norm-wise
     assert ((a - b).norm() / b.norm()).item() <= 1e-2
+
+
+def test_config_refuses_unknown_arguments_and_loads_unknown_keys_with_a_warning():
+    """``KbitConfig(bits=2)`` would quantize at the default k = 4 without a word: an argument that is not the
+    config's is a TypeError naming it. A config.json's ``quantization_config`` with keys this version does not know
+    still loads (another kbit version wrote it), with a warning naming them; the config's own dict loads silently."""
+    with pytest.raises(TypeError, match=r"KbitConfig: expected arguments among \('quant_method', 'k', .*\['bits'\]"):
+        KbitConfig(bits=2)
+    with pytest.warns(UserWarning, match=r"quantization_config: keys \['bits', 'future'\] are not KbitConfig's"):
+        c = KbitConfig.from_dict({"quant_method": "kbit", "k": 3, "bits": 2, "future": {"x": 1}})
+    assert c.k == 3 and not hasattr(c, "bits")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = KbitConfig(k=5, overrides={"down_proj": {"k": 4}}).to_dict()
+        assert KbitConfig.from_dict(d).to_dict() == d

@@ -5,6 +5,8 @@ installed (registered by :mod:`kbit.hf.quantizer`), a plain config otherwise.
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections import Counter
 
 from kbit.format.codebooks import NAMED
@@ -85,8 +87,24 @@ class KbitConfig(QuantizationConfigMixin):
                  type(calibration).__name__)
         self.calibration = calibration
         self.modules = modules
-        for key in kwargs:  # transformers adds its own keys on the way through config.json
+        unknown = sorted(key for key in kwargs if not key.startswith("_"))
+        if unknown:  # a misspelt argument (bits=2) would otherwise leave the default in force
+            fail(TypeError, "KbitConfig", f"arguments among {config_fields()}", unknown)
+        for key in kwargs:  # private keys (a leading underscore) pass through config.json as they came
             setattr(self, key, kwargs[key])
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        """From a ``quantization_config`` dict (``config.json``): keys that are not :class:`KbitConfig`'s (a
+        checkpoint written by another kbit version) are left out with a warning instead of failing the load."""
+        known, unknown = split_fields(config_dict)
+        if unknown:
+            warnings.warn(f"quantization_config: keys {unknown} are not KbitConfig's (written by another kbit "
+                          "version?); ignored", stacklevel=2)
+        if QuantizationConfigMixin is object:
+            config = cls(**known)
+            return (config, kwargs) if return_unused_kwargs else config
+        return super().from_dict(known, return_unused_kwargs=return_unused_kwargs, **kwargs)
 
     def quantize_kwargs(self) -> dict:
         """The arguments of :func:`kbit.quantize_model` this config stands for."""
@@ -99,6 +117,20 @@ class KbitConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         return {key: v for key, v in self.__dict__.items() if not key.startswith("_")}
+
+
+def config_fields() -> tuple[str, ...]:
+    """The argument names of :class:`KbitConfig` (``quant_method`` too)."""
+    return ("quant_method", *(n for n in inspect.signature(KbitConfig.__init__).parameters
+                              if n not in ("self", "kwargs")))
+
+
+def split_fields(config_dict: dict) -> tuple[dict, list[str]]:
+    """(the items of ``config_dict`` that :class:`KbitConfig` takes, the names of the others); names with a
+    leading underscore are taken."""
+    fields = set(config_fields())
+    known = {key: v for key, v in config_dict.items() if key in fields or key.startswith("_")}
+    return known, sorted(key for key in config_dict if key not in known)
 
 
 def quantization_config_for(model, table: dict) -> dict:
@@ -114,5 +146,5 @@ def quantization_config_for(model, table: dict) -> dict:
         seeds = Counter(m["rotation"]["seed"] if m.get("rotation") else None for m in table.values()).most_common(1)
         if seeds[0][0] is not None:
             qc |= {"rotation": "hadamard", "rotation_seed": seeds[0][0]}
-    out = KbitConfig(**{key: v for key, v in qc.items() if key != "modules"}, modules=table).to_dict()
+    out = KbitConfig(**{key: v for key, v in split_fields(qc)[0].items() if key != "modules"}, modules=table).to_dict()
     return out
