@@ -238,7 +238,8 @@ def test_cpu_greedy_shortcut_matches_the_reference_sampler():
     (["--top-k", "-2"], "argument --top-k: expected int >= 0, got '-2'"),
     (["--top-p", "0"], "argument --top-p: expected a float in (0, 1], got '0'"),
     (["--top-p", "1.5"], "argument --top-p: expected a float in (0, 1], got '1.5'"),
-    (["--device", "tpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'tpu'")])
+    (["--device", "tpu"], "argument --device: expected a torch device such as cpu, cuda or cuda:1, got 'tpu'"),
+    (["--device", "cuda:99"], "argument --device: expected ")])
 def test_cli_rejects_bad_sampling_options(capsys, argv, message):
     """A value that would generate nothing or fail deep in torch is a one-line usage error naming the option (it
     generated 0 tokens at --max-new-tokens -5)."""

@@ -289,9 +289,14 @@ def _top_p(text: str) -> float:
 
 def _device(text: str) -> str:
     try:
-        torch.device(text)
+        dev = torch.device(text)
     except (RuntimeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"expected cpu: torch sees no CUDA GPU here (torch.cuda.is_available() is "
+                                         f"False), got {text!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"expected a GPU index below {torch.cuda.device_count()}, got {text!r}")
     return text
 
 
