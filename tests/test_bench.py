@@ -218,10 +218,11 @@ def test_cli_rejects_bad_lists_before_any_gpu_work(capsys, argv, message):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(ks=(4, 6)), "ks: expected bits in (2, 3, 4, 5), got [6]"), (dict(ms=(0,)), "ms: expected integers >= 1"),
-    (dict(tokens=(1, -1)), "tokens: expected integers >= 1, got [-1]"),
-    (dict(shapes=((4096, 0),)), "shapes: expected (N, K) pairs >= 1"), (dict(blocksize=48), "blocksize: expected one"),
-    (dict(reps=0), "reps: expected >= 1, got 0")])
+    (dict(ks=(4, 6)), "k: expected one of (2, 3, 4, 5), got 6"), (dict(ms=(0,)), "ms[0]: expected an int in [1, inf]"),
+    (dict(tokens=(1, -1)), "tokens[1]: expected an int in [1, inf], got -1"),
+    (dict(shapes=((4096, 0),)), "shapes[0].K: expected an int in [1, inf], got 0"),
+    (dict(blocksize=48), "blocksize: expected one of (32, 64, 128), got 48"),
+    (dict(reps=0), "reps: expected an int in [1, inf], got 0")])
 def test_bench_config_rejects_bad_values(kw, message):
     from kbit.bench.run import BenchConfig
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -31,7 +31,8 @@ from kbit.bench.registry import Unsupported, select_candidates
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import L2_FACTOR, WARMUP, WARMUP_MS, Timing, copies_for_cold_l2, l2_bytes, tbps, time_calls
 from kbit.bench.weights import clone_weight, kbit_api, kbit_bytes, stand_in_weight, tensor_bytes
-from kbit.format.spec import BLOCKSIZES, K_VALUES
+from kbit.format.spec import check_blocksize, check_k
+from kbit.utils.checks import check_int, fail
 from kbit.utils.device import sm_count
 
 BF16 = torch.bfloat16
@@ -70,20 +71,18 @@ class BenchConfig:
     extra_header: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        bad = [k for k in self.ks if k not in K_VALUES]
-        if bad:
-            raise ValueError(f"ks: expected bits in {K_VALUES}, got {bad}")
+        for k in self.ks:
+            check_k(k)
         for name in ("ms", "tokens"):
-            bad = [v for v in getattr(self, name) if v < 1]
-            if bad:
-                raise ValueError(f"{name}: expected integers >= 1, got {bad}")
-        bad = [s for s in self.shapes if len(s) != 2 or min(s) < 1]
-        if bad:
-            raise ValueError(f"shapes: expected (N, K) pairs >= 1, got {bad}")
-        if self.blocksize not in BLOCKSIZES:
-            raise ValueError(f"blocksize: expected one of {BLOCKSIZES}, got {self.blocksize}")
-        if self.reps < 1:
-            raise ValueError(f"reps: expected >= 1, got {self.reps}")
+            for i, v in enumerate(getattr(self, name)):
+                check_int(f"{name}[{i}]", v, minimum=1)
+        for i, shape in enumerate(self.shapes):
+            if len(shape) != 2:
+                fail(ValueError, f"shapes[{i}]", "an (N, K) pair", shape)
+            for side, v in zip("NK", shape, strict=True):
+                check_int(f"shapes[{i}].{side}", v, minimum=1)
+        check_blocksize(self.blocksize)
+        check_int("reps", self.reps, minimum=1)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

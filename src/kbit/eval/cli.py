@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
+from kbit.bench.args import bits_list
 from kbit.eval.judges import JUDGES, run
 from kbit.eval.methods import calibrated, methods
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
-from kbit.format.spec import K_VALUES
 from kbit.hf.calibration import default_calibration_text
 
 #: ``--quick``: both judges on less text, k = 4 only, the default codebook and the two baselines.
@@ -55,17 +55,9 @@ def _list(cast):
     return parse
 
 
-def _bits(text: str) -> list[int]:
-    out = _list(int)(text)
-    bad = [k for k in out if k not in K_VALUES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"expected bits in {K_VALUES}, got {bad or text!r}")
-    return out
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=_list(str), default="minilm", help="minilm, smollm2 or both (comma list)")
-    p.add_argument("--k", type=_bits, default="2,3,4,5", help="bits (default 2,3,4,5)")
+    p.add_argument("--k", type=bits_list, default="2,3,4,5", help="bits (default 2,3,4,5)")
     p.add_argument("--codebooks", type=_list(str), default=",".join(NAMED), help=f"default {','.join(NAMED)}")
     p.add_argument("--no-baselines", action="store_true", help="skip rtn-g128 and nf-b64")
     p.add_argument("--sentences", type=int, default=400, help="MiniLM: sentences (default 400)")

@@ -89,7 +89,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.modules = modules
         unknown = sorted(key for key in kwargs if not key.startswith("_"))
         if unknown:  # a misspelt argument (bits=2) would otherwise leave the default in force
-            fail(TypeError, "KbitConfig", f"arguments among {config_fields()}", unknown)
+            fail(TypeError, "KbitConfig", f"arguments among {CONFIG_FIELDS}", unknown)
         for key in kwargs:  # private keys (a leading underscore) pass through config.json as they came
             setattr(self, key, kwargs[key])
 
@@ -119,17 +119,15 @@ class KbitConfig(QuantizationConfigMixin):
         return {key: v for key, v in self.__dict__.items() if not key.startswith("_")}
 
 
-def config_fields() -> tuple[str, ...]:
-    """The argument names of :class:`KbitConfig` (``quant_method`` too)."""
-    return ("quant_method", *(n for n in inspect.signature(KbitConfig.__init__).parameters
-                              if n not in ("self", "kwargs")))
+#: the argument names of :class:`KbitConfig` (``quant_method`` too)
+CONFIG_FIELDS = ("quant_method", *(n for n in inspect.signature(KbitConfig.__init__).parameters
+                                   if n not in ("self", "kwargs")))
 
 
 def split_fields(config_dict: dict) -> tuple[dict, list[str]]:
     """(the items of ``config_dict`` that :class:`KbitConfig` takes, the names of the others); names with a
     leading underscore are taken."""
-    fields = set(config_fields())
-    known = {key: v for key, v in config_dict.items() if key in fields or key.startswith("_")}
+    known = {key: v for key, v in config_dict.items() if key in CONFIG_FIELDS or key.startswith("_")}
     return known, sorted(key for key in config_dict if key not in known)
 
 
