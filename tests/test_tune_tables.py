@@ -364,13 +364,43 @@ def test_nearest_reads_a_staged_x_config_as_run_where_x_does_not_fit():
         return t
 
     key = (4, 128256, 4096, 8)
-    assert tuned._x_as_run(K3, key, 5376) == xg and tuned._x_as_run(K3, key, 4096) == K3
-    assert tuned._x_as_run(K1, key, 5376) == K1
+    assert tuned._x_stand_in(K3, key, 5376) == xg and tuned._x_stand_in(K3, key, 4096) == K3
+    assert tuned._x_stand_in(K1, key, 5376) == K1
     assert table().nearest(4, 8, 262208, 5376) == one  # x does not fit there: K3 runs as xg, 10% behind
     assert table().nearest(4, 8, 262208, 4096) == K3  # x fits: as measured
     assert table(with_xg=False).nearest(4, 8, 262208, 5376) == K3  # the form not timed: as measured
     assert table(builtin=K3).nearest(4, 8, 262208, 5376) == one  # the built-in choice read the same way
     assert table(builtin=K3).nearest(4, 8, 262208, 4096) == K3
+
+
+def test_a_k_slice_pick_stages_the_whole_x_where_it_fits():
+    """A shape never tuned takes its nearest tuned shapes' pick; where that is kernel 3 with x in K slices (won where
+    the whole x does not fit, K = 8192 at M = 16) and the whole x fits the shape asked (K = 5120), it answers the
+    whole-x form, judged by that form's times where it fits a tuned shape and by the slices' where it does not.
+    Exact entries answer as measured; rules' answers are read the same way; other candidates stand for themselves."""
+    whole = Candidate("mma", MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True))
+    sliced = Candidate("mma", MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8))
+    xg = Candidate("mma", MmaConfig(3, 16, min_ctas=1, ring=2))
+    assert not x_staged(4, 16, 32, whole.config) and x_staged(4, 16, 20, whole.config)  # K = 8192, 5120
+    assert tuned._x_form(sliced, 4, 16, 5120) == whole and tuned._x_form(sliced, 4, 16, 8192) == sliced
+    assert tuned._x_form(sliced, 4, 4, 8192) == whole  # fewer rows: the whole x fits
+    assert tuned._x_form(whole, 4, 16, 8192) == whole and tuned._x_form(xg, 4, 16, 5120) == xg
+    assert tuned._x_form(K1, 4, 16, 5120) == K1 and tuned._x_form(None, 4, 16, 5120) is None
+    assert tuned._x_stand_in(sliced, (4, 57344, 8192, 16), 5120) == sliced  # the whole x does not fit there
+    assert tuned._x_stand_in(sliced, (4, 128256, 4096, 16), 5120) == whole
+    assert tuned._x_stand_in(sliced, (4, 128256, 4096, 16), 8192) == sliced  # slices on the shape asked
+
+    t = TunedTable("h200", {"sms": 132})
+    for N in (57344, 59136):  # the slices ahead where the whole x does not fit
+        t.add(4, N, 8192, 16, [Trial(sliced, 100.0), Trial(whole, 121.0), Trial(xg, 118.0)])
+    t.add(4, 128256, 4096, 16, [Trial(sliced, 139.0), Trial(whole, 121.8), Trial(xg, 153.0)])
+    assert t.nearest(4, 16, 65536, 5120) == sliced
+    assert t.answer(4, 16, 65536, 5120) == (True, whole) and t.answer(4, 12, 65536, 5120) == (True, whole)
+    assert t.answer(4, 16, 57344, 8192) == (True, sliced)  # an exact entry: as measured
+    assert t.answer(4, 16, 65536, 9216) == (True, sliced)  # the whole x does not fit there either
+    rules = TunedTable("h200")
+    rules.rules = [{"if": {"k": [4]}, **json.loads(sliced.key)}]
+    assert rules.answer(4, 16, 65536, 5120) == (True, whole)
 
 
 # ------------------------------------------------------------------------------------------------ GPU

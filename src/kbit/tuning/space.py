@@ -31,7 +31,7 @@ from kbit.tuning.gemv import GemvConfig
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, n_groups
 from kbit.tuning.mma_plan import check_config
 
-__all__ = ["FAMILIES", "QUICK_FAMILIES", "Candidate", "candidate_from_dict", "infeasible", "search_space"]
+__all__ = ["FAMILIES", "QUICK_FAMILIES", "X_SLICE", "Candidate", "candidate_from_dict", "infeasible", "search_space"]
 
 FAMILIES = ("mma", "large", "fused", "gemv", "dequant_mm")
 #: the quick space's families by M where kernel 7 runs (sm_90): in the first tuning run (H200, k = 4, five shapes,
@@ -39,6 +39,8 @@ FAMILIES = ("mma", "large", "fused", "gemv", "dequant_mm")
 #: 256, and kernels 1, 3, 4 (in chunks of 64 rows) 2.8-4.7x at M = 256, while kernel 7 was within 1.16-1.35x at
 #: M = 16; dequantize + cuBLAS stays at every M above 8 (no build to pay, and the best at M = 256 on 2880x4096)
 QUICK_FAMILIES = ((8, ("mma",)), (MAX_M, ("mma", "large", "dequant_mm")), (None, ("large", "dequant_mm")))
+#: kernel 3's K slice of staged x (segments) in the search space: the form it tunes where the whole x does not fit
+X_SLICE = 8
 _CONFIG_TYPES = {"mma": MmaConfig, "large": LargeConfig, "fused": GemmConfig, "gemv": GemvConfig}
 
 
@@ -81,8 +83,8 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
     out = [MmaConfig(1, w, min_ctas=c) for w, c in ((4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (8, 4), (16, 1))]
     for (w, c), ring, xs in itertools.product(((4, 4), (8, 2), (16, 1)), (2, 3), (False, True)):
         out.append(MmaConfig(3, w, min_ctas=c, ring=ring, x_smem=xs))
-    out += [MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8), MmaConfig(3, 8, min_ctas=2, ring=2,
-                                                                                  x_smem=True, x_slice=8)]
+    out += [MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=X_SLICE),
+            MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True, x_slice=X_SLICE)]
     if n_groups(M) >= 2:  # kernel 4 (pipelined, shared-memory stages) serves two or more token groups
         out += [MmaConfig(4, w, rows_per_warp=r, stages=s) for w, r, s in itertools.product((8, 16), (1, 2), (2, 3))]
     if quick:  # kernel 1 with 3 CTAs an SM: the built-in rules' choice at M = 1 on small weights took 0.83-0.94x
@@ -96,7 +98,7 @@ def _mma(k: int, M: int, quick: bool) -> list[MmaConfig]:
                 MmaConfig(3, 8, min_ctas=2, ring=2, x_smem=True), MmaConfig(3, 8, min_ctas=2, ring=2),
                 MmaConfig(3, 16, min_ctas=1, ring=2),
                 MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True),
-                MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8), MmaConfig(4, 8, stages=2),
+                MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=X_SLICE), MmaConfig(4, 8, stages=2),
                 MmaConfig(4, 16, stages=2)}
         out = [c for c in out if c in keep]
     if k == 5:  # the pair table (one CTA an SM): 16 warps, ring 2 were the best of 16 / 32 / 8 warps and rings 2 / 3

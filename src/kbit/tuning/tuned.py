@@ -177,16 +177,17 @@ class TunedTable:
 
     def general_answer(self, k: int, M: int, N: int, K: int) -> tuple[bool, Candidate | None]:
         """(whether this table answers, its candidate): :meth:`nearest` (its ``BUILTIN`` answer: (True, None), the
-        built-in rules decide), else the first fitted rule that matches; (False, None) where neither does."""
+        built-in rules decide), else the first fitted rule that matches; (False, None) where neither does. A kernel-3
+        config that stages x in K slices answers with the whole x where it fits [N, K] at M rows (:func:`_x_form`)."""
         b = self.bucket(k, M)
         near = None if b is None else self.nearest(k, b, N, K)
         if near is BUILTIN:
             return True, None
         if near is not None:
-            return True, near
+            return True, _x_form(near, k, M, K)
         for rule in self.rules:
             if rule_matches(rule["if"], k, M, N, K):
-                return True, candidate_from_dict(rule)
+                return True, _x_form(candidate_from_dict(rule), k, M, K)
         return False, None
 
     def nearest(self, k: int, bucket: int, N: int, K: int) -> Candidate | str | None:
@@ -203,9 +204,7 @@ class TunedTable:
         (:func:`_k1_more_rounds`): on the shipped table of 2026-11-28 (1309 entries) the same 78% within 5% with
         and without it; on the held-out shapes, 5120x8192 went from kernel 1 to kernel 3, 0.78x the time at k = 4
         and 0.91x at k = 2 (``benchmarks/results/h100/table-veto-2026-11-28/``). A kernel-3 config that stages x
-        on a tuned shape and cannot on [N, K] is judged by its x-from-global form's times there (:func:`_x_as_run`):
-        on the H200 table of 2026-11-28 the same 82% within 5%, three entries changed (1.233 -> 1.0,
-        1.099 -> 1.0, 1.0 -> 1.011); the H100 table's picks are unchanged."""
+        is judged by the times of the form it takes on [N, K] (:func:`_x_stand_in`)."""
         keys = [key for key in self.entries if key[0] == k and key[3] == bucket]
         if not keys:
             return None
@@ -216,15 +215,15 @@ class TunedTable:
         # Kernel-1 times carried only where its CTAs take no more tiles in turn (:func:`_k1_more_rounds`); at M = 1
         # only: at 4 to 64 rows the veto lost on the held-out shapes (H100 held-out tune of 2026-11-27, k = 2:
         # within 5% of the best at M = 64 83% -> 73%, M = 8 87% -> 83%)
-        # A kernel-3 config that stages x on the tuned shape but cannot on [N, K] runs there as its x-from-global
-        # form: that form's time on the tuned shape stands for it (:func:`_x_as_run`)
+        # A kernel-3 config that stages x runs on [N, K] in the form that fits there: that form's times stand for it
+        # (:func:`_x_stand_in`)
         sms = self.meta.get("sms") if bucket == 1 else None
         def stand_in(c, key):
-            return None if _k1_more_rounds(c, key, N, K, sms) else _x_as_run(c, key, K)
+            return None if _k1_more_rounds(c, key, N, K, sms) else _x_stand_in(c, key, K)
 
         slow = _slowdowns(self, near, stand_in=stand_in)
         # (the built-in choice's times stand as measured where kernel 1 takes more rounds: the rules choose again)
-        own = [self.builtin_slowdown(key, lambda c, key: _x_as_run(c, key, K)) for key in near]
+        own = [self.builtin_slowdown(key, lambda c, key: _x_stand_in(c, key, K)) for key in near]
         if all(v is not None for v in own):
             slow[BUILTIN] = own
         picked = _pick(slow, len(near))
@@ -458,17 +457,39 @@ def _k1_more_rounds(c: Candidate | None, key: tuple, N: int, K: int, sms: int | 
     return _k1_rounds(c.config, N, K, sms) > _k1_rounds(c.config, key[1], key[2], sms)
 
 
-def _x_as_run(c: Candidate | None, key: tuple, K: int) -> Candidate | None:
-    """The candidate whose time on the tuned shape of ``key`` stands for ``c`` on a weight of ``K`` columns: ``c``
-    itself, except a kernel-3 config that stages the whole x in shared memory there (at the entry's M) and cannot
-    on ``K`` (the rows do not fit beside the table), which the plan runs with x from global memory: that form
-    (H200, k = 4, M = 8, two CTAs of 8 warps: staged on 128256x4096, 95.6 us against 110.0 from global memory; on
-    the held-out 262208x5376, where x does not fit, it took 269.0 us against 233.5 for one CTA of 16 warps,
-    ``benchmarks/results/h200/midm-xglobal-2026-11-28/``)."""
-    if c is None or c.family != "mma" or c.config.kernel != 3 or c.config.x_slice:
+def _x_form(c: Candidate | None, k: int, M: int, K: int) -> Candidate | None:
+    """The form in which ``c`` runs ``M`` rows of a k-bit weight of ``K`` columns: a kernel-3 config that stages x in
+    K slices stages the whole x where it fits beside the table (:func:`x_staged`); every other candidate as it is.
+
+    Where the whole x fits, the slices lose to it (H200 tune table of 2026-11-28, kernel 3 with 16 warps, one CTA,
+    ring 3: slices / whole at M = 16 1.16-1.23 (medians at k = 2..5; 1.16 at k = 4, 0.93-1.72 over 20 shapes),
+    1.08-1.14 at M = 8, 1.07-1.14 at M = 4). A shape took the form its nearest tuned shapes had won with: the
+    held-out 65536x5120 at M = 16, whose x fits, took the slices from 57344x8192, where it does not (100.7 us;
+    100352x5120, the whole x, 113.8: ``benchmarks/results/h200/suite-midm-heldout-2026-11-29/``). The other way
+    (the slices where the whole x does not fit) is not a rule: they won at k = 3..5 and M = 8, 16, not at k = 2
+    or M = 4, and so against the nearest shapes' picks on the tune half."""
+    if c is None or c.family != "mma" or c.config.kernel != 3 or not c.config.x_slice:
+        return c
+    whole = replace(c.config, x_smem=True, x_slice=0)
+    return Candidate("mma", whole) if x_staged(k, M, -(-K // _tmma.SEG), whole) else c
+
+
+def _x_stand_in(c: Candidate | None, key: tuple, K: int) -> Candidate | None:
+    """The candidate whose time on the tuned shape of ``key`` stands for ``c`` on a weight of ``K`` columns (at the
+    entry's rows): for kernel 3 with x in K slices that stages the whole x on ``K`` (:func:`_x_form`), that whole
+    form where it fits the tuned shape too; for kernel 3 with the whole x staged on the tuned shape and not on
+    ``K`` (where the plan reads x from global memory), its x-from-global form (8 warps, 2 CTAs, x staged, on
+    128256x4096 at M = 8 95.6 us, against 110.0 from global memory; on the held-out 262208x5376, where x does not
+    fit, 269.0 us against 233.5 for one CTA of 16 warps, H200, ``benchmarks/results/h200/midm-xglobal-2026-11-28/``);
+    else ``c``."""
+    if c is None or c.family != "mma" or c.config.kernel != 3:
         return c
     k, M = key[0], key[3]
-    if x_staged(k, M, -(-key[2] // _tmma.SEG), c.config) and not x_staged(k, M, -(-K // _tmma.SEG), c.config):
+    if c.config.x_slice:
+        run = _x_form(c, k, M, K)
+        return run if run is c else _x_form(c, k, M, key[2])
+    S = -(-key[2] // _tmma.SEG)
+    if x_staged(k, M, S, c.config) and not x_staged(k, M, -(-K // _tmma.SEG), c.config):
         return Candidate("mma", replace(c.config, x_smem=False))
     return c
 
