@@ -112,8 +112,10 @@ def _large(M: int, quick: bool) -> list[LargeConfig]:
     out = [LargeConfig(warps=w, groups=g, stages=s, stream_k=sk)
            for w, g, s, sk in itertools.product((8, 12, 16), groups, (4, 6), (False, True))]
     if quick:  # 8 warps: where kernel 7 was the best family in the first tuning run (tune-part-2026-11-25, H200,
-        # k = 4, M = 256 on 4 shapes), its best 8-warp config took 0.57-0.996x the time of the best 12-warp one
-        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4) and c.warps == 8]
+        # k = 4, M = 256 on 4 shapes), its best 8-warp config took 0.57-0.996x the time of the best 12-warp one;
+        # up to 64 rows also 12 and 16 warps with stream-K, the built-in rules' choices there (configs/default.json)
+        out = [c for c in out if c.stages == (6 if c.groups <= 8 else 4)
+               and (c.warps == 8 or (M <= 64 and c.groups <= 8 and c.stream_k))]
     return out
 
 
