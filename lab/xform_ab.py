@@ -18,6 +18,7 @@ from kbit.bench.tune import Measure, quantized_weight
 from kbit.tuning import tuned
 from kbit.tuning.mma import MmaConfig
 from kbit.tuning.space import Candidate
+from kbit.tuning.tables import gpu_key
 
 FORMS = {"whole": MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True),
          "slices": MmaConfig(3, 16, min_ctas=1, ring=3, x_smem=True, x_slice=8),
@@ -43,7 +44,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="k:M:NxK points to time as well")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    gpu = "h200" if "H200" in torch.cuda.get_device_name(dev) else "h100"
+    gpu = gpu_key(dev)
     l2 = l2_bytes(dev)
     shapes = sorted({(s.N, s.K) for s in S.select(S.load_models(), split="held-out")}, key=lambda s: -s[0] * s[1])
     points = [(k, M, N, K) for N, K in shapes if N * K >= a.min_nk and K <= a.max_k
