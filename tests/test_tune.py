@@ -221,6 +221,25 @@ def test_cli_fit(tmp_path, capsys):
     assert f"fitted rule on {held}" in out and TunedTable.load(tune).rules
 
 
+def test_cli_fit_bad_paths_name_the_option_and_leave_the_table(tmp_path):
+    """A missing --fit or --evaluate file is a ValueError naming the option; a bad --evaluate is found before the
+    fitted rule is written into --fit's file; --evaluate and --package without --fit are refused, not ignored."""
+    tune = tmp_path / "t.json"
+    _table(TUNE).save(tune)
+    before = tune.read_bytes()
+    with pytest.raises(ValueError, match=r"--fit: expected a tuned table JSON file .*none\.json"):
+        T.main(_parser().parse_args(["--fit", str(tmp_path / "none.json")]))
+    with pytest.raises(ValueError, match=r"--evaluate: expected a tuned table JSON file .*gone\.json"):
+        T.main(_parser().parse_args(["--fit", str(tune), "--evaluate", str(tmp_path / "gone.json")]))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json"):
+        T.main(_parser().parse_args(["--fit", str(tune), "--evaluate", str(tmp_path / "bad.json")]))
+    assert tune.read_bytes() == before
+    for extra in (["--evaluate", str(tune)], ["--package", str(tmp_path / "p.json")]):
+        with pytest.raises(ValueError, match=f"{extra[0]}: only with --fit"):
+            T.main(_parser().parse_args(["--shapes", "64x64", *extra]))
+
+
 def test_default_path(tmp_path):
     with options.override(cache_dir=str(tmp_path)):
         assert default_path("h100") == tmp_path / "tuned" / "h100.json"

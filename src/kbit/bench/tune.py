@@ -360,8 +360,18 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
     return suite_mod.spread(shapes, args.max_shapes)
 
 
+def _table_arg(option: str, path: str) -> TunedTable:
+    """The tuned table a ``--fit`` / ``--evaluate`` argument names; a missing file is a ``ValueError`` naming the
+    option (an unreadable one names the path: :meth:`TunedTable.load`)."""
+    if not Path(path).is_file():
+        raise ValueError(f"{option}: expected a tuned table JSON file (kbit tune --out), got {path!r} (no such file)")
+    return TunedTable.load(path)
+
+
 def fit_main(args: argparse.Namespace) -> int:
-    table = TunedTable.load(args.fit)
+    # every table read before the fitted rule is written back: a bad --evaluate leaves --fit's file as it was
+    table = _table_arg("--fit", args.fit)
+    held_out = [(path, _table_arg("--evaluate", path)) for path in args.evaluate or ()]
     rules = fit_rules(table)
     table.save(args.fit)
     print(f"{len(rules)} rules fitted on {len(table.entries)} entries of {args.fit} (stored there)")
@@ -370,8 +380,7 @@ def fit_main(args: argparse.Namespace) -> int:
         print(f"{stale} of {len(table.entries)} entries were timed on other kernel code than this kbit's, or on "
               f"unrecorded code (kbit tune --retune-stale measures them again)")
     lines = evaluation_lines(evaluate(rules, table), f"{args.fit} itself")
-    for path in args.evaluate or ():
-        held = TunedTable.load(path)
+    for path, held in held_out:
         lines += evaluation_lines(evaluate(rules, held), path)
         lines += evaluation_lines(evaluate(rules, held, fitted=table), path, "the table's lookup (nearest shapes)")
     if getattr(args, "package", None):
@@ -385,6 +394,10 @@ def fit_main(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     if args.fit:
         return fit_main(args)
+    for name in ("evaluate", "package"):
+        if getattr(args, name, None) is not None:
+            raise ValueError(f"--{name}: only with --fit TABLE_JSON (it reports on / packages the table fitted), "
+                             f"got --{name} without --fit")
     shapes = shapes_from_args(args)
     families = tuple(f.strip() for f in args.kernels.split(",")) if args.kernels else None
     if not torch.cuda.is_available():
