@@ -207,10 +207,21 @@ def test_cli_parses_bench():
     (["bench", "--blocksize", "48"], "argument --blocksize: invalid choice: 48"),
     (["tune", "--k", "6"], "argument --k: expected bits in (2, 3, 4, 5), got [6]"),
     (["tune", "--m", "0"], "argument --m: expected integers >= 1, got [0]"),
-    (["tune", "--shapes", "4096by4096"], "argument --shapes: shape '4096by4096': expected NxK, e.g. 28672x4096")])
+    (["tune", "--shapes", "4096by4096"], "argument --shapes: shape '4096by4096': expected NxK, e.g. 28672x4096"),
+    (["bench", "--suite", "nosuch"], "argument --suite: expected one of ['models'], got 'nosuch'"),
+    (["bench", "--suite-parts", ","], "argument --suite-parts: expected a comma list of names, got ','"),
+    (["bench", "--max-shapes", "0"], "argument --max-shapes: expected an integer >= 1, got 0"),
+    (["bench", "--budget-s", "-1"], "argument --budget-s: expected a number > 0, got '-1'"),
+    (["tune", "--suite", "nosuch"], "argument --suite: expected one of ['models'], got 'nosuch'"),
+    (["tune", "--kernels", "mma,cutlass"],
+     "argument --kernels: expected a subset of mma,large,fused,gemv,dequant_mm, got ['cutlass']"),
+    (["tune", "--max-shapes", "0"], "argument --max-shapes: expected an integer >= 1, got 0"),
+    (["tune", "--reps", "x"], "argument --reps: expected an integer >= 1, got 'x'"),
+    (["tune", "--build-workers", "-1"], "argument --build-workers: expected an integer >= 0, got -1"),
+    (["tune", "--budget-s", "nan"], "argument --budget-s: expected a number > 0, got 'nan'")])
 def test_cli_rejects_bad_lists_before_any_gpu_work(capsys, argv, message):
-    """Bits, rows, tokens and shapes are checked as the command line is parsed: a one-line usage error naming the
-    option, on a machine with or without a GPU (the GPU check comes later)."""
+    """Bits, rows, tokens, shapes, suites, counts and budgets are checked as the command line is parsed: a one-line
+    usage error naming the option, on a machine with or without a GPU (the GPU check comes later)."""
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(argv)
     assert e.value.code == 2

@@ -21,7 +21,7 @@ import torch
 
 from kbit.bench import report, summary
 from kbit.bench import suite as suite_mod
-from kbit.bench.args import bits_list, count_list, shape_list
+from kbit.bench.args import bits_list, count_list, name_list, positive_float, positive_int, shape_list, suite_name
 from kbit.bench.moe import MOE_PRESETS
 from kbit.bench.run import DENSE_SHAPES, BenchConfig, run_bench
 from kbit.format.spec import BLOCKSIZES
@@ -48,10 +48,6 @@ def parse_moe(text: str):
     return out
 
 
-def _names(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", type=parse_shapes, default="llama",
                    help="NxK list, 'llama' (default) or 'none'")
@@ -68,7 +64,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ceiling", action="store_true", help="skip the read-ceiling measurement")
     p.add_argument("--floor", action="store_true",
                    help="add a 'read' row per dense (shape, k): the fastest plain read of the kbit weight's bytes")
-    p.add_argument("--budget-s", type=float, default=None, help="soft wall-clock budget; later units skipped")
+    p.add_argument("--budget-s", type=positive_float, default=None,
+                   help="soft wall-clock budget; later units skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
     p.add_argument("--out", default="benchmarks/results",
@@ -77,15 +74,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", nargs="+", metavar="RESULTS_JSON",
                    help="only render these results files as markdown tables (no GPU needed)")
     g = p.add_argument_group("model-shape suite")
-    g.add_argument("--suite", default=None, help="shapes from a suite of kbit/bench/suites (e.g. 'models'), "
-                   "instead of --shapes / --moe")
-    g.add_argument("--families", type=_names, default=None, help="suite: only these families (comma list)")
+    g.add_argument("--suite", type=suite_name, default=None,
+                   help="shapes from a suite of kbit/bench/suites (e.g. 'models'), instead of --shapes / --moe")
+    g.add_argument("--families", type=name_list, default=None, help="suite: only these families (comma list)")
     g.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
     g.add_argument("--min-weights", type=float, default=0, help="suite: only layers of >= this many weights")
-    g.add_argument("--suite-parts", type=_names, default="dense,moe", help="suite: 'dense', 'moe' or both")
+    g.add_argument("--suite-parts", type=name_list, default="dense,moe", help="suite: 'dense', 'moe' or both")
     g.add_argument("--pick", type=parse_shapes, default=None,
                    help="suite: only these dense NxK shapes (each must be in the selection)")
-    g.add_argument("--max-shapes", type=int, default=None,
+    g.add_argument("--max-shapes", type=positive_int, default=None,
                    help="suite: at most this many dense shapes, evenly spaced over the sizes")
     g.add_argument("--summary", nargs="+", metavar="RESULTS_JSON",
                    help="only print the per-family summary of these suite results files (no GPU needed)")

@@ -40,7 +40,7 @@ from kbit.utils.checks import check_choice
 
 __all__ = ["SPLITS", "Layer", "Model", "by_bands", "dense_shapes", "families", "layers", "load_models",
            "model_from_config", "moe_shapes", "select", "shape_families", "split_of", "spread", "suite_markdown",
-           "unseen_shapes"]
+           "suite_names", "unseen_shapes"]
 
 SUITES = Path(__file__).with_name("suites")
 SPLITS = ("tune", "held-out")
@@ -95,12 +95,16 @@ def model_from_dict(d: dict) -> Model:
 
 
 @cache
+def suite_names() -> list[str]:
+    """The suites kbit ships: the names of ``suites/<name>.json``."""
+    return sorted(p.stem for p in SUITES.glob("*.json"))
+
+
 def load_models(name: str = "models") -> tuple[Model, ...]:
     """The models of ``suites/<name>.json``."""
     path = SUITES / f"{name}.json"
     if not path.exists():
-        known = sorted(p.stem for p in SUITES.glob("*.json"))
-        raise ValueError(f"suite: expected one of {known}, got {name!r}")
+        raise ValueError(f"suite: expected one of {suite_names()}, got {name!r}")
     return tuple(model_from_dict(d) for d in json.loads(path.read_text())["models"])
 
 

@@ -31,7 +31,16 @@ from pathlib import Path
 import torch
 
 from kbit.bench import suite as suite_mod
-from kbit.bench.args import bits_list, count_list, shape_list
+from kbit.bench.args import (
+    bits_list,
+    count_list,
+    name_list,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    shape_list,
+    suite_name,
+)
 from kbit.bench.report import git_commit, gpu_slug
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls
 from kbit.bench.tune_build import Prebuilder
@@ -298,26 +307,39 @@ def evaluation_lines(ev: dict, what: str, how: str = "fitted rule") -> list[str]
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+def _kernel_families(text: str) -> tuple[str, ...]:
+    out = tuple(name_list(text))
+    bad = [f for f in out if f not in FAMILIES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected a subset of {','.join(FAMILIES)}, got {bad}")
+    return out
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("shapes (one of)")
     src.add_argument("--shapes", type=shape_list, default=None, help="NxK list")
     src.add_argument("--model", default=None, help="a Hugging Face model directory: its config.json's dense layers")
-    src.add_argument("--suite", default=None, help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
+    src.add_argument("--suite", type=suite_name, default=None,
+                     help="a suite of kbit/bench/suites (e.g. 'models'): its dense layers")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse of this checkout)")
-    p.add_argument("--families", default=None, help="suite: only these model families (comma list)")
+    p.add_argument("--families", type=name_list, default=None,
+                   help="suite: only these model families (comma list)")
     p.add_argument("--split", choices=suite_mod.SPLITS, default=None, help="suite: only this half")
-    p.add_argument("--max-shapes", type=int, default=None, help="at most this many shapes (--order says which)")
+    p.add_argument("--max-shapes", type=positive_int, default=None,
+                   help="at most this many shapes (--order says which)")
     p.add_argument("--order", choices=("size", "bands"), default="size",
                    help="size: largest first (--max-shapes: evenly over the sizes); bands: every N x K band of the "
                         "fitted rule and model family in turn, so that a run cut short by --budget-s covers them")
     p.add_argument("--k", type=bits_list, default="4", help="bits per weight (default 4)")
     p.add_argument("--m", type=count_list, default=DEFAULT_MS, help=f"rows, one per M bucket (default {DEFAULT_MS})")
-    p.add_argument("--kernels", default=None, help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
+    p.add_argument("--kernels", type=_kernel_families, default=None,
+                   help=f"kernel families to search, a subset of {','.join(FAMILIES)}")
     p.add_argument("--quick", action="store_true", help="a handful of configs a family instead of the full space")
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--build-workers", type=int, default=None,
+    p.add_argument("--reps", type=positive_int, default=15)
+    p.add_argument("--build-workers", type=nonneg_int, default=None,
                    help="CPU processes compiling the CUDA kernels ahead of the timing (default: CPUs - 2; 0: none)")
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting entries after this many seconds")
+    p.add_argument("--budget-s", type=positive_float, default=None,
+                   help="stop starting entries after this many seconds")
     p.add_argument("--retune", action="store_true", help="measure entries already in the table again")
     p.add_argument("--retune-stale", action="store_true",
                    help="measure again the entries timed on other kernel code than this kbit's (or on unrecorded)")
@@ -347,7 +369,7 @@ def shapes_from_args(args: argparse.Namespace) -> list[tuple[int, int]]:
         model = suite_mod.model_from_config(Path(args.model).name, json.loads(cfg_path.read_text()))
         shapes = suite_mod.dense_shapes(suite_mod.model_layers(model))
     else:
-        fams = [f.strip() for f in args.families.split(",")] if args.families else None
+        fams = list(args.families) if args.families else None
         models = suite_mod.load_models(args.suite)
         sel = suite_mod.select(models, families_=fams, split=args.split)
         family = suite_mod.shape_families(sel)
@@ -399,7 +421,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name}: only with --fit TABLE_JSON (it reports on / packages the table fitted), "
                              f"got --{name} without --fit")
     shapes = shapes_from_args(args)
-    families = tuple(f.strip() for f in args.kernels.split(",")) if args.kernels else None
+    families = tuple(args.kernels) if args.kernels else None
     if not torch.cuda.is_available():
         raise RuntimeError("kbit tune needs a CUDA GPU (torch.cuda.is_available() is False); --fit does not")
     dev = torch.device("cuda")
