@@ -134,6 +134,23 @@ def test_cli_outside_the_repository_says_what_to_pass(tmp_path, capsys, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["--moe", "--dequant", "--quality", "--tokens", "--mma"])
+def test_cli_a_named_file_that_is_missing_is_an_error_not_skipped(tmp_path, capsys, flag):
+    """An optional input is skipped where its default is not there (outside a checkout), but a file the user names
+    is read or refused with a one-line error naming the option; a file that is not JSON names its path."""
+    from kbit.cli import main
+
+    base = ["analyze", "--gemv", str(_gemv_file(tmp_path)), "--gemm-lab", str(_lab_file(tmp_path)), "--moe", "",
+            "--dequant", "", "--mma", "--out-md", str(tmp_path / "a.md")]
+    assert main(base + [flag, str(tmp_path / "gone.json")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kbit analyze: error: {flag}: expected a JSON file, got ") and "gone.json" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "a.md").exists()
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["analyze", "--gemv", str(tmp_path / "bad.json"), "--gemm-lab", str(_lab_file(tmp_path))]) == 1
+    assert "bad.json: expected a JSON results file, got unreadable JSON" in capsys.readouterr().err
+
+
 def test_committed_analysis_matches_the_code(capsys, monkeypatch):
     """docs/analysis.md is what `kbit analyze --out-md docs/analysis.md` writes today (regenerate it if not)."""
     from kbit.analyze.cli import PLOT_FILES

@@ -37,13 +37,28 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots-dir", default=None, help="write PNG plots to this folder (needs matplotlib)")
 
 
+#: optional inputs: (option, argument, default). A default that is not there is skipped (outside a checkout);
+#: a file the user named is read or refused, never skipped
+_OPTIONAL = (("--moe", "moe", report.DEFAULT_MOE), ("--dequant", "dequant", report.DEFAULT_DEQUANT),
+             ("--quality", "quality", report.DEFAULT_QUALITY), ("--tokens", "tokens", None))
+
+
 def check_inputs(args: argparse.Namespace) -> None:
-    """One clear error when the two required result files are not there (e.g. run outside the repository)."""
+    """One clear error when the two required result files are not there (e.g. run outside the repository), or
+    when an optional file the user named (not its default; ``""`` is none) is not there."""
     for flag, path in (("--gemv", args.gemv), ("--gemm-lab", args.gemm_lab)):
         if not path or not Path(path).is_file():
             raise FileNotFoundError(
                 f"{flag}: expected a results JSON file, got {path!r} (not found in {Path.cwd()}); run kbit analyze "
                 f"in the root of a kbit checkout, or pass --gemv FILE --gemm-lab FILE (kbit bench results)")
+    named = [(flag, getattr(args, name)) for flag, name, default in _OPTIONAL if getattr(args, name) != default]
+    if list(args.mma) != list(report.DEFAULT_MMA):
+        named += [("--mma", p) for p in args.mma]
+    for flag, path in named:
+        if path and not Path(path).is_file():
+            none = "--mma alone" if flag == "--mma" else f"{flag} ''"
+            raise FileNotFoundError(f"{flag}: expected a JSON file, got {path!r} (not found in {Path.cwd()}); pass "
+                                    f"an existing file, or {none} for none")
 
 
 def write_plots(args: argparse.Namespace, rep: dict) -> list[str]:

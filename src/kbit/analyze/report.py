@@ -55,8 +55,12 @@ DEFAULT_QUALITY = "benchmarks/results/cpu/quality-minilm-2026-11-21.json"
 
 # ---------------------------------------------------------------------------------------------- inputs
 def load_json(path: str | Path) -> dict:
+    """A results file; one that is not JSON is a ``ValueError`` naming it."""
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: expected a JSON results file, got unreadable JSON ({e})") from e
 
 
 def load_opt(path) -> dict | None:
