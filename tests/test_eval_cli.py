@@ -54,6 +54,27 @@ def test_bad_bits_and_missing_table_are_one_line(tmp_path, capsys):
     assert main(["eval", "--table", str(tmp_path / "none.json")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("kbit eval: error: --table: expected a results JSON file") and len(err.splitlines()) == 1
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["eval", "--table", str(tmp_path / "bad.json")]) == 1
+    assert "--table: expected a results JSON file, got unreadable JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sentences", "0"], "argument --sentences: expected an integer >= 1, got 0"),
+    (["--tokens", "-1"], "argument --tokens: expected an integer >= 1, got -1"),
+    (["--window", "x"], "argument --window: expected an integer >= 1, got 'x'")])
+def test_bad_counts_are_usage_errors(capsys, argv, message):
+    """Counts are checked as they are parsed, before the judges' packages are looked for."""
+    with pytest.raises(SystemExit):
+        main(["eval", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_codebook_is_one_line_before_any_judge(tmp_path, capsys):
+    assert main(["eval", "--codebooks", "nf,bogus", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kbit eval: error: --codebooks: expected names from") and "'bogus'" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 class FakeCausalJudge(FakeJudge):

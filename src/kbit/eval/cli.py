@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kbit.bench.args import bits_list
+from kbit.bench.args import bits_list, positive_int
 from kbit.eval.judges import JUDGES, run
 from kbit.eval.methods import calibrated, methods
 from kbit.format.codebooks import DEFAULT_CODEBOOK, NAMED
@@ -60,9 +60,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=bits_list, default="2,3,4,5", help="bits (default 2,3,4,5)")
     p.add_argument("--codebooks", type=_list(str), default=",".join(NAMED), help=f"default {','.join(NAMED)}")
     p.add_argument("--no-baselines", action="store_true", help="skip rtn-g128 and nf-b64")
-    p.add_argument("--sentences", type=int, default=400, help="MiniLM: sentences (default 400)")
-    p.add_argument("--tokens", type=int, default=2048, help="SmolLM2: tokens of text (default 2048)")
-    p.add_argument("--window", type=int, default=512, help="SmolLM2: tokens per forward pass (default 512)")
+    p.add_argument("--sentences", type=positive_int, default=400, help="MiniLM: sentences (default 400)")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="SmolLM2: tokens of text (default 2048)")
+    p.add_argument("--window", type=positive_int, default=512, help="SmolLM2: tokens per forward pass (default 512)")
     p.add_argument("--out", type=Path, default=Path("kbit-eval"),
                    help="folder for the JSON results, written after each row (default: kbit-eval/)")
     p.add_argument("--calibrate", action="store_true",
@@ -77,7 +77,12 @@ def main(args) -> int:
     if args.table is not None:
         if not args.table.is_file():
             raise ValueError(f"--table: expected a results JSON file, got '{args.table}' (not found)")
-        print(render(json.loads(args.table.read_text())))
+        try:
+            results = json.loads(args.table.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--table: expected a results JSON file, got unreadable JSON in '{args.table}' ({e})") \
+                from e
+        print(render(results))
         return 0
     if args.quick:
         for key, value in QUICK.items():
@@ -85,6 +90,9 @@ def main(args) -> int:
     for name in args.model:
         if name not in JUDGES:
             raise ValueError(f"--model: expected one of {sorted(JUDGES)}, got {name!r}")
+    for cb in args.codebooks:
+        if cb not in NAMED:
+            raise ValueError(f"--codebooks: expected names from {list(NAMED)}, got {cb!r}")
     start = time.perf_counter()
     for name in args.model:
         evaluate_row(name, args, start)
