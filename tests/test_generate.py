@@ -233,6 +233,25 @@ def test_cpu_greedy_shortcut_matches_the_reference_sampler():
 
 
 @pytest.mark.parametrize("argv,message", [
+    (["--model", "ckpt", "--k", "2"], "--model: a checkpoint keeps the bits and codebook it was quantized with, got "
+                                      "--k 2"),
+    (["--model", "ckpt", "--codebook", "nf"], "got --codebook nf beside --model 'ckpt'"),
+    (["--save", "out", "--model", "ckpt"], "--save: quantizes and saves the default model, got --model 'ckpt' too"),
+    (["--save", "out", "--compare"], "--save: quantizes and saves the default model, got --compare too"),
+    (["--embed-k", "2"], "--embed-k: only with --save DIR")])
+def test_cli_options_that_would_be_ignored_are_errors(tmp_path, capsys, monkeypatch, argv, message):
+    """A combination in which an option would do nothing is a one-line error naming it, before any model loads
+    (``--embed-k 2`` without ``--save`` generated with a float embedding; ``--save DIR --model X`` saved the default
+    model)."""
+    from kbit.cli import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", *argv]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,message", [
     (["--max-new-tokens", "0"], "argument --max-new-tokens: expected int >= 1, got '0'"),
     (["--temperature", "-1"], "argument --temperature: expected float >= 0.0, got '-1'"),
     (["--top-k", "-2"], "argument --top-k: expected int >= 0, got '-2'"),

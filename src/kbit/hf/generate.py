@@ -304,7 +304,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"default: {DEFAULT_PROMPT!r}")
     p.add_argument("--model", default=None,
                    help="a kbit checkpoint directory (kbit quantize / save_quantized); default: SmolLM2-135M")
-    p.add_argument("--k", type=int, default=DEFAULT_K, choices=K_VALUES, help="bits, for the default model")
+    p.add_argument("--k", type=int, default=None, choices=K_VALUES,
+                   help=f"bits, for the default model (default {DEFAULT_K})")
     p.add_argument("--codebook", default=None)
     p.add_argument("--max-new-tokens", type=_at_least(int, 1), default=64)
     p.add_argument("--temperature", type=_at_least(float, 0.0), default=0.7, help="0: greedy")
@@ -322,7 +323,28 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "tokens/s and text of both")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Options that would be ignored in this combination are a ``ValueError`` naming them: a checkpoint carries its
+    own bits and codebook, ``--save`` writes the default model, ``--embed-k`` only shapes what ``--save`` writes."""
+    if args.model is not None:
+        given = [f"--{n} {getattr(args, n)}" for n in ("k", "codebook") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"--model: a checkpoint keeps the bits and codebook it was quantized with, got "
+                             f"{' and '.join(given)} beside --model {args.model!r}; drop them (kbit quantize "
+                             f"--k / --codebook sets them)")
+    if args.save is not None and (args.model is not None or args.compare):
+        other = f"--model {args.model!r}" if args.model is not None else "--compare"
+        raise ValueError(f"--save: quantizes and saves the default model, got {other} too; drop it (kbit quantize "
+                         f"MODEL OUT saves your own model)")
+    if args.embed_k is not None and args.save is None:
+        raise ValueError(f"--embed-k: only with --save DIR (it sets how the saved embedding is stored), got --embed-k "
+                         f"{args.embed_k} without --save")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_options(args)
+    if args.k is None:
+        args.k = DEFAULT_K
     if args.save is not None:
         out = save_default(args.save, args.k, args.codebook, args.embed_k)
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
