@@ -7,7 +7,7 @@ from kbit.cli import build_parser, main
 
 transformers = pytest.importorskip("transformers")
 
-from kbit.hf import load_quantized, quantize_model  # noqa: E402
+from kbit.hf import load_quantized, quantize_model, save_quantized  # noqa: E402
 
 
 def tiny_llama():
@@ -110,6 +110,38 @@ def test_quantize_refuses_newly_initialized_weights(tmp_path, capsys):
     assert not dst.exists()
     assert main(["quantize", str(src), str(dst), "--encoder"]) == 0
     assert (dst / "config.json").exists()
+
+
+def _folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_quantize_never_writes_over_a_float_model(tmp_path, capsys):
+    """`kbit quantize MODEL MODEL` replaced the float weights with the checkpoint and then failed (SameFileError):
+    the model was lost. The model's own folder, and any folder holding another model that is not a kbit checkpoint,
+    are refused before the model loads, and left as they were; a kbit checkpoint is replaced."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    src, other = tmp_path / "llama", tmp_path / "other"
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    transformers.LlamaForCausalLM(config).save_pretrained(other)
+    before, before_other = _folder_bytes(src), _folder_bytes(other)
+    capsys.readouterr()
+    for out in (src, tmp_path / "." / "llama"):
+        assert main(["quantize", str(src), str(out)]) == 1
+        assert "out: expected a folder other than the model's" in one_error_line(capsys)
+    assert main(["quantize", str(src), str(other)]) == 1
+    err = one_error_line(capsys)
+    assert "directory: expected a new folder, or a kbit checkpoint to replace" in err and "nothing written" in err
+    assert _folder_bytes(src) == before and _folder_bytes(other) == before_other
+    dst = tmp_path / "q"
+    assert main(["quantize", str(src), str(dst)]) == 0
+    assert main(["quantize", str(src), str(dst), "--k", "2"]) == 0  # a kbit checkpoint: replaced
+    assert '"k": 2' in (dst / "config.json").read_text()
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="holds model.safetensors of a model that is not a kbit checkpoint"):
+        save_quantized(load_quantized(dst), other)  # the library call refuses it too
+    assert _folder_bytes(other) == before_other
 
 
 def test_quantize_missing_folder_is_one_line(tmp_path, capsys):

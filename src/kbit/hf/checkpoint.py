@@ -185,11 +185,11 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
 
     All or nothing: the files go to a temporary sibling folder renamed into place at the end; on an error the
     old ``directory`` is as it was (or there is none). Of an existing folder the files other than weights and
-    configs (a tokenizer) are kept. Save the tokenizer yourself.
+    configs (a tokenizer) are kept. Save the tokenizer yourself. A folder holding another model's weights is
+    refused (:func:`check_save_target`): saving into the float model's own folder replaced its weights.
     """
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        fail(ValueError, "directory", "a folder path", f"the file {directory}")
+    check_save_target(directory)
     table = module_table(model)
     if not table:
         fail(ValueError, "model", "a model quantized by kbit.quantize_model (KbitLinear / KbitExperts modules)",
@@ -224,6 +224,29 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_save_target(directory: str | os.PathLike) -> None:
+    """Refuse a ``directory`` :func:`save_quantized` must not write: a file, or a folder holding weights
+    (``*.safetensors``, ``*.bin``, a shard index) of a model that is not a kbit checkpoint (its ``config.json`` has
+    no kbit ``quantization_config``), such as the float model being quantized. A new or empty folder, or a kbit
+    checkpoint (replaced), is fine."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        fail(ValueError, "directory", "a folder path", f"the file {directory}")
+    if not directory.is_dir() or (directory / LEGACY_CONFIG_NAME).is_file():
+        return
+    weights = [p.name for p in directory.iterdir() if p.name.endswith((".safetensors", ".bin", ".index.json"))]
+    if not weights:
+        return
+    try:
+        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        qc = None
+    if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
+        fail(ValueError, "directory", "a new folder, or a kbit checkpoint to replace",
+             f"{directory}, which holds {weights[0]} of a model that is not a kbit checkpoint (its config.json has no "
+             f"kbit quantization_config); nothing written, save to another folder")
 
 
 def _head_is_quantized(model: nn.Module) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
+from kbit.hf.checkpoint import check_save_target
 from kbit.hf.models import MODELS
 from kbit.hf.quantize_model import MODEL_ROTATIONS, auto_rotation, quantize_model, save_quantized
 
@@ -106,6 +107,12 @@ def main(args: argparse.Namespace) -> int:
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"model: expected a Hugging Face model folder with a config.json, got {str(src)!r}; "
                                 f"pass the folder that holds config.json and the *.safetensors files")
+    # before the model loads (minutes for a large one): never the float model's own folder, nor another model's
+    out = Path(args.out)
+    if out.exists() and out.resolve() == src.resolve():
+        raise ValueError(f"out: expected a folder other than the model's, got {args.out!r}, the folder of model "
+                         f"{args.model!r} (its float weights would be replaced); nothing written")
+    check_save_target(out)
     # transformers' own load report and progress bars would bury the one line that says what went wrong
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
