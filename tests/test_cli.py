@@ -144,6 +144,25 @@ def test_quantize_never_writes_over_a_float_model(tmp_path, capsys):
     assert _folder_bytes(other) == before_other
 
 
+def test_quantize_calibration_inputs_are_checked_first(tmp_path, capsys):
+    """A missing --calibrate file, a model folder without a tokenizer (the text is tokenized with it) and a
+    negative --finetune-steps are one-line errors naming the option, and nothing is written."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    src, dst, text = tmp_path / "llama", tmp_path / "q", tmp_path / "cal.txt"
+    transformers.LlamaForCausalLM(config).save_pretrained(src)
+    text.write_text("some calibration text")
+    capsys.readouterr()
+    assert main(["quantize", str(src), str(dst), "--calibrate", str(tmp_path / "gone.txt")]) == 1
+    assert "--calibrate: expected a text file, got " in one_error_line(capsys)
+    assert main(["quantize", str(src), str(dst), "--calibrate", str(text)]) == 1
+    assert "--calibrate: expected the model's tokenizer files in " in one_error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["quantize", str(src), str(dst), "--calibrate", str(text), "--finetune-steps", "-3"])
+    assert "argument --finetune-steps: expected int >= 0, got '-3'" in capsys.readouterr().err
+    assert not dst.exists()
+
+
 def test_quantize_missing_folder_is_one_line(tmp_path, capsys):
     assert main(["quantize", str(tmp_path / "nope"), str(tmp_path / "out")]) == 1
     err = one_error_line(capsys)

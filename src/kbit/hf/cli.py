@@ -31,6 +31,7 @@ from pathlib import Path
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
 from kbit.hf.checkpoint import check_save_target
+from kbit.hf.generate import _at_least
 from kbit.hf.models import MODELS
 from kbit.hf.quantize_model import MODEL_ROTATIONS, auto_rotation, quantize_model, save_quantized
 
@@ -69,7 +70,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "
                         "the Lee corpus of gensim's wheel, second half)")
-    p.add_argument("--finetune-steps", type=int, default=0, metavar="N",
+    p.add_argument("--finetune-steps", type=_at_least(int, 0), default=0, metavar="N",
                    help="with --calibrate: then tune the codebooks, block scales and norm gains for N steps (one "
                         f"{SEQ_LEN}-token window each) against the float model's next-token distribution")
 
@@ -113,17 +114,25 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"out: expected a folder other than the model's, got {args.out!r}, the folder of model "
                          f"{args.model!r} (its float weights would be replaced); nothing written")
     check_save_target(out)
+    calibration, tokenizer = None, None
+    if args.calibrate is not None:  # the text and the tokenizer before the model: a missing one fails in seconds
+        if args.calibrate and not Path(args.calibrate).is_file():
+            raise FileNotFoundError(f"--calibrate: expected a text file, got {args.calibrate!r} (no such file); "
+                                    f"pass a UTF-8 text file, or --calibrate alone for the packaged text")
+        calibration = Path(args.calibrate).read_text(encoding="utf-8") if args.calibrate else \
+            default_calibration_text()
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"--calibrate: expected the model's tokenizer files in {str(src)!r} (the calibration "
+                             f"text is tokenized with it), got none that load: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}") from e
     # transformers' own load report and progress bars would bury the one line that says what went wrong
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     cls = transformers.AutoModel if args.encoder else transformers.AutoModelForCausalLM
     model, info = cls.from_pretrained(src, local_files_only=True, output_loading_info=True)
     check_loading_info(info, type(model).__name__, args.encoder)
-    calibration, tokenizer = None, None
-    if args.calibrate is not None:
-        calibration = Path(args.calibrate).read_text(encoding="utf-8") if args.calibrate else \
-            default_calibration_text()
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     overrides = dict(args.override) or None
     rotation = None if args.rotation == "none" else args.rotation
     if rotation == "auto":  # resolved here (once), so that the line below can say what was chosen
