@@ -84,6 +84,21 @@ def test_results_file_roundtrip(tmp_path):
         report.write_results(tmp_path / "x.json", {"gpu": "h100"}, rows)
 
 
+def test_reading_a_bad_results_file_names_it(tmp_path, capsys):
+    """`kbit bench --table` / `--summary` on a missing or broken file: one line naming the file."""
+    from kbit.cli import main
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    for name, what in (("gone.json", "got no such file"), ("bad.json", "got unreadable JSON"),
+                       ("other.json", "expected an object with 'header' and 'rows'")):
+        with pytest.raises((FileNotFoundError, ValueError), match=what):
+            report.read_results(tmp_path / name)
+        for flag in ("--table", "--summary"):
+            assert main(["bench", flag, str(tmp_path / name)]) == 1
+            err = capsys.readouterr().err.strip()
+            assert name in err and what in err and len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
                                         ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),

@@ -127,8 +127,14 @@ def _finite(obj):
 
 
 def read_results(path: str | Path) -> tuple[dict, list[dict]]:
-    """Reads a results file; returns (header, rows)."""
-    data = json.loads(Path(path).read_text())
+    """Reads a results file; returns (header, rows). A file that is missing, not JSON or not a results object is a
+    ``FileNotFoundError`` / ``ValueError`` naming it."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: expected a kbit bench results JSON file, got no such file")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: expected a kbit bench results JSON file, got unreadable JSON ({e})") from e
     if not isinstance(data, dict) or "rows" not in data:
         raise ValueError(f"{path}: expected an object with 'header' and 'rows'")
     return data.get("header", {}), data["rows"]
