@@ -31,7 +31,7 @@ from pathlib import Path
 from kbit.format.spec import BLOCKSIZES, DEFAULT_BLOCKSIZE, DEFAULT_K, DEFAULT_SCALE_FORMAT, K_VALUES, SCALE_FORMATS
 from kbit.hf.calibration import BATCHES, SEQ_LEN, default_calibration_text
 from kbit.hf.checkpoint import check_save_target
-from kbit.hf.generate import _at_least
+from kbit.hf.generate import at_least
 from kbit.hf.models import MODELS
 from kbit.hf.quantize_model import MODEL_ROTATIONS, auto_rotation, quantize_model, save_quantized
 
@@ -70,7 +70,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="FILE",
                    help=f"GPTQ rounding on up to {BATCHES} windows of {SEQ_LEN} tokens of FILE's text (no FILE: "
                         "the Lee corpus of gensim's wheel, second half)")
-    p.add_argument("--finetune-steps", type=_at_least(int, 0), default=0, metavar="N",
+    p.add_argument("--finetune-steps", type=at_least(int, 0), default=0, metavar="N",
                    help="with --calibrate: then tune the codebooks, block scales and norm gains for N steps (one "
                         f"{SEQ_LEN}-token window each) against the float model's next-token distribution")
 

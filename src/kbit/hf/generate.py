@@ -265,7 +265,8 @@ def load_checkpoint(directory, device, tokenizer: bool = True):
     return model, tok
 
 
-def _at_least(cast, low):
+def at_least(cast, low):
+    """An argparse type: ``cast(text)`` >= ``low``, else a usage error naming the bound (kbit generate, quantize)."""
     def parse(text: str):
         try:
             v = cast(text)
@@ -307,9 +308,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None, choices=K_VALUES,
                    help=f"bits, for the default model (default {DEFAULT_K})")
     p.add_argument("--codebook", default=None)
-    p.add_argument("--max-new-tokens", type=_at_least(int, 1), default=64)
-    p.add_argument("--temperature", type=_at_least(float, 0.0), default=0.7, help="0: greedy")
-    p.add_argument("--top-k", type=_at_least(int, 0), default=50, help="0: off")
+    p.add_argument("--max-new-tokens", type=at_least(int, 1), default=64)
+    p.add_argument("--temperature", type=at_least(float, 0.0), default=0.7, help="0: greedy")
+    p.add_argument("--top-k", type=at_least(int, 0), default=50, help="0: off")
     p.add_argument("--top-p", type=_top_p, default=0.9, help="1: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
