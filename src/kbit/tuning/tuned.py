@@ -462,10 +462,12 @@ def _x_form(c: Candidate | None, k: int, M: int, K: int) -> Candidate | None:
     K slices stages the whole x where it fits beside the table (:func:`x_staged`); every other candidate as it is.
 
     Where the whole x fits, the slices lose to it (H200 tune table of 2026-11-28, kernel 3 with 16 warps, one CTA,
-    ring 3: slices / whole at M = 16 1.16-1.23 (medians at k = 2..5; 1.16 at k = 4, 0.93-1.72 over 20 shapes),
-    1.08-1.14 at M = 8, 1.07-1.14 at M = 4). A shape took the form its nearest tuned shapes had won with: the
-    held-out 65536x5120 at M = 16, whose x fits, took the slices from 57344x8192, where it does not (100.7 us;
-    100352x5120, the whole x, 113.8: ``benchmarks/results/h200/suite-midm-heldout-2026-11-29/``). The other way
+    ring 3: slices / whole at M = 16 1.14-1.23 (medians at k = 2..5; 1.16 at k = 4, 0.93-1.72 over 20 shapes),
+    1.08-1.14 at M = 8, 1.07-1.14 at M = 4; on the held-out shapes of >= 24576x4096 at M = 16, k = 3 and 4,
+    1.19-1.45 but 1.02-1.05 on 151936x2048, ``benchmarks/results/h200/xform-2026-11-29/``). A shape took the form
+    its nearest tuned shapes had won with: the held-out 65536x5120 at M = 16, whose x fits, took the slices from
+    59136x8192 and 57344x8192, where it does not (100.7 us; 100352x5120, the whole x, 113.8:
+    ``benchmarks/results/h200/suite-midm-heldout-2026-11-29/``; with the whole x 76.0). The other way
     (the slices where the whole x does not fit) is not a rule: they won at k = 3..5 and M = 8, 16, not at k = 2
     or M = 4, and so against the nearest shapes' picks on the tune half."""
     if c is None or c.family != "mma" or c.config.kernel != 3 or not c.config.x_slice:
