@@ -340,6 +340,14 @@ def test_overrides():
         plan(tiny("llama"), overrides={r"nonesuch": {"k": 2}})
     with pytest.raises(ValueError, match="expected keys"):
         plan(tiny("llama"), overrides={r"o_proj": {"bits": 2}})
+    model = tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"overrides\['mlp\.\(up'\]: the key: expected a regular expression"):
+        quantize_model(model, k=4, overrides={r"mlp.(up": {"k": 5}}, progress=False)  # was re.error, unnamed
+    with pytest.raises(TypeError, match="the key: expected a regular-expression string, got int"):
+        plan(tiny("llama"), overrides={3: {"k": 5}})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and set(before) == set(
+        model.state_dict())
 
 
 def test_save_load_round_trip_llama_identical_logits(tmp_path):

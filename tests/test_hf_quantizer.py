@@ -164,6 +164,11 @@ def test_config_checks_its_arguments():
         KbitConfig(overrides={"down_proj": {"codebook": torch.zeros(16)}})
     with pytest.raises(ValueError, match=r"overrides\['down_proj'\]: expected keys among"):
         KbitConfig(overrides={"down_proj": {"bits": 3}})
+    with pytest.raises(ValueError, match=r"overrides\['\('\]: the key: expected a regular expression, got '\(', "
+                                         r"which is not one"):
+        KbitConfig(overrides={"(": {"k": 4}})
+    with pytest.raises(ValueError, match=r"modules_to_not_convert\[1\]: expected a regular expression"):
+        KbitConfig(modules_to_not_convert=["lm_head", "mlp.[up"])
     cfg = KbitConfig.from_dict(KbitConfig(k=3, codebook="nf").to_dict())
     assert (cfg.k, cfg.codebook, cfg.quant_method) == (3, "nf", "kbit")
 

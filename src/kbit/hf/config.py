@@ -11,7 +11,7 @@ from collections import Counter
 
 from kbit.format.codebooks import NAMED
 from kbit.format.spec import DEFAULT_BLOCKSIZE, DEFAULT_SCALE_FORMAT, check_blocksize, check_k, check_scale_format
-from kbit.utils.checks import check_int, fail
+from kbit.utils.checks import check_int, check_regex, fail
 
 QUANT_METHOD = "kbit"
 OVERRIDE_KEYS = ("k", "blocksize", "codebook", "scale_format", "rotation", "skip")
@@ -64,6 +64,8 @@ class KbitConfig(QuantizationConfigMixin):
         skip = [] if modules_to_not_convert is None else modules_to_not_convert
         if isinstance(skip, str) or not all(isinstance(p, str) for p in skip):
             fail(TypeError, "modules_to_not_convert", "a list of module-name patterns", repr(skip))
+        for i, pattern in enumerate(skip):
+            check_regex(f"modules_to_not_convert[{i}]", pattern)
         self.modules_to_not_convert = list(skip)
         if overrides is not None and not isinstance(overrides, dict):
             fail(TypeError, "overrides", "a dict {pattern: {'k': ..., ...} or None}", type(overrides).__name__)
@@ -74,6 +76,7 @@ class KbitConfig(QuantizationConfigMixin):
                      f"{type(opts).__name__}")
             if opts is not None and (set(opts) - set(OVERRIDE_KEYS) or not isinstance(opts.get("codebook", ""), str)):
                 fail(ValueError, where, f"keys among {OVERRIDE_KEYS} (a codebook by name: the config is JSON)", opts)
+            check_regex(f"{where}: the key", pattern)
         self.overrides = dict(overrides or {})
         for name, v in (("quantize_lm_head", quantize_lm_head), ("joint", joint)):
             if not isinstance(v, bool):

@@ -34,7 +34,7 @@ from kbit.hf.models import compile_patterns, select_modules
 from kbit.nn import KbitLinear
 from kbit.ops._checks import check_format
 from kbit.ops.quantize import ROTATIONS, KbitQualityWarning, quantize
-from kbit.utils.checks import check_int, fail
+from kbit.utils.checks import check_int, check_regex, fail
 
 __all__ = ["JOINT_GROUPS", "MODEL_ROTATIONS", "auto_rotation", "load_quantized", "plan", "quantize_model",
            "save_quantized"]
@@ -60,6 +60,7 @@ def _overrides(overrides) -> list[tuple[str, dict]]:
         bad = set(opts) - set(OVERRIDE_KEYS)
         if bad:
             fail(ValueError, f"overrides[{pattern!r}]", f"keys among {OVERRIDE_KEYS}", sorted(bad))
+        check_regex(f"overrides[{pattern!r}]: the key", pattern)
         out.append((pattern, dict(opts)))
     return out
 

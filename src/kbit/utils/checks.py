@@ -5,16 +5,28 @@
 
 from __future__ import annotations
 
+import re
 from typing import NoReturn
 
 import torch
 
-__all__ = ["check_choice", "check_int", "check_tensor", "fail"]
+__all__ = ["check_choice", "check_int", "check_regex", "check_tensor", "fail"]
 
 
 def fail(cls: type[Exception], name: str, expected, got) -> NoReturn:
     """Raise ``cls("<name>: expected <expected>, got <got>")``."""
     raise cls(f"{name}: expected {expected}, got {got}")
+
+
+def check_regex(name: str, pattern) -> str:
+    """``pattern`` is a string that compiles as a regular expression; returns it."""
+    if not isinstance(pattern, str):
+        fail(TypeError, name, "a regular-expression string", type(pattern).__name__)
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        fail(ValueError, name, "a regular expression", f"{pattern!r}, which is not one ({e})")
+    return pattern
 
 
 def check_tensor(name: str, t, dtypes, shape=None, device=None, contiguous: bool = False) -> torch.Tensor:
