@@ -297,6 +297,22 @@ def test_no_decoder_layers_found_says_so():
         quantize_model(model, progress=False)
 
 
+@pytest.mark.parametrize("include,error,message", [
+    ("down_proj", TypeError, "include: expected a list of nn.Linear name patterns, got 'down_proj'"),
+    ([3], TypeError, r"include\[0\]: expected a regular-expression string, got int"),
+    (["o_proj", "mlp.(up"], ValueError, r"include\[1\]: expected a regular expression, got 'mlp.\(up'"),
+    (["nomatch"], ValueError, r"include: the patterns \['nomatch'\] match no nn.Linear")])
+def test_include_is_checked(include, error, message):
+    """A string was taken letter by letter, a bad regular expression raised re.error: each is an error naming
+    include, and the model is left as it was."""
+    model = tiny("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=message):
+        quantize_model(model, k=4, include=include, progress=False)
+    assert set(before) == set(model.state_dict()) and all(torch.equal(before[k], v)
+                                                           for k, v in model.state_dict().items())
+
+
 def test_quantize_model_llama_matches_fake_quantized_weights():
     model = tiny("llama")
     x = ids()

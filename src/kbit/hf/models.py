@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kbit.hf.experts import hidden_size_of, is_transposed, own_gate
+from kbit.utils.checks import check_regex, fail
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,11 @@ def select_modules(model, include=None) -> tuple[list[str], list[str]]:
     :func:`structural_modules`. Fused experts in a layout :class:`~kbit.hf.experts.KbitExperts` does not compute
     are left out with a warning (:func:`experts_layout_problem`).
     """
+    if include is not None:
+        if isinstance(include, str) or not isinstance(include, (list, tuple)):
+            fail(TypeError, "include", "a list of nn.Linear name patterns", repr(include))
+        for i, pattern in enumerate(include):
+            check_regex(f"include[{i}]", pattern)
     if include is None and model_type_of(model) not in MODELS:
         linear, experts = structural_modules(model)
         if not linear and not experts:
@@ -128,7 +134,8 @@ def select_modules(model, include=None) -> tuple[list[str], list[str]]:
         if not linear and not experts:
             what = f"the patterns {list(spec.linear + spec.experts)}" if include is not None else \
                 f"the table row of model_type {model_type_of(model)!r} ({list(spec.linear + spec.experts)})"
-            raise ValueError(f"model: {what} match no nn.Linear or fused expert module of {type(model).__name__}")
+            raise ValueError(f"{'include' if include is not None else 'model'}: {what} match no nn.Linear or fused "
+                             f"expert module of {type(model).__name__}")
     experts = _supported_experts(model, experts)
     if not linear and not experts:
         raise ValueError(f"model: {type(model).__name__} has only fused experts of a layout kbit does not quantize "
