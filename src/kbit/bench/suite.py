@@ -94,12 +94,12 @@ def model_from_dict(d: dict) -> Model:
                  unsure=tuple(d.get("unsure", ())), note=d.get("note", ""))
 
 
-@cache
 def suite_names() -> list[str]:
     """The suites kbit ships: the names of ``suites/<name>.json``."""
     return sorted(p.stem for p in SUITES.glob("*.json"))
 
 
+@cache
 def load_models(name: str = "models") -> tuple[Model, ...]:
     """The models of ``suites/<name>.json``."""
     path = SUITES / f"{name}.json"

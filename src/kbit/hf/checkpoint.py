@@ -240,8 +240,8 @@ def check_save_target(directory: str | os.PathLike) -> None:
     if not weights:
         return
     try:
-        qc = json.loads((directory / "config.json").read_text()).get("quantization_config")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        qc = _read_json(directory / "config.json").get("quantization_config")
+    except ValueError:  # no config.json, or not a JSON object: not a kbit checkpoint
         qc = None
     if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
         fail(ValueError, "directory", "a new folder, or a kbit checkpoint to replace",

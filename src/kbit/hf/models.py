@@ -112,7 +112,7 @@ def select_modules(model, include=None) -> tuple[list[str], list[str]]:
     are left out with a warning (:func:`experts_layout_problem`).
     """
     if include is not None:
-        if isinstance(include, str) or not isinstance(include, (list, tuple)):
+        if not isinstance(include, (list, tuple)):  # a str too: it would be read letter by letter
             fail(TypeError, "include", "a list of nn.Linear name patterns", repr(include))
         for i, pattern in enumerate(include):
             check_regex(f"include[{i}]", pattern)
