@@ -9,6 +9,7 @@
      BF16         1: bf16 activations, 0: fp16
      FP16_SCALES  1: fp16 block scales, 0: log8 bytes */
 #include "common.cuh"
+#include "grouped.cuh"
 
 /* one 256-column segment (columns off ..) of one 16-row tile for the first ngv (1..NG) 8-row groups -> acc */
 __device__ __forceinline__ void segment_g(const u32* w, const V4* sw, const u16* const* xr, int off, LB lbb,
@@ -63,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma(
   const u32 sc_base = smem_addr(s_sc);
   pdl_launch();
   pdl_wait(); /* the table above reads only the codebook: built while the previous kernel ends */
-  const int nb = *nblk;
+  const int nb = ld_dep(nblk);
   const int items = nb * n_tiles;
   const long long tile_words = (long long)n_seg * K_BITS * 32;  /* V4s of codes per (expert, tile) */
   const long long tile_sv = (long long)n_seg * 8 * SV;           /* V4s of scales per (expert, tile) */

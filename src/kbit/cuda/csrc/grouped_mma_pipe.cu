@@ -11,6 +11,7 @@
      BF16         1: bf16 activations, 0: fp16
      FP16_SCALES  1: fp16 block scales, 0: log8 bytes */
 #include "pipe.cuh"
+#include "grouped.cuh"
 
 /* grouped (MoE): y[r] = x[rows[r]] @ W[e(r)].T for the rows of a block table (kbit.ops.grouped_mma.block_table,
    blocks of <= 8 NG rows of one expert). Items (row block of MAXW x RT tiles, expert block), row-block major;
@@ -31,7 +32,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_grouped_mma_p
   build_tables(tab, cb, e_tab, tid);
   pdl_launch();
   pdl_wait();
-  const int nb = *nblk;
+  const int nb = ld_dep(nblk);
   const int n_rb = (n_tiles + MAXW * RT - 1) / (MAXW * RT);
   const int items = nb * n_rb;
   const int my_items = items > (int)blockIdx.x ? (items - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;

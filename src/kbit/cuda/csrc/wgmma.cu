@@ -14,6 +14,9 @@
    The launch bounds are (MAXW * 32, 1). */
 #include "pipe.cuh"
 #include "wgmma_mma.cuh"
+#if GRP
+#include "grouped.cuh" /* ld_dep */
+#endif
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -110,7 +113,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, 1) kbit_wgmma(
      kernels' output: wait first (no weight prologue before the wait). */
   pdl_launch();
   pdl_wait();
-  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = min(*nblk, M); /* M: the tiles' block count */
+  const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = min(ld_dep(nblk), M); /* M: the tiles' block count */
 #else
   const int n_rb = (n_tiles + MAXW - 1) / MAXW, n_tb = (M + BT - 1) / BT;
 #endif

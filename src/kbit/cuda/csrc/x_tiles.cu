@@ -14,6 +14,13 @@ __device__ __forceinline__ void pdl() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+/* the block count the kernel before wrote (grouped.cuh's ld_dep: a coherent load, which ptxas does not move above
+   the wait as it may a read-only one) */
+__device__ __forceinline__ int ld_dep(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 /* the first original column of the 16-byte piece at position pos of row r of chunk ch; its four column pairs
    start there and 8, 16, 24 further on. Piece c of the chunk = permuted columns 8c .. 8c + 7 = original
    32 (c / 4) + 8t + 4h + 2p + e. */
@@ -71,7 +78,7 @@ extern "C" __global__ void kbit_x_tiles_g(const u16* __restrict__ x, V4* __restr
                                            const int* __restrict__ nblk, int x_stride, int n_ch, int bt) {
   pdl();
   Loc l;
-  if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
+  if ((int)blockIdx.x >= ld_dep(nblk) || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written (the kernel stores no output row for it) */
   V4 v[XT_CPT];
@@ -118,7 +125,7 @@ extern "C" __global__ void kbit_x_tiles_silu_g(const u16* __restrict__ gu, V4* _
                                                 int n_ch, int bt, int vec) {
   pdl();
   Loc l;
-  if ((int)blockIdx.x >= *nblk || !locate(l, bt, n_ch)) return;
+  if ((int)blockIdx.x >= ld_dep(nblk) || !locate(l, bt, n_ch)) return;
   const int row = grouped_row(l, rows, blk);
   if (row < 0) return; /* past the block's end: not written */
   const u16* g = gu + (long long)row * gu_stride;
