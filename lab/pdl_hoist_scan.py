@@ -5,8 +5,8 @@ the kernel parameters a load of which ptxas moved above ``griddepcontrol.wait`` 
 
     python lab/pdl_hoist_scan.py [--nvrtc /path/to/libnvrtc.so.12] [--quick] [--files grouped_mma.cu ...] [--src DIR]
 
-Exit status 1 if any build has one. 2026-11-29, NVRTC 12.9, at 6d3e649: 47 of 143 builds (the grouped kernel 4's
-and the grouped kernel 7's block count).
+Exit status 1 if any build has one. 2026-11-29, NVRTC 12.9: at 6d3e649 47 of 297 builds (the block count of the
+grouped kernels 4 and 7), at 690fe73 none (``benchmarks/results/cpu/pdl-scan-2026-11-29/``).
 """
 from __future__ import annotations
 
