@@ -69,10 +69,11 @@ def param_offsets(lines):
     return out
 
 
-def tainted_loads(lines, wait_re, source_of, load_re, addr_re, reg_re, pairs):
+def tainted_loads(lines, wait_re, source_of, load_re, addr_re, reg_re, pairs, direct=lambda text: set()):
     """For each global load before the wait: the set of parameters its address derives from (forward taint over
     the straight-line text: a destination takes the union of its sources' sets). source_of(line) -> (dest
-    registers, param index) for a parameter read, else None."""
+    registers, param index) for a parameter read, else None; direct(operand text) -> the parameters an operand
+    reads in place (SASS constant-bank operands)."""
     taint, out = {}, []
     for line in lines:
         if re.search(wait_re, line):
@@ -87,7 +88,7 @@ def tainted_loads(lines, wait_re, source_of, load_re, addr_re, reg_re, pairs):
             addr = re.search(addr_re, code)
             regs = reg_re.findall(addr.group(1)) if addr else []
             params = set().union(*(taint.get(r, set()) for r in regs)) if regs else set()
-            out.append(params)
+            out.append(params | (direct(addr.group(1)) if addr else set()))
         m = re.match(r"\s*(?:@!?U?P\w+\s+)?[\w.]+\s+(.*)", code)
         if not m:
             continue
@@ -95,7 +96,8 @@ def tainted_loads(lines, wait_re, source_of, load_re, addr_re, reg_re, pairs):
         if not ops or not reg_re.fullmatch(ops[0].split(".")[0].strip("{} ")):
             continue
         dest = ops[0].split(".")[0].strip("{} ")
-        srcs = set().union(*(taint.get(r, set()) for o in ops[1:] for r in reg_re.findall(o)))
+        srcs = set().union(*(taint.get(r, set()) for o in ops[1:] for r in reg_re.findall(o)),
+                           *(direct(o) for o in ops[1:]))
         dests = [dest] + ([pairs(dest)] if pairs and ".64" in code.split()[0] + ops[0] else [])
         for d in dests:
             if srcs:
@@ -134,7 +136,9 @@ def sass_pre_wait(lines, offsets):
         if m.group(2):
             regs.append(_next(m.group(3)))
         return regs, by_off[int(m.group(4), 16)]
-    return tainted_loads(lines, r"ACQBULK", source_of, r"\bLDG\b", r"\[(U?R[^\]]*)\]", SASS_REG, _next)
+    def direct(text):
+        return {by_off[int(o, 16)] for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text) if int(o, 16) in by_off}
+    return tainted_loads(lines, r"ACQBULK", source_of, r"\bLDG\b", r"\[(U?R[^\]]*)\]", SASS_REG, _next, direct)
 
 
 def _next(reg):
