@@ -5,7 +5,7 @@ that the GPU machine has (the CPU CI's torch has no NVRTC)."""
 
 import pytest
 
-import pdl_scan  # noqa: E402  (tests/pdl_scan.py)
+import pdl_scan  # tests/pdl_scan.py
 from kbit.ops.grouped_mma import _wgmma_defines, grouped_mma_build
 from kbit.tuning.moe import GroupedMmaConfig, wgmma_config
 
