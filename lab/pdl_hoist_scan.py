@@ -3,7 +3,8 @@
 For each define set of ``lab/cuda_sass_ab.py`` (the builds kbit.ops makes), ``tests/pdl_scan.py``'s analysis:
 the kernel parameters a load of which ptxas moved above ``griddepcontrol.wait`` (weights excepted)::
 
-    python lab/pdl_hoist_scan.py [--nvrtc /path/to/libnvrtc.so.12] [--quick] [--files grouped_mma.cu ...] [--src DIR]
+    python lab/pdl_hoist_scan.py [--nvrtc /path/to/libnvrtc.so.12] [--quick] [--files grouped_mma.cu ...] \\
+        [--csrc DIR]
 
 Exit status 1 if any build has one. 2026-11-29, NVRTC 12.9: at 6d3e649 47 of 297 builds (the block count of the
 grouped kernels 4 and 7), at 690fe73 none (``benchmarks/results/cpu/pdl-scan-2026-11-29/``).
@@ -23,10 +24,11 @@ def main(argv=None):
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--files", nargs="*", default=None)
-    ap.add_argument("--src", default=None, help="another tree's src folder (default: this checkout's)")
+    ap.add_argument("--csrc", default=None,
+                    help="another tree's kbit/cuda/csrc folder (default: this checkout's; the define sets and the "
+                         "analysis stay this checkout's)")
     a = ap.parse_args(argv)
-    sys.path[:0] = [os.path.abspath(a.src or os.path.join(ROOT, "src")), os.path.join(ROOT, "tests"),
-                    os.path.join(ROOT, "lab")]
+    sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "lab")]
     from kbit import options
 
     options.set_options(nvrtc_lib=a.nvrtc, cache_dir=None)
@@ -38,7 +40,7 @@ def main(argv=None):
     for file, names, defines in cuda_sass_ab.cases(a.quick):
         if a.files and file not in a.files:
             continue
-        for name, params in pdl_scan.hoisted(file, names, defines, a.cuobjdump).items():
+        for name, params in pdl_scan.hoisted(file, names, defines, a.cuobjdump, a.csrc).items():
             total += 1
             if params:
                 bad += 1

@@ -10,31 +10,10 @@ parameter reads, over the straight-line text) in the PTX (above ``griddepcontrol
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import subprocess
 import tempfile
-
-
-def ptx_of(source, arch, options, name, headers):
-    from kbit.cuda import runtime
-
-    lib = runtime._nvrtc()
-    prog = ctypes.c_void_p()
-    texts = (ctypes.c_char_p * len(headers))(*[t.encode() for t in headers.values()])
-    names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
-    lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), len(headers), texts, names)
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
-    res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
-    if res != 0:
-        raise RuntimeError(f"compile failed: {name} {options}")
-    size = ctypes.c_size_t()
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    buf = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, buf)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return buf.value.decode()
 
 
 def split_funcs(text, start_re):
@@ -136,6 +115,7 @@ def sass_pre_wait(lines, offsets):
         if m.group(2):
             regs.append(_next(m.group(3)))
         return regs, by_off[int(m.group(4), 16)]
+
     def direct(text):
         return {by_off[int(o, 16)] for o in re.findall(r"c\[0x0\]\[(0x[0-9a-f]+)\]", text) if int(o, 16) in by_off}
     return tainted_loads(lines, r"ACQBULK", source_of, r"\bLDG\b", r"\[(U?R[^\]]*)\]", SASS_REG, _next, direct)
@@ -153,17 +133,23 @@ def cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def hoisted(file: str, names, defines: dict, cuobj: str | None = None) -> dict:
+def hoisted(file: str, names, defines: dict, cuobj: str | None = None, csrc: str | None = None) -> dict:
     """{kernel name: sorted parameter indices a load of which ptxas moved above the wait} of one build of
     ``kbit/cuda/csrc/<file>`` (``defines``; ``ARCH_SPECIFIC=1``: sm_90a), for the kernels in ``names`` that wait;
-    an empty list where none moved."""
+    an empty list where none moved. ``csrc``: another tree's kernel folder (default: the package's)."""
     from kbit.cuda import runtime, sources
 
     d = dict(defines)
     arch = "sm_90a" if d.pop("ARCH_SPECIFIC", 0) else "sm_90"
     opts = sources.define_options(d)
-    src, hdrs = sources.read_source(file), sources.headers()
-    ptx = split_funcs(ptx_of(src, arch.replace("sm_", "compute_"), opts, file, hdrs), r"\.entry (\w+)\(")
+    if csrc is None:
+        src, hdrs = sources.read_source(file), sources.headers()
+    else:
+        texts = {f: open(os.path.join(csrc, f), encoding="utf-8").read() for f in os.listdir(csrc)
+                 if f.endswith((".cu", ".cuh"))}
+        src, hdrs = texts[file], {f: t for f, t in texts.items() if f.endswith(".cuh")}
+    ptx = runtime.nvrtc_ptx(src, arch.replace("sm_", "compute_"), opts, name=file, headers=hdrs)
+    ptx = split_funcs(ptx, r"\.entry (\w+)\(")
     cubin, _ = runtime.nvrtc_compile(src, arch, opts, name=file, headers=hdrs)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)

@@ -100,6 +100,18 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu",
     """Compile ``source`` (its file name ``name``, for messages) for ``arch`` (e.g. ``"sm_90"``) to a CUBIN with
     ``options`` (e.g. ``-D`` defines) and ``headers`` ({include name: text}, what ``#include "name"`` reads);
     returns (cubin, log)."""
+    return _nvrtc_output(source, arch, options, name, headers, "CUBIN")
+
+
+def nvrtc_ptx(source: str, arch: str, options=(), name: str = "kbit.cu", headers: dict | None = None) -> str:
+    """:func:`nvrtc_compile`'s PTX instead of the CUBIN (``arch`` a virtual one, e.g. ``"compute_90"``): what
+    ptxas was given, to compare with the SASS it made (``tests/pdl_scan.py``)."""
+    ptx, _log = _nvrtc_output(source, arch, options, name, headers, "PTX")
+    return ptx.rstrip(b"\0").decode()
+
+
+def _nvrtc_output(source, arch, options, name, headers, what: str) -> tuple[bytes, str]:
+    """(the program's ``what`` output, ``"CUBIN"`` or ``"PTX"``, log) of one NVRTC compile."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     headers = headers or {}
@@ -107,22 +119,23 @@ def nvrtc_compile(source: str, arch: str, options=(), name: str = "kbit.cu",
     names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
     _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), len(headers),
                                              texts, names), "create")
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
-    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    log_s = log.value.decode(errors="replace")
-    if res != 0:
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        log_s = log.value.decode(errors="replace")
+        if res != 0:
+            raise NvrtcError(f"NVRTC compile failed ({arch}, {opts}):\n{log_s}")
+        _check_nvrtc(lib, getattr(lib, f"nvrtcGet{what}Size")(prog, ctypes.byref(size)), f"get {what} size")
+        buf = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib, getattr(lib, f"nvrtcGet{what}")(prog, buf), f"get {what}")
+        return buf.raw, log_s
+    finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise NvrtcError(f"NVRTC compile failed ({arch}, {opts}):\n{log_s}")
-    _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "get cubin size")
-    buf = ctypes.create_string_buffer(size.value)
-    _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, buf), "get cubin")
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return buf.raw, log_s
 
 
 def nvrtc_version() -> tuple[int, int]:

@@ -1,7 +1,6 @@
-/* Shared by the grouped (MoE) kernels (grouped_mma.cu, grouped_mma_pipe.cu, wgmma.cu with GRP): the read of the
-   block count. */
+/* Shared by the grouped (MoE) kernels (grouped_mma.cu, grouped_mma_pipe.cu, wgmma.cu with GRP) and the grouped x
+   gathers (x_tiles.cu): the read of the block count. Needs no other header. */
 #pragma once
-#include "common.cuh"
 
 /* A value that the kernel before wrote, read after pdl_wait() at an address that depends on no other load (the
    block count *nblk): a coherent load, never the read-only path. Read through a `const __restrict__` pointer it

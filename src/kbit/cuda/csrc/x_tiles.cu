@@ -8,18 +8,12 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct __align__(16) V4 { u32 x, y, z, w; };
+#include "grouped.cuh" /* ld_dep: the block count after the wait */
 __device__ __forceinline__ void pdl() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-}
-/* the block count the kernel before wrote (grouped.cuh's ld_dep: a coherent load, which ptxas does not move above
-   the wait as it may a read-only one) */
-__device__ __forceinline__ int ld_dep(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
 }
 /* the first original column of the 16-byte piece at position pos of row r of chunk ch; its four column pairs
    start there and 8, 16, 24 further on. Piece c of the chunk = permuted columns 8c .. 8c + 7 = original
