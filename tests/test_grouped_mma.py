@@ -273,6 +273,31 @@ def test_gpu_grouped_both_kernels(monkeypatch, kernel, k, dt, T, K_):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["1", "4"])
+@pytest.mark.parametrize("ids", [[5, 5, 2, 9], [2, 5, 5, 9], [7, 7, 7, 7], [1, 2, 3, 4]])
+def test_gpu_grouped_first_block_guess(kernel, ids):
+    """One token's pairs with repeated experts (the router gives in-range ids even for NaN scores, so two slots
+    can share one): fewer blocks than pairs, and block b's first row past b, where kernels 1 and 4 guess a CTA's
+    first expert as that of row b before the table arrives."""
+    if not MC.kernels_available("cuda"):
+        pytest.skip("CUDA kernel not available")
+    E, N, K_, k = 12, 336, 512, 4
+    codes, scales, ts, cb = make_stack(E, N, K_, k, 32, "log8", device="cuda", seed=sum(ids))
+    eid = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    tok = torch.zeros(len(ids), dtype=torch.int32, device="cuda")
+    rows = torch.arange(len(ids), dtype=torch.int32, device="cuda")
+    kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    x1 = torch.randn(1, K_, device="cuda").bfloat16()
+    xs = torch.randn(len(ids), K_, device="cuda").bfloat16()
+    for x, r in ((x1, tok), (xs, rows)):
+        ref = G.grouped_gemv_reference(x, r, eid, codes, scales, ts, cb, **kw)
+        for ng in (1, 2):
+            cfg = grouped_mma_config(ng, -(-K_ // 256), kernel=int(kernel))
+            y = GR.grouped_linear(x, r, eid, codes, scales, ts, cb, config=cfg, **kw)
+            assert rel_err(y, ref) < tol(torch.bfloat16), (ng, x.shape[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["1", "4"])
 @pytest.mark.parametrize("K_,T", [(1408, 1), (2880, 64), (520, 16)])
 def test_gpu_grouped_x_tail_ignored(kernel, K_, T):
     """K not a multiple of 256 (GLM-4.5-Air's expert down, gpt-oss): x's columns from K on are NaN here (a view of a
