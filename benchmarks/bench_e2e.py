@@ -1,12 +1,15 @@
-"""End-to-end decode tokens/s: random-initialised Llama-3-8B-, Qwen3-8B-, Qwen2.5-7B- and Qwen3-30B-A3B-shaped
-transformers models, bf16 against kbit (k = 2..5), at batch 1, 4, 16, 64, the same decode loop on both sides.
+"""End-to-end decode tokens/s: random-initialised Llama-3-8B-, Qwen3-8B-, Qwen2.5-7B-, Qwen3-30B-A3B- and
+Mixtral-8x7B-shaped transformers models, bf16 against kbit (k = 2..5), at batch 1, 4, 16, 64, the same decode loop
+on both sides. The two MoE shapes lie at either end: 128 small experts, 8 a token (Qwen3-30B-A3B) and 8 large
+ones, 2 a token (Mixtral).
 
 Models are real transformers code built from configs (no download), directly on the GPU in bf16 (built on
 the meta device, then each part materialised with ``to_empty`` and filled with N(0, 0.02), norms with 1).
 The kbit side is built layer by layer (materialise a layer in bf16, quantize it, free the bf16 weights), so
-Qwen3-30B-A3B (~61 GB in bf16) never needs its bf16 and kbit copies at once: Linear layers through
-``kbit.quantize_model`` (``KbitLinear``), MoE blocks through ``kbit.nn.KbitMoE.from_hf`` (device-side routing,
-no host sync). Embeddings, norms, routers and ``lm_head`` stay bf16 unless ``--lm-head-k`` is given.
+Qwen3-30B-A3B (~61 GB in bf16) and Mixtral-8x7B (~93 GB) never need their bf16 and kbit copies at once: Linear
+layers through ``kbit.quantize_model`` (``KbitLinear``), MoE blocks through ``kbit.nn.KbitMoE.from_hf``
+(device-side routing, no host sync). Embeddings, norms, routers and ``lm_head`` stay bf16 unless ``--lm-head-k`` is
+given.
 
 The loop (``kbit.hf.decode.StaticDecoder``): a transformers ``StaticCache``, an eager prefill of ``--ctx``
 random prompt tokens per row, then the decode step (embedding, every layer with attention over the static
@@ -31,8 +34,9 @@ roofline at the read ceiling (measured once at the start, or ``--ceiling-tbps``)
 ``.png`` (timeline); all tables also in ``profile.txt``. ``--layers N`` keeps the first N decoder layers of each
 model (quick profiles).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py [--models llama3-8b,qwen3-8b,qwen2.5-7b,qwen3-30b-a3b]
-        [--k 2,3,4,5] [--batch 1,4,16,64] [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_e2e.py
+        [--models llama3-8b,qwen3-8b,qwen2.5-7b,qwen3-30b-a3b,mixtral-8x7b] [--k 2,3,4,5] [--batch 1,4,16,64]
+        [--ctx 512] [--steps 32] [--reps 5] [--profile] [--layers N] [--quick]
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ def configs(tiny: bool = False) -> dict:
                 hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                 num_experts_per_tok=2, vocab_size=96, max_position_embeddings=256),
+            "mixtral-tiny": transformers.MixtralConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=96,
+                max_position_embeddings=256),
         }
     return {
         "llama3-8b": transformers.LlamaConfig(
@@ -99,6 +107,11 @@ def configs(tiny: bool = False) -> dict:
             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
             num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192,
             rope_theta=1000000.0),
+        # Mixtral-8x7B-v0.1's config.json (no sliding window)
+        "mixtral-8x7b": transformers.MixtralConfig(
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+            max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None),
     }
 
 

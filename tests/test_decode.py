@@ -225,7 +225,19 @@ def test_bench_e2e_tiny(tmp_path, extra):
     assert "llama-tiny" in (tmp_path / "e2e.md").read_text() and (tmp_path / "e2e.json").exists()
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3moe-tiny"])
+def test_bench_e2e_tiny_moe(tmp_path):
+    """Both MoE shapes of the benchmark, bf16 (transformers' blocks and kbit's routing on torch's grouped
+    product) and kbit (KbitMoE)."""
+    bench = _bench()
+    rows = bench.run(bench.parse(["--tiny", "--device", "cpu", "--models", "qwen3moe-tiny,mixtral-tiny", "--k", "4",
+                                  "--batch", "2", "--ctx", "6", "--steps", "2", "--reps", "1", "--out",
+                                  str(tmp_path)]))
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        (m, v) for m in ("qwen3moe-tiny", "mixtral-tiny") for v in ("bf16", "bf16-kr", "kbit")]
+    assert all(r["logits_finite"] and r["tokens_per_s"] > 0 for r in rows), [r.get("error") for r in rows]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3moe-tiny", "mixtral-tiny"])
 def test_bench_fused_projections_same_model(name):
     bench = _bench()
     config = bench.configs(tiny=True)[name]
