@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.ops import grouped_mma as GR  # noqa: E402
 from kbit.ops import moe_blocks as MB  # noqa: E402
-from kbit.ops.gemv_mma import launch_config, linear_small_m  # noqa: E402
+from kbit.ops.gemv_mma import launch_config, linear_small_m, pairs_linear  # noqa: E402
 from kbit.tuning.mma import MmaConfig  # noqa: E402
 from kbit.tuning.moe import GroupedMmaConfig  # noqa: E402
 
@@ -88,7 +88,19 @@ def main():
                     r[vname] = (t.us, top * one / t.us / 1e6, err)
                 except Exception as ex:  # noqa: BLE001
                     r[vname] = repr(ex)[:200]
-            del stacks
+            # the pairs as one dense GEMV over the stacked experts (kbit.ops.gemv_mma.pairs_linear)
+            reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
+                    for c, sc, _, _ in stacks]
+            pk = dict(k=k, scale_format="log8", N=N, K=K, per_pair_x=gemm == "down")
+            y = pairs_linear(x, ids, *reps[0], *stacks[0][2:], **pk)
+            if y is None:
+                r["pairs"] = "not applicable"
+            else:
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                t = time_calls([(lambda rp=rp, s=s, x=x, ids=ids, pk=pk: pairs_linear(x, ids, *rp, *s[2:], **pk))
+                                for rp, s in zip(reps, stacks, strict=True)])
+                r["pairs"] = (t.us, top * one / t.us / 1e6, err)
+            del stacks, reps
             # the dense M = 1 path on the touched experts' bytes: one [top N, K] matrix
             dn = [stack(1, top * N, K, k, seed=100 + i) for i in range(copies_for_cold_l2(int(top * one),
                                                                                        l2_bytes()))]
@@ -111,7 +123,7 @@ def main():
             (out / "moe_t1_lab.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
                                                                  commit=os.environ.get("KBIT_COMMIT", "?"),
                                                                  rows=rows_out), indent=1))
-    names = ["default", *VARIANTS, "dense M=1", *DENSE1]
+    names = ["default", *VARIANTS, "pairs", "dense M=1", *DENSE1]
     print("\n| model | gemm | MB | " + " | ".join(names) + " |  (us, TB/s)")
     for r in rows_out:
         print(f"| {r['model']} | {r['gemm']} | {r['mb']:.1f} | " + " | ".join(

@@ -22,6 +22,10 @@ Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
   expert, cut into blocks of 8-256 rows of one expert (a block table built on the device), each block's expert
   weight read and decoded once for all its rows. CUDA with fp16/bf16 only (elsewhere :func:`grouped_gemm` runs
   the GEMV, so :func:`choose_plan` does not pick it).
+- ``"pairs"``: one token (T = 1) on a stack in layout "mma-v1": the pairs as one dense GEMV over the touched
+  experts' stacked tiles (``kbit.ops.gemv_mma.pairs_linear``: the dense M = 1 kernel 3, split K across CTAs),
+  1.3-2.4x faster than the grouped kernels on six MoE shapes; where that launch does not apply, the grouped
+  kernels (``"gemm"``) run instead. :func:`plan_for_layout` picks it.
 
 Thresholds: ``kbit.tuning.moe``.
 """
@@ -37,6 +41,7 @@ from kbit.format.spec import KbitWeight
 from kbit.ops._ids import guard, poison, poison_tokens
 from kbit.ops.dequant import dequantize_tensors
 from kbit.ops.gemv import grouped_gemv
+from kbit.ops.gemv_mma import PAIRS_MAX, pairs_linear
 from kbit.ops.grouped_mma import (
     choose_ng,
     fused_silu_ok,
@@ -69,7 +74,7 @@ __all__ = ["MOE_KERNELS", "MoePlan", "choose_plan", "expert_matmul", "fused_rout
            "grouped_gemm", "grouped_gemm_repacked", "grouped_mm_supported", "moe_experts", "plan_for_layout", "route",
            "route_hidden", "routed_experts", "router_workspace"]
 
-MOE_KERNELS = ("gemv", "grouped_mm", "gemm")
+MOE_KERNELS = ("gemv", "grouped_mm", "gemm", "pairs")
 #: the layout of a stack the grouped tensor-core kernels read as it is (``kbit.ops.gemv_mma.RepackedWeight``)
 _MMA_LAYOUT = "mma-v1"
 
@@ -178,6 +183,10 @@ def plan_for_layout(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dty
     p = choose_plan(T, top_k, E, H, I, dtype, device, gemm=None if (repacked or auto_repack) else False)
     if repacked and "gemv" in (p.gate_up, p.down) and gemm_supported(device, dtype):
         p = MoePlan(*("gemm" if kn == "gemv" else kn for kn in (p.gate_up, p.down)))
+    if repacked and T == 1 and top_k <= PAIRS_MAX and gemm_supported(device, dtype):
+        # one token: the pairs as one dense GEMV (it falls back to the grouped kernels where it does not apply)
+        p = MoePlan(*("pairs" if kn == "gemm" and N % 16 == 0 else kn
+                      for kn, N in ((p.gate_up, 2 * I), (p.down, H))))
     return p
 
 
@@ -354,7 +363,8 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``, or a stack held in layout "mma-v1"
         (``kbit.ops.gemv_mma.RepackedWeight``): read as it is by ``"gemm"``; ``"gemv"`` unrepacks the whole
         stack into a temporary, ``"grouped_mm"`` the touched experts.
-    kernel : ``"gemv"``, ``"grouped_mm"`` or ``"gemm"`` (:class:`MoePlan`).
+    kernel : ``"gemv"``, ``"grouped_mm"``, ``"gemm"`` or ``"pairs"`` (:class:`MoePlan`; ``"pairs"`` needs one
+        token and a stack in layout "mma-v1", else it runs ``"gemm"``).
     blocks : ``"gemm"`` only: the step's ``kbit.ops.moe_blocks.block_table`` (built there when None).
     act : ``"silu"``: x is a gate_up product ``[P, 2K]`` and the input is ``silu_mul_gate_up`` of it (the grouped
         kernel 7 computes it while gathering its x tiles; other kernels run ``silu_mul_gate_up`` first).
@@ -366,6 +376,11 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     if act not in (None, "silu"):
         raise ValueError(f"act: expected None or 'silu', got {act!r}")
     rows = routing.token_ids if gather else routing.row_ids
+    if kernel == "pairs":
+        y = _pairs(x, rows, routing, weight, gather, act)
+        if y is not None:
+            return y
+        kernel = "gemm"
     if _repacked(weight) and kernel == "gemm":
         return grouped_gemm_repacked(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted,
                                      act=act, checked=routing.checked)
@@ -391,6 +406,20 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
         return grouped_gemm(x, rows, routing.expert_ids, weight, blocks=blocks, sorted_rows=routing.sorted,
                             checked=routing.checked)
     raise ValueError(f"kernel: expected one of {MOE_KERNELS}, got {kernel!r}")
+
+
+def _pairs(x, rows, routing: MoeRouting, weight, gather: bool, act: str | None) -> torch.Tensor | None:
+    """:func:`expert_matmul` of kernel ``"pairs"`` (one token: gather reads x's one row, else row p of x for pair
+    p, as the routing's row ids are ``arange(P)``), or None where ``kbit.ops.gemv_mma.pairs_linear`` does not
+    apply (the caller runs the grouped kernels)."""
+    if not _repacked(weight) or (gather and x.shape[0] != 1) or (not gather and x.shape[0] != routing.P):
+        return None
+    if act == "silu":
+        x = silu_mul_gate_up(x)
+    # ids out of range (a routing not made by kbit's router): clamped copies, their rows NaN after
+    _, ids, bad = guard(rows, x.shape[0], routing.expert_ids, weight.codes.shape[0], checked=routing.checked)
+    return pairs_linear(x, ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, k=weight.k,
+                        scale_format=weight.scale_format, N=weight.N, K=weight.K, per_pair_x=not gather, bad=bad)
 
 
 # ------------------------------------------------------------------------------------------------ layer

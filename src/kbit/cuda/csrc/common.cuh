@@ -98,10 +98,35 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }
+#ifndef GRP
+#define GRP 0
+#endif
+#if GRP
+/* GRP (kernel 3 only): one token's MoE pairs as one GEMV over their experts' stacked tiles
+   (kbit.ops.grouped_mma.pairs_linear). Stacked tile t belongs to pair p = t / s_gnte and reads tile t - p s_gnte of
+   expert s_eid[p] of the stack; s_gts[p] is that expert's tensor scale, s_gxs the x row stride of a pair (0: one x
+   row for all). The kernel fills these after its PDL wait: the expert ids are the routing launch's output. */
+#define GRP_MAXP 32
+__shared__ int s_eid[GRP_MAXP];
+__shared__ float s_gts[GRP_MAXP];
+__shared__ int s_gnte, s_gseg, s_gxs;
+/* the stack's (tile, segment) pair of stacked pair j */
+__device__ __forceinline__ long long grp_unit(long long j) {
+  const int u = (int)j, t = u / s_gseg, p = t / s_gnte;
+  return ((long long)s_eid[p] * s_gnte + (t - p * s_gnte)) * s_gseg + (u - t * s_gseg);
+}
+/* x's offset for stacked tile t: its pair's row */
+__device__ __forceinline__ long long grp_xoff(int t) { return (long long)(t / s_gnte) * s_gxs; }
+#else
+__device__ __forceinline__ long long grp_xoff(int) { return 0; }
+#endif
 /* the codes (K_BITS vectors) and scales (SV) a lane holds of (tile, segment) pair j, in memory order (kernel 3's
    register ring, kbit_deq_mma) */
 __device__ __forceinline__ void ld_seg(V4 (&b)[K_BITS + SV], const V4* __restrict__ codes,
                                        const V4* __restrict__ scales, long long j, u32 lane, int g) {
+#if GRP
+  j = grp_unit(j);
+#endif
 #pragma unroll
   for (int v = 0; v < K_BITS; ++v) b[v] = ld_stream(codes + (j * K_BITS + v) * 32 + lane);
 #pragma unroll

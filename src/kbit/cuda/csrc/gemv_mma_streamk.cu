@@ -19,8 +19,14 @@
      M1           0/1: M is 1
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
-     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait */
+     L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
+     GRP          0/1: one token's MoE pairs, the stacked tiles of their experts (common.cuh; M = 1, not with PRO,
+                  EPI, XK or DET); the weight loads wait for the expert ids (after the PDL wait) */
 #include "splitk.cuh"
+#include "grouped.cuh" /* ld_dep: the expert ids after the wait */
+#if GRP && (PRO || EPI || XK || DET || NG != 1)
+#error "GRP: one token (NG 1) without a prologue, epilogue, K slices or the slot fix-up"
+#endif
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
 #define XK 0
@@ -471,10 +477,17 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
         }
         const u16* xs[NG];
 #pragma unroll
-        for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG;
+        for (int ng = 0; ng < NG; ++ng) xs[ng] = xr[ng] + seg * SEG + grp_xoff(tile);
         segment((const u32*)buf[p], buf[p] + K_BITS, xs, lbb, sc_base, acc, kx - seg * SEG);
         ++seg;
         if (seg == ns || j + 1 == j1) {
+#if GRP /* the pair's expert's tensor scale (the sums are linear: parts of a tile may be scaled apart) */
+          {
+            const float s = s_gts[tile / s_gnte];
+#pragma unroll
+            for (int ng = 0; ng < NG; ++ng) acc[ng][0] *= s, acc[ng][1] *= s, acc[ng][2] *= s, acc[ng][3] *= s;
+          }
+#endif
 #if LFX
           lfx_finish(acc, tile, seg - seg_first, ns, lane, M, N, y, y_stride, bias, bias_kind, post, ws, cnt,
                      ws_stride, lf, nslot);
@@ -518,6 +531,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
 #endif
+#if GRP /* the pairs' expert ids (int32 [n_tiles / gr_nte]), an expert's tiles, x's row stride a pair (0: one row) */
+    , const int* __restrict__ gr_eid, int gr_nte, int gr_xps
+#endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int g = lane >> 2;
@@ -552,31 +568,40 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   const int u_hi = lf.cj1 > lf.cj0 ? (lf.cj1 - 1) / U : 0;
   const int js = (lf.cj1 < (u_hi + 1) * U && j0 < u_hi * U && j1 > u_hi * U) ? u_hi * U : j0;
   int nslot = 0;
-#pragma unroll
-  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+#define K3_PRELOAD \
+  _Pragma("unroll") for (int p = 0; p < PD - 1; ++p) \
     if (js + p < j1) ld_seg(buf[p], codes, scales, vphys((js + p) / ns, lf.half_t) * ns + (js + p) % ns, lane, g);
+#if !GRP /* in flight while the tables are built (GRP: after the wait, which the expert ids need) */
+  K3_PRELOAD
+#endif
   for (int i = (int)tid; i < MAXW * LFW; i += (int)blockDim.x) s_stile[i] = -1;
   for (int i = (int)tid; i < LFU; i += (int)blockDim.x) s_ucnt[i] = 0;
 #elif CAU
   Lfx lf;
   lf.half_t = EPI ? n_tiles >> 1 : 0;
   int nslot = 0;
-#pragma unroll
-  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+#define K3_PRELOAD \
+  _Pragma("unroll") for (int p = 0; p < PD - 1; ++p) \
     if (j0 + p < j1) ld_seg(buf[p], codes, scales, vphys((j0 + p) / ns, lf.half_t) * ns + (j0 + p) % ns, lane, g);
+#if !GRP /* in flight while the tables are built */
+  K3_PRELOAD
+#endif
   for (int i = (int)tid; i < MAXW * LFW; i += (int)blockDim.x) s_stile[i] = -1;
 #else
-#pragma unroll
-  for (int p = 0; p < PD - 1; ++p)  /* in flight while the tables are built */
+#define K3_PRELOAD \
+  _Pragma("unroll") for (int p = 0; p < PD - 1; ++p) \
     if (j0 + p < j1) ld_seg(buf[p], codes, scales, XK ? (j0 + p) / ns * n_seg + s_lo + (j0 + p) % ns : j0 + p, lane, g);
+#if !GRP /* in flight while the tables are built */
+  K3_PRELOAD
 #endif
-#if !XK && !LFX && !CAU
+#endif
+#if !XK && !LFX && !CAU && !GRP
   if (lane == 0 && j0 + PD - 1 < j1) { /* the rest of the warp's range, from its start */
     l2_prefetch(codes + (long long)(j0 + PD - 1) * K_BITS * 32, (long long)(j1 - j0 - PD + 1) * K_BITS * 512);
     l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
   }
 #endif
-  const float ts = *ts_ptr;
+  const float ts = GRP ? 1.0f : *ts_ptr; /* GRP: each pair's own, after the wait (s_gts) */
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
@@ -593,8 +618,22 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   stage_w(sw_, p_nw, kin, tid);  /* a weight: before the wait */
 #endif
 #endif
+#if GRP
+  if (tid == 0) {
+    s_gnte = gr_nte;
+    s_gseg = n_seg;
+    s_gxs = gr_xps;
+  }
+#endif
   pdl_launch();
   pdl_wait();
+#if GRP
+  if ((int)tid < n_tiles / gr_nte) {
+    const int e = ld_dep(gr_eid + tid);
+    s_eid[tid] = e;
+    s_gts[tid] = ts_ptr[e];
+  }
+#endif
 #if XS
 #if PRO
   if (M == 1)
@@ -616,6 +655,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #endif
 #endif
   __syncthreads();
+#if GRP
+  K3_PRELOAD
+#endif
 #if !CAU /* (CAU: every warp meets the CTA barrier at the end) */
   if (j0 >= j1) return;
 #endif
