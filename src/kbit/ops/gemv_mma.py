@@ -38,7 +38,7 @@ from kbit.ops.mma.common import (
 from kbit.ops.mma.layout import geometry, repacked
 from kbit.tuning import mma as _tmma
 from kbit.tuning.mma import MAX_M, LargeConfig, MmaConfig, large_config, uses_large
-from kbit.tuning.mma_plan import KERNELS, MmaPlan, make_plan, table_smem
+from kbit.tuning.mma_plan import KERNELS, SMEM_MAX, MmaPlan, make_plan, table_smem, x_rows_bytes
 from kbit.tuning.tables import gpu_key
 from kbit.tuning.tuned import tuned_candidate
 from kbit.utils.checks import fail
@@ -306,22 +306,25 @@ PLANS.on_clear(_PAIRS.clear)
 
 
 def _pairs_launch(k, P, N, K, scale_format, bf16, per_pair_x, dev):
-    """(plan, GRP build) of the stacked ``[P N, K]`` launch at M = 1, or None where it does not apply: the dense
-    path's pick for that shape is not kernel 3, or is one with K slices or the slot fix-up (deterministic mode)."""
+    """(plan, GRP build, dynamic shared bytes) of the stacked ``[P N, K]`` launch at M = 1, or None where it does not
+    apply: the dense path's pick for that shape is not kernel 3, or is one with K slices or the slot fix-up
+    (deterministic mode). A row of x a pair (``per_pair_x``) is staged a pair where the plan stages x and the rows
+    fit; else read from global memory."""
     key = (k, P, N, K, scale_format, bf16, per_pair_x, dev, deterministic())
     if key in _PAIRS:
         return _PAIRS[key]
     hit = None
     cfg = launch_config(k, 1, P * N, K, dev)
-    if isinstance(cfg, MmaConfig) and cfg.kernel == 3:
-        if per_pair_x and cfg.x_smem:  # a row a pair: read from global memory (the staged x holds one row)
-            cfg = replace(cfg, x_smem=False, x_slice=0)
-        p, _ = PLANS.get(k, 1, P * N, K, scale_format, cfg, bf16, dev)
+    for c in (cfg, replace(cfg, x_smem=False, x_slice=0)) if isinstance(cfg, MmaConfig) and cfg.kernel == 3 else ():
+        p, _ = PLANS.get(k, 1, P * N, K, scale_format, c, bf16, dev)
         d = p.defines
-        if p.kernel == 3 and not d.get("XK") and not d.get("DET") and not (per_pair_x and d.get("XS")):
-            kern = cuda.compile_kernel(*p.source, {**p.defines, "GRP": 1, "L2PF": 0}, dev)
-            if kern.occupancy(p.warps * 32, p.shared) >= 1:
-                hit = (p, kern)
+        if p.kernel != 3 or d.get("XK") or d.get("DET"):
+            break
+        shared = p.shared + (P - 1) * x_rows_bytes(1, p.S) if per_pair_x and d.get("XS") else p.shared
+        kern = cuda.compile_kernel(*p.source, {**d, "GRP": 1, "L2PF": 0}, dev)
+        if shared <= SMEM_MAX and kern.occupancy(p.warps * 32, shared) >= 1:
+            hit = (p, kern, shared)
+            break
     _PAIRS[key] = hit
     return hit
 
@@ -348,7 +351,7 @@ def pairs_linear(x, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, s
     hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, bool(per_pair_x), dev)
     if hit is None:
         return None
-    p, kern = hit
+    p, kern, shared = hit
     xm = x_rows(x.contiguous(), p.S)
     y = torch.empty(P, N, dtype=x.dtype, device=dev)
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
@@ -356,7 +359,7 @@ def pairs_linear(x, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, s
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, xm.data_ptr(), y.data_ptr(), None, ws, cnt, 1,
                         P * N, xm.stride(0), P * N, kx=K)
     kern((p.grid,), p.warps * 32, _ARGS_FMT + "Qii", *args, ids.data_ptr(), N // 16,
-         xm.stride(0) if per_pair_x else 0, shared=p.shared, pdl=True)
+         xm.stride(0) if per_pair_x else 0, shared=shared, pdl=True)
     return poison(y, bad)
 
 

@@ -104,17 +104,14 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #if GRP
 /* GRP (kernel 3 only): one token's MoE pairs as one GEMV over their experts' stacked tiles
    (kbit.ops.grouped_mma.pairs_linear). Stacked tile t belongs to pair p = t / s_gnte and reads tile t - p s_gnte of
-   expert s_eid[p] of the stack; s_gts[p] is that expert's tensor scale, s_gxs the x row stride of a pair (0: one x
-   row for all). The kernel fills these after its PDL wait: the expert ids are the routing launch's output. */
+   expert e_p of the stack (s_goff); s_gts[p] is that expert's tensor scale, s_gxs the x row stride of a pair (0: one
+   x row for all; in x staged in shared memory, a staged row). The kernel fills these after its PDL wait: the expert ids are the routing launch's output. */
 #define GRP_MAXP 32
-__shared__ int s_eid[GRP_MAXP];
+__shared__ long long s_goff[GRP_MAXP]; /* (expert - pair) x the (tile, segment) pairs of an expert */
 __shared__ float s_gts[GRP_MAXP];
-__shared__ int s_gnte, s_gseg, s_gxs;
-/* the stack's (tile, segment) pair of stacked pair j */
-__device__ __forceinline__ long long grp_unit(long long j) {
-  const int u = (int)j, t = u / s_gseg, p = t / s_gnte;
-  return ((long long)s_eid[p] * s_gnte + (t - p * s_gnte)) * s_gseg + (u - t * s_gseg);
-}
+__shared__ int s_gnte, s_gupe, s_gxs;  /* tiles, (tile, segment) pairs of an expert; x's pair stride */
+/* the stack's (tile, segment) pair of stacked pair j: pair p's run of s_gupe moved to its expert's */
+__device__ __forceinline__ long long grp_unit(long long j) { return j + s_goff[(int)j / s_gupe]; }
 /* x's offset for stacked tile t: its pair's row */
 __device__ __forceinline__ long long grp_xoff(int t) { return (long long)(t / s_gnte) * s_gxs; }
 #else

@@ -621,16 +621,25 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #if GRP
   if (tid == 0) {
     s_gnte = gr_nte;
-    s_gseg = n_seg;
+    s_gupe = gr_nte * n_seg;
+#if XS /* a staged row a pair (the host sized the shared memory for them) */
+    s_gxs = gr_xps ? 8 * xv : 0;
+#else
     s_gxs = gr_xps;
+#endif
   }
+#endif
+#if XS && GRP
+  const int x_rows_n = gr_xps ? n_tiles / gr_nte : M; /* x rows to stage */
+#elif XS
+  const int x_rows_n = M;
 #endif
   pdl_launch();
   pdl_wait();
 #if GRP
   if ((int)tid < n_tiles / gr_nte) {
     const int e = ld_dep(gr_eid + tid);
-    s_eid[tid] = e;
+    s_goff[tid] = (long long)(e - (int)tid) * gr_nte * n_seg;
     s_gts[tid] = ts_ptr[e];
   }
 #endif
@@ -647,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
                               : *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
   }
 #else
-  for (int i = (int)tid; i < M * xv; i += (int)blockDim.x) {
+  for (int i = (int)tid; i < x_rows_n * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
     ((V4*)sx)[i] = (c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
                    : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
