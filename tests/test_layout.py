@@ -305,7 +305,8 @@ def test_moe_repacked_holds_one_copy_same_outputs_and_state(k, I):
 
 def test_moe_plans_by_layout(monkeypatch):
     """Repacked: the automatic plan runs the grouped tensor-core kernel where it would run the GEMV (when that
-    kernel exists); canonical with auto_repack off: planned without it."""
+    kernel exists), and at one token the pairs' dense GEMV where N is whole 16-row tiles (gate_up 2I = 80, down
+    H = 64); canonical with auto_repack off: planned without it."""
     import kbit.dispatch.moe as ops_moe
     import kbit.nn.moe as nn_moe
 
@@ -318,7 +319,7 @@ def test_moe_plans_by_layout(monkeypatch):
     assert m.plan_for(4) == GEMV
     m.auto_repack = True
     m.repack_for_kernels()
-    assert m.plan_for(1) == GEMM and m.plan_for(4) == GEMM
+    assert m.plan_for(1) == MoePlan("pairs", "pairs") and m.plan_for(4) == GEMM
     assert m.plan_for(1, GEMV) == GEMV  # a pinned plan is kept
 
 
