@@ -283,6 +283,8 @@ def test_moe_repacked_holds_one_copy_same_outputs_and_state(k, I):
     for (m, xx, p), want in zip(plans, before, strict=True):
         assert torch.equal(m(xx, plan=p), want), p  # CPU: unrepacked temporaries, the same kernels
     assert m16.plan_for(1) == GEMV  # no grouped tensor-core kernel on the CPU: the plan is unchanged
+    x1 = x[:1].half()  # one token: "pairs" declines off CUDA and the step runs "gemm"
+    assert torch.equal(m16(x1, plan=MoePlan("pairs", "pairs")), m16(x1, plan=GEMM))
 
     sd = m16.state_dict()
     _assert_same_state(sd, sd0)
