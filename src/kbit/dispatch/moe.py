@@ -24,7 +24,7 @@ Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
   the GEMV, so :func:`choose_plan` does not pick it).
 - ``"pairs"``: one token (T = 1) on a stack in layout "mma-v1": the pairs as one dense GEMV over the touched
   experts' stacked tiles (``kbit.ops.gemv_mma.pairs_linear``: the dense M = 1 kernel 3, split K across CTAs),
-  1.3-2.4x faster than the grouped kernels on six MoE shapes; where that launch does not apply, the grouped
+  1.09-1.60x faster than the grouped kernels on six MoE shapes; where that launch does not apply, the grouped
   kernels (``"gemm"``) run instead. :func:`plan_for_layout` picks it.
 
 Thresholds: ``kbit.tuning.moe``.

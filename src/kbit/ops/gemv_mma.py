@@ -334,8 +334,8 @@ def pairs_linear(x, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, s
     """One token's MoE pairs ``y[p] = x[p if per_pair_x else 0] @ W[expert_ids[p]].T`` as one dense GEMV over the
     touched experts' stacked tiles: the dense path's M = 1 launch (kernel 3, its plan for a ``[P N, K]`` weight),
     built with ``GRP`` (stacked tile t reads expert ``expert_ids[t // (N / 16)]``'s tile, x row and tensor scale;
-    the ids are read on the device after the launch's PDL wait, no host sync). One token's grouped GEMMs ran
-    1.3-2.4x slower than this on six MoE shapes (H200, ``benchmarks/results/h200/moe-t1-lab-2026-11-29/``).
+    the ids are read on the device after the launch's PDL wait, no host sync). On six MoE shapes one token's grouped
+    GEMMs ran 1.09-1.60x slower than this (H200, ``benchmarks/results/h200/moe-pairs-2026-11-29/``).
 
     x: fp16/bf16 ``[1, K]`` (``per_pair_x`` False: the token, gate_up) or ``[P, K]`` (a row a pair, down);
     expert_ids: int32 ``[P]`` in range (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN
