@@ -91,13 +91,14 @@ def main():
             # the pairs as one dense GEMV over the stacked experts (kbit.ops.gemv_mma.pairs_linear)
             reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
                     for c, sc, _, _ in stacks]
-            pk = dict(k=k, scale_format="log8", N=N, K=K, per_pair_x=gemm == "down")
-            y = pairs_linear(x, ids, *reps[0], *stacks[0][2:], **pk)
+            pk = dict(k=k, scale_format="log8", N=N, K=K)
+            y = pairs_linear(x, rows, ids, *reps[0], *stacks[0][2:], **pk)
             if y is None:
                 r["pairs"] = "not applicable"
             else:
                 err = ((y.double() - ref).norm() / ref.norm()).item()
-                t = time_calls([(lambda rp=rp, s=s, x=x, ids=ids, pk=pk: pairs_linear(x, ids, *rp, *s[2:], **pk))
+                t = time_calls([(lambda rp=rp, s=s, x=x, rows=rows, ids=ids, pk=pk:
+                                 pairs_linear(x, rows, ids, *rp, *s[2:], **pk))
                                 for rp, s in zip(reps, stacks, strict=True)])
                 r["pairs"] = (t.us, top * one / t.us / 1e6, err)
             del stacks, reps

@@ -334,22 +334,26 @@ def test_gpu_grouped_kernel_unsorted_rows_and_no_sync():
     assert torch.equal(y, no_sync(lambda: GR.grouped_linear(x, tok, ids, codes, scales, ts, cb, **kw)))
 
 
-PAIRS_CASES = [  # (N, K, P, per-pair x, k, dtype, scale format): MoE-like expert shapes at one token
-    (1536, 2048, 8, False, 4, "bf16", "log8"),  # Qwen3-30B-A3B gate_up
-    (2048, 768, 8, True, 3, "fp16", "log8"),  # its down (K = 3 segments)
-    (5760, 2880, 4, False, 5, "bf16", "fp16"),  # gpt-oss gate_up (K not a multiple of 256)
-    (4096, 1408, 8, True, 2, "bf16", "log8"),  # GLM-4.5-Air down
-    (2816, 4096, 10, False, 4, "fp16", "log8"),  # ten pairs (Qwen3-Next)
-    (4096, 14336, 2, True, 4, "bf16", "log8"),  # Mixtral-8x7B down: two pairs
+PAIRS_CASES = [  # (N, K, P, x rows, k, dtype, scale format): MoE-like expert shapes at a few tokens
+    (1536, 2048, 8, 1, 4, "bf16", "log8"),  # Qwen3-30B-A3B gate_up, one token
+    (2048, 768, 8, 8, 3, "fp16", "log8"),  # its down (K = 3 segments)
+    (5760, 2880, 4, 1, 5, "bf16", "fp16"),  # gpt-oss gate_up (K not a multiple of 256)
+    (4096, 1408, 8, 8, 2, "bf16", "log8"),  # GLM-4.5-Air down
+    (2816, 4096, 10, 1, 4, "fp16", "log8"),  # ten pairs (Qwen3-Next)
+    (4096, 14336, 2, 2, 4, "bf16", "log8"),  # Mixtral-8x7B down: two pairs
+    (1536, 2048, 32, 4, 4, "bf16", "log8"),  # Qwen3-30B-A3B gate_up, four tokens
+    (2048, 768, 64, 64, 4, "bf16", "log8"),  # its down at eight tokens: 64 pairs, the most a launch takes
+    (28672, 4096, 4, 2, 4, "fp16", "log8"),  # Mixtral-8x7B gate_up, two tokens
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K_,P,per_pair,k,dt,sf", PAIRS_CASES)
-def test_gpu_pairs_linear_vs_reference(N, K_, P, per_pair, k, dt, sf):
-    """One token's pairs as one dense GEMV over the stacked experts (kbit.ops.gemv_mma.pairs_linear): against the
-    float64 reference with a repeated expert, a CUDA-graph replay with other ids, no host sync, and a bad id's row
-    NaN (the rest unchanged)."""
+@pytest.mark.parametrize("N,K_,P,R,k,dt,sf", PAIRS_CASES)
+def test_gpu_pairs_linear_vs_reference(N, K_, P, R, k, dt, sf):
+    """A few tokens' pairs (pair p reads x row p R / P) as one dense GEMV over the stacked experts
+    (kbit.ops.gemv_mma.pairs_linear): against the float64 reference with a repeated expert, a CUDA-graph replay with
+    other ids, no host sync, a bad id's row NaN (the rest unchanged), and one pair more than a launch takes
+    declined."""
     if not MC.kernels_available("cuda"):
         pytest.skip("CUDA kernel not available")
     from kbit.ops import gemv_mma as GV
@@ -364,16 +368,17 @@ def test_gpu_pairs_linear_vs_reference(N, K_, P, per_pair, k, dt, sf):
     if P > 1:
         ids[1] = ids[0]  # a repeated expert (the router gives in-range ids even for NaN scores)
     ids = ids.cuda()
-    x = torch.randn(P if per_pair else 1, K_, device="cuda").to(dtype)
-    rows = torch.arange(P, dtype=torch.int32, device="cuda") if per_pair else torch.zeros(P, dtype=torch.int32,
-                                                                                        device="cuda")
+    x = torch.randn(R, K_, device="cuda").to(dtype)
+    rows = (torch.arange(P, device="cuda") * R // P).int()
     kw = dict(k=k, blocksize=32, scale_format=sf, N=N, K=K_)
 
-    def run(i, bad=None):
-        return GV.pairs_linear(x, i, rc, rs, ts, cb, k=k, scale_format=sf, N=N, K=K_, per_pair_x=per_pair, bad=bad)
+    def run(i, bad=None, r=rows):
+        return GV.pairs_linear(x, r, i, rc, rs, ts, cb, k=k, scale_format=sf, N=N, K=K_, bad=bad)
 
     y = run(ids)
     assert y is not None, "the stacked shape's dense pick is not a kernel-3 build pairs_linear covers"
+    if P == GV.PAIRS_MAX:  # one pair more than a launch takes: declined (the caller runs the grouped kernels)
+        assert run(torch.cat([ids, ids[:1]]), r=torch.cat([rows, rows[:1]])) is None
     ref = G.grouped_gemv_reference(x, rows, ids, codes, scales, ts, cb, **kw)
     assert rel_err(y, ref) < tol(dtype)
     assert rel_err(no_sync(lambda: run(ids)), ref) < tol(dtype)
@@ -386,8 +391,8 @@ def test_gpu_pairs_linear_vs_reference(N, K_, P, per_pair, k, dt, sf):
     assert rel_err(yg, G.grouped_gemv_reference(x, rows, other, codes, scales, ts, cb, **kw)) < tol(dtype)
     bad_ids = ids.clone()
     bad_ids[P - 1] = E + 3
-    _, clamped, bad = guard(rows, x.shape[0], bad_ids, E)
-    yb = run(clamped, bad)
+    crows, clamped, bad = guard(rows, x.shape[0], bad_ids, E)
+    yb = run(clamped, bad, crows)
     assert torch.isnan(yb[P - 1]).all()
     if P > 1:
         assert rel_err(yb[:P - 1], ref[:P - 1]) < tol(dtype)

@@ -307,8 +307,8 @@ def test_moe_repacked_holds_one_copy_same_outputs_and_state(k, I):
 
 def test_moe_plans_by_layout(monkeypatch):
     """Repacked: the automatic plan runs the grouped tensor-core kernel where it would run the GEMV (when that
-    kernel exists), and at one token the pairs' dense GEMV where N is whole 16-row tiles (gate_up 2I = 80, down
-    H = 64); canonical with auto_repack off: planned without it."""
+    kernel exists), and at a few tokens the pairs' dense GEMV where N is whole 16-row tiles (gate_up 2I = 80,
+    down H = 64) and few pairs share an expert; canonical with auto_repack off: planned without it."""
     import kbit.dispatch.moe as ops_moe
     import kbit.nn.moe as nn_moe
 
@@ -321,7 +321,8 @@ def test_moe_plans_by_layout(monkeypatch):
     assert m.plan_for(4) == GEMV
     m.auto_repack = True
     m.repack_for_kernels()
-    assert m.plan_for(1) == MoePlan("pairs", "pairs") and m.plan_for(4) == GEMM
+    # 6 experts, top 2: 1.2 expected reads a touched expert at two tokens (pairs), 1.42 at three (grouped)
+    assert m.plan_for(1) == MoePlan("pairs", "pairs") == m.plan_for(2) and m.plan_for(3) == GEMM
     assert m.plan_for(1, GEMV) == GEMV  # a pinned plan is kept
 
 
@@ -539,8 +540,10 @@ def test_gpu_moe_memory_1x_and_outputs_identical():
     assert torch.cuda.max_memory_allocated() - held < 0.75 * wbytes  # one stack's two layouts at once
     for T in xs:
         assert torch.equal(out[T], before[T]), T
-    auto = m(*xs[1])  # T = 1, automatic plan: the grouped kernel (it reads the repacked layout)
-    assert m.plan_for(1, dtype=torch.bfloat16) == GEMM and torch.equal(auto, before[1])
+    auto = m(*xs[1])  # T = 1, automatic plan: the pairs' dense GEMV (it reads the repacked layout)
+    assert m.plan_for(1, dtype=torch.bfloat16) == MoePlan("pairs", "pairs")
+    d = (auto.double() - before[1].double()).norm() / before[1].double().norm()
+    assert d < 1e-2  # another summation order than the grouped kernel's
     assert not GM._CACHE
 
 

@@ -1,8 +1,9 @@
 #!/bin/bash
-# One device call: one token's MoE pairs as one dense GEMV (kbit.ops.gemv_mma.pairs_linear) against the tree before
-# (.ab/base; carry ".ab"): 1. GPU tests of the grouped kernels, the MoE layer and the decode step; 2. lab/moe_t1_lab.py
-# (six MoE shapes, the grouped kernels, the pairs launch and the dense path on the same bytes); 3. the decode step,
-# new / base / new / base, a fresh process a run (bench_e2e, MODELS, BATCH). Logs: $OUT/pairs-ab.tgz.
+# One device call: MoE pairs as one dense GEMV (kbit.ops.gemv_mma.pairs_linear) against the tree before (.ab/base;
+# carry ".ab"): 1. GPU tests (TESTS; default: the grouped kernels, the MoE layer and the decode step);
+# 2. lab/moe_t1_lab.py (six MoE shapes, the grouped kernels, the pairs launch and the dense path on the same bytes);
+# 3. the decode step in the trees of ORDER (default new base new base), a fresh process a run (bench_e2e, MODELS,
+# BATCH: one or a comma list). Logs: $OUT/pairs-ab.tgz.
 set -u
 export PYTHONUNBUFFERED=1
 : "${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}"
@@ -10,7 +11,7 @@ O=/tmp/pairs-ab; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/pairs-ab.tgz" -C "$O" . ; }
 T0=$(date +%s)
 PYTHONPATH=$PWD/src timeout ${T_TEST:-200} python -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_grouped_mma.py tests/test_moe.py tests/test_decode.py > "$O/gpu-tests.log" 2>&1
+  ${TESTS:-tests/test_grouped_mma.py tests/test_moe.py tests/test_decode.py} > "$O/gpu-tests.log" 2>&1
 echo "tests rc $? after $(( $(date +%s) - T0 )) s"; tail -3 "$O/gpu-tests.log"; pack
 if [ "${T_LAB:-90}" -gt 1 ]; then
   PYTHONPATH=$PWD/src KBIT_COMMIT=$KBIT_COMMIT timeout ${T_LAB:-90} python lab/moe_t1_lab.py --budget 60 --out "$O" \
@@ -24,6 +25,6 @@ for t in ${ORDER:-new base new base}; do
     --models "${MODELS:-qwen3-30b-a3b,mixtral-8x7b}" --k 4 --batch ${BATCH:-1} --steps 16 --reps 3 \
     --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
   echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
-  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-70
+  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-70}
   pack
 done

@@ -22,10 +22,11 @@ Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
   expert, cut into blocks of 8-256 rows of one expert (a block table built on the device), each block's expert
   weight read and decoded once for all its rows. CUDA with fp16/bf16 only (elsewhere :func:`grouped_gemm` runs
   the GEMV, so :func:`choose_plan` does not pick it).
-- ``"pairs"``: one token (T = 1) on a stack in layout "mma-v1": the pairs as one dense GEMV over the touched
-  experts' stacked tiles (``kbit.ops.gemv_mma.pairs_linear``: the dense M = 1 kernel 3, split K across CTAs),
-  1.09-1.60x faster than the grouped kernels on six MoE shapes; where that launch does not apply, the grouped
-  kernels (``"gemm"``) run instead. :func:`plan_for_layout` picks it.
+- ``"pairs"``: a few tokens on a stack in layout "mma-v1", at most 64 pairs and few of them on one expert
+  (``kbit.tuning.moe.PAIRS_MAX_REREAD``): the pairs as one dense GEMV over the touched experts' stacked tiles
+  (``kbit.ops.gemv_mma.pairs_linear``: the dense M = 1 kernel 3, split K across CTAs), 1.09-1.60x faster than the
+  grouped kernels on six MoE shapes at one token; where that launch does not apply, the grouped kernels
+  (``"gemm"``) run instead. :func:`plan_for_layout` picks it.
 
 Thresholds: ``kbit.tuning.moe``.
 """
@@ -62,10 +63,12 @@ from kbit.tuning.moe import (
     GEMV_MAX_ROWS_PER_EXPERT,
     GEMV_T1_MAX_WEIGHTS,
     PAIR_ORDER_MAX_T,
+    PAIRS_MAX_REREAD,
     SORT_PAIRS_MAX_T,
     TAIL_ROWS,
     TAIL_SPLIT_BT,
     TAIL_SPLIT_MIN_E,
+    pairs_rereads,
     rows_per_expert,
 )
 from kbit.utils.checks import fail
@@ -183,8 +186,10 @@ def plan_for_layout(T: int, top_k: int, E: int, H: int, I: int, dtype: torch.dty
     p = choose_plan(T, top_k, E, H, I, dtype, device, gemm=None if (repacked or auto_repack) else False)
     if repacked and "gemv" in (p.gate_up, p.down) and gemm_supported(device, dtype):
         p = MoePlan(*("gemm" if kn == "gemv" else kn for kn in (p.gate_up, p.down)))
-    if repacked and T == 1 and top_k <= PAIRS_MAX and gemm_supported(device, dtype):
-        # one token: the pairs as one dense GEMV (it falls back to the grouped kernels where it does not apply)
+    if (repacked and T * top_k <= PAIRS_MAX and pairs_rereads(T, top_k, E) <= PAIRS_MAX_REREAD
+            and gemm_supported(device, dtype)):
+        # a few tokens on many experts: the pairs as one dense GEMV (it falls back to the grouped kernels where it
+        # does not apply)
         p = MoePlan(*("pairs" if kn == "gemm" and N % 16 == 0 else kn
                       for kn, N in ((p.gate_up, 2 * I), (p.down, H))))
     return p
@@ -409,17 +414,16 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
 
 
 def _pairs(x, rows, routing: MoeRouting, weight, gather: bool, act: str | None) -> torch.Tensor | None:
-    """:func:`expert_matmul` of kernel ``"pairs"`` (one token: gather reads x's one row, else row p of x for pair
-    p, as the routing's row ids are ``arange(P)``), or None where ``kbit.ops.gemv_mma.pairs_linear`` does not
+    """:func:`expert_matmul` of kernel ``"pairs"``, or None where ``kbit.ops.gemv_mma.pairs_linear`` does not
     apply (the caller runs the grouped kernels)."""
-    if not _repacked(weight) or (gather and x.shape[0] != 1) or (not gather and x.shape[0] != routing.P):
+    if not _repacked(weight):
         return None
     if act == "silu":
         x = silu_mul_gate_up(x)
     # ids out of range (a routing not made by kbit's router): clamped copies, their rows NaN after
-    _, ids, bad = guard(rows, x.shape[0], routing.expert_ids, weight.codes.shape[0], checked=routing.checked)
-    return pairs_linear(x, ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, k=weight.k,
-                        scale_format=weight.scale_format, N=weight.N, K=weight.K, per_pair_x=not gather, bad=bad)
+    rows, ids, bad = guard(rows, x.shape[0], routing.expert_ids, weight.codes.shape[0], checked=routing.checked)
+    return pairs_linear(x, rows, ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, k=weight.k,
+                        scale_format=weight.scale_format, N=weight.N, K=weight.K, bad=bad)
 
 
 # ------------------------------------------------------------------------------------------------ layer

@@ -297,20 +297,20 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
     return run
 
 
-# ------------------------------------------------------------------------------------------------ one token's MoE pairs
+# ---------------------------------------------------------------------------------------------- a few tokens' MoE pairs
 
 #: pairs a launch of :func:`pairs_linear` takes (``GRP_MAXP`` of ``common.cuh``)
-PAIRS_MAX = 32
-_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, per-pair x, device, deterministic) -> (plan, kernel) or None
+PAIRS_MAX = 64
+_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, device, deterministic) -> (plan, kernel) or None
 PLANS.on_clear(_PAIRS.clear)
 
 
-def _pairs_launch(k, P, N, K, scale_format, bf16, per_pair_x, dev):
-    """(plan, GRP build, dynamic shared bytes) of the stacked ``[P N, K]`` launch at M = 1, or None where it does not
-    apply: the dense path's pick for that shape is not kernel 3, or is one with K slices or the slot fix-up
-    (deterministic mode). A row of x a pair (``per_pair_x``) is staged a pair where the plan stages x and the rows
-    fit; else read from global memory."""
-    key = (k, P, N, K, scale_format, bf16, per_pair_x, dev, deterministic())
+def _pairs_launch(k, P, N, K, scale_format, bf16, xn, dev):
+    """(plan, GRP build, dynamic shared bytes) of the stacked ``[P N, K]`` launch at M = 1 on ``xn`` rows of x, or
+    None where it does not apply: the dense path's pick for that shape is not kernel 3, or is one with K slices or the
+    slot fix-up (deterministic mode). x's rows are staged where the plan stages x and they fit; else read from
+    global memory."""
+    key = (k, P, N, K, scale_format, bf16, xn, dev, deterministic())
     if key in _PAIRS:
         return _PAIRS[key]
     hit = None
@@ -320,7 +320,7 @@ def _pairs_launch(k, P, N, K, scale_format, bf16, per_pair_x, dev):
         d = p.defines
         if p.kernel != 3 or d.get("XK") or d.get("DET"):
             break
-        shared = p.shared + (P - 1) * x_rows_bytes(1, p.S) if per_pair_x and d.get("XS") else p.shared
+        shared = p.shared + (xn - 1) * x_rows_bytes(1, p.S) if d.get("XS") else p.shared
         kern = cuda.compile_kernel(*p.source, {**d, "GRP": 1, "L2PF": 0}, dev)
         if shared <= SMEM_MAX and kern.occupancy(p.warps * 32, shared) >= 1:
             hit = (p, kern, shared)
@@ -329,37 +329,36 @@ def _pairs_launch(k, P, N, K, scale_format, bf16, per_pair_x, dev):
     return hit
 
 
-def pairs_linear(x, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, scale_format="log8", N, K,
-                 per_pair_x, bad=None):
-    """One token's MoE pairs ``y[p] = x[p if per_pair_x else 0] @ W[expert_ids[p]].T`` as one dense GEMV over the
-    touched experts' stacked tiles: the dense path's M = 1 launch (kernel 3, its plan for a ``[P N, K]`` weight),
-    built with ``GRP`` (stacked tile t reads expert ``expert_ids[t // (N / 16)]``'s tile, x row and tensor scale;
-    the ids are read on the device after the launch's PDL wait, no host sync). On six MoE shapes one token's grouped
-    GEMMs ran 1.09-1.60x slower than this (H200, ``benchmarks/results/h200/moe-pairs-2026-11-29/``).
+def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, scale_format="log8", N, K,
+                 bad=None):
+    """A few tokens' MoE pairs ``y[p] = x[rows[p]] @ W[expert_ids[p]].T`` as one dense GEMV over the touched
+    experts' stacked tiles: the dense path's M = 1 launch (kernel 3, its plan for a ``[P N, K]`` weight), built
+    with ``GRP`` (stacked tile t reads expert ``expert_ids[t // (N / 16)]``'s tile, its pair's x row and tensor
+    scale; ids and rows are read on the device after the launch's PDL wait, no host sync). On six MoE shapes one
+    token's grouped GEMMs ran 1.09-1.60x slower than this (H200, ``benchmarks/results/h200/moe-pairs-2026-11-29/``).
 
-    x: fp16/bf16 ``[1, K]`` (``per_pair_x`` False: the token, gate_up) or ``[P, K]`` (a row a pair, down);
-    expert_ids: int32 ``[P]`` in range (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN
-    after); rcodes / rscales: a stack ``[E, N / 16, ...]`` in layout "mma-v1", tensor_scale float32 ``[E]``.
-    Returns ``[P, N]``, or None where the launch does not apply (more than :data:`PAIRS_MAX` pairs, N not a
-    multiple of 16, no CUDA kernels, or the stacked shape's dense pick is not a kernel-3 build it covers):
-    the caller runs the grouped kernels then."""
+    x: fp16/bf16 ``[R, K]`` (gate_up: the tokens; down: a row a pair); rows, expert_ids: int32 ``[P]`` in range
+    (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN after); rcodes / rscales: a stack
+    ``[E, N / 16, ...]`` in layout "mma-v1", tensor_scale float32 ``[E]``. Returns ``[P, N]``, or None where the
+    launch does not apply (more than :data:`PAIRS_MAX` pairs, N not a multiple of 16, no CUDA kernels, or the stacked
+    shape's dense pick is not a kernel-3 build it covers): the caller runs the grouped kernels then."""
     P = expert_ids.shape[0]
     dev = x.device
     if not (1 <= P <= PAIRS_MAX and N % 16 == 0 and rcodes.shape[1] * 16 == N and x.is_cuda
             and kernels_available(dev) and x.dtype in (torch.float16, torch.bfloat16)):
         return None
-    hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, bool(per_pair_x), dev)
+    hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, x.shape[0], dev)
     if hit is None:
         return None
     p, kern, shared = hit
     xm = x_rows(x.contiguous(), p.S)
     y = torch.empty(P, N, dtype=x.dtype, device=dev)
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
-    ids = expert_ids.contiguous()
+    ids, rws = expert_ids.contiguous(), rows.contiguous()
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, xm.data_ptr(), y.data_ptr(), None, ws, cnt, 1,
                         P * N, xm.stride(0), P * N, kx=K)
-    kern((p.grid,), p.warps * 32, _ARGS_FMT + "Qii", *args, ids.data_ptr(), N // 16,
-         xm.stride(0) if per_pair_x else 0, shared=shared, pdl=True)
+    kern((p.grid,), p.warps * 32, _ARGS_FMT + "QQii", *args, ids.data_ptr(), rws.data_ptr(), N // 16, xm.shape[0],
+         shared=shared, pdl=True)
     return poison(y, bad)
 
 

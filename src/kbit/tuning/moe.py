@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from kbit.tuning.mma import check_wgmma_fixed
 
 __all__ = ["FUSED_ROUTER_MAX_T", "GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS",
-           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T", "TAIL_ROWS",
-           "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "FusedRouterConfig", "GroupedMmaConfig",
+           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIRS_MAX_REREAD", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T",
+           "TAIL_ROWS", "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "FusedRouterConfig", "GroupedMmaConfig",
            "WgmmaGroupedConfig", "block_groups", "fused_router_config", "grouped_kernel", "grouped_mma_config",
-           "rows_per_expert", "wgmma_config"]
+           "pairs_rereads", "rows_per_expert", "wgmma_config"]
 
 # ------------------------------------------------------------------------------------------------ MoE plan
 
@@ -52,6 +52,11 @@ SORT_PAIRS_MAX_T = 1024
 #: At T = 1 the Triton GEMV beats the grouped GEMM on experts of up to this many weights (Qwen3-30B-A3B,
 #: Qwen3-Next); on larger experts (Mixtral) the grouped GEMM wins.
 GEMV_T1_MAX_WEIGHTS = 1 << 24
+#: The pairs' dense GEMV (``kbit.ops.gemv_mma.pairs_linear``) reads an expert's weight once a pair, the grouped
+#: kernels once a touched expert: the pairs launch while the expected reads a touched expert
+#: (:func:`pairs_rereads`) stay at most this. H200, k = 4, decode steps against the grouped kernels: 1.27x at
+#: 1.10 (Qwen3-30B-A3B-shaped, T = 4), 1.02x at 1.14 (Mixtral-shaped, T = 2), 0.96x at 1.46 (Mixtral, T = 4).
+PAIRS_MAX_REREAD = 1.25
 
 # ------------------------------------------------------------------------------------------------ fused router
 
@@ -121,6 +126,15 @@ GROUPED1_MAX_WARPS = 8
 def rows_per_expert(P: int, E: int) -> float:
     """Expected rows per touched expert of ``P`` rows on ``E`` experts: ``P / min(E, P)``."""
     return P / max(1, min(E, P))
+
+
+def pairs_rereads(T: int, top_k: int, E: int) -> float:
+    """Expected reads of a touched expert's weight when ``T`` tokens' ``top_k`` pairs each read their expert:
+    ``T top_k`` over the expected touched experts ``E (1 - (1 - top_k / E)^T)`` (the tokens' choices uniform and
+    independent; 1 at T = 1)."""
+    if T <= 1:
+        return 1.0
+    return T * top_k / (E * (1.0 - (1.0 - min(top_k, E) / E) ** T))
 
 
 def block_groups(rpe: float) -> int:

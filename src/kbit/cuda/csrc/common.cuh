@@ -102,19 +102,20 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #define GRP 0
 #endif
 #if GRP
-/* GRP (kernel 3 only): one token's MoE pairs as one GEMV over their experts' stacked tiles
+/* GRP (kernel 3 only): a few tokens' MoE pairs as one GEMV over their experts' stacked tiles
    (kbit.ops.gemv_mma.pairs_linear). Stacked tile t belongs to pair p = t / s_gnte and reads tile t - p s_gnte of
-   expert e_p of the stack (s_goff); s_gts[p] is that expert's tensor scale, s_gxs the x row stride of a pair (0: one
-   x row for all; in x staged in shared memory, a staged row). The kernel fills these after its PDL wait: the
-   expert ids are the routing launch's output. */
-#define GRP_MAXP 32
+   expert e_p of the stack (s_goff); s_gts[p] is that expert's tensor scale, s_gxr[p] its x row, s_gxs x's row
+   stride (in global memory, or of the rows staged in shared memory). The kernel fills these after its PDL wait:
+   the expert ids and rows are the routing launch's output. */
+#define GRP_MAXP 64
 __shared__ long long s_goff[GRP_MAXP]; /* (expert - pair) x the (tile, segment) pairs of an expert */
 __shared__ float s_gts[GRP_MAXP];
-__shared__ int s_gnte, s_gupe, s_gxs;  /* an expert's tiles and (tile, segment) pairs; x's pair stride */
+__shared__ int s_gxr[GRP_MAXP];       /* x row of each pair */
+__shared__ int s_gnte, s_gupe, s_gxs;  /* an expert's tiles and (tile, segment) pairs; x's row stride */
 /* the stack's (tile, segment) pair of stacked pair j: pair p's run of s_gupe moved to its expert's */
 __device__ __forceinline__ long long grp_unit(long long j) { return j + s_goff[(int)j / s_gupe]; }
 /* x's offset for stacked tile t: its pair's row */
-__device__ __forceinline__ long long grp_xoff(int t) { return (long long)(t / s_gnte) * s_gxs; }
+__device__ __forceinline__ long long grp_xoff(int t) { return (long long)s_gxr[t / s_gnte] * s_gxs; }
 #else
 __device__ __forceinline__ long long grp_xoff(int) { return 0; }
 #endif

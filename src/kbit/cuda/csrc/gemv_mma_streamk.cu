@@ -20,7 +20,7 @@
      DET          0/1: fixed-order split-K sums (bit-identical runs)
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
-     GRP          0/1: one token's MoE pairs, the stacked tiles of their experts (common.cuh; M = 1, not with PRO,
+     GRP          0/1: a few tokens' MoE pairs, the stacked tiles of their experts (common.cuh; M = 1, not with PRO,
                   EPI, XK or DET); the weight loads wait for the expert ids (after the PDL wait) */
 #include "splitk.cuh"
 #include "grouped.cuh" /* ld_dep: the expert ids after the wait */
@@ -531,8 +531,8 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
 #endif
-#if GRP /* the pairs' expert ids (int32 [n_tiles / gr_nte]), an expert's tiles, x's row stride a pair (0: one row) */
-    , const int* __restrict__ gr_eid, int gr_nte, int gr_xps
+#if GRP /* the pairs' expert ids and x rows (int32 [n_tiles / gr_nte] each), an expert's tiles, x's rows */
+    , const int* __restrict__ gr_eid, const int* __restrict__ gr_xrow, int gr_nte, int gr_xn
 #endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
@@ -622,25 +622,26 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   if (tid == 0) {
     s_gnte = gr_nte;
     s_gupe = gr_nte * n_seg;
-#if XS /* a staged row a pair (the host sized the shared memory for them) */
-    s_gxs = gr_xps ? 8 * xv : 0;
+#if XS /* x's gr_xn rows staged (the host sized the shared memory for them) */
+    s_gxs = 8 * xv;
 #else
-    s_gxs = gr_xps;
+    s_gxs = x_stride;
 #endif
   }
 #endif
 #if XS && GRP
-  const int x_rows_n = gr_xps ? n_tiles / gr_nte : M; /* x rows to stage */
+  const int x_rows_n = gr_xn; /* x rows to stage */
 #elif XS
   const int x_rows_n = M;
 #endif
   pdl_launch();
   pdl_wait();
 #if GRP
-  if ((int)tid < n_tiles / gr_nte) {
-    const int e = ld_dep(gr_eid + tid);
-    s_goff[tid] = (long long)(e - (int)tid) * gr_nte * n_seg;
-    s_gts[tid] = ts_ptr[e];
+  for (int i = (int)tid; i < n_tiles / gr_nte; i += (int)blockDim.x) { /* up to GRP_MAXP pairs; one warp a CTA */
+    const int e = ld_dep(gr_eid + i), r = ld_dep(gr_xrow + i); /* both before the stores (ld_dep orders them) */
+    s_goff[i] = (long long)(e - i) * gr_nte * n_seg;
+    s_gts[i] = ts_ptr[e];
+    s_gxr[i] = r;
   }
 #endif
 #if XS
