@@ -335,7 +335,8 @@ def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *
     experts' stacked tiles: the dense path's M = 1 launch (kernel 3, its plan for a ``[P N, K]`` weight), built
     with ``GRP`` (stacked tile t reads expert ``expert_ids[t // (N / 16)]``'s tile, its pair's x row and tensor
     scale; ids and rows are read on the device after the launch's PDL wait, no host sync). On six MoE shapes one
-    token's grouped GEMMs ran 1.09-1.60x slower than this (H200, ``benchmarks/results/h200/moe-pairs-2026-11-29/``).
+    token's grouped GEMMs ran 1.09-1.60x slower than this (H200, ``benchmarks/results/h200/moe-pairs-2026-11-29/``);
+    Qwen3-30B-A3B-shaped decode steps of 2-8 tokens 1.16-1.33x slower (``moe-pairs-few-tokens-2026-11-29/``).
 
     x: fp16/bf16 ``[R, K]`` (gate_up: the tokens; down: a row a pair); rows, expert_ids: int32 ``[P]`` in range
     (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN after); rcodes / rscales: a stack

@@ -638,7 +638,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   pdl_wait();
 #if GRP
   for (int i = (int)tid; i < n_tiles / gr_nte; i += (int)blockDim.x) { /* up to GRP_MAXP pairs; one warp a CTA */
-    const int e = ld_dep(gr_eid + i), r = ld_dep(gr_xrow + i); /* both before the stores (ld_dep orders them) */
+    const int e = ld_dep(gr_eid + i), r = ld_dep(gr_xrow + i); /* the pair's expert and x row */
     s_goff[i] = (long long)(e - i) * gr_nte * n_seg;
     s_gts[i] = ts_ptr[e];
     s_gxr[i] = r;
