@@ -317,8 +317,8 @@ class KbitMoE(nn.Module):
                  device=None) -> MoePlan:
         """The kernels of a step of ``T`` tokens in ``dtype`` (default ``self.dtype``) on ``device`` (default
         the weights'): ``plan``, else ``self.plan``, else :func:`~kbit.dispatch.moe.choose_plan` (held in layout
-        "mma-v1": the grouped tensor-core kernel wherever that picks the GEMV, and at one token the pairs' dense
-        GEMV; canonical with ``auto_repack`` off: without those kernels)."""
+        "mma-v1": the grouped tensor-core kernel wherever that picks the GEMV, and at a few tokens whose pairs
+        seldom share an expert the pairs' dense GEMV; canonical with ``auto_repack`` off: without those kernels)."""
         if plan or self.plan:
             return plan or self.plan
         dtype, device = dtype or self.dtype, device or self.gate_up_codes.device
