@@ -21,14 +21,17 @@ benchmarks/results/h100/) and prints a short table last. Each model has a time b
     PYTHONUNBUFFERED=1 python benchmarks/bench_moe.py [--models qwen3-30b-a3b,qwen3-next,mixtral-8x7b]
         [--tokens 1,4,16,64,256,1024,4096] [--k 4] [--plans auto] [--budget-s 150] [--quick] [--tests]
 
-``--plans auto,gemv,grouped_mm,gemm`` also times the layer with each kernel pinned (to place the thresholds
-of ``kbit.ops.moe.choose_plan``); ``gemv<=16`` limits a pinned plan to T <= 16 (``>=`` likewise).
+``auto`` is the layer's own plan (``KbitMoE.plan_for``) on stacks held in layout "mma-v1" where the grouped kernels
+run (as a served model holds them). ``--plans auto,gemv,grouped_mm,gemm,pairs`` also times the layer with each kernel
+pinned (to place the thresholds of ``kbit.dispatch.moe``); ``gemv<=16`` limits a pinned plan to T <= 16 (``>=``
+likewise).
 ``--tests`` first runs ``pytest -m gpu tests/test_moe.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -49,7 +52,7 @@ if not any((Path(p) / "kbit").is_dir() for p in os.environ.get("PYTHONPATH", "")
     sys.path.insert(0, str(ROOT / "src"))
 
 from kbit.bench.timing import L2_FACTOR, l2_bytes, time_calls  # noqa: E402
-from kbit.dispatch.moe import MoePlan, choose_plan  # noqa: E402
+from kbit.dispatch.moe import MoePlan, gemm_supported  # noqa: E402
 from kbit.format.spec import KbitWeight  # noqa: E402
 from kbit.nn.moe import KbitMoE  # noqa: E402
 from kbit.ops.dequant import dequantize_triton  # noqa: E402
@@ -75,7 +78,7 @@ MODELS = {m.name: m for m in (
 )}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 PLANS = {"gemv": MoePlan("gemv", "gemv"), "grouped_mm": MoePlan("grouped_mm", "grouped_mm"),
-         "gemm": MoePlan("gemm", "gemm")}
+         "gemm": MoePlan("gemm", "gemm"), "pairs": MoePlan("pairs", "pairs")}
 MEMORY_BUDGET = 24 << 30  # bytes of weight copies per side (the H100 has ~80 GB)
 MAX_COPIES = 64
 DEVICE = "cuda"  # tests of the script itself set "cpu" (and replace time_calls)
@@ -111,9 +114,13 @@ class Bf16MoE:
 
 
 def kbit_copy(layer: KbitMoE) -> KbitMoE:
-    """An independent copy of the layer's weights (cloned tensors) sharing its settings (and clones of the
-    grouped GEMM's repacked stacks, when the layer has them: repacking every copy would cost ~0.1 s each)."""
+    """An independent copy of the layer's weights (cloned tensors) sharing its settings: the module deep-copied when
+    it holds layout "mma-v1"; else its canonical stacks cloned, with clones of the grouped GEMM's cached repacked
+    stacks when it has them (repacking every copy would cost ~0.1 s each)."""
     from kbit.ops.grouped_mma import copy_repacked
+
+    if layer.layout != "canonical":
+        return copy.deepcopy(layer)
 
     gu, dn = layer.gate_up_weight(), layer.down_weight()
     clone = [KbitWeight(*(t.clone() for t in (w.codes, w.scales, w.tensor_scale, w.codebook)), w.shape, w.k,
@@ -152,6 +159,21 @@ def make_model(m: Model, k: int, seed: int = 0):
     return layer, w_gu, w_dn
 
 
+def hold_layout(layer: KbitMoE, plan: MoePlan | None) -> None:
+    """The layer in the layout its plan reads as it is: canonical for a plan with the GEMV (it would unrepack a
+    stack held in layout "mma-v1" every call); else "mma-v1" where the grouped kernels run, as a served model holds
+    it (kbit.hf.decode repacks while warming up), which the layer's own plan (``plan`` None) then reflects."""
+    if plan is not None and "gemv" in (plan.gate_up, plan.down):
+        layer.to_canonical()
+    elif gemm_supported(torch.device(DEVICE), torch.bfloat16):
+        layer.repack_for_kernels()
+
+
+def layer_bytes(layer: KbitMoE) -> int:
+    """Bytes of the layer's expert stacks (codes, scales, tensor scales, codebooks) as held."""
+    return sum(b.nbytes for n, b in layer.named_buffers() if n.startswith(("gate_up_", "down_")))
+
+
 def inputs(m: Model, T: int, seed: int = 1):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(T, m.H, device=DEVICE, generator=g, dtype=torch.bfloat16)
@@ -178,10 +200,11 @@ def routing_kind(plan: MoePlan, T: int) -> str:
 
 def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_dn) -> dict:
     x, logits = inputs(m, T)
-    plan = PLANS.get(plan_name) or choose_plan(T, m.top_k, m.E, m.H, m.I, torch.bfloat16, x.device)
+    hold_layout(layer, PLANS.get(plan_name))
+    plan = PLANS.get(plan_name) or layer.plan_for(T, dtype=torch.bfloat16)  # "auto": the layer's own pick
     r = layer.route(logits)
     touched_experts = int(r.touched)  # host read outside any timing
-    per_expert_kbit = (layer.gate_up_weight().nbytes + layer.down_weight().nbytes) / m.E
+    per_expert_kbit = layer_bytes(layer) / m.E
     per_expert_bf16 = (stack_bytes(w_gu) + stack_bytes(w_dn)) / m.E
     row = {"model": m.name, "k": k, "T": T, "pairs": T * m.top_k, "touched_experts": touched_experts,
            "plan": plan_name, "kernels": f"{plan.gate_up}/{plan.down}",
@@ -190,11 +213,12 @@ def run_case(m: Model, k: int, T: int, plan_name: str, layer: KbitMoE, w_gu, w_d
     with torch.no_grad():
         out = layer(x, logits, plan=plan)
         ref = bf16(x, logits)
-        torch.cuda.synchronize()
+        if x.is_cuda:
+            torch.cuda.synchronize()
         row["rel_diff_vs_bf16"] = relative_error(out, ref)
         kb = time_side(lambda n: [layer] + [kbit_copy(layer) for _ in range(n - 1)],
                        lambda lay: lay(x, logits, plan=plan), int(touched_experts * per_expert_kbit),
-                       layer.gate_up_weight().nbytes + layer.down_weight().nbytes)
+                       layer_bytes(layer))
         torch.cuda.empty_cache()
         bf = time_side(lambda n: [bf16] + [Bf16MoE(w_gu.clone(), w_dn.clone(), layer) for _ in range(n - 1)],
                        lambda lay: lay(x, logits), int(touched_experts * per_expert_bf16),
@@ -288,8 +312,8 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     p.add_argument("--k", default="4", help="comma-separated bits per weight")
-    p.add_argument("--plans", default="auto", help="comma-separated: auto, gemv, grouped_mm, gemm; a plan may "
-                   "carry a token range: gemv<=16, grouped_mm>=256")
+    p.add_argument("--plans", default="auto", help="comma-separated: auto, gemv, grouped_mm, gemm, pairs; a plan "
+                   "may carry a token range: gemv<=16, grouped_mm>=256")
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds per (model, k)")
     p.add_argument("--quick", action="store_true", help="T in {1, 64, 1024} only")
     p.add_argument("--tests", action="store_true", help="run pytest -m gpu tests/test_moe.py first")
@@ -308,7 +332,7 @@ def main() -> None:
     for s in plans:
         name = plan_for_tokens(s, 1)[0]
         if name != "auto" and name not in PLANS:
-            sys.exit(f"--plans: expected auto, gemv, grouped_mm or gemm (optionally <=T / >=T), got {s!r}")
+            sys.exit(f"--plans: expected auto, gemv, grouped_mm, gemm or pairs (optionally <=T / >=T), got {s!r}")
     import triton
 
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
