@@ -368,8 +368,8 @@ def expert_matmul(x: torch.Tensor, routing: MoeRouting, weight: KbitWeight, kern
     weight : stacked :class:`~kbit.format.KbitWeight` ``[E, N, K]``, or a stack held in layout "mma-v1"
         (``kbit.ops.gemv_mma.RepackedWeight``): read as it is by ``"gemm"``; ``"gemv"`` unrepacks the whole
         stack into a temporary, ``"grouped_mm"`` the touched experts.
-    kernel : ``"gemv"``, ``"grouped_mm"``, ``"gemm"`` or ``"pairs"`` (:class:`MoePlan`; ``"pairs"`` needs one
-        token and a stack in layout "mma-v1", else it runs ``"gemm"``).
+    kernel : ``"gemv"``, ``"grouped_mm"``, ``"gemm"`` or ``"pairs"`` (:class:`MoePlan`; ``"pairs"`` needs a stack
+        in layout "mma-v1" and a launch ``kbit.ops.gemv_mma.pairs_linear`` covers, else it runs ``"gemm"``).
     blocks : ``"gemm"`` only: the step's ``kbit.ops.moe_blocks.block_table`` (built there when None).
     act : ``"silu"``: x is a gate_up product ``[P, 2K]`` and the input is ``silu_mul_gate_up`` of it (the grouped
         kernel 7 computes it while gathering its x tiles; other kernels run ``silu_mul_gate_up`` first).

@@ -54,8 +54,9 @@ SORT_PAIRS_MAX_T = 1024
 GEMV_T1_MAX_WEIGHTS = 1 << 24
 #: The pairs' dense GEMV (``kbit.ops.gemv_mma.pairs_linear``) reads an expert's weight once a pair, the grouped
 #: kernels once a touched expert: the pairs launch while the expected reads a touched expert
-#: (:func:`pairs_rereads`) stay at most this. H200, k = 4, decode steps against the grouped kernels: 1.27x at
-#: 1.10 (Qwen3-30B-A3B-shaped, T = 4), 1.02x at 1.14 (Mixtral-shaped, T = 2), 0.96x at 1.46 (Mixtral, T = 4).
+#: (:func:`pairs_rereads`) stay at most this. H200, k = 4, decode steps against the grouped kernels: 1.28x at
+#: 1.10 (Qwen3-30B-A3B-shaped, T = 4), 1.02x at 1.14 (Mixtral-shaped, T = 2), 1.16x at 1.24 (Qwen3, T = 8), 0.93x
+#: at 1.30 (Mixtral, T = 3), 0.98x at 1.46 (Mixtral, T = 4); benchmarks/results/h200/moe-pairs-few-tokens-2026-11-29/
 PAIRS_MAX_REREAD = 1.25
 
 # ------------------------------------------------------------------------------------------------ fused router

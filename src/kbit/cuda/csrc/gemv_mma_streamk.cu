@@ -25,7 +25,7 @@
 #include "splitk.cuh"
 #include "grouped.cuh" /* ld_dep: the expert ids after the wait */
 #if GRP && (PRO || EPI || XK || DET || NG != 1)
-#error "GRP: one token (NG 1) without a prologue, epilogue, K slices or the slot fix-up"
+#error "GRP: M = 1 (NG 1) without a prologue, epilogue, K slices or the slot fix-up"
 #endif
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
