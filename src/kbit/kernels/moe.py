@@ -97,35 +97,55 @@ def _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr
                LOCAL: tl.constexpr, RUNS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Token ``t``'s choice from its float32 logits ``x [BLOCK_E]`` (experts ``e``, ``ok = e < E``), written as
     :func:`route_topk_kernel` says."""
+    # Each reduction across the program's warps is a shared-memory round trip and a barrier, and they run one after
+    # another: the choice takes one a slot (the most of a packed key), and the softmax with renormalisation none
+    # over all experts (its top k by logit are its top k by score, and its weights exp(x - x_best) / their sum)
+    SOFT_RENORM: tl.constexpr = RENORM and not SIGMOID
     if SIGMOID:
         score = tl.sigmoid(x)
         choice = score
         if HAS_BIAS:
             choice = score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    elif SOFT_RENORM:
+        score = x
+        choice = x
     else:
         z = tl.exp(x - tl.max(x, axis=0))
         score = z / tl.sum(z, axis=0)
         choice = score
-    free = ok  # not chosen yet (a chosen expert is masked by this, not by its score: scores may be -inf)
+    # key: the choice's bits in an order-preserving int32 (negative floats' magnitude bits flipped) over BLOCK_E - 1
+    # - e, so the largest key is the best choice, ties to the lower index; experts past E lowest. A NaN sorts above
+    # +inf (its token's output is NaN either way); the ids are distinct and in range (kbit.ops._ids: routed ids need
+    # no check)
+    bits = choice.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = tl.where(ok, (order.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64), -9223372036854775807 - 1)
     slot = tl.arange(0, BLOCK_K)
     w = tl.zeros([BLOCK_K], dtype=tl.float32)
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    top = 0.0
     for s in tl.static_range(TOP_K):
-        best = tl.max(tl.where(free, choice, float("-inf")), axis=0)
-        idx = tl.min(tl.where(free & (choice == best), e, BLOCK_E), axis=0)
-        # NaN scores match no best: an id in range all the same (kbit.ops._ids: routed ids need no check)
-        idx = tl.minimum(idx, E - 1)
-        hit = e == idx
-        w = tl.where(slot == s, tl.sum(tl.where(hit, score, 0.0), axis=0), w)
+        best = tl.max(key, axis=0)
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
         ids = tl.where(slot == s, idx, ids)
-        free = free & (e != idx)
+        if not HAS_BIAS:  # the score is the choice: from the key's bits
+            hi = (best >> 32).to(tl.int32)
+            v = tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+            w = tl.where(slot == s, v, w)
+            if s == 0:
+                top = v
+        key = tl.where(e == idx, -9223372036854775807 - 1, key)
+    if HAS_BIAS:  # the chosen scores, without the bias
+        w = tl.sum(tl.where(e[None, :] == ids[:, None], score[None, :], 0.0), axis=1)
+    keep = slot < TOP_K
+    if SOFT_RENORM:  # w holds the chosen logits, the best (top) in slot 0
+        w = tl.where(keep, tl.exp(w - top), 0.0)
     if RENORM:
         denom = tl.sum(w, axis=0)
         if SIGMOID:
             denom = denom + 1e-20
         w = w / denom
     w = w * scaling
-    keep = slot < TOP_K
     if LOCAL:
         mine = (ids >= start) & (ids < stop) & keep
         ids = ids - start

@@ -16,7 +16,7 @@ Where ids are on the CPU (host values are free: the Triton interpreter, the torc
 Grouped kernels whose CUDA source does not check ids read them through :func:`guard` (one small Triton launch:
 clamped copies of the ids, a row mask and the flag) and :func:`poison` (the masked rows set to NaN), except
 where the ids are in range by construction: a routing made by kbit's router (``kbit.dispatch.moe.route``, whose
-kernel clamps even the id of a NaN score into range) is marked ``MoeRouting.checked`` and its grouped GEMMs run
+kernel picks distinct ids in range even from NaN scores) is marked ``MoeRouting.checked`` and its grouped GEMMs run
 without either launch (``guard(..., checked=True)``), so the id check costs an MoE step made by ``KbitMoE``
 nothing. Ids from elsewhere (``align`` of a caller's ``topk_ids``, a direct ``grouped_linear``) are checked.
 
