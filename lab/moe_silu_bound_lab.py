@@ -1,0 +1,110 @@
+"""GPU lab: whole MoE layers of a few tokens (the fused router, the pairs launches, the combine), the SwiGLU staged by
+the down pairs launch against its own launch, to check ``kbit.tuning.moe.PAIRS_SILU_MAX`` on MoE shapes it was not
+set on (it was set on Qwen3-30B-A3B- and Mixtral-shaped decode steps).
+
+    PYTHONUNBUFFERED=1 python lab/moe_silu_bound_lab.py [--models ...] [--tokens 1,2,4,8] [--out DIR]
+
+Each (model, T): a ``KbitMoE`` layer in layout "mma-v1" with a router weight (random codes, k = 4, bf16), hidden in,
+hidden out (the router in the layer's own launch at these sizes), the plan the layer picks, timed
+(``kbit.bench.timing.time_calls``: CUDA graphs) with the SwiGLU always staged and always in its own launch (the
+bound set to 10**9 and to 0), rotating over layer copies (together over 8x L2) and fresh inputs a copy. A tree
+with another down launch (``lab/patches/moe-pairs-combine.patch`` applied) runs the same script through its own
+PYTHONPATH. Prints a table (us, the ratio, pairs x I, whether the bound picks the faster) and writes
+``moe_silu_bound_lab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+import kbit.dispatch.moe as DM  # noqa: E402
+from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
+from kbit.nn import KbitMoE  # noqa: E402
+
+
+def layer(E, top, H, I, seed):
+    """A repacked KbitMoE of random codes with a router weight (scales in log8's range, tensor scales ~1e-2)."""
+    m = KbitMoE(E, H, I, top, k=4, dtype=torch.bfloat16, device="cuda", has_router_weight=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, b in m.named_buffers():
+        if b.dtype == torch.int32:
+            b.copy_(torch.randint(-(2**31), 2**31 - 1, b.shape, generator=g, dtype=torch.int32, device="cuda"))
+        elif b.dtype == torch.uint8:
+            b.copy_(torch.randint(20, 44, b.shape, generator=g, dtype=torch.uint8, device="cuda"))
+        elif name.endswith("codebook"):
+            b.copy_(torch.sort(torch.rand(b.shape, generator=g, device="cuda") * 2 - 1).values)
+        elif name == "router_weight":
+            b.copy_(torch.randn(b.shape, generator=g, device="cuda").to(b.dtype) / H**0.5)
+        else:
+            b.copy_(torch.rand(b.shape, generator=g, device="cuda") * 0.01 + 0.005)
+    return m.repack_for_kernels()
+
+
+def main():
+    # after kbit (from PYTHONPATH: a tree under test), as moe_pairs_rule_lab puts this checkout's src on the path
+    from moe_pairs_rule_lab import MODELS  # the MoE shapes from the models' config.json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--budget", type=float, default=200)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bound = DM.PAIRS_SILU_MAX
+    t0, rows = time.time(), []
+    for name in a.models.split(","):
+        E, top, H, I = MODELS[name]
+        if time.time() - t0 > a.budget:
+            print("budget reached", flush=True)
+            break
+        one = 3 * I * H * 4 / 8 + 3 * I * H / 32  # an expert's bytes: codes and log8 scales of gate_up and down
+        n = copies_for_cold_l2(int(one * E), l2_bytes())
+        layers = [layer(E, top, H, I, seed=i) for i in range(n)]
+        for T in (int(t) for t in a.tokens.split(",")):
+            if T * top > 64:
+                continue
+            g = torch.Generator(device="cuda").manual_seed(T)
+            xs = [torch.randn(T, H, device="cuda", generator=g).bfloat16() for _ in layers]
+            r = dict(model=name, T=T, E=E, top_k=top, H=H, I=I, staged_values=T * top * I, copies=n,
+                     plan=str(layers[0].plan_for(T)))
+            ys = {}
+            for label, b in (("staged", 10**9), ("launch", 0)):
+                DM.PAIRS_SILU_MAX = b
+                try:
+                    ys[label] = layers[0](xs[0]).double()
+                    r[label] = time_calls([(lambda m=m, x=x: m(x)) for m, x in zip(layers, xs, strict=True)]).us
+                finally:
+                    DM.PAIRS_SILU_MAX = bound
+            r["rel_diff"] = ((ys["staged"] - ys["launch"]).norm() / ys["launch"].norm()).item()
+            rows.append(r)
+            print(r, flush=True)
+            (out / "moe_silu_bound_lab.json").write_text(json.dumps(dict(
+                gpu=torch.cuda.get_device_name(), commit=os.environ.get("KBIT_COMMIT", "?"), bound=bound,
+                rows=rows), indent=1))
+        del layers
+        torch.cuda.empty_cache()
+    print(f"\nbound (pairs x I): {bound}")
+    print("| model | T | pairs x I | staged us | launch us | launch / staged | bound stages | faster picked |")
+    print("|---|--:|--:|--:|--:|--:|---|---|")
+    for r in rows:
+        stages = r["staged_values"] <= bound
+        faster = r["staged"] < r["launch"]
+        print(f"| {r['model']} | {r['T']} | {r['staged_values']} | {r['staged']:.1f} | {r['launch']:.1f} | "
+              f"{r['launch'] / r['staged']:.3f} | {'yes' if stages else 'no'} | "
+              f"{'yes' if stages == faster else 'no'} |")
+
+
+if __name__ == "__main__":
+    main()
