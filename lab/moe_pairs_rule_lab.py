@@ -36,9 +36,10 @@ MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 143
 PAIRS, GEMM = MoePlan("pairs", "pairs"), MoePlan("gemm", "gemm")
 
 
-def layer(E, top, H, I, seed):
-    """A repacked KbitMoE of random codes (scales in log8's range, tensor scales ~1e-2)."""
-    m = KbitMoE(E, H, I, top, k=4, dtype=torch.bfloat16, device="cuda")
+def layer(E, top, H, I, seed, router=False):
+    """A repacked KbitMoE of random codes (scales in log8's range, tensor scales ~1e-2); ``router``: with a random
+    router weight (the layer routes hidden states itself)."""
+    m = KbitMoE(E, H, I, top, k=4, dtype=torch.bfloat16, device="cuda", has_router_weight=router)
     g = torch.Generator(device="cuda").manual_seed(seed)
     for name, b in m.named_buffers():
         if b.dtype == torch.int32:
@@ -47,9 +48,28 @@ def layer(E, top, H, I, seed):
             b.copy_(torch.randint(20, 44, b.shape, generator=g, dtype=torch.uint8, device="cuda"))
         elif name.endswith("codebook"):
             b.copy_(torch.sort(torch.rand(b.shape, generator=g, device="cuda") * 2 - 1).values)
+        elif name == "router_weight":
+            b.copy_(torch.randn(b.shape, generator=g, device="cuda").to(b.dtype) / H**0.5)
         else:
             b.copy_(torch.rand(b.shape, generator=g, device="cuda") * 0.01 + 0.005)
     return m.repack_for_kernels()
+
+
+def model_layers(names, budget, router=False):
+    """(name, (E, top_k, H, I), copies of its layer) for each model of ``names`` until ``budget`` seconds have passed:
+    enough copies that their stacks together exceed 8x L2 (cold weights when timed in rotation); freed after."""
+    t0 = time.time()
+    for name in names:
+        E, top, H, I = MODELS[name]
+        if time.time() - t0 > budget:
+            print("budget reached", flush=True)
+            break
+        one = 3 * I * H * 4 / 8 + 3 * I * H / 32  # an expert's bytes: codes and log8 scales of gate_up and down
+        n = copies_for_cold_l2(int(one * E), l2_bytes())
+        layers = [layer(E, top, H, I, seed=i, router=router) for i in range(n)]
+        yield name, (E, top, H, I), layers
+        del layers
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -61,15 +81,9 @@ def main():
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0, rows = time.time(), []
-    for name in a.models.split(","):
-        E, top, H, I = MODELS[name]
-        if time.time() - t0 > a.budget:
-            print("budget reached", flush=True)
-            break
-        one = 3 * I * H * 4 / 8 + 3 * I * H / 32  # an expert's bytes: codes and log8 scales of gate_up and down
-        n = copies_for_cold_l2(int(one * E), l2_bytes())
-        layers = [layer(E, top, H, I, seed=i) for i in range(n)]
+    rows = []
+    for name, (E, top, H, I), layers in model_layers(a.models.split(","), a.budget):
+        n = len(layers)
         for T in (int(t) for t in a.tokens.split(",")):
             if T * top > 64:
                 continue
@@ -90,8 +104,6 @@ def main():
             print(r, flush=True)
             (out / "moe_pairs_rule_lab.json").write_text(json.dumps(dict(
                 gpu=torch.cuda.get_device_name(), commit=os.environ.get("KBIT_COMMIT", "?"), rows=rows), indent=1))
-        del layers
-        torch.cuda.empty_cache()
     print("\n| model | T | expected reads | pairs us | gemm us | gemm / pairs | picked | faster picked |")
     print("|---|--:|--:|--:|--:|--:|---|---|")
     for r in rows:

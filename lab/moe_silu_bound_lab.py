@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,31 +27,12 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 import kbit.dispatch.moe as DM  # noqa: E402
-from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
-from kbit.nn import KbitMoE  # noqa: E402
-
-
-def layer(E, top, H, I, seed):
-    """A repacked KbitMoE of random codes with a router weight (scales in log8's range, tensor scales ~1e-2)."""
-    m = KbitMoE(E, H, I, top, k=4, dtype=torch.bfloat16, device="cuda", has_router_weight=True)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for name, b in m.named_buffers():
-        if b.dtype == torch.int32:
-            b.copy_(torch.randint(-(2**31), 2**31 - 1, b.shape, generator=g, dtype=torch.int32, device="cuda"))
-        elif b.dtype == torch.uint8:
-            b.copy_(torch.randint(20, 44, b.shape, generator=g, dtype=torch.uint8, device="cuda"))
-        elif name.endswith("codebook"):
-            b.copy_(torch.sort(torch.rand(b.shape, generator=g, device="cuda") * 2 - 1).values)
-        elif name == "router_weight":
-            b.copy_(torch.randn(b.shape, generator=g, device="cuda").to(b.dtype) / H**0.5)
-        else:
-            b.copy_(torch.rand(b.shape, generator=g, device="cuda") * 0.01 + 0.005)
-    return m.repack_for_kernels()
+from kbit.bench.timing import time_calls  # noqa: E402
 
 
 def main():
     # after kbit (from PYTHONPATH: a tree under test), as moe_pairs_rule_lab puts this checkout's src on the path
-    from moe_pairs_rule_lab import MODELS  # the MoE shapes from the models' config.json
+    from moe_pairs_rule_lab import MODELS, model_layers  # the MoE shapes from the models' config.json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -63,15 +43,9 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     bound = DM.PAIRS_SILU_MAX
-    t0, rows = time.time(), []
-    for name in a.models.split(","):
-        E, top, H, I = MODELS[name]
-        if time.time() - t0 > a.budget:
-            print("budget reached", flush=True)
-            break
-        one = 3 * I * H * 4 / 8 + 3 * I * H / 32  # an expert's bytes: codes and log8 scales of gate_up and down
-        n = copies_for_cold_l2(int(one * E), l2_bytes())
-        layers = [layer(E, top, H, I, seed=i) for i in range(n)]
+    rows = []
+    for name, (E, top, H, I), layers in model_layers(a.models.split(","), a.budget, router=True):
+        n = len(layers)
         for T in (int(t) for t in a.tokens.split(",")):
             if T * top > 64:
                 continue
@@ -93,8 +67,6 @@ def main():
             (out / "moe_silu_bound_lab.json").write_text(json.dumps(dict(
                 gpu=torch.cuda.get_device_name(), commit=os.environ.get("KBIT_COMMIT", "?"), bound=bound,
                 rows=rows), indent=1))
-        del layers
-        torch.cuda.empty_cache()
     print(f"\nbound (pairs x I): {bound}")
     print("| model | T | pairs x I | staged us | launch us | launch / staged | bound stages | faster picked |")
     print("|---|--:|--:|--:|--:|--:|---|---|")
