@@ -72,7 +72,8 @@ def model_layers(names, budget, router=False):
         torch.cuda.empty_cache()
 
 
-def main():
+def lab_args():
+    """(arguments, output folder) of the MoE layer labs: --models, --tokens, --budget (seconds), --out."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,2,4,8")
@@ -81,6 +82,11 @@ def main():
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    return a, out
+
+
+def main():
+    a, out = lab_args()
     rows = []
     for name, (E, top, H, I), layers in model_layers(a.models.split(","), a.budget):
         n = len(layers)

@@ -15,7 +15,6 @@ PYTHONPATH. Prints a table (us, the ratio, pairs x I, whether the bound picks th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,16 +31,9 @@ from kbit.bench.timing import time_calls  # noqa: E402
 
 def main():
     # after kbit (from PYTHONPATH: a tree under test), as moe_pairs_rule_lab puts this checkout's src on the path
-    from moe_pairs_rule_lab import MODELS, model_layers  # the MoE shapes from the models' config.json
+    from moe_pairs_rule_lab import lab_args, model_layers
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--tokens", default="1,2,4,8")
-    ap.add_argument("--budget", type=float, default=200)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    a, out = lab_args()
     bound = DM.PAIRS_SILU_MAX
     rows = []
     for name, (E, top, H, I), layers in model_layers(a.models.split(","), a.budget, router=True):
