@@ -260,6 +260,23 @@ def test_route_pairs_all_but_few_masked():
     assert all(len(set(row)) == 3 for row in ids.tolist())
 
 
+@pytest.mark.parametrize("router,renorm", [("softmax", True), ("softmax", False), ("sigmoid", True)])
+def test_route_pairs_nan_logits_give_distinct_ids_in_range(router, renorm):
+    """A NaN logit (a diverged activation): the token still gets top_k distinct experts in range (the grouped
+    kernels read them unchecked) and NaN weights (its output is NaN, not a silent number); the other tokens route as
+    with clean logits."""
+    logits = torch.randn(3, 16)
+    logits[0, 4] = float("nan")
+    logits[1] = float("nan")
+    w, ids, _, _ = route_pairs(logits.to(DEV), 4, router=router, renormalize=renorm)
+    for t in range(3):
+        row = ids[t].tolist()
+        assert len(set(row)) == 4 and all(0 <= e < 16 for e in row), row
+    assert torch.isnan(w[1]).all()
+    w2, ids2, _, _ = route_pairs(logits[2:].to(DEV), 4, router=router, renormalize=renorm)
+    assert torch.equal(ids[2], ids2[0]) and torch.equal(w[2], w2[0])
+
+
 def test_select_experts_errors():
     with pytest.raises(ValueError, match="top_k"):
         select_experts(torch.randn(2, 4), 5)
