@@ -302,7 +302,7 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
 
 #: pairs a launch of :func:`pairs_linear` takes (``GRP_MAXP`` of ``common.cuh``)
 PAIRS_MAX = 64
-_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, silu, device, deterministic) -> (plan, kernel) or None
+_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, silu, device, deterministic) -> its hit or None
 PLANS.on_clear(_PAIRS.clear)
 
 
