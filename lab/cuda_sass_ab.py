@@ -95,12 +95,10 @@ def cases(quick=False):
           dict(NG=2, MAXW=8, MINB=2, XS=0, DET=1, EPI=1),
           dict(NG=2, MAXW=8, MINB=2, XS=0, LFX=1, LFU=2, LFW=2),
           dict(NG=2, MAXW=8, MINB=2, XS=1, WS4=1),
-          # a few tokens' MoE pairs (kbit.ops.gemv_mma.pairs_linear: GRP, no L2 prefetch, x read per pair without XS)
+          # one token's MoE pairs (kbit.ops.gemv_mma.pairs_linear: GRP, no L2 prefetch, x read per pair without XS)
           dict(NG=1, MAXW=8, MINB=2, XS=1, CAU=1, LFW=2, M1=1, GRP=1),
           dict(NG=1, MAXW=8, MINB=2, XS=0, LFX=1, LFU=3, LFW=2, M1=1, GRP=1),
-          dict(NG=1, MAXW=8, MINB=2, XS=0, M1=1, GRP=1),
-          dict(NG=1, MAXW=8, MINB=2, XS=1, CAU=1, LFW=2, M1=1, GRP=1, XSILU=1),  # the SwiGLU as x is staged
-          dict(NG=1, MAXW=8, MINB=2, XS=1, LFX=1, LFU=3, LFW=2, M1=1, GRP=1, XSILU=1)]
+          dict(NG=1, MAXW=8, MINB=2, XS=0, M1=1, GRP=1)]
     add("gemv_mma_streamk.cu", ["kbit_gemv_mma_streamk"],
         [{"D": 1, "XK": 0, "L2PF": 0, "WS4": 0, **v} for v in k3], lambda k: {"PD": {2: 2, 3: 3, 4: 2, 5: 2}[k]})
     # kernel 4

@@ -26,8 +26,7 @@ Kernels for steps 1 and 3 (:class:`MoePlan`, from :func:`choose_plan`):
   (``kbit.tuning.moe.PAIRS_MAX_REREAD``): the pairs as one dense GEMV over the touched experts' stacked tiles
   (``kbit.ops.gemv_mma.pairs_linear``: the dense M = 1 kernel 3, split K across CTAs), 1.09-1.60x faster than the
   grouped kernels on six MoE shapes at one token; where that launch does not apply, the grouped kernels
-  (``"gemm"``) run instead. :func:`plan_for_layout` picks it. The down launch makes the SwiGLU as it stages x
-  while that product is small (``kbit.tuning.moe.PAIRS_SILU_MAX``), else ``silu_mul_gate_up`` runs first.
+  (``"gemm"``) run instead. :func:`plan_for_layout` picks it.
 
 Thresholds: ``kbit.tuning.moe``.
 """
@@ -65,7 +64,6 @@ from kbit.tuning.moe import (
     GEMV_T1_MAX_WEIGHTS,
     PAIR_ORDER_MAX_T,
     PAIRS_MAX_REREAD,
-    PAIRS_SILU_MAX,
     SORT_PAIRS_MAX_T,
     TAIL_ROWS,
     TAIL_SPLIT_BT,
@@ -420,17 +418,12 @@ def _pairs(x, rows, routing: MoeRouting, weight, gather: bool, act: str | None) 
     apply (the caller runs the grouped kernels)."""
     if not _repacked(weight):
         return None
+    if act == "silu":
+        x = silu_mul_gate_up(x)
     # ids out of range (a routing not made by kbit's router): clamped copies, their rows NaN after
     rows, ids, bad = guard(rows, x.shape[0], routing.expert_ids, weight.codes.shape[0], checked=routing.checked)
-    kw = dict(k=weight.k, scale_format=weight.scale_format, N=weight.N, K=weight.K, bad=bad)
-    args = (ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook)
-    if act == "silu" and x.shape[0] * weight.K <= PAIRS_SILU_MAX:  # the SwiGLU made as the launch stages x
-        y = pairs_linear(x, rows, *args, **kw, silu=True)
-        if y is not None:
-            return y
-    if act == "silu":  # a launch of its own first
-        x = silu_mul_gate_up(x)
-    return pairs_linear(x, rows, *args, **kw)
+    return pairs_linear(x, rows, ids, weight.codes, weight.scales, weight.tensor_scale, weight.codebook, k=weight.k,
+                        scale_format=weight.scale_format, N=weight.N, K=weight.K, bad=bad)
 
 
 # ------------------------------------------------------------------------------------------------ layer

@@ -31,7 +31,6 @@ from kbit.ops.mma.common import (
     kernels_available,
     permute_x,
     prep_x,
-    rows_aligned,
     workspace,
     x_rows,
     x_tiles,
@@ -302,17 +301,16 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
 
 #: pairs a launch of :func:`pairs_linear` takes (``GRP_MAXP`` of ``common.cuh``)
 PAIRS_MAX = 64
-_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, silu, device, deterministic) -> its hit or None
+_PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, device, deterministic) -> its hit or None
 PLANS.on_clear(_PAIRS.clear)
 
 
-def _pairs_launch(k, P, N, K, scale_format, bf16, xn, silu, dev):
+def _pairs_launch(k, P, N, K, scale_format, bf16, xn, dev):
     """(plan, GRP build, dynamic shared bytes) of the stacked ``[P N, K]`` launch at M = 1 on ``xn`` rows of x, or
     None where it does not apply: the dense path's pick for that shape is not kernel 3, or is one with K slices or the
     slot fix-up (deterministic mode). x's rows are staged where the plan stages x and they fit; else read from
-    global memory. ``silu``: built with ``XSILU`` (x a gate_up product, its SwiGLU made while staging), so only a
-    plan that stages x applies."""
-    key = (k, P, N, K, scale_format, bf16, xn, silu, dev, deterministic())
+    global memory."""
+    key = (k, P, N, K, scale_format, bf16, xn, dev, deterministic())
     if key in _PAIRS:
         return _PAIRS[key]
     hit = None
@@ -320,10 +318,10 @@ def _pairs_launch(k, P, N, K, scale_format, bf16, xn, silu, dev):
     for c in (cfg, replace(cfg, x_smem=False, x_slice=0)) if isinstance(cfg, MmaConfig) and cfg.kernel == 3 else ():
         p, _ = PLANS.get(k, 1, P * N, K, scale_format, c, bf16, dev)
         d = p.defines
-        if p.kernel != 3 or d.get("XK") or d.get("DET") or (silu and not d.get("XS")):
+        if p.kernel != 3 or d.get("XK") or d.get("DET"):
             break
         shared = p.shared + (xn - 1) * x_rows_bytes(1, p.S) if d.get("XS") else p.shared
-        kern = cuda.compile_kernel(*p.source, {**d, "GRP": 1, "L2PF": 0, **({"XSILU": 1} if silu else {})}, dev)
+        kern = cuda.compile_kernel(*p.source, {**d, "GRP": 1, "L2PF": 0}, dev)
         if shared <= SMEM_MAX and kern.occupancy(p.warps * 32, shared) >= 1:
             hit = (p, kern, shared)
             break
@@ -332,7 +330,7 @@ def _pairs_launch(k, P, N, K, scale_format, bf16, xn, silu, dev):
 
 
 def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *, k, scale_format="log8", N, K,
-                 bad=None, silu=False):
+                 bad=None):
     """A few tokens' MoE pairs ``y[p] = x[rows[p]] @ W[expert_ids[p]].T`` as one dense GEMV over the touched
     experts' stacked tiles: the dense path's M = 1 launch (kernel 3, its plan for a ``[P N, K]`` weight), built
     with ``GRP`` (stacked tile t reads expert ``expert_ids[t // (N / 16)]``'s tile, its pair's x row and tensor
@@ -342,25 +340,19 @@ def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *
 
     x: fp16/bf16 ``[R, K]`` (gate_up: the tokens; down: a row a pair); rows, expert_ids: int32 ``[P]`` in range
     (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN after); rcodes / rscales: a stack
-    ``[E, N / 16, ...]`` in layout "mma-v1", tensor_scale float32 ``[E]``. ``silu``: x is a gate_up product
-    ``[R, 2K]`` and the rows read are ``kbit.ops.moe.silu_mul_gate_up`` of it, made as the launch stages x (no launch
-    of its own; only where the plan stages x, K % 8 == 0 and x's rows are 16-byte aligned). Returns ``[P, N]``, or
-    None where the launch does not apply (more than :data:`PAIRS_MAX` pairs, N not a multiple of 16, no CUDA kernels,
-    or the stacked shape's dense pick is not a kernel-3 build it covers): the caller runs the grouped kernels then
-    (with ``silu``: the unfused SwiGLU first)."""
+    ``[E, N / 16, ...]`` in layout "mma-v1", tensor_scale float32 ``[E]``. Returns ``[P, N]``, or None where the
+    launch does not apply (more than :data:`PAIRS_MAX` pairs, N not a multiple of 16, no CUDA kernels, or the stacked
+    shape's dense pick is not a kernel-3 build it covers): the caller runs the grouped kernels then."""
     P = expert_ids.shape[0]
     dev = x.device
     if not (1 <= P <= PAIRS_MAX and N % 16 == 0 and rcodes.shape[1] * 16 == N and x.is_cuda
             and kernels_available(dev) and x.dtype in (torch.float16, torch.bfloat16)):
         return None
-    if silu and not (x.dim() == 2 and x.shape[1] == 2 * K and K % 8 == 0 and x.stride(1) == 1
-                     and rows_aligned(x)):
-        return None
-    hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, x.shape[0], bool(silu), dev)
+    hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, x.shape[0], dev)
     if hit is None:
         return None
     p, kern, shared = hit
-    xm = x if silu else x_rows(x.contiguous(), p.S)
+    xm = x_rows(x.contiguous(), p.S)
     y = torch.empty(P, N, dtype=x.dtype, device=dev)
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
     ids, rws = expert_ids.contiguous(), rows.contiguous()

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from kbit.tuning.mma import check_wgmma_fixed
 
 __all__ = ["FUSED_ROUTER_MAX_T", "GEMM_MAX_ROWS_PER_EXPERT", "GEMV_MAX_ROWS_PER_EXPERT", "GEMV_T1_MAX_WEIGHTS",
-           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIRS_MAX_REREAD", "PAIRS_SILU_MAX", "PAIR_ORDER_MAX_T",
-           "SORT_PAIRS_MAX_T", "TAIL_ROWS", "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "FusedRouterConfig",
-           "GroupedMmaConfig", "WgmmaGroupedConfig", "block_groups", "fused_router_config", "grouped_kernel",
-           "grouped_mma_config", "pairs_rereads", "rows_per_expert", "wgmma_config"]
+           "GROUPED4_MAX_SEG_NG1", "GROUPED4_MIN_NG", "PAIRS_MAX_REREAD", "PAIR_ORDER_MAX_T", "SORT_PAIRS_MAX_T",
+           "TAIL_ROWS", "TAIL_SPLIT_BT", "TAIL_SPLIT_MIN_E", "WGMMA_MIN_ROWS", "FusedRouterConfig", "GroupedMmaConfig",
+           "WgmmaGroupedConfig", "block_groups", "fused_router_config", "grouped_kernel", "grouped_mma_config",
+           "pairs_rereads", "rows_per_expert", "wgmma_config"]
 
 # ------------------------------------------------------------------------------------------------ MoE plan
 
@@ -58,13 +58,6 @@ GEMV_T1_MAX_WEIGHTS = 1 << 24
 #: 1.10 (Qwen3-30B-A3B-shaped, T = 4), 1.02x at 1.14 (Mixtral-shaped, T = 2), 1.16x at 1.24 (Qwen3, T = 8), 0.93x
 #: at 1.30 (Mixtral, T = 3), 0.98x at 1.46 (Mixtral, T = 4); benchmarks/results/h200/moe-pairs-few-tokens-2026-11-29/
 PAIRS_MAX_REREAD = 1.25
-#: The down pairs launch makes the SwiGLU as it stages x (``XSILU``: no launch of its own) while the product it
-#: stages, pairs x I values, is at most this. Every CTA stages all of it after its PDL wait, reading gate and up from
-#: L2, so the staging grows with the product while the launch it saves does not. H200, k = 4, decode steps against
-#: the SwiGLU's own launch (4-6 runs each): 1.2% faster at 6144 (Qwen3-30B-A3B-shaped, T = 1) and 1.1% at 12288
-#: (T = 2); 3.7% slower at 24576 (T = 4), 2.1% at 28672 (Mixtral-shaped, T = 1) and 3.3% at 57344 (T = 2);
-#: benchmarks/results/h200/moe-pairs-silu-staging-2026-11-29/
-PAIRS_SILU_MAX = 16384
 
 # ------------------------------------------------------------------------------------------------ fused router
 

@@ -21,35 +21,11 @@
      WS4          0/1 (NG > 1): the split-K workspace a lane's four values at once (see splitk.cuh)
      L2PF         0 or bytes: the warp's weight range prefetched into L2 before the PDL wait
      GRP          0/1: a few tokens' MoE pairs, the stacked tiles of their experts (common.cuh; M = 1, not with PRO,
-                  EPI, XK or DET); the weight loads wait for the expert ids (after the PDL wait)
-     XSILU        0/1 (GRP and XS): x is a gate_up product [rows, 2 kx]; the rows staged are silu(gate) * up
-                  (kbit.ops.moe.silu_mul_gate_up's math: fp32, one rounding), so the SwiGLU needs no launch */
+                  EPI, XK or DET); the weight loads wait for the expert ids (after the PDL wait) */
 #include "splitk.cuh"
 #include "grouped.cuh" /* ld_dep: the expert ids after the wait */
 #if GRP && (PRO || EPI || XK || DET || NG != 1)
 #error "GRP: M = 1 (NG 1) without a prologue, epilogue, K slices or the slot fix-up"
-#endif
-#ifndef XSILU
-#define XSILU 0
-#endif
-#if XSILU && !(GRP && XS)
-#error "XSILU: the pairs launch (GRP) with x staged (XS)"
-#endif
-#if XSILU
-#define XSU 4 /* x vectors a thread loads before their SwiGLU */
-/* 8 values of silu(gate) * up from gate and up (8 x 16 bits each), one rounding */
-__device__ __forceinline__ V4 silu_mul8(V4 g, V4 u) {
-  const u32 gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-  u32 r[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float g0 = h2f(gw[i] & 0xffffu), g1 = h2f(gw[i] >> 16);
-    const float a0 = __fdividef(g0, 1.0f + __expf(-g0)) * h2f(uw[i] & 0xffffu); /* 0 where exp overflows */
-    const float a1 = __fdividef(g1, 1.0f + __expf(-g1)) * h2f(uw[i] >> 16);
-    r[i] = (u32)f2h(a0) | ((u32)f2h(a1) << 16);
-  }
-  return V4{r[0], r[1], r[2], r[3]};
-}
 #endif
 
 #ifndef XK /* K slices of XK segments, x[:, slice] staged a CTA (0: the whole of x) */
@@ -681,31 +657,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
                               : *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
   }
 #else
-#if XSILU
-  /* gate at column 8c, up at kx + 8c (kx % 8 == 0: the host checks); a thread's loads of XSU vectors first, then
-     the math: the staging is on the critical path after the PDL wait, and one load pair at a time (the loop not
-     unrolled around the math) cost ~4.4 us a launch on an H200 (benchmarks/results/h200/moe-pairs-silu-staging-*) */
-  for (int i0 = (int)tid, n = x_rows_n * xv; i0 < n; i0 += XSU * (int)blockDim.x) {
-    V4 gv[XSU], uv[XSU];
-#pragma unroll
-    for (int q = 0; q < XSU; ++q) {
-      const int i = i0 + q * (int)blockDim.x, tok = i / xv, c = i - tok * xv;
-      const bool zero = i >= n || c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx);
-      const u16* xg = x + (long long)tok * x_stride + 8 * c;
-      gv[q] = zero ? V4{0u, 0u, 0u, 0u} : *(const V4*)xg; /* silu(0) * 0 = 0: the pad stays zero */
-      uv[q] = zero ? V4{0u, 0u, 0u, 0u} : *(const V4*)(xg + kx);
-    }
-#pragma unroll
-    for (int q = 0; q < XSU; ++q)
-      if (i0 + q * (int)blockDim.x < n) ((V4*)sx)[i0 + q * (int)blockDim.x] = silu_mul8(gv[q], uv[q]);
-  }
-#else
   for (int i = (int)tid; i < x_rows_n * xv; i += (int)blockDim.x) {
     const int tok = i / xv, c = i - tok * xv;
     ((V4*)sx)[i] = (c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
                    : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
   }
-#endif
 #endif
 #endif
   __syncthreads();
