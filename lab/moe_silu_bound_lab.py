@@ -1,6 +1,8 @@
 """GPU lab: whole MoE layers of a few tokens (the fused router, the pairs launches, the combine), the SwiGLU staged by
 the down pairs launch against its own launch, to check ``kbit.tuning.moe.PAIRS_SILU_MAX`` on MoE shapes it was not
-set on (it was set on Qwen3-30B-A3B- and Mixtral-shaped decode steps).
+set on (it was set on Qwen3-30B-A3B- and Mixtral-shaped decode steps). On those shapes the staging did not hold
+(benchmarks/results/h200/moe-next-2026-11-29/) and was removed; ``lab/patches/moe-pairs-silu-staging.patch`` puts
+it back. In a tree without it the script times the layer as it runs (the "launch" column only).
 
     PYTHONUNBUFFERED=1 python lab/moe_silu_bound_lab.py [--models ...] [--tokens 1,2,4,8] [--out DIR]
 
