@@ -227,6 +227,41 @@ def test_route_pairs_hidden(T, E, H, top_k, router, experts, runs, config):
         route_pairs_hidden(x, wr, top_k, counters=counters, config=(1, 1024, 4))
 
 
+@pytest.mark.parametrize("T,E,H,top_k,config", [(1, 128, 256, 8, None), (3, 12, 100, 3, None),
+                                                 (2, 20, 64, 10, (8, 64, 2)), (5, 64, 700, 6, (1, 1024, 4))])
+def test_route_pairs_hidden_add_norm(T, E, H, top_k, config):
+    """The residual add and RMSNorm in the fused router's launch (``norm=``): the new residual exactly as
+    kbit.ops.glue.add_rms_norm makes it, the normed rows to its rounding (an ulp: another order of the sum of
+    squares), the logits and the choice as without the norm on those rows; hidden itself is left as it was."""
+    from kbit.ops.glue import add_rms_norm
+    from kbit.ops.moe_router import route_pairs_hidden
+    from kbit.tuning.moe import FusedRouterConfig
+    config = None if config is None else FusedRouterConfig(*config)
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(7 * T + E)
+    x, res = (torch.randn(T, H, generator=g).to(dt).to(DEV) for _ in range(2))
+    wr = (torch.randn(E, H, generator=g) / H**0.5).to(dt).to(DEV)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dt).to(DEV)
+    x0, res0 = x.clone(), res.clone()
+    counters = torch.zeros(16, dtype=torch.int32, device=DEV)
+    logits, w, ids, tok, rows, y, r = route_pairs_hidden(x, wr, top_k, counters=counters, config=config,
+                                                         norm=(res, nw, 1e-6))
+    y_ref, r_ref = add_rms_norm(x, res, nw, 1e-6)
+    assert torch.equal(r, r_ref) and torch.equal(x, x0) and torch.equal(res, res0)
+    assert (y.double() - y_ref.double()).abs().max().item() <= y_ref.double().abs().max().item() * 2**-7
+    assert int(counters.abs().sum()) == 0
+    plain = route_pairs_hidden(y, wr, top_k, counters=counters, config=config)
+    assert (logits.double() - plain[0].double()).abs().max().item() <= logits.double().abs().max().item() * 2**-6
+    w2, ids2, tok2, rows2 = route_pairs(logits, top_k)
+    assert torch.equal(ids, ids2) and torch.equal(w, w2) and torch.equal(tok, tok2) and torch.equal(rows, rows2)
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, norm=(res[:0], nw, 1e-6))
+    with pytest.raises(ValueError, match="eps: expected > 0"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, norm=(res, nw, 0.0))
+    with pytest.raises(TypeError, match="norm: expected"):
+        route_pairs_hidden(x, wr, top_k, counters=counters, norm=[res, nw, 1e-6])
+
+
 @pytest.mark.parametrize("E,H", [(64, 2048), (128, 2048), (32, 2880), (128, 2880), (128, 4096), (256, 4096),
                                  (64, 7168), (256, 7168)])
 def test_fused_router_config(E, H):
@@ -812,6 +847,51 @@ def test_gpu_fused_router(T, plan):
         torch.cuda.synchronize()
         torch.testing.assert_close(static_out, m(x, plan=plan), rtol=2e-2, atol=2e-2)
     assert int(m._router_ws.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,plan", [(1, None), (4, None), (16, GEMM), (17, None)])
+def test_gpu_forward_add_norm(T, plan):
+    """KbitMoE.forward_add_norm (the decode step's post-attention add + norm, in the router's launch where the
+    fused router takes the step; T = 17 does not): the same output and residual as add_rms_norm then the block,
+    the same in a CUDA graph replayed on new inputs, the counters zero after, and the norm launch gone."""
+    from kbit.ops.glue import add_rms_norm
+    s = QWEN3_30B
+    g = torch.Generator(device="cuda").manual_seed(100 + T)
+    gu = torch.randn(s["E"], 2 * s["I"], s["H"], device="cuda", generator=g, dtype=torch.bfloat16) / s["H"]**0.5
+    dn = torch.randn(s["E"], s["H"], s["I"], device="cuda", generator=g, dtype=torch.bfloat16) / s["I"]**0.5
+    wr = torch.randn(s["E"], s["H"], device="cuda", generator=g, dtype=torch.bfloat16) / s["H"]**0.5
+    m = KbitMoE.from_float(gu, dn, top_k=s["top_k"], k=4, dtype=torch.bfloat16, router_weight=wr)
+    nw = (1 + 0.1 * torch.randn(s["H"], device="cuda", generator=g)).bfloat16()
+    x, res = (torch.randn(T, s["H"], device="cuda", generator=g).bfloat16() for _ in range(2))
+
+    def unfused():
+        y, r = add_rms_norm(x, res, nw, 1e-6)
+        return m(y, plan=plan), r
+
+    out, r = m.forward_add_norm(x, res, nw, 1e-6, plan=plan)
+    want, r_want = unfused()
+    assert torch.equal(r, r_want)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        m.forward_add_norm(x, res, nw, 1e-6, plan=plan)
+        torch.cuda.synchronize()
+    norms = [e for e in prof.events() if "add_rms_norm" in e.name]
+    assert bool(norms) == (T > 16), [e.name for e in norms]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_r = m.forward_add_norm(x, res, nw, 1e-6, plan=plan)
+    for _ in range(2):  # new inputs: a different routing each time
+        x.copy_(torch.randn(T, s["H"], device="cuda", generator=g).bfloat16())
+        res.copy_(torch.randn(T, s["H"], device="cuda", generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        want, r_want = unfused()
+        assert torch.equal(static_r, r_want)
+        torch.testing.assert_close(static_out, want, rtol=2e-2, atol=2e-2)
+    assert m._router_ws is None or int(m._router_ws.abs().sum()) == 0
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        m.forward_add_norm(x, torch.cat([res, res]), nw, 1e-6)
 
 
 @pytest.mark.gpu

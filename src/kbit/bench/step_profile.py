@@ -227,7 +227,28 @@ def _hook_modules(rec: StepRecorder, dec: StaticDecoder, names: dict[int, str]) 
 
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
+        if isinstance(m, KbitMoE):  # the fast step calls it without __call__ (the norm in its router's launch)
+            handles.append(_hooked_method(m, "forward_add_norm", pre, post))
     return handles
+
+
+class _hooked_method:
+    """``m.<name>`` run between the module's pre and post hooks, as an instance attribute until ``remove()``."""
+
+    def __init__(self, m: nn.Module, name: str, pre, post):
+        fn = getattr(m, name)
+
+        def wrapped(*args, **kwargs):
+            pre(m, args)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                post(m, args, None)
+        self.m, self.name = m, name
+        setattr(m, name, wrapped)
+
+    def remove(self):
+        vars(self.m).pop(self.name, None)
 
 
 @contextlib.contextmanager

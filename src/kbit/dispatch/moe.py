@@ -262,19 +262,21 @@ def fused_router_applies(hidden: torch.Tensor, plan: MoePlan | None, counters: t
 def route_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, counters: torch.Tensor, plan: MoePlan, *,
                  top_k: int, router: str = "softmax", renormalize: bool = True,
                  correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
-                 experts: tuple[int, int] | None = None) -> MoeRouting:
+                 experts: tuple[int, int] | None = None,
+                 norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """:func:`route` of ``F.linear(hidden, router_weight)`` with the router's product in the routing launch
     (``kbit.ops.moe_router.route_pairs_hidden``), for a step where :func:`fused_router_applies`. ``counters``:
     :func:`router_workspace`'s. ``experts``: this rank's ``(start, stop)`` (expert parallel; ids relative to
-    start)."""
+    start). ``norm``: ``(residual, weight, eps)``, hidden taken before the residual add and RMSNorm, which the
+    launch makes as well; then returns ``(routing, normed hidden, new residual)``."""
     T = hidden.shape[0]
     blocks = _router_blocks(T, top_k, plan, hidden.device)
-    _, w, ids, tok, rows = route_pairs_hidden(hidden, router_weight.to(hidden.dtype), top_k, counters=counters,
-                                              router=router, renormalize=renormalize,
-                                              correction_bias=correction_bias, scaling=scaling, experts=experts,
-                                              blocks=blocks)
+    _, w, ids, tok, rows, *normed = route_pairs_hidden(
+        hidden, router_weight.to(hidden.dtype), top_k, counters=counters, router=router, renormalize=renormalize,
+        correction_bias=correction_bias, scaling=scaling, experts=experts, blocks=blocks, norm=norm)
     E = router_weight.shape[0] if experts is None else experts[1] - experts[0]
-    return _pairs_routing(w, ids, tok, rows, T, E, plan, blocks)
+    routing = _pairs_routing(w, ids, tok, rows, T, E, plan, blocks)
+    return (routing, *normed) if norm is not None else routing
 
 
 def _router_blocks(T: int, top_k: int, plan: MoePlan, device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -253,6 +253,8 @@ class FastDecodeStep:
                 return mlp.down_proj(act), res
             gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
             return mlp.down_proj(silu_mul(gu[:, :ng], gu[:, ng:])), res
+        if not self.dense[i] and hasattr(mlp, "forward_add_norm"):  # KbitMoE: the add + norm in its router's launch
+            return mlp.forward_add_norm(x, res, n.weight, n.variance_epsilon)
         y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
         if not self.dense[i]:
             out = mlp(y.unsqueeze(1))

@@ -41,14 +41,16 @@ def _pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES: tl.constexpr):
-    """Row ``row``'s residual add (``r = x + res``, stored to ``ResOut``) and ``r * rsqrt(mean(r^2) + eps)``, rounded
-    to x's dtype as transformers rounds (returned in float32, before the norm weight)."""
+def _add_norm_row(X, Res, ResOut, row, offs, ok, store_ok, stride_x, stride_r, stride_ro, H, eps,
+                  HAS_RES: tl.constexpr):
+    """Row ``row``'s residual add (``r = x + res``, stored to ``ResOut`` where ``store_ok``) and
+    ``r * rsqrt(mean(r^2) + eps)``, rounded to x's dtype as transformers rounds (returned in float32, before the
+    norm weight)."""
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RES:
         r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(ResOut + row * stride_ro + offs, x, mask=ok)
+        tl.store(ResOut + row * stride_ro + offs, x, mask=store_ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     return (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
@@ -62,7 +64,7 @@ def add_rms_norm_kernel(X, Res, W, Y, ResOut, stride_x, stride_r, stride_y, stri
     ok = offs < H
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
     _pdl_enter(PDL)
-    h = _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
+    h = _add_norm_row(X, Res, ResOut, row, offs, ok, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
     tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=ok)
 
 
@@ -77,7 +79,7 @@ def add_rms_norm_rot_kernel(X, Res, W, Signs, Y, ResOut, stride_x, stride_r, str
     w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # weight and signs: no dependency, before the wait
     s = tl.load(Signs + offs, mask=ok, other=0).to(tl.float32)
     _pdl_enter(PDL)
-    h = _add_norm_row(X, Res, ResOut, row, offs, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
+    h = _add_norm_row(X, Res, ResOut, row, offs, ok, ok, stride_x, stride_r, stride_ro, H, eps, HAS_RES)
     y = (w * h).to(Y.dtype.element_ty).to(tl.float32)  # what the unrotated kernel stores
     y = hadamard_butterflies(y * s, BLOCK, LOG_B) * scale
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)

@@ -9,7 +9,7 @@ dtype and compute in float32.
 import triton
 import triton.language as tl
 
-from kbit.kernels.glue import _pdl_enter
+from kbit.kernels.glue import _add_norm_row, _pdl_enter
 
 #: rows a block of the run table :func:`route_topk_kernel` writes at most: the grouped GEMM's smallest block (8 NG
 #: rows, NG >= 1), so the table serves every NG
@@ -176,10 +176,11 @@ def _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr
 
 @triton.jit
 def router_route_kernel(x_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr,
-                        nblk_ptr, E, H, stride_x, scaling, start, stop, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
+                        nblk_ptr, E, H, stride_x, scaling, start, stop, res_ptr, nw_ptr, y_ptr, rout_ptr, stride_r,
+                        stride_y, stride_ro, eps, TOP_K: tl.constexpr, SIGMOID: tl.constexpr,
                         HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, RUNS: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, NORM: tl.constexpr = False):
     """The router's logits and :func:`route_topk_kernel`'s choice in one launch, grid ``(T, cdiv(E, CHUNK_E))``.
 
     Program ``(t, c)`` computes ``logits[t, c CHUNK_E : (c + 1) CHUNK_E] = wr[chunk] @ x[t]`` (float32 sums,
@@ -192,15 +193,30 @@ def router_route_kernel(x_ptr, wr_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids
     ``kbit.tuning.moe.fused_router_config``) and loads it before the PDL wait: the router weight never depends on
     the kernel before, so its latency passes while that kernel runs, and after the wait only x, the sums and the
     routing remain. (Loaded after the wait, tile after tile, the launch ended ~12 us after the norm before it:
-    ``docs/notes/2026-11-26-moe-chain-ep.md``.)"""
+    ``docs/notes/2026-11-26-moe-chain-ep.md``.)
+
+    ``NORM``: x is the layer's pre-norm input; every program makes the residual add and RMSNorm of its token
+    (``r = x + res``, ``y = nw * norm(r)``, :func:`kbit.kernels.glue._add_norm_row`'s rounding) and takes the logits
+    of y, and program ``(t, 0)`` stores y and r (the experts' input and the next residual): the norm's own launch,
+    a hop on a decode step's critical path, goes. The whole row is one program's anyway (``BLOCK_H >= H``)."""
     t = tl.program_id(0).to(tl.int64)
     er = tl.program_id(1) * CHUNK_E + tl.arange(0, CHUNK_E)
     eok = er < E
     hh = tl.arange(0, BLOCK_H)
     hok = hh < H
     wv = tl.load(wr_ptr + er[:, None].to(tl.int64) * H + hh[None, :], mask=eok[:, None] & hok[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + hh, mask=hok, other=0.0).to(tl.float32)  # a weight as well: before the wait
     _pdl_enter(PDL)  # x, the counters and the outputs belong to this step: from here on
-    xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
+    if NORM:
+        # one program a token stores the residual and the normed row (the scalar widened: the interpreter's masks)
+        first = hok & (hh * 0 + tl.program_id(1) == 0)
+        xn = _add_norm_row(x_ptr, res_ptr, rout_ptr, t, hh, hok, first, stride_x, stride_r, stride_ro, H, eps, True)
+        yv = (nw * xn).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + t * stride_y + hh, yv, mask=first)
+        xv = yv.to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + t * stride_x + hh, mask=hok, other=0.0).to(tl.float32)
     acc = tl.sum(wv.to(tl.float32) * xv[None, :], axis=1)
     tl.store(logits_ptr + t * E + er, acc.to(logits_ptr.dtype.element_ty), mask=eok)
     # every thread's logits stores precede the release below (one thread issues the scalar atomic), as in the

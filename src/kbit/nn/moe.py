@@ -56,6 +56,7 @@ from kbit.format.spec import (
     padded_k,
 )
 from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, release
+from kbit.ops.glue import add_rms_norm, check_norm
 from kbit.ops.hadamard import rotate
 from kbit.ops.moe import moe_reference
 from kbit.ops.moe_align import MoeRouting
@@ -355,22 +356,53 @@ class KbitMoE(nn.Module):
             if router_logits is None:
                 router_logits = F.linear(x, self.router_weight.to(x.dtype))
             return self._reference_forward(x, router_logits).reshape(hidden.shape)
-        pinned = plan
-        plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
-        if self._maybe_repack(plan, x):
-            plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
+        plan = self._step_plan(x, plan)
         ws = router_workspace(self, x.device) if router_logits is None else None
         if fused_router_applies(x, plan, ws, self.router, self.n_group):  # the router's product in the routing launch
-            routing = route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, router=self.router,
-                                   renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
-                                   scaling=self.routed_scaling_factor)
+            routing = self._route_hidden(x, ws, plan)
         else:
             routing = self.route(F.linear(x, self.router_weight.to(x.dtype)) if router_logits is None
                                  else router_logits, plan)
+        return self._experts(x, routing, plan).reshape(hidden.shape)
+
+    @torch.compiler.disable
+    def forward_add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         plan: MoePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and RMSNorm before the block, then the block: ``r = residual + hidden``,
+        ``y = rms_norm(r) * weight`` (:func:`kbit.ops.glue.add_rms_norm`'s numbers); returns ``(forward(y), r)``,
+        both ``[T, H]`` (hidden and residual ``[T, H]``). Where the fused router takes the step (its stored
+        router weight, a decode step's tokens on CUDA), its launch makes the add and the norm as well: one launch
+        fewer on the step's critical path."""
+        H = self.hidden_size
+        if hidden.dim() != 2 or hidden.shape[-1] != H:
+            raise ValueError(f"hidden: expected shape [T, {H}], got {tuple(hidden.shape)}")
+        check_norm(hidden, weight, eps, residual)
+        if self.router_weight is not None and hidden.is_cuda:
+            plan_ = self._step_plan(hidden, plan)
+            ws = router_workspace(self, hidden.device)
+            if fused_router_applies(hidden, plan_, ws, self.router, self.n_group):
+                routing, y, r = self._route_hidden(hidden, ws, plan_, norm=(residual, weight, eps))
+                return self._experts(y, routing, plan_), r
+        y, r = add_rms_norm(hidden, residual, weight, eps)
+        return self.forward(y, plan=plan), r
+
+    def _step_plan(self, x: torch.Tensor, pinned: MoePlan | None) -> MoePlan | None:
+        """The plan of a step on ``x [T, H]`` (``pinned`` if given), after repacking the stacks where it asks."""
+        plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device) if x.shape[0] else None
+        if self._maybe_repack(plan, x):
+            plan = self.plan_for(x.shape[0], pinned, x.dtype, x.device)
+        return plan
+
+    def _route_hidden(self, x, ws, plan, norm=None):
+        return route_hidden(x, self.router_weight, ws, plan, top_k=self.top_k, router=self.router,
+                            renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
+                            scaling=self.routed_scaling_factor, norm=norm)
+
+    def _experts(self, x: torch.Tensor, routing: MoeRouting, plan: MoePlan | None) -> torch.Tensor:
+        """The routed experts (and the shared expert) on ``x [T, H]``."""
         xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
         out = moe_experts(xr, routing, *self.kernel_weights(), plan)
-        out = add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
-        return out.reshape(hidden.shape)
+        return add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
 
     def _reference_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The forward on tensors Triton cannot run (CPU without the interpreter): the float64 reference on the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kbit.kernels.moe import route_topk_kernel, router_route_kernel
+from kbit.ops.glue import check_norm
 from kbit.ops.pdl import launch_kw
 from kbit.tuning.moe import FusedRouterConfig, fused_router_config
 
@@ -166,15 +167,19 @@ def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k:
                        correction_bias: torch.Tensor | None = None, scaling: float = 1.0,
                        experts: tuple[int, int] | None = None,
                        blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       config: FusedRouterConfig | None = None):
+                       config: FusedRouterConfig | None = None,
+                       norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """:func:`route_pairs` of ``F.linear(hidden, router_weight)``, the router's matrix product in the same launch
     (``kbit.kernels.moe.router_route_kernel``): a decode step's routing in one launch instead of two.
 
     ``hidden [T, H]`` and ``router_weight [E, H]``: fp16 / bf16 of one dtype; the logits are float32 sums rounded
     to that dtype (``F.linear``'s result, up to the order of the sums). ``counters``: int32 ``[>= T]`` on their
     device, all zero (the caller's workspace; the launch leaves it zero). ``config``: the programs
-    (``kbit.tuning.moe.FusedRouterConfig``, ``block_h >= H``); None: ``fused_router_config(E, H)``. Other
-    keywords: :func:`route_pairs`. Returns ``(logits [T, E], weights, ids, token_ids, row_ids)``."""
+    (``kbit.tuning.moe.FusedRouterConfig``, ``block_h >= H``); None: ``fused_router_config(E, H)``. ``norm``:
+    ``(residual [T, H], weight [H], eps)``: hidden is the layer's input before its residual add and RMSNorm,
+    which the launch makes too (:func:`kbit.ops.glue.add_rms_norm`'s numbers; the router reads the normed rows).
+    Other keywords: :func:`route_pairs`. Returns ``(logits [T, E], weights, ids, token_ids, row_ids)``, with
+    ``norm`` followed by ``(normed [T, H], residual + hidden [T, H])``."""
     for name, v in (("hidden", hidden), ("router_weight", router_weight)):
         if not isinstance(v, torch.Tensor) or v.dtype not in (torch.float16, torch.bfloat16) or v.dim() != 2:
             got = (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else type(v).__name__
@@ -199,15 +204,27 @@ def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k:
     _check(logits, top_k, router, 1, 1)
     _check_routing(T, E, top_k, router, correction_bias, experts, blocks, hidden.device)
     dev = hidden.device
+    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    if norm is not None:
+        if not (isinstance(norm, tuple) and len(norm) == 3):
+            raise TypeError(f"norm: expected (residual, weight, eps) or None, got {type(norm).__name__}")
+        residual, nw, eps = norm
+        check_norm(x, nw, eps, residual)
+        residual = residual.contiguous()
+        y, r = torch.empty_like(x), torch.empty_like(x)
+        nargs = (residual, nw.contiguous(), y, r, residual.stride(0), y.stride(0), r.stride(0), float(eps))
+    else:
+        nargs = (x, x, x, x, 0, 0, 0, 0.0)
+    normed = (y, r) if norm is not None else ()
     out = _route_outputs(T, top_k, dev)
     if T == 0:
-        return logits, *out
+        return logits, *out, *normed
     args, kw = _routing_args(E, top_k, router, renormalize, correction_bias, scaling, experts, blocks, out)
-    x = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     router_route_kernel[(T, -(-E // config.chunk_e))](
-        x, router_weight.contiguous(), logits, counters, *args[:7], E, H, x.stride(0), *args[7:], **kw,
-        CHUNK_E=config.chunk_e, BLOCK_H=config.block_h, num_warps=config.num_warps, **launch_kw(dev))
-    return logits, *out
+        x, router_weight.contiguous(), logits, counters, *args[:7], E, H, x.stride(0), *args[7:], *nargs, **kw,
+        CHUNK_E=config.chunk_e, BLOCK_H=config.block_h, num_warps=config.num_warps, NORM=norm is not None,
+        **launch_kw(dev))
+    return logits, *out, *normed
 
 
 def _check_routing(T: int, E: int, top_k: int, router: str, correction_bias, experts, blocks, device) -> None:
