@@ -397,6 +397,35 @@ def test_combine(dtype, T, top_k, E, H):
     torch.testing.assert_close(out.double(), combine_reference(y, r), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T,top_k,E,H", [(1, 8, 128, 2048), (3, 2, 8, 100), (5, 6, 16, 700)])
+def test_combine_add_rms_norm(T, top_k, E, H):
+    """The combine and the next norm's residual add + RMSNorm in one launch: the residual exactly as
+    add_rms_norm(combine(y)) makes it, the normed rows to an ulp (another order of the sum of squares), both
+    against the float64 combine rounded as the combine rounds; the inputs left as they were."""
+    from kbit.ops.glue import add_rms_norm
+    from kbit.ops.moe import Uncombined, combine_add_rms_norm, combine_add_rms_norm_reference
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float16  # (bf16 arithmetic is not exact under the interpreter)
+    g = torch.Generator().manual_seed(11 * T + H)
+    routing = align(_ids(T, top_k, E, g).to(DEV), E, torch.rand(T, top_k, generator=g).to(DEV))
+    y = torch.randn(T * top_k, H, generator=g).to(dt).to(DEV)
+    res = torch.randn(T, H, generator=g).to(dt).to(DEV)
+    nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dt).to(DEV)
+    y0, res0 = y.clone(), res.clone()
+    u = Uncombined(y, routing, dt)
+    out, r = combine_add_rms_norm(u, res, nw, 1e-6)
+    want, r_want = add_rms_norm(combine(y, routing), res, nw, 1e-6)
+    assert torch.equal(r, r_want) and torch.equal(y, y0) and torch.equal(res, res0)
+    assert (out.double() - want.double()).abs().max().item() <= want.double().abs().max().item() * 2**-7
+    ref, r_ref = combine_add_rms_norm_reference(u, res, nw, 1e-6)
+    torch.testing.assert_close(r.double(), r_ref.double(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(u.combine(), combine(y, routing))
+    with pytest.raises(ValueError, match="residual: expected shape"):
+        combine_add_rms_norm(u, res[:, 1:], nw, 1e-6)
+    with pytest.raises(TypeError, match="y: expected an Uncombined"):
+        combine_add_rms_norm(y, res, nw, 1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ layer
 
 
@@ -892,6 +921,12 @@ def test_gpu_forward_add_norm(T, plan):
     assert m._router_ws is None or int(m._router_ws.abs().sum()) == 0
     with pytest.raises(ValueError, match="residual: expected shape"):
         m.forward_add_norm(x, torch.cat([res, res]), nw, 1e-6)
+    # the combine left to the caller where the fused router takes the step (no shared expert here)
+    from kbit.ops.moe import Uncombined
+    u, r = m.forward_add_norm(x, res, nw, 1e-6, plan=plan, defer_combine=True)
+    want, r_want = unfused()
+    assert isinstance(u, Uncombined) == (T <= 16) and torch.equal(r, r_want)
+    torch.testing.assert_close(u.combine() if T <= 16 else u, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

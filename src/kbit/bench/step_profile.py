@@ -47,7 +47,7 @@ __all__ = ["StepRecorder", "instrument", "kv_layer_bytes", "module_bytes", "modu
 
 #: fast_decode's glue functions wrapped during the profiled step: name -> (kind, positions of weight arguments)
 GLUE = {"rms_norm": ("norm/glue", (1,)), "add_rms_norm": ("norm/glue", (2,)), "rope_append": ("norm/glue", ()),
-        "silu_mul": ("norm/glue", ())}
+        "silu_mul": ("norm/glue", ()), "combine_add_rms_norm": ("norm/glue", (2,))}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 

@@ -53,7 +53,7 @@ from kbit.ops.grouped_mma import (
 )
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import unrepack_stack
-from kbit.ops.moe import combine, silu_mul_gate_up
+from kbit.ops.moe import Uncombined, combine, silu_mul_gate_up
 from kbit.ops.moe_align import MoeRouting, align, pair_order, sort_pairs
 from kbit.ops.moe_blocks import block_table, tail_split
 from kbit.ops.moe_router import fusable, localize_pairs, route_pairs, route_pairs_hidden, select_experts
@@ -491,8 +491,10 @@ def _check_experts(hidden, routing, gate_up, down) -> tuple[int, int, int, int]:
 
 
 def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, down: KbitWeight,
-                plan: MoePlan | None = None) -> torch.Tensor:
+                plan: MoePlan | None = None, *, defer_combine: bool = False) -> torch.Tensor | Uncombined:
     """The routed experts of an MoE layer: ``[T, H]`` -> ``[T, H]`` in hidden's dtype (module docstring).
+    ``defer_combine``: where the combine would be a launch of its own, return the expert outputs before it
+    (``kbit.ops.moe.Uncombined``) for the caller's next launch to make (``kbit.ops.moe.combine_add_rms_norm``).
 
     Parameters
     ----------
@@ -522,7 +524,7 @@ def moe_experts(hidden: torch.Tensor, routing: MoeRouting, gate_up: KbitWeight, 
         blocks = routing.blocks or block_table(routing.expert_ids, 8 * ng, routing.offsets if routing.sorted else None)
     gu = expert_matmul(hidden, routing, gate_up, plan.gate_up, gather=True, blocks=blocks)
     y = expert_matmul(gu, routing, down, plan.down, gather=False, blocks=blocks, act="silu")
-    return combine(y, routing, hidden.dtype)
+    return Uncombined(y, routing, hidden.dtype) if defer_combine else combine(y, routing, hidden.dtype)
 
 
 # ------------------------------------------------------------------------------------------------ routed experts

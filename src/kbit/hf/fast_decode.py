@@ -32,6 +32,7 @@ from kbit.ops.glue import add_rms_norm, rms_norm, rope_append, silu_mul
 from kbit.ops.hadamard import rotate, rotation_signs
 from kbit.ops.mma.common import kernels_available
 from kbit.ops.mma.layout import LAYOUT as MMA_LAYOUT
+from kbit.ops.moe import Uncombined, combine_add_rms_norm
 from kbit.parallel.linear import ColumnParallelKbitLinear
 from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
@@ -254,7 +255,8 @@ class FastDecodeStep:
             gu, res = add_rms_norm_linear(x, res, n.weight, n.variance_epsilon, fused)
             return mlp.down_proj(silu_mul(gu[:, :ng], gu[:, ng:])), res
         if not self.dense[i] and hasattr(mlp, "forward_add_norm"):  # KbitMoE: the add + norm in its router's launch
-            return mlp.forward_add_norm(x, res, n.weight, n.variance_epsilon)
+            # and its combine left to the next norm (combine_add_rms_norm), where it can
+            return mlp.forward_add_norm(x, res, n.weight, n.variance_epsilon, defer_combine=True)
         y, res = add_rms_norm(x, res, n.weight, n.variance_epsilon)
         if not self.dense[i]:
             out = mlp(y.unsqueeze(1))
@@ -286,6 +288,15 @@ class FastDecodeStep:
         """The residual add + input RMSNorm and q/k/v: returns ``(q, k, v, new residual)``."""
         n, att = self.layers[i].input_layernorm, self.layers[i].self_attn
         rot = self.rot_qkv[i]
+        if isinstance(x, Uncombined):  # the MoE layer before left its combine to this norm
+            if rot is None and res is not None:
+                y, res = combine_add_rms_norm(x, res, n.weight, n.variance_epsilon)
+                if self.qkv[i] is None:
+                    return att.q_proj(y), att.k_proj(y), att.v_proj(y), res
+                fused, (nq, nk, _) = self.qkv[i]
+                qkv = fused(y)
+                return qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], res
+            x = x.combine()
         if rot is not None:  # y R from the norm kernel
             if res is None:
                 y, res = rms_norm(x, n.weight, n.variance_epsilon, *rot), x
@@ -332,5 +343,9 @@ class FastDecodeStep:
             x = att.o_proj(o) if ro is None else att.o_proj.forward_rotated(rotate(o, *ro))
             x, res = self._mlp(i, x, res)
         n = inner.norm
-        y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(self.rot_head or ()))
+        if isinstance(x, Uncombined) and self.rot_head is None:
+            y, _ = combine_add_rms_norm(x, res, n.weight, n.variance_epsilon)
+        else:
+            x = x.combine() if isinstance(x, Uncombined) else x
+            y, _ = add_rms_norm(x, res, n.weight, n.variance_epsilon, *(self.rot_head or ()))
         return _proj(self.model.lm_head, y, self.rot_head).float()

@@ -47,13 +47,20 @@ def _add_norm_row(X, Res, ResOut, row, offs, ok, store_ok, stride_x, stride_r, s
     ``r * rsqrt(mean(r^2) + eps)``, rounded to x's dtype as transformers rounds (returned in float32, before the
     norm weight)."""
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    return _add_norm_vals(x, Res, ResOut, row, offs, ok, store_ok, stride_r, stride_ro, H, eps, HAS_RES)
+
+
+@triton.jit
+def _add_norm_vals(x, Res, ResOut, row, offs, ok, store_ok, stride_r, stride_ro, H, eps, HAS_RES: tl.constexpr):
+    """:func:`_add_norm_row` of a row already loaded (or made): ``x`` in the activation dtype, zero where not
+    ``ok``."""
     if HAS_RES:
         r = tl.load(Res + row * stride_r + offs, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(ResOut + row * stride_ro + offs, x, mask=store_ok)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    return (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
+    return (xf * rstd).to(x.dtype).to(tl.float32)
 
 
 @triton.jit

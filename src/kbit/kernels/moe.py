@@ -9,7 +9,7 @@ dtype and compute in float32.
 import triton
 import triton.language as tl
 
-from kbit.kernels.glue import _add_norm_row, _pdl_enter
+from kbit.kernels.glue import _add_norm_row, _add_norm_vals, _pdl_enter
 
 #: rows a block of the run table :func:`route_topk_kernel` writes at most: the grouped GEMM's smallest block (8 NG
 #: rows, NG >= 1), so the table serves every NG
@@ -57,6 +57,35 @@ def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y
         v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc += w * v
     tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def combine_add_norm_kernel(y_ptr, pair_rows_ptr, w_ptr, res_ptr, nw_ptr, out_ptr, rout_ptr, err_ptr, P, H, stride_y,
+                            stride_r, stride_out, stride_ro, eps, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
+    """:func:`combine_kernel` of token t (one program, ``BLOCK >= H``: the norm needs the whole row), rounded to the
+    activation dtype, then the next norm's residual add and RMSNorm as ``kbit.kernels.glue.add_rms_norm_kernel``
+    makes them: ``r = residual + combined`` (stored), ``out = nw * norm(r)``. The numbers of the combine launch
+    followed by the norm launch, in one launch."""
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
+    _pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        p = t * TOP_K + s
+        r = tl.load(pair_rows_ptr + p)
+        rb = (r < 0) | (r >= P)
+        if rb:
+            tl.atomic_or(err_ptr, 4)
+        r = tl.where(rb, 0, r).to(tl.int64)
+        w = tl.load(w_ptr + p) + tl.where(rb, float("nan"), 0.0)
+        v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += w * v
+    h = _add_norm_vals(acc.to(out_ptr.dtype.element_ty), res_ptr, rout_ptr, t, cols, ok, ok, stride_r, stride_ro,
+                       H, eps, True)
+    tl.store(out_ptr + t * stride_out + cols, (nw * h).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

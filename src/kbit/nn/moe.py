@@ -58,7 +58,7 @@ from kbit.format.spec import (
 from kbit.nn._layout import CANONICAL, apply_keeping_format, capturing, release
 from kbit.ops.glue import add_rms_norm, check_norm
 from kbit.ops.hadamard import rotate
-from kbit.ops.moe import moe_reference
+from kbit.ops.moe import Uncombined, moe_reference
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.moe_router import ROUTERS, select_experts_reference
 from kbit.ops.quantize import quantize, unrotate_weight
@@ -367,12 +367,15 @@ class KbitMoE(nn.Module):
 
     @torch.compiler.disable
     def forward_add_norm(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                         plan: MoePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         plan: MoePlan | None = None, *,
+                         defer_combine: bool = False) -> tuple[torch.Tensor | Uncombined, torch.Tensor]:
         """The residual add and RMSNorm before the block, then the block: ``r = residual + hidden``,
         ``y = rms_norm(r) * weight`` (:func:`kbit.ops.glue.add_rms_norm`'s numbers); returns ``(forward(y), r)``,
         both ``[T, H]`` (hidden and residual ``[T, H]``). Where the fused router takes the step (its stored
         router weight, a decode step's tokens on CUDA), its launch makes the add and the norm as well: one launch
-        fewer on the step's critical path."""
+        fewer on the step's critical path. ``defer_combine``: there, and without a shared expert, the first
+        output is the experts' outputs before their combine (``kbit.ops.moe.Uncombined``), for the caller's next
+        launch to combine (``kbit.ops.moe.combine_add_rms_norm``): one launch fewer again."""
         H = self.hidden_size
         if hidden.dim() != 2 or hidden.shape[-1] != H:
             raise ValueError(f"hidden: expected shape [T, {H}], got {tuple(hidden.shape)}")
@@ -382,7 +385,7 @@ class KbitMoE(nn.Module):
             ws = router_workspace(self, hidden.device)
             if fused_router_applies(hidden, plan_, ws, self.router, self.n_group):
                 routing, y, r = self._route_hidden(hidden, ws, plan_, norm=(residual, weight, eps))
-                return self._experts(y, routing, plan_), r
+                return self._experts(y, routing, plan_, defer_combine), r
         y, r = add_rms_norm(hidden, residual, weight, eps)
         return self.forward(y, plan=plan), r
 
@@ -398,11 +401,14 @@ class KbitMoE(nn.Module):
                             renormalize=self.norm_topk_prob, correction_bias=self.correction_bias,
                             scaling=self.routed_scaling_factor, norm=norm)
 
-    def _experts(self, x: torch.Tensor, routing: MoeRouting, plan: MoePlan | None) -> torch.Tensor:
-        """The routed experts (and the shared expert) on ``x [T, H]``."""
+    def _experts(self, x: torch.Tensor, routing: MoeRouting, plan: MoePlan | None,
+                 defer_combine: bool = False) -> torch.Tensor | Uncombined:
+        """The routed experts (and the shared expert) on ``x [T, H]``; ``defer_combine``: before their combine
+        where that is the last step (no shared expert to add)."""
         xr = x if self.rotation is None else rotate(x, self.rotation)  # once for all experts (module docstring)
-        out = moe_experts(xr, routing, *self.kernel_weights(), plan)
-        return add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
+        defer = defer_combine and self.shared_expert is None
+        out = moe_experts(xr, routing, *self.kernel_weights(), plan, defer_combine=defer)
+        return out if defer else add_shared_expert(out, x, self.shared_expert, self.shared_expert_gate)
 
     def _reference_forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """The forward on tensors Triton cannot run (CPU without the interpreter): the float64 reference on the

@@ -16,7 +16,8 @@ from kbit.format.spec import SCALE_FORMATS, check_blocksize, check_k, check_scal
 from kbit.utils.checks import check_tensor, fail
 
 __all__ = ["FLOAT_X", "SCALE_FORMATS", "X16", "check_bias", "check_dense", "check_format", "check_grouped",
-           "check_linear", "check_not_meta", "check_params", "check_weight_tensors", "check_x"]
+           "check_linear", "check_norm", "check_not_meta", "check_params", "check_rows", "check_weight_tensors",
+           "check_x"]
 
 #: activation dtypes of the CPU path (and of the torch ops' fake implementations)
 FLOAT_X = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -122,3 +123,37 @@ def check_grouped(x, rows_name, rows, expert_ids, codes, scales, tensor_scale, c
     if rows.dim() != 1 or expert_ids.shape != rows.shape:
         fail(ValueError, "expert_ids", f"shape of {rows_name} {tuple(rows.shape)} (1-D)", tuple(expert_ids.shape))
     return E
+
+
+#: activation dtypes of the norm and glue ops
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_rows(name, t, dtype=None, device=None, width=None):
+    """``t`` is a [rows, features] float16/bfloat16/float32 tensor with a contiguous last dim, of ``dtype``,
+    on ``device`` and ``width`` features where given."""
+    check_tensor(name, t, dtype if dtype is not None else NORM_DTYPES, device=device)
+    if t.dim() != 2:
+        fail(ValueError, name, "2 dims [rows, features]", f"shape {tuple(t.shape)}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        fail(ValueError, name, "a contiguous last dim (stride 1)", f"strides {t.stride()}")
+    if width is not None and t.shape[-1] != width:
+        fail(ValueError, name, f"{width} features", f"shape {tuple(t.shape)}")
+
+
+def check_norm(x, weight, eps, residual):
+    """The arguments of :func:`add_rms_norm` (``residual`` may be None: :func:`rms_norm`)."""
+    check_rows("x", x)
+    if residual is not None:
+        check_rows("residual", residual, x.dtype, x.device, x.shape[1])
+        if residual.shape != x.shape:
+            fail(ValueError, "residual", f"shape {tuple(x.shape)}", tuple(residual.shape))
+    if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],):
+        fail(ValueError, "weight", f"shape ({x.shape[1]},)",
+             tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__)
+    if weight.device != x.device:
+        fail(ValueError, "weight", f"a tensor on {x.device}", weight.device)
+    if not weight.is_contiguous():
+        fail(ValueError, "weight", "a contiguous tensor", f"strides {weight.stride()}")
+    if not eps > 0:
+        fail(ValueError, "eps", "> 0", eps)

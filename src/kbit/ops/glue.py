@@ -20,15 +20,17 @@ import triton
 
 from kbit.format.spec import Rotation
 from kbit.kernels import glue as _k
+from kbit.ops._checks import check_norm
+from kbit.ops._checks import check_rows as _check_rows
 from kbit.ops._rotation import check_rotation, hadamard_reference
 from kbit.ops.pdl import launch_kw
-from kbit.utils.checks import check_tensor, fail
+from kbit.ops.reference import rms_norm_reference
+from kbit.utils.checks import fail
 from kbit.utils.device import interpreting
 
 __all__ = ["add_rms_norm", "argmax", "check_norm", "rms_norm", "rms_norm_reference", "rope_append",
            "rope_append_reference", "silu_mul", "silu_mul_reference"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -40,45 +42,7 @@ def _up(t):
     return t.float() if interpreting() and t is not None and t.dtype == torch.bfloat16 else t
 
 
-def _check_rows(name, t, dtype=None, device=None, width=None):
-    """``t`` is a [rows, features] float16/bfloat16/float32 tensor with a contiguous last dim, of ``dtype``,
-    on ``device`` and ``width`` features where given."""
-    check_tensor(name, t, dtype if dtype is not None else _DTYPES, device=device)
-    if t.dim() != 2:
-        fail(ValueError, name, "2 dims [rows, features]", f"shape {tuple(t.shape)}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        fail(ValueError, name, "a contiguous last dim (stride 1)", f"strides {t.stride()}")
-    if width is not None and t.shape[-1] != width:
-        fail(ValueError, name, f"{width} features", f"shape {tuple(t.shape)}")
-
-
 # ------------------------------------------------------------------------------------------ RMSNorm
-def rms_norm_reference(x, weight, eps, residual=None):
-    """transformers' ``residual + x`` (in the activation dtype) then RMSNorm; returns ``(y, new_residual)``."""
-    r = x if residual is None else residual + x
-    h = r.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(r.dtype), r
-
-
-def check_norm(x, weight, eps, residual):
-    """The arguments of :func:`add_rms_norm` (``residual`` may be None: :func:`rms_norm`)."""
-    _check_rows("x", x)
-    if residual is not None:
-        _check_rows("residual", residual, x.dtype, x.device, x.shape[1])
-        if residual.shape != x.shape:
-            fail(ValueError, "residual", f"shape {tuple(x.shape)}", tuple(residual.shape))
-    if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[1],):
-        fail(ValueError, "weight", f"shape ({x.shape[1]},)",
-             tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__)
-    if weight.device != x.device:
-        fail(ValueError, "weight", f"a tensor on {x.device}", weight.device)
-    if not weight.is_contiguous():
-        fail(ValueError, "weight", "a contiguous tensor", f"strides {weight.stride()}")
-    if not eps > 0:
-        fail(ValueError, "eps", "> 0", eps)
-
-
 def _rotation_signs(rotation, signs, width, device, name):
     """The signs of the optional ``rotation`` (None when there is none; ``signs`` must then be None too)."""
     if rotation is None:

@@ -15,15 +15,20 @@ grouped gate_up, SwiGLU, grouped down and a weighted combine (composed, with the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from kbit.kernels.moe import combine_kernel, silu_mul_kernel
+from kbit.kernels.moe import combine_add_norm_kernel, combine_kernel, silu_mul_kernel
+from kbit.ops._checks import check_norm
 from kbit.ops._ids import check_ids, error_flag, host_checks
 from kbit.ops.moe_align import MoeRouting
 from kbit.ops.pdl import launch_kw
+from kbit.ops.reference import rms_norm_reference
+from kbit.utils.device import interpreting
 
-__all__ = ["combine", "combine_reference", "moe_reference", "relative_error", "silu_mul_gate_up",
+__all__ = ["Uncombined", "combine", "combine_add_rms_norm", "combine_add_rms_norm_reference", "combine_reference",
+           "moe_reference", "relative_error", "silu_mul_gate_up",
            "silu_mul_gate_up_reference"]
 
 #: columns a program of the element-wise kernels (fewer for narrow rows)
@@ -80,6 +85,57 @@ def combine(y: torch.Tensor, routing: MoeRouting, out_dtype: torch.dtype | None 
                                         T * top_k, H, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
                                         num_warps=4 if block >= 512 else 1, **launch_kw(y.device))
     return out
+
+
+@dataclass(frozen=True)
+class Uncombined:
+    """An MoE layer's expert outputs before their combine: ``y [P, H]`` and the routing whose ``pair_rows`` and
+    ``topk_weights`` combine them (:func:`combine`), for a caller that makes the combine part of its next launch
+    (:func:`combine_add_rms_norm`). ``dtype``: the combined output's."""
+
+    y: torch.Tensor
+    routing: MoeRouting
+    dtype: torch.dtype
+
+    def combine(self) -> torch.Tensor:
+        return combine(self.y, self.routing, self.dtype)
+
+
+def combine_add_rms_norm(y: Uncombined, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kbit.ops.glue.add_rms_norm(y.combine(), residual, weight, eps)`` in one launch: returns
+    ``(rms_norm(r) * weight, r)``, ``r = residual + combined`` (the same numbers: the combine rounded to the
+    activation dtype first). ``residual [T, H]`` in that dtype, ``weight [H]``. Off CUDA (and Triton's
+    interpreter) and in float32: the combine, then the torch norm (``kbit.ops.reference.rms_norm_reference``)."""
+    if not isinstance(y, Uncombined):
+        raise TypeError(f"y: expected an Uncombined, got {type(y).__name__}")
+    routing, T = y.routing, y.routing.T
+    if y.y.dim() != 2 or y.y.shape[0] != T * routing.top_k:
+        raise ValueError(f"y: expected rows [P={T * routing.top_k}, H], got {tuple(y.y.shape)}")
+    H = y.y.shape[1]
+    if tuple(residual.shape) != (T, H) or residual.dtype != y.dtype:
+        raise ValueError(f"residual: expected shape {(T, H)} {y.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if not ((y.y.is_cuda or interpreting()) and y.dtype in (torch.float16, torch.bfloat16)) or T == 0:
+        return rms_norm_reference(y.combine(), weight, eps, residual)
+    check_norm(residual, weight, eps, residual)
+    if host_checks(routing.pair_rows):
+        check_ids("pair_rows", routing.pair_rows, T * routing.top_k, "rows of y")
+    rows, res = y.y if y.y.stride(1) == 1 else y.y.contiguous(), residual.contiguous()
+    out, r = torch.empty_like(res), torch.empty_like(res)
+    block = max(16, 1 << (H - 1).bit_length())
+    combine_add_norm_kernel[(T,)](rows, routing.pair_rows, routing.topk_weights, res, weight, out, r,
+                                  error_flag(rows.device), T * routing.top_k, H, rows.stride(0), res.stride(0),
+                                  out.stride(0), r.stride(0), float(eps), TOP_K=routing.top_k, BLOCK=block,
+                                  num_warps=max(1, min(16, block // 256)), **launch_kw(rows.device))
+    return out, r
+
+
+def combine_add_rms_norm_reference(y: Uncombined, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`combine_add_rms_norm` in torch: the float64 combine rounded to the activation dtype, then
+    ``kbit.ops.reference.rms_norm_reference``'s add and norm."""
+    return rms_norm_reference(combine_reference(y.y, y.routing).to(y.dtype), weight, eps, residual)
 
 
 def combine_reference(y: torch.Tensor, routing: MoeRouting) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kbit.kernels.moe import route_topk_kernel, router_route_kernel
-from kbit.ops.glue import check_norm
+from kbit.ops._checks import check_norm
 from kbit.ops.pdl import launch_kw
 from kbit.tuning.moe import FusedRouterConfig, fused_router_config
 

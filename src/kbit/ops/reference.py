@@ -16,7 +16,7 @@ from kbit.format.reference import dequantize_reference
 from kbit.format.spec import KbitWeight
 
 __all__ = ["dequantize_tensors_reference", "gemm_reference", "gemv_reference", "grouped_gemv_reference",
-           "grouped_linear_reference", "linear_reference", "linear_tensors_reference"]
+           "grouped_linear_reference", "linear_reference", "linear_tensors_reference", "rms_norm_reference"]
 
 
 def _check_pair(x, qw: KbitWeight, stacked: bool):
@@ -140,3 +140,11 @@ def linear_tensors_reference(x, codes, scales, tensor_scale, codebook, *, k, blo
     w = dequantize_reference(qw, torch.float32)
     y = F.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
     return y.to(x.dtype)
+
+
+def rms_norm_reference(x, weight, eps, residual=None):
+    """transformers' ``residual + x`` (in the activation dtype) then RMSNorm; returns ``(y, new_residual)``."""
+    r = x if residual is None else residual + x
+    h = r.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(r.dtype), r
