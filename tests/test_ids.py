@@ -192,6 +192,21 @@ def test_combine_device_semantics(device_semantics):
     assert int(_ids.error_flag("cpu")) == _ids.ERR_PAIR_ROWS
 
 
+def test_combine_add_rms_norm_device_semantics(device_semantics):
+    """The combine in the next norm's launch: a token with a bad pair row gets NaN outputs and residual, the others
+    those of the same rows fixed, and the error flag is set."""
+    from kbit.ops.moe import Uncombined, combine_add_rms_norm
+    r = align(i32([[0, 1], [2, 3], [1, 0]], "cpu"), 4)
+    bad = MA.MoeRouting(**{**r.__dict__, "pair_rows": i32([0, 1, 2, 60, 4, 5], "cpu")})
+    fixed = MA.MoeRouting(**{**r.__dict__, "pair_rows": i32([0, 1, 2, 3, 4, 5], "cpu")})
+    y, res, w = torch.randn(6, 8).half(), torch.randn(3, 8).half(), torch.ones(8).half()
+    out, new = combine_add_rms_norm(Uncombined(y, bad, torch.float16), res, w, 1e-6)
+    assert torch.isnan(out[1]).all() and torch.isnan(new[1]).all() and not torch.isnan(out[[0, 2]]).any()
+    want, want_r = combine_add_rms_norm(Uncombined(y, fixed, torch.float16), res, w, 1e-6)
+    assert torch.equal(out[[0, 2]], want[[0, 2]]) and torch.equal(new[[0, 2]], want_r[[0, 2]])
+    assert int(_ids.error_flag("cpu")) == _ids.ERR_PAIR_ROWS
+
+
 @pytest.mark.parametrize("plan", [GEMV, MoePlan("grouped_mm", "gemv")], ids=["gemv", "grouped_mm+gemv"])
 def test_moe_experts_device_semantics(device_semantics, plan):
     """Tokens with a bad pair get NaN outputs; the others equal those of the same step with the bad ids replaced."""
