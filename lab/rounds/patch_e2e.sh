@@ -1,0 +1,37 @@
+#!/bin/bash
+# One device call: a patch's tree against src in the decode step. 1. .ab/p = src, tests and lab with PATCH applied;
+# its GPU tests (TEST_FILES, TEST_K); 2. bench_e2e a fresh process a run in the order of ORDER ("p": the patched
+# tree, "new": src; MODELS, BATCH); 3. PROFILE=1: a step profile of the patched tree's first model at batch 1.
+# Needs KBIT_COMMIT and PATCH. Logs: $OUT/patch-e2e.tgz.
+set -u
+export PYTHONUNBUFFERED=1
+: "${KBIT_COMMIT:?set KBIT_COMMIT to the commit under test}"
+: "${PATCH:?set PATCH to the patch file (lab/patches/...)}"
+O=/tmp/patch-e2e; mkdir -p "$O" "${OUT:-.}"
+pack() { tar czf "${OUT:-.}/patch-e2e.tgz" -C "$O" . ; }
+T0=$(date +%s)
+rm -rf .ab/p && mkdir -p .ab/p && cp -r src tests lab .ab/p/ && (cd .ab/p && patch -s -p1 < "../../$PATCH") \
+  > "$O/patch.log" 2>&1
+echo "patch rc $?"; pack
+(cd .ab/p && PYTHONPATH=$PWD/src timeout ${T_TEST:-200} python -m pytest -q -m gpu -p no:cacheprovider \
+  -n ${XDIST:-4} ${TEST_FILES:-tests/test_moe.py tests/test_ids.py tests/test_decode.py} \
+  -k "${TEST_K:-combine or add_norm or fast_step}" > "$O/gpu-tests.log" 2>&1)
+echo "tests rc $? after $(( $(date +%s) - T0 )) s"; tail -2 "$O/gpu-tests.log"; pack
+i=0
+for t in ${ORDER:-p new p new}; do
+  i=$((i + 1))
+  if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
+  PYTHONPATH=$src KBIT_COMMIT=$KBIT_COMMIT-$t timeout ${T_AB:-100} python benchmarks/bench_e2e.py \
+    --models "${MODELS:-qwen3-30b-a3b,mixtral-8x7b}" --k 4 --batch ${BATCH:-1,4,16} --steps 16 --reps 3 \
+    --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
+  echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
+  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-70}
+  pack
+done
+if [ "${PROFILE:-0}" = 1 ]; then
+  m=${MODELS:-qwen3-30b-a3b}; m=${m%%,*}
+  PYTHONPATH=$PWD/.ab/p/src KBIT_COMMIT=$KBIT_COMMIT-p timeout ${T_PROF:-120} python benchmarks/bench_e2e.py \
+    --models $m --k 4 --batch 1 --steps 16 --reps 3 --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --profile \
+    --layers ${PROF_LAYERS:-4} --out "$O" --name profile > "$O/profile.log" 2>&1
+  echo "profile rc $? after $(( $(date +%s) - T0 )) s"; pack
+fi
