@@ -381,11 +381,11 @@ class KbitMoE(nn.Module):
             raise ValueError(f"hidden: expected shape [T, {H}], got {tuple(hidden.shape)}")
         check_norm(hidden, weight, eps, residual)
         if self.router_weight is not None and hidden.is_cuda:
-            plan_ = self._step_plan(hidden, plan)
+            step_plan = self._step_plan(hidden, plan)
             ws = router_workspace(self, hidden.device)
-            if fused_router_applies(hidden, plan_, ws, self.router, self.n_group):
-                routing, y, r = self._route_hidden(hidden, ws, plan_, norm=(residual, weight, eps))
-                return self._experts(y, routing, plan_, defer_combine), r
+            if fused_router_applies(hidden, step_plan, ws, self.router, self.n_group):
+                routing, y, r = self._route_hidden(hidden, ws, step_plan, norm=(residual, weight, eps))
+                return self._experts(y, routing, step_plan, defer_combine), r
         y, r = add_rms_norm(hidden, residual, weight, eps)
         return self.forward(y, plan=plan), r
 
