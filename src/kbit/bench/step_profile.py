@@ -228,11 +228,11 @@ def _hook_modules(rec: StepRecorder, dec: StaticDecoder, names: dict[int, str]) 
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
         if isinstance(m, KbitMoE):  # the fast step calls it without __call__ (the norm in its router's launch)
-            handles.append(_hooked_method(m, "forward_add_norm", pre, post))
+            handles.append(_HookedMethod(m, "forward_add_norm", pre, post))
     return handles
 
 
-class _hooked_method:
+class _HookedMethod:
     """``m.<name>`` run between the module's pre and post hooks, as an instance attribute until ``remove()``."""
 
     def __init__(self, m: nn.Module, name: str, pre, post):

@@ -45,18 +45,26 @@ def combine_kernel(y_ptr, pair_rows_ptr, w_ptr, out_ptr, err_ptr, P, H, stride_y
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = _combine_sum(y_ptr, pair_rows_ptr, w_ptr, err_ptr, t, cols, ok, tl.program_id(1) == 0, P, stride_y, TOP_K)
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_sum(y_ptr, pair_rows_ptr, w_ptr, err_ptr, t, cols, ok, report, P, stride_y, TOP_K: tl.constexpr):
+    """Token t's ``sum_s w[t, s] * y[pair_rows[t * TOP_K + s], cols]`` in float32, s in order. A pair row out of
+    ``[0, P)`` reads row 0 instead, makes the sum NaN and, where ``report``, ORs 4 into ``err[0]``."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
         r = tl.load(pair_rows_ptr + p)
         rb = (r < 0) | (r >= P)
-        if rb & (tl.program_id(1) == 0):
+        if rb & report:
             tl.atomic_or(err_ptr, 4)
         r = tl.where(rb, 0, r).to(tl.int64)
         w = tl.load(w_ptr + p) + tl.where(rb, float("nan"), 0.0)
         v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
         acc += w * v
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    return acc
 
 
 @triton.jit
@@ -72,17 +80,7 @@ def combine_add_norm_kernel(y_ptr, pair_rows_ptr, w_ptr, res_ptr, nw_ptr, out_pt
     nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: no dependency, read before the wait
     _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        p = t * TOP_K + s
-        r = tl.load(pair_rows_ptr + p)
-        rb = (r < 0) | (r >= P)
-        if rb:
-            tl.atomic_or(err_ptr, 4)
-        r = tl.where(rb, 0, r).to(tl.int64)
-        w = tl.load(w_ptr + p) + tl.where(rb, float("nan"), 0.0)
-        v = tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += w * v
+    acc = _combine_sum(y_ptr, pair_rows_ptr, w_ptr, err_ptr, t, cols, ok, True, P, stride_y, TOP_K)
     h = _add_norm_vals(acc.to(out_ptr.dtype.element_ty), res_ptr, rout_ptr, t, cols, ok, ok, stride_r, stride_ro,
                        H, eps, True)
     tl.store(out_ptr + t * stride_out + cols, (nw * h).to(out_ptr.dtype.element_ty), mask=ok)

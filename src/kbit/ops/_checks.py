@@ -142,7 +142,7 @@ def check_rows(name, t, dtype=None, device=None, width=None):
 
 
 def check_norm(x, weight, eps, residual):
-    """The arguments of :func:`add_rms_norm` (``residual`` may be None: :func:`rms_norm`)."""
+    """The arguments of ``kbit.ops.glue.add_rms_norm`` (``residual`` may be None: ``rms_norm``)."""
     check_rows("x", x)
     if residual is not None:
         check_rows("residual", residual, x.dtype, x.device, x.shape[1])

@@ -32,7 +32,6 @@ __all__ = ["add_rms_norm", "argmax", "check_norm", "rms_norm", "rms_norm_referen
            "rope_append_reference", "silu_mul", "silu_mul_reference"]
 
 
-
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 

@@ -116,9 +116,9 @@ def combine_add_rms_norm(y: Uncombined, residual: torch.Tensor, weight: torch.Te
     if tuple(residual.shape) != (T, H) or residual.dtype != y.dtype:
         raise ValueError(f"residual: expected shape {(T, H)} {y.dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
+    check_norm(residual, weight, eps, None)
     if not ((y.y.is_cuda or interpreting()) and y.dtype in (torch.float16, torch.bfloat16)) or T == 0:
         return rms_norm_reference(y.combine(), weight, eps, residual)
-    check_norm(residual, weight, eps, residual)
     if host_checks(routing.pair_rows):
         check_ids("pair_rows", routing.pair_rows, T * routing.top_k, "rows of y")
     rows, res = y.y if y.y.stride(1) == 1 else y.y.contiguous(), residual.contiguous()

@@ -211,11 +211,10 @@ def route_pairs_hidden(hidden: torch.Tensor, router_weight: torch.Tensor, top_k:
         residual, nw, eps = norm
         check_norm(x, nw, eps, residual)
         residual = residual.contiguous()
-        y, r = torch.empty_like(x), torch.empty_like(x)
+        y, r = normed = torch.empty_like(x), torch.empty_like(x)
         nargs = (residual, nw.contiguous(), y, r, residual.stride(0), y.stride(0), r.stride(0), float(eps))
     else:
-        nargs = (x, x, x, x, 0, 0, 0, 0.0)
-    normed = (y, r) if norm is not None else ()
+        normed, nargs = (), (x, x, x, x, 0, 0, 0, 0.0)
     out = _route_outputs(T, top_k, dev)
     if T == 0:
         return logits, *out, *normed
