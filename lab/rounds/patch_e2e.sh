@@ -1,7 +1,8 @@
 #!/bin/bash
-# One device call: a patch's tree against src in the decode step. 1. .ab/p = src, tests and lab with PATCH applied;
-# its GPU tests (TEST_FILES, TEST_K); 2. bench_e2e a fresh process a run in the order of ORDER ("p": the patched
-# tree, "new": src; MODELS, BATCH); 3. PROFILE=1: a step profile of the patched tree's first model at batch 1.
+# One device call: patched trees against src in the decode step. 1. For the i-th file of PATCH (a space-separated
+# list), .ab/<p, q, r or s> = src, tests and lab with that patch applied; the trees' GPU tests (TEST_FILES, TEST_K)
+# side by side; 2. bench_e2e a fresh process a run in the order of ORDER (a tree's letter, or "new": src; MODELS,
+# BATCH); 3. PROFILE=1: a step profile of tree p's first model at batch 1.
 # Needs KBIT_COMMIT and PATCH. Logs: $OUT/patch-e2e.tgz.
 set -u
 export PYTHONUNBUFFERED=1
@@ -10,13 +11,19 @@ export PYTHONUNBUFFERED=1
 O=/tmp/patch-e2e; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/patch-e2e.tgz" -C "$O" . ; }
 T0=$(date +%s)
-rm -rf .ab/p && mkdir -p .ab/p && cp -r src tests lab .ab/p/ && (cd .ab/p && patch -s -p1 < "../../$PATCH") \
-  > "$O/patch.log" 2>&1
-echo "patch rc $?"; pack
-(cd .ab/p && PYTHONPATH=$PWD/src timeout ${T_TEST:-200} python -m pytest -q -m gpu -p no:cacheprovider \
-  -n ${XDIST:-4} ${TEST_FILES:-tests/test_moe.py tests/test_ids.py tests/test_decode.py} \
-  -k "${TEST_K:-combine or add_norm or fast_step}" > "$O/gpu-tests.log" 2>&1)
-echo "tests rc $? after $(( $(date +%s) - T0 )) s"; tail -2 "$O/gpu-tests.log"; pack
+names=(p q r s); n=0
+for f in $PATCH; do
+  t=${names[$n]}; n=$((n + 1))
+  rm -rf .ab/$t && mkdir -p .ab/$t && cp -r src tests lab .ab/$t/ && (cd .ab/$t && patch -s -p1 < "../../$f") \
+    > "$O/patch-$t.log" 2>&1
+  echo "patch $t ($f) rc $?"
+  (cd .ab/$t && PYTHONPATH=$PWD/src timeout ${T_TEST:-200} python -m pytest -q -m gpu -p no:cacheprovider \
+    -n ${XDIST:-4} ${TEST_FILES:-tests/test_moe.py tests/test_ids.py tests/test_decode.py} \
+    -k "${TEST_K:-combine or add_norm or fast_step}" > "$O/gpu-tests-$t.log" 2>&1; echo "rc $?" >> "$O/gpu-tests-$t.log") &
+done
+wait; pack
+for t in ${names[@]:0:$n}; do echo "tests $t: $(tail -2 "$O/gpu-tests-$t.log" | tr '\n' ' ')"; done
+echo "tests after $(( $(date +%s) - T0 )) s"
 i=0
 for t in ${ORDER:-p new p new}; do
   i=$((i + 1))
