@@ -111,6 +111,8 @@ def test_softmax_ties_and_selection_match_hf_router():
     ("softmax", 5, 12, 3, dict(renormalize=False)),
     ("softmax", 3, 60, 8, dict(renormalize=True, scaling=0.5)),
     ("sigmoid", 7, 16, 4, dict(renormalize=True, scaling=2.5, bias=True)),
+    # top_k below its power of two: the padded slots must not enter the renormalisation
+    ("sigmoid", 5, 24, 6, dict(renormalize=True, scaling=2.5, bias=True)),
     ("sigmoid", 4, 10, 1, dict(renormalize=False)),
     ("softmax", 0, 8, 2, dict(renormalize=True)),
 ])

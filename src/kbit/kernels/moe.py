@@ -162,9 +162,9 @@ def _route_row(x, t, e, ok, bias_ptr, w_ptr, ids_ptr, tok_ptr, rows_ptr, blk_ptr
             if s == 0:
                 top = v
         key = tl.where(e == idx, -9223372036854775807 - 1, key)
-    if HAS_BIAS:  # the chosen scores, without the bias
-        w = tl.sum(tl.where(e[None, :] == ids[:, None], score[None, :], 0.0), axis=1)
     keep = slot < TOP_K
+    if HAS_BIAS:  # the chosen scores, without the bias (slots past TOP_K zero: they must not count in the sum)
+        w = tl.sum(tl.where((e[None, :] == ids[:, None]) & keep[:, None], score[None, :], 0.0), axis=1)
     if SOFT_RENORM:  # w holds the chosen logits, the best (top) in slot 0
         w = tl.where(keep, tl.exp(w - top), 0.0)
     if RENORM:
