@@ -398,6 +398,34 @@ def test_gpu_pairs_linear_vs_reference(N, K_, P, R, k, dt, sf):
         assert rel_err(yb[:P - 1], ref[:P - 1]) < tol(dtype)
 
 
+@pytest.mark.gpu
+def test_gpu_pairs_linear_stack_of_many_experts(monkeypatch):
+    """The pairs launch stages the stack's tensor scales in shared memory before its PDL wait (``GRP_MAXE`` of
+    ``common.cuh``, ``PAIRS_MAX_EXPERTS``): each pair's rows take its own expert's scale, up to the last of 512
+    experts (scales far apart, so a wrong one shows), and a stack of 513 is declined (the grouped kernels run it).
+    The stacked shape is small, so its dense pick (kernel 1) is pinned to the kernel-3 config the launch builds on."""
+    if not MC.kernels_available("cuda"):
+        pytest.skip("CUDA kernel not available")
+    from kbit.ops import gemv_mma as GV
+
+    monkeypatch.setattr(GV, "launch_config", lambda *a: TM.MmaConfig(3, 8, 2, ring=2, x_smem=True))
+    monkeypatch.setattr(GV, "_PAIRS", {})
+    N, K_, k = 64, 512, 4
+    E = GV.PAIRS_MAX_EXPERTS
+    codes, scales, ts, cb = make_stack(E + 1, N, K_, k, device="cuda", seed=3)
+    ts = (torch.arange(E + 1, device="cuda", dtype=torch.float32) + 1) * 1e-3  # every expert's scale its own
+    rc, rs = GR.repacked_stack(codes, scales, k=k, blocksize=32, scale_format="log8", N=N, K=K_)
+    ids = torch.tensor([E - 1, 0, 300, E - 1, 65], dtype=torch.int32, device="cuda")
+    x = torch.randn(1, K_, device="cuda").bfloat16()
+    rows = torch.zeros(ids.shape[0], dtype=torch.int32, device="cuda")
+    y = GV.pairs_linear(x, rows, ids, rc[:E], rs[:E], ts[:E], cb, k=k, N=N, K=K_)
+    assert y is not None
+    ref = G.grouped_gemv_reference(x, rows, ids, codes[:E], scales[:E], ts[:E], cb, k=k, blocksize=32,
+                                   scale_format="log8", N=N, K=K_)
+    assert rel_err(y, ref) < tol(torch.bfloat16)
+    assert GV.pairs_linear(x, rows, ids, rc, rs, ts, cb, k=k, N=N, K=K_) is None
+
+
 LARGE_CFGS = ["7,16,8,4,8,1,1", "7,12,16,4,8,1,1", "7,8,32,4,8,1,1", "7,8,32,3,8,1,1"]
 
 

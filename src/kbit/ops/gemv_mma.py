@@ -301,6 +301,8 @@ def prepare_repacked(x, rcodes, rscales, tensor_scale, codebook, *, k, blocksize
 
 #: pairs a launch of :func:`pairs_linear` takes (``GRP_MAXP`` of ``common.cuh``)
 PAIRS_MAX = 64
+#: experts of a stack :func:`pairs_linear` takes (``GRP_MAXE``: their tensor scales staged in shared memory)
+PAIRS_MAX_EXPERTS = 512
 _PAIRS: dict = {}  # (k, P, N, K, scale_format, bf16, x rows, device, deterministic) -> its hit or None
 PLANS.on_clear(_PAIRS.clear)
 
@@ -341,25 +343,29 @@ def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *
     x: fp16/bf16 ``[R, K]`` (gate_up: the tokens; down: a row a pair); rows, expert_ids: int32 ``[P]`` in range
     (the caller's ``kbit.ops._ids.guard``; ``bad``: its mask, those rows NaN after); rcodes / rscales: a stack
     ``[E, N / 16, ...]`` in layout "mma-v1", tensor_scale float32 ``[E]``. Returns ``[P, N]``, or None where the
-    launch does not apply (more than :data:`PAIRS_MAX` pairs, N not a multiple of 16, no CUDA kernels, or the stacked
-    shape's dense pick is not a kernel-3 build it covers): the caller runs the grouped kernels then."""
+    launch does not apply (more than :data:`PAIRS_MAX` pairs or :data:`PAIRS_MAX_EXPERTS` experts, N not a multiple
+    of 16, no CUDA kernels, or the stacked shape's dense pick is not a kernel-3 build it covers, or has fewer
+    threads than pairs): the caller runs the grouped kernels then."""
     P = expert_ids.shape[0]
     dev = x.device
-    if not (1 <= P <= PAIRS_MAX and N % 16 == 0 and rcodes.shape[1] * 16 == N and x.is_cuda
+    if not (1 <= P <= PAIRS_MAX and tensor_scale.numel() <= PAIRS_MAX_EXPERTS and N % 16 == 0
+            and rcodes.shape[1] * 16 == N and x.is_cuda
             and kernels_available(dev) and x.dtype in (torch.float16, torch.bfloat16)):
         return None
     hit = _pairs_launch(k, P, N, K, scale_format, x.dtype == torch.bfloat16, x.shape[0], dev)
     if hit is None:
         return None
     p, kern, shared = hit
+    if P > p.warps * 32:  # a thread a pair reads the ids (gemv_mma_streamk.cu)
+        return None
     xm = x_rows(x.contiguous(), p.S)
     y = torch.empty(P, N, dtype=x.dtype, device=dev)
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
     ids, rws = expert_ids.contiguous(), rows.contiguous()
     args = _kernel_args(p, rcodes, rscales, tensor_scale, codebook, xm.data_ptr(), y.data_ptr(), None, ws, cnt, 1,
                         P * N, xm.stride(0), P * N, kx=K)
-    kern((p.grid,), p.warps * 32, _ARGS_FMT + "QQii", *args, ids.data_ptr(), rws.data_ptr(), N // 16, xm.shape[0],
-         shared=shared, pdl=True)
+    kern((p.grid,), p.warps * 32, _ARGS_FMT + "QQiii", *args, ids.data_ptr(), rws.data_ptr(), N // 16, xm.shape[0],
+         tensor_scale.numel(), shared=shared, pdl=True)
     return poison(y, bad)
 
 

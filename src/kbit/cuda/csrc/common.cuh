@@ -104,12 +104,15 @@ __device__ __forceinline__ V4 ld_stream(const V4* p) {
 #if GRP
 /* GRP (kernel 3 only): a few tokens' MoE pairs as one GEMV over their experts' stacked tiles
    (kbit.ops.gemv_mma.pairs_linear). Stacked tile t belongs to pair p = t / s_gnte and reads tile t - p s_gnte of
-   expert e_p of the stack (s_goff); s_gts[p] is that expert's tensor scale, s_gxr[p] its x row, s_gxs x's row
-   stride (in global memory, or of the rows staged in shared memory). The kernel fills these after its PDL wait:
-   the expert ids and rows are the routing launch's output. */
-#define GRP_MAXP 64
+   expert e_p of the stack (s_goff); s_gets[s_geid[p]] is that expert's tensor scale, s_gxr[p] its x row, s_gxs x's
+   row stride (in global memory, or of the rows staged in shared memory). The kernel fills s_goff, s_geid and s_gxr
+   after its PDL wait (the expert ids and rows are the routing launch's output) and s_gets, the stack's tensor
+   scales, before it (they are weights): so a pair's scale is not a load that waits for its expert id. */
+#define GRP_MAXP 64  /* at most the threads of a CTA (4 warps and up) */
+#define GRP_MAXE 512 /* experts of a stack (kbit.ops.gemv_mma.PAIRS_MAX_EXPERTS) */
 __shared__ long long s_goff[GRP_MAXP]; /* (expert - pair) x the (tile, segment) pairs of an expert */
-__shared__ float s_gts[GRP_MAXP];
+__shared__ int s_geid[GRP_MAXP];      /* expert of each pair */
+__shared__ float s_gets[GRP_MAXE];    /* tensor scale of each expert of the stack */
 __shared__ int s_gxr[GRP_MAXP];       /* x row of each pair */
 __shared__ int s_gnte, s_gupe, s_gxs;  /* an expert's tiles and (tile, segment) pairs; x's row stride */
 /* the stack's (tile, segment) pair of stacked pair j: pair p's run of s_gupe moved to its expert's */

@@ -483,7 +483,7 @@ __device__ __forceinline__ void stream_range(V4 (&buf)[PD][K_BITS + SV], const V
         if (seg == ns || j + 1 == j1) {
 #if GRP /* the pair's expert's tensor scale (the sums are linear: parts of a tile may be scaled apart) */
           {
-            const float s = s_gts[tile / s_gnte];
+            const float s = s_gets[s_geid[tile / s_gnte]];
 #pragma unroll
             for (int ng = 0; ng < NG; ++ng) acc[ng][0] *= s, acc[ng][1] *= s, acc[ng][2] *= s, acc[ng][3] *= s;
           }
@@ -531,8 +531,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     , const u16* __restrict__ p_res, u16* __restrict__ p_res_out, const u16* __restrict__ p_nw, float eps,
     int kin, int r_stride
 #endif
-#if GRP /* the pairs' expert ids and x rows (int32 [n_tiles / gr_nte] each), an expert's tiles, x's rows */
-    , const int* __restrict__ gr_eid, const int* __restrict__ gr_xrow, int gr_nte, int gr_xn
+#if GRP /* the pairs' expert ids and x rows (int32 [n_tiles / gr_nte] each), an expert's tiles, x's rows, the stack's
+           experts (ts_ptr: their tensor scales, float32 [gr_ne]) */
+    , const int* __restrict__ gr_eid, const int* __restrict__ gr_xrow, int gr_nte, int gr_xn, int gr_ne
 #endif
     ) {
   const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
@@ -601,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     l2_prefetch(scales + (long long)(j0 + PD - 1) * 8 * SV, (long long)(j1 - j0 - PD + 1) * SV * 128);
   }
 #endif
-  const float ts = GRP ? 1.0f : *ts_ptr; /* GRP: each pair's own, after the wait (s_gts) */
+  const float ts = GRP ? 1.0f : *ts_ptr; /* GRP: each pair's own expert's (s_gets) */
   extern __shared__ __align__(16) unsigned char dsm[];
   const u32 dsm_base = smem_addr(dsm);
   const u32 tab = (dsm_base + TAB_ALIGN - 1) & ~(u32)(TAB_ALIGN - 1);
@@ -629,6 +630,9 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
 #endif
   }
 #endif
+#if GRP
+  for (int i = (int)tid; i < gr_ne; i += (int)blockDim.x) s_gets[i] = ts_ptr[i]; /* weights: before the wait */
+#endif
 #if XS && GRP
   const int x_rows_n = gr_xn; /* x rows to stage */
 #elif XS
@@ -637,12 +641,11 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
   pdl_launch();
   pdl_wait();
 #if GRP
-  for (int i = (int)tid; i < n_tiles / gr_nte; i += (int)blockDim.x) { /* up to GRP_MAXP pairs; one warp a CTA */
-    const int e = ld_dep(gr_eid + i), r = ld_dep(gr_xrow + i); /* the pair's expert and x row */
-    s_goff[i] = (long long)(e - i) * gr_nte * n_seg;
-    s_gts[i] = ts_ptr[e];
-    s_gxr[i] = r;
-  }
+  /* thread i < pairs loads pair i's expert and x row; they are stored after x's staging below has issued its loads,
+     so that the two round trips overlap (stored first, they made x's loads of that warp wait for them) */
+  const bool g_pair = (int)tid < n_tiles / gr_nte; /* up to GRP_MAXP pairs, at most the CTA's threads */
+  int g_e = 0, g_r = 0;
+  if (g_pair) g_e = ld_dep(gr_eid + tid), g_r = ld_dep(gr_xrow + tid);
 #endif
 #if XS
 #if PRO
@@ -650,19 +653,51 @@ extern "C" __global__ void __launch_bounds__(MAXW * 32, MINB) kbit_gemv_mma_stre
     stage_x_prologue<true>((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
   else
     stage_x_prologue<false>((V4*)sx, sw_, x, x_stride, M, xv, p_res, p_res_out, eps, kin, r_stride, tid, lane, warp, W);
-#elif XK
-  for (int i = (int)tid, nv = ns * (SEG / 8); i < M * nv; i += (int)blockDim.x) {
-    const int tok = i / nv, c = i - tok * nv;
-    ((V4*)sx)[tok * xv + c] = (XT && s_lo * SEG + 8 * c >= kx) ? V4{0u, 0u, 0u, 0u}
-                              : *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
-  }
 #else
-  for (int i = (int)tid; i < x_rows_n * xv; i += (int)blockDim.x) {
-    const int tok = i / xv, c = i - tok * xv;
-    ((V4*)sx)[i] = (c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
-                   : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
-  }
+  /* x's vectors XU a thread at once, all loaded before any is stored: a plain strided loop (unrolled with its
+     remainder first) made the remainder's loads one round trip each, in front of the barrier below, which every
+     weight of the launch waits for */
+#define XU 4
+#if XK
+  const int x_n = M * ns * (SEG / 8);
+#else
+  const int x_n = x_rows_n * xv;
 #endif
+  for (int i0 = (int)tid; i0 < x_n; i0 += XU * (int)blockDim.x) {
+    V4 xv4[XU];
+#pragma unroll
+    for (int u = 0; u < XU; ++u) {
+      const int i = i0 + u * (int)blockDim.x;
+#if XK
+      const int nv = ns * (SEG / 8), tok = i / nv, c = i - tok * nv;
+      xv4[u] = (i >= x_n || (XT && s_lo * SEG + 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
+               : *(const V4*)(x + (long long)tok * x_stride + s_lo * SEG + 8 * c);
+#else
+      const int tok = i / xv, c = i - tok * xv;
+      xv4[u] = (i >= x_n || c >= n_seg * (SEG / 8) || (XT && 8 * c >= kx)) ? V4{0u, 0u, 0u, 0u}
+               : *(const V4*)(x + (long long)tok * x_stride + 8 * c);
+#endif
+    }
+#pragma unroll
+    for (int u = 0; u < XU; ++u) {
+      const int i = i0 + u * (int)blockDim.x;
+#if XK
+      const int nv = ns * (SEG / 8), tok = i / nv;
+      if (i < x_n) ((V4*)sx)[tok * xv + i - tok * nv] = xv4[u];
+#else
+      if (i < x_n) ((V4*)sx)[i] = xv4[u];
+#endif
+    }
+  }
+#undef XU
+#endif
+#endif
+#if GRP
+  if (g_pair) {
+    s_goff[tid] = (long long)(g_e - (int)tid) * gr_nte * n_seg;
+    s_geid[tid] = g_e;
+    s_gxr[tid] = g_r;
+  }
 #endif
   __syncthreads();
 #if GRP
