@@ -11,11 +11,9 @@ against the grouped kernels' (relative error). Writes ``moe_pairs_cfg.json`` und
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +21,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "lab"))
 
 import torch  # noqa: E402
-from moe_t1_lab import MODELS, stack  # noqa: E402
+from moe_t1_lab import gemms, parse_args, stack  # noqa: E402
 
 from kbit.bench.timing import copies_for_cold_l2, l2_bytes, time_calls  # noqa: E402
 from kbit.ops import gemv_mma as GM  # noqa: E402
@@ -36,64 +34,52 @@ PINNED = {f"w{w} b{b} r{r}{' xg' if not xs else ''}": MmaConfig(3, w, b, ring=r,
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--budget", type=float, default=300)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    a = ap.parse_args()
+    a = parse_args(300)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    k, t0, rows_out = a.k, time.time(), []
+    k, rows_out = a.k, []
     real_launch_config = GM.launch_config
-    for name in a.models.split(","):
-        E, top, H, I = MODELS[name]
-        for gemm, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
-            if time.time() - t0 > a.budget:
-                print("budget reached", flush=True)
-                break
-            one = N * K * k / 8 + N * -(-K // 32)
-            stacks = [stack(E, N, K, k, seed=i) for i in range(copies_for_cold_l2(int(one * E), l2_bytes()))]
-            ids = torch.randperm(E, device="cuda")[:top].to(torch.int32)
-            xr = 1 if gemm == "gate_up" else top
-            x = torch.randn(xr, K, device="cuda").bfloat16()
-            rows = (torch.zeros if gemm == "gate_up" else lambda n, **kw: torch.arange(n, **kw))(
-                top, dtype=torch.int32, device="cuda")
-            kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, blocks=MB.block_table(ids, 8), checked=True)
-            ref = GR.grouped_linear(x, rows, ids, *stacks[0], **kw).double()
-            reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
-                    for c, sc, _, _ in stacks]
-            pk = dict(k=k, scale_format="log8", N=N, K=K)
-            r = dict(model=name, gemm=gemm, N=N, K=K, P=top, mb=top * one / 1e6,
-                     config=repr(real_launch_config(k, 1, top * N, K, "cuda")))
-            for vname, cfg in [("dispatched", None), *PINNED.items()]:
+    for name, gemm, E, top, N, K, one in gemms(a):
+        stacks = [stack(E, N, K, k, seed=i) for i in range(copies_for_cold_l2(int(one * E), l2_bytes()))]
+        ids = torch.randperm(E, device="cuda")[:top].to(torch.int32)
+        xr = 1 if gemm == "gate_up" else top
+        x = torch.randn(xr, K, device="cuda").bfloat16()
+        rows = (torch.zeros if gemm == "gate_up" else lambda n, **kw: torch.arange(n, **kw))(
+            top, dtype=torch.int32, device="cuda")
+        kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, blocks=MB.block_table(ids, 8), checked=True)
+        ref = GR.grouped_linear(x, rows, ids, *stacks[0], **kw).double()
+        reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
+                for c, sc, _, _ in stacks]
+        pk = dict(k=k, scale_format="log8", N=N, K=K)
+        r = dict(model=name, gemm=gemm, N=N, K=K, P=top, mb=top * one / 1e6,
+                 config=repr(real_launch_config(k, 1, top * N, K, "cuda")))
+        for vname, cfg in [("dispatched", None), *PINNED.items()]:
+            GM._PAIRS.clear()
+            GM.launch_config = real_launch_config if cfg is None else (lambda *a_, c=cfg: c)
+            try:
+                y = GM.pairs_linear(x, rows, ids, *reps[0], *stacks[0][2:], **pk)
+                if y is None:
+                    r[vname] = "not applicable"
+                    continue
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                t = time_calls([(lambda rp=rp, s=s, x=x, rows=rows, ids=ids, pk=pk:
+                                 GM.pairs_linear(x, rows, ids, *rp, *s[2:], **pk))
+                                for rp, s in zip(reps, stacks, strict=True)])
+                r[vname] = (t.us, top * one / t.us / 1e6, err)
+            except Exception as ex:  # noqa: BLE001
+                r[vname] = repr(ex)[:200]
+            finally:
+                GM.launch_config = real_launch_config
                 GM._PAIRS.clear()
-                GM.launch_config = real_launch_config if cfg is None else (lambda *a_, c=cfg: c)
-                try:
-                    y = GM.pairs_linear(x, rows, ids, *reps[0], *stacks[0][2:], **pk)
-                    if y is None:
-                        r[vname] = "not applicable"
-                        continue
-                    err = ((y.double() - ref).norm() / ref.norm()).item()
-                    t = time_calls([(lambda rp=rp, s=s, x=x, rows=rows, ids=ids, pk=pk:
-                                     GM.pairs_linear(x, rows, ids, *rp, *s[2:], **pk))
-                                    for rp, s in zip(reps, stacks, strict=True)])
-                    r[vname] = (t.us, top * one / t.us / 1e6, err)
-                except Exception as ex:  # noqa: BLE001
-                    r[vname] = repr(ex)[:200]
-                finally:
-                    GM.launch_config = real_launch_config
-                    GM._PAIRS.clear()
-            del stacks, reps
-            torch.cuda.empty_cache()
-            rows_out.append(r)
-            timed = {n: v for n, v in r.items() if isinstance(v, tuple)}
-            best = min(timed, key=lambda n: timed[n][0]) if timed else None
-            print(name, gemm, r["config"], {n: f"{v[0]:.2f}us {v[2]:.0e}" for n, v in timed.items()},
-                  "best", best, flush=True)
-            (out / "moe_pairs_cfg.json").write_text(json.dumps(dict(
-                gpu=torch.cuda.get_device_name(), commit=os.environ.get("KBIT_COMMIT", "?"), rows=rows_out),
-                indent=1))
+        del stacks, reps
+        torch.cuda.empty_cache()
+        rows_out.append(r)
+        timed = {n: v for n, v in r.items() if isinstance(v, tuple)}
+        best = min(timed, key=lambda n: timed[n][0]) if timed else None
+        print(name, gemm, r["config"], {n: f"{v[0]:.2f}us {v[2]:.0e}" for n, v in timed.items()},
+              "best", best, flush=True)
+        (out / "moe_pairs_cfg.json").write_text(json.dumps(dict(
+            gpu=torch.cuda.get_device_name(), commit=os.environ.get("KBIT_COMMIT", "?"), rows=rows_out),
+            indent=1))
     print("\n| model | gemm | MB | dispatched us | best pinned | us | x |")
     for r in rows_out:
         timed = {n: v for n, v in r.items() if isinstance(v, tuple) and n != "dispatched"}

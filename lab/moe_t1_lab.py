@@ -49,81 +49,94 @@ def stack(E, N, K, k, seed):
     return codes, scales, ts, cb
 
 
-def main():
+def parse_args(budget: float) -> argparse.Namespace:
+    """The MoE GEMM labs' arguments (``--models``, ``--k``, ``--budget`` seconds, ``--out``), ``--out`` made."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--budget", type=float, default=400)
+    ap.add_argument("--budget", type=float, default=budget)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    k, t0, rows_out = a.k, time.time(), []
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    return a
+
+
+def gemms(a: argparse.Namespace):
+    """(model, gemm, E, top_k, N, K, bytes of one expert: codes + log8 scales) of ``a.models``, gate_up then down,
+    until ``a.budget`` seconds have passed."""
+    t0 = time.time()
     for name in a.models.split(","):
         E, top, H, I = MODELS[name]
         for gemm, (N, K) in (("gate_up", (2 * I, H)), ("down", (H, I))):
             if time.time() - t0 > a.budget:
                 print("budget reached", flush=True)
-                break
-            one = N * K * k / 8 + N * -(-K // 32)  # bytes of one expert (codes + log8 scales)
-            n_copies = copies_for_cold_l2(int(one * E), l2_bytes())
-            stacks = [stack(E, N, K, k, seed=i) for i in range(n_copies)]
-            ids = torch.randperm(E, device="cuda")[:top].to(torch.int32)
-            if gemm == "gate_up":
-                x, rows = torch.randn(1, K, device="cuda").bfloat16(), torch.zeros(top, dtype=torch.int32,
-                                                                                   device="cuda")
-            else:
-                x, rows = torch.randn(top, K, device="cuda").bfloat16(), torch.arange(top, dtype=torch.int32,
-                                                                                      device="cuda")
-            blocks = MB.block_table(ids, 8)
-            kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, blocks=blocks, checked=True)
-            ref = GR.grouped_linear(x, rows, ids, *stacks[0], **kw).double()
-            r = dict(model=name, gemm=gemm, N=N, K=K, P=top, mb=top * one / 1e6)
-            for vname, cfg in [("default", None), *VARIANTS.items()]:
-                try:
-                    y = GR.grouped_linear(x, rows, ids, *stacks[0], config=cfg, **kw).double()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                    t = time_calls([(lambda s=s, cfg=cfg, x=x, rows=rows, ids=ids, kw=kw:
-                                     GR.grouped_linear(x, rows, ids, *s, config=cfg, **kw)) for s in stacks])
-                    r[vname] = (t.us, top * one / t.us / 1e6, err)
-                except Exception as ex:  # noqa: BLE001
-                    r[vname] = repr(ex)[:200]
-            # the pairs as one dense GEMV over the stacked experts (kbit.ops.gemv_mma.pairs_linear)
-            reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
-                    for c, sc, _, _ in stacks]
-            pk = dict(k=k, scale_format="log8", N=N, K=K)
-            y = pairs_linear(x, rows, ids, *reps[0], *stacks[0][2:], **pk)
-            if y is None:
-                r["pairs"] = "not applicable"
-            else:
-                err = ((y.double() - ref).norm() / ref.norm()).item()
-                t = time_calls([(lambda rp=rp, s=s, x=x, rows=rows, ids=ids, pk=pk:
-                                 pairs_linear(x, rows, ids, *rp, *s[2:], **pk))
-                                for rp, s in zip(reps, stacks, strict=True)])
-                r["pairs"] = (t.us, top * one / t.us / 1e6, err)
-            del stacks, reps
-            # the dense M = 1 path on the touched experts' bytes: one [top N, K] matrix
-            dn = [stack(1, top * N, K, k, seed=100 + i) for i in range(copies_for_cold_l2(int(top * one),
-                                                                                       l2_bytes()))]
-            dn = [(c[0], sc[0], ts[0], cb) for c, sc, ts, cb in dn]  # 2-D views made once: the repack is cached
-            xd = torch.randn(1, K, device="cuda").bfloat16()
-            dkw = dict(k=k, blocksize=32, scale_format="log8", N=top * N, K=K)
-            t = time_calls([(lambda s=s, xd=xd, dkw=dkw: linear_small_m(xd, *s, **dkw)) for s in dn])
-            r["dense M=1"] = (t.us, top * one / t.us / 1e6, 0.0)
-            r["dense config"] = repr(launch_config(k, 1, top * N, K, "cuda"))
-            for dname, dcfg in DENSE1.items():  # the dense kernel 1 (split K across CTAs) pinned
-                t = time_calls([(lambda s=s, xd=xd, dkw=dkw, dcfg=dcfg: linear_small_m(xd, *s, config=dcfg, **dkw))
-                                for s in dn])
-                r[dname] = (t.us, top * one / t.us / 1e6, 0.0)
-            del dn
-            torch.cuda.empty_cache()
-            rows_out.append(r)
-            print(name, gemm, {kk: (v if isinstance(v, str) else f"{v[0]:.1f}us {v[1]:.2f}TB/s {v[2]:.0e}")
-                               for kk, v in r.items() if isinstance(v, (str, tuple)) and kk not in ("model", "gemm")},
-                  flush=True)
-            (out / "moe_t1_lab.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
-                                                                 commit=os.environ.get("KBIT_COMMIT", "?"),
-                                                                 rows=rows_out), indent=1))
+                return
+            yield name, gemm, E, top, N, K, N * K * a.k / 8 + N * -(-K // 32)
+
+
+def main():
+    a = parse_args(400)
+    out = Path(a.out)
+    k, rows_out = a.k, []
+    for name, gemm, E, top, N, K, one in gemms(a):
+        n_copies = copies_for_cold_l2(int(one * E), l2_bytes())
+        stacks = [stack(E, N, K, k, seed=i) for i in range(n_copies)]
+        ids = torch.randperm(E, device="cuda")[:top].to(torch.int32)
+        if gemm == "gate_up":
+            x, rows = torch.randn(1, K, device="cuda").bfloat16(), torch.zeros(top, dtype=torch.int32,
+                                                                               device="cuda")
+        else:
+            x, rows = torch.randn(top, K, device="cuda").bfloat16(), torch.arange(top, dtype=torch.int32,
+                                                                                  device="cuda")
+        blocks = MB.block_table(ids, 8)
+        kw = dict(k=k, blocksize=32, scale_format="log8", N=N, K=K, blocks=blocks, checked=True)
+        ref = GR.grouped_linear(x, rows, ids, *stacks[0], **kw).double()
+        r = dict(model=name, gemm=gemm, N=N, K=K, P=top, mb=top * one / 1e6)
+        for vname, cfg in [("default", None), *VARIANTS.items()]:
+            try:
+                y = GR.grouped_linear(x, rows, ids, *stacks[0], config=cfg, **kw).double()
+                err = ((y - ref).norm() / ref.norm()).item()
+                t = time_calls([(lambda s=s, cfg=cfg, x=x, rows=rows, ids=ids, kw=kw:
+                                 GR.grouped_linear(x, rows, ids, *s, config=cfg, **kw)) for s in stacks])
+                r[vname] = (t.us, top * one / t.us / 1e6, err)
+            except Exception as ex:  # noqa: BLE001
+                r[vname] = repr(ex)[:200]
+        # the pairs as one dense GEMV over the stacked experts (kbit.ops.gemv_mma.pairs_linear)
+        reps = [GR.repacked_stack(c, sc, k=k, blocksize=32, scale_format="log8", N=N, K=K)
+                for c, sc, _, _ in stacks]
+        pk = dict(k=k, scale_format="log8", N=N, K=K)
+        y = pairs_linear(x, rows, ids, *reps[0], *stacks[0][2:], **pk)
+        if y is None:
+            r["pairs"] = "not applicable"
+        else:
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            t = time_calls([(lambda rp=rp, s=s, x=x, rows=rows, ids=ids, pk=pk:
+                             pairs_linear(x, rows, ids, *rp, *s[2:], **pk))
+                            for rp, s in zip(reps, stacks, strict=True)])
+            r["pairs"] = (t.us, top * one / t.us / 1e6, err)
+        del stacks, reps
+        # the dense M = 1 path on the touched experts' bytes: one [top N, K] matrix
+        dn = [stack(1, top * N, K, k, seed=100 + i) for i in range(copies_for_cold_l2(int(top * one),
+                                                                                   l2_bytes()))]
+        dn = [(c[0], sc[0], ts[0], cb) for c, sc, ts, cb in dn]  # 2-D views made once: the repack is cached
+        xd = torch.randn(1, K, device="cuda").bfloat16()
+        dkw = dict(k=k, blocksize=32, scale_format="log8", N=top * N, K=K)
+        t = time_calls([(lambda s=s, xd=xd, dkw=dkw: linear_small_m(xd, *s, **dkw)) for s in dn])
+        r["dense M=1"] = (t.us, top * one / t.us / 1e6, 0.0)
+        r["dense config"] = repr(launch_config(k, 1, top * N, K, "cuda"))
+        for dname, dcfg in DENSE1.items():  # the dense kernel 1 (split K across CTAs) pinned
+            t = time_calls([(lambda s=s, xd=xd, dkw=dkw, dcfg=dcfg: linear_small_m(xd, *s, config=dcfg, **dkw))
+                            for s in dn])
+            r[dname] = (t.us, top * one / t.us / 1e6, 0.0)
+        del dn
+        torch.cuda.empty_cache()
+        rows_out.append(r)
+        print(name, gemm, {kk: (v if isinstance(v, str) else f"{v[0]:.1f}us {v[1]:.2f}TB/s {v[2]:.0e}")
+                           for kk, v in r.items() if isinstance(v, (str, tuple)) and kk not in ("model", "gemm")},
+              flush=True)
+        (out / "moe_t1_lab.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(),
+                                                             commit=os.environ.get("KBIT_COMMIT", "?"),
+                                                             rows=rows_out), indent=1))
     names = ["default", *VARIANTS, "pairs", "dense M=1", *DENSE1]
     print("\n| model | gemm | MB | " + " | ".join(names) + " |  (us, TB/s)")
     for r in rows_out:
