@@ -10,6 +10,7 @@ export PYTHONUNBUFFERED=1
 O=/tmp/moe-next; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/moe-next.tgz" -C "$O" . ; }
 T0=$(date +%s)
+. "$(dirname "$0")/e2e_lib.sh"
 rm -rf .ab/comb && mkdir -p .ab/comb && cp -r src tests lab .ab/comb/ \
   && (cd .ab/comb && patch -s -p1 < lab/patches/moe-pairs-combine.patch) > "$O/patch.log" 2>&1
 echo "patch rc $?"; pack
@@ -17,17 +18,7 @@ echo "patch rc $?"; pack
   tests/test_grouped_mma.py tests/test_moe.py -k "${TEST_K:-combine or pairs or graph or real_sizes or fused}" \
   > "$O/gpu-tests-comb.log" 2>&1)
 echo "tests rc $? after $(( $(date +%s) - T0 )) s"; tail -3 "$O/gpu-tests-comb.log"; pack
-i=0
-for t in ${ORDER:-comb new comb new}; do
-  i=$((i + 1))
-  if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
-  PYTHONPATH=$src KBIT_COMMIT=$KBIT_COMMIT-$t timeout ${T_AB:-90} python benchmarks/bench_e2e.py \
-    --models "${MODELS:-qwen3-30b-a3b}" --k 4 --batch ${BATCH:-1,2,4} --steps 16 --reps 3 \
-    --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
-  echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
-  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-70}
-  pack
-done
+e2e_trees "comb new comb new" qwen3-30b-a3b 1,2,4 90 70
 for t in new base; do
   if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
   mkdir -p "$O/lab-$t"

@@ -10,6 +10,7 @@ export PYTHONUNBUFFERED=1
 O=/tmp/pairs-ab; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/pairs-ab.tgz" -C "$O" . ; }
 T0=$(date +%s)
+. "$(dirname "$0")/e2e_lib.sh"
 PYTHONPATH=$PWD/src timeout ${T_TEST:-200} python -m pytest -q -m gpu -p no:cacheprovider \
   ${TESTS:-tests/test_grouped_mma.py tests/test_moe.py tests/test_decode.py} > "$O/gpu-tests.log" 2>&1
 echo "tests rc $? after $(( $(date +%s) - T0 )) s"; tail -3 "$O/gpu-tests.log"; pack
@@ -17,14 +18,4 @@ if [ "${T_LAB:-90}" -gt 1 ]; then
   PYTHONPATH=$PWD/src KBIT_COMMIT=$KBIT_COMMIT timeout ${T_LAB:-90} python lab/moe_t1_lab.py --budget 60 --out "$O" \
     > "$O/lab.log" 2>&1; echo "lab rc $? after $(( $(date +%s) - T0 )) s"; grep -A14 "^| model" "$O/lab.log"; pack
 fi
-i=0
-for t in ${ORDER:-new base new base}; do
-  i=$((i + 1))
-  if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
-  PYTHONPATH=$src KBIT_COMMIT=$KBIT_COMMIT-$t timeout ${T_AB:-110} python benchmarks/bench_e2e.py \
-    --models "${MODELS:-qwen3-30b-a3b,mixtral-8x7b}" --k 4 --batch ${BATCH:-1} --steps 16 --reps 3 \
-    --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
-  echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
-  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-70}
-  pack
-done
+e2e_trees "new base new base" qwen3-30b-a3b,mixtral-8x7b 1 110 70

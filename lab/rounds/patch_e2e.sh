@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED=1
 O=/tmp/patch-e2e; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/patch-e2e.tgz" -C "$O" . ; }
 T0=$(date +%s)
+. "$(dirname "$0")/e2e_lib.sh"
 names=(p q r s); n=0
 for f in $PATCH; do
   t=${names[$n]}; n=$((n + 1))
@@ -24,17 +25,7 @@ done
 wait; pack
 for t in ${names[@]:0:$n}; do echo "tests $t: $(tail -2 "$O/gpu-tests-$t.log" | tr '\n' ' ')"; done
 echo "tests after $(( $(date +%s) - T0 )) s"
-i=0
-for t in ${ORDER:-p new p new}; do
-  i=$((i + 1))
-  if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
-  PYTHONPATH=$src KBIT_COMMIT=$KBIT_COMMIT-$t timeout ${T_AB:-100} python benchmarks/bench_e2e.py \
-    --models "${MODELS:-qwen3-30b-a3b,mixtral-8x7b}" --k 4 --batch ${BATCH:-1,4,16} --steps 16 --reps 3 \
-    --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
-  echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
-  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-70}
-  pack
-done
+e2e_trees "p new p new" qwen3-30b-a3b,mixtral-8x7b 1,4,16 100 70
 if [ "${PROFILE:-0}" = 1 ]; then
   m=${MODELS:-qwen3-30b-a3b}; m=${m%%,*}
   PYTHONPATH=$PWD/.ab/p/src KBIT_COMMIT=$KBIT_COMMIT-p timeout ${T_PROF:-120} python benchmarks/bench_e2e.py \

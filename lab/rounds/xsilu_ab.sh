@@ -9,6 +9,7 @@ export PYTHONUNBUFFERED=1
 O=/tmp/xsilu-ab; mkdir -p "$O" "${OUT:-.}"
 pack() { tar czf "${OUT:-.}/xsilu-ab.tgz" -C "$O" . ; }
 T0=$(date +%s)
+. "$(dirname "$0")/e2e_lib.sh"
 (cd ${TEST_TREE:-.ab/xsilu} && PYTHONPATH=$PWD/src timeout ${T_TEST:-150} python -m pytest -q -m gpu \
   -p no:cacheprovider ${TEST_FILES:-tests/test_grouped_mma.py tests/test_moe.py} -k "${TEST_K:-pairs or moe}" \
   > "$O/gpu-tests.log" 2>&1)
@@ -19,14 +20,4 @@ if [ "${PROFILE:-1}" = 1 ]; then
     --profile --layers ${PROF_LAYERS:-4} --out "$O" --name profile > "$O/profile.log" 2>&1
   echo "profile rc $? after $(( $(date +%s) - T0 )) s"; pack
 fi
-i=0
-for t in ${ORDER:-new base xsilu new base xsilu}; do
-  i=$((i + 1))
-  if [ $t = new ]; then src=$PWD/src; else src=$PWD/.ab/$t/src; fi
-  PYTHONPATH=$src KBIT_COMMIT=$KBIT_COMMIT-$t timeout ${T_AB:-110} python benchmarks/bench_e2e.py \
-    --models "${MODELS:-qwen3-30b-a3b}" --k 4 --batch ${BATCH:-1,4} --steps 16 --reps 3 \
-    --fuse-proj --no-kr --skip-bf16 --eager-steps 0 --out "$O" --name "e2e-$t$i" > "$O/e2e-$t$i.log" 2>&1
-  echo "e2e $t$i rc $? after $(( $(date +%s) - T0 )) s"
-  grep -E "^\| [a-z]" "$O/e2e-$t$i.md" 2>/dev/null | cut -c1-${COLS:-90}
-  pack
-done
+e2e_trees "new base xsilu new base xsilu" qwen3-30b-a3b 1,4 110 90
