@@ -310,8 +310,8 @@ PLANS.on_clear(_PAIRS.clear)
 def _pairs_launch(k, P, N, K, scale_format, bf16, xn, dev):
     """(plan, GRP build, dynamic shared bytes) of the stacked ``[P N, K]`` launch at M = 1 on ``xn`` rows of x, or
     None where it does not apply: the dense path's pick for that shape is not kernel 3, or is one with K slices or the
-    slot fix-up (deterministic mode). x's rows are staged where the plan stages x and they fit; else read from
-    global memory."""
+    slot fix-up (deterministic mode), or has fewer threads than pairs (a thread a pair reads the ids). x's rows are
+    staged where the plan stages x and they fit; else read from global memory."""
     key = (k, P, N, K, scale_format, bf16, xn, dev, deterministic())
     if key in _PAIRS:
         return _PAIRS[key]
@@ -320,7 +320,7 @@ def _pairs_launch(k, P, N, K, scale_format, bf16, xn, dev):
     for c in (cfg, replace(cfg, x_smem=False, x_slice=0)) if isinstance(cfg, MmaConfig) and cfg.kernel == 3 else ():
         p, _ = PLANS.get(k, 1, P * N, K, scale_format, c, bf16, dev)
         d = p.defines
-        if p.kernel != 3 or d.get("XK") or d.get("DET"):
+        if p.kernel != 3 or d.get("XK") or d.get("DET") or P > p.warps * 32:
             break
         shared = p.shared + (xn - 1) * x_rows_bytes(1, p.S) if d.get("XS") else p.shared
         kern = cuda.compile_kernel(*p.source, {**d, "GRP": 1, "L2PF": 0}, dev)
@@ -356,8 +356,6 @@ def pairs_linear(x, rows, expert_ids, rcodes, rscales, tensor_scale, codebook, *
     if hit is None:
         return None
     p, kern, shared = hit
-    if P > p.warps * 32:  # a thread a pair reads the ids (gemv_mma_streamk.cu)
-        return None
     xm = x_rows(x.contiguous(), p.S)
     y = torch.empty(P, N, dtype=x.dtype, device=dev)
     ws, cnt = workspace(dev, p.ws_floats, p.n_cnt) if p.use_ws else (y, y)
