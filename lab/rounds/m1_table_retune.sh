@@ -6,6 +6,7 @@
 #   PHASE=tune KBIT_COMMIT=<rev> bash lab/rounds/m1_table_retune.sh                          (carry .whl)
 #   PHASE=heldout NEW_TABLE=<merged table in the tree> KBIT_COMMIT=<rev> bash lab/rounds/m1_table_retune.sh
 # Returned: $OUT/m1-table.tgz (tune log and table, the merged table, the bench results), packed after each stage.
+# ORDER (default "old new"; alternate them, e.g. "old new new old", for an A/B), HUMMING=0: no peers in the new runs.
 # MS (default 1) and KS (default 2,3,4,5) pick the M buckets and k: e.g. MS=4,8,16 KS=4 after kernel 3's x-staging
 # changes of 2026-11-28 (docs/notes/2026-11-28-x-row-pad.md).
 set -u
@@ -30,11 +31,12 @@ PICK=$(python -c "
 from kbit.bench import suite as S
 print(','.join(f'{n}x{k}' for n, k in S.unseen_shapes(S.load_models('models')) if n * k >= 16_000_000))")
 i=0
-for t in old new; do
+for t in ${ORDER:-old new}; do
   i=$((i + 1))
   mkdir -p "$KBIT_CACHE_DIR/tuned"
   if [ $t = new ]; then cp "$NEW_TABLE" "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--peers humming"
   else rm -f "$KBIT_CACHE_DIR/tuned/$gpu.json"; extra="--no-ceiling"; fi
+  [ "${HUMMING:-1}" = 0 ] && extra="--no-ceiling"
   timeout ${T_BENCH:-280} python -m kbit.cli bench --shapes "$PICK" --m ${MS:-1} --k ${KS:-2,3,4,5} \
     --candidates kbit-linear --moe none $extra \
     --commit "$C-$t" --out "$O/b" --name "m1-$t$i" > "$O/bench-$t$i.log" 2>&1
