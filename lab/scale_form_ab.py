@@ -13,9 +13,8 @@ import sys
 
 import torch
 
-import kbit
 from kbit.bench.timing import l2_bytes
-from kbit.bench.tune import Measure
+from kbit.bench.tune import Measure, quantized_weight
 from kbit.tuning.mma import MmaConfig
 from kbit.tuning.space import Candidate
 
@@ -37,10 +36,7 @@ def main() -> int:
     for k in (int(v) for v in a.k.split(",")):
         for shape in a.shapes.split(","):
             N, K = (int(v) for v in shape.split("x"))
-            g = torch.Generator(device=dev).manual_seed(N * 7 + K)
-            W = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16)
-            ms = {f: Measure(kbit.quantize(W, k=k, scale_format=f), 15, l2) for f in ("log8", "fp16")}
-            del W
+            ms = {f: Measure(quantized_weight(N, K, k, 0, dev, scale_format=f), 15, l2) for f in ("log8", "fp16")}
             for M in (int(v) for v in a.ms.split(",")):
                 row = dict(N=N, K=K, k=k, M=M, times={})
                 for f, m in ms.items():

@@ -177,11 +177,12 @@ def _short(d: dict) -> str:
     return d["family"] + ("(" + ",".join(f"{k}={v}" for k, v in cfg.items()) + ")" if cfg else "")
 
 
-def quantized_weight(N: int, K: int, k: int, seed: int = 0, device="cuda"):
-    """A seeded random bf16 weight [N, K] quantized to k bits (``kbit.quantize``)."""
+def quantized_weight(N: int, K: int, k: int, seed: int = 0, device="cuda", scale_format: str = "log8"):
+    """A seeded random bf16 weight [N, K] quantized to k bits (``kbit.quantize``) with ``scale_format`` block scales;
+    the same seed gives the same float weight for every k and scale format."""
     g = torch.Generator(device=device).manual_seed(seed + N * 7 + K)
     W = (torch.randn(N, K, generator=g, device=device) * 0.02).to(BF16)
-    return kbit_api()[0](W, k=k)
+    return kbit_api()[0](W, k=k, scale_format=scale_format)
 
 
 def _wanted(table: TunedTable, key: tuple, retune: bool, retune_stale: bool) -> bool:
