@@ -167,6 +167,20 @@ def test_summarize():
     assert "| fam | 1 | 2 | 0.80 (0.80) | 4.00 (4.00) | 1.111 |" in text
 
 
+def test_summarize_cut_run_keeps_other_kernels_out():
+    """A point whose dispatcher row is missing from a run that timed the dispatcher elsewhere (cut by --budget-s)
+    is left out, not summarized by whichever candidates ran before the cut; a run of chosen candidates (no
+    dispatcher row at all) is summarized by its fastest one."""
+    lays = [S.Layer("a", "fam", "down", 5120, 25600)]
+    rows = _rows() + [_row("bf16", 16, 5120, 25600, 16, 400.0), _row("gemv", 4, 5120, 25600, 16, 8000.0)]
+    keys = {(s["family"], s["M"]) for s in summary.summarize(rows, lays)}
+    assert keys == {("fam", 1)}
+    only = [r for r in rows if r["kernel"] != "kbit-linear"]
+    out = {(s["family"], s["M"]): s for s in summary.summarize(only, lays)}
+    assert out[("fam", 16)]["x_bf16_median"] == pytest.approx(0.05)
+    assert out[("fam", 1)]["x_bf16_median"] == pytest.approx(4 / 0.9)
+
+
 def test_suite_outputs_and_summary_cli(tmp_path, capsys):
     header = dict(gpu="h100", gpu_name="H100", date="2026-11-25", commit="abc", command="kbit bench", torch="2",
                   triton="3", suite="models")

@@ -11,12 +11,12 @@
 # after it, and --budget-s stops starting shapes in time, so what comes back holds whole shapes. Written to $OUT:
 # suite-<date>.{json,csv,md,png}, suite-<date>-summary.md, run.log. The per-family summary prints last.
 set -uo pipefail
-# KBIT_COMMIT: the commit the results name (the device copy's git data can be stale)
+# KBIT_COMMIT: the commit the results name (the device copy's git data can be stale); PICK: other shapes of the suite
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/suite-out}
 mkdir -p "$OUT"
 source lab/suite/peer_env.sh
-PICK=5120x25600,28672x4096,43008x5376,14336x4096,7680x5120,2880x4096
+PICK=${PICK:-5120x25600,28672x4096,43008x5376,14336x4096,7680x5120,2880x4096}
 timeout 500 python -m kbit.cli bench ${KBIT_COMMIT:+--commit "$KBIT_COMMIT"} --suite models --suite-parts dense --pick "$PICK" --m 1,16,256,1024 \
   --k 2,3,4,5 --peers humming --budget-s 380 --out "$OUT" --name suite >"$OUT/run.log" 2>&1
 rc=$?

@@ -3,7 +3,10 @@
 Every result row is attributed to each suite layer with its ``(E, N, K)`` (a shape several models share is timed
 once and counts for each). Per (family, M, k) the summary gives, over the family's layers:
 
-- ``kbit``: the dispatcher's time (row ``kbit-linear``; where it is missing, the fastest kbit candidate's);
+- ``kbit``: the dispatcher's time (row ``kbit-linear``); the fastest kbit candidate's only in rows that hold no
+  dispatcher time at all (a run of chosen candidates). A point whose dispatcher row is missing from a run that timed
+  the dispatcher elsewhere (a run cut short by ``--budget-s``) counts for nothing: the candidates timed before the
+  cut are not the dispatcher's pick;
 - ``x_humming``: humming's time at the same k / kbit's (above 1: kbit faster), median and worst (smallest);
 - ``x_bf16``: bf16 cuBLAS time / kbit's, median and worst;
 - ``disp_best``: the dispatcher's time / the fastest kbit candidate's (1.0: it picked the fastest), worst (largest).
@@ -51,7 +54,8 @@ def _key(r: dict) -> tuple:
 
 def kbit_times(rows: Iterable[dict]) -> dict[tuple, dict]:
     """(E, N, K, M, k) -> {"disp": us of the dispatcher or None, "best": the fastest kbit candidate's us, "best_name",
-    "bf16": us, "humming": us at that k or None}."""
+    "bf16": us, "humming": us at that k or None, "kbit": the time the summary calls kbit's (the dispatcher's; the
+    fastest candidate's only where no row is the dispatcher's) or None}."""
     out: dict[tuple, dict] = defaultdict(lambda: dict(disp=None, best=None, best_name=None, bf16=None, humming=None))
     bf16: dict[tuple, float] = {}
     for r in rows:
@@ -70,8 +74,10 @@ def kbit_times(rows: Iterable[dict]) -> dict[tuple, dict]:
                 d["disp"] = r["us"]
             if d["best"] is None or r["us"] < d["best"]:
                 d["best"], d["best_name"] = r["us"], r["kernel"]
+    has_disp = any(d["disp"] is not None for d in out.values())
     for key, d in out.items():
         d["bf16"] = bf16.get(key[:4])
+        d["kbit"] = d["disp"] if has_disp else d["best"]
     return dict(out)
 
 
@@ -105,7 +111,7 @@ def summarize_times(times: dict, layers: Sequence[Layer]) -> list[dict]:
     for lay in layers:
         by_shape[(lay.E, lay.N, lay.K)].append(lay)
     for (E, N, K, M, k), d in times.items():
-        kb = d["disp"] if d["disp"] is not None else d["best"]
+        kb = d["kbit"]
         if kb is None:
             continue
         for lay in by_shape.get((E, N, K), ()):
