@@ -8,7 +8,9 @@ kernel-1 launches that split K then did not, and 58 split again when the rule we
 their grids, splits and workspace sizes were rewritten from the new plans, nothing else. Kernel 1's grid fills every
 CTA slot where that leaves an SM fewer items (``_k1_grid``, 2026-11-27): the grids of 306 kernel-1 launches
 rewritten, nothing else. Kernel 3's staged x rows carry 64 pad bytes (``mma_plan.x_rows_bytes``, 2026-11-28): the
-shared bytes of 4038 x-staged launches rewritten (+64 a row), nothing else."""
+shared bytes of 4038 x-staged launches rewritten (+64 a row), nothing else. CTA-aligned units at k = 2, one token
+group, no prologue or epilogue, run a ring of at least ``CAU_K2_RING`` segments (``_grid_k3``, 2026-11-30): the PD
+of 228 launches rewritten, nothing else."""
 
 from __future__ import annotations
 

@@ -365,6 +365,25 @@ class _StaticShared(_FakeKernel):
         return 0 if self.shared_bytes + shared > 232448 else super().occupancy(threads, shared)
 
 
+@pytest.mark.parametrize("k, M, N, K, ring", [(2, 1, 100352, 5120, 4), (2, 8, 28672, 4096, 4), (2, 16, 28672, 4096, 2),
+                                               (4, 1, 100352, 5120, 2), (2, 1, 5120, 25600, 2)])
+def test_cta_units_ring_at_k2(k, M, N, K, ring):
+    """CTA-aligned units at k = 2 and one token group run a ring of CAU_K2_RING segments whatever the config asks
+    (a ring in the config above it stays); other k, two token groups, prologue and epilogue launches and builds
+    without the units keep the config's ring."""
+    cfg = Mma(3, warps=8, min_ctas=2, ring=2, x_smem=True)
+    p = TP.make_plan(k, M, N, K, "log8", cfg, sms=132, build=lambda k, d: _FakeKernel(d))
+    assert p.defines["PD"] == ring
+    assert bool(p.defines.get("CAU")) == (N > 20000)
+    if ring == TU.CAU_K2_RING:
+        deep = Mma(3, warps=8, min_ctas=2, ring=6, x_smem=True)
+        assert TP.make_plan(k, M, N, K, "log8", deep, sms=132, build=lambda k, d: _FakeKernel(d)).defines["PD"] == 6
+        # a prologue's or an epilogue's launch keeps the config's ring (measured on plain launches only)
+        for kw in (dict(pro=1), dict(epi=1)):
+            p = TP.make_plan(k, M, N, K, "log8", cfg, sms=132, build=lambda k, d: _FakeKernel(d), **kw)
+            assert p.defines.get("CAU") and p.defines["PD"] == 2
+
+
 def test_plan_keeps_to_the_shared_memory_beside_static_bytes():
     """Builds that cannot launch for their static shared bytes are refused: CTA-aligned units' slots beside a staged
     x (43008x5376, M = 16, one CTA an SM: 205952 + 34944 bytes on the H200) leave the units out; a staged x that does

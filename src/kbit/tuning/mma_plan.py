@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kbit.tuning.mma import BIG, PIPE, SEG, LargeConfig, MmaConfig, default_config, n_groups
-from kbit.tuning.mma_units import cau_plan, lfx_defines, read_us
+from kbit.tuning.mma_units import CAU_K2_RING, cau_plan, lfx_defines, read_us
 
 __all__ = ["KERNELS", "SMEM_MAX", "WS4_PARTS", "XS_MAX", "MmaPlan", "check_config", "large_defines", "make_plan",
            "prologue_config", "table_smem", "x_staged"]
@@ -244,6 +244,8 @@ def _grid_k3(st, build, k, N, K, epi, ng):
     if cau:  # CTA-aligned units add a tile's parts in warp order: deterministic too (in place of DET's slots)
         W_c, occ_c, cau_defs, sps_c, grid_c = cau
         defs_c = {**{d: v for d, v in defines.items() if d != "DET"}, **cau_defs, "MAXW": W_c, "MINB": occ_c}
+        if k == 2 and ng == 1 and not epi and not defines.get("PRO"):  # measured on plain launches only
+            defs_c["PD"] = max(defs_c["PD"], CAU_K2_RING)
         kern_c = build(3, defs_c)
         # occupancy 0 where the units' static slots do not fit beside a staged x (43008x5376, M = 16, one CTA of 16
         # warps an SM, H200: 205952 dynamic + 34944 static bytes; a CTA may use 232448)

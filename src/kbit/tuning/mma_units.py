@@ -9,8 +9,8 @@ arithmetic on the launch geometry, shared by the rule tables (:mod:`kbit.tuning.
 
 from __future__ import annotations
 
-__all__ = ["CAU_IDLE_US", "CAU_MAX_SLOT_BYTES", "CAU_MIN_EFF", "LFX_MAX_SLOT_BYTES", "LFX_MAX_UNITS", "cau_plan",
-           "lfx_defines", "read_us"]
+__all__ = ["CAU_IDLE_US", "CAU_K2_RING", "CAU_MAX_SLOT_BYTES", "CAU_MIN_EFF", "LFX_MAX_SLOT_BYTES", "LFX_MAX_UNITS",
+           "cau_plan", "lfx_defines", "read_us"]
 
 #: CAU only where the busiest CTA's units are at most 1 / CAU_MIN_EFF of an even share of the SMs, and the SM time
 #: left idle by whole units a CTA, (1 - eff) x the weights' read time, is at most CAU_IDLE_US: the split-K fix-up it
@@ -19,6 +19,12 @@ CAU_MIN_EFF = 0.9
 CAU_IDLE_US = 1.5
 #: CAU's shared slots: at most this many bytes a CTA
 CAU_MAX_SLOT_BYTES = 32768
+#: CAU at k = 2 and one token group, without a prologue or epilogue: the register ring holds at least this many
+#: segments (``PD``), whatever the config asks. A k = 2 segment is half a k = 4 one, so ring 4 keeps k = 4's ring-2
+#: bytes in flight. At M = 1 on 9 suite shapes with CAU (7680x5120 .. 151936x4096) ring 4 took 0.89-0.99x the time
+#: of the tuned ring 2 (H200; 0.89-0.95 on 8), on 8 without CAU 0.99-1.03x; ring 6 0.94-1.08x; M = 8 0.97-1.02x
+#: (benchmarks/results/h200/k2-m1-ring-2026-11-30/). The tuned tables never offered it.
+CAU_K2_RING = 4
 #: LFX: at most this many units (tiles; EPI: gate / up pairs) a CTA's range
 LFX_MAX_UNITS = 64
 #: LFX's shared slots (``MAXW * LFW * NG`` x 512 bytes, static ``__shared__`` in the kernel): at most this many bytes
