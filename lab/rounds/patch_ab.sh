@@ -10,7 +10,7 @@
 #   (seconds a run), TEST_TREE (a tree whose GPU tests run last: TESTS, default tests/test_gemv_mma.py, TT seconds)
 # Returned: $OUT/patch-ab.tgz (runs' results and logs), $OUT/summary.txt.
 set -u
-R=${OUT:-/tmp/out}; O=/tmp/patchab; mkdir -p "$R" "$O/trees"
+R=${OUT:-/tmp/out}; O=/tmp/patchab; rm -rf "$O"; mkdir -p "$R" "$O/trees"  # a warm machine keeps /tmp: start clean
 trap 'tar czf "$R/patch-ab.tgz" -C "$O" --exclude trees . ; cp "$O/summary.txt" "$R/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
 names=""
