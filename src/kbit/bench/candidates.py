@@ -9,7 +9,7 @@ from kbit.bench.registry import Unsupported, register
 from kbit.bench.weights import kbit_api
 from kbit.dispatch import linear as dispatch_linear
 from kbit.ops import gemm
-from kbit.ops import gemv as gemv_mod
+from kbit.ops.gemv import MAX_M as GEMV_MAX_M
 from kbit.ops.gemv import gemv, grouped_gemv
 from kbit.ops.grouped_mma import grouped_linear
 from kbit.ops.mma.common import kernels_available
@@ -24,8 +24,8 @@ def _kw(qw) -> dict:
 def _gemv(qw, M):
     # Above MAX_M the GEMV runs as M / MAX_M launches, a path the dispatcher never takes; timing it cost seconds a
     # shape at M = 1024 (17 ms a call on 28672x4096) and crowded real points out of budgeted suite runs.
-    if M > gemv_mod.MAX_M:
-        raise Unsupported(f"M > {gemv_mod.MAX_M} (the dispatcher's GEMV range)")
+    if M > GEMV_MAX_M:
+        raise Unsupported(f"M > {GEMV_MAX_M} (the dispatcher's GEMV range)")
     kw = _kw(qw)
     return lambda x: gemv(x, qw.codes, qw.scales, qw.tensor_scale, qw.codebook, **kw)
 
